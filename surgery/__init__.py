@@ -1,0 +1,31 @@
+"""surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
+
+from surgery.comparison import Drift, compare
+from surgery.errors import (
+    AlreadyModifiedError,
+    CheckpointError,
+    ConfigError,
+    SelectionError,
+    SurgeryError,
+    UndoError,
+)
+from surgery.handles import Handle, HandleGroup, compose
+from surgery.pruning import PruneHandle, prune
+from surgery.selection import select
+
+__all__ = [
+    "AlreadyModifiedError",
+    "CheckpointError",
+    "ConfigError",
+    "Drift",
+    "Handle",
+    "HandleGroup",
+    "PruneHandle",
+    "SelectionError",
+    "SurgeryError",
+    "UndoError",
+    "compare",
+    "compose",
+    "prune",
+    "select",
+]

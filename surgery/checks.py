@@ -1,0 +1,166 @@
+"""The five round-trip checks of a run: identity, restore, bake, save_load, drift."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
+
+from surgery.checkpoints import load_checkpoint
+from surgery.comparison import Drift, batches, evaluating, outputs
+from surgery.config import DriftThresholds
+
+GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks",
+    "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+@dataclass
+class CheckResult:
+    """One row of ``report.json`` ``checks``."""
+
+    name: str
+    passed: bool
+    value: float | None = None
+    threshold: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Snapshot:
+    """Everything restore must put back: tensors, keys, classes and hooks."""
+
+    tensors: dict[str, Tensor]
+    keys: list[str]
+    classes: dict[str, type]
+    hooks: dict[str, int]
+    global_hooks: dict[str, int] = field(default_factory=dict)
+
+
+def global_hook_counts() -> dict[str, int]:
+    """Number of entries in each of torch's global module hook registries."""
+    return {name: len(getattr(module_globals, name, {})) for name in GLOBAL_HOOK_DICTS}
+
+
+def module_hook_counts(model: nn.Module) -> dict[str, int]:
+    """Number of hooks of each kind on each module of ``model``."""
+    return {f"{name}:{kind}": len(getattr(m, kind, {}))
+            for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
+
+
+def snapshot(model: nn.Module) -> Snapshot:
+    """Copy the state of ``model`` that ``restore()`` must reproduce bit for bit."""
+    tensors = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    tensors |= {f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers(remove_duplicate=False)}
+    return Snapshot(tensors, list(model.state_dict()), {n: type(m) for n, m in model.named_modules()},
+                    module_hook_counts(model), global_hook_counts())
+
+
+def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
+    """Human-readable differences between two snapshots (empty when bit-identical)."""
+    diffs = [f"tensor {k} changed" for k, v in before.tensors.items()
+             if k not in after.tensors or not _same(v, after.tensors[k])]
+    diffs += [f"tensor {k} appeared" for k in after.tensors if k not in before.tensors]
+    if before.keys != after.keys:
+        diffs.append("state_dict keys changed")
+    if before.classes != after.classes:
+        diffs.append("module classes or children changed")
+    diffs += [f"hooks {k}: {v} -> {after.hooks.get(k)}" for k, v in before.hooks.items() if after.hooks.get(k) != v]
+    diffs += [f"global {k}: {v} -> {after.global_hooks.get(k)}"
+              for k, v in before.global_hooks.items() if after.global_hooks.get(k) != v]
+    return diffs
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def collect(model: nn.Module, inputs: list) -> list[Tensor]:
+    """Every floating output tensor of ``model`` over ``inputs`` (eval mode, no grad)."""
+    with evaluating(model), torch.no_grad():
+        return [t for batch in batches(inputs) for t in outputs(model, batch)]
+
+
+def max_difference(a: list[Tensor], b: list[Tensor]) -> tuple[bool, float]:
+    """(bit-identical?, largest absolute difference) between two output lists."""
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return False, float("inf")
+    identical = all(torch.equal(x, y) for x, y in zip(a, b))
+    worst = max(((x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x.numel()), default=0.0)
+    return identical, worst
+
+
+Apply = Callable[[nn.Module, bool], object]  # (model, neutral) -> handle
+
+
+def check_identity(reference: nn.Module, apply: Apply, inputs: list, expected: list[Tensor]) -> CheckResult:
+    """Neutral settings on a copy of the reference give bit-identical outputs."""
+    subject = copy.deepcopy(reference)
+    handle = apply(subject, True)
+    identical, worst = max_difference(collect(subject, inputs), expected)
+    handle.restore()
+    return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral surgery changed outputs")
+
+
+def check_restore(reference: nn.Module, apply: Apply, inputs: list, expected: list[Tensor]) -> CheckResult:
+    """Apply then restore on a copy: tensors, keys, classes, hooks and outputs as before."""
+    subject = copy.deepcopy(reference)
+    before = snapshot(subject)
+    apply(subject, False).restore()
+    diffs = snapshot_differences(before, snapshot(subject))
+    identical, worst = max_difference(collect(subject, inputs), expected)
+    if not identical:
+        diffs.append("outputs changed")
+    return CheckResult("restore", not diffs, worst, 0.0, "; ".join(diffs[:5]))
+
+
+def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], inputs: list) -> tuple[CheckResult, list[Tensor]]:
+    """Baking keeps the hooked outputs bit for bit, leaves no hook, and loads strictly."""
+    hooked = collect(model, inputs)
+    handle.bake()
+    baked = collect(model, inputs)
+    identical, worst = max_difference(hooked, baked)
+    problems = [] if identical else ["baked outputs differ from hooked outputs"]
+    leftover = sum(module_hook_counts(model).values())
+    if leftover:
+        problems.append(f"{leftover} hook(s) left on the baked model")
+    fresh = factory()
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    if not max_difference(collect(fresh, inputs), baked)[0]:
+        problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
+    return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems)), baked
+
+
+def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, expected: list[Tensor]) -> CheckResult:
+    """The written checkpoint, loaded into a fresh instance, reproduces the outputs."""
+    fresh = load_checkpoint(factory(), path)
+    identical, worst = max_difference(collect(fresh, inputs), expected)
+    return CheckResult("save_load", identical, worst, 0.0, "" if identical else f"{path.name} gives other outputs")
+
+
+def check_drift(drift: Drift, bounds: DriftThresholds) -> CheckResult:
+    """Original vs modified outputs stay within the recipe's bounds."""
+    failures = []
+    if bounds.min_cosine is not None and drift.cosine < bounds.min_cosine:
+        failures.append(f"cosine {drift.cosine:.4f} < {bounds.min_cosine}")
+    if bounds.min_sqnr_db is not None and drift.sqnr_db is not None and drift.sqnr_db < bounds.min_sqnr_db:
+        failures.append(f"SQNR {drift.sqnr_db:.2f} dB < {bounds.min_sqnr_db}")
+    top1 = drift.top1_agreement
+    if bounds.min_top1_agreement is not None and top1 is not None and top1 < bounds.min_top1_agreement:
+        failures.append(f"top-1 agreement {top1:.3f} < {bounds.min_top1_agreement}")
+    if bounds.max_abs is not None and drift.max_abs > bounds.max_abs:
+        failures.append(f"max abs {drift.max_abs:.4g} > {bounds.max_abs}")
+    return CheckResult("drift", not failures, drift.cosine, bounds.min_cosine, "; ".join(failures))

@@ -1,0 +1,137 @@
+"""``surgery.compare``: output drift between a reference and a candidate model."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+Batch = Union[Tensor, Sequence[Any]]
+Inputs = Union[Tensor, Iterable[Batch]]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a candidate's outputs are from a reference's over the same inputs.
+
+    ``sqnr_db`` is ``None`` when the outputs are identical (the ratio is infinite);
+    ``top1_agreement`` is ``None`` when the outputs have no class dimension.
+    """
+
+    max_abs: float
+    cosine: float
+    sqnr_db: float | None
+    top1_agreement: float | None
+
+    @property
+    def identical(self) -> bool:
+        """True when every output element is equal bit for bit (up to ``-0.0 == 0.0``)."""
+        return self.max_abs == 0.0
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"max_abs": self.max_abs, "cosine": self.cosine, "sqnr_db": self.sqnr_db,
+                "top1_agreement": self.top1_agreement}
+
+
+def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> Drift:
+    """Run both models on the same inputs and measure how far the candidate drifts.
+
+    Args:
+        reference: the model taken as ground truth.
+        candidate: the modified model.
+        inputs: one input tensor, or an iterable of batches (a tensor each, or a tuple of
+            positional arguments).
+
+    Both models run in eval mode under ``torch.no_grad()``; their training flags are put back
+    afterwards, so batch-norm statistics are never updated by a comparison.
+
+    Example:
+        >>> drift = surgery.compare(original, pruned, torch.randn(8, 3, 224, 224))
+        >>> drift.cosine > 0.99
+    """
+    stats = _Accumulator()
+    with evaluating(reference), evaluating(candidate), torch.no_grad():
+        for batch in batches(inputs):
+            pairs = zip(outputs(reference, batch), outputs(candidate, batch), strict=True)
+            for index, (ref, cand) in enumerate(pairs):
+                stats.add(ref, cand, primary=index == 0)
+    return stats.result()
+
+
+def batches(inputs: Inputs) -> Iterator[tuple]:
+    """Yield each batch of ``inputs`` as a tuple of positional arguments."""
+    if isinstance(inputs, Tensor):
+        yield (inputs,)
+        return
+    for batch in inputs:
+        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def outputs(model: nn.Module, args: tuple) -> list[Tensor]:
+    """Call ``model(*args)`` and return its floating-point output tensors, flattened."""
+    return flatten_tensors(model(*args))
+
+
+def flatten_tensors(value: Any) -> list[Tensor]:
+    """Floating tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object)."""
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() or value.is_complex() else []
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in flatten_tensors(item)]
+    return []
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """Put ``model`` in eval mode for the block, then restore every module's training flag."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+class _Accumulator:
+    """Streaming sums so that drift over many batches needs no stored outputs."""
+
+    def __init__(self) -> None:
+        self.max_abs = 0.0
+        self.dot = self.ref_sq = self.cand_sq = self.noise_sq = 0.0
+        self.agree = self.rows = 0
+
+    def add(self, ref: Tensor, cand: Tensor, *, primary: bool) -> None:
+        if ref.shape != cand.shape:
+            raise ValueError(f"compare: output shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}")
+        r, c = ref.detach().double().flatten(), cand.detach().double().flatten()
+        diff = r - c
+        self.max_abs = max(self.max_abs, diff.abs().max().item() if diff.numel() else 0.0)
+        self.dot += float(r @ c)
+        self.ref_sq += float(r @ r)
+        self.cand_sq += float(c @ c)
+        self.noise_sq += float(diff @ diff)
+        if primary and ref.dim() >= 2:  # class scores: the first output's last dimension
+            self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+            self.rows += ref.argmax(-1).numel()
+
+    def result(self) -> Drift:
+        denominator = math.sqrt(self.ref_sq * self.cand_sq)
+        cosine = self.dot / denominator if denominator else float(self.ref_sq == self.cand_sq)
+        if self.noise_sq == 0:
+            sqnr = None
+        elif self.ref_sq == 0:
+            sqnr = -math.inf
+        else:
+            sqnr = 10 * math.log10(self.ref_sq / self.noise_sq)
+        top1 = self.agree / self.rows if self.rows else None
+        return Drift(self.max_abs, cosine, sqnr, top1)

@@ -1,0 +1,164 @@
+"""Typed run configuration: dataclasses that validate themselves, and their YAML loader."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from surgery.errors import ConfigError
+from surgery.masks import METHODS, SCOPES
+
+STEPS = ("prune",)
+MODEL_SOURCES = ("torchvision",)
+DATA_KINDS = ("synthetic",)
+CHECKPOINT_FORMATS = ("safetensors", "pt")
+
+
+def _positive_int(name: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(name, value, "must be an integer >= 1")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, f"must be one of {', '.join(allowed)}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build: ``source`` + ``name``, optionally loading a checkpoint."""
+
+    source: str = "torchvision"
+    name: str = "resnet50"
+    weights: Optional[str] = None
+    num_classes: int = 1000
+
+    def __post_init__(self) -> None:
+        _one_of("model.source", self.source, MODEL_SOURCES)
+        _positive_int("model.num_classes", self.num_classes)
+
+
+@dataclass
+class DataConfig:
+    """The inputs used by the checks: ``synthetic`` is seeded Gaussian noise images."""
+
+    kind: str = "synthetic"
+    batch_size: int = 4
+    batches: int = 2
+    channels: int = 3
+    image_size: int = 224
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("data.kind", self.kind, DATA_KINDS)
+        for name in ("batch_size", "batches", "channels", "image_size"):
+            _positive_int(f"data.{name}", getattr(self, name))
+
+
+@dataclass
+class PruneConfig:
+    """Arguments of :func:`surgery.prune` (see its docstring)."""
+
+    amount: float = 0.5
+    method: str = "l1_unstructured"
+    scope: str = "layer"
+    select: Any = None
+    exclude: Any = None
+    n: Any = 2.0
+    dim: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.amount) or not 0.0 <= self.amount <= 1.0:
+            raise ConfigError("prune.amount", self.amount, "must be a number in [0, 1]")
+        _one_of("prune.method", self.method, METHODS)
+        _one_of("prune.scope", self.scope, SCOPES)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`surgery.prune`."""
+        return {"method": self.method, "scope": self.scope, "select": self.select,
+                "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed}
+
+
+@dataclass
+class DriftThresholds:
+    """Bounds the drift check enforces between the original and the modified model."""
+
+    min_cosine: Optional[float] = None
+    min_sqnr_db: Optional[float] = None
+    min_top1_agreement: Optional[float] = None
+    max_abs: Optional[float] = None
+
+
+@dataclass
+class ChecksConfig:
+    """Round-trip checks: which run (all five by default) and the drift bounds."""
+
+    enabled: list[str] = field(default_factory=lambda: ["identity", "restore", "bake", "save_load", "drift"])
+    drift: DriftThresholds = field(default_factory=DriftThresholds)
+
+    def __post_init__(self) -> None:
+        for name in self.enabled:
+            _one_of("checks.enabled", name, ("identity", "restore", "bake", "save_load", "drift"))
+
+
+@dataclass
+class OutputConfig:
+    """What the run writes into its output folder."""
+
+    checkpoint: str = "safetensors"
+    plots: bool = True
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("output.checkpoint", self.checkpoint, CHECKPOINT_FORMATS)
+
+
+@dataclass
+class RunConfig:
+    """One run of a recipe: build ``model``, apply ``steps`` in order, check, report, export."""
+
+    recipe: str = "custom"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    steps: list[str] = field(default_factory=list)
+    prune: Optional[PruneConfig] = None
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)}")
+        for step in self.steps:
+            _one_of("steps", step, STEPS)
+            if getattr(self, step) is None:
+                raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
+
+
+def load_config(cfg: DictConfig | dict) -> RunConfig:
+    """Validate a composed YAML config against :class:`RunConfig` and return the dataclass.
+
+    Raises:
+        ConfigError: naming the first offending field, its value and what is allowed.
+    """
+    try:
+        schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig()))
+        merged = OmegaConf.merge(schema, cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        key = getattr(err, "full_key", None) or "config"
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(key, _value_of(err), message) from None
+
+
+def _value_of(err: OmegaConfBaseException) -> object:
+    value = getattr(err, "value", None)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)

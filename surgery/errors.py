@@ -1,0 +1,48 @@
+"""Exception classes raised by surgery for bad input and failed undo."""
+
+from __future__ import annotations
+
+
+class SurgeryError(Exception):
+    """Base class of every error surgery raises on purpose."""
+
+
+class ConfigError(SurgeryError, ValueError):
+    """A configuration field has a value outside what is allowed.
+
+    The message always reads ``FIELD=VALUE: what is allowed`` so the CLI can print it as is.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str, hint: str = "") -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        message = f"{field}={value!r}: {allowed}"
+        if hint:
+            message += f" ({hint})"
+        super().__init__(message)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration field has a value of the wrong type."""
+
+
+class SelectionError(ConfigError):
+    """A selection pattern matched no module of the model."""
+
+
+class CheckpointError(SurgeryError, ValueError):
+    """A checkpoint is missing, corrupted, unsafe or does not fit the model."""
+
+
+class AlreadyModifiedError(SurgeryError, RuntimeError):
+    """A tensor already has surgery of the same kind attached."""
+
+
+class UndoError(SurgeryError, RuntimeError):
+    """One or more undo steps failed; every other step still ran."""
+
+    def __init__(self, failures: list[BaseException]) -> None:
+        self.failures = failures
+        lines = "; ".join(f"{type(f).__name__}: {f}" for f in failures)
+        super().__init__(f"{len(failures)} undo step(s) failed: {lines}")

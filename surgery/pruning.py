@@ -1,0 +1,225 @@
+"""``surgery.prune``: pruning masks enforced by forward-pre hooks, owned by a handle."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from surgery.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
+from surgery.handles import Handle
+from surgery.masks import METHODS, SCOPES, compute_masks, pack, unpack
+from surgery.selection import Selection, select
+
+DEFAULT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+_attached = WeakIdKeyDictionary()  # parameter -> the PruneHandle currently masking it
+_attached_lock = threading.Lock()
+
+
+class MaskEnforcer:
+    """Forward-pre hook keeping the pruned entries of one parameter at zero.
+
+    The mask is applied in place when pruning is attached, so everything that reads the
+    parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
+    the pruned values. The hook re-applies the mask only when the tensor changed since it was
+    last masked (an optimizer step, ``load_state_dict``, ``.to()``), which it detects from
+    the tensor's version counter and storage pointer, so an unchanged weight costs a
+    comparison, not a multiply. It holds no weak references, so models pickle and deep-copy.
+    """
+
+    def __init__(self, param: nn.Parameter, mask: Tensor) -> None:
+        self.param = param
+        self.shape = mask.shape
+        self.packed = pack(mask)
+        self.seen: tuple[int, int] | None = None
+
+    def mask(self) -> Tensor:
+        """The boolean keep-mask (``True`` keeps the entry)."""
+        return unpack(self.packed, self.shape)
+
+    def enforce(self) -> None:
+        """Zero the pruned entries if the parameter changed since the last call."""
+        param = self.param
+        if (param._version, param.data_ptr()) != self.seen:
+            with torch.no_grad():
+                mask = self.mask()
+                param.masked_fill_(~mask.to(param.device), 0)
+            self.seen = (param._version, param.data_ptr())
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.enforce()
+
+
+class RootEnforcer:
+    """Forward-pre hook on the root model enforcing every mask of one handle."""
+
+    def __init__(self, enforcers: list[MaskEnforcer]) -> None:
+        self.enforcers = enforcers
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        for enforcer in self.enforcers:
+            enforcer.enforce()
+
+
+class PruneHandle(Handle):
+    """Handle returned by :func:`prune`; also reports the masks and the sparsity it made."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("prune", model)
+        self.enforcers: dict[str, MaskEnforcer] = {}
+
+    def masks(self) -> dict[str, Tensor]:
+        """Boolean keep-masks by qualified parameter name (``"layer1.0.conv1.weight"``)."""
+        return {name: e.mask() for name, e in self.enforcers.items()}
+
+    def layer_sparsity(self) -> dict[str, float]:
+        """Fraction of pruned entries per masked parameter."""
+        return {name: 1.0 - e.mask().float().mean().item() for name, e in self.enforcers.items()}
+
+    def sparsity(self) -> float:
+        """Fraction of pruned entries over all masked parameters together."""
+        masks = [e.mask() for e in self.enforcers.values()]
+        total = sum(m.numel() for m in masks)
+        return 1.0 - sum(int(m.sum()) for m in masks) / total if total else 0.0
+
+
+def prune(
+    model: nn.Module,
+    amount: float,
+    *,
+    method: str = "l1_unstructured",
+    scope: str = "layer",
+    select: Selection = None,
+    exclude: Selection = None,
+    n: float = 2.0,
+    dim: int = 0,
+    seed: int = 0,
+) -> PruneHandle:
+    """Prune the ``weight`` of the selected layers and return a handle that can undo it.
+
+    Args:
+        model: the model to modify in place.
+        amount: fraction in [0, 1] of weight entries (or of slices, for ``ln_structured``)
+            to set to zero.
+        method: ``"l1_unstructured"`` (smallest magnitudes), ``"random_unstructured"``
+            (seeded by ``seed``) or ``"ln_structured"`` (whole slices along ``dim`` with the
+            smallest Ln norm, ``dim=0`` = output channels/filters).
+        scope: ``"layer"`` (each weight pruned by ``amount``) or ``"global"`` (one ranking
+            across all selected weights).
+        select: modules to prune (see :func:`surgery.select`); default every
+            ``nn.Conv1d/2d/3d`` and ``nn.Linear``. Selected modules without a floating
+            ``weight`` parameter of two or more dimensions are skipped.
+        exclude: modules never pruned, even if selected.
+
+    Returns:
+        A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
+        ``bake()`` keeps the zeros and removes every hook.
+
+    Example:
+        >>> handle = surgery.prune(model, 0.5, method="ln_structured", select="layer4.*")
+        >>> handle.sparsity()
+        0.5
+    """
+    amount, n = _validate(amount, method, scope, n, seed)
+    targets = _targets(model, select, exclude, dim)
+    params = list(targets.values())
+    masks = compute_masks(params, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
+    handle = PruneHandle(model)
+    try:
+        _claim(handle, targets)
+        owners = _owners(model, params)
+        for (name, param), mask in zip(targets.items(), masks):
+            handle.enforcers[name] = _attach(handle, param, mask, owners[id(param)])
+        root = model.register_forward_pre_hook(RootEnforcer(list(handle.enforcers.values())))
+        handle.add_hook("root mask hook", root)
+    except BaseException:
+        handle.restore()
+        raise
+    return handle
+
+
+def _validate(amount: object, method: str, scope: str, n: object, seed: object) -> tuple[float, float]:
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+        raise ConfigTypeError("prune.amount", amount, "must be a number in [0, 1]")
+    if math.isnan(amount) or not 0.0 <= amount <= 1.0:
+        raise ConfigError("prune.amount", amount, "must be a number in [0, 1]")
+    if method not in METHODS:
+        raise ConfigError("prune.method", method, f"must be one of {', '.join(METHODS)}")
+    if scope not in SCOPES:
+        raise ConfigError("prune.scope", scope, f"must be one of {', '.join(SCOPES)}")
+    norm = {"inf": math.inf, "fro": 2.0}.get(n, n) if isinstance(n, str) else n
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or math.isnan(norm) or norm <= 0:
+        raise ConfigError("prune.n", n, "must be a positive number, 'inf' or 'fro'")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigTypeError("prune.seed", seed, "must be an integer")
+    return float(amount), float(norm)
+
+
+def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int) -> dict[str, nn.Parameter]:
+    chosen = select(model, DEFAULT_TYPES if include is None else include, exclude=exclude,
+                    field="prune.select", exclude_field="prune.exclude")
+    targets: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for name, module in chosen.items():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.dim() < 2 or id(weight) in seen:
+            continue
+        if not weight.is_floating_point():
+            raise ConfigError("prune.select", name, f"weight has dtype {weight.dtype}; only floating weights can be pruned")
+        if not -weight.dim() <= dim < weight.dim():
+            raise ConfigError("prune.dim", dim, f"must index a dimension of {name}.weight {tuple(weight.shape)}")
+        seen.add(id(weight))
+        targets[f"{name}.weight" if name else "weight"] = weight
+    if not targets:
+        raise ConfigError("prune.select", include, "selects no module with a floating 'weight' of 2+ dimensions",
+                          "select layers such as 'layer1.*' or 'type:Conv2d', not their containers")
+    return targets
+
+
+def _owners(model: nn.Module, params: list[nn.Parameter]) -> dict[int, list[nn.Module]]:
+    wanted = {id(p): [] for p in params}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and id(param) in wanted:
+                wanted[id(param)].append(module)
+    return wanted
+
+
+def _claim(handle: PruneHandle, targets: dict[str, nn.Parameter]) -> None:
+    with _attached_lock:
+        for name, param in targets.items():
+            if param in _attached:
+                raise AlreadyModifiedError(f"prune: {name} is already pruned by an attached handle; "
+                                           "bake() or restore() that handle first")
+        for param in targets.values():
+            _attached[param] = handle
+    handle.add("release prune claims", lambda: _release(targets), lambda: _release(targets))
+
+
+def _release(targets: dict[str, nn.Parameter]) -> None:
+    with _attached_lock:
+        for param in targets.values():
+            _attached.pop(param, None)
+
+
+def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor, owners: list[nn.Module]) -> MaskEnforcer:
+    original = param.detach()[~mask.to(param.device)]  # only the entries about to be zeroed
+    enforcer = MaskEnforcer(param, mask)
+    enforcer.enforce()
+
+    def put_back() -> None:
+        with torch.no_grad():
+            param.masked_scatter_(~enforcer.mask().to(param.device), original.to(param.device, param.dtype))
+
+    def drop_original() -> None:
+        nonlocal original
+        original = original.new_empty(0)
+
+    handle.add("restore pruned values", put_back, drop_original)
+    for module in owners:
+        handle.add_hook("mask hook", module.register_forward_pre_hook(enforcer))
+    return enforcer

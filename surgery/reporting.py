@@ -1,0 +1,129 @@
+"""Run reports: ``report.json``, ``report.md``, the per-layer sparsity plot, a summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from surgery.checkpoints import write_atomically
+from surgery.checks import CheckResult
+
+
+def layer_rows(model: nn.Module, sparsity: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per module owning parameters: name, type, sparsity (masked weights only)."""
+    rows = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        key = f"{name}.weight" if name else "weight"
+        rows.append({"name": name, "type": type(module).__name__, "sparsity": sparsity.get(key), "cosine": None})
+    return rows
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Total and non-zero parameter entries (each shared parameter counted once)."""
+    params = list(model.parameters())
+    return {"total": sum(p.numel() for p in params), "nonzero": sum(int(p.count_nonzero()) for p in params)}
+
+
+def checks_rows(checks: list[CheckResult]) -> list[dict[str, Any]]:
+    return [{"name": c.name, "passed": c.passed, "value": c.value, "threshold": c.threshold, "detail": c.detail}
+            for c in checks]
+
+
+def finite(value: Any) -> Any:
+    """Replace non-finite floats (not valid JSON) by ``None``, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list[Path]:
+    """Write ``report.json``, ``report.md`` and (if ``plots``) ``sparsity.png`` atomically."""
+    written = [out_dir / "report.json", out_dir / "report.md"]
+    text = json.dumps(finite(report), indent=2, allow_nan=False)
+    write_atomically(written[0], lambda tmp: tmp.write_text(text + "\n"))
+    markdown = render_markdown(report)
+    write_atomically(written[1], lambda tmp: tmp.write_text(markdown))
+    if plots and any(row["sparsity"] is not None for row in report["layers"]):
+        written.append(out_dir / "sparsity.png")
+        write_atomically(written[-1], lambda tmp: plot_sparsity(report, tmp))
+    return written
+
+
+def plot_sparsity(report: dict[str, Any], path: Path) -> None:
+    """Horizontal bar chart of per-layer sparsity, in model order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = [row for row in report["layers"] if row["sparsity"] is not None]
+    height = max(3.0, 0.16 * len(rows) + 1.2)
+    fig, ax = plt.subplots(figsize=(8, height))
+    ax.barh(range(len(rows)), [row["sparsity"] for row in rows], color="#4C72B0")
+    ax.set_yticks(range(len(rows)), [row["name"] for row in rows], fontsize=6 if len(rows) > 30 else 8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.axvline(report["sparsity"], color="#C44E52", linestyle="--", label=f"overall {report['sparsity']:.3f}")
+    ax.set_xlabel("fraction of weights pruned")
+    ax.set_title(f"{report['recipe']}: per-layer sparsity of {report['model']}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "**NO**"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The human-readable report: outcome, checks, drift, timings and per-layer table."""
+    drift = report["drift"]
+    lines = [f"# surgery report: {report['recipe']}", "",
+             f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.", "",
+             f"Parameters: {report['params']['total']:,} total, {report['params']['nonzero']:,} non-zero; "
+             f"sparsity over selected weights: {report['sparsity']:.4f}.", "",
+             "## Checks", "", "| check | passed | value | threshold | detail |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
+              for c in report["checks"]]
+    sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
+    lines += ["", "## Drift (original vs modified)", "", "| max abs | cosine | SQNR dB | top-1 agreement |",
+              "| --- | --- | --- | --- |",
+              f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
+              "", "## Timings (s)", "", "| build | surgery | checks |", "| --- | --- | --- |",
+              "| " + " | ".join(f"{report['timings_s'][k]:.2f}" for k in ("build", "surgery", "checks")) + " |",
+              "", "## Layers", "", "| layer | type | sparsity |", "| --- | --- | --- |"]
+    lines += [f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} |" for row in report["layers"]]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """A short plain-text table for the terminal."""
+    drift = report["drift"]
+    width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 8
+    lines = [f"recipe {report['recipe']}  model {report['model']}  sparsity {report['sparsity']:.4f}  "
+             f"params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"]
+    for c in report["checks"]:
+        value = "" if c["value"] is None else f"{c['value']:.4g}"
+        lines.append(f"  {c['name']:<{width}}  {'PASS' if c['passed'] else 'FAIL'}  {value:>10}  {c['detail']}")
+    sqnr = "inf" if drift["sqnr_db"] is None else f"{drift['sqnr_db']:.2f}"
+    top1 = "n/a" if drift["top1_agreement"] is None else f"{drift['top1_agreement']:.3f}"
+    lines.append(f"  drift: cosine {drift['cosine']:.4f}  SQNR {sqnr} dB  max abs {drift['max_abs']:.4g}  top-1 {top1}")
+    lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
+    return "\n".join(lines)
