@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from surgery.config import load_config
 from surgery.errors import SurgeryError
@@ -17,13 +19,26 @@ from surgery.run import EXIT_BAD_INPUT, run
 
 PACKAGE = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
-GROUPS = {"recipe": "recipe", "model": "model", "data": "data"}
+GROUPS = ("recipe", "model", "data")
 _exit_codes: list[int] = []
 
 
-def available(group: str) -> list[str]:
-    """Names of the YAML options of a config group shipped with surgery."""
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+def available(group: str, roots: list[Path]) -> list[str]:
+    """Names of the YAML options of a config group in surgery's configs and extra ``roots``."""
+    return sorted({p.stem for root in [CONFIG_DIR, *roots] for p in (root / group).glob("*.yaml")})
+
+
+def _search_roots(overrides: list) -> list[Path] | None:
+    """Folders added with ``hydra.searchpath=[file://...]``; None if a root cannot be listed."""
+    roots: list[Path] = []
+    for override in overrides:
+        if override.key_or_group.lstrip("+") != "hydra.searchpath":
+            continue
+        for entry in override.value() or []:
+            if not str(entry).startswith("file://"):
+                return None
+            roots.append(Path(str(entry)[len("file://"):]))
+    return roots
 
 
 def fail(message: str) -> int:
@@ -33,19 +48,24 @@ def fail(message: str) -> int:
 
 def preflight(arguments: list[str]) -> int:
     """Check config-group choices before Hydra composes, so a typo is one line and exit 2."""
-    overrides = [a for a in arguments if not a.startswith("-") and "=" in a]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
-    except HydraException as err:
-        return fail(str(err).splitlines()[0])
-    for override in parsed:
+    parser, overrides = OverridesParser.create(), []
+    for argument in (a for a in arguments if not a.startswith("-") and "=" in a):
+        try:
+            overrides += parser.parse_overrides(overrides=[argument])
+        except HydraException as err:
+            return fail(f"cannot parse override {argument!r}: {str(err).splitlines()[0]}")
+    roots = _search_roots(overrides)
+    if roots is None:
+        return 0  # package search paths: leave the check to Hydra
+    for override in overrides:
         group = override.key_or_group.lstrip("+~")
         if group not in GROUPS or override.is_delete():
             continue
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        options = available(group, roots)
         for value in values:
-            if value not in available(group):
-                return fail(f"{group}={value!r}: unknown {group}; available: {', '.join(available(group))}")
+            if value not in options:
+                return fail(f"{group}={value!r}: unknown {group}; available: {', '.join(options)}")
     return 0
 
 
@@ -67,12 +87,14 @@ def main() -> None:
     code = preflight(sys.argv[1:])
     if code:
         sys.exit(code)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
     try:
         _task()
-    except SystemExit as stop:
-        if not _exit_codes and stop.code not in (0, None):
-            sys.exit(EXIT_BAD_INPUT)  # Hydra rejected the configuration before any job ran
-        raise
+    except (HydraException, OmegaConfBaseException) as err:
+        if _exit_codes:
+            raise
+        lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
+        sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
     sys.exit(max(_exit_codes, default=0))
 
 

@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# The first use creates .venv and installs surgery into it (editable) with its test extra.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[test]' $(TORCH_PIN)
+	touch $@
+
+run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"
+	$(PY) -m surgery recipe=prune_resnet50 $(ARGS)
+
+test: $(STAMP)  ## the whole test suite
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(STAMP)  ## performance figures quoted in the README
+	$(PY) -m pip install --quiet -e '.[bench]' $(TORCH_PIN)
+	$(PY) benchmarks/bench_prune.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,103 @@
+"""Shared fixtures: a guard on torch's global hook registries and small seeded models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from surgery.checks import global_hook_counts, module_hook_counts
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_global_hooks() -> Iterator[None]:
+    """Every test leaves torch's global module hook registries exactly as it found them."""
+    before = global_hook_counts()
+    yield
+    assert global_hook_counts() == before, "a test leaked a global module hook"
+
+
+def assert_no_hooks(model: nn.Module) -> None:
+    """Fail if any module of ``model`` still carries a hook of any kind."""
+    leftover = {name: count for name, count in module_hook_counts(model).items() if count}
+    assert not leftover, f"hooks left on the model: {leftover}"
+
+
+def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
+class ConvNet(nn.Module):
+    """Conv -> BN -> ReLU -> residual conv -> pool -> Linear head, with non-trivial BN stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+        for bn in (self.bn1, self.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-0.2, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(x + self.bn2(self.conv2(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def make_mlp(seed: int = 0) -> nn.Module:
+    """Three Linear layers (named ``0``, ``2``, ``4``) with ReLUs between them."""
+    return _seeded(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                                         nn.Linear(16, 4)), seed)
+
+
+def make_convnet(seed: int = 0) -> nn.Module:
+    """A small CNN with BatchNorm (random running stats) and a residual connection."""
+    return _seeded(ConvNet, seed)
+
+
+@pytest.fixture
+def mlp_factory() -> Callable[..., nn.Module]:
+    """Builds a fresh, identically initialised MLP on each call (``seed`` changes the weights)."""
+    return make_mlp
+
+
+@pytest.fixture
+def convnet_factory() -> Callable[..., nn.Module]:
+    """Builds a fresh, identically initialised ConvNet on each call."""
+    return make_convnet
+
+
+@pytest.fixture
+def mlp() -> Iterator[nn.Module]:
+    """A seeded MLP; the test must leave no hook on it."""
+    model = make_mlp()
+    yield model
+    assert_no_hooks(model)
+
+
+@pytest.fixture
+def convnet() -> Iterator[nn.Module]:
+    """A seeded ConvNet; the test must leave no hook on it."""
+    model = make_convnet()
+    yield model
+    assert_no_hooks(model)
+
+
+@pytest.fixture
+def mlp_input() -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def image_input() -> torch.Tensor:
+    return torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(2))
