@@ -11,7 +11,6 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[test]' $(TORCH_PIN)
 	touch $@

@@ -1,0 +1,168 @@
+"""The command line as a user runs it: one subprocess per invocation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1"]
+SCHEMA = {"recipe": str, "model": str, "ok": bool, "params": dict, "sparsity": float, "checks": list,
+          "drift": dict, "layers": list, "timings_s": dict}
+
+
+def surgery(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_headline_recipe_passes_all_checks_and_writes_every_output(tmp_path):
+    result = surgery("recipe=prune_resnet50", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    for key, kind in SCHEMA.items():
+        assert isinstance(data[key], kind), key
+    assert data["recipe"] == "prune_resnet50" and data["model"] == "resnet50" and data["ok"] is True
+    assert [c["name"] for c in data["checks"]] == ["identity", "restore", "bake", "save_load", "drift"]
+    assert all(c["passed"] for c in data["checks"])
+    assert abs(data["sparsity"] - 0.5) < 1e-3  # round(0.5 * numel) per layer: exact up to odd sizes
+    assert data["params"]["nonzero"] < 0.55 * data["params"]["total"]
+    assert set(data["drift"]) == {"max_abs", "cosine", "sqnr_db", "top1_agreement"}
+    assert set(data["timings_s"]) == {"build", "surgery", "checks"}
+    pruned = [row for row in data["layers"] if row["sparsity"] is not None]
+    assert len(pruned) == 54 and {row["type"] for row in pruned} == {"Conv2d", "Linear"}
+    for name in ("report.md", "sparsity.png", "model.safetensors"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "sparsity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "identity" in result.stdout and "result: OK" in result.stdout
+
+
+def test_baked_checkpoint_loads_strictly_into_a_fresh_torchvision_model(tmp_path):
+    assert surgery(*FAST, "prune.amount=0.7", f"hydra.run.dir={tmp_path}").returncode == 0
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    fresh = torchvision.models.resnet18()
+    fresh.load_state_dict(state, strict=True)
+    weight = fresh.layer1[0].conv1.weight
+    assert abs((weight == 0).float().mean().item() - 0.7) < 1e-3
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("prune.amount=1.5", "prune.amount"),
+    ("prune.amount=-0.1", "prune.amount"),
+    ("prune.amount=nan", "prune.amount"),
+    ("prune.amount=half", "prune.amount"),
+    ("prune.method=l7", "prune.method"),
+    ("prune.scope=world", "prune.scope"),
+    ("recipe=nope", "recipe"),
+    ("model=nope", "model"),
+    ("model.name=resnet5", "model.name"),
+    ("prune.select=[layer9.*]", "prune.select"),
+    ("prune.exclude=[fcc]", "prune.exclude"),
+    ("model.weights=/no/such/file.pt", "model.weights"),
+    ("prune.amountt=0.3", "prune.amountt"),
+    ("data.batch_size=0", "data.batch_size"),
+])
+def test_bad_input_is_one_line_naming_the_field_with_exit_2(tmp_path, override, field):
+    result = surgery(*FAST, override, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr
+    assert field in lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_unknown_recipe_lists_the_available_ones(tmp_path):
+    result = surgery("recipe=prune_resnet", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and "prune_resnet50" in result.stderr
+
+
+@pytest.mark.parametrize("problem", ["wrong_architecture", "truncated", "carries_code"])
+def test_bad_checkpoint_exits_2(tmp_path, problem):
+    path = tmp_path / "weights.pt"
+    if problem == "wrong_architecture":
+        torch.save(torchvision.models.resnet34().state_dict(), path)
+    else:
+        torch.save(torchvision.models.resnet18().state_dict(), path)
+        if problem == "truncated":
+            path.write_bytes(path.read_bytes()[:4096])
+        else:
+            torch.save({"model": torchvision.models.resnet18()}, path)  # a pickled module: code
+    result = surgery(*FAST, f"model.weights={path}", f"hydra.run.dir={tmp_path / 'out'}")
+    assert result.returncode == 2, result.stderr
+    assert "model.weights" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_checkpoint_weights_are_used(tmp_path):
+    torch.manual_seed(123)
+    source = torchvision.models.resnet18()
+    with torch.no_grad():
+        source.fc.bias.fill_(0.25)
+    torch.save({"state_dict": source.state_dict()}, tmp_path / "weights.pth")
+    result = surgery(*FAST, f"model.weights={tmp_path / 'weights.pth'}", f"hydra.run.dir={tmp_path / 'out'}")
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["fc.bias"], source.fc.bias.detach())
+
+
+def test_failed_check_exits_1_and_the_report_says_which(tmp_path):
+    result = surgery(*FAST, "checks.drift.min_cosine=0.9999", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1, result.stderr
+    data = report(tmp_path)
+    assert data["ok"] is False
+    assert [c["name"] for c in data["checks"] if not c["passed"]] == ["drift"]
+
+
+def test_existing_outputs_are_never_overwritten_silently(tmp_path):
+    assert surgery(*FAST, f"hydra.run.dir={tmp_path}").returncode == 0
+    before = (tmp_path / "model.safetensors").read_bytes()
+    again = surgery(*FAST, "prune.amount=0.9", f"hydra.run.dir={tmp_path}")
+    assert again.returncode == 2 and "overwrite" in again.stderr
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert surgery(*FAST, "prune.amount=0.9", "output.overwrite=true", f"hydra.run.dir={tmp_path}").returncode == 1
+
+
+def test_multirun_sweep_writes_one_report_per_job(tmp_path):
+    result = surgery("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    amounts = sorted(report(tmp_path / str(job))["sparsity"] for job in (0, 1))
+    assert amounts == pytest.approx([0.2, 0.6], abs=1e-3)
+
+
+def test_console_script_equals_python_dash_m(tmp_path):
+    script = Path(sys.executable).with_name("surgery")
+    assert script.exists(), "the 'surgery' console script is not installed"
+    result = subprocess.run([str(script), *FAST, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert report(tmp_path)["ok"] is True
+
+
+def test_installed_wheel_runs_outside_the_checkout(tmp_path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(wheels)],
+                   check=True, capture_output=True, timeout=600)
+    [wheel] = wheels.glob("surgery-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
+                   capture_output=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    result = surgery(*FAST, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert report(tmp_path / "out")["recipe"] == "prune_resnet50"
+    probe = subprocess.run([sys.executable, "-c", "import surgery; print(surgery.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip().startswith(str(site))
