@@ -8,6 +8,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -16,11 +17,14 @@ from omegaconf.errors import OmegaConfBaseException
 from surgery.config import load_config
 from surgery.errors import SurgeryError
 from surgery.run import EXIT_BAD_INPUT, run
+from surgery.sweeps import write_sweep_summary
 
 PACKAGE = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
 GROUPS = ("recipe", "model", "data")
 _exit_codes: list[int] = []
+_sweep_jobs: list[tuple[dict[str, str], Path]] = []
+_sweep_dir: list[Path] = []
 
 
 def available(group: str, roots: list[Path]) -> list[str]:
@@ -72,7 +76,12 @@ def preflight(arguments: list[str]) -> int:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _task(cfg: DictConfig) -> None:
     _exit_codes.append(-1)  # marks that composition succeeded and the job started
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_config = HydraConfig.get()
+    out_dir = Path(hydra_config.runtime.output_dir)
+    if hydra_config.mode == RunMode.MULTIRUN:
+        overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
+        _sweep_jobs.append((overrides, out_dir))
+        _sweep_dir[:] = [Path(hydra_config.sweep.dir)]
     try:
         config = load_config(OmegaConf.to_container(cfg, resolve=True))
         result = run(config, out_dir)
@@ -95,6 +104,9 @@ def main() -> None:
             raise
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
         sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
+    if len(_sweep_jobs) > 1:
+        files = write_sweep_summary(_sweep_dir[0], _sweep_jobs)
+        print(f"sweep summary: {', '.join(str(f) for f in files)}")
     sys.exit(max(_exit_codes, default=0))
 
 

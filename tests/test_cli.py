@@ -140,6 +140,10 @@ def test_multirun_sweep_writes_one_report_per_job(tmp_path):
     assert result.returncode == 0, result.stderr
     amounts = sorted(report(tmp_path / str(job))["sparsity"] for job in (0, 1))
     assert amounts == pytest.approx([0.2, 0.6], abs=1e-3)
+    summary = json.loads((tmp_path / "sweep.json").read_text())
+    assert [row["prune.amount"] for row in summary] == ["0.2", "0.6"]
+    assert summary[0]["cosine"] > summary[1]["cosine"]  # pruning more drifts more
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_console_script_equals_python_dash_m(tmp_path):
