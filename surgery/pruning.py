@@ -43,12 +43,14 @@ class MaskEnforcer:
 
     def enforce(self) -> None:
         """Zero the pruned entries if the parameter changed since the last call."""
-        param = self.param
-        if (param._version, param.data_ptr()) != self.seen:
-            with torch.no_grad():
-                mask = self.mask()
-                param.masked_fill_(~mask.to(param.device), 0)
-            self.seen = (param._version, param.data_ptr())
+        if (self.param._version, self.param.data_ptr()) != self.seen:
+            self.apply(~self.mask().to(self.param.device))
+
+    def apply(self, pruned: Tensor) -> None:
+        """Zero the entries where ``pruned`` is true and remember the tensor's version."""
+        with torch.no_grad():
+            self.param.masked_fill_(pruned, 0)
+        self.seen = (self.param._version, self.param.data_ptr())
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.enforce()
@@ -207,9 +209,9 @@ def _release(targets: dict[str, nn.Parameter]) -> None:
 
 
 def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor, owners: list[nn.Module]) -> MaskEnforcer:
-    original = param.detach()[~mask.to(param.device)]  # only the entries about to be zeroed
+    pruned = ~mask.to(param.device)
+    original = param.detach()[pruned]  # only the entries about to be zeroed
     enforcer = MaskEnforcer(param, mask)
-    enforcer.enforce()
 
     def put_back() -> None:
         with torch.no_grad():
@@ -219,7 +221,8 @@ def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor, owners: list
         nonlocal original
         original = original.new_empty(0)
 
-    handle.add("restore pruned values", put_back, drop_original)
+    handle.add("restore pruned values", put_back, drop_original)  # recorded before the change
+    enforcer.apply(pruned)
     for module in owners:
         handle.add_hook("mask hook", module.register_forward_pre_hook(enforcer))
     return enforcer
