@@ -21,14 +21,14 @@ _attached_lock = threading.Lock()
 
 
 class MaskEnforcer:
-    """Forward-pre hook keeping the pruned entries of one parameter at zero.
+    """Keeps the pruned entries of one parameter at zero.
 
     The mask is applied in place when pruning is attached, so everything that reads the
     parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
-    the pruned values. The hook re-applies the mask only when the tensor changed since it was
-    last masked (an optimizer step, ``load_state_dict``, ``.to()``), which it detects from
-    the tensor's version counter and storage pointer, so an unchanged weight costs a
-    comparison, not a multiply. It holds no weak references, so models pickle and deep-copy.
+    the pruned values. :class:`SubtreeEnforcer` hooks re-apply the mask only when the tensor
+    changed since it was last masked (an optimizer step, ``load_state_dict``, ``.to()``),
+    which it detects from the tensor's version counter and storage pointer, so an unchanged
+    weight costs a comparison, not a multiply. It holds no weak references, so models pickle and deep-copy.
     """
 
     def __init__(self, param: nn.Parameter, mask: Tensor) -> None:
@@ -52,12 +52,14 @@ class MaskEnforcer:
             self.param.masked_fill_(pruned, 0)
         self.seen = (self.param._version, self.param.data_ptr())
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.enforce()
 
+class SubtreeEnforcer:
+    """Forward-pre hook enforcing the masks of every pruned weight at or below its module.
 
-class RootEnforcer:
-    """Forward-pre hook on the root model enforcing every mask of one handle."""
+    One is registered on each module on a path from the root to a pruned layer, so calling the
+    root, an intermediate block or the layer itself all re-mask a changed weight first — also
+    when a parent reads the weight directly without calling the layer.
+    """
 
     def __init__(self, enforcers: list[MaskEnforcer]) -> None:
         self.enforcers = enforcers
@@ -133,11 +135,12 @@ def prune(
     handle = PruneHandle(model)
     try:
         _claim(handle, targets)
-        owners = _owners(model, params)
+        by_param = {}
         for (name, param), mask in zip(targets.items(), masks):
-            handle.enforcers[name] = _attach(handle, param, mask, owners[id(param)])
-        root = model.register_forward_pre_hook(RootEnforcer(list(handle.enforcers.values())))
-        handle.add_hook("root mask hook", root)
+            handle.enforcers[name] = by_param[id(param)] = _attach(handle, param, mask)
+        for module, below in _paths_to_owners(model, params):
+            hook = module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below]))
+            handle.add_hook("mask hook", hook)
     except BaseException:
         handle.restore()
         raise
@@ -182,13 +185,21 @@ def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int)
     return targets
 
 
-def _owners(model: nn.Module, params: list[nn.Parameter]) -> dict[int, list[nn.Module]]:
-    wanted = {id(p): [] for p in params}
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None and id(param) in wanted:
-                wanted[id(param)].append(module)
-    return wanted
+def _paths_to_owners(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, list[int]]]:
+    """Every module from the root down to each owner of a pruned parameter, with the ids of
+    the pruned parameters at or below it (a shared module or parameter: every path)."""
+    wanted = {id(p) for p in params}
+    named = dict(model.named_modules(remove_duplicate=False))
+    below: dict[int, tuple[nn.Module, dict[int, None]]] = {}
+    for name, module in named.items():
+        owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in wanted]
+        if not owned:
+            continue
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            ancestor = named[".".join(parts[:depth])]
+            below.setdefault(id(ancestor), (ancestor, {}))[1].update(dict.fromkeys(owned))
+    return [(module, list(ids)) for module, ids in below.values()]
 
 
 def _claim(handle: PruneHandle, targets: dict[str, nn.Parameter]) -> None:
@@ -208,7 +219,7 @@ def _release(targets: dict[str, nn.Parameter]) -> None:
             _attached.pop(param, None)
 
 
-def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor, owners: list[nn.Module]) -> MaskEnforcer:
+def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor) -> MaskEnforcer:
     pruned = ~mask.to(param.device)
     original = param.detach()[pruned]  # only the entries about to be zeroed
     enforcer = MaskEnforcer(param, mask)
@@ -223,6 +234,4 @@ def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor, owners: list
 
     handle.add("restore pruned values", put_back, drop_original)  # recorded before the change
     enforcer.apply(pruned)
-    for module in owners:
-        handle.add_hook("mask hook", module.register_forward_pre_hook(enforcer))
     return enforcer

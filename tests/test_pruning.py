@@ -640,7 +640,7 @@ def test_failure_in_attach_rolls_everything_back(convnet, image_input):
 
 def test_failure_registering_the_root_hook_rolls_everything_back(convnet):
     before = snapshot(convnet)
-    with mock.patch("surgery.pruning.RootEnforcer", side_effect=RuntimeError("injected failure")):
+    with mock.patch("surgery.pruning.SubtreeEnforcer", side_effect=RuntimeError("injected failure")):
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.prune(convnet, 0.5)
     assert snapshot_differences(before, snapshot(convnet)) == []
@@ -652,3 +652,26 @@ def test_keyboard_interrupt_while_attaching_rolls_back(mlp):
         with pytest.raises(KeyboardInterrupt):
             surgery.prune(mlp, 0.5)
     assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+def test_a_parent_reading_the_weight_directly_and_called_on_its_own_is_masked_after_a_step():
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+            self.fc = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.fc(self.attn(x, x, x)[0])
+
+    torch.manual_seed(0)
+    model = Head()
+    x = torch.randn(3, 1, 8)
+    with surgery.prune(model, 0.5) as handle:
+        pruned = ~handle.masks()["attn.out_proj.weight"]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).sum().backward()
+        optimizer.step()  # writes non-zero values into the pruned entries behind the hooks
+        assert torch.count_nonzero(model.attn.out_proj.weight[pruned]) > 0
+        model.attn(x, x, x)  # the parent alone: it reads out_proj.weight without calling out_proj
+        assert torch.count_nonzero(model.attn.out_proj.weight[pruned]) == 0
