@@ -1,5 +1,6 @@
 """surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
 
+from surgery import rules
 from surgery.comparison import Drift, compare
 from surgery.errors import (
     AlreadyModifiedError,
@@ -10,6 +11,7 @@ from surgery.errors import (
     UndoError,
 )
 from surgery.handles import Handle, HandleGroup, compose
+from surgery.intercept import Event, InterceptError, InterceptLog, intercept
 from surgery.pruning import PruneHandle, prune
 from surgery.selection import select
 
@@ -18,14 +20,19 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Drift",
+    "Event",
     "Handle",
     "HandleGroup",
+    "InterceptError",
+    "InterceptLog",
     "PruneHandle",
     "SelectionError",
     "SurgeryError",
     "UndoError",
     "compare",
     "compose",
+    "intercept",
     "prune",
+    "rules",
     "select",
 ]

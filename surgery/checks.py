@@ -115,6 +115,27 @@ def check_identity(reference: nn.Module, apply: Apply, inputs: list, expected: l
     return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral surgery changed outputs")
 
 
+def check_build_identity(neutral_build: Callable[[], nn.Module], inputs: list, plain: list[Tensor]) -> CheckResult:
+    """Build rules with neutral actions give outputs bit-identical to a plain build."""
+    identical, worst = max_difference(collect(neutral_build(), inputs), plain)
+    return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral build rules changed outputs")
+
+
+def check_build_hooks(before: dict[str, int], after: dict[str, int]) -> CheckResult:
+    """The global registration hooks are gone once the build is over."""
+    diffs = [f"global {k}: {v} -> {after.get(k)}" for k, v in before.items() if after.get(k) != v]
+    return CheckResult("restore", not diffs, float(len(diffs)), 0.0, "; ".join(diffs))
+
+
+def merge(results: list[CheckResult], name: str) -> CheckResult:
+    """Several parts of one check as one row: passed if all passed, the worst value."""
+    if not results:
+        return CheckResult(name, True, None, None, "nothing to check")
+    values = [r.value for r in results if r.value is not None]
+    return CheckResult(name, all(r.passed for r in results), max(values) if values else None, results[0].threshold,
+                       "; ".join(r.detail for r in results if r.detail))
+
+
 def check_restore(reference: nn.Module, apply: Apply, inputs: list, expected: list[Tensor]) -> CheckResult:
     """Apply then restore on a copy: tensors, keys, classes, hooks and outputs as before."""
     subject = copy.deepcopy(reference)

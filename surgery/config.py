@@ -118,22 +118,54 @@ class OutputConfig:
         _one_of("output.checkpoint", self.checkpoint, CHECKPOINT_FORMATS)
 
 
+BUILD_KINDS = ("swap", "wrap", "parameter", "buffer")
+
+
+@dataclass
+class BuildRuleConfig:
+    """One build-time rule from a recipe's ``build:`` list (see :mod:`surgery.build`).
+
+    ``match`` is ``type:ClassName`` (torch.nn or a dotted path), a glob on the local attribute
+    name, or a list of those. ``swap`` builds ``to(**kwargs)`` or calls ``factory(old, **kwargs)``;
+    ``wrap`` calls ``wrapper(old, **kwargs)``; ``parameter``/``buffer`` rules cast to ``dtype``,
+    set ``requires_grad``, or re-initialise in place with ``init`` (e.g. torch.nn.init.zeros_).
+    """
+
+    kind: str = "swap"
+    match: Any = None
+    to: Optional[str] = None
+    factory: Optional[str] = None
+    wrapper: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    dtype: Optional[str] = None
+    requires_grad: Optional[bool] = None
+    init: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _one_of("build[].kind", self.kind, BUILD_KINDS)
+        if self.match is None:
+            raise ConfigError("build[].match", None, "is required: 'type:ReLU', a name glob, or a list of them")
+
+
 @dataclass
 class RunConfig:
-    """One run of a recipe: build ``model``, apply ``steps`` in order, check, report, export."""
+    """One run of a recipe: build ``model`` (with ``build`` rules), apply ``steps`` in order,
+    check, report, export."""
 
     recipe: str = "custom"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    build: list[BuildRuleConfig] = field(default_factory=list)
     steps: list[str] = field(default_factory=list)
     prune: Optional[PruneConfig] = None
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        if not self.steps:
-            raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)}")
+        if not self.steps and not self.build:
+            raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)} "
+                              "(or the recipe must have build: rules)")
         for step in self.steps:
             _one_of("steps", step, STEPS)
             if getattr(self, step) is None:

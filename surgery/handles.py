@@ -111,13 +111,11 @@ class HandleGroup(Handle):
         ...     evaluate(model)
     """
 
-    def __init__(self, handles: list[Handle]) -> None:
-        if not handles:
-            raise ValueError("compose() needs at least one handle")
-        model = handles[0].model
+    def __init__(self, handles: list[Handle], model: nn.Module | None = None) -> None:
+        model = model if model is not None else (handles[0].model if handles else None)
         if model is None:
-            raise ValueError("compose(): the first handle's model no longer exists")
-        super().__init__("+".join(h.kind for h in handles), model)
+            raise ValueError("compose() needs at least one handle whose model still exists")
+        super().__init__("+".join(h.kind for h in handles) or "nothing", model)
         self.handles = list(handles)
         for handle in self.handles:
             self.add(repr(handle), handle.restore, handle.bake)

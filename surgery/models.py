@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 import torchvision
@@ -12,6 +13,8 @@ from torch import nn
 from surgery.checkpoints import load_checkpoint
 from surgery.config import ModelConfig
 from surgery.errors import ConfigError
+from surgery.intercept import Event, intercept
+from surgery.rules import Rule
 
 
 def torchvision_names() -> list[str]:
@@ -28,20 +31,33 @@ def validate_model(config: ModelConfig) -> None:
         raise ConfigError("model.name", config.name, "not a torchvision classification model", hint)
 
 
-def model_factory(config: ModelConfig, seed: int) -> Callable[[], nn.Module]:
-    """A function building a fresh, identical model on each call (eval mode, same seed).
+class ModelBuilder:
+    """Builds fresh, identical models on each call: seeded, in eval mode, with build rules.
 
-    Random initialisation is seeded with ``seed`` without disturbing the caller's RNG state;
-    ``config.weights`` (a checkpoint path) is loaded with ``weights_only=True`` when set.
+    Random initialisation is seeded with ``seed`` without disturbing the caller's RNG state.
+    ``rules`` are applied with :func:`surgery.intercept` while the constructor runs; the
+    events of the last build are in :attr:`events`. ``config.weights`` (a checkpoint path) is
+    loaded with ``weights_only=True`` after construction.
     """
-    validate_model(config)
 
-    def build() -> nn.Module:
+    def __init__(self, config: ModelConfig, seed: int, rules: Sequence[Rule] = ()) -> None:
+        validate_model(config)
+        self.config = config
+        self.seed = seed
+        self.rules = list(rules)
+        self.events: list[Event] = []
+
+    def with_rules(self, rules: Sequence[Rule]) -> ModelBuilder:
+        """The same model and seed with other build rules."""
+        return ModelBuilder(self.config, self.seed, rules)
+
+    def __call__(self) -> nn.Module:
+        config = self.config
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+            torch.manual_seed(self.seed)
+            with intercept(*self.rules) if self.rules else contextlib.nullcontext([]) as log:
+                model = torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+            self.events = list(log)
         if config.weights:
             load_checkpoint(model, config.weights, field="model.weights")
         return model.eval()
-
-    return build

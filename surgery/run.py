@@ -12,12 +12,14 @@ from torch import nn
 from tqdm import tqdm
 
 from surgery import checks
+from surgery.build import neutral, rules_from_config
 from surgery.checkpoints import save_checkpoint
 from surgery.comparison import compare
 from surgery.config import RunConfig
 from surgery.data import make_batches
 from surgery.errors import ConfigError
-from surgery.models import model_factory
+from surgery.handles import HandleGroup
+from surgery.models import ModelBuilder
 from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.steps import apply_steps, find
 
@@ -36,6 +38,18 @@ class RunResult:
         return EXIT_OK if self.report["ok"] else EXIT_CHECK_FAILED
 
 
+@dataclass
+class _Models:
+    """The models of one run: plain build, build with rules, and the one under surgery."""
+
+    builder: ModelBuilder
+    reference: nn.Module  # unmodified: no build rules, no runtime steps (drift baseline)
+    built: nn.Module  # with build rules, before runtime steps
+    model: nn.Module  # with build rules and runtime steps
+    hooks_before: dict[str, int]
+    hooks_after: dict[str, int]
+
+
 def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResult:
     """Execute ``config`` and write its report, plot and baked checkpoint into ``out_dir``.
 
@@ -46,21 +60,21 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     checkpoint = out_dir / f"model.{config.output.checkpoint}"
     _refuse_existing([out_dir / "report.json", checkpoint], config.output.overwrite)
     started = time.perf_counter()
-    factory = model_factory(config.model, config.seed)
-    model, inputs = factory(), make_batches(config.data)
-    reference = copy.deepcopy(model)
+    models = _build(config)
+    inputs = make_batches(config.data)
     built = time.perf_counter()
-    handle = apply_steps(model, config)
+    handle = apply_steps(models.model, config)
     operated = time.perf_counter()
     sparsity = _sparsity(handle)
-    results, drift = _run_checks(config, model, reference, handle, factory, inputs, checkpoint)
+    results, drift = _run_checks(config, models, handle, inputs, checkpoint)
     finished = time.perf_counter()
     report = {
         "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
-        "params": parameter_counts(model), "sparsity": sparsity["overall"],
+        "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
         "checks": checks_rows(results), "drift": drift.as_dict(),
-        "layers": layer_rows(model, sparsity["layers"]),
+        "layers": layer_rows(models.model, sparsity["layers"]),
         "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
+        "build": [vars(event) for event in models.builder.events],
         "steps": list(config.steps), "checkpoint": checkpoint.name if checkpoint.exists() else None,
     }
     files = write_reports(report, out_dir, plots=config.output.plots)
@@ -76,36 +90,53 @@ def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
             raise ConfigError("output", str(path), "already exists; pass output.overwrite=true to replace it")
 
 
-def _sparsity(handle) -> dict[str, Any]:
+def _build(config: RunConfig) -> _Models:
+    builder = ModelBuilder(config.model, config.seed, rules_from_config(config.build))
+    hooks_before = checks.global_hook_counts()
+    model = builder()
+    hooks_after = checks.global_hook_counts()
+    built = copy.deepcopy(model)
+    reference = builder.with_rules([])() if builder.rules else built
+    return _Models(builder, reference, built, model, hooks_before, hooks_after)
+
+
+def _sparsity(handle: HandleGroup) -> dict[str, Any]:
     pruning = find(handle, "prune")
     if pruning is None:
         return {"overall": 0.0, "layers": {}}
     return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity()}
 
 
-def _run_checks(config: RunConfig, model: nn.Module, reference: nn.Module, handle, factory, inputs, checkpoint: Path):
-    enabled = set(config.checks.enabled)
-    expected = checks.collect(reference, inputs)
-    drift = compare(reference, model, inputs)
+def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, checkpoint: Path):
+    enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
+    expected = checks.collect(models.built, inputs)
+    drift = compare(models.reference, models.model, inputs)
 
-    def apply(subject: nn.Module, neutral: bool):
-        return apply_steps(subject, config, neutral=neutral)
+    def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
+        return apply_steps(subject, config, neutral=neutral_settings)
 
     results: list[checks.CheckResult] = []
     progress = tqdm(total=5, desc="checks", unit="check", leave=False)
     if "identity" in enabled:
-        results.append(checks.check_identity(reference, apply, inputs, expected))
+        parts = [checks.check_identity(models.built, apply, inputs, expected)] if steps else []
+        if rules:
+            plain = expected if models.reference is models.built else checks.collect(models.reference, inputs)
+            parts.append(checks.check_build_identity(models.builder.with_rules(neutral(rules)), inputs, plain))
+        results.append(checks.merge(parts, "identity"))
     progress.update()
     if "restore" in enabled:
-        results.append(checks.check_restore(reference, apply, inputs, expected))
+        parts = [checks.check_restore(models.built, apply, inputs, expected)] if steps else []
+        if rules:
+            parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
+        results.append(checks.merge(parts, "restore"))
     progress.update()
-    bake, baked = checks.check_bake(model, handle, factory, inputs)
+    bake, baked = checks.check_bake(models.model, handle, models.builder, inputs)
     if "bake" in enabled:
         results.append(bake)
     progress.update()
-    save_checkpoint(model, checkpoint, overwrite=config.output.overwrite)
+    save_checkpoint(models.model, checkpoint, overwrite=config.output.overwrite)
     if "save_load" in enabled:
-        results.append(checks.check_save_load(checkpoint, factory, inputs, baked))
+        results.append(checks.check_save_load(checkpoint, models.builder, inputs, baked))
     progress.update()
     if "drift" in enabled:
         results.append(checks.check_drift(drift, config.checks.drift))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from torch import nn
 
 from surgery.config import RunConfig
-from surgery.handles import Handle, HandleGroup, compose
+from surgery.handles import Handle, HandleGroup
 from surgery.pruning import prune
 
 
@@ -33,7 +33,7 @@ def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False) -
         for handle in reversed(handles):
             handle.restore()
         raise
-    return compose(*handles)
+    return HandleGroup(handles, model)
 
 
 def find(handle: HandleGroup, kind: str) -> Handle | None:
