@@ -170,3 +170,27 @@ def test_installed_wheel_runs_outside_the_checkout(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import surgery; print(surgery.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(site))
+
+
+def test_swap_activations_recipe_swaps_while_building_and_reports_drift(tmp_path):
+    result = surgery("recipe=swap_activations", "data.image_size=64", "data.batch_size=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    assert [(e["name"], e["old_type"], e["new_type"]) for e in data["build"]][:2] == [
+        ("relu", "ReLU", "SiLU"), ("layer1.0.relu", "ReLU", "SiLU")]
+    assert len(data["build"]) == 9 and all(c["passed"] for c in data["checks"])
+    assert 0 < data["drift"]["max_abs"] and data["drift"]["cosine"] < 1  # against the unswapped build
+    from safetensors.torch import load_file
+
+    torchvision.models.resnet18().load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("build.0.to=torch.nn.Nope", "build[0].to"),
+    ("build.0.kind=melt", "kind"),
+    ("build.0.match=[]", "build[0].match"),
+])
+def test_bad_build_rules_exit_2(tmp_path, override, field):
+    result = surgery("recipe=swap_activations", *FAST, override, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and field in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

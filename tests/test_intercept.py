@@ -241,3 +241,23 @@ def test_the_root_module_is_never_swapped():
     with surgery.intercept(rules.swap(nn.Sequential, lambda old: nn.Identity())) as log:
         root = nn.Sequential(nn.Sequential(nn.ReLU()))
     assert type(root) is nn.Sequential and isinstance(root[0], nn.Identity) and len(log) == 1
+
+
+def test_a_failed_build_keeps_no_half_built_module_alive():
+    import gc
+    import weakref
+
+    seen: list[weakref.ref] = []
+
+    def explode(old: nn.Module) -> nn.Module:
+        seen.append(weakref.ref(old))
+        raise ValueError("no factory today")
+
+    try:
+        with surgery.intercept(rules.swap(nn.ReLU, explode)):
+            torchvision.models.resnet18()
+    except surgery.InterceptError as err:
+        assert "swap(ReLU)" in str(err) and "relu" in str(err)
+    gc.collect()
+    assert seen and seen[0]() is None  # neither the log nor the hooks hold the partial model
+    assert registration_hooks() == 0
