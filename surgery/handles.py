@@ -66,6 +66,7 @@ class Handle:
         """Undo every change exactly and remove every hook. Harmless to call twice."""
         if self._state != "attached":
             return
+        self.check_undo()
         self._state = "restored"
         self._run([step.undo for step in reversed(self._steps)])
 
@@ -81,6 +82,9 @@ class Handle:
             self._state = "baked"
             self._run([step.bake for step in reversed(self._steps) if step.bake is not None])
         return self.model
+
+    def check_undo(self) -> None:
+        """Raise before anything is undone if undoing now would be out of order (subclasses)."""
 
     def _run(self, actions: list[Callable[[], None]]) -> None:
         failures: list[BaseException] = []

@@ -3,70 +3,43 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
-
-from surgery.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
+from surgery import guards
+from surgery.errors import ConfigError, ConfigTypeError
+from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
 from surgery.masks import METHODS, SCOPES, compute_masks, pack, unpack
 from surgery.selection import Selection, select
 
 DEFAULT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
-_attached = WeakIdKeyDictionary()  # parameter -> the PruneHandle currently masking it
-_attached_lock = threading.Lock()
-
 
 class MaskEnforcer:
-    """Keeps the pruned entries of one parameter at zero.
+    """The pruning transform of one parameter: its pruned entries are kept at zero.
 
     The mask is applied in place when pruning is attached, so everything that reads the
     parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
-    the pruned values. :class:`SubtreeEnforcer` hooks re-apply the mask only when the tensor
-    changed since it was last masked (an optimizer step, ``load_state_dict``, ``.to()``),
-    which it detects from the tensor's version counter and storage pointer, so an unchanged
-    weight costs a comparison, not a multiply. It holds no weak references, so models pickle and deep-copy.
+    the pruned values; the parameter's :class:`~surgery.guards.TensorGuard` re-applies it
+    whenever the tensor changes. The mask is stored packed, one bit per entry.
     """
+
+    kind = "prune"
 
     def __init__(self, param: nn.Parameter, mask: Tensor) -> None:
         self.param = param
         self.shape = mask.shape
         self.packed = pack(mask)
-        self.seen: tuple[int, int] | None = None
 
     def mask(self) -> Tensor:
         """The boolean keep-mask (``True`` keeps the entry)."""
         return unpack(self.packed, self.shape)
 
-    def enforce(self) -> None:
-        """Zero the pruned entries if the parameter changed since the last call."""
-        if (self.param._version, self.param.data_ptr()) != self.seen:
-            self.apply(~self.mask().to(self.param.device))
-
-    def apply(self, pruned: Tensor) -> None:
-        """Zero the entries where ``pruned`` is true and remember the tensor's version."""
+    def apply(self, param: Tensor) -> None:
+        """Zero the pruned entries of ``param`` in place."""
         with torch.no_grad():
-            self.param.masked_fill_(pruned, 0)
-        self.seen = (self.param._version, self.param.data_ptr())
-
-
-class SubtreeEnforcer:
-    """Forward-pre hook enforcing the masks of every pruned weight at or below its module.
-
-    One is registered on each module on a path from the root to a pruned layer, so calling the
-    root, an intermediate block or the layer itself all re-mask a changed weight first — also
-    when a parent reads the weight directly without calling the layer.
-    """
-
-    def __init__(self, enforcers: list[MaskEnforcer]) -> None:
-        self.enforcers = enforcers
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        for enforcer in self.enforcers:
-            enforcer.enforce()
+            param.masked_fill_(~self.mask().to(param.device), 0)
 
 
 class PruneHandle(Handle):
@@ -75,6 +48,10 @@ class PruneHandle(Handle):
     def __init__(self, model: nn.Module) -> None:
         super().__init__("prune", model)
         self.enforcers: dict[str, MaskEnforcer] = {}
+
+    def check_undo(self) -> None:
+        for name, enforcer in self.enforcers.items():
+            guards.check_last(enforcer.param, enforcer, name)
 
     def masks(self) -> dict[str, Tensor]:
         """Boolean keep-masks by qualified parameter name (``"layer1.0.conv1.weight"``)."""
@@ -134,11 +111,11 @@ def prune(
     masks = compute_masks(params, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
     handle = PruneHandle(model)
     try:
-        _claim(handle, targets)
         by_param = {}
         for (name, param), mask in zip(targets.items(), masks):
-            handle.enforcers[name] = by_param[id(param)] = _attach(handle, param, mask)
-        for module, below in _paths_to_owners(model, params):
+            handle.enforcers[name] = _attach(handle, name, param, mask)
+            by_param[id(param)] = guards.guard_of(param)
+        for module, below in guards.paths_to_owners(model, params):
             hook = module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below]))
             handle.add_hook("mask hook", hook)
     except BaseException:
@@ -185,53 +162,21 @@ def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int)
     return targets
 
 
-def _paths_to_owners(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, list[int]]]:
-    """Every module from the root down to each owner of a pruned parameter, with the ids of
-    the pruned parameters at or below it (a shared module or parameter: every path)."""
-    wanted = {id(p) for p in params}
-    named = dict(model.named_modules(remove_duplicate=False))
-    below: dict[int, tuple[nn.Module, dict[int, None]]] = {}
-    for name, module in named.items():
-        owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in wanted]
-        if not owned:
-            continue
-        parts = name.split(".") if name else []
-        for depth in range(len(parts) + 1):
-            ancestor = named[".".join(parts[:depth])]
-            below.setdefault(id(ancestor), (ancestor, {}))[1].update(dict.fromkeys(owned))
-    return [(module, list(ids)) for module, ids in below.values()]
-
-
-def _claim(handle: PruneHandle, targets: dict[str, nn.Parameter]) -> None:
-    with _attached_lock:
-        for name, param in targets.items():
-            if param in _attached:
-                raise AlreadyModifiedError(f"prune: {name} is already pruned by an attached handle; "
-                                           "bake() or restore() that handle first")
-        for param in targets.values():
-            _attached[param] = handle
-    handle.add("release prune claims", lambda: _release(targets), lambda: _release(targets))
-
-
-def _release(targets: dict[str, nn.Parameter]) -> None:
-    with _attached_lock:
-        for param in targets.values():
-            _attached.pop(param, None)
-
-
-def _attach(handle: PruneHandle, param: nn.Parameter, mask: Tensor) -> MaskEnforcer:
+def _attach(handle: PruneHandle, name: str, param: nn.Parameter, mask: Tensor) -> MaskEnforcer:
     pruned = ~mask.to(param.device)
     original = param.detach()[pruned]  # only the entries about to be zeroed
     enforcer = MaskEnforcer(param, mask)
 
     def put_back() -> None:
+        guards.detach(param, enforcer, name)
         with torch.no_grad():
             param.masked_scatter_(~enforcer.mask().to(param.device), original.to(param.device, param.dtype))
 
-    def drop_original() -> None:
+    def keep() -> None:
         nonlocal original
+        guards.detach(param, enforcer, name)
         original = original.new_empty(0)
 
-    handle.add("restore pruned values", put_back, drop_original)  # recorded before the change
-    enforcer.apply(pruned)
+    handle.add("restore pruned values", put_back, keep)  # recorded before the change
+    guards.attach(param, enforcer, name)
     return enforcer

@@ -1,0 +1,132 @@
+"""Tensor guards: in-place changes to a parameter (masks, fake quantization) kept applied.
+
+A verb such as ``prune`` or ``quantize`` rewrites a parameter in place and registers a
+*transform* on the parameter's :class:`TensorGuard`. Forward-pre hooks (one
+:class:`SubtreeEnforcer` on every module from the root down to each owner of a guarded
+parameter) call :meth:`TensorGuard.enforce`, which re-applies every transform, in the order
+they were attached, only when the tensor changed since it was last made consistent (an
+optimizer step, ``load_state_dict``, ``.to()``): an unchanged weight costs one comparison.
+Transforms on one parameter are undone last-in-first-out.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from surgery.errors import AlreadyModifiedError
+
+_guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
+_lock = threading.Lock()
+
+
+class Transform(Protocol):
+    """Something that rewrites a parameter in place; ``kind`` names the verb (one per kind)."""
+
+    kind: str
+
+    def apply(self, param: torch.Tensor) -> None: ...
+
+
+class TensorGuard:
+    """The transforms attached to one parameter, re-applied in order when it changes."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        self.transforms: list[Transform] = []
+        self.seen: tuple[int, int] | None = None
+
+    def mark_clean(self) -> None:
+        """Record that the parameter currently satisfies every transform."""
+        self.seen = (self.param._version, self.param.data_ptr())
+
+    def enforce(self) -> None:
+        """Re-apply every transform if the parameter changed since it was last consistent."""
+        if (self.param._version, self.param.data_ptr()) != self.seen:
+            with torch.no_grad():
+                for transform in self.transforms:
+                    transform.apply(self.param)
+            self.mark_clean()
+
+
+class SubtreeEnforcer:
+    """Forward-pre hook enforcing the guards of every guarded parameter at or below its module.
+
+    It holds no weak references, so a model under surgery pickles and deep-copies.
+    """
+
+    def __init__(self, guards: list[TensorGuard]) -> None:
+        self.guards = guards
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        for guard in self.guards:
+            guard.enforce()
+
+
+def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
+    """Add ``transform`` to the guard of ``param`` and apply it now.
+
+    Raises:
+        AlreadyModifiedError: if a transform of the same kind is already attached.
+    """
+    with _lock:
+        guard = _guards.get(param)
+        if guard is None:
+            guard = _guards[param] = TensorGuard(param)
+            guard.mark_clean()
+        if any(t.kind == transform.kind for t in guard.transforms):
+            raise AlreadyModifiedError(f"{transform.kind}: {name} already has {transform.kind} attached; "
+                                       "bake() or restore() that handle first")
+        guard.enforce()  # bring earlier transforms up to date before stacking a new one
+        guard.transforms.append(transform)
+    with torch.no_grad():
+        transform.apply(param)
+    guard.mark_clean()
+    return guard
+
+
+def check_last(param: nn.Parameter, transform: Transform, name: str) -> None:
+    """Raise :class:`AlreadyModifiedError` if a later transform sits on top of ``transform``."""
+    guard = _guards.get(param)
+    if guard is not None and transform in guard.transforms and guard.transforms[-1] is not transform:
+        later = guard.transforms[-1].kind
+        raise AlreadyModifiedError(f"{transform.kind}: {name} also has {later} attached after it; "
+                                   f"restore or bake the {later} handle first (undo in reverse order)")
+
+
+def detach(param: nn.Parameter, transform: Transform, name: str) -> None:
+    """Remove ``transform`` from the guard of ``param`` (it must be the last one attached)."""
+    with _lock:
+        check_last(param, transform, name)
+        guard = _guards.get(param)
+        if guard is None or transform not in guard.transforms:
+            return
+        guard.transforms.pop()
+        if not guard.transforms:
+            del _guards[param]
+
+
+def guard_of(param: nn.Parameter) -> TensorGuard:
+    """The guard of a parameter that has a transform attached."""
+    return _guards[param]
+
+
+def paths_to_owners(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, list[int]]]:
+    """Every module from the root down to each owner of one of ``params``, with the ids of
+    those parameters at or below it (for a shared module or parameter: every path)."""
+    wanted = {id(p) for p in params}
+    named = dict(model.named_modules(remove_duplicate=False))
+    below: dict[int, tuple[nn.Module, dict[int, None]]] = {}
+    for name, module in named.items():
+        owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in wanted]
+        if not owned:
+            continue
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            ancestor = named[".".join(parts[:depth])]
+            below.setdefault(id(ancestor), (ancestor, {}))[1].update(dict.fromkeys(owned))
+    return [(module, list(ids)) for module, ids in below.values()]
