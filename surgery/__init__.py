@@ -12,7 +12,9 @@ from surgery.errors import (
 )
 from surgery.handles import Handle, HandleGroup, compose
 from surgery.intercept import Event, InterceptError, InterceptLog, intercept
+from surgery.observers import QuantSpec
 from surgery.pruning import PruneHandle, prune
+from surgery.quantization import QuantizeHandle, quantize
 from surgery.selection import select
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "InterceptError",
     "InterceptLog",
     "PruneHandle",
+    "QuantSpec",
+    "QuantizeHandle",
     "SelectionError",
     "SurgeryError",
     "UndoError",
@@ -33,6 +37,7 @@ __all__ = [
     "compose",
     "intercept",
     "prune",
+    "quantize",
     "rules",
     "select",
 ]

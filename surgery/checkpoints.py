@@ -92,6 +92,14 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, overwrite: bool = Fal
     return path
 
 
+def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write named tensors to a ``.safetensors`` file atomically."""
+    path = Path(path)
+    state = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_atomically(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+    return path
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write`` on a temporary file beside ``path``, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)

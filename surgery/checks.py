@@ -148,27 +148,48 @@ def check_restore(reference: nn.Module, apply: Apply, inputs: list, expected: li
     return CheckResult("restore", not diffs, worst, 0.0, "; ".join(diffs[:5]))
 
 
-def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], inputs: list) -> tuple[CheckResult, list[Tensor]]:
-    """Baking keeps the hooked outputs bit for bit, leaves no hook, and loads strictly."""
+Reattach = Callable[[nn.Module], object]  # re-attaches unbakeable parts; returns a handle or None
+
+
+def _release(handle: object) -> None:
+    if handle is not None:
+        handle.restore()
+
+
+def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], inputs: list,
+               reattach: Reattach) -> tuple[CheckResult, list[Tensor]]:
+    """Baking keeps the hooked outputs bit for bit, leaves no hook, and loads strictly.
+
+    What cannot be folded into weights (activation quantization) is re-attached from its
+    saved parameters, without calibration, on the baked model and on the fresh instance.
+    """
     hooked = collect(model, inputs)
     handle.bake()
+    leftover = sum(module_hook_counts(model).values())
+    extra = reattach(model)
     baked = collect(model, inputs)
+    _release(extra)
     identical, worst = max_difference(hooked, baked)
     problems = [] if identical else ["baked outputs differ from hooked outputs"]
-    leftover = sum(module_hook_counts(model).values())
     if leftover:
         problems.append(f"{leftover} hook(s) left on the baked model")
     fresh = factory()
     fresh.load_state_dict(model.state_dict(), strict=True)
+    extra = reattach(fresh)
     if not max_difference(collect(fresh, inputs), baked)[0]:
         problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
+    _release(extra)
     return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems)), baked
 
 
-def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, expected: list[Tensor]) -> CheckResult:
-    """The written checkpoint, loaded into a fresh instance, reproduces the outputs."""
+def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, expected: list[Tensor],
+                    reattach: Reattach) -> CheckResult:
+    """The written checkpoint (and saved quantization parameters), loaded into a fresh
+    instance, reproduce the outputs."""
     fresh = load_checkpoint(factory(), path)
+    extra = reattach(fresh)
     identical, worst = max_difference(collect(fresh, inputs), expected)
+    _release(extra)
     return CheckResult("save_load", identical, worst, 0.0, "" if identical else f"{path.name} gives other outputs")
 
 

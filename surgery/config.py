@@ -11,8 +11,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from surgery.errors import ConfigError
 from surgery.masks import METHODS, SCOPES
+from surgery.observers import QuantSpec
 
-STEPS = ("prune",)
+STEPS = ("prune", "quantize")
 MODEL_SOURCES = ("torchvision",)
 DATA_KINDS = ("synthetic",)
 CHECKPOINT_FORMATS = ("safetensors", "pt")
@@ -82,6 +83,37 @@ class PruneConfig:
         """Keyword arguments for :func:`surgery.prune`."""
         return {"method": self.method, "scope": self.scope, "select": self.select,
                 "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed}
+
+
+@dataclass
+class QuantizeConfig:
+    """Arguments of :func:`surgery.quantize`; ``null`` weights or activations turn that part off.
+
+    Activations are calibrated on ``calibration_batches`` batches of the data's calibration
+    split (training images for ``digits``, differently seeded noise for ``synthetic``).
+    """
+
+    weights: Optional[QuantSpec] = field(default_factory=lambda: QuantSpec(bits=8, symmetric=True, per_channel=True))
+    activations: Optional[QuantSpec] = None
+    select: Any = None
+    exclude: Any = None
+    where: str = "output"
+    calibration_batches: int = 4
+
+    def __post_init__(self) -> None:
+        if self.weights is None and self.activations is None:
+            raise ConfigError("quantize", None, "set quantize.weights, quantize.activations or both")
+        if self.weights is not None:
+            self.weights.validate("quantize.weights")
+        if self.activations is not None:
+            self.activations.validate("quantize.activations")
+        _one_of("quantize.where", self.where, ("output", "input"))
+        _positive_int("quantize.calibration_batches", self.calibration_batches)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
+        return {"weights": self.weights, "activations": self.activations, "select": self.select,
+                "exclude": self.exclude or None, "where": self.where}
 
 
 @dataclass
@@ -159,6 +191,7 @@ class RunConfig:
     build: list[BuildRuleConfig] = field(default_factory=list)
     steps: list[str] = field(default_factory=list)
     prune: Optional[PruneConfig] = None
+    quantize: Optional[QuantizeConfig] = None
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -179,7 +212,8 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         ConfigError: naming the first offending field, its value and what is allowed.
     """
     try:
-        schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig()))
+        schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
+                                                quantize=QuantizeConfig(activations=QuantSpec())))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

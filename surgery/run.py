@@ -13,15 +13,15 @@ from tqdm import tqdm
 
 from surgery import checks
 from surgery.build import neutral, rules_from_config
-from surgery.checkpoints import save_checkpoint
+from surgery.checkpoints import save_checkpoint, save_tensors
 from surgery.comparison import compare
 from surgery.config import RunConfig
-from surgery.data import make_batches
+from surgery.data import calibration_batches, make_batches
 from surgery.errors import ConfigError
 from surgery.handles import HandleGroup
 from surgery.models import ModelBuilder
 from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
-from surgery.steps import apply_steps, find
+from surgery.steps import apply_steps, find, reattach, saved_qparams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -58,15 +58,17 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     """
     out_dir = Path(out_dir)
     checkpoint = out_dir / f"model.{config.output.checkpoint}"
-    _refuse_existing([out_dir / "report.json", checkpoint], config.output.overwrite)
+    qparams_file = out_dir / "model.qparams.safetensors"
+    _refuse_existing([out_dir / "report.json", checkpoint, qparams_file], config.output.overwrite)
     started = time.perf_counter()
     models = _build(config)
-    inputs = make_batches(config.data)
+    inputs, calibration = make_batches(config.data), _calibration(config)
     built = time.perf_counter()
-    handle = apply_steps(models.model, config)
+    handle = apply_steps(models.model, config, calibration=calibration)
     operated = time.perf_counter()
     sparsity = _sparsity(handle)
-    results, drift = _run_checks(config, models, handle, inputs, checkpoint)
+    files = _Files(checkpoint, qparams_file, calibration)
+    results, drift = _run_checks(config, models, handle, inputs, files)
     finished = time.perf_counter()
     report = {
         "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
@@ -76,12 +78,27 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
         "build": [vars(event) for event in models.builder.events],
         "steps": list(config.steps), "checkpoint": checkpoint.name if checkpoint.exists() else None,
+        "qparams": qparams_file.name if qparams_file.exists() else None,
     }
     files = write_reports(report, out_dir, plots=config.output.plots)
     if echo:
         print(summary_table(report))
-        print(f"  wrote {', '.join(str(f) for f in files + [checkpoint] if f.exists())}")
+        print(f"  wrote {', '.join(str(f) for f in files + [checkpoint, qparams_file] if f.exists())}")
     return RunResult(report, files)
+
+
+@dataclass
+class _Files:
+    checkpoint: Path
+    qparams: Path
+    calibration: list | None
+
+
+def _calibration(config: RunConfig) -> list | None:
+    settings = config.quantize
+    if "quantize" not in config.steps or settings.activations is None:
+        return None
+    return calibration_batches(config.data, settings.calibration_batches)
 
 
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
@@ -107,13 +124,15 @@ def _sparsity(handle: HandleGroup) -> dict[str, Any]:
     return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity()}
 
 
-def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, checkpoint: Path):
+def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files):
     enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
     expected = checks.collect(models.built, inputs)
     drift = compare(models.reference, models.model, inputs)
 
     def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
-        return apply_steps(subject, config, neutral=neutral_settings)
+        return apply_steps(subject, config, neutral=neutral_settings, calibration=files.calibration)
+
+    qparams = saved_qparams(handle)
 
     results: list[checks.CheckResult] = []
     progress = tqdm(total=5, desc="checks", unit="check", leave=False)
@@ -130,13 +149,17 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
             parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
         results.append(checks.merge(parts, "restore"))
     progress.update()
-    bake, baked = checks.check_bake(models.model, handle, models.builder, inputs)
+    bake, baked = checks.check_bake(models.model, handle, models.builder, inputs,
+                                    lambda model: reattach(model, config, qparams))
     if "bake" in enabled:
         results.append(bake)
     progress.update()
-    save_checkpoint(models.model, checkpoint, overwrite=config.output.overwrite)
+    save_checkpoint(models.model, files.checkpoint, overwrite=config.output.overwrite)
+    if qparams:
+        save_tensors(qparams, files.qparams)
     if "save_load" in enabled:
-        results.append(checks.check_save_load(checkpoint, models.builder, inputs, baked))
+        results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, baked,
+                                              lambda model: reattach(model, config, files.qparams)))
     progress.update()
     if "drift" in enabled:
         results.append(checks.check_drift(drift, config.checks.drift))

@@ -1,0 +1,282 @@
+"""``surgery.quantize``: fake quantization of weights (in place, guarded) and activations (hooks)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from surgery import guards
+from surgery.checkpoints import save_tensors
+from surgery.comparison import batches, evaluating
+from surgery.errors import CheckpointError, ConfigError
+from surgery.guards import SubtreeEnforcer
+from surgery.handles import Handle
+from surgery.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
+from surgery.selection import Selection, select
+
+DEFAULT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+WEIGHT_AXIS = ((nn.ConvTranspose1d, 1), (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1),
+               (nn.Conv1d, 0), (nn.Conv2d, 0), (nn.Conv3d, 0), (nn.Linear, 0), (nn.Embedding, 0))
+ACTIVATION_AXIS = ((nn.Conv1d, 1), (nn.Conv2d, 1), (nn.Conv3d, 1), (nn.ConvTranspose1d, 1),
+                   (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1), (nn.Linear, -1))
+WHERE = ("output", "input")
+DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
+
+
+class WeightQuantizer:
+    """The fake-quantization transform of one weight, with frozen scale and zero point."""
+
+    kind = "quantize"
+
+    def __init__(self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None) -> None:
+        self.spec, self.scale, self.zero_point, self.axis = spec, scale, zero_point, axis
+
+    def apply(self, param: Tensor) -> None:
+        """Replace ``param`` in place by its fake-quantized values (idempotent)."""
+        with torch.no_grad():
+            param.copy_(fake_quantize(param, self.scale.to(param.device), self.zero_point.to(param.device),
+                                      self.axis, self.spec))
+
+
+class ActivationQuantizer:
+    """Forward hook (outputs) or forward-pre hook (first input) that observes, then fake-quantizes."""
+
+    def __init__(self, spec: QuantSpec, axis: int | None, name: str, where: str) -> None:
+        self.spec, self.axis, self.name, self.where = spec, axis, name, where
+        self.observer: Observer | None = Observer(spec, axis, name)
+        self.scale: Tensor | None = None
+        self.zero_point: Tensor | None = None
+
+    def freeze(self, scale: Tensor | None = None, zero_point: Tensor | None = None) -> None:
+        """Stop observing; use the observed range, or the given scale and zero point."""
+        if scale is None:
+            scale, zero_point = self.observer.qparams()
+        self.scale, self.zero_point, self.observer = scale, zero_point, None
+
+    def _quantize(self, x: Any) -> Any:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise ConfigError("quantize.select", self.name, f"its {self.where} is {type(x).__name__}"
+                              f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
+                              "tensors can be quantized")
+        axis = None if self.axis is None else self.axis % x.dim()
+        if self.observer is not None:
+            self.observer.axis = axis
+            self.observer.observe(x)
+            return None
+        return fake_quantize(x, self.scale.to(x.device), self.zero_point.to(x.device), axis, self.spec)
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> Any:
+        if self.where == "output":
+            return self._quantize(output)
+        if not args:
+            raise ConfigError("quantize.where", "input", f"{self.name} was called without positional inputs")
+        quantized = self._quantize(args[0])
+        return None if quantized is None else (quantized, *args[1:])
+
+
+class QuantizeHandle(Handle):
+    """Handle returned by :func:`quantize`; also saves and reports quantization parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("quantize", model)
+        self.weights: dict[str, WeightQuantizer] = {}
+        self.params: dict[str, nn.Parameter] = {}
+        self.activations: dict[str, ActivationQuantizer] = {}
+
+    def check_undo(self) -> None:
+        for name, quantizer in self.weights.items():
+            guards.check_last(self.params[name], quantizer, name)
+
+    def qparams(self) -> dict[str, Tensor]:
+        """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
+        out: dict[str, Tensor] = {}
+        for name, quantizer in self.activations.items():
+            if quantizer.scale is not None:
+                out[f"{name}.scale"] = quantizer.scale.detach().cpu().contiguous()
+                out[f"{name}.zero_point"] = quantizer.zero_point.detach().cpu().contiguous()
+        return out
+
+    def save_qparams(self, path: str | Path) -> Path:
+        """Write activation quantization parameters (safetensors, settings as metadata)."""
+        first = next(iter(self.activations.values()), None)
+        meta = {"where": first.where if first else "output",
+                "spec": json.dumps(vars(first.spec) if first else {}), "layers": json.dumps(list(self.activations))}
+        return save_tensors(self.qparams(), path, metadata=meta)
+
+
+def load_qparams(path: str | Path) -> dict[str, Tensor]:
+    """Read a file written by :meth:`QuantizeHandle.save_qparams`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"quantize.qparams={str(path)!r}: no such file")
+    try:
+        return load_file(str(path))
+    except Exception as err:
+        raise CheckpointError(f"quantize.qparams={str(path)!r}: unreadable ({type(err).__name__})") from None
+
+
+def quantize(
+    model: nn.Module,
+    *,
+    weights: QuantSpec | None = DEFAULT_WEIGHTS,
+    activations: QuantSpec | None = None,
+    select: Selection = None,
+    exclude: Selection = None,
+    calibration: Iterable | None = None,
+    where: str = "output",
+    qparams: dict[str, Tensor] | str | Path | None = None,
+    progress: bool = True,
+) -> QuantizeHandle:
+    """Fake-quantize the weights and/or activations of the selected layers.
+
+    Args:
+        model: the model to modify in place.
+        weights: settings for weights (default int8, symmetric, per output channel), or None.
+            Weights are replaced in place by their fake-quantized values with PyTorch's fused
+            ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
+        activations: settings for activations, or None. Forward hooks fake-quantize each
+            selected layer's output (``where="input"``: forward-pre hooks, its first input).
+        select, exclude: layers (see :func:`surgery.select`); default every Conv*d and Linear.
+        calibration: batches (tensors or tuples of inputs) run through the model, with a
+            progress bar, to estimate activation ranges; required for activations unless
+            ``qparams`` (a dict or a file from :meth:`QuantizeHandle.save_qparams`) is given.
+
+    Example:
+        >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
+        >>> handle.save_qparams("model.qparams.safetensors")
+    """
+    weights, activations = _validate(weights, activations, where, calibration, qparams)
+    targets = _targets(model, select, exclude, weights, activations)
+    handle = QuantizeHandle(model)
+    try:
+        if weights is not None:
+            _attach_weights(handle, model, targets, weights)
+        if activations is not None:
+            _attach_activations(handle, targets, activations, where)
+            _calibrate_or_load(handle, model, calibration, qparams, progress)
+    except BaseException:
+        handle.restore()
+        raise
+    return handle
+
+
+def _validate(weights, activations, where, calibration, qparams) -> tuple[QuantSpec | None, QuantSpec | None]:
+    weights = _as_spec(weights, "quantize.weights")
+    activations = _as_spec(activations, "quantize.activations")
+    if weights is None and activations is None:
+        raise ConfigError("quantize", None, "set weights, activations or both")
+    if where not in WHERE:
+        raise ConfigError("quantize.where", where, f"must be one of {', '.join(WHERE)}")
+    if activations is not None and calibration is None and qparams is None:
+        raise ConfigError("quantize.calibration", None, "activation quantization needs calibration batches "
+                          "(or saved qparams)")
+    return weights, activations
+
+
+def _as_spec(spec: Any, field: str) -> QuantSpec | None:
+    if spec is None or isinstance(spec, QuantSpec):
+        return spec.validate(field) if spec is not None else None
+    if isinstance(spec, dict):
+        unknown = set(spec) - set(QuantSpec.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(field, sorted(unknown)[0], f"unknown setting; allowed: {', '.join(QuantSpec.__dataclass_fields__)}")
+        return QuantSpec(**spec).validate(field)
+    raise ConfigError(field, spec, "must be a QuantSpec, a dict of its fields, or None")
+
+
+def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
+    for kind, axis in table:
+        if isinstance(module, kind):
+            return axis
+    allowed = ", ".join(sorted({k.__name__ for k, _ in table}))
+    raise ConfigError(f"{field}.per_channel", True, f"{name} ({type(module).__name__}) has no channel axis; "
+                      f"per-channel works on {allowed}")
+
+
+def _targets(model, include, exclude, weights, activations) -> dict[str, nn.Module]:
+    chosen = select(model, DEFAULT_TYPES if include is None else include, exclude=exclude,
+                    field="quantize.select", exclude_field="quantize.exclude")
+    for name, module in chosen.items():
+        weight = module._parameters.get("weight")
+        if weights is not None and weight is not None and not weight.is_floating_point():
+            raise ConfigError("quantize.select", name, f"weight has dtype {weight.dtype}; only floating tensors "
+                              "can be quantized")
+        if weights is not None and weights.per_channel and weight is not None:
+            _axis(module, WEIGHT_AXIS, name, "quantize.weights")
+        if activations is not None and activations.per_channel:
+            _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+    return chosen
+
+
+def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: dict[str, nn.Module], spec: QuantSpec) -> None:
+    by_param = {}
+    for name, module in targets.items():
+        param = module._parameters.get("weight")
+        if param is None or id(param) in by_param:
+            continue
+        key = f"{name}.weight" if name else "weight"
+        axis = _axis(module, WEIGHT_AXIS, name, "quantize.weights") if spec.per_channel else None
+        observer = Observer(spec, axis, key)
+        observer.observe(param)
+        quantizer = WeightQuantizer(spec, *observer.qparams(), axis)
+        _attach_one(handle, key, param, quantizer)
+        by_param[id(param)] = guards.guard_of(param)
+    for module, below in guards.paths_to_owners(model, [g.param for g in by_param.values()]):
+        handle.add_hook("weight quantization hook",
+                        module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below])))
+
+
+def _attach_one(handle: QuantizeHandle, name: str, param: nn.Parameter, quantizer: WeightQuantizer) -> None:
+    original = param.detach().clone()
+
+    def put_back() -> None:
+        guards.detach(param, quantizer, name)
+        with torch.no_grad():
+            param.copy_(original)
+
+    def keep() -> None:
+        nonlocal original
+        guards.detach(param, quantizer, name)
+        original = original.new_empty(0)
+
+    handle.add("restore unquantized weight", put_back, keep)
+    guards.attach(param, quantizer, name)
+    handle.weights[name], handle.params[name] = quantizer, param
+
+
+def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str) -> None:
+    for name, module in targets.items():
+        axis = _axis(module, ACTIVATION_AXIS, name, "quantize.activations") if spec.per_channel else None
+        quantizer = ActivationQuantizer(spec, axis, name, where)
+        hook = module.register_forward_hook(quantizer) if where == "output" else \
+            module.register_forward_pre_hook(quantizer)
+        handle.add_hook("activation quantization hook", hook)
+        handle.activations[name] = quantizer
+
+
+def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qparams, progress: bool) -> None:
+    if qparams is not None:
+        saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
+        missing = [n for n in handle.activations if f"{n}.scale" not in saved]
+        if missing:
+            raise CheckpointError(f"quantize.qparams: no parameters for {len(missing)} layer(s), e.g. {missing[0]}")
+        for name, quantizer in handle.activations.items():
+            quantizer.freeze(saved[f"{name}.scale"], saved[f"{name}.zero_point"])
+        return
+    with evaluating(model), torch.no_grad():
+        for index, batch in enumerate(tqdm(list(batches(calibration)), desc="calibrating", unit="batch",
+                                           disable=not progress, leave=False)):
+            for tensor in batch:
+                if isinstance(tensor, Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise NonFiniteError("calibration", f"batch {index}", "contains NaN or Inf")
+            model(*batch)
+    for quantizer in handle.activations.values():
+        quantizer.freeze()
+
