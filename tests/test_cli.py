@@ -194,3 +194,48 @@ def test_bad_build_rules_exit_2(tmp_path, override, field):
     result = surgery("recipe=swap_activations", *FAST, override, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and field in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_quantize_recipe_saves_activation_parameters_that_reproduce_the_outputs(tmp_path):
+    result = surgery("recipe=quantize_resnet50", *FAST, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    assert all(c["passed"] for c in data["checks"]) and data["qparams"] == "model.qparams.safetensors"
+    assert data["drift"]["cosine"] > 0.99  # int8 on a random ResNet-18 measures ~0.999
+    from safetensors.torch import load_file
+
+    import surgery as api
+
+    qparams = load_file(str(tmp_path / "model.qparams.safetensors"))
+    assert {"conv1.scale", "conv1.zero_point", "fc.scale"} <= set(qparams)
+    model = torchvision.models.resnet18().eval()
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+    weight = model.layer1[0].conv1.weight.detach()
+    assert weight.flatten(1).unique(dim=None).numel() <= 64 * 255  # on an int8 grid per channel
+    handle = api.quantize(model, weights=None, activations=api.QuantSpec(bits=8), qparams=tmp_path / "model.qparams.safetensors")
+    handle.restore()
+
+
+def test_prune_then_quantize_recipe_composes(tmp_path):
+    result = surgery("recipe=prune_quantize_resnet50", *FAST, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    assert data["steps"] == ["prune", "quantize"] and abs(data["sparsity"] - 0.5) < 1e-3
+    assert all(c["passed"] for c in data["checks"])
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert abs((state["layer1.0.conv1.weight"] == 0).float().mean().item() - 0.5) < 0.01  # zeros survive int8
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("quantize.weights.bits=9", "quantize.weights.bits"),
+    ("quantize.activations.bits=1", "quantize.activations.bits"),
+    ("quantize.activations.observer=median", "quantize.activations.observer"),
+    ("quantize.where=middle", "quantize.where"),
+    ("quantize.select=[bn1]", "per_channel"),
+])
+def test_bad_quantize_settings_exit_2(tmp_path, override, field):
+    result = surgery("recipe=quantize_resnet50", *FAST, override, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and field in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
