@@ -108,6 +108,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are ordinary files
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -193,9 +193,12 @@ def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, 
     return CheckResult("save_load", identical, worst, 0.0, "" if identical else f"{path.name} gives other outputs")
 
 
-def check_drift(drift: Drift, bounds: DriftThresholds) -> CheckResult:
-    """Original vs modified outputs stay within the recipe's bounds."""
+def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float] | None = None) -> CheckResult:
+    """Original vs modified outputs (and accuracy, with labelled data) stay within bounds."""
     failures = []
+    drop = None if accuracy is None else accuracy["drop_points"]
+    if bounds.max_accuracy_drop is not None and drop is not None and drop > bounds.max_accuracy_drop:
+        failures.append(f"accuracy drop {drop:.2f} points > {bounds.max_accuracy_drop}")
     if bounds.min_cosine is not None and drift.cosine < bounds.min_cosine:
         failures.append(f"cosine {drift.cosine:.4f} < {bounds.min_cosine}")
     if bounds.min_sqnr_db is not None and drift.sqnr_db is not None and drift.sqnr_db < bounds.min_sqnr_db:

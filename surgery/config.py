@@ -14,8 +14,8 @@ from surgery.masks import METHODS, SCOPES
 from surgery.observers import QuantSpec
 
 STEPS = ("prune", "quantize")
-MODEL_SOURCES = ("torchvision",)
-DATA_KINDS = ("synthetic",)
+MODEL_SOURCES = ("torchvision", "digits_cnn")
+DATA_KINDS = ("synthetic", "digits")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 
@@ -31,7 +31,11 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass
 class ModelConfig:
-    """Which model to build: ``source`` + ``name``, optionally loading a checkpoint."""
+    """Which model to build: ``source`` + ``name``, optionally loading a checkpoint.
+
+    ``source: digits_cnn`` is surgery's small CNN for the digits data; ``weights: shipped``
+    loads its trained checkpoint (reproduced by ``scripts/train_digits_cnn.py``).
+    """
 
     source: str = "torchvision"
     name: str = "resnet50"
@@ -45,7 +49,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """The inputs used by the checks: ``synthetic`` is seeded Gaussian noise images."""
+    """The inputs used by the checks: ``synthetic`` is seeded Gaussian noise images; ``digits``
+    is the test split of scikit-learn's 8x8 digits (labels give accuracy), ``batches`` of
+    ``batch_size`` (channels and image_size are fixed at 1 and 8, and the split is always the
+    one the shipped checkpoint was trained against, so ``seed`` does not apply to digits)."""
 
     kind: str = "synthetic"
     batch_size: int = 4
@@ -124,6 +131,7 @@ class DriftThresholds:
     min_sqnr_db: Optional[float] = None
     min_top1_agreement: Optional[float] = None
     max_abs: Optional[float] = None
+    max_accuracy_drop: Optional[float] = None  # in points (percent), with labelled data
 
 
 @dataclass

@@ -12,9 +12,13 @@ from torch import nn
 
 from surgery.checkpoints import load_checkpoint
 from surgery.config import ModelConfig
+from surgery.digits import CHECKPOINT, DigitsCNN
 from surgery.errors import ConfigError
 from surgery.intercept import Event, intercept
 from surgery.rules import Rule
+
+
+SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn)
 
 
 def torchvision_names() -> list[str]:
@@ -24,6 +28,8 @@ def torchvision_names() -> list[str]:
 
 def validate_model(config: ModelConfig) -> None:
     """Raise :class:`ConfigError` if ``config.name`` is not a model of ``config.source``."""
+    if config.source == "digits_cnn":
+        return
     names = torchvision_names()
     if config.name not in names:
         close = difflib.get_close_matches(config.name, names, n=4, cutoff=0.5)
@@ -56,8 +62,14 @@ class ModelBuilder:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             with intercept(*self.rules) if self.rules else contextlib.nullcontext([]) as log:
-                model = torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+                model = self._construct()
             self.events = list(log)
         if config.weights:
-            load_checkpoint(model, config.weights, field="model.weights")
+            path = CHECKPOINT if config.weights == SHIPPED and config.source == "digits_cnn" else config.weights
+            load_checkpoint(model, path, field="model.weights")
         return model.eval()
+
+    def _construct(self) -> nn.Module:
+        if self.config.source == "digits_cnn":
+            return DigitsCNN(num_classes=self.config.num_classes)
+        return torchvision.models.get_model(self.config.name, weights=None, num_classes=self.config.num_classes)

@@ -103,6 +103,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
               for c in report["checks"]]
     sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
+    if "accuracy" in report:
+        acc = report["accuracy"]
+        lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
+                  "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
     lines += ["", "## Drift (original vs modified)", "", "| max abs | cosine | SQNR dB | top-1 agreement |",
               "| --- | --- | --- | --- |",
               f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
@@ -125,5 +129,9 @@ def summary_table(report: dict[str, Any]) -> str:
     sqnr = "inf" if drift["sqnr_db"] is None else f"{drift['sqnr_db']:.2f}"
     top1 = "n/a" if drift["top1_agreement"] is None else f"{drift['top1_agreement']:.3f}"
     lines.append(f"  drift: cosine {drift['cosine']:.4f}  SQNR {sqnr} dB  max abs {drift['max_abs']:.4g}  top-1 {top1}")
+    if "accuracy" in report:
+        acc = report["accuracy"]
+        lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
+                     f"drop {acc['drop_points']:.2f} points")
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)

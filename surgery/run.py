@@ -16,7 +16,7 @@ from surgery.build import neutral, rules_from_config
 from surgery.checkpoints import save_checkpoint, save_tensors
 from surgery.comparison import compare
 from surgery.config import RunConfig
-from surgery.data import calibration_batches, make_batches
+from surgery.data import Data, calibration_batches, load_data
 from surgery.errors import ConfigError
 from surgery.handles import HandleGroup
 from surgery.models import ModelBuilder
@@ -62,13 +62,15 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     _refuse_existing([out_dir / "report.json", checkpoint, qparams_file], config.output.overwrite)
     started = time.perf_counter()
     models = _build(config)
-    inputs, calibration = make_batches(config.data), _calibration(config)
+    data, calibration = load_data(config.data), _calibration(config)
+    inputs = data.inputs
     built = time.perf_counter()
     handle = apply_steps(models.model, config, calibration=calibration)
     operated = time.perf_counter()
     sparsity = _sparsity(handle)
     files = _Files(checkpoint, qparams_file, calibration)
-    results, drift = _run_checks(config, models, handle, inputs, files)
+    accuracy = _accuracy(models, data)
+    results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
     finished = time.perf_counter()
     report = {
         "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
@@ -80,6 +82,8 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         "steps": list(config.steps), "checkpoint": checkpoint.name if checkpoint.exists() else None,
         "qparams": qparams_file.name if qparams_file.exists() else None,
     }
+    if accuracy is not None:
+        report["accuracy"] = accuracy
     files = write_reports(report, out_dir, plots=config.output.plots)
     if echo:
         print(summary_table(report))
@@ -99,6 +103,16 @@ def _calibration(config: RunConfig) -> list | None:
     if "quantize" not in config.steps or settings.activations is None:
         return None
     return calibration_batches(config.data, settings.calibration_batches)
+
+
+def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
+    """Top-1 accuracy of the unmodified and the modified model, when the data has labels."""
+    if data.labels is None:
+        return None
+    from surgery.digits import accuracy
+
+    reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
+    return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
 
 
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
@@ -124,7 +138,8 @@ def _sparsity(handle: HandleGroup) -> dict[str, Any]:
     return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity()}
 
 
-def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files):
+def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files,
+                accuracy: dict[str, float] | None):
     enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
     expected = checks.collect(models.built, inputs)
     drift = compare(models.reference, models.model, inputs)
@@ -162,7 +177,7 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
                                               lambda model: reattach(model, config, files.qparams)))
     progress.update()
     if "drift" in enabled:
-        results.append(checks.check_drift(drift, config.checks.drift))
+        results.append(checks.check_drift(drift, config.checks.drift, accuracy))
     progress.update()
     progress.close()
     return results, drift

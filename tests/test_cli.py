@@ -239,3 +239,22 @@ def test_bad_quantize_settings_exit_2(tmp_path, override, field):
     result = surgery("recipe=quantize_resnet50", *FAST, override, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2 and field in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_quantize_digits_reports_real_accuracy_offline(tmp_path):
+    result = surgery("recipe=quantize_digits", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    accuracy = data["accuracy"]
+    assert accuracy["reference"] >= 0.95  # the shipped checkpoint on the held-out digits
+    assert accuracy["drop_points"] <= 0.5  # the W8A8 target of the issue
+    assert accuracy["drop_points"] == pytest.approx(100 * (accuracy["reference"] - accuracy["candidate"]))
+    assert "Accuracy" in (tmp_path / "report.md").read_text()
+
+
+def test_accuracy_drop_bound_fails_the_drift_check(tmp_path):
+    result = surgery("recipe=prune_resnet50", "model=digits_cnn", "data=digits", "prune.amount=0.8",
+                     "checks.drift.max_accuracy_drop=0.5", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1, result.stderr
+    drift = next(c for c in report(tmp_path)["checks"] if c["name"] == "drift")
+    assert not drift["passed"] and "accuracy drop" in drift["detail"]
