@@ -24,6 +24,8 @@ test: $(STAMP)  ## the whole test suite
 bench: $(STAMP)  ## performance figures quoted in the README
 	$(PY) -m pip install --quiet -e '.[bench]' $(TORCH_PIN)
 	$(PY) benchmarks/bench_prune.py $(ARGS)
+	$(PY) benchmarks/bench_quantize.py $(ARGS)
+	$(PY) benchmarks/bench_intercept.py
 
 clean:
 	rm -rf $(VENV) outputs multirun
