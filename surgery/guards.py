@@ -110,6 +110,20 @@ def detach(param: nn.Parameter, transform: Transform, name: str) -> None:
             del _guards[param]
 
 
+def current_value(param: nn.Parameter) -> torch.Tensor:
+    """``param`` as its attached transforms keep it, even if it changed since they last ran (an
+    optimizer step after the last forward): then a corrected copy, else a detached view.
+    ``param`` itself is never written to."""
+    guard = _guards.get(param)
+    if guard is None or (param._version, param.data_ptr()) == guard.seen:
+        return param.detach()
+    value = param.detach().clone()
+    with torch.no_grad():
+        for transform in guard.transforms:
+            transform.apply(value)
+    return value
+
+
 def guard_of(param: nn.Parameter) -> TensorGuard:
     """The guard of a parameter that has a transform attached."""
     return _guards[param]

@@ -39,6 +39,9 @@ class QuantSpec:
             raise ConfigTypeError(f"{field}.bits", self.bits, "must be an integer in [2, 8]")
         if not 2 <= self.bits <= 8:
             raise ConfigError(f"{field}.bits", self.bits, "must be an integer in [2, 8]")
+        for flag in ("symmetric", "per_channel"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigTypeError(f"{field}.{flag}", getattr(self, flag), "must be true or false")
         if self.observer not in OBSERVERS:
             raise ConfigError(f"{field}.observer", self.observer, f"must be one of {', '.join(OBSERVERS)}")
         if not (isinstance(self.percentile, (int, float)) and 50 < self.percentile <= 100):
@@ -74,7 +77,7 @@ class Observer:
         """Update the range with ``x``; NaN or Inf raises :class:`NonFiniteError`."""
         x = x.detach().float()
         if not torch.isfinite(x).all():
-            raise NonFiniteError("calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
+            raise NonFiniteError("quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
         flat = x.reshape(1, -1) if self.axis is None else x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1)
         low, high = self._batch_range(flat)
         if self.low is None:
@@ -102,7 +105,7 @@ class Observer:
     def qparams(self) -> tuple[Tensor, Tensor]:
         """(scale float32, zero_point int32), shaped () per tensor or (C,) per channel."""
         if self.low is None:
-            raise ConfigError("calibration", self.name, "this layer saw no data during calibration",
+            raise ConfigError("quantize.calibration", self.name, "this layer saw no data during calibration",
                               "give batches that run through it, or exclude it")
         scale, zero_point = compute_qparams(self.low, self.high, self.spec)
         return (scale.reshape(()), zero_point.reshape(())) if self.axis is None else (scale, zero_point)

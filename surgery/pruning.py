@@ -108,7 +108,8 @@ def prune(
     amount, n = _validate(amount, method, scope, n, seed)
     targets = _targets(model, select, exclude, dim)
     params = list(targets.values())
-    masks = compute_masks(params, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
+    current = [guards.current_value(p) for p in params]  # as attached transforms keep them
+    masks = compute_masks(current, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
     handle = PruneHandle(model)
     try:
         by_param = {}
