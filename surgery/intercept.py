@@ -103,6 +103,8 @@ class _Session:
 
     def __init__(self, rules: tuple[Rule, ...]) -> None:
         self.rules = rules
+        self.by_kind = {kind: [r for r in rules if r.kind == kind] for kind in ("swap", "wrap", "parameter", "buffer")}
+        self.module_rules = [r for r in rules if r.kind in ("swap", "wrap")]
         self.log = InterceptLog()
         self.tensors: dict[int, tuple[Tensor, Tensor]] = {}  # id(original) -> (original, result)
         self.results: dict[int, Tensor] = {}  # id(result) -> result: never transformed again
@@ -189,27 +191,22 @@ def _active() -> list[_Session]:
     return [] if _registry.local.busy else stack
 
 
-@contextlib.contextmanager
-def _busy() -> Iterator[None]:
-    """Rules do not apply to modules built by a rule's own factory or wrapper."""
-    previous = _registry.local.busy
-    _registry.local.busy = True
-    try:
-        yield
-    finally:
-        _registry.local.busy = previous
-
-
 def _call(rule: Rule, parent: nn.Module, name: str, value: Any, action: bool) -> Any:
+    """Run a rule's match or action; rules do not apply to modules a rule itself builds."""
+    if not action and isinstance(rule.match, (type, tuple, str)):
+        return rule.matches(parent, name, value)  # cannot build modules or raise: no guard needed
+    local = _registry.local
+    previous, local.busy = local.busy, True
     try:
-        with _busy():
-            return rule.action(value) if action else rule.matches(parent, name, value)
+        return rule.action(value) if action else rule.matches(parent, name, value)
     except SurgeryError:
         raise
     except Exception as err:
         step = "action" if action else "match"
         raise InterceptError(f"build rule {rule.label} failed in its {step} for {type(parent).__name__}.{name}: "
                              f"{type(err).__name__}: {err}") from err
+    finally:
+        local.busy = previous
 
 
 def _on_module(parent: nn.Module, name: str, child: nn.Module | None) -> nn.Module | None:
@@ -226,8 +223,8 @@ def _on_module(parent: nn.Module, name: str, child: nn.Module | None) -> nn.Modu
 
 
 def _apply_module_rules(session: _Session, parent: nn.Module, name: str, child: nn.Module) -> nn.Module:
-    for rule in session.rules:
-        if rule.kind not in ("swap", "wrap") or not _call(rule, parent, name, child, action=False):
+    for rule in session.module_rules:
+        if not _call(rule, parent, name, child, action=False):
             continue
         _registry.produced().add(child)
         new = _call(rule, parent, name, child, action=True)
@@ -254,7 +251,8 @@ def _on_tensor(kind: str, module: nn.Module, name: str, tensor: Tensor | None) -
         return None
     result = tensor
     for session in reversed(sessions):
-        result = _apply_tensor_rules(session, kind, module, name, result)
+        if session.by_kind[kind]:
+            result = _apply_tensor_rules(session, kind, module, name, result)
     return None if result is tensor else result
 
 
@@ -264,8 +262,8 @@ def _apply_tensor_rules(session: _Session, kind: str, module: nn.Module, name: s
     if id(tensor) in session.tensors:
         return session.tensors[id(tensor)][1]  # the same tensor registered again: tied
     result = tensor
-    for rule in session.rules:
-        if rule.kind != kind or not _call(rule, module, name, result, action=False):
+    for rule in session.by_kind[kind]:
+        if not _call(rule, module, name, result, action=False):
             continue
         before = _describe(result)
         new = _call(rule, module, name, result, action=True)
