@@ -15,6 +15,7 @@ from surgery.intercept import Event, InterceptError, InterceptLog, intercept
 from surgery.observers import QuantSpec
 from surgery.pruning import PruneHandle, prune
 from surgery.quantization import QuantizeHandle, quantize
+from surgery.rewriting import rewrite_inputs
 from surgery.selection import select
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "intercept",
     "prune",
     "quantize",
+    "rewrite_inputs",
     "rules",
     "select",
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
@@ -27,6 +28,7 @@ class Drift:
     cosine: float
     sqnr_db: float | None
     top1_agreement: float | None
+    layers: list | None = field(default=None, compare=False)  # LayerDrift rows with per_layer=True
 
     @property
     def identical(self) -> bool:
@@ -38,7 +40,7 @@ class Drift:
                 "top1_agreement": self.top1_agreement}
 
 
-def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> Drift:
+def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_layer: bool = False) -> Drift:
     """Run both models on the same inputs and measure how far the candidate drifts.
 
     Args:
@@ -46,6 +48,9 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> Drift
         candidate: the modified model.
         inputs: one input tensor, or an iterable of batches (a tensor each, or a tuple of
             positional arguments).
+        per_layer: also compare the output of every module whose qualified name exists in
+            both models (forward hooks, streaming sums: one batch of activations held at a
+            time); the rows are in ``Drift.layers`` (see :func:`surgery.layer_drift.layer_drift`).
 
     Both models run in eval mode under ``torch.no_grad()``; their training flags are put back
     afterwards, so batch-norm statistics are never updated by a comparison.
@@ -54,13 +59,19 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> Drift
         >>> drift = surgery.compare(original, pruned, torch.randn(8, 3, 224, 224))
         >>> drift.cosine > 0.99
     """
+    inputs = list(batches(inputs))
     stats = _Accumulator()
     with evaluating(reference), evaluating(candidate), torch.no_grad():
         for batch in batches(inputs):
             pairs = zip(outputs(reference, batch), outputs(candidate, batch), strict=True)
             for index, (ref, cand) in enumerate(pairs):
                 stats.add(ref, cand, primary=index == 0)
-    return stats.result()
+    result = stats.result()
+    if per_layer:
+        from surgery.layer_drift import layer_drift
+
+        result = dataclasses.replace(result, layers=layer_drift(reference, candidate, inputs))
+    return result
 
 
 def batches(inputs: Inputs) -> Iterator[tuple]:

@@ -13,7 +13,7 @@ from surgery.errors import ConfigError
 from surgery.masks import METHODS, SCOPES
 from surgery.observers import QuantSpec
 
-STEPS = ("prune", "quantize")
+STEPS = ("prune", "quantize", "rewrite")
 MODEL_SOURCES = ("torchvision", "digits_cnn")
 DATA_KINDS = ("synthetic", "digits")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
@@ -124,6 +124,19 @@ class QuantizeConfig:
 
 
 @dataclass
+class RewriteConfig:
+    """Arguments of :func:`surgery.rewrite_inputs`: a built-in rewrite by ``name`` (cast,
+    normalize, resize, channels_last, clamp, add_noise, identity) with its ``kwargs``, or an
+    importable ``pkg.module.callable`` taking ``(args, kwargs)``; ``select`` = null rewrites the
+    root model's inputs."""
+
+    name: str = "identity"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    select: Any = None
+    exclude: Any = None
+
+
+@dataclass
 class DriftThresholds:
     """Bounds the drift check enforces between the original and the modified model."""
 
@@ -140,6 +153,7 @@ class ChecksConfig:
 
     enabled: list[str] = field(default_factory=lambda: ["identity", "restore", "bake", "save_load", "drift"])
     drift: DriftThresholds = field(default_factory=DriftThresholds)
+    per_layer: bool = True
 
     def __post_init__(self) -> None:
         for name in self.enabled:
@@ -200,11 +214,13 @@ class RunConfig:
     steps: list[str] = field(default_factory=list)
     prune: Optional[PruneConfig] = None
     quantize: Optional[QuantizeConfig] = None
+    rewrite: Optional[RewriteConfig] = None
+    inspect: bool = False
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        if not self.steps and not self.build:
+        if not self.steps and not self.build and not self.inspect:
             raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)} "
                               "(or the recipe must have build: rules)")
         for step in self.steps:
@@ -221,7 +237,8 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
     """
     try:
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
-                                                quantize=QuantizeConfig(activations=QuantSpec())))
+                                                quantize=QuantizeConfig(activations=QuantSpec()),
+                                                rewrite=RewriteConfig()))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

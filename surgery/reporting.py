@@ -13,14 +13,20 @@ from surgery.checkpoints import write_atomically
 from surgery.checks import CheckResult
 
 
-def layer_rows(model: nn.Module, sparsity: dict[str, float]) -> list[dict[str, Any]]:
-    """One row per module owning parameters: name, type, sparsity (masked weights only)."""
+def layer_rows(model: nn.Module, sparsity: dict[str, float], drift: list | None = None) -> list[dict[str, Any]]:
+    """One row per module owning parameters: name, type, sparsity (masked weights only) and,
+    with per-layer drift, its cosine, SQNR and max abs error against the reference."""
+    by_name = {layer.name: layer for layer in drift or []}
     rows = []
     for name, module in model.named_modules():
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         key = f"{name}.weight" if name else "weight"
-        rows.append({"name": name, "type": type(module).__name__, "sparsity": sparsity.get(key), "cosine": None})
+        layer = by_name.get(name)
+        rows.append({"name": name, "type": type(module).__name__, "sparsity": sparsity.get(key),
+                     "cosine": None if layer is None else layer.cosine,
+                     "sqnr_db": None if layer is None else layer.sqnr_db,
+                     "max_abs": None if layer is None else layer.max_abs})
     return rows
 
 
@@ -56,7 +62,41 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(row["sparsity"] is not None for row in report["layers"]):
         written.append(out_dir / "sparsity.png")
         write_atomically(written[-1], lambda tmp: plot_sparsity(report, tmp))
+    if plots and any(row.get("cosine") is not None for row in report["layers"]):
+        written.append(out_dir / "drift.png")
+        write_atomically(written[-1], lambda tmp: plot_layer_drift(report, tmp))
     return written
+
+
+def plot_layer_drift(report: dict[str, Any], path: Path) -> None:
+    """Per-layer drift by depth (cosine and SQNR), with per-layer sparsity when pruned."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = [row for row in report["layers"] if row.get("cosine") is not None]
+    depth = list(range(len(rows)))
+    pruned = any(row["sparsity"] is not None for row in rows)
+    fig, axes = plt.subplots(3 if pruned else 2, 1, figsize=(9, 7 if pruned else 5), sharex=True)
+    axes[0].plot(depth, [row["cosine"] for row in rows], marker=".", color="#4C72B0")
+    axes[0].set_ylabel("cosine vs reference")
+    sqnr = [row["sqnr_db"] if row["sqnr_db"] is not None else float("nan") for row in rows]
+    axes[1].plot(depth, sqnr, marker=".", color="#DD8452")
+    axes[1].set_ylabel("SQNR dB")
+    if pruned:
+        axes[2].bar(depth, [row["sparsity"] or 0.0 for row in rows], color="#55A868")
+        axes[2].set_ylabel("sparsity")
+        axes[2].set_ylim(0, 1)
+    axes[-1].set_xlabel("layer (model order)")
+    step = max(1, len(rows) // 20)
+    axes[-1].set_xticks(depth[::step], [row["name"] for row in rows][::step], rotation=60, ha="right", fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"{report['recipe']}: per-layer drift of {report['model']}")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
 
 
 def plot_sparsity(report: dict[str, Any], path: Path) -> None:
@@ -112,8 +152,12 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
               "", "## Timings (s)", "", "| build | surgery | checks |", "| --- | --- | --- |",
               "| " + " | ".join(f"{report['timings_s'][k]:.2f}" for k in ("build", "surgery", "checks")) + " |",
-              "", "## Layers", "", "| layer | type | sparsity |", "| --- | --- | --- |"]
-    lines += [f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} |" for row in report["layers"]]
+              "", "## Layers", "", "| layer | type | sparsity | cosine | SQNR dB | max abs |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} | {_fmt(row.get('cosine'))} | "
+              f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |" for row in report["layers"]]
+    if report.get("modules"):
+        lines += ["", "## Module calls (inspect)", "", "```", report.get("modules_table", ""), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from surgery.config import RunConfig
 from surgery.data import Data, calibration_batches, load_data
 from surgery.errors import ConfigError
 from surgery.handles import HandleGroup
+from surgery.inspection import calls_as_rows, format_table, inspect_model
 from surgery.models import ModelBuilder
 from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.steps import apply_steps, find, reattach, saved_qparams
@@ -64,6 +65,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     models = _build(config)
     data, calibration = load_data(config.data), _calibration(config)
     inputs = data.inputs
+    calls = inspect_model(models.model, inputs) if config.inspect else None
     built = time.perf_counter()
     handle = apply_steps(models.model, config, calibration=calibration)
     operated = time.perf_counter()
@@ -76,7 +78,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
         "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
         "checks": checks_rows(results), "drift": drift.as_dict(),
-        "layers": layer_rows(models.model, sparsity["layers"]),
+        "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
         "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
         "build": [vars(event) for event in models.builder.events],
         "steps": list(config.steps), "checkpoint": checkpoint.name if checkpoint.exists() else None,
@@ -84,8 +86,12 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     }
     if accuracy is not None:
         report["accuracy"] = accuracy
+    if calls is not None:
+        report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
     files = write_reports(report, out_dir, plots=config.output.plots)
     if echo:
+        if calls is not None:
+            print(report["modules_table"])
         print(summary_table(report))
         print(f"  wrote {', '.join(str(f) for f in files + [checkpoint, qparams_file] if f.exists())}")
     return RunResult(report, files)
@@ -142,7 +148,7 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
                 accuracy: dict[str, float] | None):
     enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
     expected = checks.collect(models.built, inputs)
-    drift = compare(models.reference, models.model, inputs)
+    drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
 
     def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
         return apply_steps(subject, config, neutral=neutral_settings, calibration=files.calibration)

@@ -11,6 +11,7 @@ from surgery.config import RunConfig
 from surgery.handles import Handle, HandleGroup
 from surgery.pruning import prune
 from surgery.quantization import QuantizeHandle, quantize
+from surgery.rewriting import rewrite_from_config, rewrite_inputs
 
 Applier = Callable[[nn.Module, RunConfig, bool, list], Handle]
 
@@ -26,7 +27,13 @@ def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: l
     return quantize(model, calibration=calibration, **config.quantize.kwargs())
 
 
-APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize}
+def _rewrite(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+    settings = config.rewrite
+    fn = rewrite_from_config("identity") if neutral else rewrite_from_config(settings.name, **settings.kwargs)
+    return rewrite_inputs(model, fn, select=settings.select, exclude=settings.exclude or None)
+
+
+APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite}
 
 
 def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
@@ -34,7 +41,7 @@ def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
     """Apply ``config.steps`` in order; if one fails, undo those already applied and re-raise.
 
     ``neutral=True`` applies the same steps with settings that must not change any output
-    (prune amount 0, quantization off): the ``identity`` check. ``calibration`` batches feed
+    (prune amount 0, quantization off, identity rewrite): the ``identity`` check. ``calibration`` batches feed
     activation quantization.
     """
     handles: list[Handle] = []
@@ -54,13 +61,22 @@ def find(handle: HandleGroup, kind: str) -> Handle | None:
 
 
 def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
-    """Re-attach what baking cannot fold into weights (activation quantization) from saved
-    parameters, without calibration; None when the steps have nothing of the kind."""
-    settings = config.quantize
-    if "quantize" not in config.steps or settings.activations is None:
-        return None
-    return quantize(model, weights=None, activations=settings.activations, select=settings.select,
-                    exclude=settings.exclude or None, where=settings.where, qparams=qparams, progress=False)
+    """Re-attach what baking cannot fold into weights — activation quantization (from saved
+    parameters, without calibration) and input rewriting — in step order; None if nothing."""
+    handles: list[Handle] = []
+    try:
+        for step in config.steps:
+            if step == "quantize" and config.quantize.activations is not None:
+                q = config.quantize
+                handles.append(quantize(model, weights=None, activations=q.activations, select=q.select,
+                                        exclude=q.exclude or None, where=q.where, qparams=qparams, progress=False))
+            elif step == "rewrite":
+                handles.append(_rewrite(model, config, False, []))
+    except BaseException:
+        for handle in reversed(handles):
+            handle.restore()
+        raise
+    return HandleGroup(handles, model) if handles else None
 
 
 def saved_qparams(handle: HandleGroup) -> dict[str, Tensor]:
