@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test bench clean
+.PHONY: run test bench tour clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ bench: $(STAMP)  ## performance figures quoted in the README
 	$(PY) benchmarks/bench_prune.py $(ARGS)
 	$(PY) benchmarks/bench_quantize.py $(ARGS)
 	$(PY) benchmarks/bench_intercept.py
+
+tour: $(STAMP)  ## regenerate the README's images (docs/images/) from real runs
+	rm -rf build/tour
+	$(PY) -m surgery recipe=prune_resnet50 model.name=resnet18 data.image_size=64 hydra.run.dir=build/tour/prune
+	-$(PY) -m surgery -m recipe=prune_resnet50 model.name=resnet18 data.image_size=64 \
+		prune.amount=0.1,0.3,0.5,0.7,0.9 hydra.sweep.dir=build/tour/sweep  # 0.9 fails its drift bound: exit 1
+	mkdir -p docs/images
+	cp build/tour/prune/sparsity.png build/tour/prune/drift.png build/tour/sweep/sweep.png docs/images/
 
 clean:
 	rm -rf $(VENV) outputs multirun

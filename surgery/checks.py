@@ -22,7 +22,8 @@ GLOBAL_HOOK_DICTS = (
     "_global_buffer_registration_hooks",
 )
 MODULE_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )

@@ -105,7 +105,7 @@ def rewrite_inputs(
             keep the number of positional inputs (else :class:`~surgery.errors.ConfigError`
             naming the module is raised at call time).
         select: submodules to hook (see :func:`surgery.select`); ``None`` hooks the root only.
-        exclude: submodules never hooked, even if selected.
+        exclude: submodules never hooked, even if selected; only with ``select``.
 
     Returns:
         A :class:`RewriteHandle`: ``restore()`` removes every hook; ``bake()`` also removes
@@ -118,7 +118,10 @@ def rewrite_inputs(
     """
     if not callable(fn):
         raise ConfigTypeError("rewrite.fn", fn, "must be a callable (args, kwargs) -> (args, kwargs)")
-    if select is None and exclude is None:
+    if select is None:
+        if exclude:  # an empty list (the CLI default) is fine
+            raise ConfigError("rewrite.exclude", exclude, "only applies together with rewrite.select",
+                              "rewrite.select=null hooks the root model alone")
         targets = {"": model}
     else:
         targets = select_modules(model, select, exclude=exclude,

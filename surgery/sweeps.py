@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]]
     if not rows:
         return []
     keys = swept_keys([overrides for overrides, _, _ in rows]) or list(rows[0][0])[:1]
-    table = [{"job": str(folder.relative_to(sweep_dir)), **{k: overrides.get(k) for k in keys}, "ok": report["ok"],
+    table = [{"job": os.path.relpath(folder.resolve(), sweep_dir.resolve()), **{k: overrides.get(k) for k in keys}, "ok": report["ok"],
               **{label: _metric(report, path) for path, label in METRICS}} for overrides, report, folder in rows]
     files = [sweep_dir / "sweep.json", sweep_dir / "sweep.md", sweep_dir / "sweep.png"]
     text = json.dumps(table, indent=2)

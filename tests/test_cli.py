@@ -258,3 +258,42 @@ def test_accuracy_drop_bound_fails_the_drift_check(tmp_path):
     assert result.returncode == 1, result.stderr
     drift = next(c for c in report(tmp_path)["checks"] if c["name"] == "drift")
     assert not drift["passed"] and "accuracy drop" in drift["detail"]
+
+
+def test_inspect_recipe_records_every_module_call(tmp_path):
+    result = surgery("recipe=inspect", "model.name=resnet18", "data.image_size=64", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    modules = report(tmp_path)["modules"]
+    names = [row["name"] for row in modules]
+    assert set(names) == set(dict(torchvision.models.resnet18().named_modules()))  # every module, root included
+    assert names.count("layer1.0.relu") == 2  # BasicBlock calls its ReLU twice: each call is a row
+    fc = next(row for row in modules if row["name"] == "fc")
+    assert fc["input_shapes"] == [[1, 512]] and fc["output_shapes"] == [[1, 1000]] and fc["params_own"] == 513_000
+    assert "layer4.1.conv2" in result.stdout  # the printed table
+
+
+def test_rewrite_inputs_recipe_and_per_layer_drift(tmp_path):
+    result = surgery("recipe=rewrite_inputs", "data.image_size=64", "data.batch_size=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    assert all(c["passed"] for c in data["checks"])
+    conv1 = next(row for row in data["layers"] if row["name"] == "conv1")
+    assert conv1["cosine"] is not None and conv1["cosine"] < 1  # normalised inputs reach the first layer
+    assert (tmp_path / "drift.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("rewrite.name=no_such.module.fn", "rewrite.name"),
+    ("rewrite.name=melt", "rewrite.name"),
+])
+def test_bad_rewrites_exit_2(tmp_path, override, field):
+    result = surgery("recipe=rewrite_inputs", *FAST, override, "~rewrite.kwargs.mean", "~rewrite.kwargs.std", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and field in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_sweep_summary_with_a_relative_sweep_folder(tmp_path):
+    result = surgery("-m", *FAST, "prune.amount=0.1,0.2", "hydra.sweep.dir=relative/sweep", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "relative" / "sweep" / "sweep.json").read_text())
+    assert [row["job"] for row in summary] == ["0", "1"]
