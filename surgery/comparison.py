@@ -113,17 +113,16 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
             module.training = flag
 
 
-class _Accumulator:
-    """Streaming sums so that drift over many batches needs no stored outputs."""
+class StreamingError:
+    """Float64 running sums of two output streams: max abs error, cosine and SQNR, with no
+    stored outputs (shared by whole-model and per-layer comparison)."""
 
     def __init__(self) -> None:
         self.max_abs = 0.0
         self.dot = self.ref_sq = self.cand_sq = self.noise_sq = 0.0
-        self.agree = self.rows = 0
 
-    def add(self, ref: Tensor, cand: Tensor, *, primary: bool) -> None:
-        if ref.shape != cand.shape:
-            raise ValueError(f"compare: output shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}")
+    def add(self, ref: Tensor, cand: Tensor) -> None:
+        """Accumulate one pair of same-shaped tensors."""
         r, c = ref.detach().double().flatten(), cand.detach().double().flatten()
         diff = r - c
         self.max_abs = max(self.max_abs, diff.abs().max().item() if diff.numel() else 0.0)
@@ -131,18 +130,35 @@ class _Accumulator:
         self.ref_sq += float(r @ r)
         self.cand_sq += float(c @ c)
         self.noise_sq += float(diff @ diff)
+
+    def cosine(self) -> float:
+        denominator = math.sqrt(self.ref_sq * self.cand_sq)
+        return self.dot / denominator if denominator else float(self.ref_sq == self.cand_sq)
+
+    def sqnr_db(self) -> float | None:
+        """Signal-to-quantization-noise ratio in dB; None when the streams are identical."""
+        if self.noise_sq == 0:
+            return None
+        if self.ref_sq == 0:
+            return -math.inf
+        return 10 * math.log10(self.ref_sq / self.noise_sq)
+
+
+class _Accumulator(StreamingError):
+    """Whole-model drift: the streaming error plus top-1 agreement of the first output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agree = self.rows = 0
+
+    def add(self, ref: Tensor, cand: Tensor, *, primary: bool = False) -> None:
+        if ref.shape != cand.shape:
+            raise ValueError(f"compare: output shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}")
+        super().add(ref, cand)
         if primary and ref.dim() >= 2:  # class scores: the first output's last dimension
             self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
             self.rows += ref.argmax(-1).numel()
 
     def result(self) -> Drift:
-        denominator = math.sqrt(self.ref_sq * self.cand_sq)
-        cosine = self.dot / denominator if denominator else float(self.ref_sq == self.cand_sq)
-        if self.noise_sq == 0:
-            sqnr = None
-        elif self.ref_sq == 0:
-            sqnr = -math.inf
-        else:
-            sqnr = 10 * math.log10(self.ref_sq / self.noise_sq)
         top1 = self.agree / self.rows if self.rows else None
-        return Drift(self.max_abs, cosine, sqnr, top1)
+        return Drift(self.max_abs, self.cosine(), self.sqnr_db(), top1)

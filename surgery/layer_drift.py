@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from surgery.comparison import Inputs, batches, evaluating
+from surgery.comparison import Inputs, StreamingError, batches, evaluating
 from surgery.errors import ConfigError
 
 
@@ -50,11 +49,11 @@ class LayerDrift:
                 "detail": self.detail}
 
 
-class _LayerStats:
+class _LayerStats(StreamingError):
     """Streaming float64 sums for one layer, so no activation outlives its comparison."""
 
     def __init__(self) -> None:
-        self.dot = self.ref_sq = self.cand_sq = self.noise_sq = self.max_abs = 0.0
+        super().__init__()
         self.calls = 0
         self.problem = ""
 
@@ -62,28 +61,14 @@ class _LayerStats:
         if ref.shape != cand.shape:
             self.problem = self.problem or f"shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}"
             return
-        r, c = ref.detach().double().flatten(), cand.detach().double().flatten()
-        diff = r - c
-        self.max_abs = max(self.max_abs, diff.abs().max().item() if diff.numel() else 0.0)
-        self.dot += float(r @ c)
-        self.ref_sq += float(r @ r)
-        self.cand_sq += float(c @ c)
-        self.noise_sq += float(diff @ diff)
+        super().add(ref, cand)
         self.calls += 1
 
     def result(self, name: str, type_name: str, index: int) -> LayerDrift:
         depth = name.count(".") + 1
         if self.problem:
             return LayerDrift(name, type_name, None, None, None, index, depth, self.calls, self.problem)
-        denominator = math.sqrt(self.ref_sq * self.cand_sq)
-        cosine = self.dot / denominator if denominator else float(self.ref_sq == self.cand_sq)
-        if self.noise_sq == 0:
-            sqnr = None
-        elif self.ref_sq == 0:
-            sqnr = -math.inf
-        else:
-            sqnr = 10 * math.log10(self.ref_sq / self.noise_sq)
-        return LayerDrift(name, type_name, cosine, sqnr, self.max_abs, index, depth, self.calls)
+        return LayerDrift(name, type_name, self.cosine(), self.sqnr_db(), self.max_abs, index, depth, self.calls)
 
 
 class _Store:
