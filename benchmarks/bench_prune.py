@@ -482,14 +482,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+def setup_threads(threads: int) -> None:
+    """Fix torch's thread counts and print the environment the figures come from."""
+    torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    started = time.perf_counter()
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} (interop {torch.get_num_interop_threads()}), "
           f"load average at start {os.getloadavg()[0]:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_threads(args.threads)
+    started = time.perf_counter()
     if os.getloadavg()[0] > 1.0 and args.threads > 1:
         print("warning: other processes are using the CPUs; with several torch threads a forward that loses "
               "a core waits a whole scheduler slice, so times stretch and turn bimodal: prefer --threads 1")

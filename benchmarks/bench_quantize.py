@@ -30,7 +30,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from torch import Tensor, nn
 from torch.ao.quantization import FakeQuantize, MinMaxObserver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prune import Latency, Target, calls_per_sample, latency, round_robin, timed  # noqa: E402
+from bench_prune import Latency, Target, calls_per_sample, latency, round_robin, setup_threads, timed  # noqa: E402
 
 import surgery  # noqa: E402
 from surgery.quantization import ActivationQuantizer  # noqa: E402
@@ -463,12 +462,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
+    setup_threads(args.threads)
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()} (interop {torch.get_num_interop_threads()}), "
-          f"load average at start {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
     result = run(args, rng)
     if args.no_digits:

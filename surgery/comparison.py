@@ -88,16 +88,18 @@ def outputs(model: nn.Module, args: tuple) -> list[Tensor]:
     return flatten_tensors(model(*args))
 
 
-def flatten_tensors(value: Any) -> list[Tensor]:
-    """Floating tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object)."""
+def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
+    """Tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object): the
+    floating ones, or all with ``floating_only=False``."""
     if isinstance(value, Tensor):
-        return [value] if value.is_floating_point() or value.is_complex() else []
+        keep = not floating_only or value.is_floating_point() or value.is_complex()
+        return [value] if keep else []
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (tuple, list)):
-        return [t for item in value for t in flatten_tensors(item)]
+        return [t for item in value for t in flatten_tensors(item, floating_only=floating_only)]
     return []
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -10,8 +9,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from surgery.errors import ConfigError
-from surgery.masks import METHODS, SCOPES
 from surgery.observers import QuantSpec
+from surgery.pruning import validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite")
 MODEL_SOURCES = ("torchvision", "digits_cnn")
@@ -81,10 +80,7 @@ class PruneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if math.isnan(self.amount) or not 0.0 <= self.amount <= 1.0:
-            raise ConfigError("prune.amount", self.amount, "must be a number in [0, 1]")
-        _one_of("prune.method", self.method, METHODS)
-        _one_of("prune.scope", self.scope, SCOPES)
+        validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.prune`."""

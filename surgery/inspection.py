@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.comparison import Inputs, batches, evaluating
+from surgery.comparison import Inputs, batches, evaluating, flatten_tensors
 
 Shape = tuple[int, ...]
 
@@ -39,18 +39,6 @@ class ModuleCall:
     params_own: int = 0
     params_total: int = 0
     ms: float | None = None
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
 
 
 def _describe(tensors: list[Tensor]) -> tuple[list[Shape], list[str]]:
@@ -91,7 +79,7 @@ class _Tracer:
             key, call, start = self.open.pop()
             if key == id(module):
                 call.ms = (time.perf_counter() - start) * 1000.0
-                call.output_shapes, call.output_dtypes = _describe(_tensors(output))
+                call.output_shapes, call.output_dtypes = _describe(flatten_tensors(output, floating_only=False))
                 return
 
 

@@ -105,7 +105,7 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
-    amount, n = _validate(amount, method, scope, n, seed)
+    amount, n = validate_arguments(amount, method, scope, n, seed)
     targets = _targets(model, select, exclude, dim)
     params = list(targets.values())
     current = [guards.current_value(p) for p in params]  # as attached transforms keep them
@@ -125,7 +125,8 @@ def prune(
     return handle
 
 
-def _validate(amount: object, method: str, scope: str, n: object, seed: object) -> tuple[float, float]:
+def validate_arguments(amount: object, method: str, scope: str, n: object, seed: object) -> tuple[float, float]:
+    """Check prune's settings (also used by the CLI config); return ``(amount, norm order)``."""
     if isinstance(amount, bool) or not isinstance(amount, (int, float)):
         raise ConfigTypeError("prune.amount", amount, "must be a number in [0, 1]")
     if math.isnan(amount) or not 0.0 <= amount <= 1.0:

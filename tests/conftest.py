@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -101,3 +104,17 @@ def mlp_input() -> torch.Tensor:
 @pytest.fixture
 def image_input() -> torch.Tensor:
     return torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(2))
+
+
+def _torch_save_round_trip(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.fixture(params=[copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), _torch_save_round_trip],
+                ids=["deepcopy", "pickle", "torch.save"])
+def duplicate(request) -> Callable[[nn.Module], nn.Module]:
+    """Each way a user copies a model: deepcopy, pickle, torch.save(model)/torch.load."""
+    return request.param

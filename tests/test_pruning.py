@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import io
 import math
-import pickle
 from unittest import mock
 
 import pytest
@@ -379,22 +377,6 @@ def _fill_weights(model: nn.Module, value: float) -> None:
                 module.weight.fill_(value)
 
 
-def _deepcopy(model):
-    return copy.deepcopy(model)
-
-
-def _pickle(model):
-    return pickle.loads(pickle.dumps(model))
-
-
-def _torch_save(model):
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-@pytest.mark.parametrize("duplicate", [_deepcopy, _pickle, _torch_save], ids=["deepcopy", "pickle", "torch.save"])
 def test_copies_of_a_model_under_surgery_stay_masked(convnet, convnet_factory, image_input, duplicate):
     handle = surgery.prune(convnet, 0.5)
     masks = handle.masks()

@@ -4,8 +4,6 @@ handles (restore, bake, re-attach from saved qparams, copies), composition with 
 from __future__ import annotations
 
 import copy
-import io
-import pickle
 from collections.abc import Iterator
 from unittest import mock
 
@@ -702,22 +700,6 @@ def test_context_manager_restores_on_exit_unless_baked(mlp, mlp_input):
     assert hooks_on(mlp) == 0
 
 
-def _deepcopy(model):
-    return copy.deepcopy(model)
-
-
-def _pickle(model):
-    return pickle.loads(pickle.dumps(model))
-
-
-def _torch_save(model):
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-@pytest.mark.parametrize("duplicate", [_deepcopy, _pickle, _torch_save], ids=["deepcopy", "pickle", "torch.save"])
 def test_copies_of_a_quantized_model_give_the_same_outputs(convnet, image_input, duplicate):
     handle = surgery.quantize(convnet, weights=W8, activations=A8, calibration=image_batches(), progress=False)
     hooked = collect(convnet, [image_input])[0]
