@@ -6,13 +6,14 @@ from surgery.errors import (
     AlreadyModifiedError,
     CheckpointError,
     ConfigError,
+    OutputExistsError,
     SelectionError,
     SurgeryError,
     UndoError,
 )
 from surgery.handles import Handle, HandleGroup, compose
 from surgery.intercept import Event, InterceptError, InterceptLog, intercept
-from surgery.observers import QuantSpec
+from surgery.observers import NonFiniteError, QuantSpec
 from surgery.pruning import PruneHandle, prune
 from surgery.quantization import QuantizeHandle, quantize
 from surgery.rewriting import rewrite_inputs
@@ -28,6 +29,8 @@ __all__ = [
     "HandleGroup",
     "InterceptError",
     "InterceptLog",
+    "NonFiniteError",
+    "OutputExistsError",
     "PruneHandle",
     "QuantSpec",
     "QuantizeHandle",

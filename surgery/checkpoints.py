@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from surgery.errors import CheckpointError, ConfigError
+from surgery.errors import CheckpointError, OutputExistsError
 
 STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
@@ -83,7 +83,7 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, overwrite: bool = Fal
     """
     path = Path(path)
     if path.exists() and not overwrite:
-        raise ConfigError("output", str(path), "already exists; pass output.overwrite=true to replace it")
+        raise OutputExistsError(str(path))
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     if path.suffix == ".safetensors":
         write_atomically(path, lambda tmp: save_file(state, str(tmp)))

@@ -12,6 +12,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from surgery.errors import ConfigError
+
 Batch = Union[Tensor, Sequence[Any]]
 Inputs = Union[Tensor, Iterable[Batch]]
 
@@ -60,6 +62,7 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         >>> drift.cosine > 0.99
     """
     inputs = list(batches(inputs))
+    check_finite(inputs, "compare.inputs")
     stats = _Accumulator()
     with evaluating(reference), evaluating(candidate), torch.no_grad():
         for batch in batches(inputs):
@@ -81,6 +84,14 @@ def batches(inputs: Inputs) -> Iterator[tuple]:
         return
     for batch in inputs:
         yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+def check_finite(inputs: list[tuple], field: str, error: type[ConfigError] = ConfigError) -> None:
+    """Raise ``error`` naming the first batch whose floating tensors hold NaN or Inf."""
+    for index, batch in enumerate(inputs):
+        for tensor in flatten_tensors(list(batch)):
+            if not torch.isfinite(tensor).all():
+                raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")
 
 
 def outputs(model: nn.Module, args: tuple) -> list[Tensor]:
@@ -155,7 +166,8 @@ class _Accumulator(StreamingError):
 
     def add(self, ref: Tensor, cand: Tensor, *, primary: bool = False) -> None:
         if ref.shape != cand.shape:
-            raise ValueError(f"compare: output shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}")
+            raise ConfigError("compare.candidate", f"output shape {tuple(cand.shape)}",
+                              f"must match the reference's output shape {tuple(ref.shape)} (shapes differ)")
         super().add(ref, cand)
         if primary and ref.dim() >= 2:  # class scores: the first output's last dimension
             self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -132,6 +133,10 @@ class RewriteConfig:
     exclude: Any = None
 
 
+DRIFT_RANGES = {"min_cosine": (-1.0, 1.0), "min_sqnr_db": (-math.inf, math.inf), "min_top1_agreement": (0.0, 1.0),
+                "max_abs": (0.0, math.inf), "max_accuracy_drop": (0.0, 100.0)}
+
+
 @dataclass
 class DriftThresholds:
     """Bounds the drift check enforces between the original and the modified model."""
@@ -141,6 +146,18 @@ class DriftThresholds:
     min_top1_agreement: Optional[float] = None
     max_abs: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # in points (percent), with labelled data
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in DRIFT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and low <= value <= high):
+                raise ConfigError(f"checks.drift.{name}", value, f"must be null or {_describe_range(low, high)}")
+
+
+def _describe_range(low: float, high: float) -> str:
+    if math.isfinite(low) and math.isfinite(high):
+        return f"a number in [{low:g}, {high:g}]"
+    return f"a finite number >= {low:g}" if math.isfinite(low) else "a finite number"
 
 
 @dataclass
@@ -219,8 +236,11 @@ class RunConfig:
         if not self.steps and not self.build and not self.inspect:
             raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)} "
                               "(or the recipe must have build: rules)")
-        for step in self.steps:
+        for index, step in enumerate(self.steps):
             _one_of("steps", step, STEPS)
+            if step in self.steps[:index]:
+                raise ConfigError("steps", self.steps, f"lists '{step}' twice; each step runs once, with its "
+                                  f"'{step}:' settings")
             if getattr(self, step) is None:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
 

@@ -17,6 +17,7 @@ class ConfigError(SurgeryError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
+        self.hint = hint
         message = f"{field}={value!r}: {allowed}"
         if hint:
             message += f" ({hint})"
@@ -29,6 +30,13 @@ class ConfigTypeError(ConfigError, TypeError):
 
 class SelectionError(ConfigError):
     """A selection pattern matched no module of the model."""
+
+
+class OutputExistsError(ConfigError, FileExistsError):
+    """An output file already exists and replacing it was not asked for."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("output", path, "already exists; pass output.overwrite=true to replace it")
 
 
 class CheckpointError(SurgeryError, ValueError):

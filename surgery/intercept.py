@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.errors import SurgeryError
+from surgery.errors import ConfigTypeError, SurgeryError
 from surgery.rules import Rule
 
 
@@ -173,8 +173,8 @@ def intercept(*rules: Rule) -> Iterator[InterceptLog]:
     """
     for rule in rules:
         if not isinstance(rule, Rule):
-            raise TypeError(f"intercept(): {rule!r} is not a rule; build rules with surgery.rules.swap/wrap/"
-                            "on_parameter/on_buffer")
+            raise ConfigTypeError("intercept.rules", rule, "is not a rule; build rules with surgery.rules.swap/wrap/"
+                                  "on_parameter/on_buffer")
     session = _Session(rules)
     _registry.enter(session)
     try:

@@ -73,3 +73,20 @@ class ModelBuilder:
         if self.config.source == "digits_cnn":
             return DigitsCNN(num_classes=self.config.num_classes)
         return torchvision.models.get_model(self.config.name, weights=None, num_classes=self.config.num_classes)
+
+
+def check_runs(model: nn.Module, inputs: list[torch.Tensor], name: str) -> None:
+    """Raise :class:`ConfigError` if ``model`` cannot run on one sample of the run's data.
+
+    A model that expects another image size or channel count fails here, with the shape and
+    the model's own message, before any surgery or output.
+    """
+    sample = inputs[0][:1]
+    try:
+        with torch.no_grad():
+            model(sample)
+    except Exception as err:  # the model's own error, whatever its type
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+        raise ConfigError("data", f"shape {tuple(sample.shape)}", f"{name} fails on inputs of this shape "
+                          f"({type(err).__name__}: {first}); set data.image_size and data.channels to what "
+                          "the model expects") from None

@@ -109,6 +109,11 @@ def prune(
     targets = _targets(model, select, exclude, dim)
     params = list(targets.values())
     current = [guards.current_value(p) for p in params]  # as attached transforms keep them
+    if method != "random_unstructured":
+        for name, value in zip(targets, current):
+            if not torch.isfinite(value).all():
+                raise ConfigError("prune.select", name, f"has NaN or Inf entries; {method} ranks by magnitude and "
+                                  "needs finite weights (exclude the layer, fix the weights or use random_unstructured)")
     masks = compute_masks(current, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
     handle = PruneHandle(model)
     try:

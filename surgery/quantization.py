@@ -14,8 +14,8 @@ from tqdm import tqdm
 
 from surgery import guards
 from surgery.checkpoints import save_tensors
-from surgery.comparison import batches, evaluating
-from surgery.errors import CheckpointError, ConfigError
+from surgery.comparison import batches, check_finite, evaluating
+from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError
 from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
 from surgery.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
@@ -172,7 +172,7 @@ def quantize(
         >>> handle.save_qparams("model.qparams.safetensors")
     """
     weights, activations = _validate(weights, activations, where, calibration, qparams)
-    targets = _targets(model, select, exclude, weights, activations)
+    targets = _targets(model, select, exclude, weights, activations, where)
     handle = QuantizeHandle(model)
     try:
         if weights is not None:
@@ -219,7 +219,7 @@ def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
                       f"per-channel works on {allowed}")
 
 
-def _targets(model, include, exclude, weights, activations) -> dict[str, nn.Module]:
+def _targets(model, include, exclude, weights, activations, where) -> dict[str, nn.Module]:
     chosen = select(model, DEFAULT_TYPES if include is None else include, exclude=exclude,
                     field="quantize.select", exclude_field="quantize.exclude")
     for name, module in chosen.items():
@@ -231,6 +231,10 @@ def _targets(model, include, exclude, weights, activations) -> dict[str, nn.Modu
             _axis(module, WEIGHT_AXIS, name, "quantize.weights")
         if activations is not None and activations.per_channel:
             _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+        hooks = module._forward_hooks if where == "output" else module._forward_pre_hooks
+        if activations is not None and any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
+            raise AlreadyModifiedError(f"quantize: {name} already has its {where} quantized; "
+                                       "bake() or restore() that handle first")
     return chosen
 
 
@@ -242,8 +246,11 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: dict[str,
             continue
         key = f"{name}.weight" if name else "weight"
         axis = _axis(module, WEIGHT_AXIS, name, "quantize.weights") if spec.per_channel else None
+        value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
+        if not torch.isfinite(value).all():
+            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
         observer = Observer(spec, axis, key)
-        observer.observe(guards.current_value(param))  # e.g. with pruned entries zero, as enforced
+        observer.observe(value)
         quantizer = WeightQuantizer(spec, *observer.qparams(), axis)
         _attach_one(handle, key, param, quantizer)
         by_param[id(param)] = guards.guard_of(param)
@@ -280,6 +287,14 @@ def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], s
         handle.activations[name] = quantizer
 
 
+def _channels(module: nn.Module, where: str) -> int | None:
+    """Channels of a layer's output (``where="output"``) or input, when the layer declares them."""
+    for attribute in ("out_channels", "out_features") if where == "output" else ("in_channels", "in_features"):
+        if isinstance(getattr(module, attribute, None), int):
+            return getattr(module, attribute)
+    return None
+
+
 def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qparams, progress: bool) -> None:
     if qparams is not None:
         saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
@@ -288,19 +303,20 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
             raise CheckpointError(f"quantize.qparams: no parameters for {len(missing)} layer(s), e.g. {missing[0]}")
         for name, quantizer in handle.activations.items():
             scale, zero_point = saved[f"{name}.scale"], saved[f"{name}.zero_point"]
-            fits = scale.numel() == 1 if quantizer.axis is None else scale.dim() == 1
+            channels = _channels(model.get_submodule(name), quantizer.where)
+            fits = scale.numel() == 1 if quantizer.axis is None else \
+                scale.dim() == 1 and (channels is None or scale.numel() == channels)
             if not fits or zero_point.shape != scale.shape:
-                need = "one value each" if quantizer.axis is None else "1-d tensors of the same length"
+                need = "one value each" if quantizer.axis is None else \
+                    f"1-d tensors of length {channels if channels is not None else 'C'}"
                 raise CheckpointError(f"quantize.qparams: {name} has scale shape {tuple(scale.shape)} and zero point "
                                       f"shape {tuple(zero_point.shape)}; these settings need {need}")
             quantizer.freeze(scale, zero_point)
         return
+    calibration = list(batches(calibration))
+    check_finite(calibration, "quantize.calibration", NonFiniteError)
     with evaluating(model), torch.no_grad():
-        for index, batch in enumerate(tqdm(list(batches(calibration)), desc="calibrating", unit="batch",
-                                           disable=not progress, leave=False)):
-            for tensor in batch:
-                if isinstance(tensor, Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise NonFiniteError("quantize.calibration", f"batch {index}", "contains NaN or Inf")
+        for batch in tqdm(calibration, desc="calibrating", unit="batch", disable=not progress, leave=False):
             model(*batch)
     for quantizer in handle.activations.values():
         quantizer.freeze()

@@ -373,13 +373,16 @@ def rewrite_from_config(name: str, **kwargs: Any) -> Rewrite:
         cls = BUILTINS[name]
         try:
             return cls(**kwargs)
-        except TypeError as err:
-            if isinstance(err, ConfigError):
+        except ConfigError as err:  # name the field as the config spells it: rewrite.kwargs.<name>
+            key = err.field.removeprefix("rewrite.")
+            if key not in kwargs:
                 raise
-            raise ConfigError("rewrite", kwargs, f"invalid parameters for '{name}': {err}") from None
+            raise type(err)(f"rewrite.kwargs.{key}", err.value, err.allowed, err.hint) from None
+        except TypeError as err:
+            raise ConfigError("rewrite.kwargs", kwargs, f"invalid parameters for '{name}': {err}") from None
     if "." in name.strip("."):
         if kwargs:
-            raise ConfigError("rewrite", kwargs, f"the dotted-path rewrite '{name}' takes no parameters")
+            raise ConfigError("rewrite.kwargs", kwargs, f"the dotted-path rewrite '{name}' takes no parameters")
         return _import_callable(name)
     raise ConfigError("rewrite.name", name, f"must be one of {', '.join(BUILTINS)} or an importable "
                       "'pkg.module.callable'")

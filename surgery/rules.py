@@ -16,6 +16,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from surgery.errors import ConfigError, ConfigTypeError
+
 Match = Union[type, tuple, str, Callable[[nn.Module, str, Any], bool]]
 KINDS = ("swap", "wrap", "parameter", "buffer")
 
@@ -31,14 +33,14 @@ class Rule:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"rule kind {self.kind!r}: must be one of {', '.join(KINDS)}")
+            raise ConfigError("rule.kind", self.kind, f"must be one of {', '.join(KINDS)}")
         valid = isinstance(self.match, (type, str)) or callable(self.match) or (
             isinstance(self.match, tuple) and self.match and all(isinstance(t, type) for t in self.match))
         if not valid:
-            raise TypeError(f"{self.kind} rule: match={self.match!r} must be a class, a tuple of classes, "
-                            "a glob on the attribute name, or a predicate (parent, name, value) -> bool")
+            raise ConfigTypeError(f"{self.kind}.match", self.match, "must be a class, a tuple of classes, "
+                                  "a glob on the attribute name, or a predicate (parent, name, value) -> bool")
         if not callable(self.action):
-            raise TypeError(f"{self.kind} rule: the action {self.action!r} is not callable")
+            raise ConfigTypeError(f"{self.kind}.action", self.action, "must be callable")
 
     @property
     def label(self) -> str:

@@ -17,10 +17,10 @@ from surgery.checkpoints import save_checkpoint, save_tensors
 from surgery.comparison import compare
 from surgery.config import RunConfig
 from surgery.data import Data, calibration_batches, load_data
-from surgery.errors import ConfigError
+from surgery.errors import OutputExistsError
 from surgery.handles import HandleGroup
 from surgery.inspection import calls_as_rows, format_table, inspect_model
-from surgery.models import ModelBuilder
+from surgery.models import ModelBuilder, check_runs
 from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.steps import apply_steps, find, reattach, saved_qparams
 
@@ -65,6 +65,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     models = _build(config)
     data, calibration = load_data(config.data), _calibration(config)
     inputs = data.inputs
+    check_runs(models.reference, inputs, config.model.name)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     built = time.perf_counter()
     handle = apply_steps(models.model, config, calibration=calibration)
@@ -124,7 +125,7 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
     for path in paths:
         if path.exists() and not overwrite:
-            raise ConfigError("output", str(path), "already exists; pass output.overwrite=true to replace it")
+            raise OutputExistsError(str(path))
 
 
 def _build(config: RunConfig) -> _Models:
