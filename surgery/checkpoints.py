@@ -67,10 +67,19 @@ def check_fits(model: nn.Module, state: dict[str, Tensor], *, field: str = "chec
 
 
 def load_checkpoint(model: nn.Module, path: str | Path, *, field: str = "checkpoint") -> nn.Module:
-    """Load a checkpoint into ``model`` strictly; on any problem the model is left untouched."""
+    """Load a checkpoint into ``model`` strictly; on any problem the model is left untouched.
+
+    The file is read and checked against the model before anything is copied; if copying
+    still fails part-way (or is interrupted), the tensors already overwritten are put back.
+    """
     state = read_state_dict(path, field=field)
     check_fits(model, state, field=f"{field}={str(path)!r}")
-    model.load_state_dict(state, strict=True)
+    backup = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except BaseException:
+        model.load_state_dict(backup, strict=True)
+        raise
     return model
 
 

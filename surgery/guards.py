@@ -12,6 +12,7 @@ Transforms on one parameter are undone last-in-first-out.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -108,6 +109,30 @@ def detach(param: nn.Parameter, transform: Transform, name: str) -> None:
         guard.transforms.pop()
         if not guard.transforms:
             del _guards[param]
+
+
+def settle(param: nn.Parameter) -> None:
+    """Re-apply the transforms of ``param`` now if it changed since they last ran (before a
+    bake makes its current values final)."""
+    guard = _guards.get(param)
+    if guard is not None:
+        guard.enforce()
+
+
+def savepoint(params: Iterable[nn.Parameter]) -> Callable[[], None]:
+    """The guards of ``params`` as they are now, as a callable that puts them back exactly
+    (the rollback of a failed bake: transforms detached meanwhile are attached again)."""
+    with _lock:
+        saved = [(p, g, list(g.transforms), g.seen) for p in params if (g := _guards.get(p)) is not None]
+
+    def put_back() -> None:
+        with _lock:
+            for param, guard, transforms, seen in saved:
+                _guards[param] = guard
+                guard.transforms[:] = transforms
+                guard.seen = seen
+
+    return put_back
 
 
 def current_value(param: nn.Parameter) -> torch.Tensor:

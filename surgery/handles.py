@@ -10,9 +10,11 @@ from typing import Literal
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from surgery import guards
 from surgery.errors import UndoError
 
 State = Literal["attached", "restored", "baked"]
+Revert = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,16 @@ class Handle:
     """The record of one surgery verb applied to one model.
 
     Every hook and every tensor change the verb made is a step with an undo action (used by
-    :meth:`restore`) and a bake action (used by :meth:`bake`: hooks are removed, saved
-    originals are dropped, the change stays in the weights). Steps run last-in-first-out; a
-    failing step does not stop the others, and all failures are raised together at the end.
-    Both methods are idempotent. As a context manager the handle restores on exit unless it
-    was baked.
+    :meth:`restore`) and a bake action (used by :meth:`bake`: hooks are removed, the change
+    stays in the weights, saved originals are dropped). Steps run last-in-first-out.
+
+    ``restore()`` keeps going when a step fails — also on ``KeyboardInterrupt`` — and then
+    raises :class:`~surgery.errors.UndoError` with every failure (or re-raises the interrupt);
+    a failed step is reported once, not retried. ``bake()`` is all-or-nothing: if a step
+    fails, the steps already baked are put back (hook dicts and tensor guards as they were),
+    the handle stays attached — hooked and correct, still restorable — and the error is
+    re-raised. Both methods are idempotent. As a context manager the handle restores on exit
+    unless it was baked.
 
     Example:
         >>> with surgery.prune(model, 0.5) as handle:
@@ -42,6 +49,7 @@ class Handle:
         self.kind = kind
         self._model = weakref.ref(model)
         self._steps: list[_Step] = []
+        self._hooks: list[RemovableHandle] = []
         self._state: State = "attached"
 
     @property
@@ -59,43 +67,86 @@ class Handle:
         self._steps.append(_Step(description, undo, bake))
 
     def add_hook(self, description: str, hook: RemovableHandle) -> None:
-        """Own a hook: it is removed both on restore and on bake."""
-        self.add(description, hook.remove, hook.remove)
+        """Own a hook: it is removed both on restore and on bake (at once if recording fails)."""
+        try:
+            self._hooks.append(hook)
+            self.add(description, lambda: hook.remove(), lambda: hook.remove())
+        except BaseException:
+            hook.remove()
+            raise
 
     def restore(self) -> None:
-        """Undo every change exactly and remove every hook. Harmless to call twice."""
+        """Undo every change exactly and remove every hook. Harmless to call twice.
+
+        Raises:
+            AlreadyModifiedError: before anything changes, if undoing now would be out of order.
+            UndoError: after every other step ran, if some steps failed.
+        """
         if self._state != "attached":
             return
         self.check_undo()
         self._state = "restored"
-        self._run([step.undo for step in reversed(self._steps)])
+        failures = _run_all([step.undo for step in reversed(self._steps)])
+        self._forget()
+        _raise(failures)
 
     def bake(self) -> nn.Module | None:
         """Keep the change in the weights, remove every hook, and return the now plain model.
 
+        All or nothing: if a step fails (or is interrupted), the model is left hooked exactly
+        as before and the handle stays attached.
+
         Raises:
             RuntimeError: if the handle was already restored.
+            AlreadyModifiedError: before anything changes, if baking now would be out of order.
         """
         if self._state == "restored":
             raise RuntimeError(f"cannot bake {self.kind}: it was already restored")
         if self._state == "attached":
-            self._state = "baked"
-            self._run([step.bake for step in reversed(self._steps) if step.bake is not None])
+            revert = self._savepoint()
+            try:
+                self._bake_steps()
+            except BaseException:
+                revert()
+                raise
+            self._baked()
         return self.model
 
     def check_undo(self) -> None:
         """Raise before anything is undone if undoing now would be out of order (subclasses)."""
 
-    def _run(self, actions: list[Callable[[], None]]) -> None:
-        failures: list[BaseException] = []
-        for action in actions:
-            try:
-                action()
-            except Exception as err:  # keep undoing the rest; report everything at the end
-                failures.append(err)
+    def _savepoint(self) -> Revert:
+        """What baking changes — the dicts holding this handle's hooks and the tensor guards of
+        the model's parameters — as a callable that puts it back exactly."""
+        dicts = {id(d): d for hook in self._hooks
+                 for d in (ref() for ref in (hook.hooks_dict_ref, *hook.extra_dict_ref)) if d is not None}
+        saved = [(d, list(d.items())) for d in dicts.values()]
+        model = self.model
+        put_back_guards = guards.savepoint(model.parameters() if model is not None else [])
+
+        def revert() -> None:
+            for hook_dict, items in saved:
+                hook_dict.clear()
+                hook_dict.update(items)
+            put_back_guards()
+
+        return revert
+
+    def _bake_steps(self) -> None:
+        """Run the bake actions, last first, stopping at the first failure."""
+        self.check_undo()
+        for step in reversed(self._steps):
+            if step.bake is not None:
+                step.bake()
+
+    def _baked(self) -> None:
+        self._state = "baked"
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop every step (and with them saved originals): the handle is done."""
         self._steps.clear()
-        if failures:
-            raise UndoError(failures)
+        self._hooks.clear()
 
     def __enter__(self) -> Handle:
         return self
@@ -108,7 +159,8 @@ class Handle:
 
 
 class HandleGroup(Handle):
-    """Several handles undone (and baked) as one, last applied first.
+    """Several handles undone (and baked) as one, last applied first; baking is all-or-nothing
+    across the group.
 
     Example:
         >>> with surgery.compose(surgery.prune(model, 0.5), surgery.quantize(model)):
@@ -122,9 +174,53 @@ class HandleGroup(Handle):
         super().__init__("+".join(h.kind for h in handles) or "nothing", model)
         self.handles = list(handles)
         for handle in self.handles:
-            self.add(repr(handle), handle.restore, handle.bake)
+            self.add(repr(handle), handle.restore)
+
+    def _savepoint(self) -> Revert:
+        reverts = [h._savepoint() for h in self.handles if h.state == "attached"]
+
+        def revert() -> None:
+            for each in reversed(reverts):
+                each()
+
+        return revert
+
+    def _bake_steps(self) -> None:
+        for handle in reversed(self.handles):
+            if handle.state == "restored":
+                raise RuntimeError(f"cannot bake {self.kind}: {handle.kind} was already restored")
+            if handle.state == "attached":
+                handle._bake_steps()
+
+    def _baked(self) -> None:
+        for handle in self.handles:
+            if handle.state == "attached":
+                handle._baked()
+        super()._baked()
 
 
 def compose(*handles: Handle) -> HandleGroup:
     """Group handles so that they restore and bake together, in reverse order of application."""
     return HandleGroup(list(handles))
+
+
+def _run_all(actions: list[Callable[[], None]]) -> list[BaseException]:
+    """Run every action, whatever fails — an interrupt too: a half-undone model is worse than
+    a slightly later stop. Returns the failures, in order."""
+    failures: list[BaseException] = []
+    for action in actions:
+        try:
+            action()
+        except BaseException as err:  # noqa: BLE001 - collected, re-raised by _raise
+            failures.append(err)
+    return failures
+
+
+def _raise(failures: list[BaseException]) -> None:
+    """Re-raise the first interrupt (``KeyboardInterrupt``, ``SystemExit``) among ``failures``,
+    else raise :class:`UndoError` with all of them (those of a composed handle listed flat)."""
+    interrupts = [f for f in failures if not isinstance(f, Exception)]
+    if interrupts:
+        raise interrupts[0]
+    if failures:
+        raise UndoError([inner for f in failures for inner in (f.failures if isinstance(f, UndoError) else [f])])

@@ -179,10 +179,9 @@ def _attach(handle: PruneHandle, name: str, param: nn.Parameter, mask: Tensor) -
         with torch.no_grad():
             param.masked_scatter_(~enforcer.mask().to(param.device), original.to(param.device, param.dtype))
 
-    def keep() -> None:
-        nonlocal original
+    def keep() -> None:  # the original goes with the handle's steps once the whole bake succeeded
+        guards.settle(param)  # changed since the last forward: bake what the hooks would enforce
         guards.detach(param, enforcer, name)
-        original = original.new_empty(0)
 
     handle.add("restore pruned values", put_back, keep)  # recorded before the change
     guards.attach(param, enforcer, name)

@@ -267,10 +267,9 @@ def _attach_one(handle: QuantizeHandle, name: str, param: nn.Parameter, quantize
         with torch.no_grad():
             param.copy_(original)
 
-    def keep() -> None:
-        nonlocal original
+    def keep() -> None:  # the original goes with the handle's steps once the whole bake succeeded
+        guards.settle(param)  # changed since the last forward: bake what the hooks would enforce
         guards.detach(param, quantizer, name)
-        original = original.new_empty(0)
 
     handle.add("restore unquantized weight", put_back, keep)
     guards.attach(param, quantizer, name)

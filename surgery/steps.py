@@ -49,10 +49,16 @@ def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
         for step in config.steps:
             handles.append(APPLIERS[step](model, config, neutral, calibration or []))
     except BaseException:
-        for handle in reversed(handles):
-            handle.restore()
+        _undo(handles, model)
         raise
     return HandleGroup(handles, model)
+
+
+def _undo(handles: list[Handle], model: nn.Module) -> None:
+    """Restore the steps applied so far, last first; one failing does not stop the others (an
+    :class:`~surgery.errors.UndoError` then propagates, with the step's failure as its context)."""
+    if handles:
+        HandleGroup(handles, model).restore()
 
 
 def find(handle: HandleGroup, kind: str) -> Handle | None:
@@ -73,8 +79,7 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
             elif step == "rewrite":
                 handles.append(_rewrite(model, config, False, []))
     except BaseException:
-        for handle in reversed(handles):
-            handle.restore()
+        _undo(handles, model)
         raise
     return HandleGroup(handles, model) if handles else None
 
