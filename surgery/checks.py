@@ -86,7 +86,12 @@ def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    """Bit for bit: NaN equals the same NaN, and -0.0 differs from 0.0."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def collect(model: nn.Module, inputs: list) -> list[Tensor]:

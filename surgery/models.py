@@ -7,7 +7,6 @@ import difflib
 from collections.abc import Sequence
 
 import torch
-import torchvision
 from torch import nn
 
 from surgery.checkpoints import load_checkpoint
@@ -23,6 +22,8 @@ SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery 
 
 def torchvision_names() -> list[str]:
     """Names of torchvision's classification models."""
+    import torchvision  # imported on use: a bad config is answered without paying for it
+
     return torchvision.models.list_models(module=torchvision.models)
 
 
@@ -72,6 +73,8 @@ class ModelBuilder:
     def _construct(self) -> nn.Module:
         if self.config.source == "digits_cnn":
             return DigitsCNN(num_classes=self.config.num_classes)
+        import torchvision
+
         return torchvision.models.get_model(self.config.name, weights=None, num_classes=self.config.num_classes)
 
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from surgery import guards
 from surgery.checkpoints import save_tensors
 from surgery.comparison import batches, check_finite, evaluating
-from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError
+from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
 from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
 from surgery.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
@@ -122,8 +122,11 @@ class QuantizeHandle(Handle):
                 out[f"{name}.zero_point"] = quantizer.zero_point.detach().cpu().contiguous()
         return out
 
-    def save_qparams(self, path: str | Path) -> Path:
-        """Write activation quantization parameters (safetensors, settings as metadata)."""
+    def save_qparams(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write activation quantization parameters (safetensors, settings as metadata), atomically;
+        an existing file raises :class:`~surgery.errors.OutputExistsError` unless ``overwrite``."""
+        if Path(path).exists() and not overwrite:
+            raise OutputExistsError(str(path))
         first = next(iter(self.activations.values()), None)
         meta = {"where": first.where if first else "output",
                 "spec": json.dumps(vars(first.spec) if first else {}), "layers": json.dumps(list(self.activations))}

@@ -12,15 +12,29 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from surgery.intercept import _registry as intercept_registry
 from surgery.checks import global_hook_counts, module_hook_counts
+
+
+def global_state() -> dict[str, int]:
+    """Sizes of every global registry surgery could leave something in."""
+    from torch.optim import optimizer
+
+    return {**global_hook_counts(), "intercept blocks (all threads)": intercept_registry.count,
+            "intercept blocks (this thread)": len(intercept_registry.stack()),
+            "optimizer pre hooks": len(optimizer._global_optimizer_pre_hooks),
+            "optimizer post hooks": len(optimizer._global_optimizer_post_hooks)}
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_global_hooks() -> Iterator[None]:
-    """Every test leaves torch's global module hook registries exactly as it found them."""
-    before = global_hook_counts()
+    """Every test leaves torch's global hook registries and surgery's intercept registry exactly
+    as it found them."""
+    before = global_state()
     yield
-    assert global_hook_counts() == before, "a test leaked a global module hook"
+    after = global_state()
+    leaked = {name: (count, after[name]) for name, count in before.items() if after[name] != count}
+    assert not leaked, f"a test leaked global state (before, after): {leaked}"
 
 
 def assert_no_hooks(model: nn.Module) -> None:

@@ -1,0 +1,389 @@
+"""Every row of the README's bad-input table: the CLI exits 2 with one line naming the field,
+the Python API raises a specific exception, and nothing is lost or half-modified.
+
+Each case id below is a row id of the table ("## Bad input" in README.md); a test checks the
+table and these cases list the same ids, so neither can drift from the other.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+from safetensors.torch import save_file
+from torch import nn
+
+import surgery
+from surgery import QuantSpec
+from surgery.checkpoints import load_checkpoint, save_checkpoint
+from surgery.checks import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
+from surgery.config import load_config
+from surgery.errors import (
+    AlreadyModifiedError,
+    CheckpointError,
+    ConfigError,
+    ConfigTypeError,
+    OutputExistsError,
+    SelectionError,
+)
+from surgery.observers import NonFiniteError
+from surgery.rewriting import Normalize, rewrite_from_config
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+FAST = ("model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1")
+QUANTIZE = ("recipe=quantize_resnet50", *FAST)
+REWRITE = ("recipe=rewrite_inputs", *FAST)
+
+
+def table_ids() -> list[str]:
+    """The row ids (first column) of the README's bad-input table."""
+    section = README.read_text().split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.MULTILINE)
+
+
+# ----------------------------------------------------------------------------- Python API
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).eval()
+
+
+def batch(*shape: int, fill: float | None = None) -> torch.Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    return x if fill is None else x.index_fill_(0, torch.tensor([0]), fill)
+
+
+def int_weight(model: nn.Module) -> nn.Module:
+    model[0].weight = nn.Parameter(torch.ones(16, 8, dtype=torch.int64), requires_grad=False)
+    return model
+
+
+def nonfinite_weight(value: float) -> Callable[[nn.Module], nn.Module]:
+    def poison(model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            model[2].weight[3, 5] = value
+        return model
+    return poison
+
+
+def write_checkpoint(kind: str, folder: Path) -> Path:
+    """A checkpoint for :func:`mlp` that is ``missing``, ``truncated``, of the ``wrong`` architecture,
+    or ``code`` (a pickled module: refused by weights_only=True)."""
+    path = folder / ("ckpt.safetensors" if kind == "truncated_safetensors" else "ckpt.pt")
+    if kind == "truncated_safetensors":
+        save_file(mlp().state_dict(), str(path))
+        path.write_bytes(path.read_bytes()[:200])
+    elif kind == "truncated":
+        torch.save(mlp().state_dict(), path)
+        path.write_bytes(path.read_bytes()[:300])
+    elif kind == "wrong":
+        torch.save(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).state_dict(), path)
+    elif kind == "code":
+        torch.save({"model": mlp()}, path)
+    return path
+
+
+def qparams_for(*, channels: int) -> dict[str, torch.Tensor]:
+    """Per-channel activation parameters for layer 0 with ``channels`` entries (it has 16)."""
+    return {"0.scale": torch.full((channels,), 0.1), "0.zero_point": torch.zeros(channels, dtype=torch.int32)}
+
+
+@dataclass
+class ApiCase:
+    """``call(model, tmp_path, prepared)`` must raise ``error`` with a one-line message naming ``field``
+    and ``value``, leaving ``model`` (after ``prepare``) bit-identical."""
+
+    row: str
+    call: Callable[[nn.Module, Path, Any], Any]
+    error: type[Exception]
+    field: str
+    value: str
+    build: Callable[[], nn.Module] = mlp
+    prepare: Callable[[nn.Module], Any] = lambda model: None
+
+    def __str__(self) -> str:
+        return f"{self.row}:{self.field}={self.value}"
+
+
+def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
+    return surgery.quantize(model, weights=None, activations=QuantSpec(**kwargs), calibration=[batch(4, 8)],
+                            progress=False)
+
+
+API_CASES = [
+    ApiCase("amount", lambda m, *_: surgery.prune(m, 1.5), ConfigError, "prune.amount", "1.5"),
+    ApiCase("amount", lambda m, *_: surgery.prune(m, -0.1), ConfigError, "prune.amount", "-0.1"),
+    ApiCase("amount", lambda m, *_: surgery.prune(m, math.nan), ConfigError, "prune.amount", "nan"),
+    ApiCase("amount", lambda m, *_: surgery.prune(m, "half"), ConfigTypeError, "prune.amount", "'half'"),
+    ApiCase("prune-n", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", n=0), ConfigError, "prune.n", "0"),
+    ApiCase("prune-dim", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", dim=5), ConfigError,
+            "prune.dim", "5"),
+    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=9)), ConfigError,
+            "quantize.weights.bits", "9"),
+    ApiCase("bits", lambda m, *_: _quantize_activations(m, bits=1), ConfigError, "quantize.activations.bits", "1"),
+    ApiCase("observer-settings", lambda m, *_: _quantize_activations(m, observer="percentile", percentile=40),
+            ConfigError, "quantize.activations.percentile", "40"),
+    ApiCase("observer-settings", lambda m, *_: surgery.quantize(m, weights=QuantSpec(averaging=0.0)), ConfigError,
+            "quantize.weights.averaging", "0.0"),
+    ApiCase("counts", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), calibration=[],
+                                                    progress=False), ConfigError, "quantize.calibration", "'0'"),
+    ApiCase("drift-bounds", lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"min_cosine": 2}}}),
+            ConfigError, "checks.drift.min_cosine", "2"),
+    ApiCase("drift-bounds", lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"max_abs": -1}}}),
+            ConfigError, "checks.drift.max_abs", "-1"),
+    ApiCase("rewrite-params", lambda m, *_: surgery.rewrite_inputs(m, Normalize(mean=0.0, std=0.0)), ConfigError,
+            "rewrite.std", "0.0"),
+    ApiCase("rewrite-params", lambda m, *_: rewrite_from_config("clamp", min=1.0, max=0.0), ConfigError,
+            "rewrite.kwargs.max", "0.0"),
+    ApiCase("method", lambda m, *_: surgery.prune(m, 0.5, method="l7"), ConfigError, "prune.method", "'l7'"),
+    ApiCase("method", lambda m, *_: surgery.prune(m, 0.5, scope="world"), ConfigError, "prune.scope", "'world'"),
+    ApiCase("method", lambda m, *_: surgery.quantize(m, where="middle"), ConfigError, "quantize.where", "'middle'"),
+    ApiCase("observer", lambda m, *_: surgery.quantize(m, weights=QuantSpec(observer="median")), ConfigError,
+            "quantize.weights.observer", "'median'"),
+    ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("melt"), ConfigError, "rewrite.name", "'melt'"),
+    ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("no_such.module.fn"), ConfigError, "rewrite.name",
+            "'no_such.module.fn'"),
+    ApiCase("rewrite-name", lambda m, *_: surgery.rewrite_inputs(m, "melt"), ConfigTypeError, "rewrite.fn", "'melt'"),
+    ApiCase("unknown-key", lambda m, *_: surgery.quantize(m, weights={"bits": 8, "colour": 1}), ConfigError,
+            "quantize.weights", "'colour'"),
+    ApiCase("build-rule", lambda m, *_: surgery.rules.swap(42, nn.SiLU), ConfigTypeError, "swap.match", "42"),
+    ApiCase("build-rule", lambda m, *_: surgery.intercept(nn.ReLU).__enter__(), ConfigTypeError, "intercept.rules",
+            "ReLU"),
+    ApiCase("selection", lambda m, *_: surgery.prune(m, 0.5, select="layer9.*"), SelectionError, "prune.select",
+            "'layer9.*'"),
+    ApiCase("selection", lambda m, *_: surgery.prune(m, 0.5, exclude=["fcc"]), SelectionError, "prune.exclude",
+            "'fcc'"),
+    ApiCase("selection", lambda m, *_: surgery.quantize(m, select="nope"), SelectionError, "quantize.select",
+            "'nope'"),
+    ApiCase("selection", lambda m, *_: surgery.rewrite_inputs(m, rewrite_from_config("identity"), select="nope"),
+            SelectionError, "rewrite.select", "'nope'"),
+    ApiCase("per-channel", lambda m, *_: surgery.quantize(m, weights=None, select="1", calibration=[batch(2, 3, 6, 6)],
+                                                         activations=QuantSpec(per_channel=True), progress=False),
+            ConfigError, "quantize.activations.per_channel", "True", build=convnet),
+    ApiCase("non-floating", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "'0'",
+            prepare=int_weight),
+    ApiCase("non-floating", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "'0'",
+            prepare=int_weight),
+    ApiCase("duplicate", lambda m, *_: surgery.prune(m, 0.3), AlreadyModifiedError, "prune", "0.weight",
+            prepare=lambda m: surgery.prune(m, 0.5)),
+    ApiCase("duplicate", lambda m, *_: surgery.quantize(m), AlreadyModifiedError, "quantize", "0.weight",
+            prepare=lambda m: surgery.quantize(m)),
+    ApiCase("duplicate", lambda m, *_: _quantize_activations(m), AlreadyModifiedError, "quantize", "0",
+            prepare=lambda m: _quantize_activations(m)),
+    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, tmp / "none.pt"), CheckpointError, "checkpoint",
+            "none.pt"),
+    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated", tmp)), CheckpointError,
+            "checkpoint", "corrupted or truncated"),
+    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated_safetensors", tmp)),
+            CheckpointError, "checkpoint", "corrupted or truncated"),
+    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("wrong", tmp)), CheckpointError,
+            "checkpoint", "does not fit Sequential"),
+    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("code", tmp)), CheckpointError,
+            "checkpoint", "weights_only=True"),
+    ApiCase("qparams", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(per_channel=True),
+                                                      select="0", qparams=qparams_for(channels=3)),
+            CheckpointError, "quantize.qparams", "length 16"),
+    ApiCase("qparams", lambda m, tmp, *_: surgery.quantize(m, weights=None, activations=QuantSpec(),
+                                                       qparams=tmp / "none.safetensors"),
+            CheckpointError, "quantize.qparams", "no such file"),
+    ApiCase("nonfinite-weights", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "'2.weight'",
+            prepare=nonfinite_weight(math.nan)),
+    ApiCase("nonfinite-weights", lambda m, *_: surgery.quantize(m), NonFiniteError, "quantize.weights", "'2.weight'",
+            prepare=nonfinite_weight(math.inf)),
+    ApiCase("nonfinite-inputs", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(),
+                                                              calibration=[batch(4, 8, fill=math.nan)],
+                                                              progress=False),
+            NonFiniteError, "quantize.calibration", "'batch 0'"),
+    ApiCase("nonfinite-inputs", lambda m, *_: surgery.compare(m, mlp(), [batch(4, 8), batch(4, 8, fill=-math.inf)]),
+            ConfigError, "compare.inputs", "'batch 1'"),
+    ApiCase("output-exists", lambda m, tmp, *_: save_checkpoint(m, tmp / "model.safetensors"), OutputExistsError,
+            "output", "model.safetensors"),
+    ApiCase("output-exists", lambda m, tmp, handle: handle.save_qparams(tmp / "model.safetensors"),
+            OutputExistsError, "output", "model.safetensors", prepare=_quantize_activations),
+]
+
+
+def _model_state(model: nn.Module) -> tuple:
+    return snapshot(model), module_hook_counts(model)
+
+
+@pytest.mark.parametrize("case", API_CASES, ids=str)
+def test_api_raises_a_specific_one_line_error_and_leaves_the_model_as_it_was(case: ApiCase, tmp_path: Path):
+    model = case.build()
+    prepared = case.prepare(model)
+    model = prepared if isinstance(prepared, nn.Module) else model
+    existing = tmp_path / "model.safetensors"
+    existing.write_bytes(b"earlier output")
+    before_snapshot, before_hooks = _model_state(model)
+    before_global = global_hook_counts()
+    with pytest.raises(case.error) as raised:
+        case.call(model, tmp_path, prepared)
+    message = str(raised.value)
+    assert len(message.splitlines()) == 1, message
+    assert case.field in message and case.value in message, message
+    assert snapshot_differences(before_snapshot, snapshot(model)) == [], "the model changed"
+    assert module_hook_counts(model) == before_hooks and global_hook_counts() == before_global
+    assert existing.read_bytes() == b"earlier output"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("ckpt")) == ["model.safetensors"]
+    if isinstance(prepared, surgery.Handle):
+        prepared.restore()
+
+
+def test_api_errors_are_surgery_errors_the_cli_turns_into_exit_2():
+    assert all(issubclass(case.error, surgery.SurgeryError) for case in API_CASES)
+
+
+# ---------------------------------------------------------------------------- command line
+
+@dataclass
+class CliCase:
+    """``python -m surgery *args`` must exit 2 with one stderr line naming ``field``."""
+
+    row: str
+    args: tuple[str, ...]
+    field: str
+    setup: Callable[[Path], tuple[str, ...]] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.row}:{' '.join(a for a in self.args if a not in FAST)}"
+
+
+def resnet18_checkpoint(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """A ``model.weights=`` override pointing at a resnet18 checkpoint of the given ``kind``."""
+    def write(folder: Path) -> tuple[str, ...]:
+        path = folder / ("weights.safetensors" if kind in ("nan", "truncated_safetensors") else "weights.pt")
+        if kind == "missing":
+            path = folder / "no_such_weights.pt"
+        elif kind == "wrong":
+            torch.save(torchvision.models.resnet34().state_dict(), path)
+        elif kind == "code":
+            torch.save({"model": torchvision.models.resnet18()}, path)
+        else:
+            state = torchvision.models.resnet18().state_dict()
+            if kind == "nan":
+                state["layer1.0.conv1.weight"][0, 0, 0, 0] = math.nan
+                save_file(state, str(path))
+            elif kind == "truncated_safetensors":
+                save_file(state, str(path))
+                path.write_bytes(path.read_bytes()[:4096])
+            else:
+                torch.save(state, path)
+                path.write_bytes(path.read_bytes()[:4096])
+        return (f"model.weights={path}",)
+    return write
+
+
+CLI_CASES = [
+    CliCase("amount", (*FAST, "prune.amount=1.5"), "prune.amount"),
+    CliCase("amount", (*FAST, "prune.amount=-0.1"), "prune.amount"),
+    CliCase("amount", (*FAST, "prune.amount=nan"), "prune.amount"),
+    CliCase("amount", (*FAST, "prune.amount=half"), "prune.amount"),
+    CliCase("prune-n", (*FAST, "prune.n=0"), "prune.n"),
+    CliCase("prune-dim", (*FAST, "prune.method=ln_structured", "prune.dim=7"), "prune.dim"),
+    CliCase("bits", (*QUANTIZE, "quantize.weights.bits=9"), "quantize.weights.bits"),
+    CliCase("bits", (*QUANTIZE, "quantize.activations.bits=1"), "quantize.activations.bits"),
+    CliCase("observer-settings", (*QUANTIZE, "quantize.activations.observer=percentile",
+                                  "quantize.activations.percentile=40"), "quantize.activations.percentile"),
+    CliCase("observer-settings", (*QUANTIZE, "quantize.activations.averaging=0"), "quantize.activations.averaging"),
+    CliCase("counts", (*FAST, "data.batch_size=0"), "data.batch_size"),
+    CliCase("counts", (*FAST, "data.batches=0"), "data.batches"),
+    CliCase("counts", (*FAST, "data.image_size=0"), "data.image_size"),
+    CliCase("counts", (*FAST, "model.num_classes=0"), "model.num_classes"),
+    CliCase("counts", (*QUANTIZE, "quantize.calibration_batches=0"), "quantize.calibration_batches"),
+    CliCase("drift-bounds", (*FAST, "checks.drift.min_cosine=2"), "checks.drift.min_cosine"),
+    CliCase("drift-bounds", (*FAST, "checks.drift.min_top1_agreement=1.5"), "checks.drift.min_top1_agreement"),
+    CliCase("drift-bounds", (*FAST, "checks.drift.max_abs=-1"), "checks.drift.max_abs"),
+    CliCase("rewrite-params", (*REWRITE, "rewrite.kwargs.std=[1,0,1]"), "rewrite.kwargs.std"),
+    CliCase("input-shape", ("model.name=vit_b_16", "data.image_size=64", "data.batch_size=1", "data.batches=1"),
+            "data"),
+    CliCase("recipe", (*FAST, "recipe=nope"), "recipe"),
+    CliCase("recipe", ("recipe=prune_resnet",), "prune_resnet50"),  # the list of available recipes
+    CliCase("model", (*FAST, "model=nope"), "model"),
+    CliCase("model", (*FAST, "model.name=resnet5"), "model.name"),
+    CliCase("method", (*FAST, "prune.method=l7"), "prune.method"),
+    CliCase("method", (*FAST, "prune.scope=world"), "prune.scope"),
+    CliCase("method", (*QUANTIZE, "quantize.where=middle"), "quantize.where"),
+    CliCase("observer", (*QUANTIZE, "quantize.activations.observer=median"), "quantize.activations.observer"),
+    CliCase("rewrite-name", (*REWRITE, "rewrite.name=melt", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
+            "rewrite.name"),
+    CliCase("rewrite-name", (*REWRITE, "rewrite.name=no_such.module.fn", "~rewrite.kwargs.mean",
+                             "~rewrite.kwargs.std"), "rewrite.name"),
+    CliCase("unknown-key", (*FAST, "prune.amountt=0.3"), "prune.amountt"),
+    CliCase("build-rule", ("recipe=swap_activations", *FAST, "build.0.to=torch.nn.Nope"), "build[0].to"),
+    CliCase("build-rule", ("recipe=swap_activations", *FAST, "build.0.kind=melt"), "kind"),
+    CliCase("build-rule", ("recipe=swap_activations", *FAST, "build.0.match=[]"), "build[0].match"),
+    CliCase("choice", (*FAST, "checks.enabled=[identity,nope]"), "checks.enabled"),
+    CliCase("choice", (*FAST, "output.checkpoint=onnx"), "output.checkpoint"),
+    CliCase("selection", (*FAST, "prune.select=[layer9.*]"), "prune.select"),
+    CliCase("selection", (*FAST, "prune.exclude=[fcc]"), "prune.exclude"),
+    CliCase("selection", (*QUANTIZE, "quantize.select=[nope]"), "quantize.select"),
+    CliCase("selection", (*REWRITE, "rewrite.select=[nope]"), "rewrite.select"),
+    CliCase("per-channel", (*QUANTIZE, "quantize.select=[bn1]"), "per_channel"),
+    CliCase("duplicate", (*FAST, "steps=[prune,prune]"), "steps"),
+    CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("missing")),
+    CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("truncated")),
+    CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("truncated_safetensors")),
+    CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("wrong")),
+    CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("code")),
+    CliCase("nonfinite-weights", FAST, "prune.select='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
+    CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
+]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+
+
+def written(folder: Path) -> list[str]:
+    """Files in a run folder other than Hydra's own record (.hydra/, the job log)."""
+    if not folder.exists():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name != ".hydra" and p.suffix != ".log")
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=str)
+def test_cli_exits_2_with_one_line_naming_the_field_and_writes_nothing(case: CliCase, tmp_path: Path):
+    extra = case.setup(tmp_path) if case.setup else ()
+    out = tmp_path / "out"
+    result = run_cli(*case.args, *extra, f"hydra.run.dir={out}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr[-2000:]
+    assert case.field in lines[0] and "Traceback" not in result.stderr
+    assert written(out) == []
+
+
+def test_cli_never_overwrites_an_existing_output_silently(tmp_path: Path):
+    assert run_cli(*FAST, f"hydra.run.dir={tmp_path}").returncode == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    again = run_cli(*FAST, "prune.amount=0.9", f"hydra.run.dir={tmp_path}")
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+    assert "output=" in again.stderr and "output.overwrite=true" in again.stderr
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.suffix != ".log"} == \
+        {k: v for k, v in before.items() if not k.endswith(".log")}
+    assert run_cli(*FAST, "prune.amount=0.9", "output.overwrite=true", f"hydra.run.dir={tmp_path}").returncode == 1
+
+
+# ------------------------------------------------------------------------------ the table
+
+def test_readme_table_and_these_cases_list_the_same_rows():
+    rows = table_ids()
+    assert len(rows) == len(set(rows)), "a row id appears twice in the README table"
+    tested = {case.row for case in API_CASES} | {case.row for case in CLI_CASES}
+    assert set(rows) == tested
