@@ -1,12 +1,15 @@
-"""Checkpoint files: safe loading with clear errors, and atomic saving."""
+"""Checkpoint files and other outputs: safe loading with clear errors, atomic writing of one
+file (:func:`write_atomically`) or of a set published together (:class:`Staging`), and the
+never-overwrite-silently check (:func:`refuse_existing`)."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -91,8 +94,7 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, overwrite: bool = Fal
     ``overwrite`` is true.
     """
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise OutputExistsError(str(path))
+    refuse_existing([path], overwrite)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     if path.suffix == ".safetensors":
         write_atomically(path, lambda tmp: save_file(state, str(tmp)))
@@ -109,15 +111,109 @@ def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[st
     return path
 
 
+def refuse_existing(paths: Iterable[Path], overwrite: bool) -> None:
+    """Raise :class:`~surgery.errors.OutputExistsError` for the first of ``paths`` that exists,
+    unless ``overwrite``: call it before writing anything, so a refusal writes nothing."""
+    for path in paths:
+        if not overwrite and Path(path).exists():
+            raise OutputExistsError(str(path))
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, then rename it into place."""
+    """Call ``write`` on a temporary file beside ``path``, flush it to disk, rename it into place.
+
+    Readers see the previous file or the complete new one, never a part of it: the temporary
+    file is in the same folder (the rename is atomic), its data is fsynced before the rename and
+    the folder after it. On any failure — ``KeyboardInterrupt`` included — the temporary file
+    is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
     tmp = Path(tmp_name)
     try:
+        os.close(handle)
         write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are ordinary files
+        _fsync(tmp)
         os.replace(tmp, path)
+        fsync_folder(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class Staging:
+    """Outputs that belong together, published only once every one of them is complete.
+
+    Inside ``with Staging(folder) as stage:`` write each output to ``stage / name`` (they land
+    in a hidden temporary folder inside ``folder``), then call :meth:`publish` to move them all
+    into ``folder``. Leaving the block removes the hidden folder and whatever is still in it, so
+    an error or an interrupt before :meth:`publish` leaves ``folder`` as it found it (a
+    ``folder`` the block had to create is removed again if it is still empty).
+
+    Example:
+        >>> with Staging(out_dir) as stage:
+        ...     save_checkpoint(model, stage / "model.safetensors")
+        ...     write_atomically(stage / "report.json", lambda tmp: tmp.write_text(text))
+        ...     stage.publish(overwrite=False, last="report.json")
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder  # the hidden folder, once entered
+        self._created = False
+
+    def __enter__(self) -> Staging:
+        self._created = not self.folder.exists()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.folder))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._created and self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def publish(self, *, overwrite: bool, last: str | None = None, replaces: Iterable[str] = ()) -> list[Path]:
+        """Move every staged file into the folder, ``last`` after the others (its presence then
+        marks a complete set); return the published paths.
+
+        Without ``overwrite``, an existing target raises before anything moves. With it, the
+        files named in ``replaces`` that this set does not include are removed first (what an
+        earlier set left, e.g. a plot this run does not draw).
+        """
+        staged = sorted((p for p in self.path.iterdir() if p.is_file()), key=lambda p: p.name == last)
+        targets = [self.folder / p.name for p in staged]
+        refuse_existing(targets, overwrite)
+        if overwrite:
+            for name in set(replaces) - {p.name for p in staged}:
+                (self.folder / name).unlink(missing_ok=True)
+        for source, target in zip(staged, targets):
+            os.replace(source, target)
+        fsync_folder(self.folder)
+        return targets
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (skipped where a folder cannot be opened)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

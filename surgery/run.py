@@ -13,11 +13,10 @@ from tqdm import tqdm
 
 from surgery import checks
 from surgery.build import neutral, rules_from_config
-from surgery.checkpoints import save_checkpoint, save_tensors
+from surgery.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors
 from surgery.comparison import compare
 from surgery.config import RunConfig
 from surgery.data import Data, calibration_batches, load_data
-from surgery.errors import OutputExistsError
 from surgery.handles import HandleGroup
 from surgery.inspection import calls_as_rows, format_table, inspect_model
 from surgery.models import ModelBuilder, check_runs
@@ -25,11 +24,12 @@ from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary
 from surgery.steps import apply_steps, find, reattach, saved_qparams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+QPARAMS = "model.qparams.safetensors"
 
 
 @dataclass
 class RunResult:
-    """What a run produced: the report (as written to ``report.json``) and the files."""
+    """What a run produced: the report (as written to ``report.json``) and the files it wrote."""
 
     report: dict[str, Any]
     files: list[Path]
@@ -52,15 +52,38 @@ class _Models:
 
 
 def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResult:
-    """Execute ``config`` and write its report, plot and baked checkpoint into ``out_dir``.
+    """Execute ``config`` and write its report, plots and baked checkpoint into ``out_dir``.
+
+    Nothing is written unless the whole run succeeds: every output is first written (each
+    atomically) into a hidden folder inside ``out_dir`` and moved into place at the end,
+    ``report.json`` last. A run that fails or is interrupted leaves ``out_dir`` as it found it.
+    An existing output is refused before any work starts unless ``output.overwrite`` is set.
 
     Raises:
         SurgeryError: for bad configuration or input (the CLI turns it into exit code 2).
     """
     out_dir = Path(out_dir)
-    checkpoint = out_dir / f"model.{config.output.checkpoint}"
-    qparams_file = out_dir / "model.qparams.safetensors"
-    _refuse_existing([out_dir / "report.json", checkpoint, qparams_file], config.output.overwrite)
+    names = output_names(config)
+    refuse_existing([out_dir / name for name in names], config.output.overwrite)
+    with Staging(out_dir) as stage:
+        report = _execute(config, stage)
+        files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=names)
+    if echo:
+        if "modules_table" in report:
+            print(report["modules_table"])
+        print(summary_table(report))
+        print(f"  wrote {', '.join(str(f) for f in files)}")
+    return RunResult(report, files)
+
+
+def output_names(config: RunConfig) -> list[str]:
+    """Every file a run of ``config`` may write into its output folder."""
+    names = ["report.json", "report.md", f"model.{config.output.checkpoint}", QPARAMS]
+    return names + (["sparsity.png", "drift.png"] if config.output.plots else [])
+
+
+def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
+    """Build, operate, check; write every output into ``stage``; return the report."""
     started = time.perf_counter()
     models = _build(config)
     data, calibration = load_data(config.data), _calibration(config)
@@ -71,7 +94,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     handle = apply_steps(models.model, config, calibration=calibration)
     operated = time.perf_counter()
     sparsity = _sparsity(handle)
-    files = _Files(checkpoint, qparams_file, calibration)
+    files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, calibration)
     accuracy = _accuracy(models, data)
     results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
     finished = time.perf_counter()
@@ -82,20 +105,15 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
         "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
         "build": [vars(event) for event in models.builder.events],
-        "steps": list(config.steps), "checkpoint": checkpoint.name if checkpoint.exists() else None,
-        "qparams": qparams_file.name if qparams_file.exists() else None,
+        "steps": list(config.steps), "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
+        "qparams": files.qparams.name if files.qparams.exists() else None,
     }
     if accuracy is not None:
         report["accuracy"] = accuracy
     if calls is not None:
         report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
-    files = write_reports(report, out_dir, plots=config.output.plots)
-    if echo:
-        if calls is not None:
-            print(report["modules_table"])
-        print(summary_table(report))
-        print(f"  wrote {', '.join(str(f) for f in files + [checkpoint, qparams_file] if f.exists())}")
-    return RunResult(report, files)
+    write_reports(report, stage.path, plots=config.output.plots)
+    return report
 
 
 @dataclass
@@ -120,12 +138,6 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
-
-
-def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
-    for path in paths:
-        if path.exists() and not overwrite:
-            raise OutputExistsError(str(path))
 
 
 def _build(config: RunConfig) -> _Models:
@@ -157,34 +169,33 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
     qparams = saved_qparams(handle)
 
     results: list[checks.CheckResult] = []
-    progress = tqdm(total=5, desc="checks", unit="check", leave=False)
-    if "identity" in enabled:
-        parts = [checks.check_identity(models.built, apply, inputs, expected)] if steps else []
-        if rules:
-            plain = expected if models.reference is models.built else checks.collect(models.reference, inputs)
-            parts.append(checks.check_build_identity(models.builder.with_rules(neutral(rules)), inputs, plain))
-        results.append(checks.merge(parts, "identity"))
-    progress.update()
-    if "restore" in enabled:
-        parts = [checks.check_restore(models.built, apply, inputs, expected)] if steps else []
-        if rules:
-            parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
-        results.append(checks.merge(parts, "restore"))
-    progress.update()
-    bake, baked = checks.check_bake(models.model, handle, models.builder, inputs,
-                                    lambda model: reattach(model, config, qparams))
-    if "bake" in enabled:
-        results.append(bake)
-    progress.update()
-    save_checkpoint(models.model, files.checkpoint, overwrite=config.output.overwrite)
-    if qparams:
-        save_tensors(qparams, files.qparams)
-    if "save_load" in enabled:
-        results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, baked,
-                                              lambda model: reattach(model, config, files.qparams)))
-    progress.update()
-    if "drift" in enabled:
-        results.append(checks.check_drift(drift, config.checks.drift, accuracy))
-    progress.update()
-    progress.close()
+    with tqdm(total=5, desc="checks", unit="check", leave=False) as progress:  # closed on errors too
+        if "identity" in enabled:
+            parts = [checks.check_identity(models.built, apply, inputs, expected)] if steps else []
+            if rules:
+                plain = expected if models.reference is models.built else checks.collect(models.reference, inputs)
+                parts.append(checks.check_build_identity(models.builder.with_rules(neutral(rules)), inputs, plain))
+            results.append(checks.merge(parts, "identity"))
+        progress.update()
+        if "restore" in enabled:
+            parts = [checks.check_restore(models.built, apply, inputs, expected)] if steps else []
+            if rules:
+                parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
+            results.append(checks.merge(parts, "restore"))
+        progress.update()
+        bake, baked = checks.check_bake(models.model, handle, models.builder, inputs,
+                                        lambda model: reattach(model, config, qparams))
+        if "bake" in enabled:
+            results.append(bake)
+        progress.update()
+        save_checkpoint(models.model, files.checkpoint)  # into the run's staging folder
+        if qparams:
+            save_tensors(qparams, files.qparams)
+        if "save_load" in enabled:
+            results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, baked,
+                                                  lambda model: reattach(model, config, files.qparams)))
+        progress.update()
+        if "drift" in enabled:
+            results.append(checks.check_drift(drift, config.checks.drift, accuracy))
+        progress.update()
     return results, drift

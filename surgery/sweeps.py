@@ -1,4 +1,4 @@
-"""Summaries of a ``-m`` sweep: one table and one metric-vs-setting plot over its jobs."""
+"""Summaries of a ``-m`` sweep: one table and one metric-vs-setting plot over its jobs, written together."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from surgery.checkpoints import write_atomically
+from surgery.checkpoints import Staging, refuse_existing, write_atomically
 
+SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
 
 
@@ -25,22 +26,33 @@ def _metric(report: dict[str, Any], path: str) -> float | None:
     return value
 
 
-def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]]) -> list[Path]:
-    """Write ``sweep.json``, ``sweep.md`` and ``sweep.png`` for the jobs that wrote a report."""
+def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]], *,
+                        overwrite: bool | None = None) -> list[Path]:
+    """Write ``sweep.json``, ``sweep.md`` and ``sweep.png`` for the jobs that wrote a report.
+
+    The three files are written atomically and published together (``sweep.json`` last); an
+    existing summary raises :class:`~surgery.errors.OutputExistsError` before anything is
+    written unless ``overwrite`` — by default, whether the jobs were run with
+    ``output.overwrite=true``.
+    """
+    sweep_dir = Path(sweep_dir)
     rows = [(overrides, json.loads((folder / "report.json").read_text()), folder)
             for overrides, folder in jobs if (folder / "report.json").is_file()]
     if not rows:
         return []
+    if overwrite is None:
+        overwrite = any(str(o.get("output.overwrite", "")).lower() == "true" for o, _ in jobs)
+    refuse_existing([sweep_dir / name for name in SUMMARY], overwrite)
     keys = swept_keys([overrides for overrides, _, _ in rows]) or list(rows[0][0])[:1]
     table = [{"job": os.path.relpath(folder.resolve(), sweep_dir.resolve()), **{k: overrides.get(k) for k in keys}, "ok": report["ok"],
               **{label: _metric(report, path) for path, label in METRICS}} for overrides, report, folder in rows]
-    files = [sweep_dir / "sweep.json", sweep_dir / "sweep.md", sweep_dir / "sweep.png"]
-    text = json.dumps(table, indent=2)
-    write_atomically(files[0], lambda tmp: tmp.write_text(text + "\n"))
-    markdown = _markdown(table)
-    write_atomically(files[1], lambda tmp: tmp.write_text(markdown))
-    write_atomically(files[2], lambda tmp: _plot(table, keys, tmp))
-    return files
+    text, markdown = json.dumps(table, indent=2), _markdown(table)
+    with Staging(sweep_dir) as stage:
+        write_atomically(stage / "sweep.json", lambda tmp: tmp.write_text(text + "\n"))
+        write_atomically(stage / "sweep.md", lambda tmp: tmp.write_text(markdown))
+        write_atomically(stage / "sweep.png", lambda tmp: _plot(table, keys, tmp))
+        published = stage.publish(overwrite=overwrite, last="sweep.json")
+    return [sweep_dir / name for name in SUMMARY if sweep_dir / name in published]
 
 
 def _markdown(table: list[dict[str, Any]]) -> str:

@@ -1,0 +1,273 @@
+"""Atomic writes: every output of a run (report.json, report.md, sparsity.png, drift.png, the
+checkpoint as .safetensors or .pt, model.qparams.safetensors) and of a sweep summary
+(sweep.json, sweep.md, sweep.png) goes to a temporary name, is flushed and renamed; a write
+that fails half-way (an error or an interrupt) leaves neither a partial file nor a temporary,
+and an existing output is never overwritten silently."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import safetensors.torch
+import torch
+from matplotlib.figure import Figure
+
+from surgery import checkpoints, sweeps
+from surgery import run as run_module
+from surgery.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
+from surgery.config import load_config
+from surgery.digits import DigitsCNN
+from surgery.errors import OutputExistsError
+from surgery.reporting import write_reports
+
+ERRORS = [OSError, KeyboardInterrupt]
+PREVIOUS = b"the previous version\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread avoids thread spin-up costs; put back afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- writers that write half of the real bytes, then fail ---------------------------------------
+
+
+def half_then_fail(target: str, error: type[BaseException], render: Callable[..., bytes], real: Callable):
+    """A stand-in for a writer ``real(obj, destination, ...)``: for the temporary file of
+    ``target`` it writes half of the bytes ``render`` produces, then raises ``error``; other
+    files are written for real."""
+
+    def writer(obj, destination, *args, **kwargs):
+        destination = Path(destination)
+        if not destination.name.startswith(f".{target}."):
+            return real(obj, destination, *args, **kwargs)
+        data = render(obj, *args, **kwargs)
+        with open(destination, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+        raise error(f"interrupted while writing {target}")
+
+    return writer
+
+
+def _png(figure: Figure, *args, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    REAL_SAVEFIG(figure, buffer, **{k: v for k, v in kwargs.items() if k != "format"}, format="png")
+    return buffer.getvalue()
+
+
+def _torch_bytes(obj, *args, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    REAL_TORCH_SAVE(obj, buffer)
+    return buffer.getvalue()
+
+
+REAL_SAVEFIG, REAL_TORCH_SAVE, REAL_WRITE_TEXT = Figure.savefig, torch.save, Path.write_text
+
+
+def failing_writer(target: str, error: type[BaseException]):
+    """``mock.patch`` of the library call that writes ``target``, failing half-way through it."""
+    if target.endswith(".png"):
+        return mock.patch.object(Figure, "savefig", half_then_fail(target, error, _png, REAL_SAVEFIG))
+    if target.endswith(".safetensors"):
+        def render(tensors, metadata=None):
+            return safetensors.torch.save(tensors, metadata=metadata)
+
+        real = checkpoints.save_file
+        return mock.patch.object(checkpoints, "save_file", half_then_fail(target, error, render, real))
+    if target.endswith(".pt"):
+        return mock.patch.object(checkpoints.torch, "save", half_then_fail(target, error, _torch_bytes, REAL_TORCH_SAVE))
+    def write_text(path: Path, text: str, *args, **kwargs):  # Path.write_text(self, data): the path comes first
+        if not path.name.startswith(f".{target}."):
+            return REAL_WRITE_TEXT(path, text, *args, **kwargs)
+        data = text.encode()
+        with open(path, "wb") as handle:
+            handle.write(data[: len(data) // 2])
+        raise error(f"interrupted while writing {target}")
+
+    return mock.patch.object(Path, "write_text", write_text)
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    """Every file and folder below ``folder`` (hidden ones too), with the files' bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(folder.rglob("*"))}
+
+
+# --- each output on its own ---------------------------------------------------------------------
+
+
+REPORT = {
+    "recipe": "atomic", "model": "tiny", "ok": True, "params": {"total": 10, "nonzero": 5}, "sparsity": 0.5,
+    "checks": [{"name": "drift", "passed": True, "value": 0.9, "threshold": 0.5, "detail": ""}],
+    "drift": {"max_abs": 1.0, "cosine": 0.9, "sqnr_db": 10.0, "top1_agreement": 1.0},
+    "layers": [{"name": name, "type": "Conv2d", "sparsity": 0.5, "cosine": 0.9, "sqnr_db": 10.0, "max_abs": 1.0}
+               for name in ("conv1", "conv2", "fc")],
+    "timings_s": {"build": 0.1, "surgery": 0.1, "checks": 0.1},
+}
+
+
+def write_one(target: str, folder: Path) -> None:
+    """Write ``target`` into ``folder`` the way the toolkit does."""
+    model = DigitsCNN()
+    if target.startswith("model.qparams"):
+        save_tensors({"fc1.scale": torch.tensor(0.5), "fc1.zero_point": torch.tensor(3)}, folder / target)
+    elif target.startswith("model."):
+        save_checkpoint(model, folder / target, overwrite=True)
+    elif target.startswith("report.") or target in ("sparsity.png", "drift.png"):
+        write_reports(REPORT, folder, plots=target.endswith(".png"))
+    else:
+        sweeps.write_sweep_summary(folder, sweep_jobs(folder), overwrite=True)
+
+
+def sweep_jobs(folder: Path) -> list[tuple[dict[str, str], Path]]:
+    jobs = []
+    for index, amount in enumerate(("0.3", "0.6")):
+        job = folder / str(index)
+        job.mkdir(exist_ok=True)
+        (job / "report.json").write_text(json.dumps({**REPORT, "sparsity": float(amount)}))
+        jobs.append(({"prune.amount": amount}, job))
+    return jobs
+
+
+RUN_OUTPUTS = ["report.json", "report.md", "sparsity.png", "drift.png", "model.safetensors", "model.pt",
+               "model.qparams.safetensors"]
+SWEEP_OUTPUTS = ["sweep.json", "sweep.md", "sweep.png"]
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["new", "replacing"])
+@pytest.mark.parametrize("error", ERRORS)
+@pytest.mark.parametrize("target", RUN_OUTPUTS + SWEEP_OUTPUTS)
+def test_a_write_failing_half_way_leaves_no_partial_file_and_no_temporary(tmp_path, target, error, previous):
+    if previous:
+        (tmp_path / target).write_bytes(PREVIOUS)
+    with failing_writer(target, error), pytest.raises(error, match="interrupted"):
+        write_one(target, tmp_path)
+    if previous:
+        assert (tmp_path / target).read_bytes() == PREVIOUS
+    else:
+        assert not (tmp_path / target).exists()
+    leftovers = [name for name in listing(tmp_path) if Path(name).name.startswith(".")]
+    assert leftovers == [], "a temporary file or staging folder was left behind"
+    if target in SWEEP_OUTPUTS:  # the summary is published together: none of it, or all of it
+        assert all((tmp_path / name).exists() == (previous and name == target) for name in SWEEP_OUTPUTS)
+    write_one(target, tmp_path)  # the same write, without the failure, succeeds and replaces it
+    assert (tmp_path / target).read_bytes() not in (PREVIOUS, b"")
+
+
+def test_data_is_flushed_to_disk_before_the_rename_and_the_folder_after(tmp_path):
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(descriptor):
+        status = os.fstat(descriptor)
+        events.append("fsync folder" if stat.S_ISDIR(status.st_mode) else f"fsync file of {status.st_size} bytes")
+        real_fsync(descriptor)
+
+    def replace(source, destination):
+        events.append(f"replace {Path(destination).name}")
+        real_replace(source, destination)
+
+    with mock.patch.object(checkpoints.os, "fsync", fsync), mock.patch.object(checkpoints.os, "replace", replace):
+        write_atomically(tmp_path / "out.txt", lambda tmp: tmp.write_text("payload"))
+    assert events == ["fsync file of 7 bytes", "replace out.txt", "fsync folder"]
+    assert (tmp_path / "out.txt").read_text() == "payload"
+    assert oct((tmp_path / "out.txt").stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.parametrize("error", ERRORS)
+def test_an_interrupt_at_the_rename_keeps_the_previous_version(tmp_path, error):
+    (tmp_path / "out.txt").write_bytes(PREVIOUS)
+    with mock.patch.object(checkpoints.os, "replace", side_effect=error("interrupted at the rename")):
+        with pytest.raises(error, match="interrupted"):
+            write_atomically(tmp_path / "out.txt", lambda tmp: tmp.write_text("new"))
+    assert listing(tmp_path) == {"out.txt": PREVIOUS}
+
+
+# --- a whole run ----------------------------------------------------------------------------------
+
+
+def pipeline_config(**output):
+    return load_config({
+        "recipe": "atomic", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+        "steps": ["prune", "quantize"], "prune": {"amount": 0.5},
+        "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
+        "output": {"plots": False, **output}})
+
+
+@pytest.mark.parametrize("checkpoint", ["safetensors", "pt"])
+def test_a_run_interrupted_while_saving_the_checkpoint_leaves_nothing_and_reruns(tmp_path, checkpoint):
+    config = pipeline_config(checkpoint=checkpoint)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = listing(tmp_path)
+    with failing_writer(f"model.{checkpoint}", KeyboardInterrupt), pytest.raises(KeyboardInterrupt):
+        run_module.run(config, tmp_path, echo=False)
+    assert listing(tmp_path) == before  # no half-written checkpoint, no temporary, no other output
+    result = run_module.run(config, tmp_path, echo=False)
+    assert result.exit_code == 0
+    assert sorted(listing(tmp_path)) == sorted(["notes.txt", "report.json", "report.md", f"model.{checkpoint}",
+                                                "model.qparams.safetensors"])
+    assert json.loads((tmp_path / "report.json").read_text())["checkpoint"] == f"model.{checkpoint}"
+    load_checkpoint(DigitsCNN(), tmp_path / f"model.{checkpoint}")
+
+
+def test_a_run_into_a_new_folder_that_fails_does_not_leave_the_folder(tmp_path):
+    with mock.patch.object(run_module, "write_reports", side_effect=OSError("disk full")), \
+            pytest.raises(OSError, match="disk full"):
+        run_module.run(pipeline_config(), tmp_path / "new" / "run", echo=False)
+    assert listing(tmp_path) == {"new": b"<dir>"}
+
+
+@pytest.mark.parametrize("existing", RUN_OUTPUTS)
+def test_a_run_refuses_any_existing_output_before_doing_anything(tmp_path, existing):
+    checkpoint = "pt" if existing == "model.pt" else "safetensors"
+    config = pipeline_config(plots=True, checkpoint=checkpoint)
+    assert existing in run_module.output_names(config)
+    (tmp_path / existing).write_bytes(PREVIOUS)
+    with mock.patch.object(run_module, "_build", side_effect=AssertionError("the run started")), \
+            pytest.raises(OutputExistsError, match=f"{existing}.*already exists.*overwrite"):
+        run_module.run(config, tmp_path, echo=False)
+    assert listing(tmp_path) == {existing: PREVIOUS}
+
+
+def test_overwrite_replaces_the_previous_outputs_and_removes_stale_ones(tmp_path):
+    for name in ("report.json", "model.qparams.safetensors", "sparsity.png", "unrelated.txt"):
+        (tmp_path / name).write_bytes(PREVIOUS)
+    config = load_config({
+        "recipe": "atomic", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+        "steps": ["quantize"], "quantize": {"activations": None}, "checks": {"per_layer": False},
+        "output": {"plots": True, "overwrite": True}})
+    result = run_module.run(config, tmp_path, echo=False)
+    assert result.exit_code == 0
+    files = listing(tmp_path)
+    assert sorted(files) == ["model.safetensors", "report.json", "report.md", "unrelated.txt"]
+    assert files["unrelated.txt"] == PREVIOUS  # not an output of a run: left alone
+    assert json.loads(files["report.json"])["qparams"] is None
+
+
+# --- a sweep summary ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("existing", SWEEP_OUTPUTS)
+def test_a_sweep_summary_refuses_an_existing_file_and_writes_nothing(tmp_path, existing):
+    jobs = sweep_jobs(tmp_path)
+    (tmp_path / existing).write_bytes(PREVIOUS)
+    before = listing(tmp_path)
+    with pytest.raises(OutputExistsError, match=f"{existing}.*already exists"):
+        sweeps.write_sweep_summary(tmp_path, jobs)
+    assert listing(tmp_path) == before
+    overwriting = [({**overrides, "output.overwrite": "true"}, folder) for overrides, folder in jobs]
+    written = sweeps.write_sweep_summary(tmp_path, overwriting)  # asked for on the command line
+    assert [p.name for p in written] == SWEEP_OUTPUTS
+    assert (tmp_path / existing).read_bytes() != PREVIOUS
