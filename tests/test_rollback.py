@@ -5,18 +5,19 @@ children, state_dict keys, per-module and global hook dicts), and a retry withou
 succeeds.
 
 Each test first runs the operation with every internal call counted, then fails it at call
-1, 2, ..., last (or at the first, middle and last call of each part, where a run is costly),
-with ``RuntimeError`` and with ``KeyboardInterrupt``.
+1, 2, ..., last (for the recipe steps: at the first, middle and last call of each step), with
+``RuntimeError`` and with ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import gc
+import importlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -26,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 import surgery
 from surgery import checks, guards, pruning, quantization, rules, steps
-intercept_module = importlib.import_module("surgery.intercept")
+from surgery import run as run_module
 from surgery.checkpoints import load_checkpoint, save_checkpoint
 from surgery.checks import MODULE_HOOK_DICTS, collect, global_hook_counts, snapshot, snapshot_differences
 from surgery.config import load_config
@@ -37,6 +38,7 @@ from surgery.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.rewriting import Clamp
 from surgery.steps import apply_steps
 
+intercept_module = importlib.import_module("surgery.intercept")  # surgery.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]
@@ -170,7 +172,6 @@ WEIGHT_CALLS = [Target(Observer, "observe"), Target(Handle, "add", after=True), 
 ACTIVATION_CALLS = [Target(Handle, "add", after=True), Target(nn.Module, "register_forward_pre_hook"),
                     Target(nn.Module, "register_forward_hook"), Target(ActivationQuantizer, "__call__", after=True),
                     Target(ActivationQuantizer, "freeze", after=True)]
-REWRITE_CALLS = [Target(nn.Module, "register_forward_pre_hook"), Target(Handle, "add", after=True)]
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -213,11 +214,13 @@ def test_quantize_activations_from_saved_qparams(convnet, image_input, tmp_path,
 
 
 @pytest.mark.parametrize("error", ERRORS)
+@pytest.mark.parametrize("recorded", [False, True], ids=["before-recording", "after-recording"])
 @pytest.mark.parametrize("select", [None, "type:Conv2d", ["conv1", "bn1", "fc"]], ids=["root", "type", "names"])
-def test_rewrite_inputs(convnet, image_input, select, error):
+def test_rewrite_inputs(convnet, image_input, select, recorded, error):
+    targets = [Target(nn.Module, "register_forward_pre_hook"), Target(Handle, "add", after=recorded)]
     fail_at_every_call(convnet, image_input,
                        lambda: surgery.rewrite_inputs(convnet, Clamp(min=-1.0, max=1.0), select=select),
-                       REWRITE_CALLS, error, minimum=2)
+                       targets, error, minimum=2)
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -365,26 +368,23 @@ def test_bake_out_of_order_is_refused_before_anything_changes(convnet, image_inp
     assert_outputs(convnet, image_input, hooked, "baked in order")
 
 
-def test_bake_keeps_the_change_even_if_the_weight_changed_since_the_last_forward(convnet, image_input):
+@pytest.mark.parametrize("quantized", [False, True], ids=["prune", "prune+quantize"])
+def test_bake_keeps_the_change_even_if_the_weight_changed_since_the_last_forward(convnet, image_input, quantized):
     """An optimizer step after the last forward revives pruned entries behind the hooks: the
-    baked model must still be the hooked model, which would have re-applied the masks."""
-    pruned = surgery.prune(convnet, 0.5)
-    quantized = surgery.quantize(convnet, weights=QuantSpec(bits=4, symmetric=True), progress=False)
-    masks = pruned.masks()
+    baked weights must be what the hooks would have enforced on the next forward."""
+    handles = [surgery.prune(convnet, 0.5)]
+    if quantized:
+        handles.append(surgery.quantize(convnet, weights=QuantSpec(bits=4, symmetric=True), progress=False))
+    masks = handles[0].masks()
     with torch.no_grad():
         for name in masks:
-            convnet.get_parameter(name).add_(0.01)
-    hooked = collect(convnet, [image_input])  # the hooks re-apply mask then quantization
-    with torch.no_grad():
-        for name in masks:
-            convnet.get_parameter(name).add_(0.01)  # changed again, no forward since
+            convnet.get_parameter(name).add_(0.01)  # no forward since
     expected = {name: guards.current_value(convnet.get_parameter(name)).clone() for name in masks}
-    surgery.compose(pruned, quantized).bake()
+    surgery.compose(*handles).bake()
     for name, mask in masks.items():
         weight = convnet.get_parameter(name).detach()
         assert not weight[~mask].any(), name
         assert torch.equal(weight, expected[name]), name
-    assert collect(convnet, [image_input])[0].shape == hooked[0].shape
 
 
 # --- checkpoint loading -----------------------------------------------------------------------------
@@ -461,14 +461,16 @@ def test_apply_steps(convnet, image_input, step, position, error):
 
 
 def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_input):
-    """The quantize step fails; undoing the prune step also fails once: the other undo steps
-    still run, and the caller sees the undo failure with the step failure as its context."""
+    """The rewrite step fails; undoing the quantize step then fails once: the prune step and
+    the rest of quantize are still undone, and the caller sees the undo failure with the step
+    failure as its context."""
     before = state_of(convnet)
-    with mock.patch.object(quantization, "_attach_activations", side_effect=RuntimeError("step failed")), \
+    with mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")), \
             Tripwire([Target(RemovableHandle, "remove")], 1).armed() as wire:
         with pytest.raises(surgery.UndoError) as info:
             apply_steps(convnet, three_steps(), calibration=[image_input])
     assert isinstance(info.value.__context__, RuntimeError) and "step failed" in str(info.value.__context__)
+    assert len(info.value.failures) == 1
     stuck = wire.calls[0][1][0]
     stuck.remove()  # the one hook whose removal failed
     assert_unchanged(convnet, before, "after the rollback")
@@ -560,3 +562,49 @@ def test_intercept_inner_block_failing_leaves_the_outer_block_working(error):
     assert isinstance(after[0], nn.Identity) and isinstance(after[1], nn.ReLU)
     assert [e.name for e in log] == ["0"]
     assert global_hook_counts() == hooks and intercept_idle()
+
+
+# --- the run pipeline -------------------------------------------------------------------------------
+
+
+RUN_CALLS = [Target(run_module, "_build", after=True), Target(run_module, "apply_steps", after=True),
+             Target(run_module, "compare", after=True), Target(checks, "check_identity", after=True),
+             Target(checks, "check_restore", after=True), Target(checks, "check_bake", after=True),
+             Target(run_module, "save_checkpoint", after=True), Target(run_module, "save_tensors", after=True),
+             Target(checks, "check_save_load", after=True), Target(checks, "check_drift", after=True),
+             Target(run_module, "write_reports", after=True)]
+
+
+def pipeline_config(**output):
+    return load_config({
+        "recipe": "rollback", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+        "steps": ["prune", "quantize", "rewrite"], "prune": {"amount": 0.5},
+        "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
+        "rewrite": {"name": "clamp", "kwargs": {"min": -2.0, "max": 2.0}},
+        "output": {"plots": False, **output}})
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(folder.rglob("*"))}
+
+
+def test_run_failing_at_every_stage_writes_nothing_and_reruns(tmp_path):
+    config = pipeline_config()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    before, hooks = listing(out), global_hook_counts()
+    total, _ = counted(RUN_CALLS, lambda: run_module.run(config, tmp_path / "count", echo=False))
+    assert total >= len(RUN_CALLS)
+    for error in ERRORS:
+        for n in range(1, total + 1):
+            with Tripwire(RUN_CALLS, n, error).armed() as wire, pytest.raises(error, match="injected failure"):
+                run_module.run(config, out, echo=False)
+            where = f"{error.__name__} after stage {n} of {total} ({wire.calls[n - 1][0]})"
+            assert listing(out) == before, where
+            assert global_hook_counts() == hooks and intercept_idle(), where
+    result = run_module.run(config, out, echo=False)
+    assert result.exit_code == 0
+    assert sorted(listing(out)) == ["model.qparams.safetensors", "model.safetensors", "notes.txt", "report.json",
+                                    "report.md"]
