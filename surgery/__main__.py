@@ -105,8 +105,12 @@ def main() -> None:
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
         sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
     if len(_sweep_jobs) > 1:
-        files = write_sweep_summary(_sweep_dir[0], _sweep_jobs)
-        print(f"sweep summary: {', '.join(str(f) for f in files)}")
+        try:
+            files = write_sweep_summary(_sweep_dir[0], _sweep_jobs)
+        except SurgeryError as err:
+            _exit_codes.append(fail(str(err).splitlines()[0]))
+        else:
+            print(f"sweep summary: {', '.join(str(f) for f in files)}")
     sys.exit(max(_exit_codes, default=0))
 
 

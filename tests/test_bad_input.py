@@ -385,6 +385,18 @@ def test_cli_never_overwrites_an_existing_output_silently(tmp_path: Path):
     assert run_cli(*FAST, "prune.amount=0.9", "output.overwrite=true", f"hydra.run.dir={tmp_path}").returncode == 1
 
 
+def test_cli_sweep_rerun_into_the_same_folder_changes_nothing(tmp_path: Path):
+    first = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log" and ".hydra" not in p.parts)
+    before = {p: p.read_bytes() for p in files}
+    again = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    errors = again.stderr.strip().splitlines()
+    assert errors and all(line.startswith("surgery: error: output=") for line in errors), again.stderr
+    assert {p: p.read_bytes() for p in files} == before
+
+
 # ------------------------------------------------------------------------------ the table
 
 def test_readme_table_and_these_cases_list_the_same_rows():
