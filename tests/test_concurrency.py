@@ -320,9 +320,10 @@ def test_inspection_in_one_thread_records_only_its_model_while_another_runs_surg
     assert not any(module_hook_counts(inspected).values()) and not any(module_hook_counts(other).values())
 
 
-def test_two_threads_inspecting_two_models_at_once_each_record_their_own(convnet_factory, mlp_factory,
-                                                                         image_input, mlp_input):
-    jobs = [(convnet_factory(0), image_input), (mlp_factory(0), mlp_input)]
+def test_threads_inspecting_at_once_each_record_only_their_own_calls(convnet_factory, mlp_factory,
+                                                                     image_input, mlp_input):
+    shared = convnet_factory(0)  # inspected by two threads at once, with different batch sizes
+    jobs = [(shared, image_input), (shared, image_input[:1]), (mlp_factory(0), mlp_input)]
     expected = [call_rows(inspect_model(model, x)) for model, x in jobs]
 
     def inspecting(model: nn.Module, x: Tensor, rows: list[tuple]) -> Worker:
