@@ -6,7 +6,8 @@ A verb such as ``prune`` or ``quantize`` rewrites a parameter in place and regis
 parameter) call :meth:`TensorGuard.enforce`, which re-applies every transform, in the order
 they were attached, only when the tensor changed since it was last made consistent (an
 optimizer step, ``load_state_dict``, ``.to()``): an unchanged weight costs one comparison.
-Transforms on one parameter are undone last-in-first-out.
+Transforms on one parameter are undone last-in-first-out. While ``torch.compile`` traces a
+hook, the same check is put in the graph as one opaque operator (:mod:`surgery.compiled`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from surgery import compiled
 from surgery.errors import AlreadyModifiedError
 
 _guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
@@ -40,6 +42,14 @@ class TensorGuard:
         self.param = param
         self.transforms: list[Transform] = []
         self.seen: tuple[int, int] | None = None
+        self.token = compiled.register(self)  # how a compiled graph finds this guard
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "token"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.token = compiled.register(self)  # a copy is a different guard
 
     def mark_clean(self) -> None:
         """Record that the parameter currently satisfies every transform."""
@@ -53,7 +63,17 @@ class TensorGuard:
                     transform.apply(self.param)
             self.mark_clean()
 
+    def refresh(self, target: torch.Tensor) -> None:
+        """:meth:`enforce` from inside a compiled graph, writing to ``target``: the parameter
+        itself, or the copy of it the compiler threads through the graph."""
+        if (self.param._version, self.param.data_ptr()) != self.seen:
+            with torch.no_grad():
+                for transform in self.transforms:
+                    transform.apply(target)
+            self.mark_clean()
 
+
+@compiled.eager_at_top_level
 class SubtreeEnforcer:
     """Forward-pre hook enforcing the guards of every guarded parameter at or below its module.
 
@@ -64,6 +84,9 @@ class SubtreeEnforcer:
         self.guards = guards
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # dynamo cannot trace the check: one opaque op instead
+            compiled.enforce(self.guards)
+            return
         for guard in self.guards:
             guard.enforce()
 

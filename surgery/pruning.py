@@ -6,7 +6,7 @@ import math
 
 import torch
 from torch import Tensor, nn
-from surgery import guards
+from surgery import compiled, guards
 from surgery.errors import ConfigError, ConfigTypeError
 from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
@@ -105,6 +105,7 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
+    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     amount, n = validate_arguments(amount, method, scope, n, seed)
     targets = _targets(model, select, exclude, dim)
     params = list(targets.values())

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from surgery import guards
+from surgery import compiled, guards
 from surgery.checkpoints import save_tensors
 from surgery.comparison import batches, check_finite, evaluating
 from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
@@ -45,6 +45,7 @@ class WeightQuantizer:
                                       self.axis, self.spec))
 
 
+@compiled.eager_at_top_level
 class ActivationQuantizer:
     """Forward hook (outputs) or forward-pre hook (first input) that observes, then fake-quantizes."""
 
@@ -174,6 +175,7 @@ def quantize(
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
         >>> handle.save_qparams("model.qparams.safetensors")
     """
+    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
     targets = _targets(model, select, exclude, weights, activations, where)
     handle = QuantizeHandle(model)

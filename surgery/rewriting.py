@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery import compiled
 from surgery.errors import ConfigError, ConfigTypeError
 from surgery.handles import Handle
 from surgery.selection import Selection, select as select_modules
@@ -36,6 +37,7 @@ _ALIGNABLE = ("linear", "bilinear", "bicubic", "trilinear")
 # --------------------------------------------------------------------------- the hook and verb
 
 
+@compiled.eager_at_top_level
 class InputRewriter:
     """The forward-pre hook (registered ``with_kwargs=True``) that applies one rewrite.
 
@@ -116,6 +118,7 @@ def rewrite_inputs(
         >>> with surgery.rewrite_inputs(model, Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))):
         ...     logits = model(images)       # images are normalised on the way in
     """
+    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if not callable(fn):
         raise ConfigTypeError("rewrite.fn", fn, "must be a callable (args, kwargs) -> (args, kwargs)")
     if select is None:
