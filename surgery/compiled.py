@@ -9,9 +9,9 @@ with dynamo told to notice hooks).
 Why an operator: eager hooks re-apply a parameter's transforms only when its version counter
 or storage changed, a check dynamo cannot trace (comparing data pointers breaks the graph).
 Re-applying unconditionally inside the graph would be traceable but costs a full read and
-write of every guarded weight per call (measured 1.5-3x on resnet18 at batch 1). The operator
-is opaque to the compiler: the graph calls it before the layers run, and it makes the eager
-check at run time, so a compiled forward after an optimizer step, ``load_state_dict`` or any
+write of every guarded weight per call (1.9x on resnet18 at batch 1, ``bench_compile.py``).
+The operator is opaque to the compiler: the graph calls it before the layers run, and it
+makes the eager check at run time, so a compiled forward after an optimizer step, ``load_state_dict`` or any
 in-place edit sees masked / quantized weights, and an unchanged weight costs a comparison.
 
 The operator declares that it mutates the parameters (so no reader can be scheduled before it)
@@ -39,23 +39,26 @@ _unguarded: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # compiled befo
 _log = logging.getLogger(__name__)
 
 _library = torch.library.Library("surgery", "DEF")
-_library.define("enforce(Tensor(a!)[] params, int[] tokens) -> ()")
+_library.define("enforce(Tensor(a!)[] params, Tensor[] tokens) -> ()")
 
 
 class Refreshable(Protocol):
     """What :func:`enforce` needs of a guard (:class:`~surgery.guards.TensorGuard`)."""
 
     param: nn.Parameter
-    token: int
+    token: Tensor
 
     def refresh(self, target: Tensor) -> None: ...
 
 
-def register(guard: Refreshable) -> int:
-    """A process-unique token by which the graph operator finds ``guard`` (held weakly)."""
+def register(guard: Refreshable) -> Tensor:
+    """A process-unique token by which the graph operator finds ``guard`` (held weakly).
+
+    A tensor, not an int: a graph takes it as an input instead of baking it in as a constant,
+    so copies of a model under the same surgery share their compiled code."""
     token = next(_tokens)
     _by_token[token] = guard
-    return token
+    return torch.tensor(token)
 
 
 def enforce(guards: list[Refreshable]) -> None:
@@ -63,14 +66,14 @@ def enforce(guards: list[Refreshable]) -> None:
     torch.ops.surgery.enforce([g.param for g in guards], [g.token for g in guards])
 
 
-def _enforce_kernel(params: list[Tensor], tokens: list[int]) -> None:
+def _enforce_kernel(params: list[Tensor], tokens: list[Tensor]) -> None:
     for target, token in zip(params, tokens):
-        guard = _by_token.get(token)
+        guard = _by_token.get(int(token))
         if guard is not None:  # None: the graph outlived its surgery (nothing left to enforce)
             guard.refresh(target)
 
 
-def _enforce_fake(params: list[Tensor], tokens: list[int]) -> None:
+def _enforce_fake(params: list[Tensor], tokens: list[Tensor]) -> None:
     return None
 
 

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery import compiled
@@ -84,7 +85,7 @@ class SubtreeEnforcer:
         self.guards = guards
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling():  # dynamo cannot trace the check: one opaque op instead
+        if is_compiling():  # dynamo cannot trace the check: one opaque op instead (~70 ns when eager)
             compiled.enforce(self.guards)
             return
         for guard in self.guards:

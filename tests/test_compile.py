@@ -224,6 +224,22 @@ def test_copies_of_a_model_under_surgery_compile_with_their_own_guards(mlp, mlp_
         assert all(torch.equal(v, original[k]) for k, v in mlp.state_dict().items())
 
 
+def test_copies_under_the_same_pruning_share_their_compiled_code(mlp_factory, mlp_input):
+    """Guard tokens are graph inputs, not constants: no recompile per copy (dynamo allows 8)."""
+    counter = CompileCounterWithBackend("eager")
+    models = [mlp_factory() for _ in range(3)]
+    handles = [surgery.prune(model, 0.5) for model in models]
+    with torch.no_grad():
+        for model in models:
+            for param in model.parameters():
+                param.add_(1.0)
+            torch.compile(model, backend=counter, fullgraph=True)(mlp_input)
+    assert counter.frame_count == 1
+    for model, handle in zip(models, handles):
+        assert pruned_entries(model, handle.masks()).abs().sum() == 0
+        handle.restore()
+
+
 def test_eager_forward_never_reaches_the_graph_operator(mlp, mlp_input):
     with surgery.prune(mlp, 0.5), mock.patch.object(compiled, "enforce", side_effect=AssertionError("compiled path")):
         mlp(mlp_input)
