@@ -26,6 +26,7 @@ bench: $(STAMP)  ## performance figures quoted in the README
 	$(PY) benchmarks/bench_prune.py $(ARGS)
 	$(PY) benchmarks/bench_quantize.py $(ARGS)
 	$(PY) benchmarks/bench_intercept.py
+	$(PY) benchmarks/bench_compile.py
 
 tour: $(STAMP)  ## regenerate the README's images (docs/images/) from real runs
 	rm -rf build/tour
