@@ -38,7 +38,7 @@ import torchvision
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prune import Latency, calls_per_sample, latency, round_robin, setup_threads
+from bench_prune import Latency, TimingSpec, calls_per_sample, latency, round_robin, setup_threads
 
 import surgery
 
@@ -46,16 +46,6 @@ PLAIN, CONTROL, EAGER = "compiled plain", "compiled plain, 2nd copy (A/A)", "eag
 PRUNED, W8A8, BAKED = "prune 0.5 attached", "W8A8 attached", "prune 0.5 baked"
 REAPPLY = "rejected: re-apply mask in graph each call"
 TYPES = (nn.Conv2d, nn.Linear)
-
-
-@dataclass
-class TimingSpec:
-    """What ``bench_prune.round_robin`` reads: a name, rounds, warm-up calls and a time cap."""
-
-    name: str
-    rounds: int
-    warmup: int
-    max_seconds: float
 
 
 @dataclass

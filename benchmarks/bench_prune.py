@@ -75,6 +75,16 @@ class Target:
 
 
 @dataclass
+class TimingSpec:
+    """What :func:`round_robin` reads (bench_quantize, bench_compile): a name, rounds, warm-up calls and a time cap."""
+
+    name: str
+    rounds: int
+    warmup: int
+    max_seconds: float
+
+
+@dataclass
 class ModelSpec:
     """One benchmarked model: how to build it, its input, how long to time it, its targets."""
 

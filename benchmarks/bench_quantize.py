@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.ao.quantization import FakeQuantize, MinMaxObserver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prune import Latency, Target, calls_per_sample, latency, round_robin, setup_threads, timed  # noqa: E402
+from bench_prune import Latency, TimingSpec, Target, calls_per_sample, latency, round_robin, setup_threads, timed  # noqa: E402
 
 import surgery  # noqa: E402
 from surgery.quantization import ActivationQuantizer  # noqa: E402
@@ -57,16 +57,6 @@ WHAT_IF = "what-if: arithmetic A8 hook"
 TARGETS = {CONTROL: Target("equal", 1.0), OURS: Target("max", 1.10), TORCH_ON: Target("ref", 1.76),
            W8_BAKED: Target("equal", 1.0)}
 DIGITS_MAX_DROP = 0.5  # accuracy points, W8A8 vs float
-
-
-@dataclass
-class TimingSpec:
-    """What ``bench_prune.round_robin`` reads: a name, rounds, warm-up calls and a time cap."""
-
-    name: str
-    rounds: int
-    warmup: int
-    max_seconds: float
 
 
 @dataclass

@@ -33,6 +33,8 @@ from surgery.inspection import ModuleCall, inspect_model
 from surgery.observers import QuantSpec
 from surgery.rewriting import Normalize
 
+from support import Passthrough  # tests/support.py
+
 ROUNDS = 40
 Worker = Callable[[threading.Barrier], None]
 
@@ -175,14 +177,6 @@ def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(convnet_
 
 # --------------------------------------------------------------------------- build-time interception
 
-
-class Passthrough(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x)
 
 
 def build() -> nn.Module:

@@ -14,16 +14,8 @@ import surgery
 from surgery import rules
 from surgery.checks import global_hook_counts
 
+from support import Passthrough  # tests/support.py
 
-class Passthrough(nn.Module):
-    """A wrapper that changes nothing: the identity wrap."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args, **kwargs):
-        return self.inner(*args, **kwargs)
 
 
 class Tied(nn.Module):

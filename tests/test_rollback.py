@@ -38,6 +38,8 @@ from surgery.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.rewriting import Clamp
 from surgery.steps import apply_steps
 
+from support import Passthrough  # tests/support.py
+
 intercept_module = importlib.import_module("surgery.intercept")  # surgery.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
@@ -478,14 +480,6 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
 
 # --- intercept: a rule failing halfway through a build -------------------------------------------
 
-
-class Passthrough(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x)
 
 
 def build() -> nn.Module:
