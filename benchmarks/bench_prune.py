@@ -421,12 +421,13 @@ def run_model(spec: ModelSpec, args: argparse.Namespace, rng: np.random.Generato
     return ModelResult(spec.name, inner, args.copies, len(samples[PLAIN]), seconds, checks, results)
 
 
-def fmt_apply(values: list[float]) -> str:
+def fmt_apply(values: list[float], digits: int = 3) -> str:
+    """Apply seconds: the first (cold) call, then the median of the others."""
     if not values:
         return "-"
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{values[0]:.3f} / {np.median(values[1:]):.3f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{values[0]:.{digits}f} / {np.median(values[1:]):.{digits}f}"
 
 
 def print_model(result: ModelResult, spec: ModelSpec) -> None:
@@ -467,6 +468,15 @@ def print_legend() -> None:
           f"bake() still holds its packed masks until it is dropped. amount={AMOUNT}, eval(), no_grad.")
 
 
+def add_shared_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` and ``--copies``, as every round-robin benchmark takes them."""
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: on a shared 2-core machine, 2 threads make a "
+                             "forward wait whole scheduler slices whenever another process runs)")
+    parser.add_argument("--copies", type=int, default=None,
+                        help="independent copies of each variant, timed in turn (default 3, 2 with --quick)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (one to two minutes)")
@@ -475,12 +485,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "given explicitly, no time cap applies unless --max-seconds is given too")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop timing a model after this many seconds (default 150 resnet50, 45 mlp; 25/10 with --quick)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: on a shared 2-core machine, 2 threads make a "
-                             "forward wait whole scheduler slices whenever another process runs)")
     parser.add_argument("--models", choices=["all", "resnet50", "mlp"], default="all")
-    parser.add_argument("--copies", type=int, default=None,
-                        help="independent copies of each variant, timed in turn (default 3, 2 with --quick)")
+    add_shared_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.repeats is not None and args.repeats < 5:

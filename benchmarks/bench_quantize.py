@@ -43,7 +43,10 @@ from torch import Tensor, nn
 from torch.ao.quantization import FakeQuantize, MinMaxObserver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prune import Latency, TimingSpec, Target, calls_per_sample, latency, round_robin, setup_threads, timed  # noqa: E402
+from bench_prune import (  # noqa: E402
+    Latency, Target, TimingSpec, add_shared_arguments, calls_per_sample, fmt_apply, latency, on_copies, round_robin,
+    setup_threads, timed,
+)
 
 import surgery  # noqa: E402
 from surgery.quantization import ActivationQuantizer  # noqa: E402
@@ -162,16 +165,6 @@ def what_if(model: nn.Module, handle: surgery.QuantizeHandle) -> nn.Module:
 
 
 # --- building the variants ---------------------------------------------------------------------
-
-def on_copies(base: nn.Module, apply: Callable[[nn.Module], object], count: int) -> list[tuple[float, nn.Module, object]]:
-    """``apply`` on ``count`` fresh deep copies of ``base``: (seconds, copy, result); copying is not timed."""
-    runs = []
-    for _ in range(count):
-        model = copy.deepcopy(base)
-        seconds, out = timed(lambda: apply(model))
-        runs.append((seconds, model, out))
-    return runs
-
 
 def build_variants(base: nn.Module, calibration: list[Tensor], copies: int, with_what_if: bool):
     """``copies`` independent copies of each variant, with apply times (surgery runs first)."""
@@ -370,14 +363,6 @@ def run(args: argparse.Namespace, rng: np.random.Generator) -> Result:
     return Result("resnet50", inner, args.copies, len(samples[PLAIN]), seconds, checks, costs, results)
 
 
-def fmt_apply(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{values[0]:.2f} / {np.median(values[1:]):.2f}"
-
-
 def print_result(result: Result) -> None:
     print(f"\n== {result.model}, batch 1, 224x224, int8 activations on every Conv2d/Linear output: "
           f"{result.rounds} rounds x {result.calls_per_sample} call(s) per sample, {result.copies} copies per "
@@ -393,7 +378,7 @@ def print_result(result: Result) -> None:
         print(f"  {name:<30}{lat.median_ms:>10.1f}{f'{lat.p25_ms:.1f}-{lat.p75_ms:.1f}':>17}"
               f"{f'{lat.ratio:.3f} [{lat.ratio_low:.3f},{lat.ratio_high:.3f}]':>22}"
               f"{target.text() if target else '':>12}"
-              f"{target.verdict(lat.ratio, lat.ratio_low, lat.ratio_high) if target else '':>6}{fmt_apply(v.apply_s):>14}")
+              f"{target.verdict(lat.ratio, lat.ratio_low, lat.ratio_high) if target else '':>6}{fmt_apply(v.apply_s, 2):>14}")
     print("  where surgery's A8 overhead goes (direct calls, best of 5, summed over layers):")
     for line in result.costs:
         print(f"    {line}")
@@ -431,11 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "applies unless --max-seconds is given too")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop timing after this many seconds (default 170, 40 with --quick)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: on a shared 2-core machine, 2 threads make a "
-                             "forward wait whole scheduler slices whenever another process runs)")
-    parser.add_argument("--copies", type=int, default=None,
-                        help="independent copies of each variant, timed in turn (default 3, 2 with --quick)")
+    add_shared_arguments(parser)
     parser.add_argument("--calibration", type=int, default=4, help="random calibration batches (default 4)")
     parser.add_argument("--no-what-if", action="store_true", help="leave out the what-if row")
     parser.add_argument("--no-digits", action="store_true", help="skip the digits accuracy")

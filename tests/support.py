@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -14,3 +15,28 @@ class Passthrough(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.inner(*args, **kwargs)
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+class Tied(nn.Module):
+    """Two Linear layers sharing one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))

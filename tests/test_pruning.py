@@ -16,6 +16,8 @@ from surgery.checks import collect, module_hook_counts, snapshot, snapshot_diffe
 from surgery.errors import ConfigError
 from surgery.pruning import MaskEnforcer
 
+from support import Attention, Tied  # tests/support.py
+
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]
 
@@ -199,17 +201,6 @@ def test_amount_one_zeroes_every_selected_weight(mlp, mlp_input, method):
 # --- tied weights and parents that read a child's weight directly --------------------------
 
 
-class Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8, bias=False)
-        self.b = nn.Linear(8, 8)
-        self.b.weight = self.a.weight
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
-
-
 def make_tied(seed: int = 0) -> Tied:
     torch.manual_seed(seed)
     return Tied().eval()
@@ -254,18 +245,6 @@ class DirectRead(nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(F.linear(x, self.child.weight, self.child.bias)))
-
-
-class Attention(nn.Module):
-    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(self.attn(x, x, x, need_weights=False)[0])
 
 
 def make_direct(seed: int = 0) -> nn.Module:

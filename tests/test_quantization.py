@@ -26,6 +26,8 @@ from surgery.errors import CheckpointError, ConfigError, ConfigTypeError
 from surgery.observers import NonFiniteError
 from surgery.quantization import ActivationQuantizer, WeightQuantizer
 
+from support import Attention, Tied  # tests/support.py
+
 W8 = QuantSpec(bits=8, symmetric=True, per_channel=True)  # torch.ao's default weight scheme
 A8 = QuantSpec(bits=8)  # affine quint8 per tensor: torch.ao's default activation scheme
 SPECS = [
@@ -727,18 +729,6 @@ def test_quantized_weights_survive_load_state_dict_while_attached(mlp, mlp_facto
             assert torch.equal(mlp.get_parameter(name).detach(), fused(dense[name], q.scale, q.zero_point, q.axis, W8))
 
 
-class Attention(nn.Module):
-    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(self.attn(x, x, x, need_weights=False)[0])
-
-
 def test_a_weight_read_directly_by_a_parent_is_quantized_after_an_optimizer_step():
     torch.manual_seed(0)
     model = Attention().eval()
@@ -755,16 +745,6 @@ def test_a_weight_read_directly_by_a_parent_is_quantized_after_an_optimizer_step
 
 
 def test_a_tied_weight_is_quantized_once():
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 8, bias=False)
-            self.b = nn.Linear(8, 8)
-            self.b.weight = self.a.weight
-
-        def forward(self, x):
-            return self.b(torch.relu(self.a(x)))
-
     torch.manual_seed(0)
     model = Tied().eval()
     before = snapshot(model)
@@ -978,21 +958,13 @@ def test_failure_inside_a_calibration_forward_rolls_everything_back(convnet, ima
     _assert_untouched_and_usable(convnet, before, image_input, expected)
 
 
-def test_failure_in_a_calibration_hook_rolls_everything_back(mlp, mlp_input):
+@pytest.mark.parametrize(("method", "call"), [("__call__", 5), ("freeze", 2)],
+                         ids=["a calibration hook", "freezing the second layer"])
+def test_failure_during_calibration_rolls_everything_back(mlp, mlp_input, method, call):
     before = snapshot(mlp)
     expected = collect(mlp, [mlp_input])[0]
-    with mock.patch.object(ActivationQuantizer, "__call__", autospec=True,
-                           side_effect=_fail_on_call(5, ActivationQuantizer.__call__)):
-        with pytest.raises(RuntimeError, match="injected failure"):
-            surgery.quantize(mlp, activations=A8, calibration=mlp_batches(), progress=False)
-    _assert_untouched_and_usable(mlp, before, mlp_input, expected)
-
-
-def test_failure_freezing_the_second_layer_rolls_everything_back(mlp, mlp_input):
-    before = snapshot(mlp)
-    expected = collect(mlp, [mlp_input])[0]
-    with mock.patch.object(ActivationQuantizer, "freeze", autospec=True,
-                           side_effect=_fail_on_call(2, ActivationQuantizer.freeze)):
+    real = getattr(ActivationQuantizer, method)
+    with mock.patch.object(ActivationQuantizer, method, autospec=True, side_effect=_fail_on_call(call, real)):
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.quantize(mlp, activations=A8, calibration=mlp_batches(), progress=False)
     _assert_untouched_and_usable(mlp, before, mlp_input, expected)
