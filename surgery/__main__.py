@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -11,20 +13,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from surgery.config import load_config
 from surgery.errors import SurgeryError
-from surgery.run import EXIT_BAD_INPUT, run
-from surgery.sweeps import write_sweep_summary
+from surgery.run import EXIT_BAD_INPUT, EXIT_OK, run
+from surgery.sweeps import JobRecord, current_sweep, finish_sweep, record_job
 
 PACKAGE = Path(__file__).resolve().parent
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
 GROUPS = ("recipe", "model", "data")
 _exit_codes: list[int] = []
-_sweep_jobs: list[tuple[dict[str, str], Path]] = []
-_sweep_dir: list[Path] = []
 
 
 def available(group: str, roots: list[Path]) -> list[str]:
@@ -58,6 +58,8 @@ def preflight(arguments: list[str]) -> int:
             overrides += parser.parse_overrides(overrides=[argument])
         except HydraException as err:
             return fail(f"cannot parse override {argument!r}: {str(err).splitlines()[0]}")
+        if not overrides[-1].key_or_group.lstrip("+~"):
+            return fail(f"cannot parse override {argument!r}: the key before '=' is empty (write KEY=VALUE)")
     roots = _search_roots(overrides)
     if roots is None:
         return 0  # package search paths: leave the check to Hydra
@@ -73,22 +75,42 @@ def preflight(arguments: list[str]) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, Slurm, ``kill``): unwinds like Ctrl-C, so nothing is left half-written."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _task(cfg: DictConfig) -> None:
     _exit_codes.append(-1)  # marks that composition succeeded and the job started
     hydra_config = HydraConfig.get()
     out_dir = Path(hydra_config.runtime.output_dir)
-    if hydra_config.mode == RunMode.MULTIRUN:
-        overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
-        _sweep_jobs.append((overrides, out_dir))
-        _sweep_dir[:] = [Path(hydra_config.sweep.dir)]
-    try:
-        config = load_config(OmegaConf.to_container(cfg, resolve=True))
-        result = run(config, out_dir)
-    except SurgeryError as err:
-        _exit_codes[-1] = fail(str(err).splitlines()[0])
+    if hydra_config.mode != RunMode.MULTIRUN:
+        _exit_codes[-1] = _run_job(cfg, out_dir)
         return
-    _exit_codes[-1] = result.exit_code
+    sweep_dir = Path(hydra_config.sweep.dir)
+    overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
+    record = JobRecord(int(hydra_config.job.num), overrides, str(out_dir.resolve()), "started")
+    record_job(sweep_dir, record)
+    try:
+        code = _run_job(cfg, out_dir)
+        record.status = {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
+    except Exception as err:  # a job of a sweep never takes the sweep down: it is recorded as crashed
+        traceback.print_exc()
+        record.status, record.error, code = "crashed", f"{type(err).__name__}: {err}".splitlines()[0], 1
+    record_job(sweep_dir, record)
+    _exit_codes[-1] = code
+
+
+def _run_job(cfg: DictConfig, out_dir: Path) -> int:
+    """One run: its exit code (0 ok, 1 a check failed, 2 bad configuration or input)."""
+    try:
+        return run(load_config(cfg), out_dir).exit_code
+    except SurgeryError as err:
+        return fail(str(err).splitlines()[0])
 
 
 def main() -> None:
@@ -97,21 +119,50 @@ def main() -> None:
     if code:
         sys.exit(code)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    launcher_error = None
     try:
         _task()
+    except Terminated:
+        sys.exit(_interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM))
+    except KeyboardInterrupt:
+        sys.exit(_interrupted("interrupted", 128 + signal.SIGINT))
     except (HydraException, OmegaConfBaseException) as err:
         if _exit_codes:
             raise
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
         sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
-    if len(_sweep_jobs) > 1:
-        try:
-            files = write_sweep_summary(_sweep_dir[0], _sweep_jobs)
-        except SurgeryError as err:
-            _exit_codes.append(fail(str(err).splitlines()[0]))
-        else:
-            print(f"sweep summary: {', '.join(str(f) for f in files)}")
+    except OSError as err:
+        if _exit_codes:
+            raise
+        field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        sys.exit(fail(f"{field}={str(err.filename or '')!r}: cannot hold the run's outputs ({err.strerror or err})"))
+    except Exception as err:  # noqa: BLE001 - a launcher process that died (joblib, submitit)
+        if not multirun or current_sweep() is None:
+            raise
+        launcher_error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+        print(f"surgery: error: the sweep's launcher failed: {launcher_error}", file=sys.stderr)
+    if multirun:
+        _exit_codes.append(_finish_sweep(launcher_error))
     sys.exit(max(_exit_codes, default=0))
+
+
+def _finish_sweep(launcher_error: str | None) -> int:
+    try:
+        code, files, records = finish_sweep(launcher_error)
+    except SurgeryError as err:
+        return fail(str(err).splitlines()[0])
+    failed = [r for r in records if r.exit_code]
+    if files:
+        print(f"sweep summary: {', '.join(str(f) for f in files)}"
+              f"{f' ({len(failed)} of {len(records)} jobs failed)' if failed else ''}")
+    return code
+
+
+def _interrupted(what: str, code: int) -> int:
+    print(f"surgery: {what}; the run's outputs were left as they were", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import fnmatch
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from surgery import rules
+from surgery import importing, rules
 from surgery.config import BuildRuleConfig
 from surgery.errors import ConfigError
 from surgery.rules import Rule
@@ -19,11 +18,7 @@ from surgery.selection import TYPE_PREFIX
 
 def import_object(path: str, field: str) -> Any:
     """Import ``package.module.name``; a bare name is looked up in ``torch.nn``."""
-    module_name, _, attr = str(path).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name or "torch.nn"), attr)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(field, path, "cannot be imported", f"{type(err).__name__}: {err}") from None
+    return importing.import_object(path, field, default_module="torch.nn")
 
 
 def _match(spec: Any, field: str) -> Any:

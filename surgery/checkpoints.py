@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import socket
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable
@@ -67,6 +68,28 @@ def check_fits(model: nn.Module, state: dict[str, Tensor], *, field: str = "chec
         problems.append(f"{len(shapes)} shape mismatch(es), e.g. {shapes[0]}")
     if problems:
         raise CheckpointError(f"{field}: does not fit {type(model).__name__}: {'; '.join(problems)}")
+    for key, value in expected.items():
+        _check_kind(key, state[key], value, field)
+
+
+def _kind(tensor: Tensor) -> str:
+    if tensor.dtype == torch.bool:
+        return "boolean"
+    if tensor.is_complex():
+        return "complex"
+    return "floating" if tensor.is_floating_point() else "integer"
+
+
+def _check_kind(key: str, stored: Tensor, expected: Tensor, field: str) -> None:
+    """A stored tensor must be a plain (strided, not quantized) tensor of the same kind of dtype
+    as the model's: loading int32 or bool into a float weight would silently truncate it."""
+    if stored.layout != torch.strided or stored.is_quantized:
+        what = f"layout {stored.layout}" if stored.layout != torch.strided else f"quantized dtype {stored.dtype}"
+        raise CheckpointError(f"{field}: key {key!r} is a tensor of {what}; the model expects a dense "
+                              f"{expected.dtype} tensor (dequantize or densify it before saving)")
+    if _kind(stored) != _kind(expected):
+        raise CheckpointError(f"{field}: key {key!r} has dtype {stored.dtype}; the model expects {expected.dtype} "
+                              f"({_kind(stored)} values cannot stand for {_kind(expected)} ones)")
 
 
 def load_checkpoint(model: nn.Module, path: str | Path, *, field: str = "checkpoint") -> nn.Module:
@@ -112,10 +135,11 @@ def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[st
 
 
 def refuse_existing(paths: Iterable[Path], overwrite: bool) -> None:
-    """Raise :class:`~surgery.errors.OutputExistsError` for the first of ``paths`` that exists,
-    unless ``overwrite``: call it before writing anything, so a refusal writes nothing."""
+    """Raise :class:`~surgery.errors.OutputExistsError` for the first of ``paths`` that exists
+    (a dangling symlink counts), unless ``overwrite``: call it before writing anything, so a
+    refusal writes nothing."""
     for path in paths:
-        if not overwrite and Path(path).exists():
+        if not overwrite and os.path.lexists(path):
             raise OutputExistsError(str(path))
 
 
@@ -142,6 +166,9 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+STAGING_PREFIX, BACKUP_PREFIX = ".staging-", ".previous-"
+
+
 class Staging:
     """Outputs that belong together, published only once every one of them is complete.
 
@@ -149,7 +176,9 @@ class Staging:
     in a hidden temporary folder inside ``folder``), then call :meth:`publish` to move them all
     into ``folder``. Leaving the block removes the hidden folder and whatever is still in it, so
     an error or an interrupt before :meth:`publish` leaves ``folder`` as it found it (a
-    ``folder`` the block had to create is removed again if it is still empty).
+    ``folder`` the block had to create is removed again if it is still empty). Hidden folders
+    left by runs on this host whose process is dead (killed with SIGKILL, say) are removed on
+    entry.
 
     Example:
         >>> with Staging(out_dir) as stage:
@@ -166,7 +195,8 @@ class Staging:
     def __enter__(self) -> Staging:
         self._created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.folder))
+        sweep_dead_staging(self.folder)
+        self.path = Path(tempfile.mkdtemp(prefix=_owned(STAGING_PREFIX), dir=self.folder))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -182,19 +212,66 @@ class Staging:
         marks a complete set); return the published paths.
 
         Without ``overwrite``, an existing target raises before anything moves. With it, the
-        files named in ``replaces`` that this set does not include are removed first (what an
-        earlier set left, e.g. a plot this run does not draw).
+        earlier set — the staged names and those in ``replaces`` that exist, ``last`` first —
+        is first moved aside, then the new set moved in; if any move fails (or is interrupted)
+        the new files are removed and the earlier set put back, so the folder holds either the
+        whole earlier set or the whole new one.
         """
         staged = sorted((p for p in self.path.iterdir() if p.is_file()), key=lambda p: p.name == last)
         targets = [self.folder / p.name for p in staged]
         refuse_existing(targets, overwrite)
-        if overwrite:
-            for name in set(replaces) - {p.name for p in staged}:
-                (self.folder / name).unlink(missing_ok=True)
-        for source, target in zip(staged, targets):
-            os.replace(source, target)
+        names = dict.fromkeys([*(p.name for p in staged), *replaces])
+        earlier = sorted((n for n in names if os.path.lexists(self.folder / n)), key=lambda n: n != last)
+        backup = Path(tempfile.mkdtemp(prefix=_owned(BACKUP_PREFIX), dir=self.folder))
+        moved_aside: list[str] = []
+        published: list[Path] = []
+        try:
+            for name in earlier:
+                os.replace(self.folder / name, backup / name)
+                moved_aside.append(name)
+            for source, target in zip(staged, targets):
+                os.replace(source, target)
+                published.append(target)
+        except BaseException:
+            for target in reversed(published):
+                target.unlink(missing_ok=True)
+            for name in reversed(moved_aside):
+                os.replace(backup / name, self.folder / name)
+            raise
+        finally:
+            if not any(backup.iterdir()) or published == targets:
+                shutil.rmtree(backup, ignore_errors=True)
         fsync_folder(self.folder)
         return targets
+
+
+def _owned(prefix: str) -> str:
+    """A hidden-folder prefix naming this host and process, so a later run can tell a dead one's."""
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-"
+
+
+def sweep_dead_staging(folder: Path) -> list[Path]:
+    """Remove the hidden staging and backup folders in ``folder`` left by dead processes of this
+    host (a run killed before it could clean up); return what was removed."""
+    host = socket.gethostname()
+    removed = []
+    for prefix in (STAGING_PREFIX, BACKUP_PREFIX):
+        for path in folder.glob(f"{prefix}*"):
+            owner = path.name[len(prefix):].rsplit("-", 2)  # host (may hold '-'), pid, random part
+            if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _alive(int(owner[1])):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _fsync(path: Path) -> None:

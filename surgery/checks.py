@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 from surgery.checkpoints import load_checkpoint
-from surgery.comparison import Drift, batches, evaluating, outputs
+from surgery.comparison import Drift, batches, evaluating, outputs, same_bits
 from surgery.config import DriftThresholds
 
 GLOBAL_HOOK_DICTS = (
@@ -73,7 +74,7 @@ def snapshot(model: nn.Module) -> Snapshot:
 def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
     """Human-readable differences between two snapshots (empty when bit-identical)."""
     diffs = [f"tensor {k} changed" for k, v in before.tensors.items()
-             if k not in after.tensors or not _same(v, after.tensors[k])]
+             if k not in after.tensors or not same_bits(v, after.tensors[k])]
     diffs += [f"tensor {k} appeared" for k in after.tensors if k not in before.tensors]
     if before.keys != after.keys:
         diffs.append("state_dict keys changed")
@@ -85,15 +86,6 @@ def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
     return diffs
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Bit for bit: NaN equals the same NaN, and -0.0 differs from 0.0."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-
-
-def _bits(t: Tensor) -> Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def collect(model: nn.Module, inputs: list) -> list[Tensor]:
     """Every floating output tensor of ``model`` over ``inputs`` (eval mode, no grad)."""
     with evaluating(model), torch.no_grad():
@@ -101,12 +93,23 @@ def collect(model: nn.Module, inputs: list) -> list[Tensor]:
 
 
 def max_difference(a: list[Tensor], b: list[Tensor]) -> tuple[bool, float]:
-    """(bit-identical?, largest absolute difference) between two output lists."""
+    """(bit-identical?, largest absolute difference) between two output lists.
+
+    Identity is bit for bit, so a NaN equals the same NaN; the difference is ``inf`` where
+    one side is non-finite and the other is not the same value.
+    """
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
         return False, float("inf")
-    identical = all(torch.equal(x, y) for x, y in zip(a, b))
-    worst = max(((x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x.numel()), default=0.0)
-    return identical, worst
+    identical = all(same_bits(x, y) for x, y in zip(a, b))
+    return identical, 0.0 if identical else max((_worst(x, y) for x, y in zip(a, b) if x.numel()), default=0.0)
+
+
+def _worst(x: Tensor, y: Tensor) -> float:
+    x, y = x.detach().double(), y.detach().double()
+    differ = ~((x == y) | (torch.isnan(x) & torch.isnan(y)))
+    if not differ.any():
+        return 0.0
+    return (x[differ] - y[differ]).abs().nan_to_num(nan=math.inf).max().item()
 
 
 Apply = Callable[[nn.Module, bool], object]  # (model, neutral) -> handle
@@ -202,6 +205,14 @@ def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, 
 def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float] | None = None) -> CheckResult:
     """Original vs modified outputs (and accuracy, with labelled data) stay within bounds."""
     failures = []
+    counts = drift.nonfinite
+    if counts.reference:
+        failures.append(f"the reference model's own outputs hold {counts.describe('reference')} values, so drift "
+                        "cannot be measured (check its weights, buffers and inputs)")
+    if counts.candidate:
+        failures.append(f"the modified model's outputs hold {counts.describe('candidate')} values")
+    if failures:
+        return CheckResult("drift", False, None, bounds.min_cosine, "; ".join(failures))
     drop = None if accuracy is None else accuracy["drop_points"]
     if bounds.max_accuracy_drop is not None and drop is not None and drop > bounds.max_accuracy_drop:
         failures.append(f"accuracy drop {drop:.2f} points > {bounds.max_accuracy_drop}")

@@ -19,11 +19,36 @@ Inputs = Union[Tensor, Iterable[Batch]]
 
 
 @dataclass(frozen=True)
+class NonFinite:
+    """How many output values were NaN or Inf, in the reference and in the candidate."""
+
+    reference_nan: int = 0
+    reference_inf: int = 0
+    candidate_nan: int = 0
+    candidate_inf: int = 0
+
+    @property
+    def reference(self) -> int:
+        return self.reference_nan + self.reference_inf
+
+    @property
+    def candidate(self) -> int:
+        return self.candidate_nan + self.candidate_inf
+
+    def describe(self, side: str) -> str:
+        """``"12 NaN and 0 Inf"`` for ``side`` = ``"reference"`` or ``"candidate"``."""
+        return f"{getattr(self, side + '_nan')} NaN and {getattr(self, side + '_inf')} Inf"
+
+
+@dataclass(frozen=True)
 class Drift:
     """How far a candidate's outputs are from a reference's over the same inputs.
 
-    ``sqnr_db`` is ``None`` when the outputs are identical (the ratio is infinite);
-    ``top1_agreement`` is ``None`` when the outputs have no class dimension.
+    ``identical`` means every output is equal bit for bit (a NaN equals the same NaN).
+    When either model's outputs hold NaN or Inf (counted in ``nonfinite``), ``cosine`` and
+    ``sqnr_db`` are NaN and ``max_abs`` is NaN unless the outputs are identical: no bound
+    can pass on them. ``sqnr_db`` is ``None`` when the outputs are identical (the ratio is
+    infinite); ``top1_agreement`` is ``None`` when the outputs have no class dimension.
     """
 
     max_abs: float
@@ -31,15 +56,17 @@ class Drift:
     sqnr_db: float | None
     top1_agreement: float | None
     layers: list | None = field(default=None, compare=False)  # LayerDrift rows with per_layer=True
+    nonfinite: NonFinite = field(default_factory=NonFinite)
+    identical: bool = False
 
     @property
-    def identical(self) -> bool:
-        """True when every output element is equal bit for bit (up to ``-0.0 == 0.0``)."""
-        return self.max_abs == 0.0
+    def finite(self) -> bool:
+        """True when no output value of either model was NaN or Inf."""
+        return not (self.nonfinite.reference or self.nonfinite.candidate)
 
-    def as_dict(self) -> dict[str, float | None]:
+    def as_dict(self) -> dict[str, Any]:
         return {"max_abs": self.max_abs, "cosine": self.cosine, "sqnr_db": self.sqnr_db,
-                "top1_agreement": self.top1_agreement}
+                "top1_agreement": self.top1_agreement, "nonfinite": dataclasses.asdict(self.nonfinite)}
 
 
 def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_layer: bool = False) -> Drift:
@@ -49,7 +76,8 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         reference: the model taken as ground truth.
         candidate: the modified model.
         inputs: one input tensor, or an iterable of batches (a tensor each, or a tuple of
-            positional arguments).
+            positional arguments), streamed: one batch is held at a time. A one-shot iterator
+            is kept in memory only with ``per_layer`` (which needs a second pass).
         per_layer: also compare the output of every module whose qualified name exists in
             both models (forward hooks, streaming sums: one batch of activations held at a
             time); the rows are in ``Drift.layers`` (see :func:`surgery.layer_drift.layer_drift`).
@@ -61,13 +89,17 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         >>> drift = surgery.compare(original, pruned, torch.randn(8, 3, 224, 224))
         >>> drift.cosine > 0.99
     """
-    inputs = list(batches(inputs))
-    check_finite(inputs, "compare.inputs")
+    if per_layer and iter(inputs) is inputs:  # a one-shot iterator: per-layer drift needs a second pass
+        inputs = list(inputs)
     stats = _Accumulator()
     with evaluating(reference), evaluating(candidate), torch.no_grad():
-        for batch in batches(inputs):
-            pairs = zip(outputs(reference, batch), outputs(candidate, batch), strict=True)
-            for index, (ref, cand) in enumerate(pairs):
+        for index, batch in enumerate(batches(inputs)):
+            check_batch_finite(batch, index, "compare.inputs")
+            ref_outputs, cand_outputs = outputs(reference, batch), outputs(candidate, batch)
+            if len(ref_outputs) != len(cand_outputs):
+                raise ConfigError("compare.candidate", f"{len(cand_outputs)} output tensor(s)",
+                                  f"must match the reference's {len(ref_outputs)} floating output tensor(s)")
+            for index, (ref, cand) in enumerate(zip(ref_outputs, cand_outputs)):
                 stats.add(ref, cand, primary=index == 0)
     result = stats.result()
     if per_layer:
@@ -86,12 +118,11 @@ def batches(inputs: Inputs) -> Iterator[tuple]:
         yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
-def check_finite(inputs: list[tuple], field: str, error: type[ConfigError] = ConfigError) -> None:
-    """Raise ``error`` naming the first batch whose floating tensors hold NaN or Inf."""
-    for index, batch in enumerate(inputs):
-        for tensor in flatten_tensors(list(batch)):
-            if not torch.isfinite(tensor).all():
-                raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")
+def check_batch_finite(batch: tuple, index: int, field: str, error: type[ConfigError] = ConfigError) -> None:
+    """Raise ``error`` naming batch ``index`` if its floating tensors hold NaN or Inf."""
+    for tensor in flatten_tensors(list(batch)):
+        if not torch.isfinite(tensor).all():
+            raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")
 
 
 def outputs(model: nn.Module, args: tuple) -> list[Tensor]:
@@ -126,35 +157,79 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
             module.training = flag
 
 
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal bit for bit: same dtype and shape, a NaN equals the same NaN, -0.0 differs from 0.0."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 class StreamingError:
     """Float64 running sums of two output streams: max abs error, cosine and SQNR, with no
-    stored outputs (shared by whole-model and per-layer comparison)."""
+    stored outputs (shared by whole-model and per-layer comparison).
+
+    NaN and Inf values are counted per stream; once any is seen the metrics are NaN (they
+    cannot be measured), while :attr:`identical` still compares bits.
+    """
 
     def __init__(self) -> None:
-        self.max_abs = 0.0
+        self._max_abs = 0.0
         self.dot = self.ref_sq = self.cand_sq = self.noise_sq = 0.0
+        self.counts = [0, 0, 0, 0]  # reference NaN, reference Inf, candidate NaN, candidate Inf
+        self.identical = True
 
     def add(self, ref: Tensor, cand: Tensor) -> None:
         """Accumulate one pair of same-shaped tensors."""
+        self.identical = self.identical and same_bits(ref.detach(), cand.detach())
         r, c = ref.detach().double().flatten(), cand.detach().double().flatten()
+        finite_r, finite_c = bool(torch.isfinite(r).all()), bool(torch.isfinite(c).all())
+        if not (finite_r and finite_c):
+            for index, (values, ok) in enumerate(((r, finite_r), (c, finite_c))):
+                if not ok:
+                    self.counts[2 * index] += int(torch.isnan(values).sum())
+                    self.counts[2 * index + 1] += int(torch.isinf(values).sum())
+            return
         diff = r - c
-        self.max_abs = max(self.max_abs, diff.abs().max().item() if diff.numel() else 0.0)
+        self._max_abs = max(self._max_abs, diff.abs().max().item() if diff.numel() else 0.0)
         self.dot += float(r @ c)
         self.ref_sq += float(r @ r)
         self.cand_sq += float(c @ c)
         self.noise_sq += float(diff @ diff)
 
+    @property
+    def nonfinite(self) -> NonFinite:
+        return NonFinite(*self.counts)
+
+    @property
+    def measurable(self) -> bool:
+        return not any(self.counts)
+
+    @property
+    def max_abs(self) -> float:
+        if self.identical:
+            return 0.0
+        return self._max_abs if self.measurable else math.nan
+
     def cosine(self) -> float:
+        if not self.measurable:
+            return math.nan
         denominator = math.sqrt(self.ref_sq * self.cand_sq)
         return self.dot / denominator if denominator else float(self.ref_sq == self.cand_sq)
 
     def sqnr_db(self) -> float | None:
         """Signal-to-quantization-noise ratio in dB; None when the streams are identical."""
-        if self.noise_sq == 0:
+        if self.identical or self.noise_sq == 0 and self.measurable:
             return None
+        if not self.measurable:
+            return math.nan
         if self.ref_sq == 0:
             return -math.inf
-        return 10 * math.log10(self.ref_sq / self.noise_sq)
+        ratio = self.ref_sq / self.noise_sq
+        return 10 * math.log10(ratio) if 0 < ratio < math.inf else (math.inf if ratio else -math.inf)
 
 
 class _Accumulator(StreamingError):
@@ -174,5 +249,6 @@ class _Accumulator(StreamingError):
             self.rows += ref.argmax(-1).numel()
 
     def result(self) -> Drift:
-        top1 = self.agree / self.rows if self.rows else None
-        return Drift(self.max_abs, self.cosine(), self.sqnr_db(), top1)
+        top1 = self.agree / self.rows if self.rows and self.measurable else None
+        return Drift(self.max_abs, self.cosine(), self.sqnr_db(), top1, nonfinite=self.nonfinite,
+                     identical=self.identical)

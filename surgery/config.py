@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from surgery.errors import ConfigError
+from surgery.errors import NO_VALUE, ConfigError
 from surgery.observers import QuantSpec
 from surgery.pruning import validate_arguments
 
@@ -245,13 +245,21 @@ class RunConfig:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
 
 
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def load_config(cfg: DictConfig | dict) -> RunConfig:
     """Validate a composed YAML config against :class:`RunConfig` and return the dataclass.
+
+    Interpolations (``${...}``) are resolved first; every integer must fit in 64 bits.
 
     Raises:
         ConfigError: naming the first offending field, its value and what is allowed.
     """
     try:
+        if isinstance(cfg, DictConfig):
+            cfg = OmegaConf.to_container(cfg, resolve=True)
+        _check_integers(cfg, "")
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSpec()),
                                                 rewrite=RewriteConfig()))
@@ -262,8 +270,25 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         if cause is not None:
             raise cause from None
         key = getattr(err, "full_key", None) or "config"
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        message = " ".join(str(err).splitlines()[0].split()) if str(err) else type(err).__name__
+        if isinstance(err, ConfigKeyError):
+            raise ConfigError(key, NO_VALUE, f"not a setting here ({message})") from None
+        if isinstance(err, InterpolationResolutionError):
+            raise ConfigError(key, NO_VALUE, f"cannot be resolved: {message}") from None
         raise ConfigError(key, _value_of(err), message) from None
+
+
+def _check_integers(value: Any, key: str) -> None:
+    """Refuse integers outside 64 bits (seeds, counts, amounts typed as huge integers) by name."""
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        raise ConfigError(key, f"a {len(str(abs(value)))}-digit integer", "is out of range: numbers must fit in "
+                          f"64 bits ([{INT64[0]}, {INT64[1]}])")
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _check_integers(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_integers(item, f"{key}.{index}")
 
 
 def _value_of(err: OmegaConfBaseException) -> object:

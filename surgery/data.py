@@ -1,24 +1,56 @@
-"""Inputs for the checks: seeded synthetic images, or scikit-learn's digits with labels."""
+"""Inputs for the checks: seeded synthetic images, or scikit-learn's digits with labels.
+
+Batches are streamed: :class:`SyntheticBatches` makes each batch when it is reached and drops
+it after use, so a run's memory does not grow with ``data.batches``.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from surgery.config import DataConfig
+from surgery.errors import ConfigError
+
+
+class SyntheticBatches(Sequence):
+    """``count`` seeded Gaussian batches of ``shape``, made again on every pass (the same values
+    each time), one at a time."""
+
+    def __init__(self, shape: tuple[int, ...], seed: int, count: int) -> None:
+        self.shape, self.seed, self.count = shape, seed, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.count):
+            yield torch.randn(self.shape, generator=generator)
+
+    def __getitem__(self, index: int) -> Tensor:  # type: ignore[override]
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        for position, batch in enumerate(self):
+            if position == index % self.count:
+                return batch
+        raise IndexError(index)
 
 
 @dataclass
 class Data:
     """Evaluation batches, with labels when the data set has them (for accuracy)."""
 
-    inputs: list[Tensor]
+    inputs: Sequence[Tensor]
     labels: list[Tensor] | None
 
-    def labelled(self) -> list[tuple[Tensor, Tensor]]:
-        return list(zip(self.inputs, self.labels or [], strict=True))
+    def labelled(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return zip(self.inputs, self.labels or [], strict=True)
 
 
 def load_data(config: DataConfig) -> Data:
@@ -31,7 +63,7 @@ def load_data(config: DataConfig) -> Data:
     return Data(_noise(config, config.seed, config.batches), None)
 
 
-def calibration_batches(config: DataConfig, count: int) -> list[Tensor]:
+def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     """``count`` batches for calibration, disjoint from the evaluation batches (digits: the
     training split; synthetic: noise from ``seed + 1``)."""
     if config.kind == "digits":
@@ -41,7 +73,21 @@ def calibration_batches(config: DataConfig, count: int) -> list[Tensor]:
     return _noise(config, config.seed + 1, count)
 
 
-def _noise(config: DataConfig, seed: int, count: int) -> list[Tensor]:
-    generator = torch.Generator().manual_seed(seed)
+def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:
     shape = (config.batch_size, config.channels, config.image_size, config.image_size)
-    return [torch.randn(shape, generator=generator) for _ in range(count)]
+    _check_fits_in_memory(shape)
+    return SyntheticBatches(shape, seed, count)
+
+
+def _check_fits_in_memory(shape: tuple[int, ...]) -> None:
+    """Refuse a batch larger than a quarter of this machine's memory before allocating it."""
+    needed = math.prod(shape) * 4
+    try:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if needed > available // 4:
+        field = "data.image_size" if shape[2] * shape[3] >= shape[0] * shape[1] else "data.batch_size"
+        raise ConfigError(field, shape[2] if field == "data.image_size" else shape[0],
+                          f"one batch of shape {shape} needs {needed / 2**30:.1f} GiB, more than a quarter of this "
+                          f"machine's {available / 2**30:.1f} GiB; use smaller batches or images")

@@ -7,10 +7,14 @@ class SurgeryError(Exception):
     """Base class of every error surgery raises on purpose."""
 
 
+NO_VALUE = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()  # a field that has no value to show
+
+
 class ConfigError(SurgeryError, ValueError):
     """A configuration field has a value outside what is allowed.
 
-    The message always reads ``FIELD=VALUE: what is allowed`` so the CLI can print it as is.
+    The message always reads ``FIELD=VALUE: what is allowed`` (``FIELD: what is allowed``
+    when there is no value, e.g. an unknown key) so the CLI can print it as is.
     """
 
     def __init__(self, field: str, value: object, allowed: str, hint: str = "") -> None:
@@ -18,7 +22,7 @@ class ConfigError(SurgeryError, ValueError):
         self.value = value
         self.allowed = allowed
         self.hint = hint
-        message = f"{field}={value!r}: {allowed}"
+        message = f"{field}: {allowed}" if value is NO_VALUE else f"{field}={value!r}: {allowed}"
         if hint:
             message += f" ({hint})"
         super().__init__(message)

@@ -22,7 +22,7 @@ from torch.compiler import is_compiling
 from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery import compiled
-from surgery.errors import AlreadyModifiedError
+from surgery.errors import AlreadyModifiedError, ConfigError
 
 _guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
 _lock = threading.Lock()
@@ -108,10 +108,29 @@ def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
                                        "bake() or restore() that handle first")
         guard.enforce()  # bring earlier transforms up to date before stacking a new one
         guard.transforms.append(transform)
-    with torch.no_grad():
-        transform.apply(param)
+    try:
+        with torch.no_grad():
+            transform.apply(param)
+    except BaseException:  # nothing attached: no transform, and no guard left empty
+        with _lock:
+            guard.transforms.remove(transform)
+            if not guard.transforms and _guards.get(param) is guard:
+                del _guards[param]
+        raise
     guard.mark_clean()
     return guard
+
+
+def check_editable(named: dict[str, torch.Tensor], field: str) -> None:
+    """Raise :class:`~surgery.errors.ConfigError` naming the first tensor that surgery cannot
+    edit in place: one on the ``meta`` device (no values) or created under ``inference_mode``."""
+    for name, tensor in named.items():
+        if tensor.is_meta:
+            raise ConfigError(field, name, "is on the meta device and has no values; materialise the model first "
+                              "(model.to_empty(device='cpu') and load its weights)")
+        if tensor.is_inference():
+            raise ConfigError(field, name, "was created under torch.inference_mode(), and PyTorch forbids editing "
+                              "it in place; build or load the model outside inference_mode")
 
 
 def check_last(param: nn.Parameter, transform: Transform, name: str) -> None:

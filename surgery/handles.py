@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from surgery import guards
-from surgery.errors import UndoError
+from surgery.errors import ConfigError, ConfigTypeError, UndoError
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
@@ -115,6 +115,15 @@ class Handle:
     def check_undo(self) -> None:
         """Raise before anything is undone if undoing now would be out of order (subclasses)."""
 
+    def rollback(self, error: BaseException) -> None:
+        """Undo a verb that failed with ``error`` while applying: ``error`` stays the one raised
+        (a failure of the undo itself is added to it as a note, never hiding it)."""
+        try:
+            self.restore()
+        except Exception as undo_error:  # noqa: BLE001 - reported on the original error
+            if hasattr(error, "add_note"):
+                error.add_note(f"undoing the partial change also failed: {undo_error}")
+
     def _savepoint(self) -> Revert:
         """What baking changes — the dicts holding this handle's hooks and the tensor guards of
         the model's parameters — as a callable that puts it back exactly."""
@@ -168,9 +177,13 @@ class HandleGroup(Handle):
     """
 
     def __init__(self, handles: list[Handle], model: nn.Module | None = None) -> None:
+        for handle in handles:
+            if not isinstance(handle, Handle):
+                raise ConfigTypeError("compose.handles", handle, "must be handles returned by surgery verbs "
+                                      "(prune, quantize, rewrite_inputs, compose)")
         model = model if model is not None else (handles[0].model if handles else None)
         if model is None:
-            raise ValueError("compose() needs at least one handle whose model still exists")
+            raise ConfigError("compose.handles", len(handles), "needs at least one handle whose model still exists")
         super().__init__("+".join(h.kind for h in handles) or "nothing", model)
         self.handles = list(handles)
         for handle in self.handles:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -63,7 +63,12 @@ class ModelBuilder:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             with intercept(*self.rules) if self.rules else contextlib.nullcontext([]) as log:
-                model = self._construct()
+                try:
+                    model = self._construct()
+                except (RuntimeError, MemoryError, OverflowError) as err:  # e.g. model.num_classes=10**10
+                    first = " ".join(str(err).split())[:200]
+                    raise ConfigError("model.name", config.name, f"cannot be built with these settings "
+                                      f"(model.num_classes={config.num_classes}): {type(err).__name__}: {first}") from None
             self.events = list(log)
         if config.weights:
             path = CHECKPOINT if config.weights == SHIPPED and config.source == "digits_cnn" else config.weights
@@ -78,13 +83,13 @@ class ModelBuilder:
         return torchvision.models.get_model(self.config.name, weights=None, num_classes=self.config.num_classes)
 
 
-def check_runs(model: nn.Module, inputs: list[torch.Tensor], name: str) -> None:
+def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> None:
     """Raise :class:`ConfigError` if ``model`` cannot run on one sample of the run's data.
 
     A model that expects another image size or channel count fails here, with the shape and
     the model's own message, before any surgery or output.
     """
-    sample = inputs[0][:1]
+    sample = next(iter(inputs))[:1]
     try:
         with torch.no_grad():
             model(sample)

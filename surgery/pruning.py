@@ -107,7 +107,10 @@ def prune(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     amount, n = validate_arguments(amount, method, scope, n, seed)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ConfigTypeError("prune.dim", dim, "must be an integer (the dimension whose slices ln_structured prunes)")
     targets = _targets(model, select, exclude, dim)
+    guards.check_editable(targets, "prune.select")
     params = list(targets.values())
     current = [guards.current_value(p) for p in params]  # as attached transforms keep them
     if method != "random_unstructured":
@@ -125,8 +128,8 @@ def prune(
         for module, below in guards.paths_to_owners(model, params):
             hook = module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below]))
             handle.add_hook("mask hook", hook)
-    except BaseException:
-        handle.restore()
+    except BaseException as err:
+        handle.rollback(err)
         raise
     return handle
 
@@ -142,6 +145,8 @@ def validate_arguments(amount: object, method: str, scope: str, n: object, seed:
     if scope not in SCOPES:
         raise ConfigError("prune.scope", scope, f"must be one of {', '.join(SCOPES)}")
     norm = {"inf": math.inf, "fro": 2.0}.get(n, n) if isinstance(n, str) else n
+    if isinstance(norm, int) and not isinstance(norm, bool) and norm > 1e308:
+        norm = math.inf  # an integer too large for a float: the max norm, as 'inf'
     if isinstance(norm, bool) or not isinstance(norm, (int, float)) or math.isnan(norm) or norm <= 0:
         raise ConfigError("prune.n", n, "must be a positive number, 'inf' or 'fro'")
     if isinstance(seed, bool) or not isinstance(seed, int):

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from surgery import compiled, guards
 from surgery.checkpoints import save_tensors
-from surgery.comparison import batches, check_finite, evaluating
+from surgery.comparison import batches, check_batch_finite, evaluating
 from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
 from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
@@ -178,6 +178,9 @@ def quantize(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
     targets = _targets(model, select, exclude, weights, activations, where)
+    if weights is not None:
+        guards.check_editable({f"{n}.weight" if n else "weight": m._parameters["weight"] for n, m in targets.items()
+                               if m._parameters.get("weight") is not None}, "quantize.select")
     handle = QuantizeHandle(model)
     try:
         if weights is not None:
@@ -185,8 +188,8 @@ def quantize(
         if activations is not None:
             _attach_activations(handle, targets, activations, where)
             _calibrate_or_load(handle, model, calibration, qparams, progress)
-    except BaseException:
-        handle.restore()
+    except BaseException as err:
+        handle.rollback(err)
         raise
     return handle
 
@@ -299,14 +302,43 @@ def _channels(module: nn.Module, where: str) -> int | None:
     return None
 
 
+def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec) -> None:
+    """Saved scales must be finite, positive, normal floats and zero points integers on the grid:
+    anything else quantizes every value to NaN or zero."""
+    for key, value in (("scale", scale), ("zero_point", zero_point)):
+        if not isinstance(value, Tensor):
+            raise CheckpointError(f"quantize.qparams: {name}.{key} is {type(value).__name__}; it must be a tensor")
+    if not scale.is_floating_point():
+        raise CheckpointError(f"quantize.qparams: {name}.scale has dtype {scale.dtype}; it must be floating")
+    tiny = torch.finfo(torch.float32).tiny
+    bad = ~(torch.isfinite(scale) & (scale.double() >= tiny))
+    if bad.any():
+        value = scale.flatten()[bad.flatten()][0].item()
+        raise CheckpointError(f"quantize.qparams: {name}.scale holds {value!r}; every scale must be a finite "
+                              f"number >= {tiny:.3g} (positive, not denormal)")
+    if zero_point.is_floating_point() or zero_point.is_complex() or zero_point.dtype == torch.bool:
+        raise CheckpointError(f"quantize.qparams: {name}.zero_point has dtype {zero_point.dtype}; it must be an "
+                              "integer tensor")
+    low, high = spec.quant_range
+    outside = (zero_point < low) | (zero_point > high)
+    if outside.any():
+        value = int(zero_point.flatten()[outside.flatten()][0])
+        raise CheckpointError(f"quantize.qparams: {name}.zero_point holds {value}; it must lie in [{low}, {high}] "
+                              f"for {spec.bits}-bit {'symmetric' if spec.symmetric else 'affine'} quantization")
+
+
 def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qparams, progress: bool) -> None:
     if qparams is not None:
         saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"quantize.qparams: got {type(saved).__name__}; pass a path or a dict of tensors "
+                                  "as written by save_qparams")
         missing = [n for n in handle.activations if f"{n}.scale" not in saved or f"{n}.zero_point" not in saved]
         if missing:
             raise CheckpointError(f"quantize.qparams: no parameters for {len(missing)} layer(s), e.g. {missing[0]}")
         for name, quantizer in handle.activations.items():
             scale, zero_point = saved[f"{name}.scale"], saved[f"{name}.zero_point"]
+            _check_qparam_values(name, scale, zero_point, quantizer.spec)
             channels = _channels(model.get_submodule(name), quantizer.where)
             fits = scale.numel() == 1 if quantizer.axis is None else \
                 scale.dim() == 1 and (channels is None or scale.numel() == channels)
@@ -317,10 +349,11 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
                                       f"shape {tuple(zero_point.shape)}; these settings need {need}")
             quantizer.freeze(scale, zero_point)
         return
-    calibration = list(batches(calibration))
-    check_finite(calibration, "quantize.calibration", NonFiniteError)
-    with evaluating(model), torch.no_grad():
-        for batch in tqdm(calibration, desc="calibrating", unit="batch", disable=not progress, leave=False):
+    total = 1 if isinstance(calibration, Tensor) else len(calibration) if hasattr(calibration, "__len__") else None
+    with evaluating(model), torch.no_grad():  # streamed: one batch held at a time
+        for index, batch in enumerate(tqdm(batches(calibration), total=total, desc="calibrating", unit="batch",
+                                           disable=None if progress else True, leave=False)):  # on a terminal
+            check_batch_finite(batch, index, "quantize.calibration", NonFiniteError)
             model(*batch)
     for quantizer in handle.activations.values():
         quantizer.freeze()

@@ -13,7 +13,7 @@ keyword values (all, or those listed in ``keys``); every other input passes thro
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from surgery import compiled
 from surgery.errors import ConfigError, ConfigTypeError
 from surgery.handles import Handle
+from surgery.importing import import_object
 from surgery.selection import Selection, select as select_modules
 
 Rewrite = Callable[[tuple, dict], tuple[tuple, dict]]
@@ -121,6 +122,7 @@ def rewrite_inputs(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if not callable(fn):
         raise ConfigTypeError("rewrite.fn", fn, "must be a callable (args, kwargs) -> (args, kwargs)")
+    check_signature(fn, "rewrite.fn", getattr(fn, "__name__", type(fn).__name__))
     if select is None:
         if exclude:  # an empty list (the CLI default) is fine
             raise ConfigError("rewrite.exclude", exclude, "only applies together with rewrite.select",
@@ -134,8 +136,8 @@ def rewrite_inputs(
         for name, module in targets.items():
             hook = module.register_forward_pre_hook(InputRewriter(fn, name), with_kwargs=True)
             handle.add_hook(f"rewrite hook on {name or '<root>'}", hook)
-    except BaseException:
-        handle.restore()
+    except BaseException as err:
+        handle.rollback(err)
         raise
     return handle
 
@@ -383,24 +385,32 @@ def rewrite_from_config(name: str, **kwargs: Any) -> Rewrite:
             raise type(err)(f"rewrite.kwargs.{key}", err.value, err.allowed, err.hint) from None
         except TypeError as err:
             raise ConfigError("rewrite.kwargs", kwargs, f"invalid parameters for '{name}': {err}") from None
-    if "." in name.strip("."):
+    if "." in name:
+        found = _import_callable(name)
         if kwargs:
             raise ConfigError("rewrite.kwargs", kwargs, f"the dotted-path rewrite '{name}' takes no parameters")
-        return _import_callable(name)
+        return found
     raise ConfigError("rewrite.name", name, f"must be one of {', '.join(BUILTINS)} or an importable "
                       "'pkg.module.callable'")
 
 
 def _import_callable(path: str) -> Rewrite:
-    module_name, _, attr = path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        message = " ".join(f"{type(err).__name__}: {err}".split())
-        raise ConfigError("rewrite.name", path, f"could not be imported ({message})") from None
+    found = import_object(path, "rewrite.name")
     if not callable(found):
         raise ConfigError("rewrite.name", path, "is not callable; expected a rewrite (args, kwargs) -> (args, kwargs)")
+    check_signature(found, "rewrite.name", path)
     return found
+
+
+def check_signature(fn: Callable, field: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``fn`` can be called as ``fn(args, kwargs)``."""
+    try:
+        inspect.signature(fn).bind((), {})
+    except TypeError:
+        raise ConfigError(field, value, "cannot be called as a rewrite: it must accept (args, kwargs) and "
+                          "return (args, kwargs)") from None
+    except ValueError:
+        pass  # no signature to inspect (some builtins): the call itself will tell
 
 
 def _dtype(value: object) -> torch.dtype:

@@ -16,6 +16,7 @@ from surgery.build import neutral, rules_from_config
 from surgery.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors
 from surgery.comparison import compare
 from surgery.config import RunConfig
+from surgery.errors import ConfigError
 from surgery.data import Data, calibration_batches, load_data
 from surgery.handles import HandleGroup
 from surgery.inspection import calls_as_rows, format_table, inspect_model
@@ -25,6 +26,9 @@ from surgery.steps import apply_steps, find, reattach, saved_qparams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
+# Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
+# and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
+OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png")
 
 
 @dataclass
@@ -63,23 +67,21 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         SurgeryError: for bad configuration or input (the CLI turns it into exit code 2).
     """
     out_dir = Path(out_dir)
-    names = output_names(config)
-    refuse_existing([out_dir / name for name in names], config.output.overwrite)
-    with Staging(out_dir) as stage:
-        report = _execute(config, stage)
-        files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=names)
+    refuse_existing([out_dir / name for name in OUTPUTS], config.output.overwrite)
+    try:
+        with Staging(out_dir) as stage:
+            report = _execute(config, stage)
+            files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=OUTPUTS)
+    except OSError as err:  # disk full, read-only or vanished folder: nothing was published
+        where = err.filename if err.filename is not None else out_dir
+        raise ConfigError("output", str(where), f"cannot be written ({err.strerror or err}); "
+                          "nothing was written") from None
     if echo:
         if "modules_table" in report:
             print(report["modules_table"])
         print(summary_table(report))
         print(f"  wrote {', '.join(str(f) for f in files)}")
     return RunResult(report, files)
-
-
-def output_names(config: RunConfig) -> list[str]:
-    """Every file a run of ``config`` may write into its output folder."""
-    names = ["report.json", "report.md", f"model.{config.output.checkpoint}", QPARAMS]
-    return names + (["sparsity.png", "drift.png"] if config.output.plots else [])
 
 
 def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
@@ -169,7 +171,8 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
     qparams = saved_qparams(handle)
 
     results: list[checks.CheckResult] = []
-    with tqdm(total=5, desc="checks", unit="check", leave=False) as progress:  # closed on errors too
+    # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
+    with tqdm(total=5, desc="checks", unit="check", leave=False, disable=None) as progress:
         if "identity" in enabled:
             parts = [checks.check_identity(models.built, apply, inputs, expected)] if steps else []
             if rules:

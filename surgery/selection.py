@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import importlib
 import re
+try:  # the parser behind `re`, to refuse patterns that backtrack exponentially
+    from re import _constants as sre_constants, _parser as sre_parse  # Python 3.11+
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants, sre_parse  # type: ignore[no-redef]
 from collections.abc import Callable, Iterable
 from typing import Union
 
 from torch import nn
 
-from surgery.errors import ConfigTypeError, SelectionError
+from surgery.errors import ConfigError, ConfigTypeError, SelectionError
+from surgery.importing import import_object
 
 Predicate = Callable[[nn.Module, str], bool]
 Pattern = Union[str, type, tuple, Predicate]
@@ -71,6 +75,9 @@ def _as_patterns(selection: Selection, field: str) -> list[Pattern]:
 
 
 def _compile(pattern: Pattern, field: str) -> Pattern:
+    if isinstance(pattern, nn.Module):
+        raise ConfigTypeError(field, type(pattern).__name__, "a module object is not a pattern; pass its qualified "
+                              "name (e.g. '0' or 'layer1.0'), its class, or a predicate (module, name) -> bool")
     if isinstance(pattern, str) and pattern.startswith(TYPE_PREFIX):
         return _import_type(pattern[len(TYPE_PREFIX):], field)
     if isinstance(pattern, str) and pattern.startswith(REGEX_PREFIX):
@@ -78,6 +85,9 @@ def _compile(pattern: Pattern, field: str) -> Pattern:
             re.compile(pattern[len(REGEX_PREFIX):])
         except re.error as err:
             raise SelectionError(field, pattern, f"not a valid regular expression: {err}") from None
+        if _nested_repeat(sre_parse.parse(pattern[len(REGEX_PREFIX):])):
+            raise SelectionError(field, pattern, "has a repeated group that itself repeats, e.g. (a+)+ or (.*)*, "
+                                 "which can take exponential time to match", "rewrite it without the outer repeat")
         return pattern
     if isinstance(pattern, (str, type)) or callable(pattern):
         return pattern
@@ -86,11 +96,30 @@ def _compile(pattern: Pattern, field: str) -> Pattern:
     raise ConfigTypeError(field, pattern, "expected a name, glob, 're:' regex, type or predicate")
 
 
+def _nested_repeat(parsed: object, inside_repeat: bool = False) -> bool:
+    """Whether a parsed regex repeats (``*``, ``+``, ``{n,}``) something that itself repeats."""
+    for op, av in parsed:
+        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, getattr(sre_constants, "POSSESSIVE_REPEAT", None)):
+            low, high, sub = av
+            repeats = high is sre_constants.MAXREPEAT or high > 1
+            if repeats and inside_repeat or _nested_repeat(sub, inside_repeat or repeats):
+                return True
+        elif op is sre_constants.BRANCH:
+            if any(_nested_repeat(branch, inside_repeat) for branch in av[1]):
+                return True
+        elif op is sre_constants.SUBPATTERN:
+            if _nested_repeat(av[-1], inside_repeat):
+                return True
+        elif op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
+            if _nested_repeat(av[1], inside_repeat):
+                return True
+    return False
+
+
 def _import_type(spec: str, field: str) -> type:
-    module_name, _, attr = spec.rpartition(".")
     try:
-        found = getattr(importlib.import_module(module_name or "torch.nn"), attr)
-    except (ImportError, AttributeError):
+        found = import_object(spec, field, default_module="torch.nn")
+    except ConfigError:
         found = None
     if not isinstance(found, type):
         raise SelectionError(field, f"{TYPE_PREFIX}{spec}", "names no class", "use e.g. 'type:Conv2d' or 'type:pkg.module.Class'")

@@ -48,17 +48,17 @@ def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
     try:
         for step in config.steps:
             handles.append(APPLIERS[step](model, config, neutral, calibration or []))
-    except BaseException:
-        _undo(handles, model)
+    except BaseException as err:
+        _undo(handles, model, err)
         raise
     return HandleGroup(handles, model)
 
 
-def _undo(handles: list[Handle], model: nn.Module) -> None:
-    """Restore the steps applied so far, last first; one failing does not stop the others (an
-    :class:`~surgery.errors.UndoError` then propagates, with the step's failure as its context)."""
+def _undo(handles: list[Handle], model: nn.Module, error: BaseException) -> None:
+    """Restore the steps applied so far, last first; one failing does not stop the others, and
+    ``error`` stays the one raised (an undo failure is added to it as a note)."""
     if handles:
-        HandleGroup(handles, model).restore()
+        HandleGroup(handles, model).rollback(error)
 
 
 def find(handle: HandleGroup, kind: str) -> Handle | None:
@@ -78,8 +78,8 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
                                         exclude=q.exclude or None, where=q.where, qparams=qparams, progress=False))
             elif step == "rewrite":
                 handles.append(_rewrite(model, config, False, []))
-    except BaseException:
-        _undo(handles, model)
+    except BaseException as err:
+        _undo(handles, model, err)
         raise
     return HandleGroup(handles, model) if handles else None
 

@@ -1,16 +1,103 @@
-"""Summaries of a ``-m`` sweep: one table and one metric-vs-setting plot over its jobs, written together."""
+"""Sweeps (``-m``): what each job did, recorded by the job itself in whatever process the
+launcher ran it, and the summary (table, metric-vs-setting plot, exit code) built from those
+records, so the basic, joblib and submitit launchers give the same result.
+
+:class:`SweepCallback` (a Hydra callback, in ``conf/config.yaml``) gives each sweep a token
+when it starts; every job writes ``<sweep dir>/.surgery-jobs/<token>/<job>.json`` when it
+starts and again when it ends. A job whose last record is "started" died; a report left in
+its folder by an earlier sweep is never read.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 
 from surgery.checkpoints import Staging, refuse_existing, write_atomically
 
 SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
+TOKEN_ENV = "SURGERY_SWEEP_TOKEN"
+RECORDS = ".surgery-jobs"
+EXIT_CODES = {"ok": 0, "check_failed": 1, "bad_input": 2, "crashed": 1, "started": 1}
+_current: dict[str, Any] = {}  # the sweep this process started: {"dir": Path, "token": str}
+
+
+@dataclass
+class JobRecord:
+    """What one job of a sweep did: ``status`` is ``started`` (still running, or died),
+    ``ok``, ``check_failed``, ``bad_input`` or ``crashed``; ``folder`` is its output folder."""
+
+    num: int
+    overrides: dict[str, str]
+    folder: str
+    status: str
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    @property
+    def has_report(self) -> bool:
+        """Whether this job (in this sweep) published a report: it ran to the end."""
+        return self.status in ("ok", "check_failed") and (Path(self.folder) / "report.json").is_file()
+
+
+class SweepCallback(Callback):
+    """Gives each sweep a token (inherited by job processes through the environment)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        token = uuid.uuid4().hex
+        os.environ[TOKEN_ENV] = token
+        _current.update(dir=Path(str(config.hydra.sweep.dir)).resolve(), token=token)
+
+
+def current_sweep() -> tuple[Path, str] | None:
+    """(sweep folder, token) of the sweep this process started, if any."""
+    return (_current["dir"], _current["token"]) if _current else None
+
+
+def record_job(sweep_dir: Path, record: JobRecord) -> None:
+    """Write (or update) a job's record, atomically, under the sweep's token."""
+    token = os.environ.get(TOKEN_ENV, "untracked")
+    path = Path(sweep_dir).resolve() / RECORDS / token / f"{record.num}.json"
+    text = json.dumps(asdict(record))
+    write_atomically(path, lambda tmp: tmp.write_text(text + "\n"))
+
+
+def read_records(sweep_dir: Path, token: str) -> list[JobRecord]:
+    """The records of one sweep's jobs, by job number."""
+    folder = Path(sweep_dir) / RECORDS / token
+    records = [JobRecord(**json.loads(p.read_text())) for p in folder.glob("*.json")] if folder.is_dir() else []
+    return sorted(records, key=lambda r: r.num)
+
+
+def finish_sweep(launcher_error: str | None = None) -> tuple[int, list[Path], list[JobRecord]]:
+    """Summarise the sweep this process started: (exit code, summary files, job records).
+
+    The exit code is the worst of the jobs' (a job that died counts as 1) and at least 1 if
+    the launcher itself failed. The records are removed once the summary is written.
+    """
+    sweep = current_sweep()
+    if sweep is None:
+        return (1 if launcher_error else 0), [], []
+    sweep_dir, token = sweep
+    records = read_records(sweep_dir, token)
+    code = max([r.exit_code for r in records] + [1 if launcher_error else 0])
+    files = write_sweep_summary(sweep_dir, records, launcher_error=launcher_error)
+    shutil.rmtree(sweep_dir / RECORDS / token, ignore_errors=True)
+    if (sweep_dir / RECORDS).is_dir() and not any((sweep_dir / RECORDS).iterdir()):
+        (sweep_dir / RECORDS).rmdir()
+    return code, files, records
 
 
 def swept_keys(jobs: list[dict[str, str]]) -> list[str]:
@@ -26,9 +113,10 @@ def _metric(report: dict[str, Any], path: str) -> float | None:
     return value
 
 
-def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]], *,
-                        overwrite: bool | None = None) -> list[Path]:
-    """Write ``sweep.json``, ``sweep.md`` and ``sweep.png`` for the jobs that wrote a report.
+def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite: bool | None = None,
+                        launcher_error: str | None = None) -> list[Path]:
+    """Write ``sweep.json``, ``sweep.md`` and ``sweep.png``: one row per job with its status;
+    metrics only from reports the job published in this sweep.
 
     The three files are written atomically and published together (``sweep.json`` last); an
     existing summary raises :class:`~surgery.errors.OutputExistsError` before anything is
@@ -36,17 +124,17 @@ def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]]
     ``output.overwrite=true``.
     """
     sweep_dir = Path(sweep_dir)
-    rows = [(overrides, json.loads((folder / "report.json").read_text()), folder)
-            for overrides, folder in jobs if (folder / "report.json").is_file()]
-    if not rows:
+    if not records:
         return []
     if overwrite is None:
-        overwrite = any(str(o.get("output.overwrite", "")).lower() == "true" for o, _ in jobs)
+        overwrite = any(str(r.overrides.get("output.overwrite", "")).lower() == "true" for r in records)
     refuse_existing([sweep_dir / name for name in SUMMARY], overwrite)
-    keys = swept_keys([overrides for overrides, _, _ in rows]) or list(rows[0][0])[:1]
-    table = [{"job": os.path.relpath(folder.resolve(), sweep_dir.resolve()), **{k: overrides.get(k) for k in keys}, "ok": report["ok"],
-              **{label: _metric(report, path) for path, label in METRICS}} for overrides, report, folder in rows]
-    text, markdown = json.dumps(table, indent=2), _markdown(table)
+    keys = swept_keys([r.overrides for r in records]) or list(records[0].overrides)[:1]
+    table = [_row(record, keys, sweep_dir) for record in records]
+    failed = [] if launcher_error is None else [{"job": None, "status": "launcher failed", "ok": False,
+                                                 "error": launcher_error}]  # jobs without a record never ran
+    text = json.dumps(table + failed, indent=2)
+    markdown = _markdown(table, launcher_error)
     with Staging(sweep_dir) as stage:
         write_atomically(stage / "sweep.json", lambda tmp: tmp.write_text(text + "\n"))
         write_atomically(stage / "sweep.md", lambda tmp: tmp.write_text(markdown))
@@ -55,11 +143,22 @@ def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[dict[str, str], Path]]
     return [sweep_dir / name for name in SUMMARY if sweep_dir / name in published]
 
 
-def _markdown(table: list[dict[str, Any]]) -> str:
+def _row(record: JobRecord, keys: list[str], sweep_dir: Path) -> dict[str, Any]:
+    report = json.loads((Path(record.folder) / "report.json").read_text()) if record.has_report else {}
+    status = "died (no final record)" if record.status == "started" else record.status
+    return {"job": os.path.relpath(Path(record.folder).resolve(), sweep_dir.resolve()),
+            **{k: record.overrides.get(k) for k in keys}, "status": status, "ok": report.get("ok", False),
+            **{label: _metric(report, path) for path, label in METRICS}, "error": record.error}
+
+
+def _markdown(table: list[dict[str, Any]], launcher_error: str | None) -> str:
     columns = list(table[0])
-    lines = ["# sweep summary", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines = ["# sweep summary", ""]
+    if launcher_error:
+        lines += [f"**The launcher failed:** {launcher_error}", ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for row in table:
-        cells = [f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()]
+        cells = [f"{v:.4f}" if isinstance(v, float) else str(v).replace("|", "\\|") for v in row.values()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

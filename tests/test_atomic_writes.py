@@ -24,7 +24,7 @@ from surgery import run as run_module
 from surgery.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
 from surgery.config import load_config
 from surgery.digits import DigitsCNN
-from surgery.errors import OutputExistsError
+from surgery.errors import ConfigError, OutputExistsError
 from surgery.reporting import write_reports
 
 ERRORS = [OSError, KeyboardInterrupt]
@@ -223,7 +223,7 @@ def test_a_run_interrupted_while_saving_the_checkpoint_leaves_nothing_and_reruns
 
 def test_a_run_into_a_new_folder_that_fails_does_not_leave_the_folder(tmp_path):
     with mock.patch.object(run_module, "write_reports", side_effect=OSError("disk full")), \
-            pytest.raises(OSError, match="disk full"):
+            pytest.raises(ConfigError, match="output=.*cannot be written \\(disk full\\); nothing was written"):
         run_module.run(pipeline_config(), tmp_path / "new" / "run", echo=False)
     assert listing(tmp_path) == {"new": b"<dir>"}
 
@@ -232,7 +232,7 @@ def test_a_run_into_a_new_folder_that_fails_does_not_leave_the_folder(tmp_path):
 def test_a_run_refuses_any_existing_output_before_doing_anything(tmp_path, existing):
     checkpoint = "pt" if existing == "model.pt" else "safetensors"
     config = pipeline_config(plots=True, checkpoint=checkpoint)
-    assert existing in run_module.output_names(config)
+    assert existing in run_module.OUTPUTS
     (tmp_path / existing).write_bytes(PREVIOUS)
     with mock.patch.object(run_module, "_build", side_effect=AssertionError("the run started")), \
             pytest.raises(OutputExistsError, match=f"{existing}.*already exists.*overwrite"):
@@ -271,3 +271,83 @@ def test_a_sweep_summary_refuses_an_existing_file_and_writes_nothing(tmp_path, e
     written = sweeps.write_sweep_summary(tmp_path, overwriting)  # asked for on the command line
     assert [p.name for p in written] == SWEEP_OUTPUTS
     assert (tmp_path / existing).read_bytes() != PREVIOUS
+
+
+# --- publishing a set: all-old or all-new -----------------------------------------------------
+
+
+def stage_set(folder: Path, names: list[str]) -> checkpoints.Staging:
+    stage = checkpoints.Staging(folder).__enter__()
+    for name in names:
+        (stage / name).write_bytes(b"new " + name.encode())
+    return stage
+
+
+@pytest.mark.parametrize("error", ERRORS)
+@pytest.mark.parametrize("fail_at", range(5))
+def test_a_publish_failing_at_any_rename_leaves_the_whole_earlier_set(tmp_path, error, fail_at):
+    earlier = {"report.json": PREVIOUS, "model.safetensors": PREVIOUS, "drift.png": PREVIOUS}
+    for name, data in earlier.items():
+        (tmp_path / name).write_bytes(data)
+    stage = stage_set(tmp_path, ["report.json", "model.pt", "report.md"])
+    real_replace, calls = os.replace, []
+
+    def replace(source, destination):
+        calls.append(Path(destination).name)
+        if len(calls) == fail_at + 1:
+            raise error("interrupted at a rename")
+        real_replace(source, destination)
+
+    with mock.patch.object(checkpoints.os, "replace", replace), pytest.raises(error, match="interrupted"):
+        stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+    stage.__exit__(None, None, None)
+    assert listing(tmp_path) == earlier  # not one new file, not one earlier file missing, nothing hidden
+
+
+def test_overwrite_removes_an_earlier_runs_outputs_of_another_format(tmp_path):
+    """An earlier run wrote model.safetensors and plots; this one writes model.pt and no plots."""
+    for name in ("report.json", "report.md", "model.safetensors", "sparsity.png", "drift.png", "notes.txt"):
+        (tmp_path / name).write_bytes(PREVIOUS)
+    stage = stage_set(tmp_path, ["report.json", "report.md", "model.pt"])
+    stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+    stage.__exit__(None, None, None)
+    assert sorted(listing(tmp_path)) == ["model.pt", "notes.txt", "report.json", "report.md"]
+
+
+def test_the_earlier_report_is_moved_aside_first_and_the_new_one_published_last(tmp_path):
+    for name in ("model.safetensors", "report.json"):
+        (tmp_path / name).write_bytes(PREVIOUS)
+    stage = stage_set(tmp_path, ["report.json", "model.safetensors", "report.md"])
+    real_replace, moves = os.replace, []
+    with mock.patch.object(checkpoints.os, "replace",
+                           lambda s, d: (moves.append((Path(s).parent == tmp_path, Path(d).name)), real_replace(s, d))):
+        stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+    stage.__exit__(None, None, None)
+    assert moves[0] == (True, "report.json") and moves[-1] == (False, "report.json")
+
+
+def test_a_dangling_symlink_at_an_output_name_is_an_existing_output(tmp_path):
+    (tmp_path / "report.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(OutputExistsError, match="report.json"):
+        run_module.run(pipeline_config(), tmp_path, echo=False)
+    assert (tmp_path / "report.json").is_symlink() and not (tmp_path / "nowhere.json").exists()
+
+
+def test_staging_folders_of_dead_processes_on_this_host_are_swept_and_live_ones_kept(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    stale = tmp_path / f".staging-{host}-{int(dead.stdout)}-abc123"
+    stale_backup = tmp_path / f".previous-{host}-{int(dead.stdout)}-abc123"
+    live = tmp_path / f".staging-{host}-{os.getpid()}-def456"
+    other_host = tmp_path / f".staging-elsewhere-{int(dead.stdout)}-ghi789"
+    for folder in (stale, stale_backup, live, other_host):
+        folder.mkdir()
+        (folder / "model.safetensors.tmp").write_bytes(b"x" * 1000)
+    with checkpoints.Staging(tmp_path):
+        pass
+    assert not stale.exists() and not stale_backup.exists()
+    assert live.exists() and other_host.exists()  # a running process, or another host's run on a shared disk

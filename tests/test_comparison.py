@@ -41,7 +41,9 @@ def test_identical_models_have_no_drift(convnet, image_input):
     assert drift.sqnr_db is None
     assert drift.top1_agreement == 1.0
     assert drift.identical
-    assert drift.as_dict() == {"max_abs": 0.0, "cosine": drift.cosine, "sqnr_db": None, "top1_agreement": 1.0}
+    assert drift.as_dict() == {"max_abs": 0.0, "cosine": drift.cosine, "sqnr_db": None, "top1_agreement": 1.0,
+                               "nonfinite": {"reference_nan": 0, "reference_inf": 0, "candidate_nan": 0,
+                                             "candidate_inf": 0}}
 
 
 def test_a_model_compared_with_itself_has_no_drift(mlp, mlp_input):
@@ -174,3 +176,101 @@ def test_compare_restores_flags_even_when_the_candidate_fails(mlp, mlp_input):
     with pytest.raises(RuntimeError):
         surgery.compare(mlp, broken, mlp_input)
     assert all(m.training for m in mlp.modules()) and all(m.training for m in broken.modules())
+
+
+# --- non-finite outputs: never "identical", never a passing bound -------------------------------
+
+
+class Poisoned(nn.Module):
+    """The wrapped model's output with some entries replaced by ``value`` (NaN or Inf)."""
+
+    def __init__(self, inner: nn.Module, value: float, count: int) -> None:
+        super().__init__()
+        self.inner, self.value, self.count = inner, value, count
+
+    def forward(self, x):
+        y = self.inner(x).clone()
+        y.view(-1)[: self.count] = self.value
+        return y
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_candidate_outputs_are_counted_and_make_every_metric_fail(mlp, mlp_input, value):
+    drift = surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), value, 3), mlp_input)
+    assert not drift.identical and not drift.finite
+    counts = drift.nonfinite
+    assert (counts.candidate_nan, counts.candidate_inf) == ((3, 0) if math.isnan(value) else (0, 3))
+    assert counts.reference == 0
+    assert math.isnan(drift.max_abs) and math.isnan(drift.cosine) and math.isnan(drift.sqnr_db)
+    assert not drift.cosine > 0.9 and not drift.max_abs < 1e9  # any bound written either way fails
+    assert drift.top1_agreement is None
+
+
+def test_all_nan_outputs_are_not_identical_to_finite_ones(mlp, mlp_input):
+    """The bug: max(0, nan) kept max_abs at 0, so all-NaN outputs were reported identical."""
+    drift = surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 10**6), mlp_input)
+    assert not drift.identical and drift.nonfinite.candidate_nan == mlp(mlp_input).numel()
+
+
+def test_the_same_nan_in_both_models_is_identical_and_reported_as_a_non_finite_reference(mlp, mlp_input):
+    reference = Poisoned(mlp, math.nan, 2)
+    drift = surgery.compare(reference, copy.deepcopy(reference), mlp_input)
+    assert drift.identical and drift.max_abs == 0.0 and drift.sqnr_db is None
+    assert drift.nonfinite.reference_nan == 2 and drift.nonfinite.candidate_nan == 2
+
+
+def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
+    from surgery.checks import check_drift
+    from surgery.config import DriftThresholds
+
+    bounds = DriftThresholds(min_cosine=0.9)
+    bad = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.inf, 4), mlp_input), bounds)
+    assert not bad.passed and bad.value is None
+    assert "modified model's outputs hold 0 NaN and 4 Inf values" in bad.detail
+    unmeasurable = check_drift(surgery.compare(Poisoned(mlp, math.nan, 1), copy.deepcopy(mlp), mlp_input), bounds)
+    assert not unmeasurable.passed and "reference model's own outputs hold 1 NaN and 0 Inf" in unmeasurable.detail
+    no_bounds = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 1), mlp_input),
+                            DriftThresholds())
+    assert not no_bounds.passed  # non-finite fails even when no bound is set
+
+
+def test_huge_finite_outputs_give_numbers_not_a_math_domain_error(mlp, mlp_input):
+    class Huge(nn.Module):
+        def forward(self, x):
+            return torch.full((2, 3), 3e38)
+
+    class Zero(nn.Module):
+        def forward(self, x):
+            return torch.zeros(2, 3)
+
+    drift = surgery.compare(Huge(), Zero(), mlp_input)
+    assert drift.finite and drift.sqnr_db == pytest.approx(0.0) and drift.cosine == 0.0
+
+
+def test_outputs_of_different_counts_are_a_config_error(mlp, mlp_input):
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = copy.deepcopy(mlp)
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y, y * 2
+
+    with pytest.raises(surgery.ConfigError, match=r"compare.candidate='2 output tensor\(s\)'.*reference's 1"):
+        surgery.compare(mlp, Two(), mlp_input)
+
+
+def test_inputs_are_streamed_one_batch_at_a_time(mlp):
+    """A generator of batches is consumed lazily: each batch is made when reached and the NaN
+    check names the batch without materialising the rest."""
+    made = []
+
+    def stream():
+        for index in range(5):
+            made.append(index)
+            yield torch.full((2, 8), math.nan) if index == 2 else torch.randn(2, 8)
+
+    with pytest.raises(surgery.ConfigError, match="batch 2"):
+        surgery.compare(mlp, copy.deepcopy(mlp), stream())
+    assert made == [0, 1, 2]

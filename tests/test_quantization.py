@@ -4,6 +4,7 @@ handles (restore, bake, re-attach from saved qparams, copies), composition with 
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Iterator
 from unittest import mock
 
@@ -400,11 +401,14 @@ def test_calibration_accepts_a_tensor_a_generator_or_tuples(mlp_factory):
     assert torch.equal(scales[0], scales[1]) and torch.equal(scales[0], scales[2])
 
 
+@pytest.mark.parametrize("terminal", [True, False])
 @pytest.mark.parametrize("progress", [True, False])
-def test_calibration_shows_a_progress_bar_unless_disabled(mlp, capsys, progress):
+def test_calibration_shows_a_progress_bar_on_a_terminal_unless_disabled(mlp, capsys, monkeypatch, progress, terminal):
+    """Not on a pipe or a log file: there a bar's carriage returns would glue the next line to it."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
     with surgery.quantize(mlp, weights=None, activations=A8, calibration=mlp_batches(), progress=progress):
         pass
-    assert ("calibrating" in capsys.readouterr().err) is progress
+    assert ("calibrating" in capsys.readouterr().err) is (progress and terminal)
 
 
 # --- bad input -------------------------------------------------------------------------------------
