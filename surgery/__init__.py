@@ -12,7 +12,14 @@ from surgery.errors import (
     UndoError,
 )
 from surgery.handles import Handle, HandleGroup, compose
-from surgery.intercept import Event, InterceptError, InterceptLog, intercept
+from surgery.intercept import (
+    Event,
+    InterceptError,
+    InterceptLog,
+    RuleNeverFiredError,
+    RuleNeverFiredWarning,
+    intercept,
+)
 from surgery.observers import NonFiniteError, QuantSpec
 from surgery.pruning import PruneHandle, prune
 from surgery.quantization import QuantizeHandle, quantize
@@ -34,6 +41,8 @@ __all__ = [
     "PruneHandle",
     "QuantSpec",
     "QuantizeHandle",
+    "RuleNeverFiredError",
+    "RuleNeverFiredWarning",
     "SelectionError",
     "SurgeryError",
     "UndoError",

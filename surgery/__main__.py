@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -18,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from surgery.config import load_config
 from surgery.errors import SurgeryError
+from surgery.preview import preview
 from surgery.run import EXIT_BAD_INPUT, EXIT_OK, run
 from surgery.sweeps import JobRecord, current_sweep, finish_sweep, record_job
 
@@ -108,7 +110,11 @@ def _task(cfg: DictConfig) -> None:
 def _run_job(cfg: DictConfig, out_dir: Path) -> int:
     """One run: its exit code (0 ok, 1 a check failed, 2 bad configuration or input)."""
     try:
-        return run(load_config(cfg), out_dir).exit_code
+        config = load_config(cfg)
+        if config.select_only:
+            print(preview(config))
+            return EXIT_OK
+        return run(config, out_dir).exit_code
     except SurgeryError as err:
         return fail(str(err).splitlines()[0])
 
@@ -133,6 +139,12 @@ def main() -> None:
             raise
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
         sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
+    except yaml.YAMLError as err:  # a user's config file that is not valid YAML
+        if _exit_codes:
+            raise
+        mark = getattr(err, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+        sys.exit(fail(f"{where}: not valid YAML ({getattr(err, 'problem', None) or type(err).__name__})"))
     except OSError as err:
         if _exit_codes:
             raise

@@ -161,6 +161,8 @@ def same_bits(a: Tensor, b: Tensor) -> bool:
     """Equal bit for bit: same dtype and shape, a NaN equals the same NaN, -0.0 differs from 0.0."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.is_meta or b.is_meta:  # no values: the same if both are meta
+        return a.is_meta and b.is_meta
     return torch.equal(_bits(a), _bits(b))
 
 

@@ -150,7 +150,7 @@ class DriftThresholds:
     def __post_init__(self) -> None:
         for name, (low, high) in DRIFT_RANGES.items():
             value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and low <= value <= high):
+            if value is not None and not (low <= value <= high and math.isfinite(float(value))):
                 raise ConfigError(f"checks.drift.{name}", value, f"must be null or {_describe_range(low, high)}")
 
 
@@ -229,6 +229,7 @@ class RunConfig:
     quantize: Optional[QuantizeConfig] = None
     rewrite: Optional[RewriteConfig] = None
     inspect: bool = False
+    select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

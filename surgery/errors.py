@@ -22,10 +22,18 @@ class ConfigError(SurgeryError, ValueError):
         self.value = value
         self.allowed = allowed
         self.hint = hint
-        message = f"{field}: {allowed}" if value is NO_VALUE else f"{field}={value!r}: {allowed}"
+        message = f"{field}: {allowed}" if value is NO_VALUE else f"{field}={_short(value)}: {allowed}"
         if hint:
             message += f" ({hint})"
         super().__init__(message)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut in the middle when longer than ``limit`` (a 400-digit number, say)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
 
 
 class ConfigTypeError(ConfigError, TypeError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -108,6 +109,10 @@ class _Session:
         self.log = InterceptLog()
         self.tensors: dict[int, tuple[Tensor, Tensor]] = {}  # id(original) -> (original, result)
         self.results: dict[int, Tensor] = {}  # id(result) -> result: never transformed again
+        self.fired: set[int] = set()  # ids of the rules whose action ran at least once
+
+    def never_fired(self) -> list[Rule]:
+        return [rule for rule in self.rules if id(rule) not in self.fired]
 
 
 class _Registry:
@@ -156,13 +161,27 @@ class _Registry:
 _registry = _Registry()
 
 
+class RuleNeverFiredWarning(UserWarning):
+    """A build rule of an ``intercept`` block matched nothing built inside it."""
+
+
+class RuleNeverFiredError(InterceptError):
+    """With ``strict=True``: a build rule matched nothing built inside the block."""
+
+    def __init__(self, message: str, rule: Rule) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
 @contextlib.contextmanager
-def intercept(*rules: Rule) -> Iterator[InterceptLog]:
+def intercept(*rules: Rule, strict: bool = False) -> Iterator[InterceptLog]:
     """Apply build-time ``rules`` to every model constructed in the block, in this thread.
 
     Yields the :class:`InterceptLog` of every change. The global hooks are removed when the
     block exits, exceptions included; blocks nest (inner rules apply first, outer rules still
-    hold after the inner block closes).
+    hold after the inner block closes). A rule that never fired (e.g. ``swap(nn.GELU, ...)`` on
+    a model whose GELU is its own class) gives a :class:`RuleNeverFiredWarning` when the block
+    ends, or a :class:`RuleNeverFiredError` with ``strict=True``.
 
     Example:
         >>> from surgery import rules
@@ -184,6 +203,16 @@ def intercept(*rules: Rule) -> Iterator[InterceptLog]:
         session.tensors.clear()
         session.results.clear()
         session.log.close()
+    _report_never_fired(session.never_fired(), strict)
+
+
+def _report_never_fired(rules: list[Rule], strict: bool) -> None:
+    for rule in rules:
+        message = (f"build rule {rule.label} never fired: nothing built in the intercept block matched it "
+                   "(check the class: models often define their own, e.g. transformers' GELUActivation)")
+        if strict:
+            raise RuleNeverFiredError(message, rule)
+        warnings.warn(message, RuleNeverFiredWarning, stacklevel=4)
 
 
 def _active() -> list[_Session]:
@@ -228,6 +257,7 @@ def _apply_module_rules(session: _Session, parent: nn.Module, name: str, child: 
             continue
         _registry.produced().add(child)
         new = _call(rule, parent, name, child, action=True)
+        session.fired.add(id(rule))
         if not isinstance(new, nn.Module):
             raise InterceptError(f"build rule {rule.label} returned {type(new).__name__} for "
                                  f"{type(parent).__name__}.{name}; it must return an nn.Module")
@@ -267,6 +297,7 @@ def _apply_tensor_rules(session: _Session, kind: str, module: nn.Module, name: s
             continue
         before = _describe(result)
         new = _call(rule, module, name, result, action=True)
+        session.fired.add(id(rule))
         if new is None:
             continue
         result = _checked_tensor(rule, kind, module, name, result, new)

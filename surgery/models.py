@@ -13,7 +13,8 @@ from surgery.checkpoints import load_checkpoint
 from surgery.config import ModelConfig
 from surgery.digits import CHECKPOINT, DigitsCNN
 from surgery.errors import ConfigError
-from surgery.intercept import Event, intercept
+from surgery.intercept import Event, RuleNeverFiredError, intercept
+from surgery.selection import describe
 from surgery.rules import Rule
 
 
@@ -62,25 +63,36 @@ class ModelBuilder:
         config = self.config
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            with intercept(*self.rules) if self.rules else contextlib.nullcontext([]) as log:
-                try:
-                    model = self._construct()
-                except (RuntimeError, MemoryError, OverflowError) as err:  # e.g. model.num_classes=10**10
-                    first = " ".join(str(err).split())[:200]
-                    raise ConfigError("model.name", config.name, f"cannot be built with these settings "
-                                      f"(model.num_classes={config.num_classes}): {type(err).__name__}: {first}") from None
-            self.events = list(log)
+            model, self.events = self._build()
         if config.weights:
             path = CHECKPOINT if config.weights == SHIPPED and config.source == "digits_cnn" else config.weights
             load_checkpoint(model, path, field="model.weights")
         return model.eval()
 
-    def _construct(self) -> nn.Module:
-        if self.config.source == "digits_cnn":
-            return DigitsCNN(num_classes=self.config.num_classes)
-        import torchvision
+    def _build(self) -> tuple[nn.Module, list[Event]]:
+        """Construct under the build rules; a rule that matched nothing is a ConfigError naming it."""
+        try:
+            with intercept(*self.rules, strict=True) if self.rules else contextlib.nullcontext([]) as log:
+                model = self._construct()
+        except RuleNeverFiredError as err:
+            index = next(i for i, rule in enumerate(self.rules) if rule is err.rule)
+            raise ConfigError(f"build[{index}].match", describe(err.rule.match), f"matched nothing while building "
+                              f"{self.config.name}: the rule never fired", "print the model to see its classes "
+                              "and attribute names") from None
+        return model, list(log)
 
-        return torchvision.models.get_model(self.config.name, weights=None, num_classes=self.config.num_classes)
+    def _construct(self) -> nn.Module:
+        config = self.config
+        try:
+            if config.source == "digits_cnn":
+                return DigitsCNN(num_classes=config.num_classes)
+            import torchvision
+
+            return torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+        except (RuntimeError, MemoryError, OverflowError) as err:  # e.g. model.num_classes=10**10
+            first = " ".join(str(err).split())[:200]
+            raise ConfigError("model.name", config.name, f"cannot be built with these settings (model.num_classes="
+                              f"{config.num_classes}): {type(err).__name__}: {first}") from None
 
 
 def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> None:

@@ -11,9 +11,8 @@ from surgery.errors import ConfigError, ConfigTypeError
 from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
 from surgery.masks import METHODS, SCOPES, compute_masks, pack, unpack
-from surgery.selection import Selection, select
-
-DEFAULT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+from surgery.selection import Selection
+from surgery.targets import Skipped, Targets, select_parameters
 
 
 class MaskEnforcer:
@@ -45,9 +44,20 @@ class MaskEnforcer:
 class PruneHandle(Handle):
     """Handle returned by :func:`prune`; also reports the masks and the sparsity it made."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, selection: Targets | None = None) -> None:
         super().__init__("prune", model)
         self.enforcers: dict[str, MaskEnforcer] = {}
+        self.selection = selection or Targets({}, [])
+
+    @property
+    def parameters(self) -> list[str]:
+        """Qualified names of the masked parameters: what :meth:`sparsity` is computed over."""
+        return list(self.enforcers)
+
+    @property
+    def skipped(self) -> list[Skipped]:
+        """Selected (or, by default, unselected) layers and parameters left unpruned, with why."""
+        return list(self.selection.skipped)
 
     def check_undo(self) -> None:
         for name, enforcer in self.enforcers.items():
@@ -62,7 +72,8 @@ class PruneHandle(Handle):
         return {name: 1.0 - e.mask().float().mean().item() for name, e in self.enforcers.items()}
 
     def sparsity(self) -> float:
-        """Fraction of pruned entries over all masked parameters together."""
+        """Fraction of pruned entries over the masked parameters together (those listed by
+        :attr:`parameters`; biases, norms and layers outside the selection do not count)."""
         masks = [e.mask() for e in self.enforcers.values()]
         total = sum(m.numel() for m in masks)
         return 1.0 - sum(int(m.sum()) for m in masks) / total if total else 0.0
@@ -91,9 +102,10 @@ def prune(
             smallest Ln norm, ``dim=0`` = output channels/filters).
         scope: ``"layer"`` (each weight pruned by ``amount``) or ``"global"`` (one ranking
             across all selected weights).
-        select: modules to prune (see :func:`surgery.select`); default every
-            ``nn.Conv1d/2d/3d`` and ``nn.Linear``. Selected modules without a floating
-            ``weight`` parameter of two or more dimensions are skipped.
+        select: layers to prune (see :func:`surgery.select`; their ``weight``), or any
+            floating parameter by qualified name (``"**.weight_ih_l0"``); default every
+            ``nn.Conv1d/2d/3d``, ``nn.Linear`` and Hugging Face ``Conv1D``. What is left out
+            and why is in :attr:`PruneHandle.skipped` (and logged).
         exclude: modules never pruned, even if selected.
 
     Returns:
@@ -109,7 +121,8 @@ def prune(
     amount, n = validate_arguments(amount, method, scope, n, seed)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ConfigTypeError("prune.dim", dim, "must be an integer (the dimension whose slices ln_structured prunes)")
-    targets = _targets(model, select, exclude, dim)
+    selection = _targets(model, select, exclude, dim)
+    targets = {name: target.param for name, target in selection.matched.items()}
     guards.check_editable(targets, "prune.select")
     params = list(targets.values())
     current = [guards.current_value(p) for p in params]  # as attached transforms keep them
@@ -119,7 +132,7 @@ def prune(
                 raise ConfigError("prune.select", name, f"has NaN or Inf entries; {method} ranks by magnitude and "
                                   "needs finite weights (exclude the layer, fix the weights or use random_unstructured)")
     masks = compute_masks(current, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
-    handle = PruneHandle(model)
+    handle = PruneHandle(model, selection)
     try:
         by_param = {}
         for (name, param), mask in zip(targets.items(), masks):
@@ -138,7 +151,7 @@ def validate_arguments(amount: object, method: str, scope: str, n: object, seed:
     """Check prune's settings (also used by the CLI config); return ``(amount, norm order)``."""
     if isinstance(amount, bool) or not isinstance(amount, (int, float)):
         raise ConfigTypeError("prune.amount", amount, "must be a number in [0, 1]")
-    if math.isnan(amount) or not 0.0 <= amount <= 1.0:
+    if amount != amount or not 0.0 <= amount <= 1.0:  # NaN, or out of range (huge integers too)
         raise ConfigError("prune.amount", amount, "must be a number in [0, 1]")
     if method not in METHODS:
         raise ConfigError("prune.method", method, f"must be one of {', '.join(METHODS)}")
@@ -154,24 +167,12 @@ def validate_arguments(amount: object, method: str, scope: str, n: object, seed:
     return float(amount), float(norm)
 
 
-def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int) -> dict[str, nn.Parameter]:
-    chosen = select(model, DEFAULT_TYPES if include is None else include, exclude=exclude,
-                    field="prune.select", exclude_field="prune.exclude")
-    targets: dict[str, nn.Parameter] = {}
-    seen: set[int] = set()
-    for name, module in chosen.items():
-        weight = module._parameters.get("weight")
-        if weight is None or weight.dim() < 2 or id(weight) in seen:
-            continue
-        if not weight.is_floating_point():
-            raise ConfigError("prune.select", name, f"weight has dtype {weight.dtype}; only floating weights can be pruned")
+def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int) -> Targets:
+    targets = select_parameters(model, include, exclude, verb="prune")
+    for name, target in targets.matched.items():
+        weight = target.param
         if not -weight.dim() <= dim < weight.dim():
-            raise ConfigError("prune.dim", dim, f"must index a dimension of {name}.weight {tuple(weight.shape)}")
-        seen.add(id(weight))
-        targets[f"{name}.weight" if name else "weight"] = weight
-    if not targets:
-        raise ConfigError("prune.select", include, "selects no module with a floating 'weight' of 2+ dimensions",
-                          "select layers such as 'layer1.*' or 'type:Conv2d', not their containers")
+            raise ConfigError("prune.dim", dim, f"must index a dimension of {name} {tuple(weight.shape)}")
     return targets
 
 

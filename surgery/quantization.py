@@ -20,8 +20,8 @@ from surgery.guards import SubtreeEnforcer
 from surgery.handles import Handle
 from surgery.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
 from surgery.selection import Selection, select
+from surgery.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
 
-DEFAULT_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 WEIGHT_AXIS = ((nn.ConvTranspose1d, 1), (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1),
                (nn.Conv1d, 0), (nn.Conv2d, 0), (nn.Conv3d, 0), (nn.Linear, 0), (nn.Embedding, 0))
 ACTIVATION_AXIS = ((nn.Conv1d, 1), (nn.Conv2d, 1), (nn.Conv3d, 1), (nn.ConvTranspose1d, 1),
@@ -104,8 +104,9 @@ class ActivationQuantizer:
 class QuantizeHandle(Handle):
     """Handle returned by :func:`quantize`; also saves and reports quantization parameters."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, selection: Targets | None = None) -> None:
         super().__init__("quantize", model)
+        self.selection = selection or Targets({}, [])  # the weights matched and skipped
         self.weights: dict[str, WeightQuantizer] = {}
         self.params: dict[str, nn.Parameter] = {}
         self.activations: dict[str, ActivationQuantizer] = {}
@@ -166,7 +167,9 @@ def quantize(
             ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
         activations: settings for activations, or None. Forward hooks fake-quantize each
             selected layer's output (``where="input"``: forward-pre hooks, its first input).
-        select, exclude: layers (see :func:`surgery.select`); default every Conv*d and Linear.
+        select, exclude: layers (see :func:`surgery.select`), or weights by qualified parameter
+            name (``"**.weight_ih_l0"``); default every Conv*d, Linear and Hugging Face Conv1D
+            (weight axis 1). Weights matched and skipped are in ``handle.selection``.
         calibration: batches (tensors or tuples of inputs) run through the model, with a
             progress bar, to estimate activation ranges; required for activations unless
             ``qparams`` (a dict or a file from :meth:`QuantizeHandle.save_qparams`) is given.
@@ -177,16 +180,14 @@ def quantize(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
-    targets = _targets(model, select, exclude, weights, activations, where)
-    if weights is not None:
-        guards.check_editable({f"{n}.weight" if n else "weight": m._parameters["weight"] for n, m in targets.items()
-                               if m._parameters.get("weight") is not None}, "quantize.select")
-    handle = QuantizeHandle(model)
+    weight_targets, layers = _targets(model, select, exclude, weights, activations, where)
+    guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
+    handle = QuantizeHandle(model, weight_targets)
     try:
         if weights is not None:
-            _attach_weights(handle, model, targets, weights)
+            _attach_weights(handle, model, weight_targets, weights)
         if activations is not None:
-            _attach_activations(handle, targets, activations, where)
+            _attach_activations(handle, layers, activations, where)
             _calibrate_or_load(handle, model, calibration, qparams, progress)
     except BaseException as err:
         handle.rollback(err)
@@ -227,33 +228,43 @@ def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
                       f"per-channel works on {allowed}")
 
 
-def _targets(model, include, exclude, weights, activations, where) -> dict[str, nn.Module]:
-    chosen = select(model, DEFAULT_TYPES if include is None else include, exclude=exclude,
-                    field="quantize.select", exclude_field="quantize.exclude")
-    for name, module in chosen.items():
-        weight = module._parameters.get("weight")
-        if weights is not None and weight is not None and not weight.is_floating_point():
-            raise ConfigError("quantize.select", name, f"weight has dtype {weight.dtype}; only floating tensors "
-                              "can be quantized")
-        if weights is not None and weights.per_channel and weight is not None:
-            _axis(module, WEIGHT_AXIS, name, "quantize.weights")
-        if activations is not None and activations.per_channel:
+def _targets(model, include, exclude, weights, activations, where) -> tuple[Targets, dict[str, nn.Module]]:
+    """(weights to quantize, layers whose activations to quantize)."""
+    weight_targets = Targets({}, [])
+    if weights is not None:
+        weight_targets = select_parameters(model, include, exclude, verb="quantize", min_dim=1,
+                                           required=activations is None)
+        if weights.per_channel:
+            for name, target in weight_targets.matched.items():
+                _weight_axis(target, name)
+    layers: dict[str, nn.Module] = {}
+    if activations is not None:
+        layers = select(model, default_layer if include is None else include, exclude=exclude,
+                        field="quantize.select", exclude_field="quantize.exclude")
+    for name, module in layers.items():
+        if activations.per_channel and not is_hf_conv1d(module):
             _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         hooks = module._forward_hooks if where == "output" else module._forward_pre_hooks
-        if activations is not None and any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
+        if any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
             raise AlreadyModifiedError(f"quantize: {name} already has its {where} quantized; "
                                        "bake() or restore() that handle first")
-    return chosen
+    return weight_targets, layers
 
 
-def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: dict[str, nn.Module], spec: QuantSpec) -> None:
+def _weight_axis(target: Target, name: str) -> int:
+    """The output-channel axis of a weight: 0, except transposed layouts (ConvTranspose, Conv1D)."""
+    if target.attribute != "weight":
+        return 0  # e.g. an LSTM's weight_ih_l0 or attention's in_proj_weight: rows are outputs
+    if is_hf_conv1d(target.module):
+        return 1  # (in_features, out_features)
+    return _axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
+
+
+def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
     by_param = {}
-    for name, module in targets.items():
-        param = module._parameters.get("weight")
-        if param is None or id(param) in by_param:
-            continue
-        key = f"{name}.weight" if name else "weight"
-        axis = _axis(module, WEIGHT_AXIS, name, "quantize.weights") if spec.per_channel else None
+    for key, target in targets.matched.items():
+        param = target.param
+        axis = _weight_axis(target, key) if spec.per_channel else None
         value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
         if not torch.isfinite(value).all():
             raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
@@ -286,7 +297,8 @@ def _attach_one(handle: QuantizeHandle, name: str, param: nn.Parameter, quantize
 
 def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str) -> None:
     for name, module in targets.items():
-        axis = _axis(module, ACTIVATION_AXIS, name, "quantize.activations") if spec.per_channel else None
+        axis = None if not spec.per_channel else -1 if is_hf_conv1d(module) else \
+            _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         quantizer = ActivationQuantizer(spec, axis, name, where)
         hook = module.register_forward_hook(quantizer) if where == "output" else \
             module.register_forward_pre_hook(quantizer)

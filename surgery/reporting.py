@@ -132,13 +132,18 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _over(over: dict[str, int] | None) -> str:
+    return f" ({over['parameters']} weights, {over['entries']:,} entries)" if over and over["parameters"] else ""
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The human-readable report: outcome, checks, drift, timings and per-layer table."""
     drift = report["drift"]
     lines = [f"# surgery report: {report['recipe']}", "",
              f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.", "",
              f"Parameters: {report['params']['total']:,} total, {report['params']['nonzero']:,} non-zero; "
-             f"sparsity over selected weights: {report['sparsity']:.4f}.", "",
+             f"sparsity over selected weights: {report['sparsity']:.4f}"
+             f"{_over(report.get('sparsity_over'))}.", "",
              "## Checks", "", "| check | passed | value | threshold | detail |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
               for c in report["checks"]]
@@ -156,9 +161,25 @@ def render_markdown(report: dict[str, Any]) -> str:
               "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} | {_fmt(row.get('cosine'))} | "
               f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |" for row in report["layers"]]
+    for kind, selection in report.get("selection", {}).items():
+        lines += ["", f"## Selection: {kind}", "", f"{len(selection['matched'])} weight(s) matched.", ""]
+        if selection["skipped"]:
+            lines += ["| skipped | type | why |", "| --- | --- | --- |"]
+            lines += [f"| `{s['name']}` | {s['type']} | {s['reason']} |" for s in selection["skipped"]]
     if report.get("modules"):
         lines += ["", "## Module calls (inspect)", "", "```", report.get("modules_table", ""), "```"]
     return "\n".join(lines) + "\n"
+
+
+def selection_lines(report: dict[str, Any]) -> list[str]:
+    """One line per step: how many weights it matched, and what it skipped."""
+    lines = []
+    for kind, selection in report.get("selection", {}).items():
+        skipped = selection["skipped"]
+        names = ", ".join(f"{s['name']} ({s['type']})" for s in skipped[:4]) + (" ..." if len(skipped) > 4 else "")
+        lines.append(f"{kind}: {len(selection['matched'])} weight(s) matched, {len(skipped)} skipped"
+                     f"{': ' + names if skipped else ''}")
+    return lines
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -167,6 +188,7 @@ def summary_table(report: dict[str, Any]) -> str:
     width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 8
     lines = [f"recipe {report['recipe']}  model {report['model']}  sparsity {report['sparsity']:.4f}  "
              f"params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"]
+    lines += [f"  {line}" for line in selection_lines(report)]
     for c in report["checks"]:
         value = "" if c["value"] is None else f"{c['value']:.4g}"
         lines.append(f"  {c['name']:<{width}}  {'PASS' if c['passed'] else 'FAIL'}  {value:>10}  {c['detail']}")

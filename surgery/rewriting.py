@@ -427,7 +427,7 @@ def _floats(field_name: str, value: object) -> tuple[float, ...]:
     try:
         result = tuple(float(v) for v in values if not isinstance(v, bool))  # type: ignore[union-attr]
         ok = len(result) == len(values) and len(result) > 0 and all(math.isfinite(v) for v in result)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok or isinstance(value, (bool, str)):
         raise ConfigError(field_name, value, "must be a finite number or a list of finite numbers")

@@ -103,6 +103,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     report = {
         "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
         "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
+        "sparsity_over": sparsity["over"], "selection": selections(handle),
         "checks": checks_rows(results), "drift": drift.as_dict(),
         "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
         "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
@@ -155,8 +156,14 @@ def _build(config: RunConfig) -> _Models:
 def _sparsity(handle: HandleGroup) -> dict[str, Any]:
     pruning = find(handle, "prune")
     if pruning is None:
-        return {"overall": 0.0, "layers": {}}
-    return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity()}
+        return {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
+    over = {"parameters": len(pruning.parameters), "entries": sum(m.numel() for m in pruning.masks().values())}
+    return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity(), "over": over}
+
+
+def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:
+    """What each step matched and skipped (and why), by step kind."""
+    return {h.kind: h.selection.as_dict() for h in handle.handles if getattr(h, "selection", None) is not None}
 
 
 def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files,

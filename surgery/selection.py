@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-import fnmatch
+import functools
 import re
 try:  # the parser behind `re`, to refuse patterns that backtrack exponentially
     from re import _constants as sre_constants, _parser as sre_parse  # Python 3.11+
@@ -35,7 +35,8 @@ def select(
 ) -> dict[str, nn.Module]:
     """Return the modules of ``model`` chosen by ``include`` minus ``exclude``, in model order.
 
-    A pattern is an exact qualified name or a glob (``layer1.*.conv2``), a regular expression
+    A pattern is an exact qualified name or a glob on dotted names (``*`` is one name segment,
+    ``**`` any number: ``layer1.*.conv2``, ``layer1.**``, ``**.conv1``), a regular expression
     with an explicit ``re:`` prefix (matched against the whole name), a module class or tuple
     of classes (matched with ``isinstance``), a ``type:`` string naming a class (``type:Conv2d``
     for ``torch.nn`` classes, or a dotted import path), or a predicate ``(module, name) -> bool``.
@@ -50,17 +51,17 @@ def select(
         ['0']
     """
     named = dict(model.named_modules(remove_duplicate=True))
-    includes = _as_patterns(include, field)
-    excludes = _as_patterns(exclude, exclude_field)
+    includes = as_patterns(include, field)
+    excludes = as_patterns(exclude, exclude_field)
     chosen = set(named) if not includes else _matching(named, includes, field)
     chosen -= _matching(named, excludes, exclude_field)
     result = {name: module for name, module in named.items() if name in chosen}
     if not result:
-        raise SelectionError(field, _describe(include), "the selection is empty after exclusions")
+        raise SelectionError(field, describe(include), "the selection is empty after exclusions")
     return result
 
 
-def _as_patterns(selection: Selection, field: str) -> list[Pattern]:
+def as_patterns(selection: Selection, field: str) -> list[Pattern]:
     if selection is None:
         return []
     if isinstance(selection, (str, type)) or callable(selection) and not isinstance(selection, type):
@@ -129,24 +130,69 @@ def _import_type(spec: str, field: str) -> type:
 def _matching(named: dict[str, nn.Module], patterns: list[Pattern], field: str) -> set[str]:
     chosen: set[str] = set()
     for pattern in patterns:
-        hits = {name for name, module in named.items() if _matches(pattern, name, module)}
+        hits = {name for name, module in named.items() if matches(pattern, name, module)}
         if not hits:
-            raise SelectionError(field, _describe(pattern), "matches no module", _closest(pattern, named))
+            raise SelectionError(field, describe(pattern), "matches no module", closest(pattern, named))
         chosen |= hits
     return chosen
 
 
-def _matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
+def matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
     if isinstance(pattern, str):
         if pattern.startswith(REGEX_PREFIX):
             return re.fullmatch(pattern[len(REGEX_PREFIX):], name) is not None
-        return name == pattern or fnmatch.fnmatchcase(name, pattern)
+        return name == pattern or glob_regex(pattern).fullmatch(name) is not None
     if isinstance(pattern, (type, tuple)):
         return isinstance(module, pattern)
     return bool(pattern(module, name))
 
 
-def _closest(pattern: Pattern, named: dict[str, nn.Module]) -> str:
+@functools.lru_cache(maxsize=256)
+def glob_regex(pattern: str) -> re.Pattern:
+    """The regular expression of a glob on dotted names, whose segments are separated by ``.``:
+    ``*`` matches within one segment (``layer1.*`` = ``layer1.0``, not ``layer1.0.conv1``),
+    ``**`` as a whole segment matches any number of segments (``layer1.**`` = everything below
+    ``layer1``; ``**.conv1`` = every ``conv1``; ``a.**.b`` includes ``a.b``), ``?`` one
+    character and ``[...]`` one of a set, as in gitignore-style globs."""
+    segments = pattern.split(".")
+    regex = ""
+    for index, segment in enumerate(segments):
+        last = index == len(segments) - 1
+        if segment == "**":
+            if index == 0:
+                regex += r".+" if last else r"(?:[^.]+\.)*"
+            else:
+                regex += r"(?:\.[^.]+)+" if last else r"(?:\.[^.]+)*"
+            continue
+        separator = "" if index == 0 or segments[index - 1] == "**" and index == 1 else r"\."
+        regex += separator + _segment_regex(segment)
+    return re.compile(regex)
+
+
+def _segment_regex(segment: str) -> str:
+    out, i = "", 0
+    while i < len(segment):
+        char = segment[i]
+        if char == "*":
+            out += r"[^.]*"
+        elif char == "?":
+            out += r"[^.]"
+        elif char == "[":
+            start = i + 1 + (segment[i + 1:i + 2] == "!")
+            end = segment.find("]", start + (segment[start:start + 1] == "]"))
+            if end == -1:
+                out += re.escape(char)
+            else:
+                body = segment[i + 1:end]
+                out += "[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]"
+                i = end
+        else:
+            out += re.escape(char)
+        i += 1
+    return out
+
+
+def closest(pattern: Pattern, named: dict[str, nn.Module]) -> str:
     if isinstance(pattern, str):
         text = pattern[len(REGEX_PREFIX):] if pattern.startswith(REGEX_PREFIX) else pattern
         close = difflib.get_close_matches(text, [n for n in named if n], n=3, cutoff=0.4)
@@ -156,7 +202,7 @@ def _closest(pattern: Pattern, named: dict[str, nn.Module]) -> str:
     return f"closest: {', '.join(close)}" if close else "the model has no similar module names"
 
 
-def _describe(pattern: Selection) -> object:
+def describe(pattern: Selection) -> object:
     if isinstance(pattern, type):
         return pattern.__name__
     if isinstance(pattern, tuple) and all(isinstance(t, type) for t in pattern):

@@ -129,13 +129,13 @@ def write_one(target: str, folder: Path) -> None:
         sweeps.write_sweep_summary(folder, sweep_jobs(folder), overwrite=True)
 
 
-def sweep_jobs(folder: Path) -> list[tuple[dict[str, str], Path]]:
+def sweep_jobs(folder: Path) -> list[sweeps.JobRecord]:
     jobs = []
     for index, amount in enumerate(("0.3", "0.6")):
         job = folder / str(index)
         job.mkdir(exist_ok=True)
         (job / "report.json").write_text(json.dumps({**REPORT, "sparsity": float(amount)}))
-        jobs.append(({"prune.amount": amount}, job))
+        jobs.append(sweeps.JobRecord(index, {"prune.amount": amount}, str(job), "ok"))
     return jobs
 
 
@@ -267,7 +267,8 @@ def test_a_sweep_summary_refuses_an_existing_file_and_writes_nothing(tmp_path, e
     with pytest.raises(OutputExistsError, match=f"{existing}.*already exists"):
         sweeps.write_sweep_summary(tmp_path, jobs)
     assert listing(tmp_path) == before
-    overwriting = [({**overrides, "output.overwrite": "true"}, folder) for overrides, folder in jobs]
+    overwriting = [sweeps.JobRecord(job.num, {**job.overrides, "output.overwrite": "true"}, job.folder, job.status)
+                   for job in jobs]
     written = sweeps.write_sweep_summary(tmp_path, overwriting)  # asked for on the command line
     assert [p.name for p in written] == SWEEP_OUTPUTS
     assert (tmp_path / existing).read_bytes() != PREVIOUS

@@ -8,6 +8,7 @@ table and these cases list the same ids, so neither can drift from the other.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -96,6 +97,66 @@ def write_checkpoint(kind: str, folder: Path) -> Path:
     elif kind == "code":
         torch.save({"model": mlp()}, path)
     return path
+
+
+def typed_checkpoint(kind: str, folder: Path) -> Path:
+    """A checkpoint for :func:`mlp` with the right keys and shapes but ``int32``, ``bool``,
+    ``quantized`` or ``sparse`` tensors (before: loaded silently, truncating the weights)."""
+    state = mlp().state_dict()
+    if kind in ("int32", "bool"):
+        state = {k: v.to(getattr(torch, kind)) for k, v in state.items()}
+    elif kind == "quantized":
+        state["0.weight"] = torch.quantize_per_tensor(state["0.weight"], 0.1, 0, torch.qint8)
+    else:
+        state["0.weight"] = state["0.weight"].to_sparse()
+    path = folder / f"ckpt_{kind}.pt"
+    torch.save(state, path)
+    return path
+
+
+def qparams_values(scale: Any, zero_point: Any = 0) -> dict[str, Any]:
+    """Per-tensor activation parameters for layer 0 (affine 8-bit: zero points in [0, 255])."""
+    as_tensor = lambda v, dtype: torch.tensor(v, dtype=dtype) if isinstance(v, (int, float)) else v  # noqa: E731
+    return {"0.scale": as_tensor(scale, torch.float32), "0.zero_point": as_tensor(zero_point, torch.int32)}
+
+
+def _quantize_from(qparams: dict[str, Any]) -> Callable:
+    return lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), select="0", qparams=qparams)
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = mlp()
+
+    def forward(self, x):
+        y = self.inner(x)
+        return y, 2 * y
+
+
+class WithLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+def on_meta() -> nn.Module:
+    with torch.device("meta"):
+        return mlp()
+
+
+def in_inference_mode() -> nn.Module:
+    with torch.inference_mode():
+        return mlp()
+
+
+def build_mlp_under(*rules: surgery.rules.Rule) -> nn.Module:
+    with surgery.intercept(*rules, strict=True):
+        return mlp()
 
 
 def qparams_for(*, channels: int) -> dict[str, torch.Tensor]:
@@ -211,6 +272,42 @@ API_CASES = [
             NonFiniteError, "quantize.calibration", "'batch 0'"),
     ApiCase("nonfinite-inputs", lambda m, *_: surgery.compare(m, mlp(), [batch(4, 8), batch(4, 8, fill=-math.inf)]),
             ConfigError, "compare.inputs", "'batch 1'"),
+    *[ApiCase("checkpoint-dtype", lambda m, tmp, *_, kind=kind: load_checkpoint(m, typed_checkpoint(kind, tmp)),
+              CheckpointError, "checkpoint", f"key '0.weight' {what}")
+      for kind, what in (("int32", "has dtype torch.int32; the model expects torch.float32"),
+                         ("bool", "has dtype torch.bool"), ("quantized", "is a tensor of quantized dtype torch.qint8"),
+                         ("sparse", "is a tensor of layout torch.sparse_coo"))],
+    *[ApiCase("qparams-values", _quantize_from(qparams_values(*values)), CheckpointError, "quantize.qparams", what)
+      for values, what in (((math.nan,), "0.scale holds nan"), ((math.inf,), "0.scale holds inf"),
+                           ((0.0,), "0.scale holds 0.0"), ((-0.5,), "0.scale holds -0.5"),
+                           ((1e-40,), "not denormal"), ((0.1, 256), "0.zero_point holds 256; it must lie in [0, 255]"),
+                           ((0.1, torch.tensor(1.5)), "zero_point has dtype torch.float32"),
+                           ((0.1, "0"), "0.zero_point is str; it must be a tensor"))],
+    ApiCase("huge-number", lambda m, *_: surgery.prune(m, 10**400), ConfigError, "prune.amount", "(401 characters)"),
+    ApiCase("huge-number", lambda m, *_: Normalize(mean=0.0, std=[10**400]), ConfigError, "rewrite.std", "characters"),
+    ApiCase("import-path", lambda m, *_: rewrite_from_config("..a.b"), ConfigError, "rewrite.name", "'..a.b'"),
+    ApiCase("import-path", lambda m, *_: surgery.select(m, "type:..x.Y"), SelectionError, "select", "type:..x.Y"),
+    ApiCase("import-path", lambda m, *_: surgery.rewrite_inputs(m, os.system), ConfigError, "rewrite.fn", "'system'"),
+    ApiCase("api-misuse", lambda m, *_: surgery.prune(m, 0.5, dim="a"), ConfigTypeError, "prune.dim", "'a'"),
+    ApiCase("api-misuse", lambda m, *_: surgery.compose(), ConfigError, "compose.handles", "=0"),
+    ApiCase("api-misuse", lambda m, *_: surgery.compose(None), ConfigTypeError, "compose.handles", "None"),
+    ApiCase("api-misuse", lambda m, *_: surgery.select(m, m[0]), ConfigTypeError, "select", "'Linear'"),
+    ApiCase("api-misuse", lambda m, *_: surgery.compare(mlp(), m, batch(4, 8)), ConfigError, "compare.candidate",
+            "'2 output tensor(s)'", build=TwoOutputs),
+    ApiCase("meta-inference", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "meta device",
+            build=on_meta),
+    ApiCase("meta-inference", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "meta device",
+            build=on_meta),
+    ApiCase("meta-inference", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "inference_mode",
+            build=in_inference_mode),
+    ApiCase("meta-inference", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "inference_mode",
+            build=in_inference_mode),
+    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="re:(.*.*)*z"), SelectionError, "prune.select",
+            "exponential time"),
+    ApiCase("empty-selection", lambda m, *_: surgery.quantize(m, select=nn.LSTM), ConfigError, "quantize.select",
+            "selects no floating weight", build=WithLSTM),
+    ApiCase("never-fired", lambda m, *_: build_mlp_under(surgery.rules.swap(nn.GELU, lambda old: nn.SiLU())),
+            surgery.RuleNeverFiredError, "swap(GELU)", "never fired"),
     ApiCase("output-exists", lambda m, tmp, *_: save_checkpoint(m, tmp / "model.safetensors"), OutputExistsError,
             "output", "model.safetensors"),
     ApiCase("output-exists", lambda m, tmp, handle: handle.save_qparams(tmp / "model.safetensors"),
@@ -288,6 +385,44 @@ def resnet18_checkpoint(kind: str) -> Callable[[Path], tuple[str, ...]]:
     return write
 
 
+def int32_resnet18(folder: Path) -> tuple[str, ...]:
+    path = folder / "weights_int32.pt"
+    torch.save({k: v.to(torch.int32) for k, v in torchvision.models.resnet18().state_dict().items()}, path)
+    return (f"model.weights={path}",)
+
+
+def user_module(name: str, source: str) -> Callable[[Path], tuple[str, ...]]:
+    """Write ``name.py`` into the case's folder, which the command runs with on PYTHONPATH."""
+    def write(folder: Path) -> tuple[str, ...]:
+        (folder / f"{name}.py").write_text(source)
+        return ()
+    return write
+
+
+def broken_recipe(folder: Path) -> tuple[str, ...]:
+    (folder / "user" / "recipe").mkdir(parents=True)
+    (folder / "user" / "recipe" / "broken.yaml").write_text("steps: [prune\nprune: {amount: 0.5\n")
+    return (f"hydra.searchpath=[file://{folder / 'user'}]", "recipe=broken")
+
+
+def run_dir_at(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """``hydra.run.dir`` at an existing file, or at /dev/full."""
+    def point(folder: Path) -> tuple[str, ...]:
+        if kind == "file":
+            (folder / "a_file").write_text("not a folder")
+            return (f"hydra.run.dir={folder / 'a_file'}",)
+        return ("hydra.run.dir=/dev/full",)
+    return point
+
+
+# Fills the disk while the checkpoint is written: sitecustomize runs before surgery is imported.
+DISK_FULL = """import errno, safetensors.torch
+def save_file(tensors, filename, metadata=None):
+    raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+safetensors.torch.save_file = save_file
+"""
+HUGE = "1" + "0" * 400
+
 CLI_CASES = [
     CliCase("amount", (*FAST, "prune.amount=1.5"), "prune.amount"),
     CliCase("amount", (*FAST, "prune.amount=-0.1"), "prune.amount"),
@@ -346,13 +481,41 @@ CLI_CASES = [
     CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("wrong")),
     CliCase("checkpoint", FAST, "model.weights", resnet18_checkpoint("code")),
     CliCase("nonfinite-weights", FAST, "prune.select='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
+    CliCase("checkpoint-dtype", FAST, "model.weights", int32_resnet18),
+    CliCase("huge-number", (*FAST, f"prune.amount={HUGE}"), "prune.amount='a 401-digit integer'"),
+    CliCase("huge-number", (*FAST, f"seed={'9' * 23}"), "seed='a 23-digit integer'"),
+    CliCase("huge-number", (*FAST, f"data.seed=-{'9' * 23}"), "data.seed="),
+    CliCase("huge-number", (*REWRITE, f"rewrite.kwargs.std=[1,1,{HUGE}]"), "rewrite.kwargs.std.2="),
+    CliCase("import-path", (*FAST, "prune.select=[type:..x.Y]"), "prune.select='type:..x.Y'"),
+    CliCase("import-path", (*REWRITE, "rewrite.name=..a.b"), "rewrite.name='..a.b'"),
+    CliCase("import-path", ("recipe=swap_activations", *FAST, "build.0.to=..a.b"), "build[0].to='..a.b'"),
+    CliCase("import-path", (*REWRITE, "rewrite.name=os.system", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
+            "rewrite.name='os.system'"),
+    CliCase("import-path", (*REWRITE, "rewrite.name=fails_on_import.fn", "~rewrite.kwargs.mean",
+                            "~rewrite.kwargs.std"), "rewrite.name='fails_on_import.fn'",
+            user_module("fails_on_import", "raise RuntimeError('broken at import')\n")),
+    CliCase("interpolation", (*FAST, "prune.amount=${nope}"), "prune.amount: cannot be resolved"),
+    CliCase("interpolation", (*FAST, "seed=${oc.env:SURGERY_UNSET_VARIABLE}"), "seed: cannot be resolved"),
+    CliCase("override-syntax", (*FAST, "=0.5"), "'=0.5'"),
+    CliCase("override-syntax", FAST, "broken.yaml, line 2: not valid YAML", broken_recipe),
+    CliCase("too-large", (*FAST, "data.image_size=100000"), "data.image_size=100000"),
+    CliCase("too-large", (*FAST, "model.num_classes=10000000000"), "model.name='resnet18': cannot be built"),
+    CliCase("run-dir", FAST, "hydra.run.dir=", run_dir_at("file")),
+    CliCase("run-dir", FAST, "hydra.run.dir='/dev/full'", run_dir_at("/dev/full")),
+    CliCase("run-dir", FAST, "output=", user_module("sitecustomize", DISK_FULL)),
+    CliCase("regex", (*FAST, "prune.select=['re:(.*.*)*z']"), "prune.select='re:(.*.*)*z'"),
+    CliCase("empty-selection", (*QUANTIZE, "quantize.activations=null", "quantize.select=[type:ReLU]"),
+            "quantize.select="),
+    CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
+    CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
 ]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
     return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
 
 
 def written(folder: Path) -> list[str]:
@@ -366,12 +529,14 @@ def written(folder: Path) -> list[str]:
 def test_cli_exits_2_with_one_line_naming_the_field_and_writes_nothing(case: CliCase, tmp_path: Path):
     extra = case.setup(tmp_path) if case.setup else ()
     out = tmp_path / "out"
-    result = run_cli(*case.args, *extra, f"hydra.run.dir={out}")
+    own_dir = any(a.startswith("hydra.run.dir=") for a in extra)
+    result = run_cli(*case.args, *extra, *(() if own_dir else (f"hydra.run.dir={out}",)), pythonpath=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+    lines = result.stderr.strip().splitlines()  # splitlines also splits at a progress bar's "\r"
     assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr[-2000:]
-    assert case.field in lines[0] and "Traceback" not in result.stderr
-    assert written(out) == []
+    assert case.field in lines[0] and "Traceback" not in result.stderr, lines[0]
+    assert "=None:" not in lines[0]
+    assert written(out) == [] and not list(tmp_path.glob("**/.staging-*"))
 
 
 def test_cli_never_overwrites_an_existing_output_silently(tmp_path: Path):

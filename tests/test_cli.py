@@ -38,7 +38,8 @@ def test_headline_recipe_passes_all_checks_and_writes_every_output(tmp_path):
     assert all(c["passed"] for c in data["checks"])
     assert abs(data["sparsity"] - 0.5) < 1e-3  # round(0.5 * numel) per layer: exact up to odd sizes
     assert data["params"]["nonzero"] < 0.55 * data["params"]["total"]
-    assert set(data["drift"]) == {"max_abs", "cosine", "sqnr_db", "top1_agreement"}
+    assert set(data["drift"]) == {"max_abs", "cosine", "sqnr_db", "top1_agreement", "nonfinite"}
+    assert data["drift"]["nonfinite"] == {"reference_nan": 0, "reference_inf": 0, "candidate_nan": 0, "candidate_inf": 0}
     assert set(data["timings_s"]) == {"build", "surgery", "checks"}
     pruned = [row for row in data["layers"] if row["sparsity"] is not None]
     assert len(pruned) == 54 and {row["type"] for row in pruned} == {"Conv2d", "Linear"}

@@ -234,7 +234,12 @@ def quantize_settings(draw, model: nn.Module, weights_allowed: bool, taken: set[
         if not free and weights is None:
             return None
         activations, layers = (activations, free) if free else (None, layers)
-    default_free = activations is None or not any((name, where) in taken for name in prunable(model))
+    if activations is None:  # weights only: a selection without any weight is refused (ConfigError)
+        layers = [name for name in layers if model.get_submodule(name)._parameters.get("weight") is not None]
+        if not layers:
+            return None
+    default_free = bool(prunable(model)) and (activations is None or
+                                              not any((name, where) in taken for name in prunable(model)))
     select = draw((st.none() if default_free else st.nothing())
                   | st.lists(st.sampled_from(layers), min_size=1, max_size=4, unique=True))
     return {"weights": weights, "activations": activations, "select": select, "where": where}

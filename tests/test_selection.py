@@ -46,9 +46,37 @@ def test_exact_name_of_container_does_not_select_its_children(net):
     assert list(surgery.select(net, "layer2")) == ["layer2"]
 
 
-def test_glob_matches_across_dots_and_keeps_model_order(net):
+def test_glob_star_is_one_name_segment_and_keeps_model_order(net):
     assert list(surgery.select(net, "layer1.*.conv2")) == ["layer1.0.conv2", "layer1.1.conv2"]
-    assert list(surgery.select(net, "*.conv1")) == ["layer1.0.conv1", "layer1.1.conv1", "layer2.0.conv1"]
+    assert list(surgery.select(net, "layer1.*")) == ["layer1.0", "layer1.1"]  # not layer1.0.conv1
+    with pytest.raises(surgery.SelectionError, match="'\\*.conv1': matches no module"):
+        surgery.select(net, "*.conv1")  # conv1 sits two levels down
+
+
+def test_glob_double_star_is_any_number_of_segments(net):
+    assert list(surgery.select(net, "**.conv1")) == ["layer1.0.conv1", "layer1.1.conv1", "layer2.0.conv1"]
+    below = list(surgery.select(net, "layer1.**"))
+    assert below[:2] == ["layer1.0", "layer1.0.conv1"] and all(n.startswith("layer1.") for n in below)
+    assert "layer1" not in below  # below it, not the container itself
+    assert list(surgery.select(net, "layer1.**.conv2")) == ["layer1.0.conv2", "layer1.1.conv2"]
+
+
+@pytest.mark.parametrize(("pattern", "name", "matches"), [
+    ("model.layers.*", "model.layers.0", True),
+    ("model.layers.*", "model.layers.0.self_attn.q_proj", False),  # the surprise the old globs gave
+    ("model.layers.**", "model.layers.0.self_attn.q_proj", True),
+    ("model.layers.*.self_attn.?_proj", "model.layers.11.self_attn.q_proj", True),
+    ("a.**.b", "a.b", True),
+    ("a.**.b", "a.x.y.b", True),
+    ("**", "anything.at.all", True),
+    ("layer[!2].0", "layer1.0", True),
+    ("layer[!2].0", "layer2.0", False),
+    ("fc[", "fc[", True),
+])
+def test_glob_semantics_on_dotted_names(pattern, name, matches):
+    from surgery.selection import glob_regex
+
+    assert (glob_regex(pattern).fullmatch(name) is not None) is matches
 
 
 def test_glob_character_class(net):
@@ -134,7 +162,7 @@ def test_tuple_of_strings_is_a_list_of_patterns(net):
 
 
 def test_exclude_beats_include(net):
-    chosen = surgery.select(net, nn.Conv2d, exclude=["layer1.*", "stem"])
+    chosen = surgery.select(net, nn.Conv2d, exclude=["layer1.**", "stem"])
     assert list(chosen) == ["layer2.0.conv1", "layer2.0.conv2"]
 
 

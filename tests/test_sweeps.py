@@ -1,0 +1,98 @@
+"""Sweeps (``-m``) give the same exit code and summary with every Hydra launcher: the jobs
+record what they did, in whatever process they ran, and the summary is built from that."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1", "checks.per_layer=false"]
+LAUNCHERS = ["basic", "joblib", "submitit_local"]
+
+
+def surgery(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def summary(folder: Path) -> list[dict]:
+    return json.loads((folder / "sweep.json").read_text())
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items()} for row in rows]
+
+
+@pytest.mark.slow
+def test_every_launcher_gives_the_same_exit_code_and_summary(tmp_path):
+    """One job fails its drift bound. Before: with joblib (jobs in other processes) the sweep
+    exited 0 and wrote no sweep.json."""
+    results = {}
+    for launcher in LAUNCHERS:
+        folder = tmp_path / launcher
+        run = surgery("-m", *FAST, "prune.amount=0.2,0.99", "checks.drift.min_cosine=0.5",
+                      f"hydra/launcher={launcher}", f"hydra.sweep.dir={folder}")
+        assert run.returncode == 1, (launcher, run.stderr[-3000:])
+        assert "1 of 2 jobs failed" in run.stdout, launcher
+        results[launcher] = summary(folder)
+        assert not (folder / ".surgery-jobs").exists(), "job records are removed once summarised"
+    rows = results["basic"]
+    assert [(r["job"], r["prune.amount"], r["status"], r["ok"]) for r in rows] == \
+        [("0", "0.2", "ok", True), ("1", "0.99", "check_failed", False)]
+    assert results["joblib"] == rows and results["submitit_local"] == rows
+
+
+@pytest.mark.slow
+def test_a_rerun_sweep_never_reports_a_failed_job_with_the_earlier_report(tmp_path):
+    first = surgery("-m", *FAST, "prune.amount=0.2,0.6", "hydra/launcher=joblib", f"hydra.sweep.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [r["status"] for r in summary(tmp_path)] == ["ok", "ok"]
+    again = surgery("-m", *FAST, "prune.amount=0.2,1.5", "output.overwrite=true", "hydra/launcher=joblib",
+                    f"hydra.sweep.dir={tmp_path}")
+    assert again.returncode == 2, again.stderr[-3000:]
+    rows = summary(tmp_path)
+    assert rows[1]["prune.amount"] == "1.5" and rows[1]["status"] == "bad_input" and rows[1]["ok"] is False
+    assert rows[1]["sparsity"] is None and rows[1]["cosine"] is None  # not the first sweep's 0.6
+    assert json.loads((tmp_path / "1" / "report.json").read_text())["ok"] is True  # the old folder, untouched
+
+
+@pytest.mark.slow
+def test_a_job_process_that_dies_fails_the_sweep_and_is_listed(tmp_path):
+    """A rewrite that kills its process (as an out-of-memory kill would): joblib reports a dead
+    worker; the sweep exits 1, and the summary lists the job that died and the launcher's error."""
+    (tmp_path / "killer.py").write_text("import os\n\ndef die(args, kwargs):\n    os._exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    folder = tmp_path / "sweep"
+    run = surgery("-m", "recipe=rewrite_inputs", *FAST, "~rewrite.kwargs.mean", "~rewrite.kwargs.std",
+                  "rewrite.name=identity,killer.die", "hydra/launcher=joblib",
+                  "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={folder}", env=env)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "the sweep's launcher failed" in run.stderr
+    rows = summary(folder)
+    assert rows[-1]["status"] == "launcher failed" and "TerminatedWorkerError" in rows[-1]["error"]
+    assert {r["rewrite.name"]: r["status"] for r in rows[:-1]}["killer.die"] == "died (no final record)"
+
+
+def test_sigterm_removes_the_staging_folder_and_writes_nothing(tmp_path):
+    """What `timeout` and Slurm send. Before: `.staging-*` folders with full-size temporary
+    checkpoints were left behind."""
+    process = subprocess.Popen([sys.executable, "-m", "surgery", *FAST, "data.batches=40",
+                                f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".staging-*")) and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".staging-*")), "the run never started staging"
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "surgery: terminated (SIGTERM); the run's outputs were left as they were"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".log") == [".hydra"]
