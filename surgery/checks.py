@@ -112,21 +112,33 @@ def _worst(x: Tensor, y: Tensor) -> float:
     return (x[differ] - y[differ]).abs().nan_to_num(nan=math.inf).max().item()
 
 
+def compare_outputs(a: nn.Module, b: nn.Module, inputs) -> tuple[bool, float]:
+    """(bit-identical?, largest absolute difference) of two models' outputs, batch by batch:
+    both run on each batch in turn (eval mode, no grad) and nothing outlives its batch, so
+    memory does not grow with the number of batches."""
+    identical, worst = True, 0.0
+    with evaluating(a), evaluating(b), torch.no_grad():
+        for batch in batches(inputs):
+            same, difference = max_difference(outputs(a, batch), outputs(b, batch))
+            identical, worst = identical and same, max(worst, difference)
+    return identical, worst
+
+
 Apply = Callable[[nn.Module, bool], object]  # (model, neutral) -> handle
 
 
-def check_identity(reference: nn.Module, apply: Apply, inputs: list, expected: list[Tensor]) -> CheckResult:
+def check_identity(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Neutral settings on a copy of the reference give bit-identical outputs."""
     subject = copy.deepcopy(reference)
     handle = apply(subject, True)
-    identical, worst = max_difference(collect(subject, inputs), expected)
+    identical, worst = compare_outputs(subject, reference, inputs)
     handle.restore()
     return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral surgery changed outputs")
 
 
-def check_build_identity(neutral_build: Callable[[], nn.Module], inputs: list, plain: list[Tensor]) -> CheckResult:
+def check_build_identity(neutral_build: Callable[[], nn.Module], inputs, plain: nn.Module) -> CheckResult:
     """Build rules with neutral actions give outputs bit-identical to a plain build."""
-    identical, worst = max_difference(collect(neutral_build(), inputs), plain)
+    identical, worst = compare_outputs(neutral_build(), plain, inputs)
     return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral build rules changed outputs")
 
 
@@ -145,13 +157,13 @@ def merge(results: list[CheckResult], name: str) -> CheckResult:
                        "; ".join(r.detail for r in results if r.detail))
 
 
-def check_restore(reference: nn.Module, apply: Apply, inputs: list, expected: list[Tensor]) -> CheckResult:
+def check_restore(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Apply then restore on a copy: tensors, keys, classes, hooks and outputs as before."""
     subject = copy.deepcopy(reference)
     before = snapshot(subject)
     apply(subject, False).restore()
     diffs = snapshot_differences(before, snapshot(subject))
-    identical, worst = max_difference(collect(subject, inputs), expected)
+    identical, worst = compare_outputs(subject, reference, inputs)
     if not identical:
         diffs.append("outputs changed")
     return CheckResult("restore", not diffs, worst, 0.0, "; ".join(diffs[:5]))
@@ -165,40 +177,46 @@ def _release(handle: object) -> None:
         handle.restore()
 
 
-def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], inputs: list,
-               reattach: Reattach) -> tuple[CheckResult, list[Tensor]]:
+def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], inputs, reattach: Reattach) -> CheckResult:
     """Baking keeps the hooked outputs bit for bit, leaves no hook, and loads strictly.
 
-    What cannot be folded into weights (activation quantization) is re-attached from its
-    saved parameters, without calibration, on the baked model and on the fresh instance.
+    A copy of the hooked model stands for it once it is baked, so both run side by side, one
+    batch at a time. What cannot be folded into weights (activation quantization) is
+    re-attached from its saved parameters, without calibration, on the baked model and on the
+    fresh instance.
     """
-    hooked = collect(model, inputs)
+    hooked = copy.deepcopy(model)
     handle.bake()
     leftover = sum(module_hook_counts(model).values())
     extra = reattach(model)
-    baked = collect(model, inputs)
-    _release(extra)
-    identical, worst = max_difference(hooked, baked)
-    problems = [] if identical else ["baked outputs differ from hooked outputs"]
-    if leftover:
-        problems.append(f"{leftover} hook(s) left on the baked model")
-    fresh = factory()
-    fresh.load_state_dict(model.state_dict(), strict=True)
-    extra = reattach(fresh)
-    if not max_difference(collect(fresh, inputs), baked)[0]:
-        problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
-    _release(extra)
-    return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems)), baked
+    try:
+        identical, worst = compare_outputs(hooked, model, inputs)
+        del hooked
+        problems = [] if identical else ["baked outputs differ from hooked outputs"]
+        if leftover:
+            problems.append(f"{leftover} hook(s) left on the baked model")
+        fresh = factory()
+        fresh.load_state_dict(model.state_dict(), strict=True)
+        fresh_extra = reattach(fresh)
+        if not compare_outputs(fresh, model, inputs)[0]:
+            problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
+        _release(fresh_extra)
+    finally:
+        _release(extra)
+    return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems))
 
 
-def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs: list, expected: list[Tensor],
-                    reattach: Reattach) -> CheckResult:
+def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs, baked: nn.Module, reattach: Reattach,
+                    reattach_saved: Reattach) -> CheckResult:
     """The written checkpoint (and saved quantization parameters), loaded into a fresh
-    instance, reproduce the outputs."""
+    instance, reproduce the baked model's outputs."""
     fresh = load_checkpoint(factory(), path)
-    extra = reattach(fresh)
-    identical, worst = max_difference(collect(fresh, inputs), expected)
-    _release(extra)
+    extra, fresh_extra = reattach(baked), reattach_saved(fresh)
+    try:
+        identical, worst = compare_outputs(fresh, baked, inputs)
+    finally:
+        _release(fresh_extra)
+        _release(extra)
     return CheckResult("save_load", identical, worst, 0.0, "" if identical else f"{path.name} gives other outputs")
 
 

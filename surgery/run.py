@@ -169,7 +169,6 @@ def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:
 def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files,
                 accuracy: dict[str, float] | None):
     enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
-    expected = checks.collect(models.built, inputs)
     drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
 
     def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
@@ -181,20 +180,20 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
     with tqdm(total=5, desc="checks", unit="check", leave=False, disable=None) as progress:
         if "identity" in enabled:
-            parts = [checks.check_identity(models.built, apply, inputs, expected)] if steps else []
+            parts = [checks.check_identity(models.built, apply, inputs)] if steps else []
             if rules:
-                plain = expected if models.reference is models.built else checks.collect(models.reference, inputs)
-                parts.append(checks.check_build_identity(models.builder.with_rules(neutral(rules)), inputs, plain))
+                neutral_build = models.builder.with_rules(neutral(rules))
+                parts.append(checks.check_build_identity(neutral_build, inputs, models.reference))
             results.append(checks.merge(parts, "identity"))
         progress.update()
         if "restore" in enabled:
-            parts = [checks.check_restore(models.built, apply, inputs, expected)] if steps else []
+            parts = [checks.check_restore(models.built, apply, inputs)] if steps else []
             if rules:
                 parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
             results.append(checks.merge(parts, "restore"))
         progress.update()
-        bake, baked = checks.check_bake(models.model, handle, models.builder, inputs,
-                                        lambda model: reattach(model, config, qparams))
+        bake = checks.check_bake(models.model, handle, models.builder, inputs,
+                                 lambda model: reattach(model, config, qparams))
         if "bake" in enabled:
             results.append(bake)
         progress.update()
@@ -202,7 +201,8 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
         if qparams:
             save_tensors(qparams, files.qparams)
         if "save_load" in enabled:
-            results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, baked,
+            results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, models.model,
+                                                  lambda model: reattach(model, config, qparams),
                                                   lambda model: reattach(model, config, files.qparams)))
         progress.update()
         if "drift" in enabled:

@@ -124,9 +124,10 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
         raise ConfigError(field_, describe(include), f"selects no floating weight of {min_dim}+ dimensions",
                           "select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as "
                           "'**.weight_ih_l0'")
-    log.info("%s: %d parameter(s) matched, %d skipped", verb, len(matched), len(skipped))
+    log.info("%s: %d parameter(s) matched, %d skipped%s", verb, len(matched), len(skipped),
+             f" ({', '.join(s.name for s in skipped[:3])}{' ...' if len(skipped) > 3 else ''})" if skipped else "")
     for item in skipped:
-        log.info("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
+        log.debug("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
     return Targets(matched, skipped)
 
 

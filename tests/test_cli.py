@@ -209,3 +209,57 @@ def test_sweep_summary_with_a_relative_sweep_folder(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "relative" / "sweep" / "sweep.json").read_text())
     assert [row["job"] for row in summary] == ["0", "1"]
+
+
+# --- never silently wrong ---------------------------------------------------------------------
+
+
+def test_all_nan_outputs_fail_the_drift_check_with_the_count(tmp_path):
+    """The issue's command: a std of 1e-45 makes every output NaN. Before: exit 0, "result: OK"."""
+    result = surgery("recipe=rewrite_inputs", *FAST, "rewrite.kwargs.std=[1e-45,1e-45,1e-45]",
+                     "checks.enabled=[drift]", "checks.drift.min_cosine=0.9", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 1, result.stderr[-2000:]
+    data = report(tmp_path)
+    [drift] = data["checks"]
+    assert drift["passed"] is False and drift["value"] is None
+    assert "the modified model's outputs hold 2000 NaN and 0 Inf values" in drift["detail"]
+    assert data["drift"]["cosine"] is None and data["drift"]["nonfinite"]["candidate_nan"] == 2000
+    assert "result: CHECK FAILED" in result.stdout
+
+
+def test_a_nan_in_the_reference_passes_exactness_and_is_reported_as_such(tmp_path):
+    """One NaN in bn1.running_var: the surgery is exact (identity/restore/bake/save_load compare
+    bits, NaN equals the same NaN), but the reference's outputs are non-finite, which drift says."""
+    state = torchvision.models.resnet18().state_dict()
+    state["bn1.running_var"][0] = float("nan")
+    weights = tmp_path / "nan_var.pt"
+    torch.save(state, weights)
+    result = surgery(*FAST, f"model.weights={weights}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 1, result.stderr[-2000:]
+    checks = {c["name"]: c for c in report(tmp_path / "run")["checks"]}
+    assert all(checks[name]["passed"] for name in ("identity", "restore", "bake", "save_load")), checks
+    assert not checks["drift"]["passed"] and "reference model's own outputs hold" in checks["drift"]["detail"]
+
+
+def test_select_only_prints_matched_and_skipped_and_writes_nothing(tmp_path):
+    result = surgery(*FAST, "+select_only=true", "prune.select=[layer4.**]", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert any("what each step selects in resnet18 (nothing was changed or written)" in line for line in lines)
+    matched = [line.split()[2] for line in lines if line.split()[:2] == ["prune", "matched"]]
+    assert matched == ["layer4.0.conv1.weight", "layer4.0.conv2.weight", "layer4.0.downsample.0.weight",
+                       "layer4.1.conv1.weight", "layer4.1.conv2.weight"]
+    skipped = [line for line in lines if line.split()[:2] == ["prune", "skipped"]]
+    assert len(skipped) == 5 and all("BatchNorm2d" in line and "2+" in line for line in skipped)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".log") == [".hydra"]
+
+
+def test_a_run_reports_what_each_step_matched_and_skipped(tmp_path):
+    result = surgery("recipe=prune_quantize_resnet50", *FAST, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = report(tmp_path)
+    assert len(data["selection"]["prune"]["matched"]) == 21 and data["selection"]["prune"]["skipped"] == []
+    assert data["sparsity_over"]["parameters"] == 21
+    assert data["sparsity_over"]["entries"] == sum(
+        p.numel() for n, p in torchvision.models.resnet18().named_parameters() if p.dim() > 1)
+    assert "prune: 21 weight(s) matched, 0 skipped" in result.stdout

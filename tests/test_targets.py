@@ -1,0 +1,140 @@
+"""What prune and quantize work on: any floating parameter by name, GPT-2's Conv1D as a
+linear layer, and every weight left out reported with the reason (never silently)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery import QuantSpec
+
+
+class Mixed(nn.Module):
+    """An LSTM, attention (in_proj_weight read by F.multi_head_attention_forward), an embedding
+    tied to the head, and a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = self.lstm(x)[0]
+        x = self.attn(x, x, x, need_weights=False)[0]
+        return self.head(self.proj(x))
+
+
+@pytest.fixture
+def mixed() -> Mixed:
+    return Mixed().eval()
+
+
+IDS = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_default_selection_reports_each_layer_it_leaves_out_and_why(mixed, caplog):
+    with caplog.at_level(logging.DEBUG, logger="surgery"):
+        handle = surgery.prune(mixed, 0.5)
+    assert handle.parameters == ["attn.out_proj.weight", "proj.weight", "head.weight"]
+    skipped = {s.name: s.reason for s in handle.skipped}
+    assert "select 'lstm.weight_ih_l0'" in skipped["lstm"]
+    assert "in_proj_weight" in skipped["attn"]
+    assert skipped["embed.weight"].startswith("not selected itself, but it is the same tensor as head.weight")
+    assert "prune: 3 parameter(s) matched" in caplog.text and "skipped lstm (LSTM)" in caplog.text
+    handle.restore()
+
+
+def test_any_floating_parameter_can_be_pruned_by_qualified_name(mixed):
+    before = {k: v.clone() for k, v in mixed.state_dict().items()}
+    reference = mixed(IDS)
+    with surgery.prune(mixed, 0.5, select=["**.weight_ih_l0", "attn.in_proj_weight"]) as handle:
+        assert handle.parameters == ["lstm.weight_ih_l0", "attn.in_proj_weight"]
+        assert handle.sparsity() == pytest.approx(0.5)
+        assert (mixed.lstm.weight_ih_l0 == 0).float().mean() == pytest.approx(0.5)
+        assert (mixed.attn.in_proj_weight == 0).float().mean() == pytest.approx(0.5)
+        assert not torch.equal(mixed(IDS), reference)  # attention reads in_proj_weight itself: zeros in place
+    assert all(torch.equal(before[k], v) for k, v in mixed.state_dict().items())
+
+
+def test_quantize_can_target_a_parameter_by_name_per_output_row(mixed):
+    with surgery.quantize(mixed, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
+                          select="lstm.weight_hh_l0") as handle:
+        assert list(handle.weights) == ["lstm.weight_hh_l0"]
+        assert handle.weights["lstm.weight_hh_l0"].axis == 0
+        rows = mixed.lstm.weight_hh_l0
+        assert all(len(torch.unique(row)) <= 16 for row in rows)  # 4 bits per row
+
+
+def test_quantize_raises_on_a_selection_without_weights_like_prune(mixed):
+    for verb in (lambda: surgery.quantize(mixed, select=nn.LSTM), lambda: surgery.prune(mixed, 0.5, select=nn.LSTM)):
+        with pytest.raises(surgery.ConfigError, match="selects no floating weight.*'\\*\\*.weight_ih_l0'"):
+            verb()
+
+
+def test_activation_quantization_without_weights_in_the_selection_still_works(mixed):
+    """Weights skipped (ReLU-like layers have none) are reported; activations are still quantized."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with surgery.quantize(model, activations=QuantSpec(), select="1", calibration=[torch.randn(3, 4)],
+                          progress=False) as handle:
+        assert list(handle.activations) == ["1"] and handle.weights == {}
+
+
+def test_a_pattern_matching_neither_module_nor_parameter_names_both(mixed):
+    with pytest.raises(surgery.SelectionError, match="'\\*\\*.weight_ih_l9': matches no module or parameter"):
+        surgery.prune(mixed, 0.5, select="**.weight_ih_l9")
+
+
+def test_excluding_a_layer_excludes_its_parameters_named_directly(mixed):
+    with pytest.raises(surgery.ConfigError, match="selects no floating weight"):
+        surgery.prune(mixed, 0.5, select="lstm.weight_ih_l0", exclude="lstm")
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2():
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_conv1d_is_pruned_and_quantized_as_a_linear_layer():
+    """Before: GPT-2's Conv1D (a transposed Linear) was silently left out of the default selection."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    reference = model(input_ids=ids).logits
+    with surgery.prune(model, 0.5) as pruned:
+        assert "transformer.h.0.attn.c_attn.weight" in pruned.parameters
+        assert sum("mlp.c_fc" in name for name in pruned.parameters) == 2
+        assert pruned.sparsity() == pytest.approx(0.5, abs=1e-4)
+        assert any(s.name == "transformer.wte.weight" and "same tensor as lm_head.weight" in s.reason
+                   for s in pruned.skipped)
+    assert torch.equal(model(input_ids=ids).logits, reference)
+    with surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True)) as quantized:
+        c_fc = model.transformer.h[0].mlp.c_fc
+        assert quantized.weights["transformer.h.0.mlp.c_fc.weight"].axis == 1  # (in, out): out is axis 1
+        columns = c_fc.weight.t()
+        assert all(len(torch.unique(column)) <= 16 for column in columns)
+    assert torch.equal(model(input_ids=ids).logits, reference)
+
+
+def test_an_intercept_rule_that_never_fires_on_a_hugging_face_model_warns():
+    """GPT-2's GELU is transformers' own class: swapping nn.GELU fires nowhere."""
+    with pytest.warns(surgery.RuleNeverFiredWarning, match=r"swap\(GELU\) never fired"):
+        with surgery.intercept(surgery.rules.swap(nn.GELU, lambda old: nn.ReLU())) as log:
+            tiny_gpt2()
+    assert len(log) == 0
+    with pytest.raises(surgery.RuleNeverFiredError, match=r"swap\(GELU\) never fired"):
+        with surgery.intercept(surgery.rules.swap(nn.GELU, lambda old: nn.ReLU()), strict=True):
+            tiny_gpt2()
