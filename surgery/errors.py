@@ -29,9 +29,10 @@ class ConfigError(SurgeryError, ValueError):
 
 
 def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut in the middle when longer than ``limit`` (a 400-digit number, say)."""
+    """``repr(value)``, cut in the middle when longer than ``limit`` (a 400-digit number, say);
+    strings (paths, patterns) are shown whole."""
     text = repr(value)
-    if len(text) <= limit:
+    if len(text) <= limit or isinstance(value, str):
         return text
     return f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
 

@@ -121,8 +121,11 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
     if include is None:
         skipped += _outside_default(modules, chosen_modules, seen, verb)
     if not matched and required:
+        containers = [n for n in modules if n in chosen_modules and not any(True for _ in modules[n].parameters(False))]
+        why = (f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
+               f"'{containers[0]}.**' reaches the layers inside; " if containers and containers[0] else "")
         raise ConfigError(field_, describe(include), f"selects no floating weight of {min_dim}+ dimensions",
-                          "select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as "
+                          f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as "
                           "'**.weight_ih_l0'")
     log.info("%s: %d parameter(s) matched, %d skipped%s", verb, len(matched), len(skipped),
              f" ({', '.join(s.name for s in skipped[:3])}{' ...' if len(skipped) > 3 else ''})" if skipped else "")

@@ -187,10 +187,11 @@ def test_a_model_built_in_another_thread_is_untouched():
 
     worker = threading.Thread(target=other_thread)
     worker.start()
-    with surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU()), rules.wrap(nn.Linear, Passthrough)):
+    with pytest.warns(surgery.RuleNeverFiredWarning, match=r"wrap\(Linear\) never fired"), \
+            surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU()), rules.wrap(nn.Linear, Passthrough)):
         started.set()
         assert release.wait(10)
-        mine = nn.Sequential(nn.ReLU())
+        mine = nn.Sequential(nn.ReLU())  # the other thread's Linear does not count as a firing
     worker.join()
     assert isinstance(built["model"][0], nn.ReLU) and isinstance(built["model"][1], nn.Linear)
     assert isinstance(mine[0], nn.SiLU)
@@ -253,3 +254,26 @@ def test_a_failed_build_keeps_no_half_built_module_alive():
     gc.collect()
     assert seen and seen[0]() is None  # neither the log nor the hooks hold the partial model
     assert registration_hooks() == 0
+
+
+def test_a_rule_that_never_fires_warns_and_strict_raises():
+    """Before: a rule that matched nothing (swap(nn.GELU) on a model with its own GELU class) was silent."""
+    never, fires = rules.swap(nn.GELU, lambda old: nn.ReLU()), rules.swap(nn.ReLU, lambda old: nn.SiLU())
+    with pytest.warns(surgery.RuleNeverFiredWarning) as caught:
+        with surgery.intercept(never, fires):
+            nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert [str(w.message).split(":")[0] for w in caught] == ["build rule swap(GELU) never fired"]
+    with pytest.raises(surgery.RuleNeverFiredError, match=r"swap\(GELU\) never fired") as raised:
+        with surgery.intercept(never, strict=True):
+            nn.Sequential(nn.ReLU())
+    assert raised.value.rule is never
+
+
+def test_parameter_rules_count_as_fired_when_their_action_ran_and_errors_are_not_hidden(recwarn):
+    with surgery.intercept(rules.on_parameter("weight", rules.freeze()), strict=True):
+        model = nn.Linear(2, 2)
+    assert not model.weight.requires_grad
+    with pytest.raises(RuntimeError, match="inside the block"):  # the block's own error, no never-fired report
+        with surgery.intercept(rules.swap(nn.GELU, lambda old: nn.ReLU()), strict=True):
+            raise RuntimeError("inside the block")
+    assert not [w for w in recwarn if issubclass(w.category, surgery.RuleNeverFiredWarning)]

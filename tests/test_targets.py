@@ -99,6 +99,24 @@ def test_excluding_a_layer_excludes_its_parameters_named_directly(mixed):
         surgery.prune(mixed, 0.5, select="lstm.weight_ih_l0", exclude="lstm")
 
 
+def test_a_glob_that_stops_at_containers_says_how_to_reach_the_layers_inside():
+    import torchvision
+
+    with pytest.raises(surgery.ConfigError, match=r"hold no parameters of their own, e.g. layer1.0: 'layer1.0.\*\*'"):
+        surgery.prune(torchvision.models.resnet18(), 0.3, select="layer1.*")
+
+
+def test_a_timm_vision_transformer_by_dotted_globs():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32).eval()
+    with surgery.prune(model, 0.3, select="blocks.**", exclude="**.attn.**") as handle:
+        assert len(handle.parameters) == 24 and all(".mlp.fc" in name for name in handle.parameters)
+    with surgery.prune(model, 0.3) as handle:
+        assert len(handle.parameters) == 50  # qkv, proj, fc1, fc2 of 12 blocks, patch_embed, head
+        [root] = handle.skipped  # pos_embed and cls_token live on the root: named, with how to select them
+        assert root.type == "VisionTransformer" and "select 'cls_token'" in root.reason
+
+
 transformers = pytest.importorskip("transformers")
 
 
