@@ -91,15 +91,15 @@ def _task(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     out_dir = Path(hydra_config.runtime.output_dir)
     if hydra_config.mode != RunMode.MULTIRUN:
-        _exit_codes[-1] = _run_job(cfg, out_dir)
+        _exit_codes[-1] = _run_job(cfg, out_dir)[0]
         return
     sweep_dir = Path(hydra_config.sweep.dir)
     overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
     record = JobRecord(int(hydra_config.job.num), overrides, str(out_dir.resolve()), "started")
     record_job(sweep_dir, record)
     try:
-        code = _run_job(cfg, out_dir)
-        record.status = {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
+        code, dry_run = _run_job(cfg, out_dir)
+        record.status = "dry_run" if dry_run else {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
     except Exception as err:  # a job of a sweep never takes the sweep down: it is recorded as crashed
         traceback.print_exc()
         record.status, record.error, code = "crashed", f"{type(err).__name__}: {err}".splitlines()[0], 1
@@ -107,16 +107,17 @@ def _task(cfg: DictConfig) -> None:
     _exit_codes[-1] = code
 
 
-def _run_job(cfg: DictConfig, out_dir: Path) -> int:
-    """One run: its exit code (0 ok, 1 a check failed, 2 bad configuration or input)."""
+def _run_job(cfg: DictConfig, out_dir: Path) -> tuple[int, bool]:
+    """One run: (exit code: 0 ok, 1 a check failed, 2 bad configuration or input; whether it was
+    a ``select_only`` dry run, which writes nothing)."""
     try:
         config = load_config(cfg)
         if config.select_only:
             print(preview(config))
-            return EXIT_OK
-        return run(config, out_dir).exit_code
+            return EXIT_OK, True
+        return run(config, out_dir).exit_code, False
     except SurgeryError as err:
-        return fail(str(err).splitlines()[0])
+        return fail(str(err).splitlines()[0]), False
 
 
 def main() -> None:
@@ -155,7 +156,10 @@ def main() -> None:
             raise
         launcher_error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
         print(f"surgery: error: the sweep's launcher failed: {launcher_error}", file=sys.stderr)
-    if multirun:
+    if multirun and current_sweep() is None:
+        _exit_codes.append(fail("hydra.callbacks: surgery's sweep_records callback did not run, so the outcome of "
+                                "jobs in other processes is unknown; keep it in hydra.callbacks"))
+    elif multirun:
         _exit_codes.append(_finish_sweep(launcher_error))
     sys.exit(max(_exit_codes, default=0))
 

@@ -4,6 +4,7 @@ never-overwrite-silently check (:func:`refuse_existing`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -83,6 +84,8 @@ def _kind(tensor: Tensor) -> str:
 def _check_kind(key: str, stored: Tensor, expected: Tensor, field: str) -> None:
     """A stored tensor must be a plain (strided, not quantized) tensor of the same kind of dtype
     as the model's: loading int32 or bool into a float weight would silently truncate it."""
+    if stored.is_meta:
+        raise CheckpointError(f"{field}: key {key!r} is a meta tensor and holds no values; save the real weights")
     if stored.layout != torch.strided or stored.is_quantized:
         what = f"layout {stored.layout}" if stored.layout != torch.strided else f"quantized dtype {stored.dtype}"
         raise CheckpointError(f"{field}: key {key!r} is a tensor of {what}; the model expects a dense "
@@ -90,6 +93,12 @@ def _check_kind(key: str, stored: Tensor, expected: Tensor, field: str) -> None:
     if _kind(stored) != _kind(expected):
         raise CheckpointError(f"{field}: key {key!r} has dtype {stored.dtype}; the model expects {expected.dtype} "
                               f"({_kind(stored)} values cannot stand for {_kind(expected)} ones)")
+    if stored.is_floating_point() and expected.is_floating_point() and stored.dtype != expected.dtype:
+        finite = stored[torch.isfinite(stored)]
+        limit = torch.finfo(expected.dtype).max
+        if finite.numel() and finite.abs().max().item() > limit:
+            raise CheckpointError(f"{field}: key {key!r} holds {finite.abs().max().item():.3g}, beyond the range of "
+                                  f"the model's {expected.dtype} (max {limit:.3g}); loading would turn it into inf")
 
 
 def load_checkpoint(model: nn.Module, path: str | Path, *, field: str = "checkpoint") -> nn.Module:
@@ -166,7 +175,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-STAGING_PREFIX, BACKUP_PREFIX = ".staging-", ".previous-"
+STAGING_PREFIX, BACKUP_PREFIX, MANIFEST = ".staging-", ".previous-", "MANIFEST.json"
 
 
 class Staging:
@@ -220,12 +229,15 @@ class Staging:
         staged = sorted((p for p in self.path.iterdir() if p.is_file()), key=lambda p: p.name == last)
         targets = [self.folder / p.name for p in staged]
         refuse_existing(targets, overwrite)
-        names = dict.fromkeys([*(p.name for p in staged), *replaces])
+        names = dict.fromkeys([*(p.name for p in staged), *(replaces if overwrite else ())])
         earlier = sorted((n for n in names if os.path.lexists(self.folder / n)), key=lambda n: n != last)
         backup = Path(tempfile.mkdtemp(prefix=_owned(BACKUP_PREFIX), dir=self.folder))
+        # What a later run needs to put the earlier set back if this process dies half-way.
+        manifest = json.dumps({"moved_aside": earlier, "publishing": [p.name for p in staged]})
         moved_aside: list[str] = []
         published: list[Path] = []
         try:
+            write_atomically(backup / MANIFEST, lambda tmp: tmp.write_text(manifest))
             for name in earlier:
                 os.replace(self.folder / name, backup / name)
                 moved_aside.append(name)
@@ -239,7 +251,7 @@ class Staging:
                 os.replace(backup / name, self.folder / name)
             raise
         finally:
-            if not any(backup.iterdir()) or published == targets:
+            if published == targets or not any(p.name != MANIFEST for p in backup.iterdir()):
                 shutil.rmtree(backup, ignore_errors=True)
         fsync_folder(self.folder)
         return targets
@@ -251,17 +263,36 @@ def _owned(prefix: str) -> str:
 
 
 def sweep_dead_staging(folder: Path) -> list[Path]:
-    """Remove the hidden staging and backup folders in ``folder`` left by dead processes of this
-    host (a run killed before it could clean up); return what was removed."""
+    """Clean up after runs of this host whose process died in ``folder`` (killed outright): their
+    staging folders are removed, and a set they were publishing is undone — files already moved
+    in are removed and the earlier set, kept aside, is put back. Returns the hidden folders
+    removed."""
     host = socket.gethostname()
     removed = []
-    for prefix in (STAGING_PREFIX, BACKUP_PREFIX):
+    for prefix in (BACKUP_PREFIX, STAGING_PREFIX):  # undo a half-published set first
         for path in folder.glob(f"{prefix}*"):
             owner = path.name[len(prefix):].rsplit("-", 2)  # host (may hold '-'), pid, random part
             if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _alive(int(owner[1])):
+                if prefix == BACKUP_PREFIX:
+                    _put_back(folder, path)
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
+
+
+def _put_back(folder: Path, backup: Path) -> None:
+    """Undo a publication that died half-way, from the manifest its backup folder holds."""
+    try:
+        manifest = json.loads((backup / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return  # died before the manifest was complete: nothing had moved yet
+    for name in manifest["publishing"]:
+        if (backup / name).exists() or name not in manifest["moved_aside"]:
+            (folder / name).unlink(missing_ok=True)  # a new file, or one whose earlier version is kept aside
+    for name in manifest["moved_aside"]:
+        if (backup / name).exists():
+            os.replace(backup / name, folder / name)
+    fsync_folder(folder)
 
 
 def _alive(pid: int) -> bool:

@@ -198,9 +198,11 @@ def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], input
         fresh = factory()
         fresh.load_state_dict(model.state_dict(), strict=True)
         fresh_extra = reattach(fresh)
-        if not compare_outputs(fresh, model, inputs)[0]:
-            problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
-        _release(fresh_extra)
+        try:
+            if not compare_outputs(fresh, model, inputs)[0]:
+                problems.append("a fresh instance loaded with the baked state_dict gives other outputs")
+        finally:
+            _release(fresh_extra)
     finally:
         _release(extra)
     return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems))
@@ -211,11 +213,14 @@ def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs, baked:
     """The written checkpoint (and saved quantization parameters), loaded into a fresh
     instance, reproduce the baked model's outputs."""
     fresh = load_checkpoint(factory(), path)
-    extra, fresh_extra = reattach(baked), reattach_saved(fresh)
+    extra = reattach(baked)
     try:
-        identical, worst = compare_outputs(fresh, baked, inputs)
+        fresh_extra = reattach_saved(fresh)
+        try:
+            identical, worst = compare_outputs(fresh, baked, inputs)
+        finally:
+            _release(fresh_extra)
     finally:
-        _release(fresh_extra)
         _release(extra)
     return CheckResult("save_load", identical, worst, 0.0, "" if identical else f"{path.name} gives other outputs")
 
@@ -232,15 +237,16 @@ def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float
     if failures:
         return CheckResult("drift", False, None, bounds.min_cosine, "; ".join(failures))
     drop = None if accuracy is None else accuracy["drop_points"]
-    if bounds.max_accuracy_drop is not None and drop is not None and drop > bounds.max_accuracy_drop:
+    # Written as "not within" so that a NaN metric (float64 sums overflowing on huge outputs) fails.
+    if bounds.max_accuracy_drop is not None and drop is not None and not drop <= bounds.max_accuracy_drop:
         failures.append(f"accuracy drop {drop:.2f} points > {bounds.max_accuracy_drop}")
-    if bounds.min_cosine is not None and drift.cosine < bounds.min_cosine:
+    if bounds.min_cosine is not None and not drift.cosine >= bounds.min_cosine:
         failures.append(f"cosine {drift.cosine:.4f} < {bounds.min_cosine}")
-    if bounds.min_sqnr_db is not None and drift.sqnr_db is not None and drift.sqnr_db < bounds.min_sqnr_db:
+    if bounds.min_sqnr_db is not None and drift.sqnr_db is not None and not drift.sqnr_db >= bounds.min_sqnr_db:
         failures.append(f"SQNR {drift.sqnr_db:.2f} dB < {bounds.min_sqnr_db}")
     top1 = drift.top1_agreement
-    if bounds.min_top1_agreement is not None and top1 is not None and top1 < bounds.min_top1_agreement:
+    if bounds.min_top1_agreement is not None and top1 is not None and not top1 >= bounds.min_top1_agreement:
         failures.append(f"top-1 agreement {top1:.3f} < {bounds.min_top1_agreement}")
-    if bounds.max_abs is not None and drift.max_abs > bounds.max_abs:
+    if bounds.max_abs is not None and not drift.max_abs <= bounds.max_abs:
         failures.append(f"max abs {drift.max_abs:.4g} > {bounds.max_abs}")
     return CheckResult("drift", not failures, drift.cosine, bounds.min_cosine, "; ".join(failures))

@@ -322,16 +322,18 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec
             raise CheckpointError(f"quantize.qparams: {name}.{key} is {type(value).__name__}; it must be a tensor")
     if not scale.is_floating_point():
         raise CheckpointError(f"quantize.qparams: {name}.scale has dtype {scale.dtype}; it must be floating")
-    tiny = torch.finfo(torch.float32).tiny
-    bad = ~(torch.isfinite(scale) & (scale.double() >= tiny))
+    low, high = spec.quant_range
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max / (high - low)
+    scale64 = scale.detach().double()
+    bad = ~(torch.isfinite(scale64) & (scale64 >= tiny) & (scale64 <= huge))
     if bad.any():
         value = scale.flatten()[bad.flatten()][0].item()
         raise CheckpointError(f"quantize.qparams: {name}.scale holds {value!r}; every scale must be a finite "
-                              f"number >= {tiny:.3g} (positive, not denormal)")
+                              f"number in [{tiny:.3g}, {huge:.3g}] (positive, not denormal, and its grid "
+                              "representable in float32)")
     if zero_point.is_floating_point() or zero_point.is_complex() or zero_point.dtype == torch.bool:
         raise CheckpointError(f"quantize.qparams: {name}.zero_point has dtype {zero_point.dtype}; it must be an "
                               "integer tensor")
-    low, high = spec.quant_range
     outside = (zero_point < low) | (zero_point > high)
     if outside.any():
         value = int(zero_point.flatten()[outside.flatten()][0])

@@ -87,10 +87,17 @@ def _compile(pattern: Pattern, field: str) -> Pattern:
         except re.error as err:
             raise SelectionError(field, pattern, f"not a valid regular expression: {err}") from None
         if _nested_repeat(sre_parse.parse(pattern[len(REGEX_PREFIX):])):
-            raise SelectionError(field, pattern, "has a repeated group that itself repeats, e.g. (a+)+ or (.*)*, "
-                                 "which can take exponential time to match", "rewrite it without the outer repeat")
+            raise SelectionError(field, pattern, "repeats a group that itself repeats or alternates, e.g. (a+)+, "
+                                 "(.*)* or (a|ab)*, which can take exponential time to match",
+                                 "rewrite it without the outer repeat")
         return pattern
-    if isinstance(pattern, (str, type)) or callable(pattern):
+    if isinstance(pattern, str):
+        try:
+            glob_regex(pattern)
+        except re.error as err:
+            raise SelectionError(field, pattern, f"not a valid glob: {err}") from None
+        return pattern
+    if isinstance(pattern, type) or callable(pattern):
         return pattern
     if isinstance(pattern, tuple) and all(isinstance(t, type) for t in pattern):
         return pattern
@@ -98,7 +105,8 @@ def _compile(pattern: Pattern, field: str) -> Pattern:
 
 
 def _nested_repeat(parsed: object, inside_repeat: bool = False) -> bool:
-    """Whether a parsed regex repeats (``*``, ``+``, ``{n,}``) something that itself repeats."""
+    """Whether a parsed regex repeats (``*``, ``+``, ``{n,}``) something that itself repeats, or
+    an alternation (``(?:.|..)*``): both can backtrack exponentially."""
     for op, av in parsed:
         if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, getattr(sre_constants, "POSSESSIVE_REPEAT", None)):
             low, high, sub = av
@@ -106,7 +114,7 @@ def _nested_repeat(parsed: object, inside_repeat: bool = False) -> bool:
             if repeats and inside_repeat or _nested_repeat(sub, inside_repeat or repeats):
                 return True
         elif op is sre_constants.BRANCH:
-            if any(_nested_repeat(branch, inside_repeat) for branch in av[1]):
+            if inside_repeat or any(_nested_repeat(branch, inside_repeat) for branch in av[1]):
                 return True
         elif op is sre_constants.SUBPATTERN:
             if _nested_repeat(av[-1], inside_repeat):
@@ -154,7 +162,7 @@ def glob_regex(pattern: str) -> re.Pattern:
     ``**`` as a whole segment matches any number of segments (``layer1.**`` = everything below
     ``layer1``; ``**.conv1`` = every ``conv1``; ``a.**.b`` includes ``a.b``), ``?`` one
     character and ``[...]`` one of a set, as in gitignore-style globs."""
-    segments = pattern.split(".")
+    segments = [s for i, s in enumerate(pattern.split(".")) if not (s == "**" and pattern.split(".")[i - 1:i] == ["**"])]
     regex = ""
     for index, segment in enumerate(segments):
         last = index == len(segments) - 1

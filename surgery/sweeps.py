@@ -27,14 +27,15 @@ SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
 TOKEN_ENV = "SURGERY_SWEEP_TOKEN"
 RECORDS = ".surgery-jobs"
-EXIT_CODES = {"ok": 0, "check_failed": 1, "bad_input": 2, "crashed": 1, "started": 1}
+EXIT_CODES = {"ok": 0, "check_failed": 1, "bad_input": 2, "crashed": 1, "started": 1, "dry_run": 0}
 _current: dict[str, Any] = {}  # the sweep this process started: {"dir": Path, "token": str}
 
 
 @dataclass
 class JobRecord:
     """What one job of a sweep did: ``status`` is ``started`` (still running, or died),
-    ``ok``, ``check_failed``, ``bad_input`` or ``crashed``; ``folder`` is its output folder."""
+    ``ok``, ``check_failed``, ``bad_input``, ``crashed`` or ``dry_run`` (``select_only``: no
+    report, left out of the summary); ``folder`` is its output folder."""
 
     num: int
     overrides: dict[str, str]
@@ -91,12 +92,14 @@ def finish_sweep(launcher_error: str | None = None) -> tuple[int, list[Path], li
     if sweep is None:
         return (1 if launcher_error else 0), [], []
     sweep_dir, token = sweep
-    records = read_records(sweep_dir, token)
-    code = max([r.exit_code for r in records] + [1 if launcher_error else 0])
-    files = write_sweep_summary(sweep_dir, records, launcher_error=launcher_error)
-    shutil.rmtree(sweep_dir / RECORDS / token, ignore_errors=True)
-    if (sweep_dir / RECORDS).is_dir() and not any((sweep_dir / RECORDS).iterdir()):
-        (sweep_dir / RECORDS).rmdir()
+    try:
+        records = [r for r in read_records(sweep_dir, token) if r.status != "dry_run"]  # they write nothing
+        code = max([r.exit_code for r in records] + [1 if launcher_error else 0])
+        files = write_sweep_summary(sweep_dir, records, launcher_error=launcher_error)
+    finally:
+        shutil.rmtree(sweep_dir / RECORDS / token, ignore_errors=True)
+        if (sweep_dir / RECORDS).is_dir() and not any((sweep_dir / RECORDS).iterdir()):
+            (sweep_dir / RECORDS).rmdir()
     return code, files, records
 
 

@@ -98,7 +98,8 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
         own = {attr: p for attr, p in module._parameters.items() if p is not None}
         for attr, param in own.items():
             qualified = f"{name}.{attr}" if name else attr
-            wanted = qualified in chosen_params or name in chosen_modules and attr == "weight"
+            wanted = qualified not in excluded_params and (
+                qualified in chosen_params or name in chosen_modules and attr == "weight")
             if not wanted:
                 if name in chosen_modules and param.dim() >= 2 and param.is_floating_point():
                     skipped.append(Skipped(qualified, type(module).__name__, f"not the layer's 'weight'; select "

@@ -324,6 +324,7 @@ def test_the_earlier_report_is_moved_aside_first_and_the_new_one_published_last(
                            lambda s, d: (moves.append((Path(s).parent == tmp_path, Path(d).name)), real_replace(s, d))):
         stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
     stage.__exit__(None, None, None)
+    moves = [move for move in moves if move[1] != checkpoints.MANIFEST]  # written first, into the backup
     assert moves[0] == (True, "report.json") and moves[-1] == (False, "report.json")
 
 
@@ -352,3 +353,47 @@ def test_staging_folders_of_dead_processes_on_this_host_are_swept_and_live_ones_
         pass
     assert not stale.exists() and not stale_backup.exists()
     assert live.exists() and other_host.exists()  # a running process, or another host's run on a shared disk
+
+
+DIES_WHILE_PUBLISHING = """
+import os, sys
+from pathlib import Path
+from surgery import checkpoints
+folder, die_at = Path(sys.argv[1]), int(sys.argv[2])
+stage = checkpoints.Staging(folder).__enter__()
+for name in ("report.json", "model.pt", "report.md"):
+    (stage / name).write_bytes(b"new " + name.encode())
+real, calls = os.replace, []
+def replace(source, destination):
+    calls.append(destination)
+    if len(calls) == die_at:
+        os._exit(9)  # killed outright: no cleanup runs
+    real(source, destination)
+checkpoints.os.replace = replace
+stage.publish(overwrite=True, last="report.json", replaces=("report.json", "report.md", "model.safetensors",
+                                                             "model.pt", "drift.png"))
+"""
+
+
+@pytest.mark.parametrize("die_at", range(2, 8))  # the first rename is the manifest's
+def test_a_run_killed_while_publishing_is_undone_by_the_next_one(tmp_path, die_at):
+    import subprocess
+    import sys
+
+    earlier = {"report.json": PREVIOUS, "model.safetensors": PREVIOUS, "drift.png": PREVIOUS}
+    for name, data in earlier.items():
+        (tmp_path / name).write_bytes(data)
+    died = subprocess.run([sys.executable, "-c", DIES_WHILE_PUBLISHING, str(tmp_path), str(die_at)],
+                          capture_output=True, text=True)
+    assert died.returncode == 9, died.stderr
+    with checkpoints.Staging(tmp_path):
+        pass
+    assert listing(tmp_path) == earlier  # the whole earlier set, nothing new, nothing hidden
+
+
+def test_publishing_without_overwrite_never_removes_the_files_it_would_replace(tmp_path):
+    (tmp_path / "drift.png").write_bytes(PREVIOUS)
+    stage = stage_set(tmp_path, ["report.json"])
+    stage.publish(overwrite=False, last="report.json", replaces=run_module.OUTPUTS)
+    stage.__exit__(None, None, None)
+    assert listing(tmp_path)["drift.png"] == PREVIOUS

@@ -105,6 +105,10 @@ def typed_checkpoint(kind: str, folder: Path) -> Path:
     state = mlp().state_dict()
     if kind in ("int32", "bool"):
         state = {k: v.to(getattr(torch, kind)) for k, v in state.items()}
+    elif kind == "meta":
+        state["0.weight"] = torch.empty(state["0.weight"].shape, device="meta")
+    elif kind == "float64":
+        state["0.weight"] = state["0.weight"].double().index_fill_(0, torch.tensor([0]), 1e300)
     elif kind == "quantized":
         state["0.weight"] = torch.quantize_per_tensor(state["0.weight"], 0.1, 0, torch.qint8)
     else:
@@ -276,11 +280,15 @@ API_CASES = [
               CheckpointError, "checkpoint", f"key '0.weight' {what}")
       for kind, what in (("int32", "has dtype torch.int32; the model expects torch.float32"),
                          ("bool", "has dtype torch.bool"), ("quantized", "is a tensor of quantized dtype torch.qint8"),
-                         ("sparse", "is a tensor of layout torch.sparse_coo"))],
+                         ("sparse", "is a tensor of layout torch.sparse_coo"),
+                         ("meta", "is a meta tensor and holds no values"),
+                         ("float64", "holds 1e+300, beyond the range of the model's torch.float32"))],
     *[ApiCase("qparams-values", _quantize_from(qparams_values(*values)), CheckpointError, "quantize.qparams", what)
       for values, what in (((math.nan,), "0.scale holds nan"), ((math.inf,), "0.scale holds inf"),
                            ((0.0,), "0.scale holds 0.0"), ((-0.5,), "0.scale holds -0.5"),
                            ((1e-40,), "not denormal"), ((0.1, 256), "0.zero_point holds 256; it must lie in [0, 255]"),
+                           ((torch.tensor(1e300, dtype=torch.float64),), "0.scale holds 1e+300"),
+                           ((3e38,), "representable in float32"),
                            ((0.1, torch.tensor(1.5)), "zero_point has dtype torch.float32"),
                            ((0.1, "0"), "0.zero_point is str; it must be a tensor"))],
     ApiCase("huge-number", lambda m, *_: surgery.prune(m, 10**400), ConfigError, "prune.amount", "(401 characters)"),
@@ -304,6 +312,10 @@ API_CASES = [
             build=in_inference_mode),
     ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="re:(.*.*)*z"), SelectionError, "prune.select",
             "exponential time"),
+    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="re:(?:.|..)*Z"), SelectionError, "prune.select",
+            "exponential time"),
+    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="conv[z-a]"), SelectionError, "prune.select",
+            "not a valid glob"),
     ApiCase("empty-selection", lambda m, *_: surgery.quantize(m, select=nn.LSTM), ConfigError, "quantize.select",
             "selects no floating weight", build=WithLSTM),
     ApiCase("never-fired", lambda m, *_: build_mlp_under(surgery.rules.swap(nn.GELU, lambda old: nn.SiLU())),

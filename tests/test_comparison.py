@@ -274,3 +274,23 @@ def test_inputs_are_streamed_one_batch_at_a_time(mlp):
     with pytest.raises(surgery.ConfigError, match="batch 2"):
         surgery.compare(mlp, copy.deepcopy(mlp), stream())
     assert made == [0, 1, 2]
+
+
+def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp_input):
+    """Finite float64 outputs near 1e200 overflow the float64 sums: the cosine is NaN, and
+    `NaN < bound` is False, so the bound used to pass."""
+    from surgery.checks import check_drift
+    from surgery.config import DriftThresholds
+
+    class Huge(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x):
+            return torch.full((2, 3), 1e200, dtype=torch.float64) * self.scale
+
+    drift = surgery.compare(Huge(1.0), Huge(0.5), mlp_input)
+    assert drift.finite and math.isnan(drift.cosine)
+    result = check_drift(drift, DriftThresholds(min_cosine=0.5))
+    assert not result.passed and "cosine nan < 0.5" in result.detail

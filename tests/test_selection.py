@@ -72,6 +72,8 @@ def test_glob_double_star_is_any_number_of_segments(net):
     ("layer[!2].0", "layer1.0", True),
     ("layer[!2].0", "layer2.0", False),
     ("fc[", "fc[", True),
+    ("**.**", "a.b", True),
+    ("a.**.**.b", "a.x.b", True),
 ])
 def test_glob_semantics_on_dotted_names(pattern, name, matches):
     from surgery.selection import glob_regex
@@ -244,3 +246,20 @@ def test_select_does_not_modify_the_model(net):
     after = net.state_dict()
     assert list(after) == list(before)
     assert all(after[k].equal(v) for k, v in before.items())
+
+
+def test_an_invalid_glob_is_a_selection_error_not_a_traceback(net):
+    with pytest.raises(surgery.SelectionError, match=r"select='conv\[z-a\]': not a valid glob: bad character range"):
+        surgery.select(net, "conv[z-a]")
+
+
+@pytest.mark.parametrize("pattern", ["re:(.*.*)*z", "re:(a+)+", "re:(?:.|..)*Z", "re:(ab|a)*c"])
+def test_regexes_that_can_backtrack_exponentially_are_refused_at_once(net, pattern):
+    """Before: re:(.*.*)*z ran for minutes on a model's names; (?:.|..)*Z took a minute on one."""
+    with pytest.raises(surgery.SelectionError, match="exponential time"):
+        surgery.select(net, pattern)
+
+
+def test_linear_time_regexes_are_still_accepted(net):
+    assert list(surgery.select(net, "re:layer\\d\\.\\d\\.conv[12]"))[:2] == ["layer1.0.conv1", "layer1.0.conv2"]
+    assert "stem" in surgery.select(net, "re:(s|x)tem")

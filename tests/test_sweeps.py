@@ -96,3 +96,22 @@ def test_sigterm_removes_the_staging_folder_and_writes_nothing(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert stderr.strip().splitlines()[-1] == "surgery: terminated (SIGTERM); the run's outputs were left as they were"
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".log") == [".hydra"]
+
+
+def test_a_dry_run_sweep_writes_no_summary_and_never_reads_earlier_reports(tmp_path):
+    """+select_only jobs write nothing; their folders' reports are an earlier sweep's."""
+    for job in ("0", "1"):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "report.json").write_text(json.dumps({"ok": True, "sparsity": 0.99}))
+    (tmp_path / "sweep.json").write_text("the earlier summary")
+    run = surgery("-m", *FAST, "+select_only=true", "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("nothing was changed or written") == 2 and "sweep summary" not in run.stdout
+    assert (tmp_path / "sweep.json").read_text() == "the earlier summary"
+    assert not (tmp_path / ".surgery-jobs").exists()
+
+
+def test_a_sweep_without_its_callback_says_so_instead_of_exiting_0(tmp_path):
+    run = surgery("-m", *FAST, "+select_only=true", "prune.amount=0.2", "~hydra.callbacks.sweep_records",
+                  f"hydra.sweep.dir={tmp_path}")
+    assert run.returncode == 2 and "sweep_records callback did not run" in run.stderr, run.stderr[-2000:]

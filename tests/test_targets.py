@@ -94,6 +94,12 @@ def test_a_pattern_matching_neither_module_nor_parameter_names_both(mixed):
         surgery.prune(mixed, 0.5, select="**.weight_ih_l9")
 
 
+def test_excluding_a_weight_by_its_parameter_name_beats_the_default_selection(mixed):
+    with surgery.prune(mixed, 0.5, exclude="proj.weight") as handle:
+        assert "proj.weight" not in handle.parameters and "attn.out_proj.weight" in handle.parameters
+        assert (mixed.proj.weight != 0).all()
+
+
 def test_excluding_a_layer_excludes_its_parameters_named_directly(mixed):
     with pytest.raises(surgery.ConfigError, match="selects no floating weight"):
         surgery.prune(mixed, 0.5, select="lstm.weight_ih_l0", exclude="lstm")
