@@ -8,31 +8,33 @@ from torch import nn
 from surgery.build import rules_from_config
 from surgery.config import RunConfig
 from surgery.models import ModelBuilder
+from surgery.pruning import prune_targets
+from surgery.quantization import quantize_targets
 from surgery.selection import select
-from surgery.targets import default_layer, select_parameters
 
 
 def preview_rows(model: nn.Module, config: RunConfig) -> list[tuple[str, str, str, str, str]]:
-    """(step, matched/skipped, name, type, detail) for every step of ``config``."""
+    """(step, matched/skipped, name, type, detail) for every step of ``config``, resolved by the
+    same functions the verbs use."""
     rows: list[tuple[str, str, str, str, str]] = []
     for step in config.steps:
         settings = getattr(config, step)
         exclude = settings.exclude or None
-        if step == "rewrite" and settings.select is None:
-            rows.append((step, "matched", "(root)", type(model).__name__, "the model's own inputs"))
+        if step == "rewrite":
+            layers = {"": model} if settings.select is None else select(
+                model, settings.select, exclude=exclude, field="rewrite.select", exclude_field="rewrite.exclude")
+            rows += [(step, "matched", name or "(root)", type(m).__name__, "inputs rewritten") for name, m in layers.items()]
             continue
-        if step in ("prune", "quantize") and (step == "prune" or settings.weights is not None):
-            activations = step == "quantize" and settings.activations is not None
-            targets = select_parameters(model, settings.select, exclude, verb=step, min_dim=2 if step == "prune" else 1,
-                                        required=not activations)
-            rows += [(step, "matched", name, type(t.module).__name__, f"{t.attribute} {tuple(t.param.shape)}")
-                     for name, t in targets.matched.items()]
-            rows += [(step, "skipped", s.name, s.type, s.reason) for s in targets.skipped]
-        if step == "rewrite" or step == "quantize" and settings.activations is not None:
-            default = default_layer if step == "quantize" and settings.select is None else settings.select
-            layers = select(model, default, exclude=exclude, field=f"{step}.select", exclude_field=f"{step}.exclude")
-            what = "inputs rewritten" if step == "rewrite" else f"{settings.where} activations"
-            rows += [(step, "matched", name or "(root)", type(m).__name__, what) for name, m in layers.items()]
+        if step == "prune":
+            targets, layers = prune_targets(model, settings.select, exclude, settings.dim), {}
+        else:
+            targets, layers = quantize_targets(model, settings.select, exclude, settings.weights, settings.activations,
+                                               settings.where)
+        rows += [(step, "matched", name, type(t.module).__name__, f"{t.attribute} {tuple(t.param.shape)}")
+                 for name, t in targets.matched.items()]
+        rows += [(step, "skipped", s.name, s.type, s.reason) for s in targets.skipped]
+        rows += [(step, "matched", name or "(root)", type(m).__name__, f"{settings.where} activations")
+                 for name, m in layers.items()]
     return rows
 
 

@@ -121,7 +121,7 @@ def prune(
     amount, n = validate_arguments(amount, method, scope, n, seed)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise ConfigTypeError("prune.dim", dim, "must be an integer (the dimension whose slices ln_structured prunes)")
-    selection = _targets(model, select, exclude, dim)
+    selection = prune_targets(model, select, exclude, dim)
     targets = {name: target.param for name, target in selection.matched.items()}
     guards.check_editable(targets, "prune.select")
     params = list(targets.values())
@@ -167,7 +167,8 @@ def validate_arguments(amount: object, method: str, scope: str, n: object, seed:
     return float(amount), float(norm)
 
 
-def _targets(model: nn.Module, include: Selection, exclude: Selection, dim: int) -> Targets:
+def prune_targets(model: nn.Module, include: Selection, exclude: Selection, dim: int = 0) -> Targets:
+    """The weights :func:`prune` would mask, and those it would skip (also the dry run's)."""
     targets = select_parameters(model, include, exclude, verb="prune")
     for name, target in targets.matched.items():
         weight = target.param

@@ -180,7 +180,7 @@ def quantize(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
-    weight_targets, layers = _targets(model, select, exclude, weights, activations, where)
+    weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     try:
@@ -228,8 +228,10 @@ def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
                       f"per-channel works on {allowed}")
 
 
-def _targets(model, include, exclude, weights, activations, where) -> tuple[Targets, dict[str, nn.Module]]:
-    """(weights to quantize, layers whose activations to quantize)."""
+def quantize_targets(model: nn.Module, include: Selection, exclude: Selection, weights: QuantSpec | None,
+                     activations: QuantSpec | None, where: str) -> tuple[Targets, dict[str, nn.Module]]:
+    """(weights :func:`quantize` would quantize, with those skipped; layers whose activations it
+    would quantize), checked as the verb checks them (also the dry run's)."""
     weight_targets = Targets({}, [])
     if weights is not None:
         weight_targets = select_parameters(model, include, exclude, verb="quantize", min_dim=1,
