@@ -16,7 +16,7 @@ W8 weights baked. Before timing it checks that surgery's quantized outputs are e
 point, that both methods found the same scales and zero points, and how far their model
 outputs are apart. It then splits the activation overhead into the fake-quant kernel and the
 hook's Python path (each called directly, best of several: robust to load), and, if
-``surgery.digits`` is present, measures accuracy on the offline digits test split.
+``surgery.cli.digits`` is present, measures accuracy on the offline digits test split.
 
 Timing follows ``bench_prune.py`` (whose helpers it imports): several copies per variant,
 round-robin in a shuffled order each round, a variant's ratio is the median over rounds of
@@ -49,7 +49,7 @@ from bench_prune import (  # noqa: E402
 )
 
 import surgery  # noqa: E402
-from surgery.quantization import ActivationQuantizer  # noqa: E402
+from surgery.ops.quantization import ActivationQuantizer  # noqa: E402
 
 TYPES = (nn.Conv2d, nn.Linear)
 A8 = surgery.QuantSpec(bits=8)  # unsigned [0, 255], affine, per tensor, min/max observer
@@ -310,11 +310,11 @@ def overhead_costs(handle: surgery.QuantizeHandle, wrapped: dict[str, FakeQuanti
 def digits_accuracy() -> tuple[dict[str, float], str]:
     """Test accuracy of the shipped digits CNN, float and quantized; ({}, reason) when unavailable."""
     try:
-        from surgery import digits
-        from surgery.checkpoints import load_checkpoint
+        from surgery.cli import digits
+        from surgery.core.checkpoints import load_checkpoint
         needed = [digits.DigitsCNN, digits.CHECKPOINT, digits.digits_batches, digits.accuracy]
     except (ImportError, AttributeError) as err:
-        return {}, f"surgery.digits is not usable yet ({type(err).__name__}: {err})"
+        return {}, f"surgery.cli.digits is not usable yet ({type(err).__name__}: {err})"
     model_class, checkpoint, make_batches, accuracy = needed
     if not Path(checkpoint).is_file():
         return {}, f"no digits checkpoint at {checkpoint}"

@@ -1,4 +1,4 @@
-"""Train :class:`surgery.digits.DigitsCNN` and write its weights as a safetensors checkpoint."""
+"""Train :class:`surgery.cli.digits.DigitsCNN` and write its weights as a safetensors checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from surgery.checkpoints import write_atomically
-from surgery.digits import CHECKPOINT, accuracy, digits_batches, train
+from surgery.core.checkpoints import write_atomically
+from surgery.cli.digits import CHECKPOINT, accuracy, digits_batches, train
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
 
-from surgery import rules
-from surgery.comparison import Drift, compare
-from surgery.errors import (
+from surgery.ops import rules
+from surgery.analysis.comparison import Drift, compare
+from surgery.core.errors import (
     AlreadyModifiedError,
     CheckpointError,
     ConfigError,
@@ -11,8 +11,8 @@ from surgery.errors import (
     SurgeryError,
     UndoError,
 )
-from surgery.handles import Handle, HandleGroup, compose
-from surgery.intercept import (
+from surgery.core.handles import Handle, HandleGroup, compose
+from surgery.ops.intercept import (
     Event,
     InterceptError,
     InterceptLog,
@@ -20,11 +20,11 @@ from surgery.intercept import (
     RuleNeverFiredWarning,
     intercept,
 )
-from surgery.observers import NonFiniteError, QuantSpec
-from surgery.pruning import PruneHandle, prune
-from surgery.quantization import QuantizeHandle, quantize
-from surgery.rewriting import rewrite_inputs
-from surgery.selection import select
+from surgery.ops.observers import NonFiniteError, QuantSpec
+from surgery.ops.pruning import PruneHandle, prune
+from surgery.ops.quantization import QuantizeHandle, quantize
+from surgery.ops.rewriting import rewrite_inputs
+from surgery.core.selection import select
 
 __all__ = [
     "AlreadyModifiedError",

@@ -19,13 +19,15 @@ import safetensors.torch
 import torch
 from matplotlib.figure import Figure
 
-from surgery import checkpoints, sweeps
-from surgery import run as run_module
-from surgery.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
-from surgery.config import load_config
-from surgery.digits import DigitsCNN
-from surgery.errors import ConfigError, OutputExistsError
-from surgery.reporting import write_reports
+from surgery.core import checkpoints
+
+from surgery.cli import sweeps
+from surgery.cli import run as run_module
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
+from surgery.cli.config import load_config
+from surgery.cli.digits import DigitsCNN
+from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.cli.reporting import write_reports
 
 ERRORS = [OSError, KeyboardInterrupt]
 PREVIOUS = b"the previous version\n"
@@ -358,7 +360,7 @@ def test_staging_folders_of_dead_processes_on_this_host_are_swept_and_live_ones_
 DIES_WHILE_PUBLISHING = """
 import os, sys
 from pathlib import Path
-from surgery import checkpoints
+from surgery.core import checkpoints
 folder, die_at = Path(sys.argv[1]), int(sys.argv[2])
 stage = checkpoints.Staging(folder).__enter__()
 for name in ("report.json", "model.pt", "report.md"):

@@ -25,10 +25,10 @@ from torch import nn
 
 import surgery
 from surgery import QuantSpec
-from surgery.checkpoints import load_checkpoint, save_checkpoint
-from surgery.checks import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
-from surgery.config import load_config
-from surgery.errors import (
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint
+from surgery.cli.checks import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
+from surgery.cli.config import load_config
+from surgery.core.errors import (
     AlreadyModifiedError,
     CheckpointError,
     ConfigError,
@@ -36,8 +36,8 @@ from surgery.errors import (
     OutputExistsError,
     SelectionError,
 )
-from surgery.observers import NonFiniteError
-from surgery.rewriting import Normalize, rewrite_from_config
+from surgery.ops.observers import NonFiniteError
+from surgery.ops.rewriting import Normalize, rewrite_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

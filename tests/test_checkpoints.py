@@ -1,4 +1,4 @@
-"""surgery.checkpoints: safe loading with clear errors, saving that never overwrites (failed and
+"""surgery.core.checkpoints: safe loading with clear errors, saving that never overwrites (failed and
 interrupted writes: tests/test_atomic_writes.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.checkpoints import load_checkpoint, read_state_dict, save_checkpoint
-from surgery.checks import collect, snapshot, snapshot_differences
+from surgery.core.checkpoints import load_checkpoint, read_state_dict, save_checkpoint
+from surgery.cli.checks import collect, snapshot, snapshot_differences
 
 SUFFIXES = [".safetensors", ".pt"]
 

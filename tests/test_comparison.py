@@ -220,8 +220,8 @@ def test_the_same_nan_in_both_models_is_identical_and_reported_as_a_non_finite_r
 
 
 def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
-    from surgery.checks import check_drift
-    from surgery.config import DriftThresholds
+    from surgery.cli.checks import check_drift
+    from surgery.cli.config import DriftThresholds
 
     bounds = DriftThresholds(min_cosine=0.9)
     bad = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.inf, 4), mlp_input), bounds)
@@ -279,8 +279,8 @@ def test_inputs_are_streamed_one_batch_at_a_time(mlp):
 def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp_input):
     """Finite float64 outputs near 1e200 overflow the float64 sums: the cosine is NaN, and
     `NaN < bound` is False, so the bound used to pass."""
-    from surgery.checks import check_drift
-    from surgery.config import DriftThresholds
+    from surgery.cli.checks import check_drift
+    from surgery.cli.config import DriftThresholds
 
     class Huge(nn.Module):
         def __init__(self, scale: float) -> None:

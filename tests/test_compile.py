@@ -13,10 +13,11 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import surgery
-from surgery import QuantSpec, compiled
-from surgery import rewriting as rw
-from surgery.checks import module_hook_counts, snapshot, snapshot_differences
-from surgery.observers import fake_quantize
+from surgery import QuantSpec
+from surgery.core import compiled
+from surgery.ops import rewriting as rw
+from surgery.cli.checks import module_hook_counts, snapshot, snapshot_differences
+from surgery.ops.observers import fake_quantize
 
 Attach = Callable[[nn.Module, torch.Tensor], list]
 

@@ -20,18 +20,19 @@ import torch
 from torch import Tensor, nn
 
 import surgery
-from surgery import guards, rules
-from surgery.checks import (
+from surgery.core import guards
+from surgery.ops import rules
+from surgery.cli.checks import (
     collect,
     global_hook_counts,
     module_hook_counts,
     snapshot,
     snapshot_differences,
 )
-from surgery.errors import ConfigError
-from surgery.inspection import ModuleCall, inspect_model
-from surgery.observers import QuantSpec
-from surgery.rewriting import Normalize
+from surgery.core.errors import ConfigError
+from surgery.analysis.inspection import ModuleCall, inspect_model
+from surgery.ops.observers import QuantSpec
+from surgery.ops.rewriting import Normalize
 
 from support import Passthrough  # tests/support.py
 

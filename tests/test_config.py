@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from surgery.config import RunConfig, load_config
-from surgery.errors import ConfigError
+from surgery.cli.config import RunConfig, load_config
+from surgery.core.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RECIPES = sorted(p.stem for p in (CONF.parent / "recipes").glob("*.yaml"))

@@ -1,4 +1,4 @@
-"""Tests of surgery.digits: the seeded digits split, accuracy, training and the shipped CNN."""
+"""Tests of surgery.cli.digits: the seeded digits split, accuracy, training and the shipped CNN."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from torch import Tensor, nn
 
 import surgery
-from surgery import digits
-from surgery.checkpoints import load_checkpoint
-from surgery.digits import CHECKPOINT, DigitsCNN, accuracy, digits_batches, digits_split, train
-from surgery.errors import ConfigError
+from surgery.cli import digits
+from surgery.core.checkpoints import load_checkpoint
+from surgery.cli.digits import CHECKPOINT, DigitsCNN, accuracy, digits_batches, digits_split, train
+from surgery.core.errors import ConfigError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_digits_cnn.py"
 MIN_ACCURACY = 0.95

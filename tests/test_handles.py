@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.checks import collect, module_hook_counts, snapshot, snapshot_differences
-from surgery.handles import Handle
+from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.core.handles import Handle
 
 
 def recording_handle(model: nn.Module, name: str, log: list[str], steps: int = 1) -> Handle:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.checks import global_hook_counts, module_hook_counts
-from surgery.inspection import ModuleCall, calls_as_rows, format_table, inspect_model
+from surgery.cli.checks import global_hook_counts, module_hook_counts
+from surgery.analysis.inspection import ModuleCall, calls_as_rows, format_table, inspect_model
 
 
 class Block(nn.Module):

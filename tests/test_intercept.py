@@ -1,4 +1,4 @@
-"""Build-time surgery: surgery.intercept and surgery.rules on real constructors."""
+"""Build-time surgery: surgery.ops.intercept and surgery.ops.rules on real constructors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torchvision
 from torch import nn
 
 import surgery
-from surgery import rules
-from surgery.checks import global_hook_counts
+from surgery.ops import rules
+from surgery.cli.checks import global_hook_counts
 
 from support import Passthrough  # tests/support.py
 

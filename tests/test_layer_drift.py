@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from surgery import layer_drift as layer_drift_module
-from surgery.checks import global_hook_counts, module_hook_counts
-from surgery.errors import ConfigError
-from surgery.layer_drift import LayerDrift, layer_drift
+from surgery.analysis import layer_drift as layer_drift_module
+from surgery.cli.checks import global_hook_counts, module_hook_counts
+from surgery.core.errors import ConfigError
+from surgery.analysis.layer_drift import LayerDrift, layer_drift
 
 
 class Shared(nn.Module):

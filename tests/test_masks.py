@@ -1,4 +1,4 @@
-"""surgery.masks: keep-mask computation (pure) and bit packing."""
+"""surgery.ops.masks: keep-mask computation (pure) and bit packing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from surgery.masks import compute_masks, pack, unpack
+from surgery.ops.masks import compute_masks, pack, unpack
 
 
 def _weights(*shapes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""surgery.observers: settings validation, range observers and qparams against torch.ao, fused ops."""
+"""surgery.ops.observers: settings validation, range observers and qparams against torch.ao, fused ops."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.ao.quantization.observer import (
     PerChannelMinMaxObserver,
 )
 
-from surgery.errors import ConfigError, ConfigTypeError
-from surgery.observers import NonFiniteError, Observer, QuantSpec, compute_qparams, fake_quantize
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, compute_qparams, fake_quantize
 
 BITS = list(range(2, 9))
 

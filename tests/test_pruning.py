@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 
 import surgery
-from surgery.checks import collect, module_hook_counts, snapshot, snapshot_differences
-from surgery.errors import ConfigError
-from surgery.pruning import MaskEnforcer
+from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.core.errors import ConfigError
+from surgery.ops.pruning import MaskEnforcer
 
 from support import Attention, Tied  # tests/support.py
 
@@ -588,7 +588,7 @@ def test_failure_while_enforcing_the_third_mask_rolls_everything_back(mlp, mlp_i
 
 
 def test_failure_in_attach_rolls_everything_back(convnet, image_input):
-    from surgery import pruning
+    from surgery.ops import pruning
 
     before = snapshot(convnet)
     side_effect = _fail_on_call(3, pruning._attach)
@@ -601,7 +601,7 @@ def test_failure_in_attach_rolls_everything_back(convnet, image_input):
 
 def test_failure_registering_the_root_hook_rolls_everything_back(convnet):
     before = snapshot(convnet)
-    with mock.patch("surgery.pruning.SubtreeEnforcer", side_effect=RuntimeError("injected failure")):
+    with mock.patch("surgery.ops.pruning.SubtreeEnforcer", side_effect=RuntimeError("injected failure")):
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.prune(convnet, 0.5)
     assert snapshot_differences(before, snapshot(convnet)) == []

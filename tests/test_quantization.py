@@ -21,11 +21,12 @@ from torch.ao.quantization.observer import (
 from torch.nn import functional as F
 
 import surgery
-from surgery import QuantSpec, quantization
-from surgery.checks import collect, module_hook_counts, snapshot, snapshot_differences
-from surgery.errors import CheckpointError, ConfigError, ConfigTypeError
-from surgery.observers import NonFiniteError
-from surgery.quantization import ActivationQuantizer, WeightQuantizer
+from surgery import QuantSpec
+from surgery.ops import quantization
+from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.core.errors import CheckpointError, ConfigError, ConfigTypeError
+from surgery.ops.observers import NonFiniteError
+from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
 
 from support import Attention, Tied  # tests/support.py
 
@@ -1013,7 +1014,7 @@ def test_resnet18_w8a8_stays_close_to_float():
 @pytest.mark.parametrize("spec", [QuantSpec(bits=8), QuantSpec(bits=8, symmetric=True), QuantSpec(bits=3),
                                   QuantSpec(bits=2, symmetric=True)], ids=["a8", "s8", "a3", "s2"])
 def test_inference_fast_path_is_bit_identical_to_the_fused_op(spec):
-    from surgery.quantization import ActivationQuantizer
+    from surgery.ops.quantization import ActivationQuantizer
 
     torch.manual_seed(0)
     quantizer = ActivationQuantizer(spec, None, "layer", "output")

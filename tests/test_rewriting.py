@@ -1,4 +1,4 @@
-"""Tests of ``surgery.rewriting``: input-rewriting hooks, the built-in rewrites and config names."""
+"""Tests of ``surgery.ops.rewriting``: input-rewriting hooks, the built-in rewrites and config names."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.checks import module_hook_counts
-from surgery.errors import ConfigError
-from surgery.handles import Handle
-from surgery.rewriting import (
+from surgery.cli.checks import module_hook_counts
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.ops.rewriting import (
     AddNoise,
     Cast,
     ChannelsLast,
@@ -330,7 +330,7 @@ def test_from_config_builds_builtins() -> None:
 
 
 def test_from_config_dotted_path(mlp: nn.Module, mlp_input: torch.Tensor) -> None:
-    fn = rewrite_from_config("surgery.rewriting.identity_rewrite")
+    fn = rewrite_from_config("surgery.ops.rewriting.identity_rewrite")
     assert fn is identity_rewrite
     before = mlp(mlp_input)
     with rewrite_inputs(mlp, fn):
@@ -343,7 +343,7 @@ def test_from_config_unknown_name() -> None:
     assert info.value.field == "rewrite.name"
 
 
-@pytest.mark.parametrize("path", ["surgery.no_such_module.fn", "surgery.rewriting.no_such_fn"])
+@pytest.mark.parametrize("path", ["surgery.no_such_module.fn", "surgery.ops.rewriting.no_such_fn"])
 def test_from_config_unimportable_path(path: str) -> None:
     with pytest.raises(ConfigError, match="could not be imported") as info:
         rewrite_from_config(path)
@@ -356,6 +356,6 @@ def test_from_config_bad_parameters() -> None:
     with pytest.raises(ConfigError, match="invalid parameters for 'clamp'"):
         rewrite_from_config("clamp", minimum=0)
     with pytest.raises(ConfigError, match="takes no parameters"):
-        rewrite_from_config("surgery.rewriting.identity_rewrite", std=1)
+        rewrite_from_config("surgery.ops.rewriting.identity_rewrite", std=1)
     with pytest.raises(ConfigError, match="is not callable"):
-        rewrite_from_config("surgery.rewriting.RESIZE_MODES")
+        rewrite_from_config("surgery.ops.rewriting.RESIZE_MODES")

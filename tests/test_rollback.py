@@ -26,21 +26,23 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import surgery
-from surgery import checks, guards, pruning, quantization, rules, steps
-from surgery import run as run_module
-from surgery.checkpoints import load_checkpoint, save_checkpoint
-from surgery.checks import MODULE_HOOK_DICTS, collect, global_hook_counts, snapshot, snapshot_differences
-from surgery.config import load_config
-from surgery.handles import Handle
-from surgery.observers import Observer, QuantSpec
-from surgery.pruning import MaskEnforcer
-from surgery.quantization import ActivationQuantizer, WeightQuantizer
-from surgery.rewriting import Clamp
-from surgery.steps import apply_steps
+from surgery.cli import checks, steps
+from surgery.core import guards
+from surgery.ops import pruning, quantization, rules
+from surgery.cli import run as run_module
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint
+from surgery.cli.checks import MODULE_HOOK_DICTS, collect, global_hook_counts, snapshot, snapshot_differences
+from surgery.cli.config import load_config
+from surgery.core.handles import Handle
+from surgery.ops.observers import Observer, QuantSpec
+from surgery.ops.pruning import MaskEnforcer
+from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
+from surgery.ops.rewriting import Clamp
+from surgery.cli.steps import apply_steps
 
 from support import Passthrough  # tests/support.py
 
-intercept_module = importlib.import_module("surgery.intercept")  # surgery.intercept is also the function
+intercept_module = importlib.import_module("surgery.ops.intercept")  # surgery.ops.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import surgery
-from surgery import guards
-from surgery.checks import (
+from surgery.core import guards
+from surgery.cli.checks import (
     collect,
     global_hook_counts,
     max_difference,
@@ -33,9 +33,9 @@ from surgery.checks import (
     snapshot,
     snapshot_differences,
 )
-from surgery.handles import Handle, HandleGroup
-from surgery.observers import OBSERVERS, QuantSpec
-from surgery.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
+from surgery.core.handles import Handle, HandleGroup
+from surgery.ops.observers import OBSERVERS, QuantSpec
+from surgery.ops.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
 
 CONV_KINDS = ["conv", "conv", "bn", "relu", "gelu", "tanh", "residual", "shared"]
 LINEAR_KINDS = ["linear", "linear", "bn", "relu", "tanh", "sigmoid", "shared"]

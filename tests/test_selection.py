@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import surgery
-from surgery.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError
 
 
 class Block(nn.Module):
@@ -76,7 +76,7 @@ def test_glob_double_star_is_any_number_of_segments(net):
     ("a.**.**.b", "a.x.b", True),
 ])
 def test_glob_semantics_on_dotted_names(pattern, name, matches):
-    from surgery.selection import glob_regex
+    from surgery.core.selection import glob_regex
 
     assert (glob_regex(pattern).fullmatch(name) is not None) is matches
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from surgery.build import rules_from_config
-from surgery.config import RunConfig
-from surgery.models import ModelBuilder
-from surgery.pruning import prune_targets
-from surgery.quantization import quantize_targets
-from surgery.selection import select
+from surgery.cli.build import rules_from_config
+from surgery.cli.config import RunConfig
+from surgery.cli.models import ModelBuilder
+from surgery.ops.pruning import prune_targets
+from surgery.ops.quantization import quantize_targets
+from surgery.core.selection import select
 
 
 def preview_rows(model: nn.Module, config: RunConfig) -> list[tuple[str, str, str, str, str]]:

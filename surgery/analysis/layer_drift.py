@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from surgery.comparison import Inputs, StreamingError, batches, evaluating
-from surgery.errors import ConfigError
+from surgery.analysis.comparison import Inputs, StreamingError, batches, evaluating
+from surgery.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

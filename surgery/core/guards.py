@@ -7,7 +7,7 @@ parameter) call :meth:`TensorGuard.enforce`, which re-applies every transform, i
 they were attached, only when the tensor changed since it was last made consistent (an
 optimizer step, ``load_state_dict``, ``.to()``): an unchanged weight costs one comparison.
 Transforms on one parameter are undone last-in-first-out. While ``torch.compile`` traces a
-hook, the same check is put in the graph as one opaque operator (:mod:`surgery.compiled`).
+hook, the same check is put in the graph as one opaque operator (:mod:`surgery.core.compiled`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import nn
 from torch.compiler import is_compiling
 from torch.utils.weak import WeakIdKeyDictionary
 
-from surgery import compiled
-from surgery.errors import AlreadyModifiedError, ConfigError
+from surgery.core import compiled
+from surgery.core.errors import AlreadyModifiedError, ConfigError
 
 _guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
 _lock = threading.Lock()
@@ -122,7 +122,7 @@ def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
 
 
 def check_editable(named: dict[str, torch.Tensor], field: str) -> None:
-    """Raise :class:`~surgery.errors.ConfigError` naming the first tensor that surgery cannot
+    """Raise :class:`~surgery.core.errors.ConfigError` naming the first tensor that surgery cannot
     edit in place: one on the ``meta`` device (no values) or created under ``inference_mode``."""
     for name, tensor in named.items():
         if tensor.is_meta:

@@ -12,7 +12,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from surgery.errors import ConfigError
+from surgery.core.errors import ConfigError
 
 Batch = Union[Tensor, Sequence[Any]]
 Inputs = Union[Tensor, Iterable[Batch]]
@@ -80,7 +80,7 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
             is kept in memory only with ``per_layer`` (which needs a second pass).
         per_layer: also compare the output of every module whose qualified name exists in
             both models (forward hooks, streaming sums: one batch of activations held at a
-            time); the rows are in ``Drift.layers`` (see :func:`surgery.layer_drift.layer_drift`).
+            time); the rows are in ``Drift.layers`` (see :func:`surgery.analysis.layer_drift.layer_drift`).
 
     Both models run in eval mode under ``torch.no_grad()``; their training flags are put back
     afterwards, so batch-norm statistics are never updated by a comparison.
@@ -103,7 +103,7 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
                 stats.add(ref, cand, primary=index == 0)
     result = stats.result()
     if per_layer:
-        from surgery.layer_drift import layer_drift
+        from surgery.analysis.layer_drift import layer_drift
 
         result = dataclasses.replace(result, layers=layer_drift(reference, candidate, inputs))
     return result

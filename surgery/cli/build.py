@@ -1,4 +1,4 @@
-"""Recipe ``build:`` rules: turn YAML rule specs into :mod:`surgery.rules` objects."""
+"""Recipe ``build:`` rules: turn YAML rule specs into :mod:`surgery.ops.rules` objects."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery import importing, rules
-from surgery.config import BuildRuleConfig
-from surgery.errors import ConfigError
-from surgery.rules import Rule
-from surgery.selection import TYPE_PREFIX
+from surgery.core import importing
+
+from surgery.ops import rules
+from surgery.cli.config import BuildRuleConfig
+from surgery.core.errors import ConfigError
+from surgery.ops.rules import Rule
+from surgery.core.selection import TYPE_PREFIX
 
 
 def import_object(path: str, field: str) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from surgery.checkpoints import Staging, refuse_existing, write_atomically
+from surgery.core.checkpoints import Staging, refuse_existing, write_atomically
 
 SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
@@ -122,7 +122,7 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
     metrics only from reports the job published in this sweep.
 
     The three files are written atomically and published together (``sweep.json`` last); an
-    existing summary raises :class:`~surgery.errors.OutputExistsError` before anything is
+    existing summary raises :class:`~surgery.core.errors.OutputExistsError` before anything is
     written unless ``overwrite`` — by default, whether the jobs were run with
     ``output.overwrite=true``.
     """

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from surgery.errors import CheckpointError, OutputExistsError
+from surgery.core.errors import CheckpointError, OutputExistsError
 
 STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
@@ -144,7 +144,7 @@ def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[st
 
 
 def refuse_existing(paths: Iterable[Path], overwrite: bool) -> None:
-    """Raise :class:`~surgery.errors.OutputExistsError` for the first of ``paths`` that exists
+    """Raise :class:`~surgery.core.errors.OutputExistsError` for the first of ``paths`` that exists
     (a dangling symlink counts), unless ``overwrite``: call it before writing anything, so a
     refusal writes nothing."""
     for path in paths:

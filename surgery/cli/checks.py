@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.checkpoints import load_checkpoint
-from surgery.comparison import Drift, batches, evaluating, outputs, same_bits
-from surgery.config import DriftThresholds
+from surgery.core.checkpoints import load_checkpoint
+from surgery.analysis.comparison import Drift, batches, evaluating, outputs, same_bits
+from surgery.cli.config import DriftThresholds
 
 GLOBAL_HOOK_DICTS = (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",

@@ -1,8 +1,8 @@
 """``torch.compile`` support: the graph op that keeps guarded parameters consistent, hooks dynamo notices.
 
-The file holds :func:`enforce` (called by :class:`~surgery.guards.SubtreeEnforcer` while
+The file holds :func:`enforce` (called by :class:`~surgery.core.guards.SubtreeEnforcer` while
 dynamo traces it), the operator ``surgery::enforce`` it puts in the graph, the registry that
-lets that operator find its :class:`~surgery.guards.TensorGuard` objects at run time, and
+lets that operator find its :class:`~surgery.core.guards.TensorGuard` objects at run time, and
 :func:`prepare` (what a verb operates on: the model a ``torch.compile`` wrapper compiles,
 with dynamo told to notice hooks).
 
@@ -43,7 +43,7 @@ _library.define("enforce(Tensor(a!)[] params, Tensor[] tokens) -> ()")
 
 
 class Refreshable(Protocol):
-    """What :func:`enforce` needs of a guard (:class:`~surgery.guards.TensorGuard`)."""
+    """What :func:`enforce` needs of a guard (:class:`~surgery.core.guards.TensorGuard`)."""
 
     param: nn.Parameter
     token: Tensor

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from surgery.checkpoints import write_atomically
-from surgery.checks import CheckResult
+from surgery.core.checkpoints import write_atomically
+from surgery.cli.checks import CheckResult
 
 
 def layer_rows(model: nn.Module, sparsity: dict[str, float], drift: list | None = None) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from surgery.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError
 
 OBSERVERS = ("minmax", "moving_average", "percentile")
 _QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit

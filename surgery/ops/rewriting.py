@@ -23,11 +23,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery import compiled
-from surgery.errors import ConfigError, ConfigTypeError
-from surgery.handles import Handle
-from surgery.importing import import_object
-from surgery.selection import Selection, select as select_modules
+from surgery.core import compiled
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.importing import import_object
+from surgery.core.selection import Selection, select as select_modules
 
 Rewrite = Callable[[tuple, dict], tuple[tuple, dict]]
 
@@ -105,7 +105,7 @@ def rewrite_inputs(
         model: the model to modify in place.
         fn: a rewrite ``(args: tuple, kwargs: dict) -> (args, kwargs)``: a built-in such as
             :class:`Normalize`, one from :func:`rewrite_from_config`, or any callable. It must
-            keep the number of positional inputs (else :class:`~surgery.errors.ConfigError`
+            keep the number of positional inputs (else :class:`~surgery.core.errors.ConfigError`
             naming the module is raised at call time).
         select: submodules to hook (see :func:`surgery.select`); ``None`` hooks the root only.
         exclude: submodules never hooked, even if selected; only with ``select``.
@@ -143,7 +143,7 @@ def rewrite_inputs(
 
 
 def identity_rewrite(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A rewrite that changes nothing; ``rewrite_from_config("surgery.rewriting.identity_rewrite")``.
+    """A rewrite that changes nothing; ``rewrite_from_config("surgery.ops.rewriting.identity_rewrite")``.
 
     It exists as the reference example of a plain-function rewrite given by dotted path.
 

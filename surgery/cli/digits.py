@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.comparison import evaluating
-from surgery.errors import ConfigError
+from surgery.analysis.comparison import evaluating
+from surgery.core.errors import ConfigError
 
-CHECKPOINT: Path = Path(__file__).resolve().parent / "assets" / "digits_cnn.safetensors"
+CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"
 SPLITS = ("train", "test")
 TEST_FRACTION = 0.2
 
@@ -128,7 +128,7 @@ def accuracy(model: nn.Module, batches: Batches) -> float:
         ValueError: ``batches`` holds no sample.
 
     Example:
-        >>> model = load_checkpoint(DigitsCNN(), CHECKPOINT)  # from surgery.checkpoints
+        >>> model = load_checkpoint(DigitsCNN(), CHECKPOINT)  # from surgery.core.checkpoints
         >>> accuracy(model, digits_batches("test", 256)) >= 0.95
         True
     """

@@ -9,13 +9,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from surgery.checkpoints import load_checkpoint
-from surgery.config import ModelConfig
-from surgery.digits import CHECKPOINT, DigitsCNN
-from surgery.errors import ConfigError
-from surgery.intercept import Event, RuleNeverFiredError, intercept
-from surgery.selection import describe
-from surgery.rules import Rule
+from surgery.core.checkpoints import load_checkpoint
+from surgery.cli.config import ModelConfig
+from surgery.cli.digits import CHECKPOINT, DigitsCNN
+from surgery.core.errors import ConfigError
+from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
+from surgery.core.selection import describe
+from surgery.ops.rules import Rule
 
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn)
@@ -43,7 +43,7 @@ class ModelBuilder:
     """Builds fresh, identical models on each call: seeded, in eval mode, with build rules.
 
     Random initialisation is seeded with ``seed`` without disturbing the caller's RNG state.
-    ``rules`` are applied with :func:`surgery.intercept` while the constructor runs; the
+    ``rules`` are applied with :func:`surgery.ops.intercept` while the constructor runs; the
     events of the last build are in :attr:`events`. ``config.weights`` (a checkpoint path) is
     loaded with ``weights_only=True`` after construction.
     """

@@ -11,18 +11,18 @@ from typing import Any
 from torch import nn
 from tqdm import tqdm
 
-from surgery import checks
-from surgery.build import neutral, rules_from_config
-from surgery.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors
-from surgery.comparison import compare
-from surgery.config import RunConfig
-from surgery.errors import ConfigError
-from surgery.data import Data, calibration_batches, load_data
-from surgery.handles import HandleGroup
-from surgery.inspection import calls_as_rows, format_table, inspect_model
-from surgery.models import ModelBuilder, check_runs
-from surgery.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
-from surgery.steps import apply_steps, find, reattach, saved_qparams
+from surgery.cli import checks
+from surgery.cli.build import neutral, rules_from_config
+from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors
+from surgery.analysis.comparison import compare
+from surgery.cli.config import RunConfig
+from surgery.core.errors import ConfigError
+from surgery.cli.data import Data, calibration_batches, load_data
+from surgery.core.handles import HandleGroup
+from surgery.analysis.inspection import calls_as_rows, format_table, inspect_model
+from surgery.cli.models import ModelBuilder, check_runs
+from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
+from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
@@ -137,7 +137,7 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
     """Top-1 accuracy of the unmodified and the modified model, when the data has labels."""
     if data.labels is None:
         return None
-    from surgery.digits import accuracy
+    from surgery.cli.digits import accuracy
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}

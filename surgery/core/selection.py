@@ -14,8 +14,8 @@ from typing import Union
 
 from torch import nn
 
-from surgery.errors import ConfigError, ConfigTypeError, SelectionError
-from surgery.importing import import_object
+from surgery.core.errors import ConfigError, ConfigTypeError, SelectionError
+from surgery.core.importing import import_object
 
 Predicate = Callable[[nn.Module, str], bool]
 Pattern = Union[str, type, tuple, Predicate]

@@ -10,8 +10,8 @@ from typing import Literal
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from surgery import guards
-from surgery.errors import ConfigError, ConfigTypeError, UndoError
+from surgery.core import guards
+from surgery.core.errors import ConfigError, ConfigTypeError, UndoError
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
@@ -32,7 +32,7 @@ class Handle:
     stays in the weights, saved originals are dropped). Steps run last-in-first-out.
 
     ``restore()`` keeps going when a step fails — also on ``KeyboardInterrupt`` — and then
-    raises :class:`~surgery.errors.UndoError` with every failure (or re-raises the interrupt);
+    raises :class:`~surgery.core.errors.UndoError` with every failure (or re-raises the interrupt);
     a failed step is reported once, not retried. ``bake()`` is all-or-nothing: if a step
     fails, the steps already baked are put back (hook dicts and tensor guards as they were),
     the handle stays attached — hooked and correct, still restorable — and the error is

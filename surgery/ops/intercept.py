@@ -1,4 +1,4 @@
-"""``surgery.intercept``: build-time surgery through torch's global registration hooks.
+"""``surgery.ops.intercept``: build-time surgery through torch's global registration hooks.
 
 While an ``intercept`` block is open, torch's global module, parameter and buffer
 registration hooks are installed. They act only for the thread that opened the block, and
@@ -29,8 +29,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.errors import ConfigTypeError, SurgeryError
-from surgery.rules import Rule
+from surgery.core.errors import ConfigTypeError, SurgeryError
+from surgery.ops.rules import Rule
 
 
 class InterceptError(SurgeryError, TypeError):

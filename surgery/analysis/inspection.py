@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.comparison import Inputs, batches, evaluating, flatten_tensors
+from surgery.analysis.comparison import Inputs, batches, evaluating, flatten_tensors
 
 Shape = tuple[int, ...]
 

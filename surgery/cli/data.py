@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from surgery.config import DataConfig
-from surgery.errors import ConfigError
+from surgery.cli.config import DataConfig
+from surgery.core.errors import ConfigError
 
 
 class SyntheticBatches(Sequence):
@@ -56,7 +56,7 @@ class Data:
 def load_data(config: DataConfig) -> Data:
     """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
     if config.kind == "digits":
-        from surgery.digits import digits_batches
+        from surgery.cli.digits import digits_batches
 
         pairs = digits_batches("test", config.batch_size, limit_batches=config.batches)  # the fixed split
         return Data([images for images, _ in pairs], [labels for _, labels in pairs])
@@ -67,7 +67,7 @@ def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     """``count`` batches for calibration, disjoint from the evaluation batches (digits: the
     training split; synthetic: noise from ``seed + 1``)."""
     if config.kind == "digits":
-        from surgery.digits import digits_batches
+        from surgery.cli.digits import digits_batches
 
         return [images for images, _ in digits_batches("train", config.batch_size, limit_batches=count)]
     return _noise(config, config.seed + 1, count)

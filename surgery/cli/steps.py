@@ -7,11 +7,11 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from surgery.config import RunConfig
-from surgery.handles import Handle, HandleGroup
-from surgery.pruning import prune
-from surgery.quantization import QuantizeHandle, quantize
-from surgery.rewriting import rewrite_from_config, rewrite_inputs
+from surgery.cli.config import RunConfig
+from surgery.core.handles import Handle, HandleGroup
+from surgery.ops.pruning import prune
+from surgery.ops.quantization import QuantizeHandle, quantize
+from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
 
 Applier = Callable[[nn.Module, RunConfig, bool, list], Handle]
 

@@ -6,13 +6,13 @@ import math
 
 import torch
 from torch import Tensor, nn
-from surgery import compiled, guards
-from surgery.errors import ConfigError, ConfigTypeError
-from surgery.guards import SubtreeEnforcer
-from surgery.handles import Handle
-from surgery.masks import METHODS, SCOPES, compute_masks, pack, unpack
-from surgery.selection import Selection
-from surgery.targets import Skipped, Targets, select_parameters
+from surgery.core import compiled, guards
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.guards import SubtreeEnforcer
+from surgery.core.handles import Handle
+from surgery.ops.masks import METHODS, SCOPES, compute_masks, pack, unpack
+from surgery.core.selection import Selection
+from surgery.core.targets import Skipped, Targets, select_parameters
 
 
 class MaskEnforcer:
@@ -20,7 +20,7 @@ class MaskEnforcer:
 
     The mask is applied in place when pruning is attached, so everything that reads the
     parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
-    the pruned values; the parameter's :class:`~surgery.guards.TensorGuard` re-applies it
+    the pruned values; the parameter's :class:`~surgery.core.guards.TensorGuard` re-applies it
     whenever the tensor changes. The mask is stored packed, one bit per entry.
     """
 

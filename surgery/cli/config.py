@@ -9,9 +9,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from surgery.errors import NO_VALUE, ConfigError
-from surgery.observers import QuantSpec
-from surgery.pruning import validate_arguments
+from surgery.core.errors import NO_VALUE, ConfigError
+from surgery.ops.observers import QuantSpec
+from surgery.ops.pruning import validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite")
 MODEL_SOURCES = ("torchvision", "digits_cnn")
@@ -190,7 +190,7 @@ BUILD_KINDS = ("swap", "wrap", "parameter", "buffer")
 
 @dataclass
 class BuildRuleConfig:
-    """One build-time rule from a recipe's ``build:`` list (see :mod:`surgery.build`).
+    """One build-time rule from a recipe's ``build:`` list (see :mod:`surgery.cli.build`).
 
     ``match`` is ``type:ClassName`` (torch.nn or a dotted path), a glob on the local attribute
     name, or a list of those. ``swap`` builds ``to(**kwargs)`` or calls ``factory(old, **kwargs)``;

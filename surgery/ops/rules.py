@@ -1,4 +1,4 @@
-"""Build-time rules for :func:`surgery.intercept`: swap, wrap, on_parameter, on_buffer.
+"""Build-time rules for :func:`surgery.ops.intercept`: swap, wrap, on_parameter, on_buffer.
 
 A rule pairs a ``match`` with an action. ``match`` is a class or tuple of classes (for module
 rules: the child's class; for tensor rules: the owning module's class), a glob on the local
@@ -16,7 +16,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from surgery.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError
 
 Match = Union[type, tuple, str, Callable[[nn.Module, str, Any], bool]]
 KINDS = ("swap", "wrap", "parameter", "buffer")

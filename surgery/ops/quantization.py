@@ -12,15 +12,15 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from surgery import compiled, guards
-from surgery.checkpoints import save_tensors
-from surgery.comparison import batches, check_batch_finite, evaluating
-from surgery.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
-from surgery.guards import SubtreeEnforcer
-from surgery.handles import Handle
-from surgery.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
-from surgery.selection import Selection, select
-from surgery.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
+from surgery.core import compiled, guards
+from surgery.core.checkpoints import save_tensors
+from surgery.analysis.comparison import batches, check_batch_finite, evaluating
+from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
+from surgery.core.guards import SubtreeEnforcer
+from surgery.core.handles import Handle
+from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
+from surgery.core.selection import Selection, select
+from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
 
 WEIGHT_AXIS = ((nn.ConvTranspose1d, 1), (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1),
                (nn.Conv1d, 0), (nn.Conv2d, 0), (nn.Conv3d, 0), (nn.Linear, 0), (nn.Embedding, 0))
@@ -126,7 +126,7 @@ class QuantizeHandle(Handle):
 
     def save_qparams(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write activation quantization parameters (safetensors, settings as metadata), atomically;
-        an existing file raises :class:`~surgery.errors.OutputExistsError` unless ``overwrite``."""
+        an existing file raises :class:`~surgery.core.errors.OutputExistsError` unless ``overwrite``."""
         if Path(path).exists() and not overwrite:
             raise OutputExistsError(str(path))
         first = next(iter(self.activations.values()), None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from surgery.errors import ConfigError
+from surgery.core.errors import ConfigError
 
 
 def import_object(path: object, field: str, *, default_module: str | None = None) -> Any:

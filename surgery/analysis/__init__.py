@@ -1,0 +1,1 @@
+"""Measuring models: output comparison, per-layer drift, inspection."""

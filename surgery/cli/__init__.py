@@ -1,0 +1,1 @@
+"""The Hydra application (``python -m surgery``): configs, steps, checks, reports, sweeps."""

@@ -1,0 +1,183 @@
+"""Command line: ``python -m surgery recipe=NAME [overrides]`` (also the ``surgery`` script)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from surgery.cli.config import load_config
+from surgery.core.errors import SurgeryError
+from surgery.cli.preview import preview
+from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
+from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
+
+PACKAGE = Path(__file__).resolve().parents[1]  # surgery/
+CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
+GROUPS = ("recipe", "model", "data")
+_exit_codes: list[int] = []
+
+
+def available(group: str, roots: list[Path]) -> list[str]:
+    """Names of the YAML options of a config group in surgery's configs and extra ``roots``."""
+    return sorted({p.stem for root in [CONFIG_DIR, *roots] for p in (root / group).glob("*.yaml")})
+
+
+def _search_roots(overrides: list) -> list[Path] | None:
+    """Folders added with ``hydra.searchpath=[file://...]``; None if a root cannot be listed."""
+    roots: list[Path] = []
+    for override in overrides:
+        if override.key_or_group.lstrip("+") != "hydra.searchpath":
+            continue
+        for entry in override.value() or []:
+            if not str(entry).startswith("file://"):
+                return None
+            roots.append(Path(str(entry)[len("file://"):]))
+    return roots
+
+
+def fail(message: str) -> int:
+    print(f"surgery: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def preflight(arguments: list[str]) -> int:
+    """Check config-group choices before Hydra composes, so a typo is one line and exit 2."""
+    parser, overrides = OverridesParser.create(), []
+    for argument in (a for a in arguments if not a.startswith("-") and "=" in a):
+        try:
+            overrides += parser.parse_overrides(overrides=[argument])
+        except HydraException as err:
+            return fail(f"cannot parse override {argument!r}: {str(err).splitlines()[0]}")
+        if not overrides[-1].key_or_group.lstrip("+~"):
+            return fail(f"cannot parse override {argument!r}: the key before '=' is empty (write KEY=VALUE)")
+    roots = _search_roots(overrides)
+    if roots is None:
+        return 0  # package search paths: leave the check to Hydra
+    for override in overrides:
+        group = override.key_or_group.lstrip("+~")
+        if group not in GROUPS or override.is_delete():
+            continue
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        options = available(group, roots)
+        for value in values:
+            if value not in options:
+                return fail(f"{group}={value!r}: unknown {group}; available: {', '.join(options)}")
+    return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, Slurm, ``kill``): unwinds like Ctrl-C, so nothing is left half-written."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+def _task(cfg: DictConfig) -> None:
+    _exit_codes.append(-1)  # marks that composition succeeded and the job started
+    hydra_config = HydraConfig.get()
+    out_dir = Path(hydra_config.runtime.output_dir)
+    if hydra_config.mode != RunMode.MULTIRUN:
+        _exit_codes[-1] = _run_job(cfg, out_dir)[0]
+        return
+    sweep_dir = Path(hydra_config.sweep.dir)
+    overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
+    record = JobRecord(int(hydra_config.job.num), overrides, str(out_dir.resolve()), "started")
+    record_job(sweep_dir, record)
+    try:
+        code, dry_run = _run_job(cfg, out_dir)
+        record.status = "dry_run" if dry_run else {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
+    except Exception as err:  # a job of a sweep never takes the sweep down: it is recorded as crashed
+        traceback.print_exc()
+        record.status, record.error, code = "crashed", f"{type(err).__name__}: {err}".splitlines()[0], 1
+    record_job(sweep_dir, record)
+    _exit_codes[-1] = code
+
+
+def _run_job(cfg: DictConfig, out_dir: Path) -> tuple[int, bool]:
+    """One run: (exit code: 0 ok, 1 a check failed, 2 bad configuration or input; whether it was
+    a ``select_only`` dry run, which writes nothing)."""
+    try:
+        config = load_config(cfg)
+        if config.select_only:
+            print(preview(config))
+            return EXIT_OK, True
+        return run(config, out_dir).exit_code, False
+    except SurgeryError as err:
+        return fail(str(err).splitlines()[0]), False
+
+
+def main() -> None:
+    """Entry point of ``python -m surgery`` and the ``surgery`` console script."""
+    code = preflight(sys.argv[1:])
+    if code:
+        sys.exit(code)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    launcher_error = None
+    try:
+        _task()
+    except Terminated:
+        sys.exit(_interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM))
+    except KeyboardInterrupt:
+        sys.exit(_interrupted("interrupted", 128 + signal.SIGINT))
+    except (HydraException, OmegaConfBaseException) as err:
+        if _exit_codes:
+            raise
+        lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
+        sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
+    except yaml.YAMLError as err:  # a user's config file that is not valid YAML
+        if _exit_codes:
+            raise
+        mark = getattr(err, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
+        sys.exit(fail(f"{where}: not valid YAML ({getattr(err, 'problem', None) or type(err).__name__})"))
+    except OSError as err:
+        if _exit_codes:
+            raise
+        field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+        sys.exit(fail(f"{field}={str(err.filename or '')!r}: cannot hold the run's outputs ({err.strerror or err})"))
+    except Exception as err:  # noqa: BLE001 - a launcher process that died (joblib, submitit)
+        if not multirun or current_sweep() is None:
+            raise
+        launcher_error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
+        print(f"surgery: error: the sweep's launcher failed: {launcher_error}", file=sys.stderr)
+    if multirun and current_sweep() is None:
+        _exit_codes.append(fail("hydra.callbacks: surgery's sweep_records callback did not run, so the outcome of "
+                                "jobs in other processes is unknown; keep it in hydra.callbacks"))
+    elif multirun:
+        _exit_codes.append(_finish_sweep(launcher_error))
+    sys.exit(max(_exit_codes, default=0))
+
+
+def _finish_sweep(launcher_error: str | None) -> int:
+    try:
+        code, files, records = finish_sweep(launcher_error)
+    except SurgeryError as err:
+        return fail(str(err).splitlines()[0])
+    failed = [r for r in records if r.exit_code]
+    if files:
+        print(f"sweep summary: {', '.join(str(f) for f in files)}"
+              f"{f' ({len(failed)} of {len(records)} jobs failed)' if failed else ''}")
+    return code
+
+
+def _interrupted(what: str, code: int) -> int:
+    print(f"surgery: {what}; the run's outputs were left as they were", file=sys.stderr)
+    return code
+
+

@@ -1,0 +1,1 @@
+"""The library's foundation: handles, guarded weight transforms, selection, inputs, capture, registries."""

@@ -1,0 +1,1 @@
+"""The operations: prune, quantize, rewrite, intercept and its rules."""
