@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from surgery.ops.masks import compute_masks, pack, unpack
+from surgery.ops.criteria import compute_masks, pack, unpack
 
 
 def _weights(*shapes: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:

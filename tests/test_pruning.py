@@ -588,11 +588,11 @@ def test_failure_while_enforcing_the_third_mask_rolls_everything_back(mlp, mlp_i
 
 
 def test_failure_in_attach_rolls_everything_back(convnet, image_input):
-    from surgery.ops import pruning
+    from surgery.core import guards
 
     before = snapshot(convnet)
-    side_effect = _fail_on_call(3, pruning._attach)
-    with mock.patch.object(pruning, "_attach", side_effect=side_effect) as patched:
+    side_effect = _fail_on_call(3, guards.attach)
+    with mock.patch.object(guards, "attach", side_effect=side_effect) as patched:
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.prune(convnet, 0.5, scope="global")
         assert patched.call_count == 3
@@ -601,7 +601,7 @@ def test_failure_in_attach_rolls_everything_back(convnet, image_input):
 
 def test_failure_registering_the_root_hook_rolls_everything_back(convnet):
     before = snapshot(convnet)
-    with mock.patch("surgery.ops.pruning.SubtreeEnforcer", side_effect=RuntimeError("injected failure")):
+    with mock.patch("surgery.core.transforms.SubtreeEnforcer", side_effect=RuntimeError("injected failure")):
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.prune(convnet, 0.5)
     assert snapshot_differences(before, snapshot(convnet)) == []

@@ -168,7 +168,7 @@ def fail_at_every_call(model: nn.Module, x: torch.Tensor, apply: Callable[[], Ha
 # --- every verb -------------------------------------------------------------------------------------
 
 
-PRUNE_CALLS = [Target(pruning, "compute_masks"), Target(Handle, "add", after=True),
+PRUNE_CALLS = [Target(pruning, "masks_from_scores"), Target(Handle, "add", after=True),
                Target(guards, "attach", after=True), Target(MaskEnforcer, "apply", after=True),
                Target(nn.Module, "register_forward_pre_hook")]
 WEIGHT_CALLS = [Target(Observer, "observe"), Target(Handle, "add", after=True), Target(guards, "attach", after=True),

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
+from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating, outputs
 
-Batch = Union[Tensor, Sequence[Any]]
-Inputs = Union[Tensor, Iterable[Batch]]
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,8 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
     Args:
         reference: the model taken as ground truth.
         candidate: the modified model.
-        inputs: one input tensor, or an iterable of batches (a tensor each, or a tuple of
-            positional arguments), streamed: one batch is held at a time. A one-shot iterator
+        inputs: one batch, or an iterable of batches, streamed. A batch is a tensor, a tuple
+            of positional arguments or a dict of keyword arguments (``input_ids=...``): one batch is held at a time. A one-shot iterator
             is kept in memory only with ``per_layer`` (which needs a second pass).
         per_layer: also compare the output of every module whose qualified name exists in
             both models (forward hooks, streaming sums: one batch of activations held at a
@@ -93,7 +90,7 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         inputs = list(inputs)
     stats = _Accumulator()
     with evaluating(reference), evaluating(candidate), torch.no_grad():
-        for index, batch in enumerate(batches(inputs)):
+        for index, batch in enumerate(batches(inputs, "compare.inputs")):
             check_batch_finite(batch, index, "compare.inputs")
             ref_outputs, cand_outputs = outputs(reference, batch), outputs(candidate, batch)
             if len(ref_outputs) != len(cand_outputs):
@@ -107,54 +104,6 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
 
         result = dataclasses.replace(result, layers=layer_drift(reference, candidate, inputs))
     return result
-
-
-def batches(inputs: Inputs) -> Iterator[tuple]:
-    """Yield each batch of ``inputs`` as a tuple of positional arguments."""
-    if isinstance(inputs, Tensor):
-        yield (inputs,)
-        return
-    for batch in inputs:
-        yield tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-
-
-def check_batch_finite(batch: tuple, index: int, field: str, error: type[ConfigError] = ConfigError) -> None:
-    """Raise ``error`` naming batch ``index`` if its floating tensors hold NaN or Inf."""
-    for tensor in flatten_tensors(list(batch)):
-        if not torch.isfinite(tensor).all():
-            raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")
-
-
-def outputs(model: nn.Module, args: tuple) -> list[Tensor]:
-    """Call ``model(*args)`` and return its floating-point output tensors, flattened."""
-    return flatten_tensors(model(*args))
-
-
-def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
-    """Tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object): the
-    floating ones, or all with ``floating_only=False``."""
-    if isinstance(value, Tensor):
-        keep = not floating_only or value.is_floating_point() or value.is_complex()
-        return [value] if keep else []
-    if hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in flatten_tensors(item, floating_only=floating_only)]
-    return []
-
-
-@contextlib.contextmanager
-def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """Put ``model`` in eval mode for the block, then restore every module's training flag."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for module, flag in flags:
-            module.training = flag
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:

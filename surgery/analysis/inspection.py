@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.analysis.comparison import Inputs, batches, evaluating, flatten_tensors
+from surgery.core.inputs import Inputs, batches, evaluating, flatten_tensors
 
 Shape = tuple[int, ...]
 
@@ -121,7 +121,7 @@ def inspect_model(model: nn.Module, inputs: Inputs) -> list[ModuleCall]:
         for index, batch in enumerate(batches(inputs)):
             tracer.batch = index
             tracer.open.clear()
-            model(*batch)
+            batch(model)
     return tracer.calls
 
 

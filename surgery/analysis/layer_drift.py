@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from surgery.analysis.comparison import Inputs, StreamingError, batches, evaluating
+from surgery.analysis.comparison import StreamingError
+from surgery.core.inputs import Call, Inputs, batches, evaluating
 from surgery.core.errors import ConfigError
 
 
@@ -216,11 +217,11 @@ def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> l
     return [recorder.stats[name].result(name, types[name], index) for name, index in recorder.order.items()]
 
 
-def _run_batch(recorder: _Recorder, reference: nn.Module, candidate: nn.Module, batch: tuple) -> None:
+def _run_batch(recorder: _Recorder, reference: nn.Module, candidate: nn.Module, batch: Call) -> None:
     recorder.start_batch()
     recorder.phase = "reference"
-    reference(*batch)
+    batch(reference)
     recorder.phase = "candidate"
-    candidate(*batch)
+    batch(candidate)
     recorder.phase = "idle"
     recorder.finish_batch()

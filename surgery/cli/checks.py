@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 from surgery.core.checkpoints import load_checkpoint
-from surgery.analysis.comparison import Drift, batches, evaluating, outputs, same_bits
+from surgery.analysis.comparison import Drift, same_bits
+from surgery.core.inputs import batches, evaluating, outputs
 from surgery.cli.config import DriftThresholds
 
 GLOBAL_HOOK_DICTS = (

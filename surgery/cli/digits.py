@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.analysis.comparison import evaluating
+from surgery.core.inputs import evaluating
 from surgery.core.errors import ConfigError
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"

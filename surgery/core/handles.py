@@ -50,6 +50,7 @@ class Handle:
         self._model = weakref.ref(model)
         self._steps: list[_Step] = []
         self._hooks: list[RemovableHandle] = []
+        self._records: list = []
         self._state: State = "attached"
 
     @property
@@ -65,6 +66,17 @@ class Handle:
     def add(self, description: str, undo: Callable[[], None], bake: Callable[[], None] | None = None) -> None:
         """Record a change already made: ``undo`` reverses it, ``bake`` (optional) finalises it."""
         self._steps.append(_Step(description, undo, bake))
+
+    def add_record(self, record) -> None:
+        """Record an undo object (``description``, ``restore()``, ``keep()``), such as a
+        :class:`~surgery.core.transforms.AttachedTransform`, before the change it undoes."""
+        self.add(record.description, record.restore, record.keep)
+        self._records.append(record)
+
+    @property
+    def records(self) -> list:
+        """The undo records of the changes still attached (empty once restored or baked)."""
+        return list(self._records)
 
     def add_hook(self, description: str, hook: RemovableHandle) -> None:
         """Own a hook: it is removed both on restore and on bake (at once if recording fails)."""
@@ -156,6 +168,7 @@ class Handle:
         """Drop every step (and with them saved originals): the handle is done."""
         self._steps.clear()
         self._hooks.clear()
+        self._records.clear()
 
     def __enter__(self) -> Handle:
         return self

@@ -3,16 +3,62 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
+
 from surgery.core import compiled, guards
+from surgery.core.capture import input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.guards import SubtreeEnforcer
 from surgery.core.handles import Handle
-from surgery.ops.masks import METHODS, SCOPES, compute_masks, pack, unpack
+from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Targets, select_parameters
+from surgery.core.transforms import SavedEntries, attach_all
+from surgery.ops.criteria import (
+    CRITERIA,
+    SCOPES,
+    Criterion,
+    LayerStats,
+    Score,
+    as_criterion,
+    compute_scores,
+    masks_from_scores,
+    pack,
+    unpack,
+)
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """How to prune, validated when built: ``PruneSpec(amount=9)`` raises at once.
+
+    ``method`` is a registered criterion name (``surgery.register_criterion``) or a scoring
+    function ``score(weight, stats) -> Tensor``; see :func:`prune` for the other fields.
+    """
+
+    amount: float
+    method: Union[str, Score, Criterion] = "l1_unstructured"
+    scope: str = "layer"
+    n: float = 2.0
+    dim: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ConfigTypeError("prune.dim", self.dim, "must be an integer (the dimension whose slices a "
+                                  "structured criterion prunes)")
+        object.__setattr__(self, "amount", amount)
+        object.__setattr__(self, "n", n)
+
+    @property
+    def criterion(self) -> Criterion:
+        return as_criterion(self.method)
 
 
 class MaskEnforcer:
@@ -20,8 +66,8 @@ class MaskEnforcer:
 
     The mask is applied in place when pruning is attached, so everything that reads the
     parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
-    the pruned values; the parameter's :class:`~surgery.core.guards.TensorGuard` re-applies it
-    whenever the tensor changes. The mask is stored packed, one bit per entry.
+    the pruned values; the parameter's guard re-applies it whenever the tensor changes. The
+    mask is stored packed, one bit per entry; undo keeps only the entries it zeroes.
     """
 
     kind = "prune"
@@ -35,6 +81,10 @@ class MaskEnforcer:
         """The boolean keep-mask (``True`` keeps the entry)."""
         return unpack(self.packed, self.shape)
 
+    def save(self, param: Tensor) -> SavedEntries:
+        """The original values of the entries about to be zeroed."""
+        return SavedEntries(param, ~self.mask(), lambda: ~self.mask())
+
     def apply(self, param: Tensor) -> None:
         """Zero the pruned entries of ``param`` in place."""
         with torch.no_grad():
@@ -44,10 +94,11 @@ class MaskEnforcer:
 class PruneHandle(Handle):
     """Handle returned by :func:`prune`; also reports the masks and the sparsity it made."""
 
-    def __init__(self, model: nn.Module, selection: Targets | None = None) -> None:
+    def __init__(self, model: nn.Module, selection: Targets | None = None, spec: PruneSpec | None = None) -> None:
         super().__init__("prune", model)
         self.enforcers: dict[str, MaskEnforcer] = {}
         self.selection = selection or Targets({}, [])
+        self.spec = spec
 
     @property
     def parameters(self) -> list[str]:
@@ -81,25 +132,30 @@ class PruneHandle(Handle):
 
 def prune(
     model: nn.Module,
-    amount: float,
+    amount: float | PruneSpec,
     *,
-    method: str = "l1_unstructured",
+    method: str | Score = "l1_unstructured",
     scope: str = "layer",
     select: Selection = None,
     exclude: Selection = None,
     n: float = 2.0,
     dim: int = 0,
     seed: int = 0,
+    calibration: Inputs | None = None,
+    progress: bool = True,
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
 
     Args:
         model: the model to modify in place.
-        amount: fraction in [0, 1] of weight entries (or of slices, for ``ln_structured``)
-            to set to zero.
-        method: ``"l1_unstructured"`` (smallest magnitudes), ``"random_unstructured"``
-            (seeded by ``seed``) or ``"ln_structured"`` (whole slices along ``dim`` with the
-            smallest Ln norm, ``dim=0`` = output channels/filters).
+        amount: fraction in [0, 1] of weight entries (or of slices, for a structured
+            criterion) to set to zero; or a :class:`PruneSpec` holding every setting below
+            except the selection.
+        method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
+            ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
+            along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters), any
+            name added with :func:`surgery.register_criterion`; or a function
+            ``score(weight, stats) -> Tensor`` (same shape as the weight; lowest pruned).
         scope: ``"layer"`` (each weight pruned by ``amount``) or ``"global"`` (one ranking
             across all selected weights).
         select: layers to prune (see :func:`surgery.select`; their ``weight``), or any
@@ -107,6 +163,10 @@ def prune(
             ``nn.Conv1d/2d/3d``, ``nn.Linear`` and Hugging Face ``Conv1D``. What is left out
             and why is in :attr:`PruneHandle.skipped` (and logged).
         exclude: modules never pruned, even if selected.
+        calibration: batches (tensors, tuples of positional inputs or dicts of keyword
+            inputs) run through the model first; each criterion then receives the
+            :class:`~surgery.ops.criteria.LayerStats` of its layer's inputs (``None`` without).
+        progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
@@ -118,43 +178,75 @@ def prune(
         0.5
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
-    amount, n = validate_arguments(amount, method, scope, n, seed)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ConfigTypeError("prune.dim", dim, "must be an integer (the dimension whose slices ln_structured prunes)")
-    selection = prune_targets(model, select, exclude, dim)
+    if isinstance(amount, PruneSpec):
+        spec = amount
+        if (method, scope, n, dim, seed) != ("l1_unstructured", "layer", 2.0, 0, 0):
+            raise ConfigError("prune.amount", spec, "is a PruneSpec: set method, scope, n, dim and seed in it, "
+                              "not as arguments too")
+    else:
+        spec = PruneSpec(amount, method, scope, n, dim, seed)
+    criterion = spec.criterion
+    if criterion.needs_calibration and calibration is None:
+        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with activation statistics; "
+                          "pass calibration batches")
+    selection = prune_targets(model, select, exclude, spec.dim)
     targets = {name: target.param for name, target in selection.matched.items()}
     guards.check_editable(targets, "prune.select")
-    params = list(targets.values())
-    current = [guards.current_value(p) for p in params]  # as attached transforms keep them
-    if method != "random_unstructured":
-        for name, value in zip(targets, current):
+    current = {name: guards.current_value(p) for name, p in targets.items()}  # as attached transforms keep them
+    if criterion.name != "random_unstructured":
+        for name, value in current.items():
             if not torch.isfinite(value).all():
-                raise ConfigError("prune.select", name, f"has NaN or Inf entries; {method} ranks by magnitude and "
-                                  "needs finite weights (exclude the layer, fix the weights or use random_unstructured)")
-    masks = compute_masks(current, amount, method=method, scope=scope, n=n, dim=dim, seed=seed)
-    handle = PruneHandle(model, selection)
+                raise ConfigError("prune.select", name, f"has NaN or Inf entries; {criterion.name} ranks by magnitude "
+                                  "and needs finite weights (exclude the layer, fix the weights or use "
+                                  "random_unstructured)")
+    stats = calibrate(model, selection, calibration, progress) if calibration is not None else {}
+    scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
+    masks = masks_from_scores(list(current.values()), scores, spec.amount, scope=spec.scope,
+                              structured=criterion.structured, dim=spec.dim)
+    handle = PruneHandle(model, selection, spec)
     try:
-        by_param = {}
-        for (name, param), mask in zip(targets.items(), masks):
-            handle.enforcers[name] = _attach(handle, name, param, mask)
-            by_param[id(param)] = guards.guard_of(param)
-        for module, below in guards.paths_to_owners(model, params):
-            hook = module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below]))
-            handle.add_hook("mask hook", hook)
+        enforcers = {name: (param, MaskEnforcer(param, mask)) for (name, param), mask in zip(targets.items(), masks)}
+        handle.enforcers.update({name: enforcer for name, (_, enforcer) in enforcers.items()})
+        attach_all(handle, model, enforcers, "mask hook")
     except BaseException as err:
         handle.rollback(err)
         raise
     return handle
 
 
-def validate_arguments(amount: object, method: str, scope: str, n: object, seed: object) -> tuple[float, float]:
+def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progress: bool = True) -> dict[str, LayerStats]:
+    """Run ``calibration`` through ``model`` (eval mode, no grad) and return the input
+    statistics of each selected weight's layer, by parameter name."""
+    layers = {target.module_name: target.module for target in selection.matched.values()}
+    total = 1 if isinstance(calibration, (Tensor, dict)) else len(calibration) if hasattr(calibration, "__len__") else None
+
+    def run() -> None:
+        with evaluating(model), torch.no_grad():
+            for index, batch in enumerate(tqdm(batches(calibration, "prune.calibration"), total=total, unit="batch",
+                                               desc="calibrating", disable=None if progress else True, leave=False)):
+                check_batch_finite(batch, index, "prune.calibration")
+                batch(model)
+
+    seen = input_statistics(model, layers, run)
+    stats: dict[str, LayerStats] = {}
+    for name, target in selection.matched.items():
+        captured = seen.get(target.module_name)
+        if captured is None:
+            raise ConfigError("prune.calibration", target.module_name, "this layer saw no data during calibration",
+                              "give batches that run through it, or exclude it")
+        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"])
+    return stats
+
+
+def validate_arguments(amount: object, method: object, scope: str, n: object, seed: object) -> tuple[float, float]:
     """Check prune's settings (also used by the CLI config); return ``(amount, norm order)``."""
     if isinstance(amount, bool) or not isinstance(amount, (int, float)):
         raise ConfigTypeError("prune.amount", amount, "must be a number in [0, 1]")
     if amount != amount or not 0.0 <= amount <= 1.0:  # NaN, or out of range (huge integers too)
         raise ConfigError("prune.amount", amount, "must be a number in [0, 1]")
-    if method not in METHODS:
-        raise ConfigError("prune.method", method, f"must be one of {', '.join(METHODS)}")
+    if not callable(method) and not isinstance(method, Criterion):
+        if method not in CRITERIA:
+            CRITERIA.get(method)  # raises, listing the registered criteria
     if scope not in SCOPES:
         raise ConfigError("prune.scope", scope, f"must be one of {', '.join(SCOPES)}")
     norm = {"inf": math.inf, "fro": 2.0}.get(n, n) if isinstance(n, str) else n
@@ -175,22 +267,3 @@ def prune_targets(model: nn.Module, include: Selection, exclude: Selection, dim:
         if not -weight.dim() <= dim < weight.dim():
             raise ConfigError("prune.dim", dim, f"must index a dimension of {name} {tuple(weight.shape)}")
     return targets
-
-
-def _attach(handle: PruneHandle, name: str, param: nn.Parameter, mask: Tensor) -> MaskEnforcer:
-    pruned = ~mask.to(param.device)
-    original = param.detach()[pruned]  # only the entries about to be zeroed
-    enforcer = MaskEnforcer(param, mask)
-
-    def put_back() -> None:
-        guards.detach(param, enforcer, name)
-        with torch.no_grad():
-            param.masked_scatter_(~enforcer.mask().to(param.device), original.to(param.device, param.dtype))
-
-    def keep() -> None:  # the original goes with the handle's steps once the whole bake succeeded
-        guards.settle(param)  # changed since the last forward: bake what the hooks would enforce
-        guards.detach(param, enforcer, name)
-
-    handle.add("restore pruned values", put_back, keep)  # recorded before the change
-    guards.attach(param, enforcer, name)
-    return enforcer

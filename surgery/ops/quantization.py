@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from surgery.core import compiled, guards
 from surgery.core.checkpoints import save_tensors
-from surgery.analysis.comparison import batches, check_batch_finite, evaluating
+from surgery.core.inputs import batches, check_batch_finite, evaluating
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
 from surgery.core.guards import SubtreeEnforcer
 from surgery.core.handles import Handle
@@ -370,7 +370,7 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
         for index, batch in enumerate(tqdm(batches(calibration), total=total, desc="calibrating", unit="batch",
                                            disable=None if progress else True, leave=False)):  # on a terminal
             check_batch_finite(batch, index, "quantize.calibration", NonFiniteError)
-            model(*batch)
+            batch(model)
     for quantizer in handle.activations.values():
         quantizer.freeze()
 

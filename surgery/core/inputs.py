@@ -1,0 +1,100 @@
+"""Model inputs: one batch as a call (positional and keyword arguments), batches streamed.
+
+A batch may be a tensor (``model(x)``), a tuple or list of positional arguments
+(``model(*batch)``), or a mapping of keyword arguments, Hugging Face style
+(``model(**{"input_ids": ..., "attention_mask": ...})``). Every verb that runs a model on
+user batches (compare, calibration, capture, inspection) reads them through :func:`batches`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError
+
+Batch = Union[Tensor, Sequence[Any], Mapping[str, Any]]
+Inputs = Union[Tensor, Mapping[str, Any], Iterable[Batch]]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One batch as the arguments of a model call: ``model(*args, **kwargs)``."""
+
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, model: nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[Tensor]:
+        """The floating tensors among the arguments, nested ones included."""
+        return flatten_tensors([list(self.args), dict(self.kwargs)])
+
+
+def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:
+    """The call for one batch: a tensor, a tuple/list of positional arguments or a mapping of
+    keyword arguments (string keys)."""
+    if isinstance(batch, Mapping):
+        bad = next((key for key in batch if not isinstance(key, str)), None)
+        if bad is not None:
+            raise ConfigError(field_name, f"batch {index}", f"has the key {bad!r}; a dict batch holds keyword "
+                              "arguments, so its keys must be argument names (strings)")
+        return Call((), dict(batch))
+    if isinstance(batch, (tuple, list)):
+        return Call(tuple(batch))
+    return Call((batch,))
+
+
+def batches(inputs: Inputs, field_name: str = "inputs") -> Iterator[Call]:
+    """Yield each batch of ``inputs`` as a :class:`Call`. A single tensor or a single mapping is
+    one batch; any other iterable yields one batch per item (streamed, one held at a time)."""
+    if isinstance(inputs, (Tensor, Mapping)):
+        yield as_call(inputs, field_name)
+        return
+    for index, batch in enumerate(inputs):
+        yield as_call(batch, field_name, index)
+
+
+def check_batch_finite(call: Call, index: int, field: str, error: type[ConfigError] = ConfigError) -> None:
+    """Raise ``error`` naming batch ``index`` if its floating tensors hold NaN or Inf."""
+    for tensor in call.tensors():
+        if not torch.isfinite(tensor).all():
+            raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")
+
+
+def outputs(model: nn.Module, call: Call) -> list[Tensor]:
+    """Run ``model`` on one batch and return its floating-point output tensors, flattened."""
+    return flatten_tensors(call(model))
+
+
+def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
+    """Tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object such as a
+    Hugging Face ``ModelOutput``): the floating ones, or all with ``floating_only=False``."""
+    if isinstance(value, Tensor):
+        keep = not floating_only or value.is_floating_point() or value.is_complex()
+        return [value] if keep else []
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in flatten_tensors(item, floating_only=floating_only)]
+    return []
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """Put ``model`` in eval mode for the block, then restore every module's training flag."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, flag in flags:
+            module.training = flag

@@ -1,0 +1,158 @@
+"""``surgery.attach_transform``: an in-place, guarded, restorable change to parameters.
+
+A *transform* rewrites a parameter in place (``apply(param)``) and names its ``kind``; once
+attached, the parameter's guard re-applies it whenever the tensor changes, forward-pre hooks
+on the path from the root to the parameter's owner check it before every forward, and an
+*undo record* (:class:`AttachedTransform`) keeps what is needed to put the exact original
+values back. ``prune`` and ``quantize`` attach their masks and quantizers through the same
+function users call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, Union
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core import compiled, guards
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.guards import SubtreeEnforcer, Transform
+from surgery.core.handles import Handle
+
+
+class Saved(Protocol):
+    """What a transform keeps to undo itself: ``put_back(param)`` restores the exact values."""
+
+    def put_back(self, param: Tensor) -> None: ...
+
+    def tensors(self) -> list[Tensor]: ...
+
+
+class SavedTensor:
+    """A full copy of the original values."""
+
+    def __init__(self, param: Tensor) -> None:
+        self.original = param.detach().clone()
+
+    def put_back(self, param: Tensor) -> None:
+        param.copy_(self.original.to(param.device, param.dtype))
+
+    def tensors(self) -> list[Tensor]:
+        return [self.original]
+
+
+class SavedEntries:
+    """The original values of the entries a boolean ``changed`` mask selects (a pruning mask's
+    zeros): memory proportional to what the transform changes."""
+
+    def __init__(self, param: Tensor, changed: Tensor, mask_of: Callable[[], Tensor]) -> None:
+        self.values = param.detach()[changed.to(param.device)]
+        self.mask_of = mask_of  # recomputes the changed entries (stored packed by its owner)
+
+    def put_back(self, param: Tensor) -> None:
+        param.masked_scatter_(self.mask_of().to(param.device), self.values.to(param.device, param.dtype))
+
+    def tensors(self) -> list[Tensor]:
+        return [self.values]
+
+
+class FunctionTransform:
+    """A plain function ``fn(tensor) -> tensor`` as a transform: its result is copied into the
+    parameter (``None``: ``fn`` edited the tensor in place itself)."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor | None], kind: str) -> None:
+        self.fn, self.kind = fn, kind
+
+    def apply(self, param: Tensor) -> None:
+        result = self.fn(param)
+        if result is not None and result is not param:
+            param.copy_(result)
+
+
+@dataclass(eq=False)
+class AttachedTransform:
+    """The undo record of one transform on one parameter (what ``restore`` and ``bake`` run)."""
+
+    name: str
+    param: nn.Parameter = field(repr=False)
+    transform: Transform = field(repr=False)
+    saved: Saved = field(repr=False)
+
+    @property
+    def description(self) -> str:
+        return f"undo {self.transform.kind} of {self.name}"
+
+    def restore(self) -> None:
+        """Detach the transform and put the original values back."""
+        guards.detach(self.param, self.transform, self.name)
+        with torch.no_grad():
+            self.saved.put_back(self.param)
+
+    def keep(self) -> None:
+        """Detach the transform and keep what it made (the originals go with the handle)."""
+        guards.settle(self.param)  # changed since the last forward: bake what the hooks would enforce
+        guards.detach(self.param, self.transform, self.name)
+
+
+def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]],
+               hook_description: str) -> dict[str, AttachedTransform]:
+    """Attach each ``(param, transform)`` under its qualified name, recording undo records on
+    ``handle`` before each change, then own the forward-pre hooks that keep them applied.
+    On failure the caller rolls ``handle`` back."""
+    records: dict[str, AttachedTransform] = {}
+    for name, (param, transform) in transforms.items():
+        save = getattr(transform, "save", None)
+        record = AttachedTransform(name, param, transform, save(param) if save else SavedTensor(param))
+        handle.add_record(record)  # recorded before the change
+        guards.attach(param, transform, name)
+        records[name] = record
+    by_param = {id(r.param): guards.guard_of(r.param) for r in records.values()}
+    for module, below in guards.paths_to_owners(model, [r.param for r in records.values()]):
+        handle.add_hook(hook_description, module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below])))
+    return records
+
+
+TransformLike = Union[Transform, Callable[[Tensor], Union[Tensor, None]]]
+
+
+def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], *, kind: str = "transform") -> Handle:
+    """Attach in-place transforms to parameters by qualified name; return a handle that undoes them.
+
+    Each transform is an object with ``kind`` and ``apply(param)`` (optionally ``save(param)``
+    returning what undo needs; default a full copy), or a function ``fn(tensor) -> tensor``.
+    It is applied now, re-applied whenever the parameter changes (an optimizer step,
+    ``load_state_dict``) before the next forward, and stacks with prune/quantize in order.
+    ``restore()`` gives back the exact original values; ``bake()`` keeps the result.
+
+    Example:
+        >>> handle = surgery.attach_transform(model, {"fc.weight": lambda w: w.clamp(-0.1, 0.1)})
+        >>> handle.restore()  # the original weight, bit for bit
+    """
+    model = compiled.prepare(model)
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise ConfigTypeError("transforms", transforms, "must be a non-empty dict {parameter name: transform}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    resolved: dict[str, tuple[nn.Parameter, Transform]] = {}
+    for name, transform in transforms.items():
+        if name not in params:
+            close = [n for n in params if n.endswith(str(name).split(".")[-1])][:3]
+            raise ConfigError("transforms", name, "is not a parameter of the model",
+                              f"closest: {', '.join(close)}" if close else "see model.named_parameters()")
+        if callable(getattr(transform, "apply", None)) and isinstance(getattr(transform, "kind", None), str):
+            resolved[name] = (params[name], transform)
+        elif callable(transform):
+            resolved[name] = (params[name], FunctionTransform(transform, kind))
+        else:
+            raise ConfigTypeError(f"transforms[{name!r}]", transform, "must be a function tensor -> tensor or an "
+                                  "object with kind and apply(param)")
+    guards.check_editable({name: p for name, (p, _) in resolved.items()}, "transforms")
+    handle = Handle(kind, model)
+    try:
+        attach_all(handle, model, resolved, f"{kind} hook")
+    except BaseException as err:
+        handle.rollback(err)
+        raise
+    return handle

@@ -1,0 +1,204 @@
+"""Pruning criteria: registered scoring functions, and masks computed from their scores.
+
+A criterion scores every entry of a weight, ``score(weight, stats) -> Tensor`` of the weight's
+shape (importance: the lowest scores are pruned); ``stats`` is what calibration captured for
+that layer (:class:`LayerStats`) or ``None`` without calibration. A *structured* criterion
+returns one score per slice along ``dim`` and whole slices are pruned. A criterion may also
+take any of the keyword arguments ``n``, ``dim``, ``scope``, ``generator`` (a seeded
+``torch.Generator`` shared by all layers of one call). The built-ins register through
+:func:`register_criterion` like any user criterion.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from surgery.core.errors import ConfigError
+from surgery.core.registry import Registry
+
+SCOPES = ("layer", "global")
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """What calibration captured for one layer: the per-input-feature sums of squares of its
+    inputs over ``rows`` rows (tokens, pixels, samples). Features are the input's channel axis
+    for convolutions and its last axis otherwise (``in_features``; for Hugging Face ``Conv1D``
+    that is the weight's dim 0)."""
+
+    name: str
+    input_sq_norms: Tensor
+    rows: int
+
+    @property
+    def input_norms(self) -> Tensor:
+        """‖X_j‖₂ per input feature (Wanda's activation norm)."""
+        return self.input_sq_norms.sqrt()
+
+
+Score = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A registered scoring function and how its scores are used."""
+
+    name: str
+    score: Score
+    structured: bool = False  # one score per slice along ``dim``: whole slices pruned
+    needs_calibration: bool = False  # raise without calibration batches instead of passing None
+
+    def keywords(self) -> set[str]:
+        try:
+            return set(inspect.signature(self.score).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature
+            return set()
+
+
+CRITERIA: Registry[Criterion] = Registry("prune.method")
+
+
+def register_criterion(name: str, score: Score, *, structured: bool = False, needs_calibration: bool = False,
+                       replace: bool = False) -> Criterion:
+    """Make ``score(weight, stats) -> Tensor`` available as ``prune(..., method=name)`` and
+    ``prune.method=name`` in recipes.
+
+    Example:
+        >>> surgery.register_criterion("wanda_like", lambda w, stats: w.abs() * stats.input_norms,
+        ...                            needs_calibration=True)
+    """
+    if not callable(score):
+        raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
+    return CRITERIA.register(name, Criterion(name, score, structured, needs_calibration), replace=replace)
+
+
+def as_criterion(method: Union[str, Score, Criterion]) -> Criterion:
+    """The criterion for a registered name, a :class:`Criterion`, or a plain scoring function."""
+    if isinstance(method, Criterion):
+        return method
+    if isinstance(method, str):
+        return CRITERIA.get(method)
+    if callable(method):
+        return Criterion(getattr(method, "__name__", type(method).__name__), method)
+    raise ConfigError("prune.method", method, f"must be one of {', '.join(CRITERIA.names())} or a function "
+                      "score(weight, stats) -> Tensor")
+
+
+def l1_unstructured(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+    """|w|: the smallest magnitudes are pruned."""
+    return weight.abs()
+
+
+def random_unstructured(weight: Tensor, stats: Optional[LayerStats], *, generator: torch.Generator) -> Tensor:
+    """Uniform random scores from the call's seeded generator (the global RNG is untouched)."""
+    return torch.rand(weight.shape, generator=generator).to(weight.device)
+
+
+def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim: int, scope: str) -> Tensor:
+    """The Ln norm of each slice along ``dim``; with ``scope="global"`` divided by
+    ``numel ** (1/n)`` of the slice so that layers of different fan-in compare fairly."""
+    dims = [d for d in range(weight.dim()) if d != dim % weight.dim()]
+    norms = torch.linalg.vector_norm(weight.float(), ord=n, dim=dims)
+    if scope == "global" and math.isfinite(n):
+        norms = norms / (weight.numel() // weight.shape[dim]) ** (1.0 / n)
+    return norms
+
+
+register_criterion("l1_unstructured", l1_unstructured)
+register_criterion("random_unstructured", random_unstructured)
+register_criterion("ln_structured", ln_structured, structured=True)
+
+
+def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict[str, Optional[LayerStats]], *,
+                   n: float = 2.0, dim: int = 0, scope: str = "layer", seed: int = 0) -> list[Tensor]:
+    """One score tensor per weight, checked: the weight's shape (``(size of dim,)`` for a
+    structured criterion), real numbers, no NaN."""
+    options = {"n": n, "dim": dim, "scope": scope, "generator": torch.Generator().manual_seed(seed)}
+    accepted = criterion.keywords()
+    kwargs = {key: value for key, value in options.items() if key in accepted}
+    scores = []
+    for name, weight in weights.items():
+        score = criterion.score(weight.detach(), stats.get(name), **kwargs)
+        expected = (weight.shape[dim],) if criterion.structured else tuple(weight.shape)
+        if not isinstance(score, Tensor) or tuple(score.shape) != expected:
+            got = tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__
+            raise ConfigError("prune.method", criterion.name, f"returned {got} for {name}; a score must have shape "
+                              f"{expected} ({'one per slice along dim' if criterion.structured else 'the weight'}'s)")
+        if score.is_complex() or score.dtype == torch.bool:
+            raise ConfigError("prune.method", criterion.name, f"returned dtype {score.dtype} for {name}; scores must "
+                              "be real numbers")
+        if torch.isnan(score).any():
+            raise ConfigError("prune.method", criterion.name, f"returned NaN scores for {name}; a NaN cannot be ranked")
+        scores.append(score)
+    return scores
+
+
+def compute_masks(weights: list[Tensor], amount: float, *, method: Union[str, Score, Criterion] = "l1_unstructured",
+                  scope: str = "layer", n: float = 2.0, dim: int = 0, seed: int = 0,
+                  stats: Optional[list[Optional[LayerStats]]] = None) -> list[Tensor]:
+    """One boolean keep-mask per weight (``True`` keeps the entry) for ``method``: the
+    criterion's scores (:func:`compute_scores`) ranked by :func:`masks_from_scores`. Reads the
+    weights, never writes them."""
+    criterion = as_criterion(method)
+    named = {str(i): w for i, w in enumerate(weights)}
+    by_name = {str(i): s for i, s in enumerate(stats or [])}
+    scores = compute_scores(criterion, named, by_name, n=n, dim=dim, scope=scope, seed=seed)
+    return masks_from_scores(weights, scores, amount, scope=scope, structured=criterion.structured, dim=dim)
+
+
+def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float, *, scope: str, structured: bool,
+                      dim: int = 0) -> list[Tensor]:
+    """One boolean keep-mask per weight (``True`` keeps the entry) from its scores.
+
+    ``amount`` is the fraction of entries (or of slices, when ``structured``) to prune, rounded
+    to the nearest whole count; the lowest scores go. With ``scope="global"`` the ranking is
+    shared by all weights.
+    """
+    if scope == "global":
+        keeps = _split(_keep_smallest_pruned(torch.cat([s.flatten().float() for s in scores]), amount), scores)
+    else:
+        keeps = [_keep_smallest_pruned(s.flatten().float(), amount).view(s.shape) for s in scores]
+    if structured:
+        keeps = [_expand(keep, w, dim) for keep, w in zip(keeps, weights)]
+    return keeps
+
+
+def _keep_smallest_pruned(scores: Tensor, amount: float) -> Tensor:
+    count = round(amount * scores.numel())
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if count > 0:
+        keep[torch.topk(scores, count, largest=False, sorted=False).indices] = False
+    return keep
+
+
+def _split(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    sizes = [t.numel() for t in like]
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes), like)]
+
+
+def _expand(keep: Tensor, weight: Tensor, dim: int) -> Tensor:
+    shape = [1] * weight.dim()
+    shape[dim] = weight.shape[dim]
+    return keep.view(shape).expand(weight.shape).clone()
+
+
+def pack(mask: Tensor) -> Tensor:
+    """Pack a boolean mask into a ``uint8`` tensor holding eight entries per byte."""
+    flat = mask.flatten().to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)
+    weights = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (flat << weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack(packed: Tensor, shape: torch.Size) -> Tensor:
+    """Invert :func:`pack` for a mask of the given shape."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    return bits.flatten()[: math.prod(shape)].view(shape).bool()
