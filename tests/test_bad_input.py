@@ -186,7 +186,7 @@ class ApiCase:
 
 
 def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
-    return surgery.quantize(model, weights=None, activations=QuantSpec(**kwargs), calibration=[batch(4, 8)],
+    return surgery.quantize(model, weights=None, activations=dict(kwargs), calibration=[batch(4, 8)],
                             progress=False)
 
 
@@ -198,13 +198,13 @@ API_CASES = [
     ApiCase("prune-n", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", n=0), ConfigError, "prune.n", "0"),
     ApiCase("prune-dim", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", dim=5), ConfigError,
             "prune.dim", "5"),
-    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=9)), ConfigError,
-            "quantize.weights.bits", "9"),
+    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=9)), ConfigError, "QuantSpec.bits", "9"),
+    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights={"bits": 9}), ConfigError, "quantize.weights.bits", "9"),
     ApiCase("bits", lambda m, *_: _quantize_activations(m, bits=1), ConfigError, "quantize.activations.bits", "1"),
     ApiCase("observer-settings", lambda m, *_: _quantize_activations(m, observer="percentile", percentile=40),
             ConfigError, "quantize.activations.percentile", "40"),
     ApiCase("observer-settings", lambda m, *_: surgery.quantize(m, weights=QuantSpec(averaging=0.0)), ConfigError,
-            "quantize.weights.averaging", "0.0"),
+            "QuantSpec.averaging", "0.0"),
     ApiCase("counts", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), calibration=[],
                                                     progress=False), ConfigError, "quantize.calibration", "'0'"),
     ApiCase("drift-bounds", lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"min_cosine": 2}}}),
@@ -219,7 +219,7 @@ API_CASES = [
     ApiCase("method", lambda m, *_: surgery.prune(m, 0.5, scope="world"), ConfigError, "prune.scope", "'world'"),
     ApiCase("method", lambda m, *_: surgery.quantize(m, where="middle"), ConfigError, "quantize.where", "'middle'"),
     ApiCase("observer", lambda m, *_: surgery.quantize(m, weights=QuantSpec(observer="median")), ConfigError,
-            "quantize.weights.observer", "'median'"),
+            "QuantSpec.observer", "'median'"),
     ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("melt"), ConfigError, "rewrite.name", "'melt'"),
     ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("no_such.module.fn"), ConfigError, "rewrite.name",
             "'no_such.module.fn'"),

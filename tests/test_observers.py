@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import surgery
 from torch.ao.quantization.observer import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -92,10 +94,23 @@ BAD_SPECS = [
 @pytest.mark.parametrize("kwargs,key,error", BAD_SPECS, ids=[str(k) for k, _, _ in BAD_SPECS])
 def test_validate_names_the_field_and_the_value(kwargs, key, error):
     with pytest.raises(error) as info:
-        QuantSpec(**kwargs).validate("quantize.weights")
+        QuantSpec.build(kwargs, "quantize.weights")
     assert info.value.field == f"quantize.weights.{key}"
-    assert info.value.value == next(iter(kwargs.values()))
     assert str(info.value).startswith(f"quantize.weights.{key}=")
+    with pytest.raises(error) as info:  # a spec is validated when built, not when first used
+        QuantSpec(**kwargs)
+    assert info.value.field == f"QuantSpec.{key}"
+    assert info.value.value == next(iter(kwargs.values()))
+
+
+def test_a_spec_is_frozen_so_sharing_it_between_calls_is_safe(mlp):
+    handle = surgery.quantize(mlp)
+    spec = handle.weights["0.weight"].spec
+    with pytest.raises(AttributeError):
+        spec.bits = 4  # used to change the default of every later quantize() call
+    handle.restore()
+    with surgery.quantize(mlp) as again:
+        assert again.weights["0.weight"].spec.bits == 8
 
 
 def test_bits_errors_state_the_allowed_range():

@@ -208,7 +208,7 @@ def prune_settings(draw, model: nn.Module) -> dict[str, Any]:
 
 quant_specs = st.builds(
     QuantSpec, bits=st.integers(2, 8), symmetric=st.booleans(), per_channel=st.booleans(),
-    observer=st.sampled_from(OBSERVERS), percentile=st.sampled_from([90.0, 99.0, 99.99, 100.0]),
+    observer=st.sampled_from(OBSERVERS.names()), percentile=st.sampled_from([90.0, 99.0, 99.99, 100.0]),
     averaging=st.sampled_from([0.01, 0.3, 1.0]),
 )
 

@@ -90,6 +90,25 @@ class PruneConfig:
 
 
 @dataclass
+class QuantSettings:
+    """The YAML schema of ``quantize.weights`` / ``quantize.activations``: the fields of
+    :class:`~surgery.ops.observers.QuantSpec` (which is frozen, so OmegaConf cannot merge into it)."""
+
+    bits: int = 8
+    symmetric: bool = False
+    per_channel: bool = False
+    observer: str = "minmax"
+    percentile: float = 99.99
+    averaging: float = 0.01
+
+
+def _spec(settings: QuantSettings | QuantSpec | None, field_name: str) -> QuantSpec | None:
+    if settings is None or isinstance(settings, QuantSpec):
+        return settings
+    return QuantSpec.build(dict(vars(settings)), field_name)
+
+
+@dataclass
 class QuantizeConfig:
     """Arguments of :func:`surgery.quantize`; ``null`` weights or activations turn that part off.
 
@@ -97,8 +116,9 @@ class QuantizeConfig:
     split (training images for ``digits``, differently seeded noise for ``synthetic``).
     """
 
-    weights: Optional[QuantSpec] = field(default_factory=lambda: QuantSpec(bits=8, symmetric=True, per_channel=True))
-    activations: Optional[QuantSpec] = None
+    weights: Optional[QuantSettings] = field(default_factory=lambda: QuantSettings(bits=8, symmetric=True,
+                                                                                   per_channel=True))
+    activations: Optional[QuantSettings] = None
     select: Any = None
     exclude: Any = None
     where: str = "output"
@@ -107,16 +127,19 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         if self.weights is None and self.activations is None:
             raise ConfigError("quantize", None, "set quantize.weights, quantize.activations or both")
-        if self.weights is not None:
-            self.weights.validate("quantize.weights")
-        if self.activations is not None:
-            self.activations.validate("quantize.activations")
+        self.weight_spec(), self.activation_spec()  # validated now: errors name quantize.weights.<key>
         _one_of("quantize.where", self.where, ("output", "input"))
         _positive_int("quantize.calibration_batches", self.calibration_batches)
 
+    def weight_spec(self) -> QuantSpec | None:
+        return _spec(self.weights, "quantize.weights")
+
+    def activation_spec(self) -> QuantSpec | None:
+        return _spec(self.activations, "quantize.activations")
+
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
-        return {"weights": self.weights, "activations": self.activations, "select": self.select,
+        return {"weights": self.weight_spec(), "activations": self.activation_spec(), "select": self.select,
                 "exclude": self.exclude or None, "where": self.where}
 
 
@@ -262,7 +285,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             cfg = OmegaConf.to_container(cfg, resolve=True)
         _check_integers(cfg, "")
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
-                                                quantize=QuantizeConfig(activations=QuantSpec()),
+                                                quantize=QuantizeConfig(activations=QuantSettings()),
                                                 rewrite=RewriteConfig()))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)

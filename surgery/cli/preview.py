@@ -28,7 +28,7 @@ def preview_rows(model: nn.Module, config: RunConfig) -> list[tuple[str, str, st
         if step == "prune":
             targets, layers = prune_targets(model, settings.select, exclude, settings.dim), {}
         else:
-            targets, layers = quantize_targets(model, settings.select, exclude, settings.weights, settings.activations,
+            targets, layers = quantize_targets(model, settings.select, exclude, settings.weight_spec(), settings.activation_spec(),
                                                settings.where)
         rows += [(step, "matched", name, type(t.module).__name__, f"{t.attribute} {tuple(t.param.shape)}")
                  for name, t in targets.matched.items()]

@@ -74,7 +74,7 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
         for step in config.steps:
             if step == "quantize" and config.quantize.activations is not None:
                 q = config.quantize
-                handles.append(quantize(model, weights=None, activations=q.activations, select=q.select,
+                handles.append(quantize(model, weights=None, activations=q.activation_spec(), select=q.select,
                                         exclude=q.exclude or None, where=q.where, qparams=qparams, progress=False))
             elif step == "rewrite":
                 handles.append(_rewrite(model, config, False, []))

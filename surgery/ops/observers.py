@@ -3,52 +3,132 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
 
 from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.registry import Registry
 
-OBSERVERS = ("minmax", "moving_average", "percentile")
 _QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit
 
 
-@dataclass
+class ObservedRange(NamedTuple):
+    """An observer's running estimate: per-channel (or single) ``low`` and ``high``, and how
+    many batches it has seen."""
+
+    low: Tensor
+    high: Tensor
+    batches: int
+
+
+ObserverFn = Callable[[Tensor, Optional[ObservedRange], "QuantSpec"], tuple[Tensor, Tensor]]
+OBSERVERS: Registry[ObserverFn] = Registry("quantize.observer")
+
+
+def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) -> ObserverFn:
+    """Make ``observe(x, previous, spec) -> (low, high)`` available as ``QuantSpec(observer=name)``.
+
+    ``x`` is the batch as a float32 ``(channels, values)`` matrix (one row per tensor),
+    ``previous`` the :class:`ObservedRange` so far (``None`` on the first batch); return the
+    new per-row ``low`` and ``high``.
+
+    Example:
+        >>> surgery.register_observer("absmax", lambda x, prev, spec: (-x.abs().amax(1), x.abs().amax(1)))
+    """
+    if not callable(observe):
+        raise ConfigError("register_observer.observe", observe, "must be a function (x, previous, spec) -> (low, high)")
+    return OBSERVERS.register(name, observe, replace=replace)
+
+
+def minmax(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """Running extremes."""
+    low, high = x.amin(dim=1), x.amax(dim=1)
+    if previous is None:
+        return low, high
+    return torch.minimum(previous.low, low), torch.maximum(previous.high, high)
+
+
+def moving_average(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """Exponential moving average of each batch's extremes (``spec.averaging``), as torch.ao."""
+    low, high = x.amin(dim=1), x.amax(dim=1)
+    if previous is None:
+        return low, high
+    c = spec.averaging
+    return previous.low + c * (low - previous.low), previous.high + c * (high - previous.high)
+
+
+def percentile(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """The ``100 - p`` and ``p`` quantiles of each batch, averaged over batches."""
+    if x.numel() > _QUANTILE_LIMIT:
+        x = x[:, :: math.ceil(x.numel() / _QUANTILE_LIMIT)]
+    q = torch.tensor([100 - spec.percentile, spec.percentile], dtype=x.dtype) / 100
+    low, high = torch.quantile(x, q, dim=1)
+    if previous is None:
+        return low, high
+    n = previous.batches
+    return (previous.low * n + low) / (n + 1), (previous.high * n + high) / (n + 1)
+
+
+for _observer in (minmax, moving_average, percentile):
+    register_observer(_observer.__name__, _observer)
+
+
+@dataclass(frozen=True)
 class QuantSpec:
-    """How to fake-quantize one kind of tensor.
+    """How to fake-quantize one kind of tensor; validated when built (``QuantSpec(bits=9)``
+    raises) and immutable, so a spec is safe to share.
 
     ``bits`` in [2, 8]; ``symmetric`` uses signed integers and a zero point of 0, otherwise
     unsigned integers with an affine zero point; ``per_channel`` gives one scale per channel
     (weights: output channels; activations: dim 1 of conv outputs, the last dim of linear
     outputs). ``observer`` picks how ranges are estimated: ``minmax`` (running extremes),
-    ``moving_average`` (``averaging`` constant, as torch.ao) or ``percentile`` (the
-    ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches).
+    ``moving_average`` (``averaging`` constant, as torch.ao), ``percentile`` (the
+    ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches), any
+    name added with :func:`register_observer`, or such a function itself.
     """
 
     bits: int = 8
     symmetric: bool = False
     per_channel: bool = False
-    observer: str = "minmax"
+    observer: Union[str, ObserverFn] = "minmax"
     percentile: float = 99.99
     averaging: float = 0.01
 
+    def __post_init__(self) -> None:
+        _check(self, "QuantSpec")
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any], field: str) -> QuantSpec:
+        """A spec from a dict of fields, errors naming ``field.<key>`` (as a config file spells it)."""
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(field, unknown[0], f"unknown setting; allowed: {', '.join(cls.__dataclass_fields__)}")
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        _check(SimpleNamespace(**{**defaults, **values}), field)
+        return cls(**values)
+
     def validate(self, field: str) -> QuantSpec:
-        """Raise :class:`ConfigError` naming ``field.<key>`` for any value out of range."""
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int):
-            raise ConfigTypeError(f"{field}.bits", self.bits, "must be an integer in [2, 8]")
-        if not 2 <= self.bits <= 8:
-            raise ConfigError(f"{field}.bits", self.bits, "must be an integer in [2, 8]")
-        for flag in ("symmetric", "per_channel"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigTypeError(f"{field}.{flag}", getattr(self, flag), "must be true or false")
-        if self.observer not in OBSERVERS:
-            raise ConfigError(f"{field}.observer", self.observer, f"must be one of {', '.join(OBSERVERS)}")
-        if not (isinstance(self.percentile, (int, float)) and 50 < self.percentile <= 100):
-            raise ConfigError(f"{field}.percentile", self.percentile, "must be a number in (50, 100]")
-        if not (isinstance(self.averaging, (int, float)) and 0 < self.averaging <= 1):
-            raise ConfigError(f"{field}.averaging", self.averaging, "must be a number in (0, 1]")
+        """Check again with errors naming ``field.<key>`` (a spec is already valid once built)."""
+        _check(self, field)
         return self
+
+    @property
+    def observer_name(self) -> str:
+        return self.observer if isinstance(self.observer, str) else getattr(self.observer, "__name__", "custom")
+
+    def observe(self, x: Tensor, previous: Optional[ObservedRange]) -> tuple[Tensor, Tensor]:
+        """Update a range estimate with ``x`` (``(channels, values)``) through the observer."""
+        fn = self.observer if callable(self.observer) else OBSERVERS.get(self.observer)
+        return fn(x, previous, self)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, the observer by name (JSON-serialisable)."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "observer": self.observer_name}
 
     @property
     def quant_range(self) -> tuple[int, int]:
@@ -56,6 +136,24 @@ class QuantSpec:
         if self.symmetric:
             return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
         return 0, (1 << self.bits) - 1
+
+
+def _check(spec: Any, field: str) -> None:
+    """Raise :class:`ConfigError` naming ``field.<key>`` for any value out of range."""
+    if isinstance(spec.bits, bool) or not isinstance(spec.bits, int):
+        raise ConfigTypeError(f"{field}.bits", spec.bits, "must be an integer in [2, 8]")
+    if not 2 <= spec.bits <= 8:
+        raise ConfigError(f"{field}.bits", spec.bits, "must be an integer in [2, 8]")
+    for flag in ("symmetric", "per_channel"):
+        if not isinstance(getattr(spec, flag), bool):
+            raise ConfigTypeError(f"{field}.{flag}", getattr(spec, flag), "must be true or false")
+    if not callable(spec.observer) and spec.observer not in OBSERVERS:
+        raise ConfigError(f"{field}.observer", spec.observer, f"must be one of {', '.join(OBSERVERS.names())} "
+                          "(or a function registered with register_observer)")
+    if not (isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100):
+        raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
+    if not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
+        raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
 
 
 class NonFiniteError(ConfigError):
@@ -79,28 +177,19 @@ class Observer:
         if not torch.isfinite(x).all():
             raise NonFiniteError("quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
         flat = x.reshape(1, -1) if self.axis is None else x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1)
-        low, high = self._batch_range(flat)
-        if self.low is None:
-            self.low, self.high = low, high
-        elif self.spec.observer == "minmax":
-            self.low, self.high = torch.minimum(self.low, low), torch.maximum(self.high, high)
-        elif self.spec.observer == "moving_average":
-            c = self.spec.averaging
-            self.low, self.high = self.low + c * (low - self.low), self.high + c * (high - self.high)
-        else:  # percentile: mean of per-batch quantiles
-            n = self.count
-            self.low, self.high = (self.low * n + low) / (n + 1), (self.high * n + high) / (n + 1)
+        previous = None if self.low is None else ObservedRange(self.low, self.high, self.count)
+        self.low, self.high = self.spec.observe(flat, previous)
         self.count += 1
 
-    def _batch_range(self, flat: Tensor) -> tuple[Tensor, Tensor]:
-        if self.spec.observer != "percentile":
-            return flat.amin(dim=1), flat.amax(dim=1)
-        if flat.numel() > _QUANTILE_LIMIT:
-            step = math.ceil(flat.numel() / _QUANTILE_LIMIT)
-            flat = flat[:, ::step]
-        q = torch.tensor([100 - self.spec.percentile, self.spec.percentile], dtype=flat.dtype) / 100
-        low, high = torch.quantile(flat, q, dim=1)
-        return low, high
+    def update(self, x: Tensor) -> None:
+        """:meth:`observe` as a capture reducer (the channel axis counted from the end is
+        resolved against ``x``)."""
+        if self.axis is not None:
+            self.axis %= x.dim()
+        self.observe(x)
+
+    def result(self) -> tuple[Tensor, Tensor] | None:
+        return None if self.low is None else (self.low, self.high)
 
     def qparams(self) -> tuple[Tensor, Tensor]:
         """(scale float32, zero_point int32), shaped () per tensor or (C,) per channel."""

@@ -16,7 +16,8 @@ from surgery.core import compiled, guards
 from surgery.core.checkpoints import save_tensors
 from surgery.core.inputs import batches, check_batch_finite, evaluating
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
-from surgery.core.guards import SubtreeEnforcer
+from surgery.core.capture import Capture
+from surgery.core.transforms import attach_all
 from surgery.core.handles import Handle
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
 from surgery.core.selection import Selection, select
@@ -83,9 +84,7 @@ class ActivationQuantizer:
                               f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
                               "tensors can be quantized")
         axis = None if self.axis is None else self.axis % x.dim()
-        if self.observer is not None:
-            self.observer.axis = axis
-            self.observer.observe(x)
+        if self.observer is not None:  # calibrating: the capture feeds the observer, values pass unchanged
             return None
         fast = self._fast_path(x)
         if fast is not None:
@@ -131,7 +130,7 @@ class QuantizeHandle(Handle):
             raise OutputExistsError(str(path))
         first = next(iter(self.activations.values()), None)
         meta = {"where": first.where if first else "output",
-                "spec": json.dumps(vars(first.spec) if first else {}), "layers": json.dumps(list(self.activations))}
+                "spec": json.dumps(first.spec.as_dict() if first else {}), "layers": json.dumps(list(self.activations))}
         return save_tensors(self.qparams(), path, metadata=meta)
 
 
@@ -210,12 +209,9 @@ def _validate(weights, activations, where, calibration, qparams) -> tuple[QuantS
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:
     if spec is None or isinstance(spec, QuantSpec):
-        return spec.validate(field) if spec is not None else None
+        return spec
     if isinstance(spec, dict):
-        unknown = set(spec) - set(QuantSpec.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(field, sorted(unknown)[0], f"unknown setting; allowed: {', '.join(QuantSpec.__dataclass_fields__)}")
-        return QuantSpec(**spec).validate(field)
+        return QuantSpec.build(spec, field)
     raise ConfigError(field, spec, "must be a QuantSpec, a dict of its fields, or None")
 
 
@@ -263,7 +259,7 @@ def _weight_axis(target: Target, name: str) -> int:
 
 
 def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
-    by_param = {}
+    quantizers: dict[str, tuple[nn.Parameter, WeightQuantizer]] = {}
     for key, target in targets.matched.items():
         param = target.param
         axis = _weight_axis(target, key) if spec.per_channel else None
@@ -272,29 +268,10 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
             raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
         observer = Observer(spec, axis, key)
         observer.observe(value)
-        quantizer = WeightQuantizer(spec, *observer.qparams(), axis)
-        _attach_one(handle, key, param, quantizer)
-        by_param[id(param)] = guards.guard_of(param)
-    for module, below in guards.paths_to_owners(model, [g.param for g in by_param.values()]):
-        handle.add_hook("weight quantization hook",
-                        module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below])))
-
-
-def _attach_one(handle: QuantizeHandle, name: str, param: nn.Parameter, quantizer: WeightQuantizer) -> None:
-    original = param.detach().clone()
-
-    def put_back() -> None:
-        guards.detach(param, quantizer, name)
-        with torch.no_grad():
-            param.copy_(original)
-
-    def keep() -> None:  # the original goes with the handle's steps once the whole bake succeeded
-        guards.settle(param)  # changed since the last forward: bake what the hooks would enforce
-        guards.detach(param, quantizer, name)
-
-    handle.add("restore unquantized weight", put_back, keep)
-    guards.attach(param, quantizer, name)
-    handle.weights[name], handle.params[name] = quantizer, param
+        quantizers[key] = (param, WeightQuantizer(spec, *observer.qparams(), axis))
+    for key, (param, quantizer) in quantizers.items():
+        handle.weights[key], handle.params[key] = quantizer, param
+    attach_all(handle, model, quantizers, "weight quantization hook")
 
 
 def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str) -> None:
@@ -366,9 +343,14 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
             quantizer.freeze(scale, zero_point)
         return
     total = 1 if isinstance(calibration, Tensor) else len(calibration) if hasattr(calibration, "__len__") else None
-    with evaluating(model), torch.no_grad():  # streamed: one batch held at a time
-        for index, batch in enumerate(tqdm(batches(calibration), total=total, desc="calibrating", unit="batch",
-                                           disable=None if progress else True, leave=False)):  # on a terminal
+    observers = {name: quantizer.observer for name, quantizer in handle.activations.items()}
+    side = "outputs" if next(iter(handle.activations.values())).where == "output" else "inputs"
+    layers = {name: model.get_submodule(name) for name in observers}
+    with evaluating(model), torch.no_grad(), \
+            Capture(model, layers, (side,), lambda name, module: observers[name]):  # the observers are the reducers
+        for index, batch in enumerate(tqdm(batches(calibration, "quantize.calibration"), total=total, unit="batch",
+                                           desc="calibrating", disable=None if progress else True,
+                                           leave=False)):  # streamed: one batch held at a time; bar on a terminal
             check_batch_finite(batch, index, "quantize.calibration", NonFiniteError)
             batch(model)
     for quantizer in handle.activations.values():
