@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
-# The first use creates .venv and installs surgery into it (editable) with its test and sweeps extras.
+# The first use creates .venv and installs surgery into it (editable) with its cli, test and sweeps extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +12,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[test,sweeps]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[cli,test,sweeps]' $(TORCH_PIN)
 	touch $@
 
 run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"

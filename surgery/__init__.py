@@ -2,6 +2,7 @@
 
 from surgery.ops import rules
 from surgery.analysis.comparison import Drift, compare
+from surgery.core.capture import Capture, capture
 from surgery.core.errors import (
     AlreadyModifiedError,
     CheckpointError,
@@ -12,6 +13,8 @@ from surgery.core.errors import (
     UndoError,
 )
 from surgery.core.handles import Handle, HandleGroup, compose
+from surgery.core.transforms import attach_transform
+from surgery.ops.criteria import LayerStats, register_criterion
 from surgery.ops.intercept import (
     Event,
     InterceptError,
@@ -20,14 +23,15 @@ from surgery.ops.intercept import (
     RuleNeverFiredWarning,
     intercept,
 )
-from surgery.ops.observers import NonFiniteError, QuantSpec
-from surgery.ops.pruning import PruneHandle, prune
+from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
+from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_inputs
 from surgery.core.selection import select
 
 __all__ = [
     "AlreadyModifiedError",
+    "Capture",
     "CheckpointError",
     "ConfigError",
     "Drift",
@@ -36,9 +40,12 @@ __all__ = [
     "HandleGroup",
     "InterceptError",
     "InterceptLog",
+    "LayerStats",
     "NonFiniteError",
+    "ObservedRange",
     "OutputExistsError",
     "PruneHandle",
+    "PruneSpec",
     "QuantSpec",
     "QuantizeHandle",
     "RuleNeverFiredError",
@@ -46,11 +53,15 @@ __all__ = [
     "SelectionError",
     "SurgeryError",
     "UndoError",
+    "attach_transform",
+    "capture",
     "compare",
     "compose",
     "intercept",
     "prune",
     "quantize",
+    "register_criterion",
+    "register_observer",
     "rewrite_inputs",
     "rules",
     "select",

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from surgery.ops.intercept import _registry as intercept_registry
-from surgery.cli.checks import global_hook_counts, module_hook_counts
+from surgery.testing import global_hook_counts, module_hook_counts
 
 
 def global_state() -> dict[str, int]:

@@ -10,26 +10,20 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as module_globals
 
 from surgery.core.checkpoints import load_checkpoint
 from surgery.analysis.comparison import Drift, same_bits
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.cli.config import DriftThresholds
-
-GLOBAL_HOOK_DICTS = (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
-    "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks",
-    "_global_module_registration_hooks", "_global_parameter_registration_hooks",
-    "_global_buffer_registration_hooks",
+from surgery.testing import (
+    Snapshot,
+    collect,
+    global_hook_counts,
+    max_difference,
+    module_hook_counts,
+    snapshot,
+    snapshot_differences,
 )
-MODULE_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
 
 @dataclass
 class CheckResult:
@@ -40,77 +34,6 @@ class CheckResult:
     value: float | None = None
     threshold: float | None = None
     detail: str = ""
-
-
-@dataclass
-class Snapshot:
-    """Everything restore must put back: tensors, keys, classes and hooks."""
-
-    tensors: dict[str, Tensor]
-    keys: list[str]
-    classes: dict[str, type]
-    hooks: dict[str, int]
-    global_hooks: dict[str, int] = field(default_factory=dict)
-
-
-def global_hook_counts() -> dict[str, int]:
-    """Number of entries in each of torch's global module hook registries."""
-    return {name: len(getattr(module_globals, name, {})) for name in GLOBAL_HOOK_DICTS}
-
-
-def module_hook_counts(model: nn.Module) -> dict[str, int]:
-    """Number of hooks of each kind on each module of ``model``."""
-    return {f"{name}:{kind}": len(getattr(m, kind, {}))
-            for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
-
-
-def snapshot(model: nn.Module) -> Snapshot:
-    """Copy the state of ``model`` that ``restore()`` must reproduce bit for bit."""
-    tensors = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
-    tensors |= {f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers(remove_duplicate=False)}
-    return Snapshot(tensors, list(model.state_dict()), {n: type(m) for n, m in model.named_modules()},
-                    module_hook_counts(model), global_hook_counts())
-
-
-def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
-    """Human-readable differences between two snapshots (empty when bit-identical)."""
-    diffs = [f"tensor {k} changed" for k, v in before.tensors.items()
-             if k not in after.tensors or not same_bits(v, after.tensors[k])]
-    diffs += [f"tensor {k} appeared" for k in after.tensors if k not in before.tensors]
-    if before.keys != after.keys:
-        diffs.append("state_dict keys changed")
-    if before.classes != after.classes:
-        diffs.append("module classes or children changed")
-    diffs += [f"hooks {k}: {v} -> {after.hooks.get(k)}" for k, v in before.hooks.items() if after.hooks.get(k) != v]
-    diffs += [f"global {k}: {v} -> {after.global_hooks.get(k)}"
-              for k, v in before.global_hooks.items() if after.global_hooks.get(k) != v]
-    return diffs
-
-
-def collect(model: nn.Module, inputs: list) -> list[Tensor]:
-    """Every floating output tensor of ``model`` over ``inputs`` (eval mode, no grad)."""
-    with evaluating(model), torch.no_grad():
-        return [t for batch in batches(inputs) for t in outputs(model, batch)]
-
-
-def max_difference(a: list[Tensor], b: list[Tensor]) -> tuple[bool, float]:
-    """(bit-identical?, largest absolute difference) between two output lists.
-
-    Identity is bit for bit, so a NaN equals the same NaN; the difference is ``inf`` where
-    one side is non-finite and the other is not the same value.
-    """
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        return False, float("inf")
-    identical = all(same_bits(x, y) for x, y in zip(a, b))
-    return identical, 0.0 if identical else max((_worst(x, y) for x, y in zip(a, b) if x.numel()), default=0.0)
-
-
-def _worst(x: Tensor, y: Tensor) -> float:
-    x, y = x.detach().double(), y.detach().double()
-    differ = ~((x == y) | (torch.isnan(x) & torch.isnan(y)))
-    if not differ.any():
-        return 0.0
-    return (x[differ] - y[differ]).abs().nan_to_num(nan=math.inf).max().item()
 
 
 def compare_outputs(a: nn.Module, b: nn.Module, inputs) -> tuple[bool, float]:

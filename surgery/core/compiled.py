@@ -33,13 +33,15 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from surgery.core import _compat
+
 _by_token: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _tokens = itertools.count()
 _unguarded: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # compiled before dynamo guarded hooks
 _log = logging.getLogger(__name__)
+_unguarded_scanned: list[bool] = []  # set once the flag was first changed (the WARNING is logged once)
 
-_library = torch.library.Library("surgery", "DEF")
-_library.define("enforce(Tensor(a!)[] params, Tensor[] tokens) -> ()")
+_library: Any = None  # the ``surgery`` operator library: defined the first time a graph needs it
 
 
 class Refreshable(Protocol):
@@ -63,6 +65,7 @@ def register(guard: Refreshable) -> Tensor:
 
 def enforce(guards: list[Refreshable]) -> None:
     """Emit one ``surgery::enforce`` call for ``guards`` into the graph being traced."""
+    _define_operator()
     torch.ops.surgery.enforce([g.param for g in guards], [g.token for g in guards])
 
 
@@ -81,30 +84,20 @@ def _hide_from_autograd(mode: Any, func: Any, _types: Any, args: tuple, kwargs: 
     """Functionalize ``surgery::enforce`` as usual, then mark the parameter writes hidden from
     autograd: the operator writes only after someone else changed the weight (which already
     bumped its version), so there is nothing new for autograd to detect."""
-    from torch._higher_order_ops.auto_functionalize import (
-        do_auto_functionalize,
-        do_auto_functionalize_v2,
-    )
-    from torch._inductor import config as inductor_config
-
-    functionalize = do_auto_functionalize_v2 if inductor_config.enable_auto_functionalized_v2 else do_auto_functionalize
-    result = functionalize(mode, func, args, kwargs)
-    params = args[0] if args else kwargs["params"]
-    for param in params:
-        torch._functionalize_mark_mutation_hidden_from_autograd(param.elem)
-    return result
+    return _compat.functionalize_hiding_mutation(mode, func, args, kwargs, mutated=args[0] if args else kwargs["params"])
 
 
-_library.impl("enforce", _enforce_kernel, "CompositeExplicitAutograd")
-torch.library.register_fake("surgery::enforce", _enforce_fake, lib=_library)
-try:  # private API; without it compiled graphs stay correct but re-apply on every call
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    if hasattr(torch, "_functionalize_mark_mutation_hidden_from_autograd"):
-        torch.library.register_torch_dispatch("surgery::enforce", FunctionalTensorMode, _hide_from_autograd,
-                                              lib=_library)
-except (ImportError, AttributeError):  # pragma: no cover - older PyTorch
-    pass
+def _define_operator() -> None:
+    """Define ``surgery::enforce`` once, on first need (``import surgery`` registers nothing)."""
+    global _library
+    if _library is not None:
+        return
+    library = torch.library.Library("surgery", "DEF")
+    library.define("enforce(Tensor(a!)[] params, Tensor[] tokens) -> ()")
+    library.impl("enforce", _enforce_kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("surgery::enforce", _enforce_fake, lib=library)
+    _compat.register_functional_rule("surgery::enforce", _hide_from_autograd, library)
+    _library = library
 
 
 def eager_at_top_level(cls: type) -> type:
@@ -118,13 +111,7 @@ def eager_at_top_level(cls: type) -> type:
     traced into that graph. Uses a private dynamo setting; without it (another PyTorch
     version) root hooks are compiled separately, which is slower to compile but as correct.
     """
-    try:
-        from torch._C._dynamo import eval_frame
-
-        skip = eval_frame._FrameAction.SKIP
-        eval_frame.set_code_exec_strategy(cls.__call__.__code__, eval_frame._FrameExecStrategy(skip, skip))
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover - older PyTorch
-        pass
+    _compat.run_eagerly_when_called_directly(cls.__call__.__code__)
     return cls
 
 
@@ -145,34 +132,25 @@ def prepare(model: nn.Module) -> nn.Module:
         >>> prepare(torch.compile(model)) is model
         True
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+    wrapper = _compat.compiled_wrapper_type()
+    while wrapper is not None and isinstance(model, wrapper):
         model = model._orig_mod
-    _guard_hook_dicts(model)
+    if _compat.dynamo_loaded():  # nothing can have been compiled otherwise: dynamo stays untouched
+        _guard_hook_dicts(model)
     return model
 
 
 def _guard_hook_dicts(model: nn.Module) -> None:
-    from torch._dynamo import config, convert_frame, external_utils
-
-    if config.skip_nnmodule_hook_guards:
-        config.skip_nnmodule_hook_guards = False
-        _log.info("surgery: set torch._dynamo.config.skip_nnmodule_hook_guards = False so that compiled code "
-                  "notices surgery hooks")
-        seen = convert_frame.input_codes.seen + convert_frame.output_codes.seen
-        _unguarded.update(code for code in (ref() for ref in seen) if code is not None)
+    if _compat.hook_guards_skipped():
+        log = _log.warning if not _unguarded_scanned else _log.info  # WARNING once per process
+        log("surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
+                     "that compiled code notices surgery's hooks (once; see README, torch.compile)")
+        _unguarded.update(_compat.guard_hook_dicts())
+        _unguarded_scanned.append(True)
     if not _unguarded:
         return
     files = {getattr(sys.modules.get(type(m).__module__), "__file__", None) for m in model.modules()}
-    files |= {nn.modules.module.__file__, external_utils.__file__}  # Module._call_impl, compiled wrappers
+    files |= _compat.wrapper_files()  # Module._call_impl, compiled wrappers
     for code in [code for code in _unguarded if code.co_filename in files]:
-        _reset_code(code)
+        _compat.reset_code(code)
         _unguarded.discard(code)
-
-
-def _reset_code(code: types.CodeType) -> None:
-    from torch._C._dynamo.eval_frame import (
-        reset_code,  # what torch._dynamo.reset() does, for one function
-    )
-
-    reset_code(code)

@@ -192,6 +192,12 @@ def current_value(param: nn.Parameter) -> torch.Tensor:
     return value
 
 
+def transforms_of(param: nn.Parameter) -> list[Transform]:
+    """The transforms attached to ``param``, in order (empty if none)."""
+    guard = _guards.get(param)
+    return list(guard.transforms) if guard is not None else []
+
+
 def guard_of(param: nn.Parameter) -> TensorGuard:
     """The guard of a parameter that has a transform attached."""
     return _guards[param]

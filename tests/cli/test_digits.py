@@ -18,7 +18,7 @@ from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.digits import CHECKPOINT, DigitsCNN, accuracy, digits_batches, digits_split, train
 from surgery.core.errors import ConfigError
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_digits_cnn.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_digits_cnn.py"
 MIN_ACCURACY = 0.95
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # mobilenet_v3_small does little work per input byte: a 4x3x96x96 batch is 432 KiB, so 400
 # batches kept would add 169 MiB (and calibration as much again); two output classes keep the
 # per-batch outputs small.

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 import surgery
 from surgery import QuantSpec
 from surgery.ops import quantization
-from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.errors import CheckpointError, ConfigError, ConfigTypeError
 from surgery.ops.observers import NonFiniteError
 from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
@@ -900,8 +900,15 @@ def test_quantizing_the_same_layer_twice_raises_and_changes_nothing(mlp):
 
 def test_baking_releases_the_claim(mlp):
     surgery.quantize(mlp, progress=False).bake()
-    with surgery.quantize(mlp, weights=QuantSpec(bits=4), progress=False):
-        pass
+    baked = mlp[2].weight.detach().clone()
+    with surgery.quantize(mlp, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), progress=False) as again:
+        # attached again (not refused as already quantized): the weight moved onto its 4-bit grid
+        quantizer = again.weights["2.weight"]
+        assert quantizer.spec.bits == 4 and not torch.equal(mlp[2].weight, baked)
+        on_grid = mlp[2].weight.detach().clone()
+        quantizer.apply(on_grid)
+        assert torch.equal(on_grid, mlp[2].weight)
+    assert torch.equal(mlp[2].weight, baked)
 
 
 # --- all-or-nothing: failures injected midway ---------------------------------------------------------

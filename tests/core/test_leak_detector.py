@@ -36,7 +36,7 @@ def test_clean():
 
 
 def test_each_kind_of_leak_fails_the_test_that_caused_it(pytester):
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_leaky=LEAKY_TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=4, errors=3)

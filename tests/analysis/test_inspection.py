@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.cli.checks import global_hook_counts, module_hook_counts
+from surgery.testing import global_hook_counts, module_hook_counts
 from surgery.analysis.inspection import ModuleCall, calls_as_rows, format_table, inspect_model
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1", "checks.per_layer=false"]
 LAUNCHERS = ["basic", "joblib", "submitit_local"]
 

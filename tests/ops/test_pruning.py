@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import surgery
-from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.errors import ConfigError
 from surgery.ops.pruning import MaskEnforcer
 
@@ -376,8 +376,15 @@ def test_copies_of_a_model_under_surgery_stay_masked(convnet, convnet_factory, i
 def test_copy_of_a_pruned_model_can_be_pruned_independently(mlp):
     with surgery.prune(mlp, 0.5):
         twin = copy.deepcopy(mlp)
-        with surgery.prune(twin, 0.5, select="0", method="random_unstructured"):
-            pass  # the original's claim on its parameters does not extend to the copy's
+        original = mlp[0].weight.detach().clone()
+        twin_before = twin[0].weight.detach().clone()
+        with surgery.prune(twin, 0.5, select="**.weight", method="random_unstructured") as again:
+            # the original's claim on its parameters does not extend to the copy's: the copy's
+            # prune attaches (a second prune of the same parameter would raise) and zeroes more
+            assert again.parameters == ["0.weight", "2.weight", "4.weight"]
+            assert (twin[0].weight == 0).sum() > (twin_before == 0).sum()
+            assert torch.equal(mlp[0].weight, original)  # the original is untouched
+        assert torch.equal(twin[0].weight, twin_before)
 
 
 # --- restore and bake ----------------------------------------------------------------------
@@ -495,8 +502,11 @@ def test_pruning_an_attached_parameter_again_raises(mlp):
 
 def test_baking_releases_the_claim(mlp):
     surgery.prune(mlp, 0.5).bake()
-    with surgery.prune(mlp, 0.5):
-        pass
+    baked = mlp[0].weight.detach().clone()
+    with surgery.prune(mlp, 0.5) as again:  # would raise AlreadyModifiedError if still claimed
+        assert (mlp[0].weight == 0).float().mean().item() == pytest.approx(0.5)  # the baked zeros rank lowest
+        assert again.sparsity() == pytest.approx(0.5)
+    assert torch.equal(mlp[0].weight, baked)  # restoring the second prune gives back the baked weights
 
 
 BAD_INPUTS = [

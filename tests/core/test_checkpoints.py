@@ -1,5 +1,5 @@
 """surgery.core.checkpoints: safe loading with clear errors, saving that never overwrites (failed and
-interrupted writes: tests/test_atomic_writes.py)."""
+interrupted writes: tests/core/test_atomic_writes.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import surgery
 from surgery.core.checkpoints import load_checkpoint, read_state_dict, save_checkpoint
-from surgery.cli.checks import collect, snapshot, snapshot_differences
+from surgery.testing import collect, snapshot, snapshot_differences
 
 SUFFIXES = [".safetensors", ".pt"]
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.cli.checks import collect, module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.handles import Handle
 
 

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 import surgery
-from surgery.cli.checks import Snapshot, collect, max_difference, module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import Snapshot, collect, max_difference, module_hook_counts, snapshot, snapshot_differences
 
 # (name, input side, extra constructor arguments). Inputs are 64x64 wherever the network allows;
 # ViT takes its image size as an argument and still holds nn.MultiheadAttention blocks whose

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import surgery
+from surgery.testing import transformed_parameters
 from surgery.core import guards
 from surgery.cli.checks import (
     collect,
@@ -357,7 +358,7 @@ def hooks_on(model: nn.Module) -> int:
 
 def guarded(model: nn.Module) -> list[str]:
     """Parameters of ``model`` still registered with surgery's tensor guards."""
-    return [name for name, p in model.named_parameters() if guards._guards.get(p) is not None]
+    return transformed_parameters(model)
 
 
 def transformed(handle: Handle) -> set[int]:

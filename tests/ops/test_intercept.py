@@ -12,7 +12,7 @@ from torch import nn
 
 import surgery
 from surgery.ops import rules
-from surgery.cli.checks import global_hook_counts
+from surgery.testing import global_hook_counts
 
 from support import Passthrough  # tests/support.py
 

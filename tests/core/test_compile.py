@@ -16,10 +16,13 @@ import surgery
 from surgery import QuantSpec
 from surgery.core import compiled
 from surgery.ops import rewriting as rw
-from surgery.cli.checks import module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 from surgery.ops.observers import fake_quantize
 
 Attach = Callable[[nn.Module, torch.Tensor], list]
+
+
+pytestmark = pytest.mark.compile  # torch.compile: seconds per test
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torchvision
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1"]
 SCHEMA = {"recipe": str, "model": str, "ok": bool, "params": dict, "sparsity": float, "checks": list,
           "drift": dict, "layers": list, "timings_s": dict}

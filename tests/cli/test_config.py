@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from surgery.cli.config import RunConfig, load_config
 from surgery.core.errors import ConfigError
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 RECIPES = sorted(p.stem for p in (CONF.parent / "recipes").glob("*.yaml"))
 
 

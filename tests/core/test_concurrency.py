@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 import surgery
+from surgery.testing import transformed_parameters
 from surgery.core import guards
 from surgery.ops import rules
 from surgery.cli.checks import (
@@ -86,7 +87,7 @@ def same(a: list[Tensor], b: list[Tensor]) -> bool:
 
 
 def guarded(model: nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if guards._guards.get(p) is not None]
+    return transformed_parameters(model)
 
 
 # --------------------------------------------------------------------------- runtime surgery

@@ -26,7 +26,7 @@ from torch import nn
 import surgery
 from surgery import QuantSpec
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
-from surgery.cli.checks import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
+from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 from surgery.cli.config import load_config
 from surgery.core.errors import (
     AlreadyModifiedError,
@@ -39,7 +39,7 @@ from surgery.core.errors import (
 from surgery.ops.observers import NonFiniteError
 from surgery.ops.rewriting import Normalize, rewrite_from_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 FAST = ("model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1")
 QUANTIZE = ("recipe=quantize_resnet50", *FAST)

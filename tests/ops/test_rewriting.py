@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.cli.checks import module_hook_counts
+from surgery.testing import module_hook_counts
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.rewriting import (

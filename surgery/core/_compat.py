@@ -1,0 +1,141 @@
+"""Every private PyTorch API surgery touches, feature-checked once in one place.
+
+Each helper either works on this PyTorch or falls back to something correct but slower, and
+then warns once (:func:`fallback`) saying what is lost; none fails silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as _module_globals
+
+_log = logging.getLogger("surgery")
+
+GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks",
+    "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+@functools.cache
+def fallback(feature: str, consequence: str) -> None:
+    """Warn once per process that ``feature`` is missing from this PyTorch, and what that costs."""
+    warnings.warn(f"surgery: {feature} is not available in this PyTorch; {consequence}", RuntimeWarning, stacklevel=3)
+
+
+def global_hook_counts() -> dict[str, int]:
+    """Entries in each of torch's global module hook registries (``torch.nn.modules.module``)."""
+    return {name: len(getattr(_module_globals, name, {})) for name in GLOBAL_HOOK_DICTS}
+
+
+def module_hook_counts(model: nn.Module) -> dict[str, int]:
+    """Hooks of each kind on each module of ``model``: ``{"<module>:<dict>": count}``."""
+    return {f"{name}:{kind}": len(getattr(m, kind, {})) for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
+
+
+def run_eagerly_when_called_directly(code: types.CodeType) -> None:
+    """Tell dynamo to run ``code`` as plain Python when it is a frame of its own (a root hook
+    called by ``Module._call_impl``) and inline it when called from a traced frame."""
+    try:
+        from torch._C._dynamo import eval_frame
+
+        skip = eval_frame._FrameAction.SKIP
+        eval_frame.set_code_exec_strategy(code, eval_frame._FrameExecStrategy(skip, skip))
+    except (ImportError, AttributeError, TypeError):
+        fallback("dynamo's per-code frame strategy", "hooks on a compiled model's root are compiled as "
+                 "graphs of their own (slower to compile, equally correct)")
+
+
+def mark_mutation_hidden_available() -> bool:
+    """Whether functionalization can mark a parameter write hidden from autograd."""
+    import torch
+
+    return hasattr(torch, "_functionalize_mark_mutation_hidden_from_autograd")
+
+
+def register_functional_rule(op: str, rule: Callable[..., Any], library: Any) -> bool:
+    """Register ``rule`` for ``op`` under dynamo's functional tensor mode; False if impossible."""
+    try:
+        import torch
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        if not mark_mutation_hidden_available():
+            raise AttributeError
+        torch.library.register_torch_dispatch(op, FunctionalTensorMode, rule, lib=library)
+        return True
+    except (ImportError, AttributeError):
+        fallback("marking parameter writes hidden from autograd", "compiled graphs re-apply masks and "
+                 "quantization on every call (correct, slower)")
+        return False
+
+
+def hook_guards_skipped() -> bool:
+    """Whether dynamo currently skips guards on module hook dicts that were empty when traced."""
+    from torch._dynamo import config
+
+    return bool(getattr(config, "skip_nnmodule_hook_guards", False))
+
+
+def guard_hook_dicts() -> list[types.CodeType]:
+    """Make dynamo guard module hook dicts (``skip_nnmodule_hook_guards = False``) and return
+    the code objects it compiled before, which were traced without those guards."""
+    from torch._dynamo import config, convert_frame
+
+    config.skip_nnmodule_hook_guards = False
+    seen = convert_frame.input_codes.seen + convert_frame.output_codes.seen
+    return [code for code in (ref() for ref in seen) if code is not None]
+
+
+def dynamo_loaded() -> bool:
+    """Whether anything in this process has imported dynamo (no ``torch.compile`` yet otherwise)."""
+    return "torch._dynamo" in sys.modules
+
+
+def compiled_wrapper_type() -> type | None:
+    """``OptimizedModule`` if dynamo is loaded (a model cannot be compiled otherwise)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def wrapper_files() -> set[str]:
+    """Files whose frames call module hooks under compile (``Module._call_impl``, wrappers)."""
+    from torch._dynamo import external_utils
+
+    return {nn.modules.module.__file__, external_utils.__file__}
+
+
+def reset_code(code: types.CodeType) -> None:
+    """Drop what dynamo compiled for one function (``torch._dynamo.reset()`` for one code)."""
+    from torch._C._dynamo.eval_frame import reset_code as reset
+
+    reset(code)
+
+
+def functionalize_hiding_mutation(mode: Any, func: Any, args: tuple, kwargs: dict, mutated: list) -> Any:
+    """Auto-functionalize an in-place custom op, then mark its writes to ``mutated`` hidden from
+    autograd (so AOTAutograd does not bump their version counters on every call)."""
+    import torch
+    from torch._higher_order_ops.auto_functionalize import do_auto_functionalize, do_auto_functionalize_v2
+    from torch._inductor import config as inductor_config
+
+    functionalize = do_auto_functionalize_v2 if inductor_config.enable_auto_functionalized_v2 else do_auto_functionalize
+    result = functionalize(mode, func, args, kwargs)
+    for tensor in mutated:
+        torch._functionalize_mark_mutation_hidden_from_autograd(tensor.elem)
+    return result

@@ -1,0 +1,172 @@
+"""capture, keyword-input batches in compare/prune/capture, and user criteria and transforms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery.core.errors import ConfigError
+from surgery.ops.criteria import CRITERIA, compute_masks
+from surgery.testing import module_hook_counts, snapshot, snapshot_differences
+
+
+class KeywordModel(nn.Module):
+    """Takes keyword inputs only, Hugging Face style."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        h = torch.relu(self.proj(self.embed(input_ids))) * attention_mask.unsqueeze(-1)
+        return {"logits": self.head(h).mean(1)}
+
+
+def keyword_batches(n: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 20, (2, 5), generator=g), "attention_mask": torch.ones(2, 5)}
+            for _ in range(n)]
+
+
+def test_dict_batches_work_in_prune_capture_and_compare():
+    torch.manual_seed(0)
+    model, batches = KeywordModel().eval(), keyword_batches()
+    reference = KeywordModel().eval()
+    reference.load_state_dict(model.state_dict())
+    with surgery.prune(model, 0.5, select=["proj", "head"], calibration=batches) as handle:
+        assert handle.sparsity() == pytest.approx(0.5)
+        with surgery.capture(model, select="proj", what=("inputs", "outputs")) as seen:
+            for batch in batches:
+                model(**batch)
+        assert [t.shape for t in seen.inputs["proj"]] == [(2, 5, 8)] * 3  # the keyword input reached proj
+        drift = surgery.compare(reference, model, batches)
+        assert not drift.identical and 0 < drift.cosine < 1
+    assert surgery.compare(reference, model, batches).identical
+
+
+def test_a_dict_batch_with_non_string_keys_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"compare.inputs='batch 0': has the key 0"):
+        surgery.compare(nn.Linear(2, 2), nn.Linear(2, 2), [{0: torch.randn(1, 2)}])
+
+
+def test_capture_reductions_match_the_tensors_they_summarise(mlp, mlp_input):
+    with surgery.capture(mlp, select="0", reduce="keep") as kept:
+        mlp(mlp_input)
+        mlp(mlp_input * 2)
+    first, second = kept.outputs["0"]
+    for reduce, expected in [("sum", first.double() + second.double()),
+                             ("minmax", (min(first.min(), second.min()).item(), max(first.max(), second.max()).item()))]:
+        with surgery.capture(mlp, select="0", reduce=reduce) as seen:
+            mlp(mlp_input)
+            mlp(mlp_input * 2)
+        assert (torch.equal(seen.outputs["0"], expected) if reduce == "sum" else seen.outputs["0"] == expected)
+    with surgery.capture(mlp, select="0", what="inputs", reduce="sq_norms") as seen:
+        mlp(mlp_input)
+    assert torch.allclose(seen.inputs["0"]["sq_norms"], (mlp_input.double() ** 2).sum(0))
+    assert seen.inputs["0"]["rows"] == mlp_input.shape[0]
+
+
+def test_capture_removes_its_hooks_also_when_the_block_raises(mlp, mlp_input):
+    before = snapshot(mlp)
+    with pytest.raises(RuntimeError, match="boom"):
+        with surgery.capture(mlp, what=("inputs", "outputs")):
+            assert sum(module_hook_counts(mlp).values()) == 3 * 5  # 5 submodules: a pre hook (with its kwargs flag), a hook
+            raise RuntimeError("boom")
+    assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+@pytest.mark.parametrize("kwargs,field", [({"what": "gradients"}, "capture.what"), ({"reduce": "median"}, "capture.reduce"),
+                                          ({"select": "nope"}, "capture.select")])
+def test_capture_bad_arguments_name_the_field(mlp, kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        surgery.capture(mlp, **kwargs)
+    assert info.value.field == field
+
+
+def test_a_callable_criterion_reproduces_l1_unstructured_exactly(convnet_factory):
+    built_in, custom = convnet_factory(), convnet_factory()
+    for scope in ("layer", "global"):
+        with surgery.prune(built_in, 0.6, scope=scope) as a, \
+                surgery.prune(custom, 0.6, scope=scope, method=lambda w, stats: w.abs()) as b:
+            assert a.masks().keys() == b.masks().keys()
+            assert all(torch.equal(a.masks()[k], b.masks()[k]) for k in a.masks())
+
+
+GOLDEN = {  # sha256 of the packed masks made by the criteria before they became registered functions
+    ("l1_unstructured", "layer", 2.0, 0): "50e1d779e3cc4296", ("l1_unstructured", "global", 2.0, 0): "7c09bb4a695b7920",
+    ("random_unstructured", "layer", 2.0, 0): "62604d7ece141abb",
+    ("random_unstructured", "global", 2.0, 0): "ce54499456d5a88f",
+    ("ln_structured", "layer", 1.0, 0): "a1b9d4be89c0190a", ("ln_structured", "layer", 2.0, 1): "122eda737b348f2b",
+    ("ln_structured", "layer", float("inf"), 1): "a76fa8a5102c48fa",
+    ("ln_structured", "global", 2.0, 0): "e0f1c748f005effb", ("ln_structured", "global", 1.0, 1): "2d4bbeb18422326a",
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN), ids=[f"{m}-{s}-{n}-{d}" for m, s, n, d in GOLDEN])
+def test_built_in_criteria_give_the_same_masks_as_before(key):
+    import hashlib
+
+    from surgery.ops.criteria import pack
+
+    method, scope, n, dim = key
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, 8, 3, 3, generator=g), torch.randn(32, 16, generator=g), torch.randn(10, 32, generator=g)]
+    masks = compute_masks(weights, 0.37, method=method, scope=scope, n=n, dim=dim, seed=5)
+    digest = hashlib.sha256(b"".join(pack(m).numpy().tobytes() for m in masks)).hexdigest()[:16]
+    assert digest == GOLDEN[key]
+
+
+@pytest.mark.parametrize("score,message", [(lambda w, s: w.abs().flatten(), "returned \\(128,\\)"),
+                                           (lambda w, s: w * float("nan"), "NaN scores"),
+                                           (lambda w, s: "high", "returned str")])
+def test_a_bad_score_is_refused_and_the_model_is_unchanged(mlp, score, message):
+    before = snapshot(mlp)
+    with pytest.raises(ConfigError, match=message):
+        surgery.prune(mlp, 0.5, method=score)
+    assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+def test_criteria_that_need_calibration_say_so_and_registry_names_are_checked(mlp):
+    surgery.register_criterion("needs_stats", lambda w, stats: w.abs() * stats.input_norms, needs_calibration=True)
+    try:
+        with pytest.raises(ConfigError, match="pass calibration batches"):
+            surgery.prune(mlp, 0.5, method="needs_stats")
+        with pytest.raises(ConfigError, match="already registered"):
+            surgery.register_criterion("needs_stats", lambda w, stats: w)
+        with pytest.raises(ConfigError, match="did you mean 'needs_stats'"):
+            surgery.prune(mlp, 0.5, method="needs_stat")
+    finally:
+        CRITERIA.unregister("needs_stats")
+
+
+def test_prune_spec_is_frozen_validated_and_accepted(mlp):
+    with pytest.raises(ConfigError, match="prune.amount=2"):
+        surgery.PruneSpec(2)
+    spec = surgery.PruneSpec(0.25, method="ln_structured", n=1)
+    with pytest.raises(AttributeError):
+        spec.amount = 0.5
+    with surgery.prune(mlp, spec) as handle:
+        assert handle.spec is spec and handle.sparsity() == pytest.approx(0.25, abs=0.07)
+
+
+def test_attach_transform_is_exact_stacks_with_prune_and_records_its_undo(mlp, mlp_input):
+    before = snapshot(mlp)
+    pruned = surgery.prune(mlp, 0.5)
+    clamp = surgery.attach_transform(mlp, {"2.weight": lambda w: w.clamp(-0.05, 0.05)})
+    assert mlp[2].weight.abs().max() <= 0.05 and (mlp[2].weight == 0).float().mean() == 0.5
+    with torch.no_grad():
+        mlp[2].weight.add_(1.0)  # an outside edit: both transforms are re-applied before the next forward
+    mlp(mlp_input)
+    assert mlp[2].weight.abs().max() <= 0.05
+    assert [type(r).__name__ for r in clamp.records] == ["AttachedTransform"]
+    with pytest.raises(surgery.AlreadyModifiedError):
+        pruned.restore()  # undo in reverse order
+    clamp.restore()
+    pruned.restore()
+    assert snapshot_differences(before, snapshot(mlp)) == []  # the exact originals, as before any surgery
+    with pytest.raises(ConfigError, match="transforms='9.weight'"):
+        surgery.attach_transform(mlp, {"9.weight": torch.abs})
