@@ -362,31 +362,22 @@ def memory_torch_prune(model: nn.Module) -> Memory:
 def memory_ours(model: nn.Module, handle: surgery.PruneHandle) -> tuple[Memory, str]:
     """Params + buffers + packed masks + saved originals (pruned entries x element size).
 
-    The saved originals live in the handle's undo closures; their size is computed, then
-    cross-checked by walking those closures (private ``handle._steps``, verification only).
+    The saved originals live in the handle's undo records (``handle.records``); their size is
+    computed, then cross-checked against the tensors those records hold.
     """
     state = state_tensors(model)
     base = storage_bytes(state)
     packed = storage_bytes(e.packed for e in handle.enforcers.values())
     saved = sum(int((~e.mask()).sum()) * e.param.element_size() for e in handle.enforcers.values())
-    walked = storage_bytes(state + [e.packed for e in handle.enforcers.values()] + closure_tensors(handle)) - base - packed
-    check = f"saved originals: computed {saved / 2**20:.2f} MiB, found in undo closures {walked / 2**20:.2f} MiB"
+    walked = storage_bytes(state + [e.packed for e in handle.enforcers.values()] + record_tensors(handle)) - base - packed
+    check = f"saved originals: computed {saved / 2**20:.2f} MiB, found in undo records {walked / 2**20:.2f} MiB"
     what = f"{len(handle.enforcers)} packed masks {packed / 2**20:.2f} MiB + saved originals {saved / 2**20:.2f} MiB"
     return Memory(base, packed + saved, what), check
 
 
-def closure_tensors(handle: surgery.Handle) -> list[Tensor]:
-    found = []
-    for step in handle._steps:
-        for action in (step.undo, step.bake):
-            for cell in getattr(action, "__closure__", None) or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if isinstance(value, Tensor):
-                    found.append(value)
-    return found
+def record_tensors(handle: surgery.Handle) -> list[Tensor]:
+    """The tensors the handle's undo records keep (``AttachedTransform.saved``)."""
+    return [tensor for record in handle.records for tensor in record.saved.tensors()]
 
 
 def measure_memory(models: dict[str, nn.Module], results: dict[str, VariantResult], handle: surgery.PruneHandle) -> list[str]:
