@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from surgery.analysis.comparison import same_bits
 from surgery.core import guards
-from surgery.core._compat import global_hook_counts, module_hook_counts
+from surgery.core._compat import MODULE_HOOK_DICTS, global_hook_counts, module_hook_counts
 from surgery.core.inputs import Inputs, batches, evaluating, outputs
 
 
@@ -96,5 +96,5 @@ def assert_no_hooks(model: nn.Module) -> None:
     assert not leftover, f"hooks left on the model: {leftover}"
 
 
-__all__ = ["Snapshot", "assert_no_hooks", "collect", "global_hook_counts", "max_difference", "module_hook_counts",
+__all__ = ["MODULE_HOOK_DICTS", "Snapshot", "assert_no_hooks", "collect", "global_hook_counts", "max_difference", "module_hook_counts",
            "snapshot", "snapshot_differences", "transformed_parameters", "same_bits"]

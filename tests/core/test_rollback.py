@@ -31,7 +31,7 @@ from surgery.core import guards
 from surgery.ops import pruning, quantization, rules
 from surgery.cli import run as run_module
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
-from surgery.cli.checks import MODULE_HOOK_DICTS
+from surgery.testing import MODULE_HOOK_DICTS
 from surgery.testing import collect, global_hook_counts, snapshot, snapshot_differences
 from surgery.cli.config import load_config
 from surgery.core.handles import Handle
