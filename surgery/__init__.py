@@ -26,7 +26,7 @@ from surgery.ops.intercept import (
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
-from surgery.ops.rewriting import rewrite_inputs
+from surgery.ops.rewriting import register_rewrite, rewrite_inputs
 from surgery.core.selection import select
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "quantize",
     "register_criterion",
     "register_observer",
+    "register_rewrite",
     "rewrite_inputs",
     "rules",
     "select",

@@ -1,16 +1,15 @@
-"""Per-layer drift: activations of two models compared layer by layer with forward hooks."""
+"""Per-layer drift: activations of two models compared layer by layer, through two captures."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from surgery.analysis.comparison import StreamingError
+from surgery.core.capture import Capture, Keep
 from surgery.core.inputs import Call, Inputs, batches, evaluating
 from surgery.core.errors import ConfigError
 
@@ -72,90 +71,36 @@ class _LayerStats(StreamingError):
         return LayerDrift(name, type_name, self.cosine(), self.sqnr_db(), self.max_abs, index, depth, self.calls)
 
 
-class _Store:
-    """The reference's outputs of the current batch only: ``{name: [call 0, call 1, ...]}``.
+class _ReferenceOutputs(Keep):
+    """The reference's outputs of one layer in the current batch (a capture reducer); each is
+    released as soon as the candidate's matching call has been compared."""
 
-    Each entry is released as soon as the candidate's matching call has been compared, and
-    whatever is left is dropped before the next batch.
-    """
-
-    def __init__(self) -> None:
-        self.outputs: dict[str, list[Tensor | None]] = {}
-        self.size = 0  # tensors currently held
-
-    def put(self, name: str, tensor: Tensor) -> None:
-        self.outputs.setdefault(name, []).append(tensor)
-        self.size += 1
-
-    def take(self, name: str, call: int) -> Tensor | None:
-        calls = self.outputs.get(name, [])
-        if call >= len(calls) or calls[call] is None:
+    def take(self, call: int) -> Tensor | None:
+        if call >= len(self.tensors):
             return None
-        tensor, calls[call] = calls[call], None
-        self.size -= 1
+        tensor, self.tensors[call] = self.tensors[call], None
         return tensor
 
-    def clear(self) -> None:
-        self.outputs.clear()
-        self.size = 0
 
+class _CandidateOutputs:
+    """The candidate's side of one layer (a capture reducer): call ``k`` is compared at once
+    with the reference's call ``k`` and only the float64 sums in ``stats`` are kept."""
 
-def first_floating(value: Any) -> Tensor | None:
-    """The output itself if it is a floating tensor, else the first one in a tuple or list."""
-    if isinstance(value, Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, (tuple, list)):
-        return next((t for t in value if isinstance(t, Tensor) and t.is_floating_point()), None)
-    return None
+    def __init__(self, name: str, reference: Capture, stats: _LayerStats, order: dict[str, int]) -> None:
+        self.name, self.reference, self.stats, self.order = name, reference, stats, order
+        self.calls = 0
 
+    def update(self, tensor: Tensor) -> None:
+        call, self.calls = self.calls, self.calls + 1
+        stored = self.reference.reducers["outputs"].get(self.name)
+        ref = stored.take(call) if stored is not None else None
+        if ref is not None:
+            self.stats.add(ref, tensor)
+        elif self.name in self.order:
+            self.stats.problem = self.stats.problem or f"the candidate calls it more often ({call + 1} times)"
 
-class _Recorder:
-    """The hooks' shared state: which model is running, per-batch call counters, the sums."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.phase = "idle"  # "reference" or "candidate": a hook fires only in its own phase
-        self.store = _Store()
-        self.order: dict[str, int] = {}
-        self.ref_calls: dict[str, int] = {}
-        self.cand_calls: dict[str, int] = {}
-        self.stats = {name: _LayerStats() for name in names}
-
-    def start_batch(self) -> None:
-        self.store.clear()
-        self.ref_calls.clear()
-        self.cand_calls.clear()
-
-    def reference_hook(self, name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            tensor = first_floating(output)
-            if self.phase != "reference" or tensor is None:
-                return
-            self.order.setdefault(name, len(self.order))
-            self.ref_calls[name] = self.ref_calls.get(name, 0) + 1
-            self.store.put(name, tensor.detach().clone())  # later in-place ops must not touch it
-        return hook
-
-    def candidate_hook(self, name: str):
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self.phase != "candidate":
-                return
-            call = self.cand_calls.get(name, 0)
-            self.cand_calls[name] = call + 1
-            ref, cand = self.store.take(name, call), first_floating(output)
-            stats = self.stats[name]
-            if ref is None and cand is not None and name in self.order:
-                stats.problem = stats.problem or f"the candidate calls it more often ({call + 1} times)"
-            elif ref is not None and cand is None:
-                stats.problem = stats.problem or "the candidate's output is not a floating tensor"
-            elif ref is not None:
-                stats.add(ref, cand)
-        return hook
-
-    def finish_batch(self) -> None:
-        for name, count in self.ref_calls.items():
-            if self.cand_calls.get(name, 0) < count and not self.stats[name].problem:
-                self.stats[name].problem = "the candidate does not call it as often as the reference"
-        self.store.clear()
+    def result(self) -> int:
+        return self.calls
 
 
 def shared_names(reference: nn.Module, candidate: nn.Module) -> list[str]:
@@ -164,16 +109,11 @@ def shared_names(reference: nn.Module, candidate: nn.Module) -> list[str]:
     return [name for name, _ in reference.named_modules() if name and name in theirs]
 
 
-def _install(model: nn.Module, names: list[str], make_hook) -> Iterator[RemovableHandle]:
-    modules = dict(model.named_modules())
-    for name in names:
-        yield modules[name].register_forward_hook(make_hook(name))
-
-
 def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> list[LayerDrift]:
     """Compare the output of every layer the two models share, over the same inputs.
 
-    Forward hooks go on every non-root module whose qualified name exists in both models;
+    Two captures (:class:`~surgery.core.capture.Capture`) put forward hooks on every non-root
+    module whose qualified name exists in both models;
     layers whose output holds no floating tensor are left out. For each batch the reference
     runs first and keeps only that batch's layer outputs; then, as the candidate runs, each
     layer's output is compared at once with the stored one (call ``k`` with call ``k`` for a
@@ -200,28 +140,31 @@ def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> l
     if not names:
         raise ConfigError("per_layer", True, "the models share no module names, so no layer can be compared",
                           f"reference has {type(reference).__name__}, candidate has {type(candidate).__name__}")
-    recorder = _Recorder(names)
-    handles: list[RemovableHandle] = []
-    try:
-        handles.extend(_install(reference, names, recorder.reference_hook))
-        handles.extend(_install(candidate, names, recorder.candidate_hook))
-        with evaluating(reference), evaluating(candidate), torch.no_grad():
-            for batch in batches(inputs):
-                _run_batch(recorder, reference, candidate, batch)
-    finally:
-        recorder.phase = "idle"
-        recorder.store.clear()
-        for handle in reversed(handles):
-            handle.remove()
+    ref_modules, cand_modules = dict(reference.named_modules()), dict(candidate.named_modules())
+    stats = {name: _LayerStats() for name in names}
+    order: dict[str, int] = {}
+    ref_seen = Capture(reference, {n: ref_modules[n] for n in names}, ("outputs",), _ReferenceOutputs)
+    cand_seen = Capture(candidate, {n: cand_modules[n] for n in names}, ("outputs",),
+                        lambda name, module: _CandidateOutputs(name, ref_seen, stats[name], order))
+    with ref_seen, cand_seen, evaluating(reference), evaluating(candidate), torch.no_grad():
+        for batch in batches(inputs):
+            _run_batch(ref_seen, cand_seen, reference, candidate, batch, stats, order)
     types = {name: type(module).__name__ for name, module in reference.named_modules()}
-    return [recorder.stats[name].result(name, types[name], index) for name, index in recorder.order.items()]
+    return [stats[name].result(name, types[name], index) for name, index in order.items()]
 
 
-def _run_batch(recorder: _Recorder, reference: nn.Module, candidate: nn.Module, batch: Call) -> None:
-    recorder.start_batch()
-    recorder.phase = "reference"
-    batch(reference)
-    recorder.phase = "candidate"
-    batch(candidate)
-    recorder.phase = "idle"
-    recorder.finish_batch()
+def _run_batch(ref_seen: Capture, cand_seen: Capture, reference: nn.Module, candidate: nn.Module, batch: Call,
+               stats: dict[str, _LayerStats], order: dict[str, int]) -> None:
+    """The reference runs (its capture alone active), then the candidate; the same model may be both."""
+    ref_seen.clear(), cand_seen.clear()
+    with ref_seen.paused(False), cand_seen.paused(True):
+        batch(reference)
+    for name in ref_seen.reducers["outputs"]:  # first calls, in execution order
+        order.setdefault(name, len(order))
+    with ref_seen.paused(True), cand_seen.paused(False):
+        batch(candidate)
+    for name, stored in ref_seen.reducers["outputs"].items():
+        done = cand_seen.reducers["outputs"].get(name)
+        if (done.calls if done else 0) < len(stored.tensors) and not stats[name].problem:
+            stats[name].problem = "the candidate does not call it as often as the reference (or its output is not floating)"
+    ref_seen.clear(), cand_seen.clear()

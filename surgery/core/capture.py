@@ -9,7 +9,8 @@ them in reverse order on exit, also when the block raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -128,6 +129,7 @@ class Capture:
         self.model, self.layers, self.what, self.reduce = model, layers, what, reduce
         self.reducers: dict[str, dict[str, Reducer]] = {side: {} for side in SIDES}
         self._hooks: list[RemovableHandle] = []
+        self._paused = False
 
     @property
     def inputs(self) -> dict[str, Any]:
@@ -142,7 +144,19 @@ class Capture:
         for side in SIDES:
             self.reducers[side].clear()
 
+    @contextlib.contextmanager
+    def paused(self, paused: bool = True) -> Iterator[None]:
+        """Within the block, the hooks record nothing (``paused=False``: they do); e.g. while
+        another model sharing these modules runs."""
+        before, self._paused = self._paused, paused
+        try:
+            yield
+        finally:
+            self._paused = before
+
     def _feed(self, side: str, name: str, module: nn.Module, value: Any) -> None:
+        if self._paused:
+            return
         tensors = flatten_tensors(value)
         if not tensors:
             return

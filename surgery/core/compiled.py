@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import threading
 import types
 import weakref
 from typing import Any, Protocol
@@ -41,7 +42,8 @@ _unguarded: weakref.WeakSet[types.CodeType] = weakref.WeakSet()  # compiled befo
 _log = logging.getLogger(__name__)
 _unguarded_scanned: list[bool] = []  # set once the flag was first changed (the WARNING is logged once)
 
-_library: Any = None  # the ``surgery`` operator library: defined the first time a graph needs it
+_library: Any = None  # the ``surgery`` operator library: defined when the first guard is created
+_define_lock = threading.Lock()
 
 
 class Refreshable(Protocol):
@@ -58,6 +60,7 @@ def register(guard: Refreshable) -> Tensor:
 
     A tensor, not an int: a graph takes it as an input instead of baking it in as a constant,
     so copies of a model under the same surgery share their compiled code."""
+    _define_operator()  # outside any trace: dynamo cannot trace defining a library
     token = next(_tokens)
     _by_token[token] = guard
     return torch.tensor(token)
@@ -65,7 +68,6 @@ def register(guard: Refreshable) -> Tensor:
 
 def enforce(guards: list[Refreshable]) -> None:
     """Emit one ``surgery::enforce`` call for ``guards`` into the graph being traced."""
-    _define_operator()
     torch.ops.surgery.enforce([g.param for g in guards], [g.token for g in guards])
 
 
@@ -88,10 +90,18 @@ def _hide_from_autograd(mode: Any, func: Any, _types: Any, args: tuple, kwargs: 
 
 
 def _define_operator() -> None:
-    """Define ``surgery::enforce`` once, on first need (``import surgery`` registers nothing)."""
+    """Define ``surgery::enforce`` once, when the first guard is created (``import surgery``
+    registers nothing)."""
     global _library
     if _library is not None:
         return
+    with _define_lock:
+        if _library is None:
+            _define_operator_now()
+
+
+def _define_operator_now() -> None:
+    global _library
     library = torch.library.Library("surgery", "DEF")
     library.define("enforce(Tensor(a!)[] params, Tensor[] tokens) -> ()")
     library.impl("enforce", _enforce_kernel, "CompositeExplicitAutograd")

@@ -126,17 +126,22 @@ def test_reference_outputs_are_cloned_before_in_place_ops():
 
 def test_the_reference_store_holds_at_most_one_batch_of_layer_outputs(mlp_factory, mlp_input):
     peaks: list[int] = []
+    stores: list = []
 
-    class CountingStore(layer_drift_module._Store):
-        def put(self, name, tensor):
-            super().put(name, tensor)
-            peaks.append(self.size)
+    class CountingOutputs(layer_drift_module._ReferenceOutputs):
+        def __init__(self, *args):
+            super().__init__(*args)
+            stores.append(self)
+
+        def update(self, tensor):
+            super().update(tensor)
+            peaks.append(sum(t is not None for store in stores for t in store.tensors))  # every stored output alive
 
     batches = [mlp_input, mlp_input + 1, mlp_input - 1]
-    with mock.patch.object(layer_drift_module, "_Store", CountingStore):
+    with mock.patch.object(layer_drift_module, "_ReferenceOutputs", CountingOutputs):
         rows = layer_drift(mlp_factory(), mlp_factory(seed=1), batches)
     assert len(peaks) == len(rows) * len(batches)  # every layer stored once per batch
-    assert max(peaks) == len(rows)  # never more than the layers of one batch
+    assert max(peaks) == len(rows)  # never more than the layers of one batch: each is released once compared
 
 
 def test_same_model_as_reference_and_candidate(mlp_factory, mlp_input):

@@ -7,6 +7,8 @@ import pickle
 from unittest import mock
 
 import pytest
+
+import surgery
 import torch
 from torch import nn
 
@@ -359,3 +361,20 @@ def test_from_config_bad_parameters() -> None:
         rewrite_from_config("surgery.ops.rewriting.identity_rewrite", std=1)
     with pytest.raises(ConfigError, match="is not callable"):
         rewrite_from_config("surgery.ops.rewriting.RESIZE_MODES")
+
+
+def test_a_registered_rewrite_is_built_by_name_with_its_parameters(mlp, mlp_input):
+    from surgery.ops.rewriting import REWRITES, rewrite_from_config
+
+    def scale(factor: float):
+        return lambda args, kwargs: ((args[0] * factor, *args[1:]), kwargs)
+
+    surgery.register_rewrite("scale_demo", scale)
+    try:
+        expected = mlp(mlp_input * 0.5)
+        with surgery.rewrite_inputs(mlp, rewrite_from_config("scale_demo", factor=0.5)):
+            assert torch.equal(mlp(mlp_input), expected)
+        with pytest.raises(ConfigError, match="rewrite.name='scale_dem'.*did you mean 'scale_demo'"):
+            rewrite_from_config("scale_dem")
+    finally:
+        REWRITES.unregister("scale_demo")
