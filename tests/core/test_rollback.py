@@ -12,6 +12,7 @@ Each test first runs the operation with every internal call counted, then fails 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import importlib
 import weakref
@@ -283,7 +284,7 @@ def leftover_of(call: tuple[str, tuple]) -> Callable[[str], bool]:
 def test_restore_failing_at_any_step_still_runs_every_other_step(convnet_factory, image_input, error):
     model = convnet_factory()
     before = state_of(model)
-    total, _ = counted(UNDO_CALLS, lambda: attach_side_by_side(model, image_input).restore())
+    total, _ = counted(UNDO_CALLS, attach_side_by_side(model, image_input).restore)  # restore's calls only
     assert_unchanged(model, before, "a clean restore")
     assert total >= 8
     for n in range(1, total + 1):
@@ -470,13 +471,23 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
     the rest of quantize are still undone, and the caller sees the step failure (the real
     cause) with the undo failure as a note on it."""
     before = state_of(convnet)
+    applied: list[int] = []  # hooks removed while applying (calibration's capture), before the failure
+
+    def failing_rewrite(*args, **kwargs):
+        applied.append(len(wire.calls))
+        raise RuntimeError("step failed")
+
+    with mock.patch.object(steps, "rewrite_inputs", side_effect=failing_rewrite), \
+            Tripwire([Target(RemovableHandle, "remove")]).armed() as wire, pytest.raises(RuntimeError):
+        apply_steps(copy.deepcopy(convnet), three_steps(), calibration=[image_input])
+    first_undo = applied[0] + 1  # the first hook removal of the rollback
     with mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")), \
-            Tripwire([Target(RemovableHandle, "remove")], 1).armed() as wire:
+            Tripwire([Target(RemovableHandle, "remove")], first_undo).armed() as wire:
         with pytest.raises(RuntimeError, match="step failed") as info:
             apply_steps(convnet, three_steps(), calibration=[image_input])
     assert not isinstance(info.value, surgery.UndoError)
     assert len(info.value.__notes__) == 1 and "undoing the partial change also failed" in info.value.__notes__[0]
-    stuck = wire.calls[0][1][0]
+    stuck = wire.calls[first_undo - 1][1][0]
     stuck.remove()  # the one hook whose removal failed
     assert_unchanged(convnet, before, "after the rollback")
 
