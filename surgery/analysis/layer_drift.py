@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.analysis.comparison import StreamingError
+from surgery.core import compiled
 from surgery.core.capture import Capture, Keep
 from surgery.core.inputs import Call, Inputs, batches, evaluating
 from surgery.core.errors import ConfigError
@@ -136,6 +137,7 @@ def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> l
         >>> rows = layer_drift(original, pruned, torch.randn(8, 3, 224, 224))
         >>> worst = min((r for r in rows if r.comparable), key=lambda r: r.cosine)
     """
+    reference, candidate = compiled.prepare(reference), compiled.prepare(candidate)  # compiled: their models
     names = shared_names(reference, candidate)
     if not names:
         raise ConfigError("per_layer", True, "the models share no module names, so no layer can be compared",

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from surgery.core import compiled
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import flatten_tensors
 from surgery.core.registry import Registry
@@ -40,7 +41,9 @@ REDUCTIONS: Registry[ReducerFactory] = Registry("capture.reduce")
 def feature_axis(module: nn.Module, tensor: Tensor) -> int:
     """The feature (channel) axis of a layer's activation: 1 for convolutions and batch norms,
     else the last axis (Linear, Hugging Face Conv1D, attention, LayerNorm)."""
-    channel_first = (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.GroupNorm)
+    if isinstance(module, nn.modules.conv._ConvNd):  # (N, C, *spatial), or unbatched (C, *spatial)
+        return 0 if tensor.dim() == len(module.kernel_size) + 1 else 1
+    channel_first = (nn.modules.batchnorm._NormBase, nn.GroupNorm)
     return 1 if isinstance(module, channel_first) and tensor.dim() >= 2 else tensor.dim() - 1
 
 
@@ -113,8 +116,13 @@ class MinMax:
         return None if self.low is None else (self.low, self.high)
 
 
+def register_reduction(name: str, factory: ReducerFactory, *, replace: bool = False) -> ReducerFactory:
+    """Make ``factory(name, module) -> reducer`` available as ``capture(..., reduce=name)``."""
+    return REDUCTIONS.register(name, factory, replace=replace)
+
+
 for _name, _factory in (("keep", Keep), ("sum", Sum), ("sq_norms", SquaredNorms), ("minmax", MinMax)):
-    REDUCTIONS.register(_name, _factory)
+    register_reduction(_name, _factory)
 
 
 class Capture:
@@ -130,14 +138,21 @@ class Capture:
         self.reducers: dict[str, dict[str, Reducer]] = {side: {} for side in SIDES}
         self._hooks: list[RemovableHandle] = []
         self._paused = False
+        self._entered = False
 
     @property
     def inputs(self) -> dict[str, Any]:
-        return {name: r.result() for name, r in self.reducers["inputs"].items()}
+        return self._results("inputs")
 
     @property
     def outputs(self) -> dict[str, Any]:
-        return {name: r.result() for name, r in self.reducers["outputs"].items()}
+        return self._results("outputs")
+
+    def _results(self, side: str) -> dict[str, Any]:
+        if not self._entered:
+            raise RuntimeError("capture: nothing was recorded; use it as `with surgery.capture(...) as seen:` "
+                               "and run the model inside the block")
+        return {name: r.result() for name, r in self.reducers[side].items()}
 
     def clear(self) -> None:
         """Forget everything captured so far (the hooks stay)."""
@@ -176,6 +191,9 @@ class Capture:
         return hook
 
     def __enter__(self) -> Capture:
+        if self._hooks:
+            raise RuntimeError("capture: this capture is already active; a block cannot be entered twice")
+        self._entered = True
         try:
             for name, module in self.layers.items():
                 if "inputs" in self.what:
@@ -233,6 +251,7 @@ def capture(
     else:
         raise ConfigTypeError("capture.reduce", reduce, f"must be one of {', '.join(REDUCTIONS.names())} "
                               "or a factory (name, module) -> reducer")
+    model = compiled.prepare(model)  # a torch.compile wrapper: its model, with dynamo guarding hook dicts
     layers = select_modules(model, select if select is not None else _every_submodule, exclude=exclude,
                             field="capture.select", exclude_field="capture.exclude")
     return Capture(model, layers, sides, factory)

@@ -57,6 +57,9 @@ def batches(inputs: Inputs, field_name: str = "inputs") -> Iterator[Call]:
     if isinstance(inputs, (Tensor, Mapping)):
         yield as_call(inputs, field_name)
         return
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
+        raise ConfigError(field_name, inputs if isinstance(inputs, (str, int, float)) else type(inputs).__name__,
+                          "must be a tensor, a dict of keyword inputs, or an iterable of batches")
     for index, batch in enumerate(inputs):
         yield as_call(batch, field_name, index)
 

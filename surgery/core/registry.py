@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from surgery.core.errors import ConfigError, ConfigTypeError
@@ -29,6 +29,8 @@ class Registry(Generic[T]):
 
     def register(self, name: str, entry: T, *, replace: bool = False) -> T:
         """Add ``entry`` under ``name``; a taken name raises unless ``replace``. Returns ``entry``."""
+        if not callable(entry) and not callable(getattr(entry, "score", None)):
+            raise ConfigTypeError(f"{self.field} entry", entry, "must be callable")
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigTypeError(f"{self.field} name", name, "must be a Python identifier such as 'my_criterion'")
         with self._lock:
@@ -55,17 +57,7 @@ class Registry(Generic[T]):
         return list(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and name in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._entries))
-
-
-def registrar(registry: Registry[T]) -> Callable[..., T]:
-    """A ``register_<kind>(name, entry, *, replace=False)`` function for ``registry``."""
-
-    def register(name: str, entry: T, *, replace: bool = False) -> T:
-        return registry.register(name, entry, replace=replace)
-
-    register.__doc__ = f"Register ``entry`` under ``name`` for ``{registry.field}``."
-    return register

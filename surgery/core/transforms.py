@@ -69,7 +69,28 @@ class FunctionTransform:
     def apply(self, param: Tensor) -> None:
         result = self.fn(param)
         if result is not None and result is not param:
+            if not isinstance(result, Tensor) or result.shape != param.shape:
+                got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+                raise ConfigError("transforms", self.kind, f"returned {got} for a parameter of shape "
+                                  f"{tuple(param.shape)}; a transform returns the same shape (or None after an "
+                                  "in-place edit)")
             param.copy_(result)
+
+
+class CheckedTransform:
+    """A user's transform object, refused if ``apply`` returns a new tensor instead of editing in place."""
+
+    def __init__(self, inner: Transform) -> None:
+        self.inner, self.kind = inner, inner.kind
+
+    def apply(self, param: Tensor) -> None:
+        result = self.inner.apply(param)
+        if isinstance(result, Tensor) and result is not param:
+            raise ConfigError("transforms", self.kind, "apply(param) returned a new tensor; it must edit param in "
+                              "place (or pass a function tensor -> tensor instead)")
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # save(), and whatever else the transform offers
 
 
 @dataclass(eq=False)
@@ -115,6 +136,20 @@ def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[
     return records
 
 
+def _check_idempotent(name: str, param: nn.Parameter, transform: Transform) -> None:
+    """Refuse a transform that changes its own result (``w * 2``): surgery re-applies transforms
+    whenever the parameter changes, so it must be idempotent."""
+    with torch.no_grad():
+        once = guards.current_value(param).clone()
+        transform.apply(once)
+        twice = once.clone()
+        transform.apply(twice)
+    if not torch.equal(once.nan_to_num(), twice.nan_to_num()):
+        raise ConfigError(f"transforms[{name!r}]", transform.kind, "is not idempotent: applying it twice changes the "
+                          "result, and surgery re-applies it whenever the weight changes (optimizer steps, restores); "
+                          "make apply(apply(w)) == apply(w), e.g. clamp or mask rather than scale")
+
+
 TransformLike = Union[Transform, Callable[[Tensor], Union[Tensor, None]]]
 
 
@@ -132,6 +167,8 @@ def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], 
         >>> handle.restore()  # the original weight, bit for bit
     """
     model = compiled.prepare(model)
+    if not isinstance(kind, str) or not kind:
+        raise ConfigTypeError("kind", kind, "must be a non-empty string naming the transform")
     if not isinstance(transforms, Mapping) or not transforms:
         raise ConfigTypeError("transforms", transforms, "must be a non-empty dict {parameter name: transform}")
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -142,13 +179,15 @@ def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], 
             raise ConfigError("transforms", name, "is not a parameter of the model",
                               f"closest: {', '.join(close)}" if close else "see model.named_parameters()")
         if callable(getattr(transform, "apply", None)) and isinstance(getattr(transform, "kind", None), str):
-            resolved[name] = (params[name], transform)
+            resolved[name] = (params[name], CheckedTransform(transform))
         elif callable(transform):
             resolved[name] = (params[name], FunctionTransform(transform, kind))
         else:
             raise ConfigTypeError(f"transforms[{name!r}]", transform, "must be a function tensor -> tensor or an "
                                   "object with kind and apply(param)")
     guards.check_editable({name: p for name, (p, _) in resolved.items()}, "transforms")
+    for name, (param, transform) in resolved.items():
+        _check_idempotent(name, param, transform)
     handle = Handle(kind, model)
     try:
         attach_all(handle, model, resolved, f"{kind} hook")

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
 
 SCOPES = ("layer", "global")
@@ -36,11 +36,25 @@ class LayerStats:
     name: str
     input_sq_norms: Tensor
     rows: int
+    weight_axis: int = 1  # the weight's input-feature axis: 1 for Linear and convolutions, 0 for HF Conv1D
 
     @property
     def input_norms(self) -> Tensor:
-        """‖X_j‖₂ per input feature (Wanda's activation norm)."""
+        """‖X_j‖₂ per input feature (Wanda's activation norm), a 1-d tensor."""
         return self.input_sq_norms.sqrt()
+
+    def norms_like(self, weight: Tensor) -> Tensor:
+        """:attr:`input_norms` shaped to broadcast against ``weight`` along its input-feature
+        axis, in the weight's dtype: ``weight.abs() * stats.norms_like(weight)`` is Wanda's
+        score for Linear, convolutions and Hugging Face ``Conv1D`` alike."""
+        features = self.input_sq_norms.numel()
+        if weight.dim() <= self.weight_axis or weight.shape[self.weight_axis] != features:
+            raise ConfigError("prune.calibration", self.name, f"has {features} input features but its weight "
+                              f"{tuple(weight.shape)} has {weight.shape[self.weight_axis] if weight.dim() > self.weight_axis else 'no'}"
+                              f" along axis {self.weight_axis} (a grouped convolution?); per-feature scores do not apply")
+        shape = [1] * weight.dim()
+        shape[self.weight_axis] = features
+        return self.input_norms.to(weight.dtype).view(shape)
 
 
 Score = Callable[..., Tensor]
@@ -55,11 +69,22 @@ class Criterion:
     structured: bool = False  # one score per slice along ``dim``: whole slices pruned
     needs_calibration: bool = False  # raise without calibration batches instead of passing None
 
-    def keywords(self) -> set[str]:
+    def keywords(self, options: dict) -> dict:
+        """The options this criterion's signature accepts (all of them with ``**kwargs``),
+        checked against a call ``score(weight, stats, **options)``."""
         try:
-            return set(inspect.signature(self.score).parameters)
+            signature = inspect.signature(self.score)
         except (TypeError, ValueError):  # a builtin without a signature
-            return set()
+            return {}
+        params = signature.parameters.values()
+        accepted = options if any(p.kind is p.VAR_KEYWORD for p in params) else \
+            {k: v for k, v in options.items() if k in signature.parameters}
+        try:
+            signature.bind(None, None, **accepted)
+        except TypeError as err:
+            raise ConfigError("prune.method", self.name, f"cannot be called as score(weight, stats): {err}; it may "
+                              "also take n, dim, scope and generator as keywords") from None
+        return accepted
 
 
 CRITERIA: Registry[Criterion] = Registry("prune.method")
@@ -71,11 +96,14 @@ def register_criterion(name: str, score: Score, *, structured: bool = False, nee
     ``prune.method=name`` in recipes.
 
     Example:
-        >>> surgery.register_criterion("wanda_like", lambda w, stats: w.abs() * stats.input_norms,
+        >>> surgery.register_criterion("wanda_like", lambda w, stats: w.abs() * stats.norms_like(w),
         ...                            needs_calibration=True)
     """
     if not callable(score):
         raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
+    for flag, value in (("structured", structured), ("needs_calibration", needs_calibration)):
+        if not isinstance(value, bool):
+            raise ConfigTypeError(f"register_criterion.{flag}", value, "must be True or False")
     return CRITERIA.register(name, Criterion(name, score, structured, needs_calibration), replace=replace)
 
 
@@ -121,11 +149,13 @@ def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict
     """One score tensor per weight, checked: the weight's shape (``(size of dim,)`` for a
     structured criterion), real numbers, no NaN."""
     options = {"n": n, "dim": dim, "scope": scope, "generator": torch.Generator().manual_seed(seed)}
-    accepted = criterion.keywords()
-    kwargs = {key: value for key, value in options.items() if key in accepted}
+    kwargs = criterion.keywords(options)
     scores = []
     for name, weight in weights.items():
-        score = criterion.score(weight.detach(), stats.get(name), **kwargs)
+        if criterion.needs_calibration and stats.get(name) is None:
+            raise ConfigError("prune.select", name, f"has no input statistics, which {criterion.name!r} needs (only "
+                              "the weight of a Linear, convolution or Conv1D layer has them); exclude it")
+        score = criterion.score(weight.detach().clone(), stats.get(name), **kwargs)  # a copy: the weight stays safe
         expected = (weight.shape[dim],) if criterion.structured else tuple(weight.shape)
         if not isinstance(score, Tensor) or tuple(score.shape) != expected:
             got = tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__

@@ -150,9 +150,9 @@ def _check(spec: Any, field: str) -> None:
     if not callable(spec.observer) and spec.observer not in OBSERVERS:
         raise ConfigError(f"{field}.observer", spec.observer, f"must be one of {', '.join(OBSERVERS.names())} "
                           "(or a function registered with register_observer)")
-    if not (isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100):
+    if isinstance(spec.percentile, bool) or not (isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100):
         raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
-    if not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
+    if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
         raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
 
 
@@ -166,6 +166,7 @@ class Observer:
     def __init__(self, spec: QuantSpec, axis: int | None, name: str) -> None:
         self.spec = spec
         self.axis = axis
+        self.requested_axis = axis  # may count from the end (-1): resolved against each batch
         self.name = name
         self.low: Tensor | None = None
         self.high: Tensor | None = None
@@ -178,14 +179,28 @@ class Observer:
             raise NonFiniteError("quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
         flat = x.reshape(1, -1) if self.axis is None else x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1)
         previous = None if self.low is None else ObservedRange(self.low, self.high, self.count)
-        self.low, self.high = self.spec.observe(flat, previous)
+        self.low, self.high = self._checked(self.spec.observe(flat, previous), flat.shape[0])
         self.count += 1
+
+    def _checked(self, result: Any, rows: int) -> tuple[Tensor, Tensor]:
+        """An observer's ``(low, high)``: tensors of one value per row, finite, low <= high."""
+        field, name = "quantize.observer", self.spec.observer_name
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, Tensor) for r in result)):
+            raise ConfigError(field, name, f"returned {type(result).__name__} for {self.name}; an observer returns "
+                              "(low, high) tensors")
+        low, high = (r.float().reshape(-1) for r in result)
+        if low.numel() != rows or high.numel() != rows:
+            raise ConfigError(field, name, f"returned {low.numel()} and {high.numel()} values for {self.name}; "
+                              f"it needs one per row of x ({rows})")
+        if not (torch.isfinite(low).all() and torch.isfinite(high).all()) or (low > high).any():
+            raise ConfigError(field, name, f"returned a range for {self.name} that is not finite with low <= high")
+        return low, high
 
     def update(self, x: Tensor) -> None:
         """:meth:`observe` as a capture reducer (the channel axis counted from the end is
         resolved against ``x``)."""
-        if self.axis is not None:
-            self.axis %= x.dim()
+        if self.requested_axis is not None:
+            self.axis = self.requested_axis % x.dim()
         self.observe(x)
 
     def result(self) -> tuple[Tensor, Tensor] | None:

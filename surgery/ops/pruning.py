@@ -17,7 +17,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating
 from surgery.core.selection import Selection
-from surgery.core.targets import Skipped, Targets, select_parameters
+from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import SavedEntries, attach_all
 from surgery.ops.criteria import (
     CRITERIA,
@@ -215,10 +215,13 @@ def prune(
 
 
 def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progress: bool = True) -> dict[str, LayerStats]:
-    """Run ``calibration`` through ``model`` (eval mode, no grad) and return the input
-    statistics of each selected weight's layer, by parameter name."""
-    layers = {target.module_name: target.module for target in selection.matched.values()}
+    """Run ``calibration`` through ``model`` (eval mode, no grad) and return, by parameter name,
+    the input statistics of each selected layer weight (Linear, convolution, Hugging Face
+    ``Conv1D``); other parameters (e.g. an LSTM's ``weight_hh_l0``) get none."""
+    weights = {name: t for name, t in selection.matched.items() if t.attribute == "weight" and _has_input_features(t)}
+    layers = {target.module_name: target.module for target in weights.values()}
     total = 1 if isinstance(calibration, (Tensor, dict)) else len(calibration) if hasattr(calibration, "__len__") else None
+    count = []
 
     def run() -> None:
         with evaluating(model), torch.no_grad():
@@ -226,16 +229,24 @@ def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progres
                                                desc="calibrating", disable=None if progress else True, leave=False)):
                 check_batch_finite(batch, index, "prune.calibration")
                 batch(model)
+                count.append(index)
 
     seen = input_statistics(model, layers, run)
+    if not count:
+        raise ConfigError("prune.calibration", "0 batches", "must hold at least one batch")
     stats: dict[str, LayerStats] = {}
-    for name, target in selection.matched.items():
+    for name, target in weights.items():
         captured = seen.get(target.module_name)
         if captured is None:
-            raise ConfigError("prune.calibration", target.module_name, "this layer saw no data during calibration",
-                              "give batches that run through it, or exclude it")
-        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"])
+            raise ConfigError("prune.calibration", target.module_name, "this layer received no floating-point input "
+                              "during calibration", "give batches that run through it, or exclude it")
+        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"],
+                                 0 if is_hf_conv1d(target.module) else 1)
     return stats
+
+
+def _has_input_features(target: Target) -> bool:
+    return isinstance(target.module, (nn.Linear, nn.modules.conv._ConvNd)) or is_hf_conv1d(target.module)
 
 
 def validate_arguments(amount: object, method: object, scope: str, n: object, seed: object) -> tuple[float, float]:
@@ -256,6 +267,8 @@ def validate_arguments(amount: object, method: object, scope: str, n: object, se
         raise ConfigError("prune.n", n, "must be a positive number, 'inf' or 'fro'")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigTypeError("prune.seed", seed, "must be an integer")
+    if not -(2**63) <= seed < 2**63:
+        raise ConfigError("prune.seed", seed, "must fit in 64 bits")
     return float(amount), float(norm)
 
 

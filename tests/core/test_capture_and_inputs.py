@@ -170,3 +170,107 @@ def test_attach_transform_is_exact_stacks_with_prune_and_records_its_undo(mlp, m
     assert snapshot_differences(before, snapshot(mlp)) == []  # the exact originals, as before any surgery
     with pytest.raises(ConfigError, match="transforms='9.weight'"):
         surgery.attach_transform(mlp, {"9.weight": torch.abs})
+
+
+# --- found by review: each was silently wrong or a raw exception --------------------------------------
+
+
+def test_capture_on_a_compiled_model_records_its_layers(mlp, mlp_input):
+    compiled = torch.compile(mlp, backend="eager")
+    compiled(mlp_input)  # code compiled before the capture's hooks existed
+    with surgery.capture(compiled, select=nn.Linear) as seen:
+        compiled(mlp_input)
+    assert sorted(seen.outputs) == ["0", "2", "4"]
+
+
+def test_a_criterion_that_edits_its_weight_in_place_cannot_corrupt_the_model(mlp):
+    before = snapshot(mlp)
+    surgery.prune(mlp, 0.5, method=lambda w, stats: w.abs_()).restore()
+    assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+def test_wanda_scores_align_with_the_input_axis_of_convolutions_and_conv1d():
+    transformers = pytest.importorskip("transformers")
+    conv1d = transformers.pytorch_utils.Conv1D(6, 6)  # weight (in, out) = (6, 6): a wrong axis would not fail
+    stats = surgery.LayerStats("c", torch.arange(1.0, 7.0) ** 2, 4, weight_axis=0)
+    assert torch.equal(stats.norms_like(conv1d.weight).flatten(), torch.arange(1.0, 7.0))
+    assert stats.norms_like(conv1d.weight).shape == (6, 1)
+    conv = nn.Conv2d(3, 5, 3)
+    with surgery.capture(conv, select=lambda m, n: True, what="inputs", reduce="sq_norms") as seen:
+        conv(torch.ones(2, 3, 4, 4))
+    stats = surgery.LayerStats("", seen.inputs[""]["sq_norms"], seen.inputs[""]["rows"])
+    assert stats.norms_like(conv.weight).shape == (1, 3, 1, 1)
+    with pytest.raises(ConfigError, match="grouped convolution"):
+        stats.norms_like(nn.Conv2d(3, 3, 3, groups=3).weight)
+
+
+def test_unbatched_convolution_inputs_are_summarised_per_channel():
+    conv = nn.Conv1d(2, 4, 3)
+    with surgery.capture(conv, select=lambda m, n: True, what="inputs", reduce="sq_norms") as seen:
+        conv(torch.ones(2, 10))  # (C, L): no batch dimension
+    assert seen.inputs[""]["sq_norms"].tolist() == [10.0, 10.0]
+
+
+def test_per_channel_activation_ranges_follow_the_feature_axis_of_every_batch():
+    layer = nn.Sequential(nn.Linear(3, 3))
+    batches = [torch.randn(5, 3), torch.randn(2, 3, 3) * 100]
+    with surgery.quantize(layer, weights=None, activations=surgery.QuantSpec(per_channel=True), calibration=batches,
+                          progress=False) as handle:
+        scale = handle.qparams()["0.scale"]
+    with torch.no_grad():
+        outs = [layer(b).reshape(-1, 3) for b in batches]
+    expected = [(max(0.0, max(o[:, c].max().item() for o in outs)) - min(0.0, min(o[:, c].min().item() for o in outs))) / 255
+                for c in range(3)]
+    assert scale.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("observe,message", [(lambda x, prev, spec: (x.amin(1) * float("nan"), x.amax(1)), "not finite"),
+                                             (lambda x, prev, spec: (0.0, 1.0), "returned tuple"),
+                                             (lambda x, prev, spec: (x.amin(), x.amax()), "one per row")])
+def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
+    before = snapshot(mlp)
+    with pytest.raises(ConfigError, match=message):
+        surgery.quantize(mlp, weights=surgery.QuantSpec(per_channel=True, symmetric=True, observer=observe))
+    assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+@pytest.mark.parametrize("call,field", [
+    (lambda m: surgery.prune(m, 0.5, method=["l1"]), "prune.method"),
+    (lambda m: surgery.QuantSpec(observer=["minmax"]), "QuantSpec.observer"),
+    (lambda m: surgery.prune(m, 0.5, calibration="abc"), "prune.calibration"),
+    (lambda m: surgery.prune(m, 0.5, calibration=5), "prune.calibration"),
+    (lambda m: surgery.prune(m, 0.5, calibration=[], progress=False), "prune.calibration"),
+    (lambda m: surgery.prune(m, 0.5, method=lambda w: w), "prune.method"),
+    (lambda m: surgery.prune(m, 0.5, method="random_unstructured", seed=2**80), "prune.seed"),
+    (lambda m: surgery.register_criterion("flagged", lambda w, s: w, structured="no"), "register_criterion.structured"),
+    (lambda m: surgery.QuantSpec(averaging=True), "QuantSpec.averaging"),
+    (lambda m: surgery.attach_transform(m, {"0.weight": torch.abs}, kind=3), "kind"),
+    (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w[0].clone()}), "transforms"),
+    (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w * 2}), "transforms['0.weight']"),
+])
+def test_hostile_arguments_get_one_line_errors_and_change_nothing(mlp, call, field):
+    before = snapshot(mlp)
+    with pytest.raises(ConfigError) as info:
+        call(mlp)
+    assert info.value.field == field and "\n" not in str(info.value)
+    assert snapshot_differences(before, snapshot(mlp)) == []
+
+
+def test_a_transform_object_must_edit_in_place(mlp):
+    class Clamp:
+        kind = "clamp"
+
+        def apply(self, param):
+            return param.clamp(-0.01, 0.01)  # a new tensor: the weight would be left as it was
+
+    with pytest.raises(ConfigError, match="must edit param in place"):
+        surgery.attach_transform(mlp, {"0.weight": Clamp()})
+
+
+def test_a_capture_is_a_context_manager_entered_once(mlp, mlp_input):
+    seen = surgery.capture(mlp)
+    with pytest.raises(RuntimeError, match="with surgery.capture"):
+        seen.outputs
+    with seen, pytest.raises(RuntimeError, match="already active"):
+        with seen:
+            pass

@@ -56,5 +56,5 @@ def test_capture_and_calibrated_prune_on_a_timm_vit():
     assert {name: (s["sq_norms"].shape, s["rows"]) for name, s in seen.inputs.items()} == \
         {"blocks.0.mlp.fc1": ((192,), 2 * 2 * 17), "blocks.1.mlp.fc1": ((192,), 2 * 2 * 17)}  # 16 patches + cls
     with surgery.prune(model, 0.5, select="blocks.*.mlp.*", calibration=images, progress=False,
-                       method=lambda w, stats: w.abs() * stats.input_norms.to(w.dtype)) as handle:
+                       method=lambda w, stats: w.abs() * stats.norms_like(w)) as handle:
         assert handle.sparsity() == pytest.approx(0.5)
