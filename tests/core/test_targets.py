@@ -125,12 +125,7 @@ def test_a_timm_vision_transformer_by_dotted_globs():
 
 transformers = pytest.importorskip("transformers")
 
-
-def tiny_gpt2():
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).eval()
+from support import tiny_gpt2  # tests/support.py  # noqa: E402
 
 
 def test_gpt2_conv1d_is_pruned_and_quantized_as_a_linear_layer():
