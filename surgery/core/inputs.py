@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from surgery.core.errors import ConfigError
 
@@ -89,6 +90,22 @@ def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for item in value for t in flatten_tensors(item, floating_only=floating_only)]
     return []
+
+
+def run_batches(model: nn.Module, inputs: Inputs, *, field: str, progress: bool = True,
+                error: type[ConfigError] = ConfigError) -> int:
+    """Run ``model`` on every batch of ``inputs`` in eval mode without gradients, each batch
+    checked finite (``error`` naming ``field``), streamed one at a time, with a progress bar on
+    a terminal. Returns how many batches ran (calibration passes of prune and quantize)."""
+    total = 1 if isinstance(inputs, (Tensor, Mapping)) else len(inputs) if hasattr(inputs, "__len__") else None
+    count = 0
+    with evaluating(model), torch.no_grad():
+        for index, batch in enumerate(tqdm(batches(inputs, field), total=total, unit="batch", desc="calibrating",
+                                           disable=None if progress else True, leave=False)):
+            check_batch_finite(batch, index, field, error)
+            batch(model)
+            count += 1
+    return count
 
 
 @contextlib.contextmanager

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core import compiled, guards
 from surgery.core.capture import input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating
+from surgery.core.inputs import Inputs, run_batches
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import SavedEntries, attach_all
@@ -220,19 +218,13 @@ def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progres
     ``Conv1D``); other parameters (e.g. an LSTM's ``weight_hh_l0``) get none."""
     weights = {name: t for name, t in selection.matched.items() if t.attribute == "weight" and _has_input_features(t)}
     layers = {target.module_name: target.module for target in weights.values()}
-    total = 1 if isinstance(calibration, (Tensor, dict)) else len(calibration) if hasattr(calibration, "__len__") else None
     count = []
 
     def run() -> None:
-        with evaluating(model), torch.no_grad():
-            for index, batch in enumerate(tqdm(batches(calibration, "prune.calibration"), total=total, unit="batch",
-                                               desc="calibrating", disable=None if progress else True, leave=False)):
-                check_batch_finite(batch, index, "prune.calibration")
-                batch(model)
-                count.append(index)
+        count.append(run_batches(model, calibration, field="prune.calibration", progress=progress))
 
     seen = input_statistics(model, layers, run)
-    if not count:
+    if not count[0]:
         raise ConfigError("prune.calibration", "0 batches", "must hold at least one batch")
     stats: dict[str, LayerStats] = {}
     for name, target in weights.items():

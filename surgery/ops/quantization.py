@@ -10,11 +10,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core import compiled, guards
 from surgery.core.checkpoints import save_tensors
-from surgery.core.inputs import batches, check_batch_finite, evaluating
+from surgery.core.inputs import run_batches
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
 from surgery.core.capture import Capture
 from surgery.core.transforms import attach_all
@@ -342,17 +341,11 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
                                       f"shape {tuple(zero_point.shape)}; these settings need {need}")
             quantizer.freeze(scale, zero_point)
         return
-    total = 1 if isinstance(calibration, Tensor) else len(calibration) if hasattr(calibration, "__len__") else None
     observers = {name: quantizer.observer for name, quantizer in handle.activations.items()}
     side = "outputs" if next(iter(handle.activations.values())).where == "output" else "inputs"
     layers = {name: model.get_submodule(name) for name in observers}
-    with evaluating(model), torch.no_grad(), \
-            Capture(model, layers, (side,), lambda name, module: observers[name]):  # the observers are the reducers
-        for index, batch in enumerate(tqdm(batches(calibration, "quantize.calibration"), total=total, unit="batch",
-                                           desc="calibrating", disable=None if progress else True,
-                                           leave=False)):  # streamed: one batch held at a time; bar on a terminal
-            check_batch_finite(batch, index, "quantize.calibration", NonFiniteError)
-            batch(model)
+    with Capture(model, layers, (side,), lambda name, module: observers[name]):  # the observers are the reducers
+        run_batches(model, calibration, field="quantize.calibration", progress=progress, error=NonFiniteError)
     for quantizer in handle.activations.values():
         quantizer.freeze()
 
