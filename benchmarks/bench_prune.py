@@ -368,7 +368,7 @@ def memory_ours(model: nn.Module, handle: surgery.PruneHandle) -> tuple[Memory, 
     state = state_tensors(model)
     base = storage_bytes(state)
     packed = storage_bytes(e.packed for e in handle.enforcers.values())
-    saved = sum(int((~e.mask()).sum()) * e.param.element_size() for e in handle.enforcers.values())
+    saved = sum(int((~r.transform.mask()).sum()) * r.param.element_size() for r in handle.records)
     walked = storage_bytes(state + [e.packed for e in handle.enforcers.values()] + record_tensors(handle)) - base - packed
     check = f"saved originals: computed {saved / 2**20:.2f} MiB, found in undo records {walked / 2**20:.2f} MiB"
     what = f"{len(handle.enforcers)} packed masks {packed / 2**20:.2f} MiB + saved originals {saved / 2**20:.2f} MiB"

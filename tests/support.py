@@ -50,3 +50,11 @@ def tiny_gpt2() -> nn.Module:
                                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+def edit_in_place(model: nn.Module, amount: float = 0.1) -> None:
+    """Move every parameter by ``amount`` in place, as a hand-written update would: versions
+    bump, but no optimizer step hook sees it, so only the forward-pre hooks re-apply surgery."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(amount)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.checkpoints import load_checkpoint
+from surgery.core.handles import restored_on_error
 from surgery.analysis.comparison import Drift, same_bits
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.cli.config import DriftThresholds
@@ -54,9 +55,10 @@ Apply = Callable[[nn.Module, bool], object]  # (model, neutral) -> handle
 def check_identity(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Neutral settings on a copy of the reference give bit-identical outputs."""
     subject = copy.deepcopy(reference)
-    handle = apply(subject, True)
-    identical, worst = compare_outputs(subject, reference, inputs)
-    handle.restore()
+    with restored_on_error(subject):
+        handle = apply(subject, True)
+        identical, worst = compare_outputs(subject, reference, inputs)
+        handle.restore()
     return CheckResult("identity", identical, worst, 0.0, "" if identical else "neutral surgery changed outputs")
 
 
@@ -85,7 +87,8 @@ def check_restore(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Apply then restore on a copy: tensors, keys, classes, hooks and outputs as before."""
     subject = copy.deepcopy(reference)
     before = snapshot(subject)
-    apply(subject, False).restore()
+    with restored_on_error(subject):
+        apply(subject, False).restore()
     diffs = snapshot_differences(before, snapshot(subject))
     identical, worst = compare_outputs(subject, reference, inputs)
     if not identical:

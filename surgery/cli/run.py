@@ -18,7 +18,7 @@ from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
 from surgery.core.errors import ConfigError
 from surgery.cli.data import Data, calibration_batches, load_data
-from surgery.core.handles import HandleGroup
+from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.analysis.inspection import calls_as_rows, format_table, inspect_model
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
@@ -93,28 +93,29 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     check_runs(models.reference, inputs, config.model.name)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     built = time.perf_counter()
-    handle = apply_steps(models.model, config, calibration=calibration)
-    operated = time.perf_counter()
-    sparsity = _sparsity(handle)
-    files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, calibration)
-    accuracy = _accuracy(models, data)
-    results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
-    finished = time.perf_counter()
-    report = {
-        "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
-        "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
-        "sparsity_over": sparsity["over"], "selection": selections(handle),
-        "checks": checks_rows(results), "drift": drift.as_dict(),
-        "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
-        "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
-        "build": [vars(event) for event in models.builder.events],
-        "steps": list(config.steps), "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
-        "qparams": files.qparams.name if files.qparams.exists() else None,
-    }
-    if accuracy is not None:
-        report["accuracy"] = accuracy
-    if calls is not None:
-        report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
+    with restored_on_error(models.model, models.built, models.reference):  # no optimizer hook outlives a failure
+        handle = apply_steps(models.model, config, calibration=calibration)
+        operated = time.perf_counter()
+        sparsity = _sparsity(handle)
+        files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, calibration)
+        accuracy = _accuracy(models, data)
+        results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
+        finished = time.perf_counter()
+        report = {
+            "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
+            "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
+            "sparsity_over": sparsity["over"], "selection": selections(handle),
+            "checks": checks_rows(results), "drift": drift.as_dict(),
+            "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
+            "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
+            "build": [vars(event) for event in models.builder.events],
+            "steps": list(config.steps), "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
+            "qparams": files.qparams.name if files.qparams.exists() else None,
+        }
+        if accuracy is not None:
+            report["accuracy"] = accuracy
+        if calls is not None:
+            report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 

@@ -39,14 +39,25 @@ def fallback(feature: str, consequence: str) -> None:
     warnings.warn(f"surgery: {feature} is not available in this PyTorch; {consequence}", RuntimeWarning, stacklevel=3)
 
 
+OPTIMIZER_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
 def global_hook_counts() -> dict[str, int]:
-    """Entries in each of torch's global module hook registries (``torch.nn.modules.module``)."""
-    return {name: len(getattr(_module_globals, name, {})) for name in GLOBAL_HOOK_DICTS}
+    """Entries in each of torch's global hook registries: modules (``torch.nn.modules.module``)
+    and optimizer steps (``torch.optim.optimizer``)."""
+    from torch.optim import optimizer
+
+    counts = {name: len(getattr(_module_globals, name, {})) for name in GLOBAL_HOOK_DICTS}
+    return counts | {name: len(getattr(optimizer, name, {})) for name in OPTIMIZER_HOOK_DICTS}
 
 
 def module_hook_counts(model: nn.Module) -> dict[str, int]:
-    """Hooks of each kind on each module of ``model``: ``{"<module>:<dict>": count}``."""
-    return {f"{name}:{kind}": len(getattr(m, kind, {})) for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
+    """Hooks of each kind on each module of ``model`` and on each of its parameters (tensor
+    hooks on gradients): ``{"<module>:<dict>": count}``, ``{"param <name>:<dict>": count}``."""
+    counts = {f"{name}:{kind}": len(getattr(m, kind, {})) for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
+    return counts | {f"param {name}:{kind}": len(getattr(p, kind, None) or {})
+                     for name, p in model.named_parameters(remove_duplicate=False) for kind in TENSOR_HOOK_DICTS}
 
 
 def run_eagerly_when_called_directly(code: types.CodeType) -> None:

@@ -67,3 +67,8 @@ class UndoError(SurgeryError, RuntimeError):
         self.failures = failures
         lines = "; ".join(f"{type(f).__name__}: {f}" for f in failures)
         super().__init__(f"{len(failures)} undo step(s) failed: {lines}")
+
+
+class ParameterReplacedError(SurgeryError, RuntimeError):
+    """A parameter under surgery was replaced by a new object (``load_state_dict(assign=True)``,
+    assignment), which the surgery does not reach: ``handle.enforce()`` carries it over."""

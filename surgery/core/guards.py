@@ -8,6 +8,13 @@ they were attached, only when the tensor changed since it was last made consiste
 optimizer step, ``load_state_dict``, ``.to()``): an unchanged weight costs one comparison.
 Transforms on one parameter are undone last-in-first-out. While ``torch.compile`` traces a
 hook, the same check is put in the graph as one opaque operator (:mod:`surgery.core.compiled`).
+
+Training: a fused optimizer step (and an edit through ``.data``) writes a parameter without
+bumping its version counter, so the check above cannot see it. A global optimizer step
+post-hook (:class:`StepEnforcer`, owned by the verb's handle) therefore re-applies the
+transforms of every parameter an optimizer has just stepped, whatever its implementation; and
+a parameter replaced by a new object (``load_state_dict(assign=True)``) is detected before
+the next forward of its owner (:class:`ParameterReplacedError`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch.compiler import is_compiling
 from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery.core import compiled
-from surgery.core.errors import AlreadyModifiedError, ConfigError
+from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
 
 _guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
 _lock = threading.Lock()
@@ -56,9 +63,10 @@ class TensorGuard:
         """Record that the parameter currently satisfies every transform."""
         self.seen = (self.param._version, self.param.data_ptr())
 
-    def enforce(self) -> None:
-        """Re-apply every transform if the parameter changed since it was last consistent."""
-        if (self.param._version, self.param.data_ptr()) != self.seen:
+    def enforce(self, force: bool = False) -> None:
+        """Re-apply every transform if the parameter changed since it was last consistent (or
+        ``force``: whatever its version counter says, after a fused step or a ``.data`` edit)."""
+        if force or (self.param._version, self.param.data_ptr()) != self.seen:
             with torch.no_grad():
                 for transform in self.transforms:
                     transform.apply(self.param)
@@ -78,18 +86,63 @@ class TensorGuard:
 class SubtreeEnforcer:
     """Forward-pre hook enforcing the guards of every guarded parameter at or below its module.
 
-    It holds no weak references, so a model under surgery pickles and deep-copies.
+    ``owned`` lists the guarded parameters its module holds directly, by attribute name: if one
+    was replaced by a new object, the forward stops with :class:`ParameterReplacedError`
+    instead of running on weights no transform reaches. It holds no weak references, so a
+    model under surgery pickles and deep-copies.
     """
 
-    def __init__(self, guards: list[TensorGuard]) -> None:
+    def __init__(self, guards: list[TensorGuard], owned: list[tuple[str, TensorGuard]] | None = None) -> None:
         self.guards = guards
+        self.owned = owned or []
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if is_compiling():  # dynamo cannot trace the check: one opaque op instead (~70 ns when eager)
             compiled.enforce(self.guards)
             return
+        if self.owned:
+            check_owned(module, self.owned)
         for guard in self.guards:
             guard.enforce()
+
+
+def check_owned(module: nn.Module, owned: list[tuple[str, TensorGuard]]) -> None:
+    """Raise :class:`ParameterReplacedError` if ``module`` no longer holds a guarded parameter."""
+    params = module._parameters
+    for attribute, guard in owned:
+        current = params.get(attribute)
+        if current is not guard.param and getattr(current, "_surgery_source", None) is not guard.param:
+            kinds = ", ".join(t.kind for t in guard.transforms)
+            raise ParameterReplacedError(
+                f"{type(module).__name__}.{attribute} was replaced by a new object after {kinds} was attached "
+                "(load_state_dict(assign=True) or assignment), so the surgery no longer reaches it; call enforce() "
+                "on the handles to carry it over to the new parameter, or restore() them before replacing")
+
+
+class StepEnforcer:
+    """Global optimizer step post-hook: re-applies the transforms of every guarded parameter the
+    optimizer just stepped, fused implementations included (they do not bump version counters),
+    so the transforms hold right after ``step()``, before any forward."""
+
+    def __init__(self, guards: list[TensorGuard]) -> None:
+        self.guards = guards
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for guard in self.guards:
+            if id(guard.param) in stepped:
+                guard.enforce(force=True)
+
+
+def adopt(guard: TensorGuard, param: nn.Parameter) -> None:
+    """Move ``guard`` (every transform on it) to ``param``, which replaced its parameter, and
+    apply the transforms to it now."""
+    with _lock:
+        if _guards.get(guard.param) is guard:
+            del _guards[guard.param]
+        guard.param = param
+        _guards[param] = guard
+    guard.enforce(force=True)
 
 
 def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
@@ -203,18 +256,21 @@ def guard_of(param: nn.Parameter) -> TensorGuard:
     return _guards[param]
 
 
-def paths_to_owners(model: nn.Module, params: list[nn.Parameter]) -> list[tuple[nn.Module, list[int]]]:
+def paths_to_owners(model: nn.Module, params: list[nn.Parameter]
+                    ) -> list[tuple[nn.Module, list[int], list[tuple[str, int]]]]:
     """Every module from the root down to each owner of one of ``params``, with the ids of
-    those parameters at or below it (for a shared module or parameter: every path)."""
+    those parameters at or below it (for a shared module or parameter: every path) and the
+    ``(attribute, id)`` of those it holds itself."""
     wanted = {id(p) for p in params}
     named = dict(model.named_modules(remove_duplicate=False))
-    below: dict[int, tuple[nn.Module, dict[int, None]]] = {}
+    below: dict[int, tuple[nn.Module, dict[int, None], dict[str, int]]] = {}
     for name, module in named.items():
-        owned = [id(p) for p in module._parameters.values() if p is not None and id(p) in wanted]
+        owned = {attr: id(p) for attr, p in module._parameters.items() if p is not None and id(p) in wanted}
         if not owned:
             continue
         parts = name.split(".") if name else []
         for depth in range(len(parts) + 1):
             ancestor = named[".".join(parts[:depth])]
-            below.setdefault(id(ancestor), (ancestor, {}))[1].update(dict.fromkeys(owned))
-    return [(module, list(ids)) for module, ids in below.values()]
+            below.setdefault(id(ancestor), (ancestor, {}, {}))[1].update(dict.fromkeys(owned.values()))
+        below[id(module)][2].update(owned)
+    return [(module, list(ids), list(direct.items())) for module, ids, direct in below.values()]

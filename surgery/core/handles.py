@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +17,9 @@ from surgery.core.errors import ConfigError, ConfigTypeError, UndoError
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
+
+_attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {id: handle} still attached
+_attached_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,11 @@ class Handle:
         self._hooks: list[RemovableHandle] = []
         self._records: list = []
         self._state: State = "attached"
+        if type(self)._tracked:
+            with _attached_lock:
+                _attached.setdefault(model, {})[id(self)] = self
+
+    _tracked = True  # listed by attached_to() while attached (a group lists its members instead)
 
     @property
     def state(self) -> State:
@@ -125,7 +135,24 @@ class Handle:
         return self.model
 
     def check_undo(self) -> None:
-        """Raise before anything is undone if undoing now would be out of order (subclasses)."""
+        """Raise before anything is undone if undoing now would be out of order: another
+        transform attached later on top of one of this handle's."""
+        for record in self._records:
+            guards.check_last(record.param, record.transform, record.name)
+
+    def enforce(self) -> None:
+        """Re-apply this handle's transforms to the weights now.
+
+        Surgery re-applies them by itself after every optimizer step (fused ones too) and before
+        each forward when a weight changed; call this after what it cannot see: an in-place
+        edit through ``.data`` (it bypasses PyTorch's version counter), or
+        ``load_state_dict(..., assign=True)``, which puts new parameter objects in the model
+        (the next forward raises :class:`~surgery.core.errors.ParameterReplacedError` until
+        then): the transforms, their gradient hooks and the undo records move to the new ones.
+        """
+        if self._state == "attached":
+            for record in self._records:
+                record.enforce(self)
 
     def rollback(self, error: BaseException) -> None:
         """Undo a verb that failed with ``error`` while applying: ``error`` stays the one raised
@@ -169,6 +196,10 @@ class Handle:
         self._steps.clear()
         self._hooks.clear()
         self._records.clear()
+        model = self.model
+        if model is not None:
+            with _attached_lock:
+                _attached.get(model, {}).pop(id(self), None)
 
     def __enter__(self) -> Handle:
         return self
@@ -189,6 +220,8 @@ class HandleGroup(Handle):
         ...     evaluate(model)
     """
 
+    _tracked = False
+
     def __init__(self, handles: list[Handle], model: nn.Module | None = None) -> None:
         for handle in handles:
             if not isinstance(handle, Handle):
@@ -201,6 +234,10 @@ class HandleGroup(Handle):
         self.handles = list(handles)
         for handle in self.handles:
             self.add(repr(handle), handle.restore)
+
+    def enforce(self) -> None:
+        for handle in self.handles:
+            handle.enforce()
 
     def _savepoint(self) -> Revert:
         reverts = [h._savepoint() for h in self.handles if h.state == "attached"]
@@ -223,6 +260,35 @@ class HandleGroup(Handle):
             if handle.state == "attached":
                 handle._baked()
         super()._baked()
+
+
+def attached_to(model: nn.Module) -> list[Handle]:
+    """The handles still attached to ``model``, last applied first (the order to restore them),
+    also those nobody kept a reference to."""
+    with _attached_lock:
+        return list(reversed(_attached.get(model, {}).values()))
+
+
+def restore_all(model: nn.Module, error: BaseException | None = None) -> None:
+    """Restore every handle still attached to ``model``, last first (after ``error``: added to
+    it as notes, never hiding it)."""
+    for handle in attached_to(model):
+        if error is not None:
+            handle.rollback(error)
+        else:
+            handle.restore()
+
+
+@contextlib.contextmanager
+def restored_on_error(*models: nn.Module) -> Iterator[None]:
+    """If the block raises (an interrupt too), restore every handle still attached to
+    ``models``, handles the block never got hold of included, then re-raise."""
+    try:
+        yield
+    except BaseException as err:
+        for model in models:
+            restore_all(model, err)
+        raise
 
 
 def compose(*handles: Handle) -> HandleGroup:

@@ -10,16 +10,17 @@ function users call.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Protocol, Union
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from surgery.core import compiled, guards
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.guards import SubtreeEnforcer, Transform
+from surgery.core.guards import StepEnforcer, SubtreeEnforcer, Transform
 from surgery.core.handles import Handle
 
 
@@ -93,14 +94,31 @@ class CheckedTransform:
         return getattr(self.inner, name)  # save(), and whatever else the transform offers
 
 
-@dataclass(eq=False)
+class GradientHook:
+    """Tensor hook on a parameter's gradient: the transform's ``gradient(grad)`` (a mask zeroes
+    the gradient of its pruned entries, so momentum and Adam states stay zero too)."""
+
+    __torch_unserializable__ = True  # a copy or pickle of the model simply has no such hook
+
+    def __init__(self, transform: Transform) -> None:
+        self.transform = transform
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        return self.transform.gradient(grad)
+
+
 class AttachedTransform:
     """The undo record of one transform on one parameter (what ``restore`` and ``bake`` run)."""
 
-    name: str
-    param: nn.Parameter = field(repr=False)
-    transform: Transform = field(repr=False)
-    saved: Saved = field(repr=False)
+    def __init__(self, name: str, param: nn.Parameter, transform: Transform, saved: Saved) -> None:
+        self.name, self.transform, self.saved = name, transform, saved
+        self._param = param
+        self.guard: guards.TensorGuard | None = None  # set once attached
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The parameter now carrying the transform (a replacement once adopted by ``enforce``)."""
+        return self.guard.param if self.guard is not None else self._param
 
     @property
     def description(self) -> str:
@@ -108,32 +126,70 @@ class AttachedTransform:
 
     def restore(self) -> None:
         """Detach the transform and put the original values back."""
-        guards.detach(self.param, self.transform, self.name)
+        param = self.param
+        guards.detach(param, self.transform, self.name)
         with torch.no_grad():
-            self.saved.put_back(self.param)
+            self.saved.put_back(param)
 
     def keep(self) -> None:
         """Detach the transform and keep what it made (the originals go with the handle)."""
         guards.settle(self.param)  # changed since the last forward: bake what the hooks would enforce
         guards.detach(self.param, self.transform, self.name)
 
+    def enforce(self, handle: Handle) -> None:
+        """Re-apply the transform now (after a ``.data`` edit); if the model holds a new
+        parameter under this name (``load_state_dict(assign=True)``), carry it over first."""
+        model = handle.model
+        if model is None or self.guard is None:
+            return
+        current = dict(model.named_parameters(remove_duplicate=False)).get(self.name)
+        if current is not None and current is not self.guard.param:
+            if current.shape != self.guard.param.shape:
+                raise ConfigError("enforce", self.name, f"was replaced by a parameter of shape {tuple(current.shape)}; "
+                                  f"the surgery was made for {tuple(self.guard.param.shape)} (restore() instead)")
+            guards.adopt(self.guard, current)
+            _own_gradient_hook(handle, current, self.transform)
+        else:
+            self.guard.enforce(force=True)
+
+
+def _own_gradient_hook(handle: Handle, param: nn.Parameter, transform: Transform) -> None:
+    if callable(getattr(transform, "gradient", None)) and param.requires_grad:
+        handle.add_hook("gradient hook", param.register_hook(GradientHook(transform)))
+
 
 def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]],
                hook_description: str) -> dict[str, AttachedTransform]:
     """Attach each ``(param, transform)`` under its qualified name, recording undo records on
-    ``handle`` before each change, then own the forward-pre hooks that keep them applied.
-    On failure the caller rolls ``handle`` back."""
+    ``handle`` before each change, then own the hooks that keep them applied: forward-pre hooks
+    (before each forward), tensor hooks on gradients (transforms with ``gradient(grad)``) and
+    one global optimizer step post-hook (right after each step). On failure the caller rolls
+    ``handle`` back."""
     records: dict[str, AttachedTransform] = {}
     for name, (param, transform) in transforms.items():
         save = getattr(transform, "save", None)
         record = AttachedTransform(name, param, transform, save(param) if save else SavedTensor(param))
         handle.add_record(record)  # recorded before the change
-        guards.attach(param, transform, name)
+        record.guard = guards.attach(param, transform, name)
         records[name] = record
-    by_param = {id(r.param): guards.guard_of(r.param) for r in records.values()}
-    for module, below in guards.paths_to_owners(model, [r.param for r in records.values()]):
-        handle.add_hook(hook_description, module.register_forward_pre_hook(SubtreeEnforcer([by_param[i] for i in below])))
+    by_param = {id(r.param): r.guard for r in records.values()}
+    for module, below, owned in guards.paths_to_owners(model, [r.param for r in records.values()]):
+        enforcer = SubtreeEnforcer([by_param[i] for i in below], [(attr, by_param[i]) for attr, i in owned])
+        handle.add_hook(hook_description, module.register_forward_pre_hook(enforcer))
+    for record in records.values():
+        _own_gradient_hook(handle, record.param, record.transform)
+    if records:
+        own_step_hook(handle, model, StepEnforcer(list(dict.fromkeys(by_param.values()))))
     return records
+
+
+def own_step_hook(handle: Handle, model: nn.Module, hook: Callable) -> None:
+    """Register ``hook`` as a global optimizer step post-hook owned by ``handle``: removed by
+    ``restore()``/``bake()``, and at the latest when ``model`` is garbage-collected (a model
+    dropped with its surgery still attached does not leave the hook behind)."""
+    removable = register_optimizer_step_post_hook(hook)
+    handle.add_hook("optimizer step hook", removable)
+    weakref.finalize(model, removable.remove)  # removing twice is harmless
 
 
 def _check_idempotent(name: str, param: nn.Parameter, transform: Transform) -> None:

@@ -64,20 +64,29 @@ class MaskEnforcer:
 
     The mask is applied in place when pruning is attached, so everything that reads the
     parameter (its module's forward, or a parent that reads ``child.weight`` directly) sees
-    the pruned values; the parameter's guard re-applies it whenever the tensor changes. The
-    mask is stored packed, one bit per entry; undo keeps only the entries it zeroes.
+    the pruned values; the parameter's guard re-applies it whenever the tensor changes and
+    after every optimizer step, and :meth:`gradient` zeroes the gradient of pruned entries. The
+    mask is stored packed, one bit per entry; undo keeps only the entries it zeroes. Once
+    training starts (a gradient or an optimizer step), the unpacked mask is kept too (one byte
+    per entry), so a step does not pay for unpacking.
     """
 
     kind = "prune"
 
-    def __init__(self, param: nn.Parameter, mask: Tensor) -> None:
-        self.param = param
+    def __init__(self, mask: Tensor) -> None:
         self.shape = mask.shape
         self.packed = pack(mask)
+        self._pruned: Tensor | None = None  # ~mask, cached while training
 
     def mask(self) -> Tensor:
         """The boolean keep-mask (``True`` keeps the entry)."""
         return unpack(self.packed, self.shape)
+
+    def pruned(self, device: torch.device) -> Tensor:
+        """The boolean mask of pruned entries on ``device`` (cached after the first call)."""
+        if self._pruned is None or self._pruned.device != device:
+            self._pruned = (~self.mask()).to(device)
+        return self._pruned
 
     def save(self, param: Tensor) -> SavedEntries:
         """The original values of the entries about to be zeroed."""
@@ -85,8 +94,14 @@ class MaskEnforcer:
 
     def apply(self, param: Tensor) -> None:
         """Zero the pruned entries of ``param`` in place."""
+        pruned = self._pruned if self._pruned is not None and self._pruned.device == param.device \
+            else ~self.mask().to(param.device)
         with torch.no_grad():
-            param.masked_fill_(~self.mask().to(param.device), 0)
+            param.masked_fill_(pruned, 0)
+
+    def gradient(self, grad: Tensor) -> Tensor:
+        """``grad`` with the entries of pruned weights zeroed (a tensor hook on the weight)."""
+        return grad.masked_fill(self.pruned(grad.device), 0)
 
 
 class PruneHandle(Handle):
@@ -107,10 +122,6 @@ class PruneHandle(Handle):
     def skipped(self) -> list[Skipped]:
         """Selected (or, by default, unselected) layers and parameters left unpruned, with why."""
         return list(self.selection.skipped)
-
-    def check_undo(self) -> None:
-        for name, enforcer in self.enforcers.items():
-            guards.check_last(enforcer.param, enforcer, name)
 
     def masks(self) -> dict[str, Tensor]:
         """Boolean keep-masks by qualified parameter name (``"layer1.0.conv1.weight"``)."""
@@ -203,7 +214,7 @@ def prune(
                               structured=criterion.structured, dim=spec.dim)
     handle = PruneHandle(model, selection, spec)
     try:
-        enforcers = {name: (param, MaskEnforcer(param, mask)) for (name, param), mask in zip(targets.items(), masks)}
+        enforcers = {name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)}
         handle.enforcers.update({name: enforcer for name, (_, enforcer) in enforcers.items()})
         attach_all(handle, model, enforcers, "mask hook")
     except BaseException as err:

@@ -106,12 +106,7 @@ class QuantizeHandle(Handle):
         super().__init__("quantize", model)
         self.selection = selection or Targets({}, [])  # the weights matched and skipped
         self.weights: dict[str, WeightQuantizer] = {}
-        self.params: dict[str, nn.Parameter] = {}
         self.activations: dict[str, ActivationQuantizer] = {}
-
-    def check_undo(self) -> None:
-        for name, quantizer in self.weights.items():
-            guards.check_last(self.params[name], quantizer, name)
 
     def qparams(self) -> dict[str, Tensor]:
         """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
@@ -269,7 +264,7 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
         observer.observe(value)
         quantizers[key] = (param, WeightQuantizer(spec, *observer.qparams(), axis))
     for key, (param, quantizer) in quantizers.items():
-        handle.weights[key], handle.params[key] = quantizer, param
+        handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
 
 

@@ -38,6 +38,14 @@ from surgery.ops.rewriting import Normalize
 from support import Passthrough  # tests/support.py
 
 ROUNDS = 40
+
+
+def own_differences(before, after) -> list[str]:
+    """Snapshot differences of one model, leaving out torch's global registries: other threads'
+    handles hold global optimizer step hooks meanwhile (the end state is checked by conftest)."""
+    return [d for d in snapshot_differences(before, after) if not d.startswith("global ")]
+
+
 Worker = Callable[[threading.Barrier], None]
 
 
@@ -126,7 +134,7 @@ def surgery_worker(model: nn.Module, inputs: list[Tensor], calibration: list[Ten
         for round_ in range(ROUNDS):
             barrier.wait()
             assert same(surgery_round(model, inputs, calibration), expected), f"round {round_}: other outputs"
-            assert snapshot_differences(before, snapshot(model)) == [], f"round {round_}: not restored"
+            assert own_differences(before, snapshot(model)) == [], f"round {round_}: not restored"
     return work
 
 
@@ -168,7 +176,7 @@ def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(convnet_
                     surgery.quantize(failing, activations=QuantSpec(), calibration=poisoned)
             finally:
                 pruned.restore()
-            assert snapshot_differences(failing_before, snapshot(failing)) == []
+            assert own_differences(failing_before, snapshot(failing)) == []
 
     with pytest.raises(ConfigError, match="batch 1.*NaN"):
         run_in_threads(fail, surgery_worker(busy, [mlp_input], calibration, expected))

@@ -363,11 +363,7 @@ def guarded(model: nn.Module) -> list[str]:
 
 def transformed(handle: Handle) -> set[int]:
     """Ids of the parameters a prune or quantize handle transforms in place."""
-    if isinstance(handle, surgery.PruneHandle):
-        return {id(e.param) for e in handle.enforcers.values()}
-    if isinstance(handle, surgery.QuantizeHandle):
-        return {id(p) for p in handle.params.values()}
-    return set()
+    return {id(record.param) for record in handle.records}
 
 
 def assert_as_before(model: nn.Module, before, inputs: list, expected: list[torch.Tensor]) -> None:
