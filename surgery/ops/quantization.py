@@ -14,11 +14,12 @@ from torch import Tensor, nn
 from surgery.core import compiled, guards
 from surgery.core.checkpoints import save_tensors
 from surgery.core.inputs import run_batches
-from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, OutputExistsError
+from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.capture import Capture
-from surgery.core.transforms import attach_all
+from surgery.core.transforms import attach_all, own_step_hook
 from surgery.core.handles import Handle
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
+from surgery.ops.qat import ShadowWeight, attach_shadows, check_free
 from surgery.core.selection import Selection, select
 from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
 
@@ -49,18 +50,34 @@ class WeightQuantizer:
 class ActivationQuantizer:
     """Forward hook (outputs) or forward-pre hook (first input) that observes, then fake-quantizes."""
 
-    def __init__(self, spec: QuantSpec, axis: int | None, name: str, where: str) -> None:
+    def __init__(self, spec: QuantSpec, axis: int | None, name: str, where: str, learning: bool = False) -> None:
         self.spec, self.axis, self.name, self.where = spec, axis, name, where
         self.observer: Observer | None = Observer(spec, axis, name)
         self.scale: Tensor | None = None
         self.zero_point: Tensor | None = None
         self.inference: tuple[float, float, float, float] | None = None
+        self.learning = learning  # quantization-aware training: training-mode forwards keep observing
+        self.tracker: Observer | None = None
 
     def freeze(self, scale: Tensor | None = None, zero_point: Tensor | None = None) -> None:
-        """Stop observing; use the observed range, or the given scale and zero point."""
+        """Stop calibrating; use the observed range, or the given scale and zero point. While
+        ``learning``, training-mode forwards go on refining the range from there."""
         if scale is None:
             scale, zero_point = self.observer.qparams()
-        self.scale, self.zero_point, self.observer = scale, zero_point, None
+        if self.learning:
+            self.tracker = self.observer or Observer(self.spec, self.axis, self.name)
+            if self.tracker.low is None:  # from saved qparams: start the range where they put it
+                low, high = _range_of(scale, zero_point, self.spec)
+                self.tracker.low, self.tracker.high, self.tracker.count = low, high, 1
+        self._use(scale, zero_point)
+        self.observer = None
+
+    def stop_learning(self) -> None:
+        """Freeze the range where training has brought it."""
+        self.learning, self.tracker = False, None
+
+    def _use(self, scale: Tensor, zero_point: Tensor) -> None:
+        self.scale, self.zero_point = scale, zero_point
         if self.axis is None:
             scale32 = scale.detach().float().reshape(())
             inverse = float(torch.ones((), dtype=torch.float32) / scale32)  # as the fused kernel: 1.0f / scale
@@ -77,7 +94,7 @@ class ActivationQuantizer:
         inverse, low, high, scale = self.inference
         return torch.mul(x, inverse).round_().clamp_(low, high).mul_(scale)
 
-    def _quantize(self, x: Any) -> Any:
+    def _quantize(self, x: Any, training: bool = False) -> Any:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise ConfigError("quantize.select", self.name, f"its {self.where} is {type(x).__name__}"
                               f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
@@ -85,6 +102,11 @@ class ActivationQuantizer:
         axis = None if self.axis is None else self.axis % x.dim()
         if self.observer is not None:  # calibrating: the capture feeds the observer, values pass unchanged
             return None
+        if self.tracker is not None and training:  # quantization-aware training: the range keeps learning
+            if self.tracker.requested_axis is not None:
+                self.tracker.axis = self.tracker.requested_axis % x.dim()
+            self.tracker.observe(x)
+            self._use(*self.tracker.qparams())
         fast = self._fast_path(x)
         if fast is not None:
             return fast
@@ -92,11 +114,38 @@ class ActivationQuantizer:
 
     def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> Any:
         if self.where == "output":
-            return self._quantize(output)
+            return self._quantize(output, module.training)
         if not args:
             raise ConfigError("quantize.where", "input", f"{self.name} was called without positional inputs")
-        quantized = self._quantize(args[0])
+        quantized = self._quantize(args[0], module.training)
         return None if quantized is None else (quantized, *args[1:])
+
+
+def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """The float range a scale and zero point cover (the inverse of ``compute_qparams``)."""
+    quant_min, quant_max = spec.quant_range
+    scale, offset = scale.float().reshape(-1), zero_point.float().reshape(-1)
+    return (quant_min - offset) * scale, (quant_max - offset) * scale
+
+
+class ObserverSchedule:
+    """Global optimizer step post-hook of quantization-aware training: after ``steps`` optimizer
+    steps over the model's parameters, the activation ranges stop learning."""
+
+    def __init__(self, quantizers: list[ActivationQuantizer], params: list[nn.Parameter], steps: int) -> None:
+        self.quantizers, self.params, self.left = quantizers, {id(p) for p in params}, steps
+        if steps == 0:
+            self.freeze()
+
+    def freeze(self) -> None:
+        for quantizer in self.quantizers:
+            quantizer.stop_learning()
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.left > 0 and any(id(p) in self.params for group in optimizer.param_groups for p in group["params"]):
+            self.left -= 1
+            if self.left == 0:
+                self.freeze()
 
 
 class QuantizeHandle(Handle):
@@ -105,7 +154,7 @@ class QuantizeHandle(Handle):
     def __init__(self, model: nn.Module, selection: Targets | None = None) -> None:
         super().__init__("quantize", model)
         self.selection = selection or Targets({}, [])  # the weights matched and skipped
-        self.weights: dict[str, WeightQuantizer] = {}
+        self.weights: dict[str, WeightQuantizer | ShadowWeight] = {}
         self.activations: dict[str, ActivationQuantizer] = {}
 
     def qparams(self) -> dict[str, Tensor]:
@@ -150,6 +199,8 @@ def quantize(
     where: str = "output",
     qparams: dict[str, Tensor] | str | Path | None = None,
     progress: bool = True,
+    train: bool = False,
+    freeze_observers_after: int | None = None,
 ) -> QuantizeHandle:
     """Fake-quantize the weights and/or activations of the selected layers.
 
@@ -166,6 +217,12 @@ def quantize(
         calibration: batches (tensors or tuples of inputs) run through the model, with a
             progress bar, to estimate activation ranges; required for activations unless
             ``qparams`` (a dict or a file from :meth:`QuantizeHandle.save_qparams`) is given.
+        train: quantization-aware training. Weights keep their float values (the shadow an
+            optimizer updates) and each forward sees them fake-quantized, with gradients passed
+            straight through; ``bake()`` folds them to the grid, ``restore()`` gives back the
+            original floats. Activation ranges keep learning in training-mode forwards.
+        freeze_observers_after: with ``train``, stop learning activation ranges after this
+            many optimizer steps over the model's parameters (``None``: never).
 
     Example:
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
@@ -173,15 +230,20 @@ def quantize(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
+    _validate_training(train, freeze_observers_after, activations)
     weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     try:
         if weights is not None:
-            _attach_weights(handle, model, weight_targets, weights)
+            (_attach_shadow_weights if train else _attach_weights)(handle, model, weight_targets, weights)
         if activations is not None:
-            _attach_activations(handle, layers, activations, where)
+            _attach_activations(handle, layers, activations, where, learning=train)
             _calibrate_or_load(handle, model, calibration, qparams, progress)
+            if train and freeze_observers_after is not None:
+                schedule = ObserverSchedule(list(handle.activations.values()), list(model.parameters()),
+                                            freeze_observers_after)
+                own_step_hook(handle, model, schedule)
     except BaseException as err:
         handle.rollback(err)
         raise
@@ -199,6 +261,19 @@ def _validate(weights, activations, where, calibration, qparams) -> tuple[QuantS
         raise ConfigError("quantize.calibration", None, "activation quantization needs calibration batches "
                           "(or saved qparams)")
     return weights, activations
+
+
+def _validate_training(train: object, freeze_after: object, activations: QuantSpec | None) -> None:
+    if not isinstance(train, bool):
+        raise ConfigTypeError("quantize.train", train, "must be true or false")
+    if freeze_after is None:
+        return
+    if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or not 0 <= freeze_after < 2**63:
+        raise ConfigError("quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 "
+                          "(optimizer steps)")
+    if not train or activations is None:
+        raise ConfigError("quantize.freeze_observers_after", freeze_after, "applies to quantization-aware training "
+                          "of activations: set train=true and activations")
 
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:
@@ -256,6 +331,7 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
     quantizers: dict[str, tuple[nn.Parameter, WeightQuantizer]] = {}
     for key, target in targets.matched.items():
         param = target.param
+        check_free(param, key)
         axis = _weight_axis(target, key) if spec.per_channel else None
         value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
         if not torch.isfinite(value).all():
@@ -268,11 +344,22 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
     attach_all(handle, model, quantizers, "weight quantization hook")
 
 
-def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str) -> None:
+def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
+    shadows: dict[str, ShadowWeight] = {}
+    for key, target in targets.matched.items():
+        if not torch.isfinite(guards.current_value(target.param)).all():
+            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
+        shadows[key] = ShadowWeight(key, target, spec, _weight_axis(target, key) if spec.per_channel else None)
+    handle.weights.update(shadows)
+    attach_shadows(handle, model, shadows)
+
+
+def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str,
+                        learning: bool = False) -> None:
     for name, module in targets.items():
         axis = None if not spec.per_channel else -1 if is_hf_conv1d(module) else \
             _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
-        quantizer = ActivationQuantizer(spec, axis, name, where)
+        quantizer = ActivationQuantizer(spec, axis, name, where, learning)
         hook = module.register_forward_hook(quantizer) if where == "output" else \
             module.register_forward_pre_hook(quantizer)
         handle.add_hook("activation quantization hook", hook)
