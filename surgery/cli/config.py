@@ -13,7 +13,7 @@ from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import validate_arguments
 
-STEPS = ("prune", "quantize", "rewrite")
+STEPS = ("prune", "quantize", "rewrite", "finetune")
 MODEL_SOURCES = ("torchvision", "digits_cnn")
 DATA_KINDS = ("synthetic", "digits")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
@@ -123,6 +123,8 @@ class QuantizeConfig:
     exclude: Any = None
     where: str = "output"
     calibration_batches: int = 4
+    train: bool = False  # quantization-aware training: float shadows, fake-quantized in the forward
+    freeze_observers_after: Optional[int] = None  # with train: optimizer steps before activation ranges freeze
 
     def __post_init__(self) -> None:
         if self.weights is None and self.activations is None:
@@ -140,7 +142,35 @@ class QuantizeConfig:
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
         return {"weights": self.weight_spec(), "activations": self.activation_spec(), "select": self.select,
-                "exclude": self.exclude or None, "where": self.where}
+                "exclude": self.exclude or None, "where": self.where, "train": self.train,
+                "freeze_observers_after": self.freeze_observers_after}
+
+
+@dataclass
+class FinetuneConfig:
+    """Arguments of :func:`surgery.finetune`: training on the data's training split (labelled
+    data only: ``data=digits``) with every earlier step attached, in ``batch_size`` batches."""
+
+    epochs: int = 3
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    eval_every: Optional[int] = None  # steps between accuracy points of the curve (default: each epoch)
+
+    def __post_init__(self) -> None:
+        from surgery.ops.finetuning import OPTIMIZERS
+
+        if self.epochs < 0:
+            raise ConfigError("finetune.epochs", self.epochs, "must be an integer >= 0")
+        for name in ("lr", "weight_decay"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"finetune.{name}", value, "must be a finite number >= 0")
+        _one_of("finetune.optimizer", self.optimizer, tuple(OPTIMIZERS.names()))
+        _positive_int("finetune.batch_size", self.batch_size)
+        if self.eval_every is not None:
+            _positive_int("finetune.eval_every", self.eval_every)
 
 
 @dataclass
@@ -251,6 +281,7 @@ class RunConfig:
     prune: Optional[PruneConfig] = None
     quantize: Optional[QuantizeConfig] = None
     rewrite: Optional[RewriteConfig] = None
+    finetune: Optional[FinetuneConfig] = None
     inspect: bool = False
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
@@ -267,6 +298,9 @@ class RunConfig:
                                   f"'{step}:' settings")
             if getattr(self, step) is None:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
+        if "finetune" in self.steps and self.data.kind != "digits":
+            raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
+                              f"{self.data.kind!r}; use data=digits")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -286,7 +320,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         _check_integers(cfg, "")
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSettings()),
-                                                rewrite=RewriteConfig()))
+                                                rewrite=RewriteConfig(), finetune=FinetuneConfig()))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from surgery.cli.config import DataConfig
-from surgery.core.errors import ConfigError
+from surgery.core.errors import NO_VALUE, ConfigError
 
 
 class SyntheticBatches(Sequence):
@@ -71,6 +71,18 @@ def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
 
         return [images for images, _ in digits_batches("train", config.batch_size, limit_batches=count)]
     return _noise(config, config.seed + 1, count)
+
+
+def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[nn.Module], float]]:
+    """Labelled training batches (digits: the training split) and an accuracy function over
+    the evaluation batches, for the ``finetune`` step."""
+    if config.kind != "digits":
+        raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
+                          "use data=digits")
+    from surgery.cli.digits import accuracy, digits_batches
+
+    evaluation = load_data(config)
+    return digits_batches("train", batch_size), lambda model: accuracy(model, evaluation.labelled())
 
 
 def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:

@@ -65,7 +65,41 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(row.get("cosine") is not None for row in report["layers"]):
         written.append(out_dir / "drift.png")
         write_atomically(written[-1], lambda tmp: plot_layer_drift(report, tmp))
+    if plots and any(point["score"] is not None for point in report.get("finetune", {}).get("curve", [])):
+        written.append(out_dir / "finetune.png")
+        write_atomically(written[-1], lambda tmp: plot_finetune(report, tmp))
     return written
+
+
+def plot_finetune(report: dict[str, Any], path: Path) -> None:
+    """Accuracy (and training loss) against optimizer steps while fine-tuning, with the
+    unmodified model's accuracy as a reference line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    curve = report["finetune"]["curve"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([p["step"] for p in curve], [p["score"] for p in curve], marker="o", color="#4C72B0",
+            label="accuracy (modified, fine-tuning)")
+    if "accuracy" in report:
+        ax.axhline(report["accuracy"]["reference"], color="#55A868", linestyle="--", label="accuracy (unmodified)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("top-1 accuracy")
+    ax.grid(alpha=0.3)
+    losses = [(p["step"], p["loss"]) for p in curve if p["loss"] is not None]
+    if losses:
+        twin = ax.twinx()
+        twin.plot(*zip(*losses), color="#DD8452", alpha=0.6, label="training loss")
+        twin.set_ylabel("training loss")
+        twin.legend(loc="center right")
+    ax.legend(loc="lower right")
+    ax.set_title(f"{report['recipe']}: fine-tuning {report['model']} with {', '.join(report['steps'][:-1]) or 'it'} "
+                 "attached")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
 
 
 def plot_layer_drift(report: dict[str, Any], path: Path) -> None:
@@ -150,8 +184,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
     if "accuracy" in report:
         acc = report["accuracy"]
-        lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
-                  "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+        if "before_finetune" in acc:
+            lines += ["", "## Accuracy (labelled data)", "",
+                      "| unmodified | after surgery, before fine-tuning | after fine-tuning | drop (points) |",
+                      "| --- | --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['before_finetune']:.4f} | "
+                      f"{acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+        else:
+            lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
+                      "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+    if "finetune" in report:
+        tuned = report["finetune"]
+        lines += ["", "## Fine-tuning", "", f"{tuned['steps']} steps of {tuned['optimizer']} (lr {tuned['lr']}, "
+                  f"{tuned['epochs']} epochs, batch {tuned['batch_size']}), the earlier steps attached.", "",
+                  "| step | mean training loss | accuracy |", "| --- | --- | --- |"]
+        lines += [f"| {p['step']} | {_fmt(p['loss'])} | {_fmt(p['score'])} |" for p in tuned["curve"]]
     lines += ["", "## Drift (original vs modified)", "", "| max abs | cosine | SQNR dB | top-1 agreement |",
               "| --- | --- | --- | --- |",
               f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
@@ -197,7 +243,11 @@ def summary_table(report: dict[str, Any]) -> str:
     lines.append(f"  drift: cosine {drift['cosine']:.4f}  SQNR {sqnr} dB  max abs {drift['max_abs']:.4g}  top-1 {top1}")
     if "accuracy" in report:
         acc = report["accuracy"]
-        lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
-                     f"drop {acc['drop_points']:.2f} points")
+        if "before_finetune" in acc:
+            lines.append(f"  accuracy: unmodified {acc['reference']:.4f}  after surgery {acc['before_finetune']:.4f}  "
+                         f"after fine-tuning {acc['candidate']:.4f}  drop {acc['drop_points']:.2f} points")
+        else:
+            lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
+                         f"drop {acc['drop_points']:.2f} points")
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)

@@ -23,12 +23,14 @@ from surgery.analysis.inspection import calls_as_rows, format_table, inspect_mod
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
+from surgery.ops.finetuning import FinetuneHandle
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
-OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png")
+OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
+           "finetune.png")
 
 
 @dataclass
@@ -112,6 +114,12 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             "steps": list(config.steps), "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
             "qparams": files.qparams.name if files.qparams.exists() else None,
         }
+        tuned = find(handle, "finetune")
+        if isinstance(tuned, FinetuneHandle) and tuned.curve:
+            report["finetune"] = {**vars(config.finetune), "steps": tuned.curve[-1].step,
+                                  "curve": [vars(point) for point in tuned.curve]}
+            if accuracy is not None:  # before fine-tuning = after the surgery steps before it
+                accuracy["before_finetune"] = tuned.curve[0].score
         if accuracy is not None:
             report["accuracy"] = accuracy
         if calls is not None:

@@ -1,4 +1,4 @@
-"""Apply a run's runtime steps (prune, quantize) to a model as one all-or-nothing handle."""
+"""Apply a run's runtime steps (prune, quantize, rewrite, finetune) to a model as one all-or-nothing handle."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from surgery.cli.config import RunConfig
+from surgery.cli.data import training_data
 from surgery.core.handles import Handle, HandleGroup
+from surgery.ops.finetuning import finetune
 from surgery.ops.pruning import prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
@@ -33,7 +35,17 @@ def _rewrite(model: nn.Module, config: RunConfig, neutral: bool, calibration: li
     return rewrite_inputs(model, fn, select=settings.select, exclude=settings.exclude or None)
 
 
-APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite}
+def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+    settings = config.finetune
+    if neutral:  # no training
+        return Handle("finetune", model)
+    batches, evaluate = training_data(config.data, settings.batch_size)
+    return finetune(model, batches, epochs=settings.epochs, lr=settings.lr, optimizer=settings.optimizer,
+                    weight_decay=settings.weight_decay, evaluate=evaluate, eval_every=settings.eval_every,
+                    seed=config.seed)
+
+
+APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite, "finetune": _finetune}
 
 
 def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,

@@ -1,0 +1,176 @@
+"""``surgery.finetune``: train a model with its surgery attached, restorably.
+
+Masks, quantization grids and shadow weights hold through every step (the handles' gradient
+and optimizer step hooks do that); this module only runs the loop. The returned handle keeps
+a copy of every parameter and buffer as they were before training, so ``restore()`` puts the
+model back exactly (then the surgery handles can be restored in turn) and ``bake()`` keeps
+the trained values. An interrupted or failing run puts the values back itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.inputs import as_call
+from surgery.core.registry import Registry
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+OPTIMIZERS: Registry[OptimizerFactory] = Registry("finetune.optimizer")
+
+
+def _torch_optimizer(cls: type[torch.optim.Optimizer], fused: bool) -> OptimizerFactory:
+    def build(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        implementation = {"fused": True} if fused else {"foreach": True}
+        return cls(params, lr=lr, weight_decay=weight_decay, **implementation)
+
+    build.__name__ = cls.__name__
+    return build
+
+
+for _name, _cls, _fused in (("adamw", torch.optim.AdamW, True), ("adam", torch.optim.Adam, True),
+                            ("sgd", torch.optim.SGD, True), ("adagrad", torch.optim.Adagrad, True),
+                            ("rmsprop", torch.optim.RMSprop, False)):  # RMSprop has no fused kernel
+    OPTIMIZERS.register(_name, _torch_optimizer(_cls, _fused))
+
+
+@dataclass
+class Point:
+    """One point of the training curve: after ``step`` optimizer steps, the mean training loss
+    since the previous point and the evaluation score (``None`` without ``evaluate``)."""
+
+    step: int
+    loss: float | None
+    score: float | None
+
+
+class FinetuneHandle(Handle):
+    """Handle returned by :func:`finetune`: ``restore()`` puts back every parameter and buffer
+    as before training, ``bake()`` keeps the trained values; ``curve`` is the training curve."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("finetune", model)
+        self.curve: list[Point] = []
+
+
+def finetune(
+    model: nn.Module,
+    batches: Sequence[tuple[Any, Tensor]],
+    *,
+    epochs: int = 1,
+    lr: float = 1e-3,
+    optimizer: str | OptimizerFactory = "adamw",
+    weight_decay: float = 0.0,
+    loss: Callable[[Any, Tensor], Tensor] = F.cross_entropy,
+    evaluate: Callable[[nn.Module], float] | None = None,
+    eval_every: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> FinetuneHandle:
+    """Train ``model`` on ``(inputs, target)`` batches with whatever surgery is attached to it.
+
+    Args:
+        batches: a sequence of ``(inputs, target)`` pairs; ``inputs`` is a tensor, a tuple of
+            positional inputs or a dict of keyword inputs. Their order is shuffled every epoch
+            (seeded by ``seed``).
+        epochs: passes over ``batches``.
+        lr, weight_decay: the optimizer's settings.
+        optimizer: ``"adamw"`` (default, fused), ``"adam"``, ``"sgd"``, ``"adagrad"`` (fused),
+            ``"rmsprop"`` (foreach), a name registered in ``OPTIMIZERS``, or a function
+            ``(params, lr, weight_decay) -> torch.optim.Optimizer``.
+        loss: ``loss(output, target) -> scalar`` (default cross-entropy on the logits).
+        evaluate: ``evaluate(model) -> float`` (accuracy, say), recorded in :attr:`FinetuneHandle.curve`
+            before the first step, every ``eval_every`` steps (default: each epoch) and at the end.
+        progress: a progress bar over steps (on a terminal).
+
+    Example:
+        >>> pruned = surgery.prune(model, 0.9)
+        >>> tuned = surgery.finetune(model, train_batches, epochs=5, evaluate=accuracy_on_test)
+        >>> tuned.curve[0].score, tuned.curve[-1].score   # after pruning, after fine-tuning
+    """
+    make_optimizer = _validate(batches, epochs, lr, optimizer, weight_decay, eval_every)
+    handle = FinetuneHandle(model)
+    saved = {name: t.detach().clone() for name, t in _state(model).items()}
+    handle.add("undo fine-tuning (every parameter and buffer as before)", lambda: _put_back(model, saved))
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        _train(model, handle, batches, epochs, make_optimizer(list(p for p in model.parameters() if p.requires_grad),
+                                                              lr, weight_decay),
+               loss, evaluate, eval_every or len(batches), seed, progress)
+    except BaseException as err:  # interrupted or failed: the model as it was before training
+        handle.rollback(err)
+        raise
+    finally:
+        for module, flag in flags:
+            module.training = flag
+    return handle
+
+
+def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: int, optimizer: torch.optim.Optimizer,
+           loss_fn: Callable, evaluate: Callable | None, eval_every: int, seed: int, progress: bool) -> None:
+    total = epochs * len(batches)
+    generator = torch.Generator().manual_seed(seed)
+    losses: list[float] = []
+
+    def record(step: int) -> None:
+        score = float(evaluate(model)) if evaluate is not None else None
+        handle.curve.append(Point(step, sum(losses) / len(losses) if losses else None, score))
+        losses.clear()
+
+    record(0)
+    step = 0
+    with tqdm(total=total, desc="finetune", unit="step", leave=False, disable=None if progress else True) as bar:
+        for _ in range(epochs):
+            for index in torch.randperm(len(batches), generator=generator).tolist():
+                inputs, target = batches[index]
+                model.train()
+                optimizer.zero_grad(set_to_none=True)
+                value = loss_fn(as_call(inputs, "finetune.batches", index)(model), target)
+                if not torch.isfinite(value):
+                    raise ConfigError("finetune.lr", optimizer.param_groups[0]["lr"], f"the loss became {value.item()} "
+                                      f"at step {step}; lower the learning rate (the model was put back as before)")
+                value.backward()
+                optimizer.step()
+                step += 1
+                losses.append(value.item())
+                bar.update()
+                bar.set_postfix(loss=f"{value.item():.4f}")
+                if step % eval_every == 0 or step == total:
+                    record(step)
+
+
+def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> OptimizerFactory:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
+    for field, value in (("finetune.lr", lr), ("finetune.weight_decay", weight_decay)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ConfigError(field, value, "must be a finite number >= 0")
+    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+        raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
+    if not isinstance(batches, Sequence) or not len(batches):
+        raise ConfigTypeError("finetune.batches", type(batches).__name__, "must be a non-empty sequence of "
+                              "(inputs, target) pairs")
+    first = batches[0]
+    if not (isinstance(first, (tuple, list)) and len(first) == 2):
+        raise ConfigTypeError("finetune.batches", type(first).__name__, "each batch must be an (inputs, target) pair")
+    return optimizer if callable(optimizer) else OPTIMIZERS.get(optimizer)
+
+
+def _state(model: nn.Module) -> dict[str, Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return named | {f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False) if b is not None}
+
+
+def _put_back(model: nn.Module, saved: dict[str, Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in _state(model).items():
+            tensor.copy_(saved[name])
