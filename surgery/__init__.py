@@ -8,6 +8,7 @@ from surgery.core.errors import (
     CheckpointError,
     ConfigError,
     OutputExistsError,
+    ParameterReplacedError,
     SelectionError,
     SurgeryError,
     UndoError,
@@ -15,6 +16,7 @@ from surgery.core.errors import (
 from surgery.core.handles import Handle, HandleGroup, compose
 from surgery.core.transforms import attach_transform
 from surgery.ops.criteria import LayerStats, register_criterion
+from surgery.ops.finetuning import FinetuneHandle, finetune
 from surgery.ops.intercept import (
     Event,
     InterceptError,
@@ -36,6 +38,7 @@ __all__ = [
     "ConfigError",
     "Drift",
     "Event",
+    "FinetuneHandle",
     "Handle",
     "HandleGroup",
     "InterceptError",
@@ -44,6 +47,7 @@ __all__ = [
     "NonFiniteError",
     "ObservedRange",
     "OutputExistsError",
+    "ParameterReplacedError",
     "PruneHandle",
     "PruneSpec",
     "QuantSpec",
@@ -57,6 +61,7 @@ __all__ = [
     "capture",
     "compare",
     "compose",
+    "finetune",
     "intercept",
     "prune",
     "quantize",

@@ -190,7 +190,20 @@ def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
                             progress=False)
 
 
+def _labelled(model: nn.Module) -> list:
+    return [(batch(4, 8), torch.zeros(4, dtype=torch.long))]
+
+
 API_CASES = [
+    ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), epochs=-1, progress=False),
+            ConfigError, "finetune.epochs", "-1"),
+    ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), optimizer="adamx", progress=False),
+            ConfigError, "finetune.optimizer", "'adamx'"),
+    ApiCase("finetune-data", lambda m, *_: surgery.finetune(m, [batch(4, 8)], progress=False), ConfigTypeError,
+            "finetune.batches", "'Tensor'"),
+    ApiCase("qat-settings", lambda m, *_: surgery.quantize(m, activations={"bits": 8}, calibration=[batch(4, 8)],
+                                                           train=True, freeze_observers_after=-1, progress=False),
+            ConfigError, "quantize.freeze_observers_after", "-1"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, 1.5), ConfigError, "prune.amount", "1.5"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, -0.1), ConfigError, "prune.amount", "-0.1"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, math.nan), ConfigError, "prune.amount", "nan"),
@@ -435,7 +448,15 @@ safetensors.torch.save_file = save_file
 """
 HUGE = "1" + "0" * 400
 
+DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
+
 CLI_CASES = [
+    CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.epochs=-1"), "finetune.epochs"),
+    CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.optimizer=adamx"), "finetune.optimizer"),
+    CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.lr=nan"), "finetune.lr"),
+    CliCase("finetune-data", (*DIGITS_FINETUNE, "data=synthetic"), "finetune"),
+    CliCase("qat-settings", ("recipe=quantize_digits", "quantize.freeze_observers_after=3"),
+            "quantize.freeze_observers_after"),
     CliCase("amount", (*FAST, "prune.amount=1.5"), "prune.amount"),
     CliCase("amount", (*FAST, "prune.amount=-0.1"), "prune.amount"),
     CliCase("amount", (*FAST, "prune.amount=nan"), "prune.amount"),

@@ -263,3 +263,27 @@ def test_a_run_reports_what_each_step_matched_and_skipped(tmp_path):
     assert data["sparsity_over"]["entries"] == sum(
         p.numel() for n, p in torchvision.models.resnet18().named_parameters() if p.dim() > 1)
     assert "prune: 21 weight(s) matched, 0 skipped" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", ["prune_finetune_digits", "qat_digits"])
+def test_finetune_recipes_recover_to_within_one_point_of_the_dense_accuracy(tmp_path, recipe):
+    result = surgery(f"recipe={recipe}", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    data = report(tmp_path)
+    accuracy, tuned = data["accuracy"], data["finetune"]
+    assert data["steps"][-1] == "finetune" and tuned["optimizer"] == "adamw"
+    assert accuracy["reference"] >= 0.95
+    assert accuracy["candidate"] >= accuracy["reference"] - 0.01  # the bar: within 1 point of dense
+    assert accuracy["before_finetune"] == tuned["curve"][0]["score"] < accuracy["candidate"]  # fine-tuning helped
+    assert tuned["curve"][-1]["score"] == accuracy["candidate"]  # the curve ends where the baked model is
+    if recipe == "prune_finetune_digits":
+        assert abs(data["sparsity"] - 0.9) < 1e-3
+        from safetensors.torch import load_file
+
+        state = load_file(str(tmp_path / "model.safetensors"))  # the zeros survived training and baking
+        zeros = sum(int((state[f"{n}.weight"] == 0).sum()) for n in ("conv1", "conv2", "fc1", "fc2"))
+        assert zeros / sum(state[f"{n}.weight"].numel() for n in ("conv1", "conv2", "fc1", "fc2")) >= 0.9
+    assert all(c["passed"] for c in data["checks"])
+    assert (tmp_path / "finetune.png").stat().st_size > 10_000
+    markdown = (tmp_path / "report.md").read_text()
+    assert "after surgery, before fine-tuning" in markdown and "## Fine-tuning" in markdown
