@@ -95,16 +95,17 @@ class CheckedTransform:
 
 
 class GradientHook:
-    """Tensor hook on a parameter's gradient: the transform's ``gradient(grad)`` (a mask zeroes
-    the gradient of its pruned entries, so momentum and Adam states stay zero too)."""
+    """Tensor hook run once a parameter's gradient is accumulated: the transform's
+    ``on_gradient(param)`` edits ``param.grad`` in place (a mask zeroes the gradient of its
+    pruned entries, so momentum and Adam states stay zero too)."""
 
     __torch_unserializable__ = True  # a copy or pickle of the model simply has no such hook
 
     def __init__(self, transform: Transform) -> None:
         self.transform = transform
 
-    def __call__(self, grad: Tensor) -> Tensor:
-        return self.transform.gradient(grad)
+    def __call__(self, param: Tensor) -> None:
+        self.transform.on_gradient(param)
 
 
 class AttachedTransform:
@@ -154,15 +155,16 @@ class AttachedTransform:
 
 
 def _own_gradient_hook(handle: Handle, param: nn.Parameter, transform: Transform) -> None:
-    if callable(getattr(transform, "gradient", None)) and param.requires_grad:
-        handle.add_hook("gradient hook", param.register_hook(GradientHook(transform)))
+    if callable(getattr(transform, "on_gradient", None)) and param.requires_grad:
+        handle.add_hook("gradient hook", param.register_post_accumulate_grad_hook(GradientHook(transform)))
 
 
 def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]],
                hook_description: str) -> dict[str, AttachedTransform]:
     """Attach each ``(param, transform)`` under its qualified name, recording undo records on
     ``handle`` before each change, then own the hooks that keep them applied: forward-pre hooks
-    (before each forward), tensor hooks on gradients (transforms with ``gradient(grad)``) and
+    (before each forward), tensor hooks on accumulated gradients (transforms with
+    ``on_gradient(param)``) and
     one global optimizer step post-hook (right after each step). On failure the caller rolls
     ``handle`` back."""
     records: dict[str, AttachedTransform] = {}
