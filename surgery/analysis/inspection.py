@@ -1,11 +1,13 @@
-"""Whole-model inspection: every module call's shapes, dtypes, parameters and wall time."""
+"""Whole-model inspection: every module call's shapes, dtypes, parameters and wall time, and
+per-layer gradient statistics (norms and each layer's share of the loss sensitivity)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
-from surgery.core.inputs import Inputs, batches, evaluating, flatten_tensors
+from surgery.core.inputs import Inputs, batches, evaluating, flatten_tensors, run_backward_batches
 
 Shape = tuple[int, ...]
 
@@ -166,3 +168,119 @@ def calls_as_rows(calls: list[ModuleCall]) -> list[dict[str, Any]]:
              "input_shapes": [list(s) for s in c.input_shapes], "input_dtypes": list(c.input_dtypes),
              "output_shapes": [list(s) for s in c.output_shapes], "output_dtypes": list(c.output_dtypes),
              "params_own": c.params_own, "params_total": c.params_total, "ms": c.ms} for c in calls]
+
+
+@dataclass
+class LayerGradients:
+    """Gradient statistics of one module over the batches: the root-mean-square over batches of
+    ‖∂L/∂output‖ and of ‖∂L/∂w‖ (its own parameters), ``sensitivity`` Σ |w · ∂L/∂w| (the
+    first-order loss change if its parameters were removed) and ``share`` of the model's total."""
+
+    name: str
+    type: str
+    grad_output_norm: float | None
+    weight_grad_norm: float | None
+    sensitivity: float | None
+    share: float | None
+
+
+class _GradientTracer:
+    """State of the scoped global backward hooks: only modules of the inspected model, only
+    backward passes run by the inspecting thread."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.thread = threading.get_ident()
+        self.output_sq: dict[str, float] = {}
+        self.weight_sq: dict[str, float] = {}
+        self.sensitivity: dict[str, float] = {}
+        self.passes = 0
+
+    def mine(self, module: nn.Module) -> bool:
+        return id(module) in self.names and threading.get_ident() == self.thread
+
+    def record(self, name: str, grad: Tensor | None) -> None:
+        if grad is not None:
+            self.output_sq[name] = self.output_sq.get(name, 0.0) + float(grad.detach().double().square().sum())
+
+    def backward_hook(self, module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        if self.mine(module):
+            self.record(self.names[id(module)], next((g for g in grad_output if g is not None), None))
+
+    def forward_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """The fallback: a tensor hook on the output's gradient (no view wrapping)."""
+        if not self.mine(module) or not torch.is_grad_enabled():
+            return
+        tensor = next((t for t in flatten_tensors(output) if t.requires_grad), None)
+        if tensor is not None:
+            name = self.names[id(module)]
+            tensor.register_hook(lambda grad: self.record(name, grad))
+
+    def weights(self) -> None:
+        """After each backward: each module's own parameters' gradients."""
+        self.passes += 1
+        for module_id, name in self.names.items():
+            module = self.model.get_submodule(name) if name else self.model
+            for param in module.parameters(recurse=False):
+                if param.grad is not None:
+                    grad, weight = param.grad.detach().double(), param.detach().double()
+                    self.weight_sq[name] = self.weight_sq.get(name, 0.0) + float(grad.square().sum())
+                    self.sensitivity[name] = self.sensitivity.get(name, 0.0) + float((weight * grad).abs().sum())
+
+    def rows(self, model: nn.Module) -> list[LayerGradients]:
+        total = sum(self.sensitivity.values())
+        rows = []
+        for name, module in model.named_modules():
+            if name not in self.output_sq and name not in self.weight_sq:
+                continue
+            rms = {key: (table[name] / self.passes) ** 0.5 if name in table else None
+                   for key, table in (("out", self.output_sq), ("w", self.weight_sq))}
+            sensitivity = self.sensitivity.get(name)
+            rows.append(LayerGradients(name, type(module).__name__, rms["out"], rms["w"], sensitivity,
+                                       sensitivity / total if sensitivity is not None and total > 0 else None))
+        return rows
+
+
+BACKWARD_HOOKS = "global full backward hooks"
+TENSOR_HOOKS = "tensor hooks on module outputs (the model edits outputs in place, which full backward hooks forbid)"
+
+
+def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *,
+                        progress: bool = False) -> tuple[list[LayerGradients], str]:
+    """Per-module gradient statistics over ``(inputs, target)`` pairs, and how they were taken.
+
+    Torch's global full backward hooks are installed for the call only and ignore modules of
+    other models and backward passes of other threads, as :func:`inspect_model` does for the
+    forward. A model that edits a module's output in place (``ReLU(inplace=True)``, ResNet's
+    ``out += identity``) cannot run under full backward hooks; it is measured again with
+    tensor hooks on the outputs instead (the same gradients), and the second value says so.
+    Parameters' ``.grad`` and training flags are left as they were.
+    """
+    pairs = list(pairs)
+    tracer = _GradientTracer(model)
+    hook = module_globals.register_module_full_backward_hook(tracer.backward_hook)
+    try:
+        with warnings.catch_warnings():  # inputs need no gradient here: the hooks still see grad_output
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            run_backward_batches(model, pairs, loss, field="inspect.gradients", progress=progress,
+                                 after_each=tracer.weights)
+        return tracer.rows(model), BACKWARD_HOOKS
+    except RuntimeError as err:
+        if "inplace" not in str(err).replace("in-place", "inplace"):
+            raise
+    finally:
+        hook.remove()
+    tracer = _GradientTracer(model)
+    hook = module_globals.register_module_forward_hook(tracer.forward_hook)
+    try:
+        run_backward_batches(model, pairs, loss, field="inspect.gradients", progress=progress,
+                             after_each=tracer.weights)
+    finally:
+        hook.remove()
+    return tracer.rows(model), TENSOR_HOOKS
+
+
+def gradients_as_rows(rows: list[LayerGradients]) -> list[dict[str, Any]]:
+    """JSON-ready dicts of :func:`gradient_statistics` rows."""
+    return [vars(row) for row in rows]

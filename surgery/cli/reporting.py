@@ -65,10 +65,37 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(row.get("cosine") is not None for row in report["layers"]):
         written.append(out_dir / "drift.png")
         write_atomically(written[-1], lambda tmp: plot_layer_drift(report, tmp))
+    if plots and any(row["share"] is not None for row in report.get("gradients", {}).get("layers", [])):
+        written.append(out_dir / "gradients.png")
+        write_atomically(written[-1], lambda tmp: plot_gradients(report, tmp))
     if plots and any(point["score"] is not None for point in report.get("finetune", {}).get("curve", [])):
         written.append(out_dir / "finetune.png")
         write_atomically(written[-1], lambda tmp: plot_finetune(report, tmp))
     return written
+
+
+def plot_gradients(report: dict[str, Any], path: Path) -> None:
+    """Each layer's share of the loss sensitivity (Σ|w·∂L/∂w|) and its gradient norm, in model order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = [row for row in report["gradients"]["layers"] if row["share"] is not None]
+    height = max(3.0, 0.16 * len(rows) + 1.2)
+    fig, (share, norm) = plt.subplots(1, 2, figsize=(11, height), sharey=True)
+    positions = range(len(rows))
+    share.barh(positions, [row["share"] for row in rows], color="#4C72B0")
+    share.set_yticks(positions, [row["name"] for row in rows], fontsize=6 if len(rows) > 30 else 8)
+    share.invert_yaxis()
+    share.set_xlabel("share of loss sensitivity Σ|w·∂L/∂w|")
+    norm.barh(positions, [row["weight_grad_norm"] or 0.0 for row in rows], color="#DD8452")
+    norm.set_xscale("log")
+    norm.set_xlabel("‖∂L/∂w‖ (RMS over batches)")
+    fig.suptitle(f"{report['recipe']}: gradients of {report['model']} ({report['gradients']['loss']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
 
 
 def plot_finetune(report: dict[str, Any], path: Path) -> None:
@@ -214,6 +241,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += [f"| `{s['name']}` | {s['type']} | {s['reason']} |" for s in selection["skipped"]]
     if report.get("modules"):
         lines += ["", "## Module calls (inspect)", "", "```", report.get("modules_table", ""), "```"]
+    if report.get("gradients"):
+        grads = report["gradients"]
+        top = sorted((r for r in grads["layers"] if r["share"] is not None), key=lambda r: -r["share"])[:15]
+        lines += ["", "## Gradients (inspect)", "", f"Loss: {grads['loss']}; measured with {grads['mechanism']}. "
+                  "The 15 layers with the largest share of the loss sensitivity:", "",
+                  "| layer | type | share | Σ\|w·∂L/∂w\| | ‖∂L/∂w‖ | ‖∂L/∂output‖ |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| `{r['name']}` | {r['type']} | {_fmt(r['share'])} | {_fmt(r['sensitivity'])} | "
+                  f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |" for r in top]
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.nn import functional as F
 from tqdm import tqdm
 
 from surgery.cli import checks
@@ -19,7 +20,7 @@ from surgery.cli.config import RunConfig
 from surgery.core.errors import ConfigError
 from surgery.cli.data import Data, calibration_batches, load_data
 from surgery.core.handles import HandleGroup, restored_on_error
-from surgery.analysis.inspection import calls_as_rows, format_table, inspect_model
+from surgery.analysis.inspection import calls_as_rows, format_table, gradient_statistics, gradients_as_rows, inspect_model
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
@@ -30,7 +31,7 @@ QPARAMS = "model.qparams.safetensors"
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
 OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
-           "finetune.png")
+           "finetune.png", "gradients.png")
 
 
 @dataclass
@@ -94,6 +95,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     inputs = data.inputs
     check_runs(models.reference, inputs, config.model.name)
     calls = inspect_model(models.model, inputs) if config.inspect else None
+    gradients = _gradients(models.model, data) if config.inspect else None
     built = time.perf_counter()
     with restored_on_error(models.model, models.built, models.reference):  # no optimizer hook outlives a failure
         handle = apply_steps(models.model, config, calibration=calibration)
@@ -124,6 +126,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["accuracy"] = accuracy
         if calls is not None:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
+        if gradients is not None:
+            report["gradients"] = gradients
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 
@@ -140,6 +144,21 @@ def _calibration(config: RunConfig) -> list | None:
     if "quantize" not in config.steps or settings.activations is None:
         return None
     return calibration_batches(config.data, settings.calibration_batches)
+
+
+def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
+    """Per-layer gradient statistics of the built model (``inspect``): cross-entropy against the
+    labels, or, for unlabelled data, against the model's own top-1 predictions."""
+    labelled = data.labels is not None
+    pairs = list(data.labelled()) if labelled else [(x, None) for x in data.inputs]
+
+    def loss(output: Any, target: Any) -> Any:
+        logits = getattr(output, "logits", output)
+        return F.cross_entropy(logits, logits.argmax(-1) if target is None else target)
+
+    rows, mechanism = gradient_statistics(model, pairs, loss)
+    return {"loss": "cross-entropy vs " + ("labels" if labelled else "the model's own top-1 (no labels)"),
+            "mechanism": mechanism, "layers": gradients_as_rows(rows)}
 
 
 def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:

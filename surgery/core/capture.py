@@ -23,7 +23,7 @@ from surgery.core.inputs import flatten_tensors
 from surgery.core.registry import Registry
 from surgery.core.selection import Selection, select as select_modules
 
-SIDES = ("inputs", "outputs")
+SIDES = ("inputs", "outputs", "weight_grads")
 
 
 class Reducer(Protocol):
@@ -148,6 +148,11 @@ class Capture:
     def outputs(self) -> dict[str, Any]:
         return self._results("outputs")
 
+    @property
+    def weight_grads(self) -> dict[str, Any]:
+        """Each layer's ``weight`` gradient, one per backward pass through it (tensor hooks)."""
+        return self._results("weight_grads")
+
     def _results(self, side: str) -> dict[str, Any]:
         if not self._entered:
             raise RuntimeError("capture: nothing was recorded; use it as `with surgery.capture(...) as seen:` "
@@ -185,6 +190,11 @@ class Capture:
             self._feed("inputs", name, module, [list(args), kwargs])
         return hook
 
+    def _weight_grad_hook(self, name: str, module: nn.Module) -> Callable:
+        def hook(grad: Tensor) -> None:
+            self._feed("weight_grads", name, module, grad)
+        return hook
+
     def _output_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self._feed("outputs", name, module, output)
@@ -200,6 +210,9 @@ class Capture:
                     self._hooks.append(module.register_forward_pre_hook(self._input_hook(name), with_kwargs=True))
                 if "outputs" in self.what:
                     self._hooks.append(module.register_forward_hook(self._output_hook(name)))
+                weight = getattr(module, "weight", None)
+                if "weight_grads" in self.what and isinstance(weight, nn.Parameter) and weight.requires_grad:
+                    self._hooks.append(weight.register_hook(self._weight_grad_hook(name, module)))
         except BaseException:
             self.close()
             raise
@@ -229,7 +242,8 @@ def capture(
         select, exclude: the layers (see :func:`surgery.select`); default every submodule.
         what: ``"inputs"`` (a layer's first floating input, positional or keyword),
             ``"outputs"`` (its first floating output: tensor, tuple, dict or ``ModelOutput``),
-            or both.
+            ``"weight_grads"`` (the gradient of its ``weight`` at each backward pass, through
+            a tensor hook; the block runs the backward), or several of them.
         reduce: how each layer's tensors are kept as they stream: ``"keep"`` (a list of
             clones), ``"sum"``, ``"sq_norms"`` (per-feature sums of squares and the row count),
             ``"minmax"``, another registered name, or a factory ``(name, module) -> reducer``
@@ -261,6 +275,31 @@ def _every_submodule(module: nn.Module, name: str) -> bool:
     return bool(name)
 
 
+class TaylorSaliency:
+    """``weight_grads`` reducer: Σ over backward passes of |w ⊙ ∂L/∂w| (first-order Taylor
+    importance of each weight entry) and Σ (∂L/∂w)² (the diagonal Fisher information)."""
+
+    def __init__(self, name: str = "", module: nn.Module | None = None) -> None:
+        self.weight = module.weight
+        self.products: Tensor | None = None
+        self.squares: Tensor | None = None
+        self.passes = 0
+
+    def update(self, tensor: Tensor) -> None:
+        grad = tensor.detach().float()
+        product = (self.weight.detach().float() * grad).abs()
+        self.products = product if self.products is None else self.products + product
+        self.squares = grad.square() if self.squares is None else self.squares + grad.square()
+        self.passes += 1
+
+    def result(self) -> dict[str, Any] | None:
+        return None if self.products is None else {"taylor": self.products, "grad_sq": self.squares,
+                                                   "passes": self.passes}
+
+
+register_reduction("taylor", TaylorSaliency)
+
+
 def input_statistics(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], None]) -> dict[str, dict]:
     """Per-feature squared norms of each layer's inputs while ``run()`` feeds the model (the
     statistics criteria receive): ``{layer: {"sq_norms": Tensor, "rows": int}}``."""
@@ -269,5 +308,13 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], run: Callab
     return seen.inputs
 
 
-__all__ = ["Capture", "Keep", "MinMax", "REDUCTIONS", "Reducer", "SquaredNorms", "Sum", "capture", "feature_axis",
-           "input_statistics", "torch"]
+def gradient_statistics(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], None]) -> dict[str, dict]:
+    """Taylor saliency and squared gradients of each layer's weight while ``run()`` runs the
+    forward and backward passes: ``{layer: {"taylor", "grad_sq", "passes"}}``."""
+    with Capture(model, layers, ("weight_grads",), TaylorSaliency) as seen:
+        run()
+    return seen.weight_grads
+
+
+__all__ = ["Capture", "Keep", "MinMax", "REDUCTIONS", "Reducer", "SquaredNorms", "Sum", "TaylorSaliency", "capture",
+           "feature_axis", "gradient_statistics", "input_statistics", "torch"]

@@ -31,12 +31,18 @@ class LayerStats:
     """What calibration captured for one layer: the per-input-feature sums of squares of its
     inputs over ``rows`` rows (tokens, pixels, samples). Features are the input's channel axis
     for convolutions and its last axis otherwise (``in_features``; for Hugging Face ``Conv1D``
-    that is the weight's dim 0)."""
+    that is the weight's dim 0).
+
+    For a criterion registered with ``needs_gradients=True`` (calibration runs a loss
+    backward), also ``taylor``, Σ over batches of |w ⊙ ∂L/∂w| with the weight's shape, and
+    ``grad_sq``, Σ (∂L/∂w)² (the diagonal Fisher information); ``None`` otherwise."""
 
     name: str
     input_sq_norms: Tensor
     rows: int
     weight_axis: int = 1  # the weight's input-feature axis: 1 for Linear and convolutions, 0 for HF Conv1D
+    taylor: Optional[Tensor] = None
+    grad_sq: Optional[Tensor] = None
 
     @property
     def input_norms(self) -> Tensor:
@@ -68,6 +74,7 @@ class Criterion:
     score: Score
     structured: bool = False  # one score per slice along ``dim``: whole slices pruned
     needs_calibration: bool = False  # raise without calibration batches instead of passing None
+    needs_gradients: bool = False  # calibration runs a loss backward: LayerStats.taylor and grad_sq
 
     def keywords(self, options: dict) -> dict:
         """The options this criterion's signature accepts (all of them with ``**kwargs``),
@@ -91,9 +98,11 @@ CRITERIA: Registry[Criterion] = Registry("prune.method")
 
 
 def register_criterion(name: str, score: Score, *, structured: bool = False, needs_calibration: bool = False,
-                       replace: bool = False) -> Criterion:
+                       needs_gradients: bool = False, replace: bool = False) -> Criterion:
     """Make ``score(weight, stats) -> Tensor`` available as ``prune(..., method=name)`` and
-    ``prune.method=name`` in recipes.
+    ``prune.method=name`` in recipes. ``needs_gradients`` makes calibration batches
+    ``(inputs, target)`` pairs run through a loss and backward, filling ``stats.taylor`` and
+    ``stats.grad_sq`` (it implies ``needs_calibration``).
 
     Example:
         >>> surgery.register_criterion("wanda_like", lambda w, stats: w.abs() * stats.norms_like(w),
@@ -101,10 +110,12 @@ def register_criterion(name: str, score: Score, *, structured: bool = False, nee
     """
     if not callable(score):
         raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
-    for flag, value in (("structured", structured), ("needs_calibration", needs_calibration)):
+    for flag, value in (("structured", structured), ("needs_calibration", needs_calibration),
+                        ("needs_gradients", needs_gradients)):
         if not isinstance(value, bool):
             raise ConfigTypeError(f"register_criterion.{flag}", value, "must be True or False")
-    return CRITERIA.register(name, Criterion(name, score, structured, needs_calibration), replace=replace)
+    criterion = Criterion(name, score, structured, needs_calibration or needs_gradients, needs_gradients)
+    return CRITERIA.register(name, criterion, replace=replace)
 
 
 def as_criterion(method: Union[str, Score, Criterion]) -> Criterion:
@@ -139,9 +150,16 @@ def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim:
     return norms
 
 
+def taylor(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+    """First-order Taylor importance, Σ over calibration batches of |w · ∂L/∂w| (Molchanov et
+    al.): the loss change a weight's removal would cause, to first order."""
+    return stats.taylor.to(weight.device)
+
+
 register_criterion("l1_unstructured", l1_unstructured)
 register_criterion("random_unstructured", random_unstructured)
 register_criterion("ln_structured", ln_structured, structured=True)
+register_criterion("taylor", taylor, needs_gradients=True)
 
 
 def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict[str, Optional[LayerStats]], *,
@@ -155,6 +173,9 @@ def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict
         if criterion.needs_calibration and stats.get(name) is None:
             raise ConfigError("prune.select", name, f"has no input statistics, which {criterion.name!r} needs (only "
                               "the weight of a Linear, convolution or Conv1D layer has them); exclude it")
+        if criterion.needs_gradients and stats[name].taylor is None:
+            raise ConfigError("prune.select", name, f"received no gradient during calibration, which "
+                              f"{criterion.name!r} needs (frozen, or not on the loss's path); exclude it")
         score = criterion.score(weight.detach().clone(), stats.get(name), **kwargs)  # a copy: the weight stays safe
         expected = (weight.shape[dim],) if criterion.structured else tuple(weight.shape)
         if not isinstance(score, Tensor) or tuple(score.shape) != expected:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from surgery.core import compiled, guards
-from surgery.core.capture import input_statistics
+from surgery.core.capture import gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, run_batches
+from surgery.core.inputs import Inputs, run_backward_batches, run_batches
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import SavedEntries, attach_all
@@ -154,6 +156,7 @@ def prune(
     dim: int = 0,
     seed: int = 0,
     calibration: Inputs | None = None,
+    loss: Callable[[Any, Any], Tensor] | None = None,
     progress: bool = True,
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
@@ -178,6 +181,10 @@ def prune(
         calibration: batches (tensors, tuples of positional inputs or dicts of keyword
             inputs) run through the model first; each criterion then receives the
             :class:`~surgery.ops.criteria.LayerStats` of its layer's inputs (``None`` without).
+            For a gradient criterion (``"taylor"``): ``(inputs, target)`` pairs, each run
+            forward and backward through ``loss``.
+        loss: ``loss(output, target) -> scalar`` for gradient criteria (default cross-entropy
+            on the logits); e.g. ``lambda out, _: out.loss`` for a Hugging Face model given labels.
         progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
@@ -211,7 +218,15 @@ def prune(
                 raise ConfigError("prune.select", name, f"has NaN or Inf entries; {criterion.name} ranks by magnitude "
                                   "and needs finite weights (exclude the layer, fix the weights or use "
                                   "random_unstructured)")
-    stats = calibrate(model, selection, calibration, progress) if calibration is not None else {}
+    if loss is not None and not criterion.needs_gradients:
+        raise ConfigError("prune.loss", getattr(loss, "__name__", type(loss).__name__), f"is only used by gradient "
+                          f"criteria such as 'taylor', not {criterion.name!r}")
+    if calibration is None:
+        stats = {}
+    elif criterion.needs_gradients:
+        stats = calibrate_with_gradients(model, selection, calibration, loss or F.cross_entropy, progress)
+    else:
+        stats = calibrate(model, selection, calibration, progress)
     scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
     masks = masks_from_scores(list(current.values()), scores, spec.amount, scope=spec.scope,
                               structured=criterion.structured, dim=spec.dim)
@@ -248,6 +263,37 @@ def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progres
                               "during calibration", "give batches that run through it, or exclude it")
         stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"],
                                  0 if is_hf_conv1d(target.module) else 1)
+    return stats
+
+
+def calibrate_with_gradients(model: nn.Module, selection: Targets, pairs: Inputs, loss: Callable,
+                             progress: bool = True) -> dict[str, LayerStats]:
+    """:func:`calibrate` on ``(inputs, target)`` pairs run forward and backward through
+    ``loss``: each layer's statistics also carry its weight's Taylor saliency and squared
+    gradients (parameters' ``.grad`` and ``requires_grad`` are left as they were)."""
+    weights = {name: t for name, t in selection.matched.items() if t.attribute == "weight" and _has_input_features(t)}
+    layers = {target.module_name: target.module for target in weights.values()}
+    count = []
+
+    def run() -> None:
+        count.append(run_backward_batches(model, pairs, loss, field="prune.calibration", progress=progress))
+
+    def run_with_gradients() -> None:
+        nonlocal gradients
+        gradients = gradient_statistics(model, layers, run)
+
+    gradients: dict[str, dict] = {}
+    seen = input_statistics(model, layers, run_with_gradients)
+    if not count[0]:
+        raise ConfigError("prune.calibration", "0 batches", "must hold at least one (inputs, target) pair")
+    stats: dict[str, LayerStats] = {}
+    for name, target in weights.items():
+        captured, grads = seen.get(target.module_name), gradients.get(target.module_name) or {}
+        if captured is None:
+            raise ConfigError("prune.calibration", target.module_name, "this layer received no floating-point input "
+                              "during calibration", "give batches that run through it, or exclude it")
+        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"],
+                                 0 if is_hf_conv1d(target.module) else 1, grads.get("taylor"), grads.get("grad_sq"))
     return stats
 
 
