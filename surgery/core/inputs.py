@@ -108,43 +108,48 @@ def run_batches(model: nn.Module, inputs: Inputs, *, field: str, progress: bool 
     return count
 
 
-def run_backward_batches(model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *, field: str,
-                         progress: bool = True, after_each: Callable[[], None] | None = None) -> int:
-    """Run ``loss(model(inputs), target).backward()`` for every ``(inputs, target)`` pair, in
-    eval mode (no dropout, batch-norm statistics untouched), with every parameter requiring a
-    gradient for the block; the parameters' ``.grad`` and ``requires_grad`` are as before
-    afterwards (gradients are calibration data here, not a training step). ``after_each()`` runs
-    after each backward, while the gradients are in ``.grad``. Returns how many pairs ran."""
-    params = list(model.parameters())
-    saved = [(p, p.grad, p.requires_grad) for p in params]
-    count = 0
+@contextlib.contextmanager
+def trainable(model: nn.Module) -> Iterator[nn.Module]:
+    """For the block, every floating parameter requires a gradient and has none accumulated;
+    afterwards ``.grad`` and ``requires_grad`` are as before (gradients taken as calibration
+    data must not leak into a user's training state)."""
+    saved = [(p, p.grad, p.requires_grad) for p in model.parameters()]
     try:
-        for p in params:
+        for p, _, _ in saved:
             p.grad = None
             if p.is_floating_point():
                 p.requires_grad_(True)
-        with evaluating(model), torch.enable_grad():
-            total = len(pairs) if hasattr(pairs, "__len__") else None
-            for index, pair in enumerate(tqdm(pairs, total=total, unit="batch", desc="calibrating (gradients)",
-                                              disable=None if progress else True, leave=False)):
-                if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                    raise ConfigTypeError(field, f"batch {index}", "must be an (inputs, target) pair: gradients need "
-                                          "a loss, loss(model(inputs), target)")
-                call = as_call(pair[0], field, index)
-                check_batch_finite(call, index, field, ConfigError)
-                value = loss(call(model), pair[1])
-                if not isinstance(value, Tensor) or value.numel() != 1 or not torch.isfinite(value).all():
-                    raise ConfigError(field, f"batch {index}", f"the loss is {value!r}; it must be one finite number")
-                value.backward()
-                if after_each is not None:
-                    after_each()
-                for p in params:
-                    p.grad = None
-                count += 1
+        yield model
     finally:
         for p, grad, requires in saved:
             p.requires_grad_(requires)
             p.grad = grad
+
+
+def run_backward_batches(model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *, field: str,
+                         progress: bool = True, after_each: Callable[[], None] | None = None) -> int:
+    """Run ``loss(model(inputs), target).backward()`` for every ``(inputs, target)`` pair, in
+    eval mode (no dropout, batch-norm statistics untouched) and :func:`trainable`.
+    ``after_each()`` runs after each backward, while the gradients are in ``.grad``; they are
+    cleared before the next pair. Returns how many pairs ran."""
+    count = 0
+    with trainable(model), evaluating(model), torch.enable_grad():
+        total = len(pairs) if hasattr(pairs, "__len__") else None
+        for index, pair in enumerate(tqdm(pairs, total=total, unit="batch", desc="calibrating (gradients)",
+                                          disable=None if progress else True, leave=False)):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ConfigTypeError(field, f"batch {index}", "must be an (inputs, target) pair: gradients need "
+                                      "a loss, loss(model(inputs), target)")
+            call = as_call(pair[0], field, index)
+            check_batch_finite(call, index, field, ConfigError)
+            value = loss(call(model), pair[1])
+            if not isinstance(value, Tensor) or value.numel() != 1 or not torch.isfinite(value).all():
+                raise ConfigError(field, f"batch {index}", f"the loss is {value!r}; it must be one finite number")
+            value.backward()
+            if after_each is not None:
+                after_each()
+            model.zero_grad(set_to_none=True)
+            count += 1
     return count
 
 

@@ -15,7 +15,7 @@ from surgery.core import compiled, guards
 from surgery.core.capture import gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, run_backward_batches, run_batches
+from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import SavedEntries, attach_all
@@ -205,6 +205,9 @@ def prune(
     else:
         spec = PruneSpec(amount, method, scope, n, dim, seed)
     criterion = spec.criterion
+    if criterion.needs_gradients and calibration is None:
+        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with gradients; pass "
+                          "calibration (inputs, target) pairs (and loss=, default cross-entropy)")
     if criterion.needs_calibration and calibration is None:
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with activation statistics; "
                           "pass calibration batches")
@@ -283,7 +286,8 @@ def calibrate_with_gradients(model: nn.Module, selection: Targets, pairs: Inputs
         gradients = gradient_statistics(model, layers, run)
 
     gradients: dict[str, dict] = {}
-    seen = input_statistics(model, layers, run_with_gradients)
+    with trainable(model):  # before the capture: its tensor hooks need weights that require gradients
+        seen = input_statistics(model, layers, run_with_gradients)
     if not count[0]:
         raise ConfigError("prune.calibration", "0 batches", "must hold at least one (inputs, target) pair")
     stats: dict[str, LayerStats] = {}

@@ -287,3 +287,16 @@ def test_finetune_recipes_recover_to_within_one_point_of_the_dense_accuracy(tmp_
     assert (tmp_path / "finetune.png").stat().st_size > 10_000
     markdown = (tmp_path / "report.md").read_text()
     assert "after surgery, before fine-tuning" in markdown and "## Fine-tuning" in markdown
+
+
+def test_inspect_reports_per_layer_gradients_against_labels(tmp_path):
+    result = surgery("recipe=inspect", "model=digits_cnn", "data=digits", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    gradients = report(tmp_path)["gradients"]
+    assert gradients["loss"] == "cross-entropy vs labels"
+    assert gradients["mechanism"] == "global full backward hooks"  # DigitsCNN edits nothing in place
+    rows = {row["name"]: row for row in gradients["layers"]}
+    assert {"conv1", "bn1", "conv2", "bn2", "fc1", "fc2"} <= set(rows)
+    assert sum(row["share"] for row in rows.values() if row["share"] is not None) == pytest.approx(1.0)
+    assert all(rows[name]["weight_grad_norm"] > 0 for name in ("conv1", "fc2"))
+    assert (tmp_path / "gradients.png").exists() and "## Gradients (inspect)" in (tmp_path / "report.md").read_text()
