@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
+from surgery.core._compat import full_backward_hook_flag, set_full_backward_hook_flag
 from surgery.core.inputs import Inputs, batches, evaluating, flatten_tensors, run_backward_batches
 
 Shape = tuple[int, ...]
@@ -259,6 +260,7 @@ def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, 
     """
     pairs = list(pairs)
     tracer = _GradientTracer(model)
+    flag = full_backward_hook_flag()
     hook = module_globals.register_module_full_backward_hook(tracer.backward_hook)
     try:
         with warnings.catch_warnings():  # inputs need no gradient here: the hooks still see grad_output
@@ -271,6 +273,7 @@ def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, 
             raise
     finally:
         hook.remove()
+        set_full_backward_hook_flag(flag)  # torch leaves it set, and would refuse a later non-full global hook
     tracer = _GradientTracer(model)
     hook = module_globals.register_module_forward_hook(tracer.forward_hook)
     try:

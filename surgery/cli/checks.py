@@ -55,7 +55,7 @@ Apply = Callable[[nn.Module, bool], object]  # (model, neutral) -> handle
 def check_identity(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Neutral settings on a copy of the reference give bit-identical outputs."""
     subject = copy.deepcopy(reference)
-    with restored_on_error(subject):
+    with restored_on_error():
         handle = apply(subject, True)
         identical, worst = compare_outputs(subject, reference, inputs)
         handle.restore()
@@ -87,7 +87,7 @@ def check_restore(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
     """Apply then restore on a copy: tensors, keys, classes, hooks and outputs as before."""
     subject = copy.deepcopy(reference)
     before = snapshot(subject)
-    with restored_on_error(subject):
+    with restored_on_error():
         apply(subject, False).restore()
     diffs = snapshot_differences(before, snapshot(subject))
     identical, worst = compare_outputs(subject, reference, inputs)

@@ -97,7 +97,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     calls = inspect_model(models.model, inputs) if config.inspect else None
     gradients = _gradients(models.model, data) if config.inspect else None
     built = time.perf_counter()
-    with restored_on_error(models.model, models.built, models.reference):  # no optimizer hook outlives a failure
+    with restored_on_error():  # no optimizer step hook outlives a failure
         handle = apply_steps(models.model, config, calibration=calibration)
         operated = time.perf_counter()
         sparsity = _sparsity(handle)

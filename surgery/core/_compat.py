@@ -60,6 +60,20 @@ def module_hook_counts(model: nn.Module) -> dict[str, int]:
                      for name, p in model.named_parameters(remove_duplicate=False) for kind in TENSOR_HOOK_DICTS}
 
 
+_ABSENT = object()
+
+
+def full_backward_hook_flag() -> object:
+    """Torch's record of which kind of global backward hook was registered (None: neither)."""
+    return getattr(_module_globals, "_global_is_full_backward_hook", _ABSENT)
+
+
+def set_full_backward_hook_flag(value: object) -> None:
+    """Put that record back (removing the hook does not reset it)."""
+    if value is not _ABSENT:
+        _module_globals._global_is_full_backward_hook = value
+
+
 def run_eagerly_when_called_directly(code: types.CodeType) -> None:
     """Tell dynamo to run ``code`` as plain Python when it is a frame of its own (a root hook
     called by ``Module._call_impl``) and inline it when called from a traced frame."""

@@ -211,7 +211,10 @@ class Capture:
                 if "outputs" in self.what:
                     self._hooks.append(module.register_forward_hook(self._output_hook(name)))
                 weight = getattr(module, "weight", None)
-                if "weight_grads" in self.what and isinstance(weight, nn.Parameter) and weight.requires_grad:
+                if "weight_grads" in self.what and isinstance(weight, nn.Parameter):
+                    if not weight.requires_grad:
+                        raise ConfigError("capture.select", name, "its weight does not require a gradient (frozen), "
+                                          "so no gradient can be captured; unfreeze it or exclude the layer")
                     self._hooks.append(weight.register_hook(self._weight_grad_hook(name, module)))
         except BaseException:
             self.close()

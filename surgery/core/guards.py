@@ -20,6 +20,7 @@ the next forward of its owner (:class:`ParameterReplacedError`).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -31,7 +32,33 @@ from torch.utils.weak import WeakIdKeyDictionary
 from surgery.core import compiled
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
 
-_guards = WeakIdKeyDictionary()  # parameter -> TensorGuard while any transform is attached
+class _GuardTable:
+    """parameter -> its :class:`TensorGuard` while any transform is attached, holding neither
+    strongly: the hooks and handles that use a guard keep it alive, and a model dropped with its
+    surgery attached takes its parameters and guards with it (a guard refers to its parameter,
+    so a strong value would keep the weak key alive for ever)."""
+
+    def __init__(self) -> None:
+        self._refs = WeakIdKeyDictionary()
+
+    def get(self, param: torch.Tensor) -> TensorGuard | None:
+        ref = self._refs.get(param)
+        return ref() if ref is not None else None
+
+    def __getitem__(self, param: torch.Tensor) -> TensorGuard:
+        guard = self.get(param)
+        if guard is None:
+            raise KeyError("no transform is attached to this parameter")
+        return guard
+
+    def __setitem__(self, param: torch.Tensor, guard: TensorGuard) -> None:
+        self._refs[param] = weakref.ref(guard)
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        del self._refs[param]
+
+
+_guards = _GuardTable()
 _lock = threading.Lock()
 
 
@@ -86,13 +113,15 @@ class TensorGuard:
 class SubtreeEnforcer:
     """Forward-pre hook enforcing the guards of every guarded parameter at or below its module.
 
-    ``owned`` lists the guarded parameters its module holds directly, by attribute name: if one
-    was replaced by a new object, the forward stops with :class:`ParameterReplacedError`
-    instead of running on weights no transform reaches. It holds no weak references, so a
-    model under surgery pickles and deep-copies.
+    ``owned`` lists where each of those parameters sits, ``(owner module, attribute, qualified
+    name, guard)``: if one was replaced by a new object, the forward stops with
+    :class:`ParameterReplacedError` instead of running on weights no transform reaches (also
+    when a parent reads the child's weight without calling the child). It holds no weak
+    references, so a model under surgery pickles and deep-copies.
     """
 
-    def __init__(self, guards: list[TensorGuard], owned: list[tuple[str, TensorGuard]] | None = None) -> None:
+    def __init__(self, guards: list[TensorGuard], owned: list[tuple[nn.Module, str, str, TensorGuard]] | None = None
+                 ) -> None:
         self.guards = guards
         self.owned = owned or []
 
@@ -101,22 +130,21 @@ class SubtreeEnforcer:
             compiled.enforce(self.guards)
             return
         if self.owned:
-            check_owned(module, self.owned)
+            check_owned(self.owned)
         for guard in self.guards:
             guard.enforce()
 
 
-def check_owned(module: nn.Module, owned: list[tuple[str, TensorGuard]]) -> None:
-    """Raise :class:`ParameterReplacedError` if ``module`` no longer holds a guarded parameter."""
-    params = module._parameters
-    for attribute, guard in owned:
-        current = params.get(attribute)
+def check_owned(owned: list[tuple[nn.Module, str, str, TensorGuard]]) -> None:
+    """Raise :class:`ParameterReplacedError` if a guarded parameter is no longer where it was."""
+    for owner, attribute, name, guard in owned:
+        current = owner._parameters.get(attribute)
         if current is not guard.param and getattr(current, "_surgery_source", None) is not guard.param:
             kinds = ", ".join(t.kind for t in guard.transforms)
             raise ParameterReplacedError(
-                f"{type(module).__name__}.{attribute} was replaced by a new object after {kinds} was attached "
-                "(load_state_dict(assign=True) or assignment), so the surgery no longer reaches it; call enforce() "
-                "on the handles to carry it over to the new parameter, or restore() them before replacing")
+                f"{name} was replaced by a new object after {kinds} was attached (load_state_dict(assign=True) or "
+                "assignment), so the surgery no longer reaches it; call enforce() on the handles to carry it over "
+                "to the new parameter, or restore() them before replacing")
 
 
 class StepEnforcer:
@@ -257,20 +285,22 @@ def guard_of(param: nn.Parameter) -> TensorGuard:
 
 
 def paths_to_owners(model: nn.Module, params: list[nn.Parameter]
-                    ) -> list[tuple[nn.Module, list[int], list[tuple[str, int]]]]:
+                    ) -> list[tuple[nn.Module, list[int], list[tuple[nn.Module, str, str, int]]]]:
     """Every module from the root down to each owner of one of ``params``, with the ids of
-    those parameters at or below it (for a shared module or parameter: every path) and the
-    ``(attribute, id)`` of those it holds itself."""
+    those parameters at or below it (for a shared module or parameter: every path) and where
+    each sits: ``(owner module, attribute, qualified name, id)``."""
     wanted = {id(p) for p in params}
     named = dict(model.named_modules(remove_duplicate=False))
-    below: dict[int, tuple[nn.Module, dict[int, None], dict[str, int]]] = {}
+    below: dict[int, tuple[nn.Module, dict[int, None], dict[tuple[int, str], tuple]]] = {}
     for name, module in named.items():
         owned = {attr: id(p) for attr, p in module._parameters.items() if p is not None and id(p) in wanted}
         if not owned:
             continue
+        slots = {(id(module), attr): (module, attr, f"{name}.{attr}" if name else attr, i) for attr, i in owned.items()}
         parts = name.split(".") if name else []
         for depth in range(len(parts) + 1):
             ancestor = named[".".join(parts[:depth])]
-            below.setdefault(id(ancestor), (ancestor, {}, {}))[1].update(dict.fromkeys(owned.values()))
-        below[id(module)][2].update(owned)
-    return [(module, list(ids), list(direct.items())) for module, ids, direct in below.values()]
+            entry = below.setdefault(id(ancestor), (ancestor, {}, {}))
+            entry[1].update(dict.fromkeys(owned.values()))
+            entry[2].update(slots)
+    return [(module, list(ids), list(slots.values())) for module, ids, slots in below.values()]

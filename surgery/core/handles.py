@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -11,15 +12,17 @@ from typing import Literal
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery.core import guards
-from surgery.core.errors import ConfigError, ConfigTypeError, UndoError
+from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, ParameterReplacedError, UndoError
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
 
-_attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {id: handle} still attached
-_attached_lock = threading.Lock()
+_scopes = threading.local()  # this thread's open restored_on_error() blocks: the handles made in each
+_later = WeakIdKeyDictionary()  # model -> handles that must be undone before any earlier one (finetune)
+_created = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -57,11 +60,15 @@ class Handle:
         self._hooks: list[RemovableHandle] = []
         self._records: list = []
         self._state: State = "attached"
+        self._order = next(_created)
+        if self.undo_first:
+            _later.setdefault(model, weakref.WeakSet()).add(self)
         if type(self)._tracked:
-            with _attached_lock:
-                _attached.setdefault(model, {})[id(self)] = self
+            for scope in getattr(_scopes, "stack", []):
+                scope.append(self)
 
-    _tracked = True  # listed by attached_to() while attached (a group lists its members instead)
+    _tracked = True  # recorded by an open restored_on_error() block (a group's members are, instead)
+    undo_first = False  # True: every handle applied before this one refuses restore() while it is attached
 
     @property
     def state(self) -> State:
@@ -106,6 +113,7 @@ class Handle:
         """
         if self._state != "attached":
             return
+        self._check_nothing_later()
         self.check_undo()
         self._state = "restored"
         failures = _run_all([step.undo for step in reversed(self._steps)])
@@ -135,10 +143,25 @@ class Handle:
         return self.model
 
     def check_undo(self) -> None:
-        """Raise before anything is undone if undoing now would be out of order: another
-        transform attached later on top of one of this handle's."""
+        """Raise before anything is undone if undoing now would be out of order (another
+        transform attached later on top of one of this handle's), or would act on a parameter
+        the model no longer holds (replaced by ``load_state_dict(assign=True)``: ``enforce()`` first)."""
+        model = self.model
+        current = dict(model.named_parameters(remove_duplicate=False)) if model is not None and self._records else {}
         for record in self._records:
             guards.check_last(record.param, record.transform, record.name)
+            if record.name in current and current[record.name] is not record.param:
+                raise ParameterReplacedError(f"{self.kind}: {record.name} was replaced by a new object after the "
+                                             "surgery was attached; call enforce() first to carry it over")
+
+    def _check_nothing_later(self) -> None:
+        """Refuse to restore under a later handle that must be undone first (a fine-tuning run
+        on top would otherwise put back weights taken with this handle's changes in them)."""
+        model = self.model
+        for later in list(_later.get(model, ())) if model is not None else []:
+            if later is not self and later.state == "attached" and later._order > self._order:
+                raise AlreadyModifiedError(f"{self.kind}: {later.kind} was applied after it and is still attached; "
+                                           f"restore {later.kind} first (undo in reverse order), or compose them")
 
     def enforce(self) -> None:
         """Re-apply this handle's transforms to the weights now.
@@ -196,10 +219,6 @@ class Handle:
         self._steps.clear()
         self._hooks.clear()
         self._records.clear()
-        model = self.model
-        if model is not None:
-            with _attached_lock:
-                _attached.get(model, {}).pop(id(self), None)
 
     def __enter__(self) -> Handle:
         return self
@@ -262,33 +281,24 @@ class HandleGroup(Handle):
         super()._baked()
 
 
-def attached_to(model: nn.Module) -> list[Handle]:
-    """The handles still attached to ``model``, last applied first (the order to restore them),
-    also those nobody kept a reference to."""
-    with _attached_lock:
-        return list(reversed(_attached.get(model, {}).values()))
-
-
-def restore_all(model: nn.Module, error: BaseException | None = None) -> None:
-    """Restore every handle still attached to ``model``, last first (after ``error``: added to
-    it as notes, never hiding it)."""
-    for handle in attached_to(model):
-        if error is not None:
-            handle.rollback(error)
-        else:
-            handle.restore()
-
-
 @contextlib.contextmanager
-def restored_on_error(*models: nn.Module) -> Iterator[None]:
-    """If the block raises (an interrupt too), restore every handle still attached to
-    ``models``, handles the block never got hold of included, then re-raise."""
+def restored_on_error() -> Iterator[list[Handle]]:
+    """If the block raises (an interrupt too), restore every handle created inside it in this
+    thread and still attached, last first — handles the block never got hold of included
+    (an error between a verb returning and its result being assigned) — then re-raise.
+    Handles attached before the block are left alone."""
+    made: list[Handle] = []
+    stack = _scopes.__dict__.setdefault("stack", [])
+    stack.append(made)
     try:
-        yield
+        yield made
     except BaseException as err:
-        for model in models:
-            restore_all(model, err)
+        for handle in reversed(made):
+            if handle.state == "attached":
+                handle.rollback(err)
         raise
+    finally:
+        stack.remove(made)
 
 
 def compose(*handles: Handle) -> HandleGroup:

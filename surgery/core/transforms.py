@@ -131,11 +131,13 @@ class AttachedTransform:
         guards.detach(param, self.transform, self.name)
         with torch.no_grad():
             self.saved.put_back(param)
+        _release(self.transform)
 
     def keep(self) -> None:
         """Detach the transform and keep what it made (the originals go with the handle)."""
         guards.settle(self.param)  # changed since the last forward: bake what the hooks would enforce
         guards.detach(self.param, self.transform, self.name)
+        _release(self.transform)
 
     def enforce(self, handle: Handle) -> None:
         """Re-apply the transform now (after a ``.data`` edit); if the model holds a new
@@ -154,9 +156,27 @@ class AttachedTransform:
             self.guard.enforce(force=True)
 
 
+def _release(transform: Transform) -> None:
+    """Let a detached transform drop what it cached for training (a mask's indices)."""
+    release = getattr(transform, "release", None)
+    if callable(release):
+        release()
+
+
 def _own_gradient_hook(handle: Handle, param: nn.Parameter, transform: Transform) -> None:
-    if callable(getattr(transform, "on_gradient", None)) and param.requires_grad:
-        handle.add_hook("gradient hook", param.register_post_accumulate_grad_hook(GradientHook(transform)))
+    """A frozen parameter gets the hook too (registered with ``requires_grad`` briefly on): it
+    fires once the parameter is unfrozen and trained."""
+    if not callable(getattr(transform, "on_gradient", None)) or not param.is_floating_point():
+        return
+    frozen = not param.requires_grad
+    try:
+        if frozen:
+            param.requires_grad_(True)
+        hook = param.register_post_accumulate_grad_hook(GradientHook(transform))
+    finally:
+        if frozen:
+            param.requires_grad_(False)
+    handle.add_hook("gradient hook", hook)
 
 
 def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]],
@@ -176,7 +196,8 @@ def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[
         records[name] = record
     by_param = {id(r.param): r.guard for r in records.values()}
     for module, below, owned in guards.paths_to_owners(model, [r.param for r in records.values()]):
-        enforcer = SubtreeEnforcer([by_param[i] for i in below], [(attr, by_param[i]) for attr, i in owned])
+        enforcer = SubtreeEnforcer([by_param[i] for i in below],
+                                   [(owner, attr, name, by_param[i]) for owner, attr, name, i in owned])
         handle.add_hook(hook_description, module.register_forward_pre_hook(enforcer))
     for record in records.values():
         _own_gradient_hook(handle, record.param, record.transform)
@@ -191,7 +212,8 @@ def own_step_hook(handle: Handle, model: nn.Module, hook: Callable) -> None:
     dropped with its surgery still attached does not leave the hook behind)."""
     removable = register_optimizer_step_post_hook(hook)
     handle.add_hook("optimizer step hook", removable)
-    weakref.finalize(model, removable.remove)  # removing twice is harmless
+    finalizer = weakref.finalize(model, removable.remove)
+    handle.add("forget the model-lifetime removal", finalizer.detach, finalizer.detach)  # not one per handle forever
 
 
 def _check_idempotent(name: str, param: nn.Parameter, transform: Transform) -> None:

@@ -10,6 +10,7 @@ the trained values. An interrupted or failing run puts the values back itself.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,10 @@ from tqdm import tqdm
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import as_call
+from surgery.core.inputs import as_call, evaluating
 from surgery.core.registry import Registry
+from surgery.ops.qat import return_loans
+from surgery.ops.quantization import learned_ranges
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("finetune.optimizer")
@@ -56,6 +59,8 @@ class Point:
 class FinetuneHandle(Handle):
     """Handle returned by :func:`finetune`: ``restore()`` puts back every parameter and buffer
     as before training, ``bake()`` keeps the trained values; ``curve`` is the training curve."""
+
+    undo_first = True  # the weights it saved hold the earlier handles' changes: undo it before them
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__("finetune", model)
@@ -100,18 +105,26 @@ def finetune(
     make_optimizer = _validate(batches, epochs, lr, optimizer, weight_decay, eval_every)
     handle = FinetuneHandle(model)
     saved = {name: t.detach().clone() for name, t in _state(model).items()}
-    handle.add("undo fine-tuning (every parameter and buffer as before)", lambda: _put_back(model, saved))
+    ranges = learned_ranges(model)  # activation ranges that quantization-aware training moves
+    model_ref = weakref.ref(model)
+    handle.add("undo fine-tuning (every parameter, buffer and learned range as before)",
+               lambda: _put_back(model_ref(), saved, ranges))
     flags = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]
     try:
         _train(model, handle, batches, epochs, make_optimizer(list(p for p in model.parameters() if p.requires_grad),
                                                               lr, weight_decay),
                loss, evaluate, eval_every or len(batches), seed, progress)
+        _check_finite(model, batches[0], loss, lr)
     except BaseException as err:  # interrupted or failed: the model as it was before training
+        return_loans(model)  # a forward cut short may have left a quantized weight in its slot
         handle.rollback(err)
         raise
     finally:
         for module, flag in flags:
             module.training = flag
+        for param, grad in grads:  # the loop's gradients are not the caller's
+            param.grad = grad
     return handle
 
 
@@ -131,7 +144,7 @@ def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: 
     with tqdm(total=total, desc="finetune", unit="step", leave=False, disable=None if progress else True) as bar:
         for _ in range(epochs):
             for index in torch.randperm(len(batches), generator=generator).tolist():
-                inputs, target = batches[index]
+                inputs, target = _pair(batches[index], index)
                 model.train()
                 optimizer.zero_grad(set_to_none=True)
                 value = loss_fn(as_call(inputs, "finetune.batches", index)(model), target)
@@ -148,6 +161,25 @@ def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: 
                     record(step)
 
 
+def _pair(batch: Any, index: int) -> tuple[Any, Any]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigTypeError("finetune.batches", f"batch {index}", "must be an (inputs, target) pair")
+    return batch[0], batch[1]
+
+
+def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) -> None:
+    """The last step can diverge too: a weight that became NaN or Inf, or a loss on the first
+    batch that did (one more forward, in eval mode), fails the run."""
+    broken = next((name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
+    if broken is None:
+        with evaluating(model), torch.no_grad():
+            value = loss_fn(as_call(batch[0], "finetune.batches", 0)(model), batch[1])
+        broken = None if torch.isfinite(value).all() else "the loss"
+    if broken is not None:
+        raise ConfigError("finetune.lr", lr, f"{broken} became NaN or Inf in training; lower the learning rate (the "
+                          "model was put back as before)")
+
+
 def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> OptimizerFactory:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
@@ -162,6 +194,8 @@ def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> Optim
     first = batches[0]
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
         raise ConfigTypeError("finetune.batches", type(first).__name__, "each batch must be an (inputs, target) pair")
+    for index, batch in enumerate(batches):
+        _pair(batch, index)
     return optimizer if callable(optimizer) else OPTIMIZERS.get(optimizer)
 
 
@@ -170,7 +204,12 @@ def _state(model: nn.Module) -> dict[str, Tensor]:
     return named | {f"buffer:{n}": b for n, b in model.named_buffers(remove_duplicate=False) if b is not None}
 
 
-def _put_back(model: nn.Module, saved: dict[str, Tensor]) -> None:
+def _put_back(model: nn.Module | None, saved: dict[str, Tensor], ranges: list) -> None:
+    if model is None:
+        return
+    return_loans(model)
     with torch.no_grad():
         for name, tensor in _state(model).items():
             tensor.copy_(saved[name])
+    for quantizer, state in ranges:
+        quantizer.load_range(state)

@@ -97,8 +97,18 @@ class MaskEnforcer:
     def on_gradient(self, param: Tensor) -> None:
         """Zero the pruned entries of ``param.grad`` (a post-accumulate-grad hook), so
         momentum and Adam states of pruned weights stay zero and no step moves them."""
-        if param.grad is not None:
-            self._zero(param.grad, train=True)
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True))
+            keep = self.mask().to(grad.device)
+            param.grad = (grad.to_dense() * keep).to_sparse() if grad.is_sparse else grad.to_dense() * keep
+            return
+        self._zero(grad, train=True)
+
+    def release(self) -> None:
+        """Drop the training cache (the transform was restored or baked)."""
+        self._indices = None
 
     def _zero(self, tensor: Tensor, train: bool) -> None:
         if tensor.is_contiguous() and (train or self._indices is not None):

@@ -76,6 +76,20 @@ class ActivationQuantizer:
         """Freeze the range where training has brought it."""
         self.learning, self.tracker = False, None
 
+    def range_state(self) -> tuple:
+        """What training changes (the range, its running estimate, whether it still learns)."""
+        tracker = self.tracker
+        running = None if tracker is None else (tracker.low, tracker.high, tracker.count, tracker.axis)
+        return self.scale, self.zero_point, self.learning, tracker, running
+
+    def load_range(self, state: tuple) -> None:
+        """Put back a :meth:`range_state`."""
+        scale, zero_point, self.learning, self.tracker, running = state
+        if self.tracker is not None:
+            self.tracker.low, self.tracker.high, self.tracker.count, self.tracker.axis = running
+        if scale is not None:
+            self._use(scale, zero_point)
+
     def _use(self, scale: Tensor, zero_point: Tensor) -> None:
         self.scale, self.zero_point = scale, zero_point
         if self.axis is None:
@@ -105,6 +119,9 @@ class ActivationQuantizer:
         if self.tracker is not None and training:  # quantization-aware training: the range keeps learning
             if self.tracker.requested_axis is not None:
                 self.tracker.axis = self.tracker.requested_axis % x.dim()
+            if not torch.isfinite(x.detach()).all():
+                raise NonFiniteError("quantize.train", self.name, "NaN or Inf reached this layer in training, where its "
+                                     "range is learned; lower the learning rate")
             self.tracker.observe(x)
             self._use(*self.tracker.qparams())
         fast = self._fast_path(x)
@@ -126,6 +143,13 @@ def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tenso
     quant_min, quant_max = spec.quant_range
     scale, offset = scale.float().reshape(-1), zero_point.float().reshape(-1)
     return (quant_min - offset) * scale, (quant_max - offset) * scale
+
+
+def learned_ranges(model: nn.Module) -> list[tuple[ActivationQuantizer, tuple]]:
+    """The activation quantizers on ``model`` whose ranges training moves, with their state now."""
+    found = {id(h): h for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks)
+             for h in hooks.values() if isinstance(h, ActivationQuantizer) and h.tracker is not None}
+    return [(quantizer, quantizer.range_state()) for quantizer in found.values()]
 
 
 class ObserverSchedule:

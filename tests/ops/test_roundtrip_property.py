@@ -439,7 +439,12 @@ def test_out_of_order_restore_is_refused_or_exact(spec, data):
     expected = collect(model, inputs)
     before = snapshot(model)
     handles = [step.apply(model) for step in plan]
-    for i in data.draw(st.permutations(range(len(handles))), label="restore order"):
+    try:
+        order = data.draw(st.permutations(range(len(handles))), label="restore order")
+    except BaseException:  # hypothesis may abandon the example here: its handles hold global step hooks
+        surgery.compose(*handles).restore()
+        raise
+    for i in order:
         later = set().union(*(transformed(h) for h in handles[i + 1:] if h.state == "attached"))
         if transformed(handles[i]) & later:
             state, outputs = snapshot(model), collect(model, inputs)

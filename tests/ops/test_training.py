@@ -141,7 +141,7 @@ def test_load_state_dict_with_assign_is_detected_and_enforce_carries_the_surgery
     handle = surgery.prune(model, 0.5, progress=False)
     pruned = ~handle.masks()["0.weight"]
     model.load_state_dict(trained.state_dict(), assign=True)
-    with pytest.raises(ParameterReplacedError, match=r"Linear\.weight was replaced by a new object.*enforce\(\)"):
+    with pytest.raises(ParameterReplacedError, match=r"0\.weight was replaced by a new object.*enforce\(\)"):
         model(mlp_input)
     handle.enforce()
     assert not model[0].weight.detach()[pruned].any()
@@ -157,9 +157,14 @@ def test_load_state_dict_with_assign_is_detected_and_enforce_carries_the_surgery
 
 def test_enforce_refuses_a_replacement_of_another_shape(mlp, mlp_input):
     handle = surgery.prune(mlp, 0.5, progress=False)
+    original = mlp[0].weight
     mlp[0].weight = nn.Parameter(torch.zeros(3, 8))
     with pytest.raises(ConfigError, match=r"enforce='0\.weight': was replaced by a parameter of shape"):
         handle.enforce()
+    with pytest.raises(ParameterReplacedError, match=r"prune: 0\.weight was replaced by a new object"):
+        handle.restore()  # refused before anything changes: restoring into the old object would undo nothing
+    assert handle.state == "attached"
+    mlp[0].weight = original
     handle.restore()
 
 
