@@ -193,3 +193,25 @@ def test_hugging_face_trainer_with_default_arguments_keeps_half_the_weights_zero
     zeros = sum(int((model.get_parameter(n) == 0).sum()) for n in masks) / sum(m.numel() for m in masks.values())
     assert zeros >= 0.5
     assert gradient_hooks(model) == 0
+
+
+def test_a_timm_vision_transformer_trains_with_masks_and_quantization_aware_training():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=4)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    before = snapshot(model)
+    pruned = surgery.prune(model, 0.5, select=nn.Linear, progress=False)
+    trained = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
+                               select=nn.Linear, progress=False, train=True)
+    masks = pruned.masks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for _ in range(2):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model.train()(x), y).backward()
+        optimizer.step()
+        assert not pruned_values(model, masks).any()  # right after the fused step
+    surgery.compose(pruned, trained).restore()
+    diffs = snapshot_differences(before, snapshot(model))
+    assert diffs and not any(name.split(":")[1] in masks for name in diffs if name.startswith("tensor param:"))
+    assert gradient_hooks(model) == 0
