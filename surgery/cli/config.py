@@ -11,7 +11,8 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.ops.observers import QuantSpec
-from surgery.ops.pruning import validate_arguments
+from surgery.ops.criteria import as_criterion
+from surgery.ops.pruning import check_pattern, validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite", "finetune")
 MODEL_SOURCES = ("torchvision", "digits_cnn")
@@ -79,14 +80,18 @@ class PruneConfig:
     n: Any = 2.0
     dim: int = 0
     seed: int = 0
+    pattern: Optional[str] = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
 
     def __post_init__(self) -> None:
         validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
+        if self.pattern is not None:
+            check_pattern(self.pattern, float(self.amount), as_criterion(self.method))
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.prune`."""
         return {"method": self.method, "scope": self.scope, "select": self.select,
-                "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed}
+                "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed,
+                "pattern": self.pattern}
 
 
 @dataclass

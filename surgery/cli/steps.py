@@ -20,7 +20,8 @@ Applier = Callable[[nn.Module, RunConfig, bool, list], Handle]
 
 def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
     settings = config.prune
-    return prune(model, 0.0 if neutral else settings.amount, **settings.kwargs())
+    kwargs = settings.kwargs() | ({"pattern": None} if neutral else {})  # neutral: amount 0, no pattern
+    return prune(model, 0.0 if neutral else settings.amount, **kwargs)
 
 
 def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:

@@ -150,6 +150,12 @@ def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim:
     return norms
 
 
+def wanda(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+    """|W| · ‖X_j‖ (Sun et al., Wanda): a weight matters as much as the inputs it multiplies;
+    ``‖X_j‖`` over calibration batches, along the weight's input-feature axis."""
+    return weight.abs() * stats.norms_like(weight)
+
+
 def taylor(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
     """First-order Taylor importance, Σ over calibration batches of |w · ∂L/∂w| (Molchanov et
     al.): the loss change a weight's removal would cause, to first order."""
@@ -159,6 +165,7 @@ def taylor(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
 register_criterion("l1_unstructured", l1_unstructured)
 register_criterion("random_unstructured", random_unstructured)
 register_criterion("ln_structured", ln_structured, structured=True)
+register_criterion("wanda", wanda, needs_calibration=True)
 register_criterion("taylor", taylor, needs_gradients=True)
 
 
@@ -219,6 +226,34 @@ def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float
     if structured:
         keeps = [_expand(keep, w, dim) for keep, w in zip(keeps, weights)]
     return keeps
+
+
+def parse_pattern(pattern: object, field: str = "prune.pattern") -> tuple[int, int]:
+    """``"N:M"`` as ``(N, M)``: N weights kept in every group of M consecutive input features."""
+    parts = pattern.split(":") if isinstance(pattern, str) else []
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise ConfigError(field, pattern, "must be 'N:M' (N weights kept in every M consecutive inputs, e.g. '2:4')")
+    kept, group = int(parts[0]), int(parts[1])
+    if not 1 <= kept < group <= 1024:
+        raise ConfigError(field, pattern, "needs 1 <= N < M <= 1024 (e.g. '2:4', '4:8')")
+    return kept, group
+
+
+def masks_n_m(scores: list[Tensor], names: list[str], axes: list[int], kept: int, group: int) -> list[Tensor]:
+    """Keep-masks with the ``kept`` highest scores in every group of ``group`` consecutive
+    entries along each weight's input axis (``axes``)."""
+    masks = []
+    for score, name, axis in zip(scores, names, axes):
+        if score.dim() < 2 or score.shape[axis] % group:
+            got = score.shape[axis] if score.dim() >= 2 else "no"
+            raise ConfigError("prune.pattern", f"{kept}:{group}", f"{name} has {got} input features along axis "
+                              f"{axis}, not a multiple of {group}; exclude it or pick another M")
+        moved = score.float().movedim(axis, -1)
+        flat = moved.reshape(-1, group)
+        keep = torch.zeros_like(flat, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(flat, kept, dim=1).indices, True)
+        masks.append(keep.view(moved.shape).movedim(-1, axis).contiguous())
+    return masks
 
 
 def _keep_smallest_pruned(scores: Tensor, amount: float) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,8 @@ from surgery.ops.criteria import (
     as_criterion,
     compute_scores,
     masks_from_scores,
+    masks_n_m,
+    parse_pattern,
     pack,
     unpack,
 )
@@ -47,9 +49,12 @@ class PruneSpec:
     n: float = 2.0
     dim: int = 0
     seed: int = 0
+    pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
+        if self.pattern is not None:
+            check_pattern(self.pattern, amount, self.criterion)
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise ConfigTypeError("prune.dim", self.dim, "must be an integer (the dimension whose slices a "
                                   "structured criterion prunes)")
@@ -167,6 +172,7 @@ def prune(
     seed: int = 0,
     calibration: Inputs | None = None,
     loss: Callable[[Any, Any], Tensor] | None = None,
+    pattern: str | None = None,
     progress: bool = True,
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
@@ -195,6 +201,9 @@ def prune(
             forward and backward through ``loss``.
         loss: ``loss(output, target) -> scalar`` for gradient criteria (default cross-entropy
             on the logits); e.g. ``lambda out, _: out.loss`` for a Hugging Face model given labels.
+        pattern: ``"N:M"`` semi-structured sparsity (``"2:4"``): in every group of M
+            consecutive input features of each output, the N best-scored weights are kept, for
+            any criterion; ``amount`` must be ``1 - N/M``.
         progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
@@ -209,11 +218,11 @@ def prune(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if isinstance(amount, PruneSpec):
         spec = amount
-        if (method, scope, n, dim, seed) != ("l1_unstructured", "layer", 2.0, 0, 0):
-            raise ConfigError("prune.amount", spec, "is a PruneSpec: set method, scope, n, dim and seed in it, "
-                              "not as arguments too")
+        if (method, scope, n, dim, seed, pattern) != ("l1_unstructured", "layer", 2.0, 0, 0, None):
+            raise ConfigError("prune.amount", spec, "is a PruneSpec: set method, scope, n, dim, seed and pattern in "
+                              "it, not as arguments too")
     else:
-        spec = PruneSpec(amount, method, scope, n, dim, seed)
+        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern)
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with gradients; pass "
@@ -241,8 +250,12 @@ def prune(
     else:
         stats = calibrate(model, selection, calibration, progress)
     scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
-    masks = masks_from_scores(list(current.values()), scores, spec.amount, scope=spec.scope,
-                              structured=criterion.structured, dim=spec.dim)
+    if spec.pattern is not None:
+        axes = [0 if is_hf_conv1d(t.module) and t.attribute == "weight" else 1 for t in selection.matched.values()]
+        masks = masks_n_m(scores, list(current), axes, *parse_pattern(spec.pattern))
+    else:
+        masks = masks_from_scores(list(current.values()), scores, spec.amount, scope=spec.scope,
+                                  structured=criterion.structured, dim=spec.dim)
     handle = PruneHandle(model, selection, spec)
     try:
         enforcers = {name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)}
@@ -313,6 +326,17 @@ def calibrate_with_gradients(model: nn.Module, selection: Targets, pairs: Inputs
 
 def _has_input_features(target: Target) -> bool:
     return isinstance(target.module, (nn.Linear, nn.modules.conv._ConvNd)) or is_hf_conv1d(target.module)
+
+
+def check_pattern(pattern: object, amount: float, criterion: Criterion) -> None:
+    """An N:M pattern fixes the amount (``1 - N/M``) and ranks entries within groups."""
+    kept, group = parse_pattern(pattern)
+    if criterion.structured:
+        raise ConfigError("prune.pattern", pattern, f"applies to criteria that score each weight; "
+                          f"{criterion.name!r} scores whole slices")
+    if abs(amount - (1 - kept / group)) > 1e-9:
+        raise ConfigError("prune.amount", amount, f"disagrees with pattern {pattern!r}, which prunes "
+                          f"{1 - kept / group:g} of every group; pass amount={1 - kept / group:g}")
 
 
 def validate_arguments(amount: object, method: object, scope: str, n: object, seed: object) -> tuple[float, float]:

@@ -195,6 +195,10 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
+    ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.7, pattern="2:4", progress=False), ConfigError,
+            "prune.amount", "0.7"),
+    ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.5, pattern="2-4", progress=False), ConfigError,
+            "prune.pattern", "'2-4'"),
     ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), epochs=-1, progress=False),
             ConfigError, "finetune.epochs", "-1"),
     ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), optimizer="adamx", progress=False),
@@ -451,6 +455,9 @@ HUGE = "1" + "0" * 400
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 
 CLI_CASES = [
+    CliCase("pattern", (*FAST, "prune.pattern=2-4"), "prune.pattern"),
+    CliCase("pattern", (*FAST, "prune.pattern=2:4"), "prune.pattern"),
+    CliCase("pattern", (*FAST, "prune.amount=0.7", "prune.pattern=2:4"), "prune.amount"),
     CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.epochs=-1"), "finetune.epochs"),
     CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.optimizer=adamx"), "finetune.optimizer"),
     CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.lr=nan"), "finetune.lr"),
