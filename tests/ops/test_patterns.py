@@ -10,6 +10,8 @@ import surgery
 from surgery.core.errors import ConfigError
 from surgery.testing import snapshot, snapshot_differences
 
+from support import tiny_gpt2  # tests/support.py
+
 
 def groups(mask: torch.Tensor, axis: int, size: int) -> torch.Tensor:
     """Kept entries per group of ``size`` consecutive entries along ``axis``."""
@@ -56,10 +58,8 @@ def test_magnitude_two_of_four_keeps_the_two_largest_of_each_group():
 
 
 def test_hugging_face_conv1d_groups_along_its_input_axis():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with surgery.prune(model, 0.5, method="wanda", pattern="2:4", select="transformer.h.*.mlp.c_fc",
                        calibration=[{"input_ids": ids}], progress=False) as handle:

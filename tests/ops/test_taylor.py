@@ -12,6 +12,8 @@ from surgery.analysis.inspection import BACKWARD_HOOKS, TENSOR_HOOKS, gradient_s
 from surgery.core.errors import ConfigError
 from surgery.testing import global_hook_counts, snapshot, snapshot_differences
 
+from support import tiny_gpt2  # tests/support.py
+
 
 def pairs(mlp_input: torch.Tensor, count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
@@ -76,15 +78,13 @@ def test_bad_gradient_settings_are_one_line_errors(mlp, mlp_input, kwargs, match
 
 
 def test_taylor_on_a_hugging_face_model_with_its_own_loss():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     batches = [({"input_ids": ids, "labels": ids}, None)]
     with surgery.prune(model, 0.5, method="taylor", select="transformer.h.*.mlp.*", calibration=batches,
                        loss=lambda output, _: output.loss, progress=False) as handle:
-        assert handle.sparsity() == pytest.approx(0.5, abs=0.01) and len(handle.parameters) == 2
+        assert handle.sparsity() == pytest.approx(0.5, abs=0.01) and len(handle.parameters) == 4  # 2 blocks
 
 
 def test_capture_weight_grads_sees_one_gradient_per_backward(mlp, mlp_input):
