@@ -19,18 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import guards
-from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
+from surgery.core.errors import ConfigError, ParameterReplacedError
 from surgery.core.handles import Handle
 from surgery.core.targets import Target
 from surgery.core.transforms import SavedTensor
 from surgery.ops.observers import Observer, QuantSpec, fake_quantize
-
-
-def check_free(param: nn.Parameter, name: str) -> None:
-    """Refuse a second quantization of a weight: fake-quantized in place, or trained as a shadow."""
-    if any(t.kind == "quantize" for t in guards.transforms_of(param)):
-        raise AlreadyModifiedError(f"quantize: {name} already has quantize attached; bake() or restore() that "
-                                   "handle first")
 
 
 class ShadowWeight:
@@ -192,9 +185,7 @@ def owners_of(model: nn.Module, param: nn.Parameter) -> list[tuple[nn.Module, st
 
 def attach_shadows(handle: Handle, model: nn.Module, shadows: dict[str, ShadowWeight]) -> None:
     """Own undo records and swap hooks (on the path from the root to each owner) for ``shadows``."""
-    for shadow in shadows.values():
-        check_free(shadow.param, shadow.name)
-    for shadow in shadows.values():
+    for shadow in shadows.values():  # guards.attach refuses a weight already quantized, either way
         shadow.owners = owners_of(model, shadow.param)
         record = ShadowRecord(shadow)
         handle.add_record(record)

@@ -19,7 +19,7 @@ from surgery.core.capture import Capture
 from surgery.core.transforms import attach_all, own_step_hook
 from surgery.core.handles import Handle
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
-from surgery.ops.qat import ShadowWeight, attach_shadows, check_free
+from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.core.selection import Selection, select
 from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
 
@@ -355,7 +355,6 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
     quantizers: dict[str, tuple[nn.Parameter, WeightQuantizer]] = {}
     for key, target in targets.matched.items():
         param = target.param
-        check_free(param, key)
         axis = _weight_axis(target, key) if spec.per_channel else None
         value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
         if not torch.isfinite(value).all():
