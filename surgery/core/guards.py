@@ -192,6 +192,8 @@ def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
     try:
         with torch.no_grad():
             transform.apply(param)
+            if getattr(transform, "rewrites", False) and len(guard.transforms) > 1:
+                guard.enforce(force=True)  # new values (SparseGPT, GPTQ) must still satisfy the earlier transforms
     except BaseException:  # nothing attached: no transform, and no guard left empty
         with _lock:
             guard.transforms.remove(transform)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
+from surgery.ops.reconstruction import sparsegpt
 
 SCOPES = ("layer", "global")
 
@@ -64,6 +65,7 @@ class LayerStats:
 
 
 Score = Callable[..., Tensor]
+Reconstruct = Callable[..., tuple[Tensor, Tensor]]  # (matrix, hessian, amount, *, pattern) -> (new matrix, keep)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Criterion:
     structured: bool = False  # one score per slice along ``dim``: whole slices pruned
     needs_calibration: bool = False  # raise without calibration batches instead of passing None
     needs_gradients: bool = False  # calibration runs a loss backward: LayerStats.taylor and grad_sq
+    reconstruct: Optional[Reconstruct] = None  # second-order: picks the mask and updates the weights kept
 
     def keywords(self, options: dict) -> dict:
         """The options this criterion's signature accepts (all of them with ``**kwargs``),
@@ -97,25 +100,45 @@ class Criterion:
 CRITERIA: Registry[Criterion] = Registry("prune.method")
 
 
-def register_criterion(name: str, score: Score, *, structured: bool = False, needs_calibration: bool = False,
-                       needs_gradients: bool = False, replace: bool = False) -> Criterion:
+def register_criterion(name: str, score: Score | None, *, structured: bool = False, needs_calibration: bool = False,
+                       needs_gradients: bool = False, reconstruct: Reconstruct | None = None,
+                       replace: bool = False) -> Criterion:
     """Make ``score(weight, stats) -> Tensor`` available as ``prune(..., method=name)`` and
     ``prune.method=name`` in recipes. ``needs_gradients`` makes calibration batches
     ``(inputs, target)`` pairs run through a loss and backward, filling ``stats.taylor`` and
     ``stats.grad_sq`` (it implies ``needs_calibration``).
 
+    A second-order method passes ``reconstruct(matrix, hessian, amount, *, pattern, name) ->
+    (new matrix, keep-mask)`` instead of a score: it receives each layer's weight as an
+    (outputs, input columns) matrix and the Hessian ``2XᵀX`` of its inputs, layer after layer
+    with the earlier layers already pruned (:mod:`surgery.core.sequential`), and returns the
+    updated weights with their mask (``"sparsegpt"`` is registered this way).
+
     Example:
         >>> surgery.register_criterion("wanda_like", lambda w, stats: w.abs() * stats.norms_like(w),
         ...                            needs_calibration=True)
     """
+    if reconstruct is not None:
+        if not callable(reconstruct):
+            raise ConfigError("register_criterion.reconstruct", reconstruct, "must be a function (matrix, hessian, "
+                              "amount, *, pattern, name) -> (new matrix, keep-mask)")
+        score = score or _no_score(name)
     if not callable(score):
         raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
     for flag, value in (("structured", structured), ("needs_calibration", needs_calibration),
                         ("needs_gradients", needs_gradients)):
         if not isinstance(value, bool):
             raise ConfigTypeError(f"register_criterion.{flag}", value, "must be True or False")
-    criterion = Criterion(name, score, structured, needs_calibration or needs_gradients, needs_gradients)
+    criterion = Criterion(name, score, structured, needs_calibration or needs_gradients or reconstruct is not None,
+                          needs_gradients, reconstruct)
     return CRITERIA.register(name, criterion, replace=replace)
+
+
+def _no_score(name: str) -> Score:
+    def score(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+        raise ConfigError("prune.method", name, "chooses its mask while it reconstructs each layer, with the "
+                          "layer's input Hessian; it has no standalone score (use surgery.prune with calibration)")
+    return score
 
 
 def as_criterion(method: Union[str, Score, Criterion]) -> Criterion:
@@ -167,6 +190,7 @@ register_criterion("random_unstructured", random_unstructured)
 register_criterion("ln_structured", ln_structured, structured=True)
 register_criterion("wanda", wanda, needs_calibration=True)
 register_criterion("taylor", taylor, needs_gradients=True)
+register_criterion("sparsegpt", None, reconstruct=sparsegpt)
 
 
 def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict[str, Optional[LayerStats]], *,

@@ -90,6 +90,12 @@ class QuantSpec:
     ``moving_average`` (``averaging`` constant, as torch.ao), ``percentile`` (the
     ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches), any
     name added with :func:`register_observer`, or such a function itself.
+
+    Weights only: ``group_size`` gives every ``group_size`` consecutive inputs of each output
+    its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
+    ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
+    and moves each column's error onto the columns not yet rounded, through the inverse
+    Hessian of the layer's calibration inputs; Frantar et al. 2023).
     """
 
     bits: int = 8
@@ -98,6 +104,8 @@ class QuantSpec:
     observer: Union[str, ObserverFn] = "minmax"
     percentile: float = 99.99
     averaging: float = 0.01
+    method: str = "rtn"
+    group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(self, "QuantSpec")
@@ -154,6 +162,15 @@ def _check(spec: Any, field: str) -> None:
         raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
     if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
         raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
+    if spec.method not in WEIGHT_METHODS:
+        raise ConfigError(f"{field}.method", spec.method, f"must be one of {', '.join(WEIGHT_METHODS)}")
+    size = spec.group_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
+        raise ConfigError(f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] "
+                          "(e.g. 32, 64, 128)")
+
+
+WEIGHT_METHODS = ("rtn", "gptq")  # gptq needs calibration batches (its Hessians)
 
 
 class NonFiniteError(ConfigError):
@@ -228,6 +245,51 @@ def compute_qparams(low: Tensor, high: Tensor, spec: QuantSpec) -> tuple[Tensor,
         scale = torch.maximum((high - low) / float(quant_max - quant_min), eps)
         zero_point = torch.clamp(quant_min - torch.round(low / scale).to(torch.int32), quant_min, quant_max)
     return scale, zero_point.to(torch.int32)
+
+
+def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: QuantSpec) -> Tensor:
+    """Group-wise fake quantization of a weight: ``scale`` and ``zero_point`` are (outputs,
+    groups) for groups of ``spec.group_size`` consecutive entries of ``x.movedim(axis, 0)``'s
+    rows (the last group may be shorter)."""
+    moved = x.movedim(axis, 0)
+    rows = moved.reshape(moved.shape[0], -1)
+    size = spec.group_size
+    columns = rows.shape[1]
+    padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
+    quant_min, quant_max = spec.quant_range
+    rounded = torch.fake_quantize_per_channel_affine(padded, scale.reshape(-1), zero_point.reshape(-1), 0,
+                                                     quant_min, quant_max)
+    return rounded.reshape(rows.shape[0], -1)[:, :columns].reshape(moved.shape).movedim(0, axis)
+
+
+class Grid:
+    """A weight's quantization grid seen as an (outputs, columns) matrix, for solvers that
+    round it a slice at a time (GPTQ): scales per row (per channel or per group) or one."""
+
+    def __init__(self, spec: QuantSpec, per_row: bool) -> None:
+        self.spec, self.per_row = spec, per_row
+
+    def qparams_of(self, columns: Tensor) -> tuple[Tensor, Tensor]:
+        """Scale and zero point of an (outputs, k) slice: one per row, or one for all."""
+        flat = columns.float() if self.per_row else columns.float().reshape(1, -1)
+        low, high = self.spec.observe(flat, None)
+        scale, zero_point = compute_qparams(low, high, self.spec)
+        return (scale, zero_point) if self.per_row else (scale.reshape(()), zero_point.reshape(()))
+
+    def group_qparams(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(outputs, groups) scales and zero points for round-to-nearest by groups."""
+        size = self.spec.group_size
+        padded = torch.nn.functional.pad(rows.float(), (0, (-rows.shape[1]) % size))  # zeros: inside every range
+        scale, zero_point = self.qparams_of(padded.reshape(-1, size))
+        return scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)
+
+    def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
+        """One column rounded onto the grid (``scale``: one per row, or one)."""
+        quant_min, quant_max = self.spec.quant_range
+        rows = column.shape[0]
+        return torch.fake_quantize_per_channel_affine(column.unsqueeze(1), scale.expand(rows).contiguous(),
+                                                      zero_point.expand(rows).contiguous(), 0, quant_min,
+                                                      quant_max).squeeze(1)
 
 
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: QuantSpec) -> Tensor:

@@ -18,7 +18,9 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
-from surgery.core.transforms import SavedEntries, attach_all
+from surgery.ops.second_order import check_layers, reconstruct_layers
+from surgery.core.sequential import SequentialReport
+from surgery.core.transforms import SavedEntries, SavedTensor, attach_all
 from surgery.ops.criteria import (
     CRITERIA,
     SCOPES,
@@ -81,22 +83,30 @@ class MaskEnforcer:
 
     kind = "prune"
 
-    def __init__(self, mask: Tensor) -> None:
+    def __init__(self, mask: Tensor, update: Tensor | None = None) -> None:
         self.shape = mask.shape
         self.packed = pack(mask)
         self._indices: Tensor | None = None  # flat indices of the pruned entries, while training
+        self.pending = update  # SparseGPT's updated weights, written once when attached
+        self.rewrites = update is not None
 
     def mask(self) -> Tensor:
         """The boolean keep-mask (``True`` keeps the entry)."""
         return unpack(self.packed, self.shape)
 
-    def save(self, param: Tensor) -> SavedEntries:
-        """The original values of the entries about to be zeroed."""
+    def save(self, param: Tensor) -> SavedEntries | SavedTensor:
+        """The original values of the entries about to be zeroed (all of them when the kept
+        weights are updated too)."""
+        if self.rewrites:
+            return SavedTensor(param)
         return SavedEntries(param, ~self.mask(), lambda: ~self.mask())
 
     def apply(self, param: Tensor) -> None:
-        """Zero the pruned entries of ``param`` in place."""
+        """Zero the pruned entries of ``param`` in place (first writing the updated weights, once)."""
         with torch.no_grad():
+            if self.pending is not None:
+                param.copy_(self.pending.to(param.device, param.dtype))
+                self.pending = None
             self._zero(param, train=False)
 
     def on_gradient(self, param: Tensor) -> None:
@@ -132,6 +142,7 @@ class PruneHandle(Handle):
         self.enforcers: dict[str, MaskEnforcer] = {}
         self.selection = selection or Targets({}, [])
         self.spec = spec
+        self.sequential: SequentialReport | None = None  # a second-order method's calibration pass
 
     @property
     def parameters(self) -> list[str]:
@@ -173,6 +184,7 @@ def prune(
     calibration: Inputs | None = None,
     loss: Callable[[Any, Any], Tensor] | None = None,
     pattern: str | None = None,
+    blocks: Selection | bool | None = None,
     progress: bool = True,
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
@@ -184,9 +196,12 @@ def prune(
             except the selection.
         method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
             ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
-            along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters), any
-            name added with :func:`surgery.register_criterion`; or a function
-            ``score(weight, stats) -> Tensor`` (same shape as the weight; lowest pruned).
+            along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters),
+            ``"wanda"`` (|W|·‖X‖, calibrated), ``"taylor"`` (|w·∂L/∂w|, calibrated with a
+            loss), ``"sparsegpt"`` (second order: prunes layer by layer and updates the
+            weights kept to make up for what was removed), any name added with
+            :func:`surgery.register_criterion`; or a function ``score(weight, stats) ->
+            Tensor`` (same shape as the weight; lowest pruned).
         scope: ``"layer"`` (each weight pruned by ``amount``) or ``"global"`` (one ranking
             across all selected weights).
         select: layers to prune (see :func:`surgery.select`; their ``weight``), or any
@@ -204,6 +219,10 @@ def prune(
         pattern: ``"N:M"`` semi-structured sparsity (``"2:4"``): in every group of M
             consecutive input features of each output, the N best-scored weights are kept, for
             any criterion; ``amount`` must be ``1 - N/M``.
+        blocks: for second-order methods, the repeated blocks calibrated one after another
+            (each fed by the already pruned blocks before it): default the decoder layers
+            found automatically (:func:`surgery.core.sequential.find_blocks`), a selection,
+            or ``False`` for layer-by-layer full forwards.
         progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
@@ -243,6 +262,10 @@ def prune(
     if loss is not None and not criterion.needs_gradients:
         raise ConfigError("prune.loss", getattr(loss, "__name__", type(loss).__name__), f"is only used by gradient "
                           f"criteria such as 'taylor', not {criterion.name!r}")
+    if criterion.reconstruct is not None:
+        return _prune_reconstructing(model, selection, spec, calibration, blocks, progress)
+    if blocks is not None:
+        raise ConfigError("prune.blocks", blocks, f"applies to second-order methods (sparsegpt), not {criterion.name!r}")
     if calibration is None:
         stats = {}
     elif criterion.needs_gradients:
@@ -265,6 +288,57 @@ def prune(
         handle.rollback(err)
         raise
     return handle
+
+
+def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec, calibration: Inputs,
+                          blocks: Selection | bool | None, progress: bool) -> PruneHandle:
+    """A second-order criterion: each layer's mask and updated weights from its input Hessian,
+    layer after layer on the already pruned model, attached as one restorable handle."""
+    criterion = spec.criterion
+    if spec.scope != "layer":
+        raise ConfigError("prune.scope", spec.scope, f"{criterion.name} prunes each layer by amount against its own "
+                          "Hessian; use scope='layer'")
+    check_layers(selection.matched, "prune.select", criterion.name)
+    pattern = parse_pattern(spec.pattern) if spec.pattern is not None else None
+
+    def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        order = _input_major(selection_modules[layer], matrix.shape[1]) if pattern else None
+        if order is not None:
+            matrix, hessian = matrix[:, order], hessian[order][:, order]
+        new, keep = criterion.reconstruct(matrix, hessian, spec.amount, pattern=pattern, name=layer)
+        if order is not None:
+            new, keep = new[:, order.argsort()], keep[:, order.argsort()]
+        return new, (keep,)
+
+    selection_modules = {t.module_name: t.module for t in selection.matched.values()}
+    if pattern is not None:  # the layers' group sizes checked before any work
+        masks_n_m([torch.zeros(p.param.shape) for p in selection.matched.values()], list(selection.matched),
+                  [0 if is_hf_conv1d(t.module) else 1 for t in selection.matched.values()], *pattern)
+    results, report = reconstruct_layers(model, selection.matched, calibration, solver, blocks=blocks,
+                                         field="prune.calibration", progress=progress)
+    handle = PruneHandle(model, selection, spec)
+    handle.sequential = report
+    try:
+        enforcers = {}
+        for name, target in selection.matched.items():
+            value, (keep,) = results[name]
+            keep = keep if not is_hf_conv1d(target.module) else keep.t()
+            enforcers[name] = (target.param, MaskEnforcer(keep.reshape(value.shape).contiguous(), value))
+        handle.enforcers.update({name: enforcer for name, (_, enforcer) in enforcers.items()})
+        attach_all(handle, model, enforcers, "mask hook")
+    except BaseException as err:
+        handle.rollback(err)
+        raise
+    return handle
+
+
+def _input_major(module: nn.Module, columns: int) -> Tensor | None:
+    """For a convolution, the column order that puts the input channels of each kernel position
+    next to each other (``N:M`` groups run along input channels); ``None`` for linear layers."""
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        return None
+    positions = math.prod(module.kernel_size)
+    return torch.arange(columns).view(columns // positions, positions).t().flatten()
 
 
 def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progress: bool = True) -> dict[str, LayerStats]:

@@ -18,7 +18,11 @@ from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigErr
 from surgery.core.capture import Capture
 from surgery.core.transforms import attach_all, own_step_hook
 from surgery.core.handles import Handle
-from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize
+from surgery.ops.observers import Grid, NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.reconstruction import gptq
+from surgery.ops.second_order import check_layers, reconstruct_layers
+from surgery.core.hessians import weight_matrix
+from surgery.core.sequential import SequentialReport
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.core.selection import Selection, select
 from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
@@ -36,14 +40,24 @@ class WeightQuantizer:
 
     kind = "quantize"
 
-    def __init__(self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None) -> None:
+    def __init__(self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None,
+                 update: Tensor | None = None) -> None:
         self.spec, self.scale, self.zero_point, self.axis = spec, scale, zero_point, axis
+        self.pending = update  # GPTQ's rounded weights, written once when attached
+        self.rewrites = update is not None
 
     def apply(self, param: Tensor) -> None:
-        """Replace ``param`` in place by its fake-quantized values (idempotent)."""
+        """Replace ``param`` in place by its fake-quantized values (idempotent); first, once,
+        by the solver's weights when there are any."""
         with torch.no_grad():
-            param.copy_(fake_quantize(param, self.scale.to(param.device), self.zero_point.to(param.device),
-                                      self.axis, self.spec))
+            if self.pending is not None:
+                param.copy_(self.pending.to(param.device, param.dtype))
+                self.pending = None
+            scale, zero_point = self.scale.to(param.device), self.zero_point.to(param.device)
+            if self.spec.group_size:
+                param.copy_(fake_quantize_groups(param, scale, zero_point, self.axis, self.spec))
+            else:
+                param.copy_(fake_quantize(param, scale, zero_point, self.axis, self.spec))
 
 
 @compiled.eager_at_top_level
@@ -180,6 +194,7 @@ class QuantizeHandle(Handle):
         self.selection = selection or Targets({}, [])  # the weights matched and skipped
         self.weights: dict[str, WeightQuantizer | ShadowWeight] = {}
         self.activations: dict[str, ActivationQuantizer] = {}
+        self.sequential: SequentialReport | None = None  # GPTQ's calibration pass
 
     def qparams(self) -> dict[str, Tensor]:
         """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
@@ -225,6 +240,7 @@ def quantize(
     progress: bool = True,
     train: bool = False,
     freeze_observers_after: int | None = None,
+    blocks: Selection | bool | None = None,
 ) -> QuantizeHandle:
     """Fake-quantize the weights and/or activations of the selected layers.
 
@@ -238,15 +254,19 @@ def quantize(
         select, exclude: layers (see :func:`surgery.select`), or weights by qualified parameter
             name (``"**.weight_ih_l0"``); default every Conv*d, Linear and Hugging Face Conv1D
             (weight axis 1). Weights matched and skipped are in ``handle.selection``.
-        calibration: batches (tensors or tuples of inputs) run through the model, with a
-            progress bar, to estimate activation ranges; required for activations unless
-            ``qparams`` (a dict or a file from :meth:`QuantizeHandle.save_qparams`) is given.
+        calibration: batches (tensors, tuples of inputs or dicts of keyword inputs) run
+            through the model, with a progress bar, to estimate activation ranges (required
+            for activations unless ``qparams``, a dict or a file from
+            :meth:`QuantizeHandle.save_qparams`, is given) and, for ``weights.method="gptq"``,
+            each layer's input Hessian, layer after layer on the already quantized model.
         train: quantization-aware training. Weights keep their float values (the shadow an
             optimizer updates) and each forward sees them fake-quantized, with gradients passed
             straight through; ``bake()`` folds them to the grid, ``restore()`` gives back the
             original floats. Activation ranges keep learning in training-mode forwards.
         freeze_observers_after: with ``train``, stop learning activation ranges after this
             many optimizer steps over the model's parameters (``None``: never).
+        blocks: for GPTQ, the repeated blocks calibrated one after another (default: found
+            automatically; a selection; ``False`` for layer-by-layer full forwards).
 
     Example:
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
@@ -255,12 +275,15 @@ def quantize(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     weights, activations = _validate(weights, activations, where, calibration, qparams)
     _validate_training(train, freeze_observers_after, activations)
+    _validate_method(weights, activations, calibration, train, blocks)
     weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     try:
-        if weights is not None:
-            (_attach_shadow_weights if train else _attach_weights)(handle, model, weight_targets, weights)
+        if weights is not None and train:
+            _attach_shadow_weights(handle, model, weight_targets, weights)
+        elif weights is not None:
+            _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress)
         if activations is not None:
             _attach_activations(handle, layers, activations, where, learning=train)
             _calibrate_or_load(handle, model, calibration, qparams, progress)
@@ -298,6 +321,25 @@ def _validate_training(train: object, freeze_after: object, activations: QuantSp
     if not train or activations is None:
         raise ConfigError("quantize.freeze_observers_after", freeze_after, "applies to quantization-aware training "
                           "of activations: set train=true and activations")
+
+
+def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, calibration: Any, train: bool,
+                     blocks: Any) -> None:
+    if activations is not None and activations.method != "rtn":
+        raise ConfigError("quantize.activations.method", activations.method, "applies to weights; activations are "
+                          "rounded to nearest ('rtn')")
+    if activations is not None and activations.group_size is not None:
+        raise ConfigError("quantize.activations.group_size", activations.group_size, "applies to weights; "
+                          "activations take per_channel or one scale")
+    method = weights.method if weights is not None else "rtn"
+    if method == "gptq" and calibration is None:
+        raise ConfigError("quantize.calibration", None, "weights.method='gptq' solves each layer with its input "
+                          "Hessian; pass calibration batches")
+    if (train and weights is not None) and (method != "rtn" or weights.group_size is not None):
+        raise ConfigError("quantize.train", True, "quantization-aware training rounds weights to nearest with "
+                          "per-channel or per-tensor scales; set weights.method='rtn' and group_size=null")
+    if blocks is not None and method != "gptq":
+        raise ConfigError("quantize.blocks", blocks, "applies to weights.method='gptq'")
 
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:
@@ -351,7 +393,70 @@ def _weight_axis(target: Target, name: str) -> int:
     return _axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
 
 
-def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
+def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec,
+                    calibration: Any = None, blocks: Any = None, progress: bool = True) -> None:
+    for key, target in targets.matched.items():
+        if not torch.isfinite(guards.current_value(target.param)).all():
+            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
+    if spec.method == "gptq":
+        quantizers = _solved_quantizers(handle, model, targets, spec, calibration, blocks, progress)
+    elif spec.group_size:
+        quantizers = _group_quantizers(targets, spec)
+    else:
+        quantizers = _nearest_quantizers(targets, spec)
+    for key, (param, quantizer) in quantizers.items():
+        handle.weights[key] = quantizer
+    attach_all(handle, model, quantizers, "weight quantization hook")
+
+
+def _group_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
+    """Round to nearest with a scale per group of ``spec.group_size`` inputs of each output."""
+    grid = Grid(spec, per_row=True)
+    quantizers = {}
+    for key, target in targets.matched.items():
+        axis = _weight_axis(target, key)
+        value = guards.current_value(target.param)
+        scale, zero_point = grid.group_qparams(value.movedim(axis, 0).reshape(value.shape[axis], -1))
+        quantizers[key] = (target.param, WeightQuantizer(spec, scale, zero_point, axis))
+    return quantizers
+
+
+def _solved_quantizers(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec, calibration: Any,
+                       blocks: Any, progress: bool) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
+    """GPTQ: each layer rounded column by column against its input Hessian, in sequence."""
+    check_layers(targets.matched, "quantize.select", "gptq")
+    grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
+    by_layer = {t.module_name: t for t in targets.matched.values()}
+    whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
+    for layer, target in by_layer.items():
+        if not spec.group_size:
+            whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
+    offsets: dict[str, int] = {}
+
+    def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
+        offsets[layer] = rows.stop
+        fixed = None if spec.group_size else whole[layer]
+        if fixed is not None and grid.per_row:
+            fixed = (fixed[0][rows], fixed[1][rows])
+        new, scale, zero_point = gptq(matrix, hessian, grid.qparams_of if fixed is None else lambda _: fixed,
+                                      grid.round, group_size=spec.group_size, name=layer)
+        return new, (scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
+                     zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point)
+
+    results, handle.sequential = reconstruct_layers(model, targets.matched, calibration, solver, blocks=blocks,
+                                                    field="quantize.calibration", progress=progress)
+    quantizers = {}
+    for key, target in targets.matched.items():
+        value, (scale, zero_point) = results[key]
+        axis = _weight_axis(target, key) if grid.per_row else None
+        if not grid.per_row:
+            scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
+        quantizers[key] = (target.param, WeightQuantizer(spec, scale, zero_point.to(torch.int32), axis, value))
+    return quantizers
+
+
+def _nearest_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
     quantizers: dict[str, tuple[nn.Parameter, WeightQuantizer]] = {}
     for key, target in targets.matched.items():
         param = target.param
@@ -362,9 +467,7 @@ def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, 
         observer = Observer(spec, axis, key)
         observer.observe(value)
         quantizers[key] = (param, WeightQuantizer(spec, *observer.qparams(), axis))
-    for key, (param, quantizer) in quantizers.items():
-        handle.weights[key] = quantizer
-    attach_all(handle, model, quantizers, "weight quantization hook")
+    return quantizers
 
 
 def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:

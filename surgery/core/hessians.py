@@ -1,0 +1,107 @@
+"""Layer Hessians for second-order compression: ``H = 2 XᵀX / rows`` of each layer's inputs.
+
+SparseGPT and GPTQ see a layer as a matrix ``W`` (outputs × input columns) applied to input
+columns ``X``; the layer-wise reconstruction error ``‖WX − ŴX‖²`` has the Hessian ``2XXᵀ``.
+:func:`input_columns` turns what a layer receives into those columns: the last axis for
+``nn.Linear`` and Hugging Face ``Conv1D``, the unfolded patches (``C·k`` per position, the
+order of ``weight.reshape(out, -1)``) for ``nn.Conv1d``/``nn.Conv2d``, one set per group of a
+grouped convolution. :class:`HessianReducer` is a capture reducer (``reduce="hessian"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from surgery.core.capture import register_reduction
+from surgery.core.errors import ConfigError
+from surgery.core.targets import is_hf_conv1d
+
+
+def supports_hessian(module: nn.Module) -> bool:
+    """Whether :func:`input_columns` handles this layer (Linear, Conv1d, Conv2d, HF Conv1D)."""
+    return isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or is_hf_conv1d(module)
+
+
+def weight_matrix(module: nn.Module, weight: Tensor) -> Tensor:
+    """``weight`` as the (outputs, input columns) matrix the Hessian's columns match (a copy
+    for HF ``Conv1D``, whose weight is stored transposed; a view otherwise)."""
+    if is_hf_conv1d(module):
+        return weight.t()
+    return weight.reshape(weight.shape[0], -1)
+
+
+def from_matrix(module: nn.Module, matrix: Tensor, like: Tensor) -> Tensor:
+    """Invert :func:`weight_matrix`: the (outputs, columns) matrix in the weight's own shape."""
+    if is_hf_conv1d(module):
+        return matrix.t().contiguous().to(like.dtype)
+    return matrix.reshape(like.shape).to(like.dtype)
+
+
+def groups_of(module: nn.Module) -> int:
+    """How many independent Hessians a layer has: a convolution's ``groups``, else 1."""
+    return module.groups if isinstance(module, nn.modules.conv._ConvNd) else 1
+
+
+def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
+    """The columns a layer multiplies by its weight, as ``(groups, rows, columns per group)``."""
+    if not supports_hessian(module):
+        raise ConfigError("calibration", name, f"is a {type(module).__name__}; second-order methods need nn.Linear, "
+                          "nn.Conv1d, nn.Conv2d or Hugging Face Conv1D (exclude the layer)")
+    x = x.detach().float()
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        return x.reshape(1, -1, x.shape[-1])
+    dims = len(module.kernel_size)
+    if x.dim() == dims + 1:  # unbatched
+        x = x.unsqueeze(0)
+    x = _pad(module, x)
+    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    if dims == 1:  # a 1-d convolution is a 2-d one of height 1
+        x, kernel, dilation, stride = x.unsqueeze(2), (1, *kernel), (1, *dilation), (1, *stride)
+    patches = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (N, C·k, L), channel-major
+    groups = module.groups
+    n, features, positions = patches.shape
+    return patches.view(n, groups, features // groups, positions).permute(1, 0, 3, 2).reshape(groups, -1, features // groups)
+
+
+def _pad(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+    """``x`` padded as the convolution pads it, so that unfolding needs no padding."""
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+    if module.padding == "valid":
+        return x
+    if module.padding == "same":
+        pads: list[int] = []
+        for k, d in zip(reversed(module.kernel_size), reversed(module.dilation)):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]
+        return F.pad(x, pads)
+    return F.pad(x, [p for p in reversed(module.padding) for _ in range(2)])
+
+
+class HessianReducer:
+    """Streaming ``2 XᵀX / rows`` of a layer's input columns (float32, one per group)."""
+
+    def __init__(self, name: str = "", module: nn.Module | None = None) -> None:
+        self.name, self.module = name, module
+        self.sum: Tensor | None = None
+        self.rows = 0
+
+    def update(self, tensor: Tensor) -> None:
+        columns = input_columns(self.module, self.name, tensor)
+        if not torch.isfinite(columns).all():
+            raise ConfigError("calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
+        product = columns.transpose(1, 2) @ columns
+        self.sum = product if self.sum is None else self.sum + product
+        self.rows += columns.shape[1]
+
+    def result(self) -> dict[str, Any] | None:
+        if self.sum is None:
+            return None
+        return {"hessian": self.sum * (2.0 / self.rows), "rows": self.rows}
+
+
+register_reduction("hessian", HessianReducer)

@@ -1,0 +1,246 @@
+"""Sequential calibration: compress layer by layer, each fed by the compressed layers before it.
+
+Second-order methods (SparseGPT, GPTQ) solve each layer against the inputs it receives; as in
+the papers, those inputs come from a model whose earlier layers are already compressed. The
+selected layers are taken in the order they first run and grouped into *stages*:
+
+- the layers inside one *block* (a transformer's decoder layer: an entry of the longest run of
+  same-class modules in an ``nn.ModuleList``/``nn.Sequential``, found automatically, or the
+  modules ``blocks=`` selects) form one stage. The block's inputs (positional and keyword,
+  e.g. attention masks) are caught once, by a forward stopped at the block; the block then
+  runs alone on them, and its outputs become the next block's inputs. Peak memory holds one
+  block's inputs and outputs for the calibration batches, not the model's activations;
+- any other layer is a stage of its own, fed by full forwards of the model.
+
+After each stage the caller's ``solve`` returns new values for its weights; they are written
+in (so later stages see them) and the originals are put back at the end, or on any error:
+the caller attaches the results as guarded transforms afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from surgery.core.capture import Capture
+from surgery.core.errors import ConfigError
+from surgery.core.hessians import HessianReducer
+from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
+from surgery.core.selection import Selection, select
+
+log = logging.getLogger("surgery")
+Solve = Callable[[dict[str, dict[str, Any]]], Mapping[str, Tensor]]  # {layer: {"hessian", "rows"}} -> {param name: new value}
+
+
+class _Stop(Exception):
+    """Raised by the hook that catches a block's inputs, ending the forward there."""
+
+
+@dataclass
+class Stage:
+    """Layers solved together: one block's, or a single layer outside blocks."""
+
+    layers: list[str]
+    block: str | None = None
+
+
+@dataclass
+class SequentialReport:
+    """What a sequential pass did: its stages, and the most bytes of cached block inputs and
+    outputs held at once (the pass's activation memory)."""
+
+    stages: list[Stage] = field(default_factory=list)
+    peak_cached_bytes: int = 0
+    blocks: list[str] = field(default_factory=list)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the repeated blocks of a model: the entries of the ``nn.ModuleList`` or
+    ``nn.Sequential`` holding the most parameters in a run of two or more same-class
+    children that hold parameters themselves (a transformer's decoder layers); ``[]`` if none."""
+    best: tuple[int, list[str]] = (0, [])
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        kinds = {type(child) for _, child in children}
+        if len(kinds) != 1 or not any(True for _ in children[0][1].children()):
+            continue  # mixed classes, or leaf layers (a Sequential of convolutions is not a list of blocks)
+        size = sum(p.numel() for _, child in children for p in child.parameters())
+        if size > best[0]:
+            best = (size, [f"{name}.{child}" if name else child for child, _ in children])
+    return best[1]
+
+
+def resolve_blocks(model: nn.Module, blocks: Selection | bool | None) -> list[str]:
+    """``None``/``True``: :func:`find_blocks`; ``False``: none (every layer its own stage);
+    otherwise the modules the selection names, in model order."""
+    if blocks is None or blocks is True:
+        return find_blocks(model)
+    if blocks is False:
+        return []
+    return list(select(model, blocks, field="calibration.blocks"))
+
+
+def materialise(calibration: Any, field_name: str) -> list[Call]:
+    """Calibration batches as a list of calls (a sequential pass reads them many times)."""
+    calls = list(batches(calibration, field_name))
+    if not calls:
+        raise ConfigError(field_name, "0 batches", "must hold at least one batch")
+    for index, call in enumerate(calls):
+        check_batch_finite(call, index, field_name)
+    return calls
+
+
+def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call
+                ) -> list[Stage]:
+    """The stages, in the order the layers first run on the batch ``first``."""
+    order: list[str] = []
+    hooks = []
+
+    def seen(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if name not in order:
+                order.append(name)
+        return hook
+
+    try:
+        for name, module in layers.items():
+            hooks.append(module.register_forward_pre_hook(seen(name)))
+        first(model)
+    finally:
+        for hook in reversed(hooks):
+            hook.remove()
+    missing = [name for name in layers if name not in order]
+    if missing:
+        raise ConfigError("calibration", missing[0], "this layer never ran on the calibration batches",
+                          "give batches that run through it, or exclude it")
+    stages: list[Stage] = []
+    for name in order:
+        block = next((b for b in block_names if name == b or name.startswith(b + ".")), None)
+        if block is not None and stages and stages[-1].block == block:
+            stages[-1].layers.append(name)
+        else:
+            stages.append(Stage([name], block))
+    return stages
+
+
+def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, solve: Solve, *,
+                   params: Callable[[str], tuple[str, nn.Parameter]], blocks: Selection | bool | None = None,
+                   field: str = "calibration", progress: bool = True) -> SequentialReport:
+    """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
+
+    ``params(layer)`` names the parameter ``solve``'s values replace for that layer
+    (``(qualified name, parameter)``). Every parameter written is put back as it was before
+    returning (or raising).
+    """
+    calls = materialise(calibration, f"{field}")
+    report = SequentialReport(blocks=resolve_blocks(model, blocks))
+    originals: dict[str, tuple[nn.Parameter, Tensor]] = {}
+    try:
+        with evaluating(model), torch.no_grad():
+            report.stages = plan_stages(model, layers, report.blocks, calls[0])
+            cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
+            for stage in tqdm(report.stages, unit="stage", desc="compressing", leave=False,
+                              disable=None if progress else True):
+                stage_layers = {name: layers[name] for name in stage.layers}
+                if stage.block is None:
+                    cache = None
+                    hessians = _hessians(model, stage_layers, lambda: [call(model) for call in calls])
+                else:
+                    block = model.get_submodule(stage.block)
+                    inputs = cache[1] if cache is not None and cache[0] == stage.block else _catch(model, block, calls)
+                    hessians = _hessians(model, stage_layers, lambda: [block(*a, **k) for a, k in inputs])
+                _write(solve(hessians), stage, params, originals)
+                if stage.block is not None:
+                    outputs = [_next_inputs(block(*a, **k), a, k) for a, k in inputs]
+                    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
+                    cache = (_following(report.blocks, stage.block), outputs)
+    finally:
+        with torch.no_grad():
+            for param, original in originals.values():
+                param.copy_(original)
+    return report
+
+
+def _hessians(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], Any]) -> dict[str, dict[str, Any]]:
+    with Capture(model, layers, ("inputs",), HessianReducer) as seen:
+        run()
+    found = seen.inputs
+    for name in layers:
+        if found.get(name) is None:
+            raise ConfigError("calibration", name, "this layer received no floating-point input during calibration",
+                              "give batches that run through it, or exclude it")
+    return found
+
+
+def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[tuple, dict]]:
+    """The block's inputs for each batch, caught by a forward stopped at the block."""
+    caught: list[tuple[tuple, dict]] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        caught.append((args, dict(kwargs)))
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for call in calls:
+            try:
+                call(model)
+            except _Stop:
+                continue
+    finally:
+        handle.remove()
+    if len(caught) != len(calls):
+        raise ConfigError("calibration.blocks", type(block).__name__, "a block did not run on every calibration batch; "
+                          "pass blocks=False to compress layer by layer with full forwards")
+    return caught
+
+
+def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The next block's call: this block's output in place of its hidden states (the first
+    positional input, or ``hidden_states``); other inputs (masks, positions) are shared."""
+    hidden = output if isinstance(output, Tensor) else output[0]
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return (), {**kwargs, "hidden_states": hidden}
+
+
+def _following(blocks: list[str], block: str) -> str | None:
+    index = blocks.index(block)
+    return blocks[index + 1] if index + 1 < len(blocks) else None
+
+
+def _write(values: Mapping[str, Tensor], stage: Stage, params: Callable[[str], tuple[str, nn.Parameter]],
+           originals: dict[str, tuple[nn.Parameter, Tensor]]) -> None:
+    for layer in stage.layers:
+        name, param = params(layer)
+        value = values.get(name)
+        if value is None:
+            continue
+        if name not in originals:
+            originals[name] = (param, param.detach().clone())
+        param.copy_(value.to(param.dtype))
+
+
+def _bytes(calls: Iterable[tuple[tuple, dict]]) -> int:
+    seen: dict[int, int] = {}
+    for args, kwargs in calls:
+        for value in [*args, *kwargs.values()]:
+            for tensor in _tensors(value):
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []

@@ -1,0 +1,125 @@
+"""Second-order weight reconstruction of one layer: SparseGPT (pruning) and GPTQ (quantization).
+
+Both see a layer as a matrix ``W`` (outputs × input columns) with the Hessian ``H = 2XᵀX`` of
+its calibration inputs (:mod:`surgery.core.hessians`), walk the columns left to right and,
+after removing or rounding each one, spread its error over the columns not yet processed
+through the inverse Hessian (optimal brain surgeon; Frantar & Alistarh 2022, Frantar et al.
+2023), in blocks of ``block`` columns. They are plain functions on tensors; ``prune`` and
+``quantize`` attach their results as guarded, restorable transforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from surgery.core.errors import ConfigError
+
+QParams = tuple[Tensor, Tensor]  # (scale, zero point), one per row
+
+
+def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
+    """The upper Cholesky factor of ``(H + λI)⁻¹``, λ = ``damping`` × mean diagonal; columns no
+    calibration input reached (zero diagonal) get a unit diagonal. The damping grows tenfold
+    (up to three times) if ``H`` is not positive definite."""
+    h = hessian.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    mean = torch.diagonal(h).mean()
+    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(4):
+        factor, info = torch.linalg.cholesky_ex(h + identity * (damping * 10**attempt * mean))
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(factor)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper.float()
+    raise ConfigError("calibration", name, "its input Hessian is not positive definite even with 1000x damping "
+                      "(too few or degenerate calibration batches); give more batches or exclude the layer")
+
+
+def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[int, int] | None = None,
+              block: int = 128, damping: float = 0.01, name: str = "") -> tuple[Tensor, Tensor]:
+    """Prune ``amount`` of a (outputs, columns) matrix, updating the weights kept.
+
+    Within each block, the entries with the smallest ``w² / [H⁻¹]²_jj`` are pruned (exactly
+    ``round(amount × numel)`` over the matrix), or with ``pattern=(N, M)`` the ``M − N``
+    smallest of every M consecutive columns of each row. Returns ``(new matrix, keep-mask)``;
+    pruned entries are exactly zero.
+    """
+    rows, cols = weight.shape
+    w = weight.detach().float().clone()
+    factor = inverse_factor(hessian, damping, name)
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if pattern is not None:
+        block = max(pattern[1], block // pattern[1] * pattern[1])  # N:M groups never straddle blocks
+    for start in range(0, cols, block):
+        end = min(start + block, cols)
+        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start)
+        local = factor[start:end, start:end]
+        diagonal = torch.diagonal(local)
+        pruned = torch.zeros_like(part, dtype=torch.bool)
+        if pattern is None:
+            count = round(amount * rows * end) - round(amount * rows * start)  # exact total over the matrix
+            if count > 0:
+                scores = (part**2 / diagonal**2).flatten()
+                pruned.view(-1)[torch.topk(scores, count, largest=False).indices] = True
+        for i in range(end - start):
+            if pattern is not None and i % pattern[1] == 0:
+                scores = part[:, i:i + pattern[1]] ** 2 / diagonal[i:i + pattern[1]] ** 2
+                drop = torch.topk(scores, pattern[1] - pattern[0], dim=1, largest=False).indices
+                pruned.scatter_(1, i + drop, True)
+            column = part[:, i]
+            kept = torch.where(pruned[:, i], torch.zeros_like(column), column)
+            error = (column - kept) / diagonal[i]
+            part[:, i:] -= error.unsqueeze(1) * local[i, i:].unsqueeze(0)
+            part[:, i] = kept
+            errors[:, i] = error
+        w[:, start:end] = part
+        keep[:, start:end] = ~pruned
+        w[:, end:] -= errors @ factor[start:end, end:]
+    return w, keep
+
+
+def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams],
+         fake_quantize: Callable[[Tensor, Tensor, Tensor], Tensor], *, group_size: int | None = None,
+         block: int = 128, damping: float = 0.01, name: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """Quantize a (outputs, columns) matrix column by column, compensating each column's
+    rounding error in the columns after it.
+
+    ``qparams_of(columns)`` gives the scale and zero point of a (outputs, k) slice (per row, or
+    one for the tensor); ``fake_quantize(column, scale, zero_point)`` rounds one column onto
+    that grid. With ``group_size``, every ``group_size`` consecutive columns get their own
+    scales, computed from the (already updated) columns when the walk reaches them. Returns
+    ``(quantized matrix, scales, zero points)``: scales ``(outputs, groups)`` with groups, else
+    whatever ``qparams_of`` returned for the whole matrix.
+    """
+    rows, cols = weight.shape
+    w = weight.detach().float().clone()
+    factor = inverse_factor(hessian, damping, name)
+    scale, zero_point = (None, None) if group_size else qparams_of(w)
+    scales, zero_points = [], []
+    for start in range(0, cols, block):
+        end = min(start + block, cols)
+        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start)
+        local = factor[start:end, start:end]
+        for i in range(end - start):
+            column_index = start + i
+            if group_size and column_index % group_size == 0:
+                group = torch.cat([part[:, i:], w[:, end:]], dim=1)[:, :group_size]
+                scale, zero_point = qparams_of(group)
+                scales.append(scale)
+                zero_points.append(zero_point)
+            column = part[:, i]
+            rounded = fake_quantize(column, scale, zero_point)
+            error = (column - rounded) / local[i, i]
+            part[:, i:] -= error.unsqueeze(1) * local[i, i:].unsqueeze(0)
+            part[:, i] = rounded
+            errors[:, i] = error
+        w[:, start:end] = part
+        w[:, end:] -= errors @ factor[start:end, end:]
+    if group_size:
+        return w, torch.stack(scales, dim=1), torch.stack(zero_points, dim=1)
+    return w, scale, zero_point
