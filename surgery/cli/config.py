@@ -15,8 +15,9 @@ from surgery.ops.criteria import as_criterion
 from surgery.ops.pruning import check_pattern, validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite", "finetune")
-MODEL_SOURCES = ("torchvision", "digits_cnn")
-DATA_KINDS = ("synthetic", "digits")
+MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn")
+DATA_KINDS = ("synthetic", "digits", "mnist1d")
+LABELLED_KINDS = ("digits", "mnist1d")  # real data with labels: accuracy, fine-tuning
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 
@@ -34,8 +35,9 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 class ModelConfig:
     """Which model to build: ``source`` + ``name``, optionally loading a checkpoint.
 
-    ``source: digits_cnn`` is surgery's small CNN for the digits data; ``weights: shipped``
-    loads its trained checkpoint (reproduced by ``scripts/train_digits_cnn.py``).
+    ``source: digits_cnn`` is surgery's small CNN for the digits data, ``mnist1d_cnn`` its 1-d
+    CNN for MNIST-1D; ``weights: shipped`` loads their trained checkpoints (reproduced by
+    ``scripts/train_digits_cnn.py`` and ``scripts/train_mnist1d_cnn.py``).
     """
 
     source: str = "torchvision"
@@ -51,9 +53,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """The inputs used by the checks: ``synthetic`` is seeded Gaussian noise images; ``digits``
-    is the test split of scikit-learn's 8x8 digits (labels give accuracy), ``batches`` of
-    ``batch_size`` (channels and image_size are fixed at 1 and 8, and the split is always the
-    one the shipped checkpoint was trained against, so ``seed`` does not apply to digits)."""
+    is the test split of scikit-learn's 8x8 digits and ``mnist1d`` the test split of MNIST-1D
+    (labels give accuracy), ``batches`` of ``batch_size`` (channels and image_size do not apply
+    to them, and their splits are always the ones the shipped checkpoints were trained
+    against, so ``seed`` does not apply either)."""
 
     kind: str = "synthetic"
     batch_size: int = 4
@@ -81,17 +84,26 @@ class PruneConfig:
     dim: int = 0
     seed: int = 0
     pattern: Optional[str] = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
+    calibration_batches: int = 8  # batches of the data's calibration split, for calibrated methods
+    blocks: Any = None  # sparsegpt: blocks calibrated in sequence (null: found automatically; false: layer by layer)
 
     def __post_init__(self) -> None:
         validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
         if self.pattern is not None:
             check_pattern(self.pattern, float(self.amount), as_criterion(self.method))
+        _positive_int("prune.calibration_batches", self.calibration_batches)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the method needs calibration batches (wanda, sparsegpt, taylor)."""
+        return as_criterion(self.method).needs_calibration
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`surgery.prune`."""
+        """Keyword arguments for :func:`surgery.prune` (without calibration)."""
+        blocks = {} if self.blocks is None else {"blocks": self.blocks}
         return {"method": self.method, "scope": self.scope, "select": self.select,
                 "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed,
-                "pattern": self.pattern}
+                "pattern": self.pattern} | blocks
 
 
 @dataclass
@@ -105,6 +117,8 @@ class QuantSettings:
     observer: str = "minmax"
     percentile: float = 99.99
     averaging: float = 0.01
+    method: str = "rtn"  # weights: rtn (round to nearest) or gptq (calibrated)
+    group_size: Optional[int] = None  # weights: one scale per this many consecutive inputs of each output
 
 
 def _spec(settings: QuantSettings | QuantSpec | None, field_name: str) -> QuantSpec | None:
@@ -143,6 +157,12 @@ class QuantizeConfig:
 
     def activation_spec(self) -> QuantSpec | None:
         return _spec(self.activations, "quantize.activations")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration batches (activations, or GPTQ weights)."""
+        weights = self.weight_spec()
+        return self.activations is not None or (weights is not None and weights.method == "gptq")
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
@@ -303,9 +323,9 @@ class RunConfig:
                                   f"'{step}:' settings")
             if getattr(self, step) is None:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
-        if "finetune" in self.steps and self.data.kind != "digits":
+        if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
             raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
-                              f"{self.data.kind!r}; use data=digits")
+                              f"{self.data.kind!r}; use data=digits or data=mnist1d")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)

@@ -1,4 +1,4 @@
-"""Inputs for the checks: seeded synthetic images, or scikit-learn's digits with labels.
+"""Inputs for the checks: seeded synthetic images, or real labelled data (digits, MNIST-1D).
 
 Batches are streamed: :class:`SyntheticBatches` makes each batch when it is reached and drops
 it after use, so a run's memory does not grow with ``data.batches``.
@@ -53,36 +53,60 @@ class Data:
         return zip(self.inputs, self.labels or [], strict=True)
 
 
-def load_data(config: DataConfig) -> Data:
-    """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
-    if config.kind == "digits":
+LabelledBatches = Callable[..., list[tuple[Tensor, Tensor]]]  # (split, batch_size, *, limit_batches)
+
+
+def labelled_source(kind: str) -> LabelledBatches | None:
+    """The batch function of a labelled data set (its fixed train/test split), or None."""
+    if kind == "digits":
         from surgery.cli.digits import digits_batches
 
-        pairs = digits_batches("test", config.batch_size, limit_batches=config.batches)  # the fixed split
-        return Data([images for images, _ in pairs], [labels for _, labels in pairs])
+        return digits_batches
+    if kind == "mnist1d":
+        from surgery.cli.mnist1d import mnist1d_batches
+
+        return mnist1d_batches
+    return None
+
+
+def load_data(config: DataConfig) -> Data:
+    """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
+    source = labelled_source(config.kind)
+    if source is not None:
+        pairs = source("test", config.batch_size, limit_batches=config.batches)  # the fixed split
+        return Data([inputs for inputs, _ in pairs], [labels for _, labels in pairs])
     return Data(_noise(config, config.seed, config.batches), None)
 
 
 def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
-    """``count`` batches for calibration, disjoint from the evaluation batches (digits: the
-    training split; synthetic: noise from ``seed + 1``)."""
-    if config.kind == "digits":
-        from surgery.cli.digits import digits_batches
-
-        return [images for images, _ in digits_batches("train", config.batch_size, limit_batches=count)]
+    """``count`` batches for calibration, disjoint from the evaluation batches (labelled data:
+    the training split; synthetic: noise from ``seed + 1``)."""
+    source = labelled_source(config.kind)
+    if source is not None:
+        return [inputs for inputs, _ in source("train", config.batch_size, limit_batches=count)]
     return _noise(config, config.seed + 1, count)
 
 
+def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[Tensor, Tensor]]:
+    """``count`` labelled training batches, for criteria that take gradients (taylor)."""
+    source = labelled_source(config.kind)
+    if source is None:
+        raise ConfigError(field, NO_VALUE, f"needs labelled batches (inputs, target) for its gradients and data.kind "
+                          f"is {config.kind!r}; use data=digits or data=mnist1d")
+    return source("train", config.batch_size, limit_batches=count)
+
+
 def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[nn.Module], float]]:
-    """Labelled training batches (digits: the training split) and an accuracy function over
-    the evaluation batches, for the ``finetune`` step."""
-    if config.kind != "digits":
+    """Labelled training batches (the training split) and an accuracy function over the
+    evaluation batches, for the ``finetune`` step."""
+    source = labelled_source(config.kind)
+    if source is None:
         raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
-                          "use data=digits")
-    from surgery.cli.digits import accuracy, digits_batches
+                          "use data=digits or data=mnist1d")
+    from surgery.cli.digits import accuracy
 
     evaluation = load_data(config)
-    return digits_batches("train", batch_size), lambda model: accuracy(model, evaluation.labelled())
+    return source("train", batch_size), lambda model: accuracy(model, evaluation.labelled())
 
 
 def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:

@@ -11,14 +11,16 @@ from torch import nn
 
 from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.config import ModelConfig
-from surgery.cli.digits import CHECKPOINT, DigitsCNN
+from surgery.cli import digits, mnist1d
 from surgery.core.errors import ConfigError
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.core.selection import describe
 from surgery.ops.rules import Rule
 
 
-SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn)
+SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
+SHIPPED_MODELS = {"digits_cnn": (digits.DigitsCNN, digits.CHECKPOINT),  # source -> (class, trained checkpoint)
+                  "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT)}
 
 
 def torchvision_names() -> list[str]:
@@ -30,7 +32,7 @@ def torchvision_names() -> list[str]:
 
 def validate_model(config: ModelConfig) -> None:
     """Raise :class:`ConfigError` if ``config.name`` is not a model of ``config.source``."""
-    if config.source == "digits_cnn":
+    if config.source in SHIPPED_MODELS:
         return
     names = torchvision_names()
     if config.name not in names:
@@ -65,7 +67,8 @@ class ModelBuilder:
             torch.manual_seed(self.seed)
             model, self.events = self._build()
         if config.weights:
-            path = CHECKPOINT if config.weights == SHIPPED and config.source == "digits_cnn" else config.weights
+            shipped = config.weights == SHIPPED and config.source in SHIPPED_MODELS
+            path = SHIPPED_MODELS[config.source][1] if shipped else config.weights
             load_checkpoint(model, path, field="model.weights")
         return model.eval()
 
@@ -84,8 +87,8 @@ class ModelBuilder:
     def _construct(self) -> nn.Module:
         config = self.config
         try:
-            if config.source == "digits_cnn":
-                return DigitsCNN(num_classes=config.num_classes)
+            if config.source in SHIPPED_MODELS:
+                return SHIPPED_MODELS[config.source][0](num_classes=config.num_classes)
             import torchvision
 
             return torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)

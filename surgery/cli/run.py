@@ -18,7 +18,8 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
 from surgery.core.errors import ConfigError
-from surgery.cli.data import Data, calibration_batches, load_data
+from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data
+from surgery.ops.criteria import as_criterion
 from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.analysis.inspection import calls_as_rows, format_table, gradient_statistics, gradients_as_rows, inspect_model
 from surgery.cli.models import ModelBuilder, check_runs
@@ -136,14 +137,21 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
 class _Files:
     checkpoint: Path
     qparams: Path
-    calibration: list | None
+    calibration: dict[str, Any]
 
 
-def _calibration(config: RunConfig) -> list | None:
-    settings = config.quantize
-    if "quantize" not in config.steps or settings.activations is None:
-        return None
-    return calibration_batches(config.data, settings.calibration_batches)
+def _calibration(config: RunConfig) -> dict[str, Any]:
+    """Calibration batches by step, for the steps whose settings need them."""
+    found: dict[str, Any] = {}
+    if "quantize" in config.steps and config.quantize.calibrated:
+        found["quantize"] = calibration_batches(config.data, config.quantize.calibration_batches)
+    prune = config.prune
+    if "prune" in config.steps and prune.calibrated:
+        if as_criterion(prune.method).needs_gradients:
+            found["prune"] = calibration_pairs(config.data, prune.calibration_batches, "prune.method")
+        else:
+            found["prune"] = calibration_batches(config.data, prune.calibration_batches)
+    return found
 
 
 def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:

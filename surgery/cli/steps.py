@@ -15,28 +15,31 @@ from surgery.ops.pruning import prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
 
-Applier = Callable[[nn.Module, RunConfig, bool, list], Handle]
+Applier = Callable[[nn.Module, RunConfig, bool, dict], Handle]
 
 
-def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     settings = config.prune
-    kwargs = settings.kwargs() | ({"pattern": None} if neutral else {})  # neutral: amount 0, no pattern
-    return prune(model, 0.0 if neutral else settings.amount, **kwargs)
+    if neutral:  # amount 0 by magnitude, no pattern: nothing changes
+        kwargs = settings.kwargs() | {"pattern": None, "method": "l1_unstructured"}
+        kwargs.pop("blocks", None)
+        return prune(model, 0.0, **kwargs)
+    return prune(model, settings.amount, calibration=calibration.get("prune"), **settings.kwargs())
 
 
-def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     if neutral:  # quantization off
         return Handle("quantize", model)
-    return quantize(model, calibration=calibration, **config.quantize.kwargs())
+    return quantize(model, calibration=calibration.get("quantize"), **config.quantize.kwargs())
 
 
-def _rewrite(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+def _rewrite(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     settings = config.rewrite
     fn = rewrite_from_config("identity") if neutral else rewrite_from_config(settings.name, **settings.kwargs)
     return rewrite_inputs(model, fn, select=settings.select, exclude=settings.exclude or None)
 
 
-def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: list) -> Handle:
+def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     settings = config.finetune
     if neutral:  # no training
         return Handle("finetune", model)
@@ -50,17 +53,17 @@ APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite
 
 
 def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
-                calibration: list | None = None) -> HandleGroup:
+                calibration: dict | None = None) -> HandleGroup:
     """Apply ``config.steps`` in order; if one fails, undo those already applied and re-raise.
 
     ``neutral=True`` applies the same steps with settings that must not change any output
-    (prune amount 0, quantization off, identity rewrite): the ``identity`` check. ``calibration`` batches feed
-    activation quantization.
+    (prune amount 0, quantization off, identity rewrite): the ``identity`` check. ``calibration`` holds
+    each calibrated step's batches by step name (prune, quantize).
     """
     handles: list[Handle] = []
     try:
         for step in config.steps:
-            handles.append(APPLIERS[step](model, config, neutral, calibration or []))
+            handles.append(APPLIERS[step](model, config, neutral, calibration or {}))
     except BaseException as err:
         _undo(handles, model, err)
         raise
@@ -90,7 +93,7 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
                 handles.append(quantize(model, weights=None, activations=q.activation_spec(), select=q.select,
                                         exclude=q.exclude or None, where=q.where, qparams=qparams, progress=False))
             elif step == "rewrite":
-                handles.append(_rewrite(model, config, False, []))
+                handles.append(_rewrite(model, config, False, {}))
     except BaseException as err:
         _undo(handles, model, err)
         raise
