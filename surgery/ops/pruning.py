@@ -247,8 +247,8 @@ def prune(
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with gradients; pass "
                           "calibration (inputs, target) pairs (and loss=, default cross-entropy)")
     if criterion.needs_calibration and calibration is None:
-        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with activation statistics; "
-                          "pass calibration batches")
+        uses = "solves each layer with its input Hessian" if criterion.reconstruct else "scores with activation statistics"
+        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} {uses}; pass calibration batches")
     selection = prune_targets(model, select, exclude, spec.dim)
     targets = {name: target.param for name, target in selection.matched.items()}
     guards.check_editable(targets, "prune.select")

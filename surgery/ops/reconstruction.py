@@ -50,7 +50,7 @@ def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[
     pruned entries are exactly zero.
     """
     rows, cols = weight.shape
-    w = weight.detach().float().clone()
+    w = weight.detach().float().clone(memory_format=torch.contiguous_format)
     factor = inverse_factor(hessian, damping, name)
     keep = torch.ones_like(w, dtype=torch.bool)
     if pattern is not None:
@@ -97,7 +97,7 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
     whatever ``qparams_of`` returned for the whole matrix.
     """
     rows, cols = weight.shape
-    w = weight.detach().float().clone()
+    w = weight.detach().float().clone(memory_format=torch.contiguous_format)
     factor = inverse_factor(hessian, damping, name)
     scale, zero_point = (None, None) if group_size else qparams_of(w)
     scales, zero_points = [], []

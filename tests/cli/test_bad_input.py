@@ -195,6 +195,10 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
+    ApiCase("calibrated", lambda m, *_: surgery.prune(m, 0.5, method="sparsegpt", progress=False), ConfigError,
+            "prune.calibration", "sparsegpt"),
+    ApiCase("calibrated", lambda m, *_: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False),
+            ConfigError, "quantize.calibration", "gptq"),
     ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.7, pattern="2:4", progress=False), ConfigError,
             "prune.amount", "0.7"),
     ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.5, pattern="2-4", progress=False), ConfigError,
@@ -455,6 +459,9 @@ HUGE = "1" + "0" * 400
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 
 CLI_CASES = [
+    CliCase("calibrated", ("recipe=prune_mnist1d", "prune.scope=global"), "prune.scope='global'"),
+    CliCase("calibrated", ("recipe=quantize_mnist1d", "quantize.weights.group_size=0"),
+            "quantize.weights.group_size=0"),
     CliCase("pattern", (*FAST, "prune.pattern=2-4"), "prune.pattern"),
     CliCase("pattern", (*FAST, "prune.pattern=2:4"), "prune.pattern"),
     CliCase("pattern", (*FAST, "prune.amount=0.7", "prune.pattern=2:4"), "prune.amount"),

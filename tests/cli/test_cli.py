@@ -300,3 +300,21 @@ def test_inspect_reports_per_layer_gradients_against_labels(tmp_path):
     assert sum(row["share"] for row in rows.values() if row["share"] is not None) == pytest.approx(1.0)
     assert all(rows[name]["weight_grad_norm"] > 0 for name in ("conv1", "fc2"))
     assert (tmp_path / "gradients.png").exists() and "## Gradients (inspect)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("recipe,overrides,key,expected", [
+    ("prune_mnist1d", (), "sparsity", 0.7),
+    ("prune_mnist1d", ("prune.method=wanda", "prune.amount=0.5", "prune.pattern=2:4", "prune.exclude=[conv1]"),
+     "sparsity", 0.5),
+    ("quantize_mnist1d", (), None, None),
+])
+def test_calibrated_mnist1d_recipes_report_real_accuracy_offline(tmp_path, recipe, overrides, key, expected):
+    result = surgery(f"recipe={recipe}", *overrides, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["ok"] and all(check["passed"] for check in data["checks"])
+    accuracy = data["accuracy"]
+    assert accuracy["reference"] == pytest.approx(0.879)  # the shipped checkpoint on the 1000 test signals
+    assert 0.3 < accuracy["candidate"] < accuracy["reference"]  # calibrated methods keep most of it
+    if key:
+        assert data[key] == pytest.approx(expected, abs=1e-3)
