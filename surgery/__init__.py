@@ -29,6 +29,7 @@ from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, regi
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import register_rewrite, rewrite_inputs
+from surgery.ops.smoothing import SmoothHandle, smooth
 from surgery.core.selection import select
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "RuleNeverFiredError",
     "RuleNeverFiredWarning",
     "SelectionError",
+    "SmoothHandle",
     "SurgeryError",
     "UndoError",
     "attach_transform",
@@ -71,4 +73,5 @@ __all__ = [
     "rewrite_inputs",
     "rules",
     "select",
+    "smooth",
 ]

@@ -1,0 +1,232 @@
+"""``surgery.smooth``: SmoothQuant scale migration from activations to weights, restorable.
+
+Large outlier channels in a layer's inputs make per-tensor activation quantization coarse.
+SmoothQuant (Xiao et al. 2023) divides each input channel ``j`` by
+``s_j = max|X_j|^α / max|W_:,j|^(1−α)`` and multiplies the weights that read it by ``s_j``:
+the outputs do not change, and the activations get easier to quantize. The division is folded
+into what produces the inputs, a normalisation layer (LayerNorm, RMSNorm: its weight and
+bias), so nothing runs at inference. Pairs (a norm, the Linear / Conv1D layers reading its
+output directly) are found by one traced forward, or named explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core import compiled, guards
+from surgery.core.capture import Capture
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.inputs import Inputs, batches, run_batches
+from surgery.core.targets import is_hf_conv1d
+from surgery.core.transforms import attach_all
+
+
+class Rescaled:
+    """A one-time rewrite of a parameter to smoothed values (``kind="smooth"``): written when
+    attached; later re-applications change nothing, so training moves the smoothed weights
+    freely. ``restore()`` puts the original values back."""
+
+    kind = "smooth"
+    rewrites = True
+
+    def __init__(self, value: Tensor) -> None:
+        self.pending: Tensor | None = value
+
+    def apply(self, param: Tensor) -> None:
+        if self.pending is not None:
+            with torch.no_grad():
+                param.copy_(self.pending.to(param.device, param.dtype))
+            self.pending = None
+
+
+@dataclass
+class SmoothPair:
+    """A normalisation layer, the layers reading its output, and the scales migrated."""
+
+    norm: str
+    layers: list[str]
+    scales: Tensor = field(repr=False)
+
+
+class SmoothHandle(Handle):
+    """Handle returned by :func:`smooth`; ``pairs`` lists what was smoothed, with the scales."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("smooth", model)
+        self.pairs: list[SmoothPair] = []
+
+
+class AbsMax:
+    """Per-feature max |x| over every other axis (the last axis is the feature axis)."""
+
+    def __init__(self, name: str = "", module: nn.Module | None = None) -> None:
+        self.value: Tensor | None = None
+
+    def update(self, tensor: Tensor) -> None:
+        found = tensor.detach().abs().reshape(-1, tensor.shape[-1]).amax(0).float()
+        self.value = found if self.value is None else torch.maximum(self.value, found)
+
+    def result(self) -> Tensor | None:
+        return self.value
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A last-axis normalisation with a per-feature weight: ``nn.LayerNorm`` (affine), or any
+    ``*RMSNorm`` class with a 1-d ``weight`` (Llama, T5, ``nn.RMSNorm``)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return False
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def _reads_last_axis(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+
+
+def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
+    """``{norm: [layers]}``: each normalisation layer whose output tensor itself is the input
+    of Linear / Conv1D layers, seen in one forward on the first batch of ``sample``."""
+    named = dict(model.named_modules())
+    produced: dict[int, tuple[str, Tensor]] = {}  # id(output) -> (norm, output): kept alive, so ids stay unique
+    pairs: dict[str, list[str]] = {}
+    hooks = []
+
+    def record_output(name: str):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if isinstance(output, Tensor):
+                produced[id(output)] = (name, output)
+        return hook
+
+    def match_input(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            found = produced.get(id(args[0])) if args else None
+            if found is not None and found[1] is args[0] and name not in pairs.get(found[0], []):
+                pairs.setdefault(found[0], []).append(name)
+        return hook
+
+    try:
+        for name, module in named.items():
+            if is_norm(module):
+                hooks.append(module.register_forward_hook(record_output(name)))
+            elif _reads_last_axis(module):
+                hooks.append(module.register_forward_pre_hook(match_input(name)))
+        first = next(iter(batches(sample, "smooth.calibration")))
+        with torch.no_grad():
+            first(model)
+    finally:
+        for hook in reversed(hooks):
+            hook.remove()
+    return pairs
+
+
+def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
+           pairs: Mapping[str, Iterable[str]] | None = None, progress: bool = True) -> SmoothHandle:
+    """Migrate activation outliers into weights (SmoothQuant); return a handle that undoes it.
+
+    Args:
+        model: the model to modify in place (outputs stay the same up to float rounding).
+        alpha: migration strength in [0, 1]: 0 leaves activations as they are, 1 moves all of
+            their range into the weights; 0.5 is the paper's default, 0.75-0.85 for models with
+            strong outliers.
+        calibration: batches run through the model to measure each channel's max |x|.
+        pairs: ``{norm: [layers reading its output]}``; default found by a traced forward
+            (every LayerNorm / RMSNorm feeding Linear or Hugging Face Conv1D layers directly).
+        progress: a progress bar over calibration batches (on a terminal).
+
+    Returns:
+        A :class:`SmoothHandle`: ``restore()`` gives back every original value bit for bit;
+        ``bake()`` keeps the smoothed model. Quantize afterwards, e.g. W8A8 with
+        ``where="input"``.
+
+    Example:
+        >>> handle = surgery.smooth(model, 0.8, calibration=batches)
+        >>> surgery.quantize(model, activations=QuantSpec(bits=8), where="input", calibration=batches)
+    """
+    model = compiled.prepare(model)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ConfigError("smooth.alpha", alpha, "must be a number in [0, 1] (0.5 is SmoothQuant's default)")
+    found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
+    if not found:
+        raise ConfigError("smooth.pairs", None if pairs is None else dict(pairs), "found no normalisation layer "
+                          "(LayerNorm, RMSNorm) whose output feeds Linear or Conv1D layers directly; name the pairs "
+                          "as {norm: [layers]}")
+    named = dict(model.named_modules())
+    maxima = _input_maxima(model, named, found, calibration, progress)
+    updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
+    handle = SmoothHandle(model)
+    for norm, layers in found.items():
+        scales = _scales(named, norm, layers, maxima[layers[0]], alpha)
+        handle.pairs.append(SmoothPair(norm, list(layers), scales))
+        for attribute in ("weight", "bias"):
+            param = getattr(named[norm], attribute, None)
+            if isinstance(param, nn.Parameter):
+                updates[f"{norm}.{attribute}"] = (param, Rescaled(param.detach() / scales.to(param.dtype)))
+        for layer in layers:
+            weight = named[layer].weight
+            column = scales.view(-1, 1) if is_hf_conv1d(named[layer]) else scales
+            updates[f"{layer}.weight"] = (weight, Rescaled(weight.detach() * column.to(weight.dtype)))
+    for name, (param, _) in updates.items():
+        if guards.transforms_of(param):
+            kinds = ", ".join(t.kind for t in guards.transforms_of(param))
+            raise ConfigError("smooth.pairs", name, f"already has {kinds} attached; smooth first, then prune or "
+                              "quantize (SmoothQuant rescales the weights those were computed on)")
+    try:
+        attach_all(handle, model, updates, "smooth hook")
+    except BaseException as err:
+        handle.rollback(err)
+        raise
+    return handle
+
+
+def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:
+    if not isinstance(pairs, Mapping):
+        raise ConfigTypeError("smooth.pairs", pairs, "must be a dict {norm: [layers reading its output]}")
+    named = dict(model.named_modules())
+    checked: dict[str, list[str]] = {}
+    for norm, layers in pairs.items():
+        if norm not in named or not is_norm(named[norm]):
+            raise ConfigError("smooth.pairs", norm, "is not a LayerNorm or RMSNorm of the model")
+        layers = [layers] if isinstance(layers, str) else list(layers)
+        features = named[norm].weight.numel()
+        for layer in layers:
+            module = named.get(layer)
+            if module is None or not _reads_last_axis(module):
+                raise ConfigError("smooth.pairs", layer, "is not a Linear or Conv1D layer of the model")
+            inputs = module.weight.shape[0] if is_hf_conv1d(module) else module.weight.shape[1]
+            if inputs != features:
+                raise ConfigError("smooth.pairs", layer, f"reads {inputs} features; {norm} produces {features}")
+        if not layers:
+            raise ConfigError("smooth.pairs", norm, "lists no layer")
+        checked[norm] = layers
+    return checked
+
+
+def _input_maxima(model: nn.Module, named: dict[str, nn.Module], found: dict[str, list[str]], calibration: Inputs,
+                  progress: bool) -> dict[str, Tensor]:
+    layers = {pair[0]: named[pair[0]] for pair in found.values()}
+    with Capture(model, layers, ("inputs",), AbsMax) as seen:
+        count = run_batches(model, calibration, field="smooth.calibration", progress=progress)
+    if not count:
+        raise ConfigError("smooth.calibration", "0 batches", "must hold at least one batch")
+    maxima = seen.inputs
+    for layer in layers:
+        if maxima.get(layer) is None:
+            raise ConfigError("smooth.calibration", layer, "this layer received no input during calibration")
+    return maxima
+
+
+def _scales(named: dict[str, nn.Module], norm: str, layers: list[str], activation: Tensor, alpha: float) -> Tensor:
+    """``s_j = max|X_j|^α / max|W_:,j|^(1−α)``, clamped away from zero; 1 for dead channels."""
+    weights = [named[layer].weight.detach().float() for layer in layers]
+    columns = torch.stack([(w.abs().amax(1) if is_hf_conv1d(named[layer]) else w.abs().amax(0))
+                           for w, layer in zip(weights, layers)]).amax(0)
+    scales = activation.clamp(min=1e-5).pow(alpha) / columns.clamp(min=1e-5).pow(1 - alpha)
+    scales = torch.where((activation == 0) | (columns == 0), torch.ones_like(scales), scales)
+    if not torch.isfinite(scales).all():
+        raise ConfigError("smooth.calibration", norm, "gave non-finite scales (NaN or Inf inputs?)")
+    return scales
