@@ -15,9 +15,9 @@ from surgery.ops.criteria import as_criterion
 from surgery.ops.pruning import check_pattern, validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite", "finetune")
-MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn")
-DATA_KINDS = ("synthetic", "digits", "mnist1d")
-LABELLED_KINDS = ("digits", "mnist1d")  # real data with labels: accuracy, fine-tuning
+MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm")
+DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm")
+LABELLED_KINDS = ("digits", "mnist1d", "tinylm")  # real data with labels: accuracy, fine-tuning
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 
@@ -36,8 +36,8 @@ class ModelConfig:
     """Which model to build: ``source`` + ``name``, optionally loading a checkpoint.
 
     ``source: digits_cnn`` is surgery's small CNN for the digits data, ``mnist1d_cnn`` its 1-d
-    CNN for MNIST-1D; ``weights: shipped`` loads their trained checkpoints (reproduced by
-    ``scripts/train_digits_cnn.py`` and ``scripts/train_mnist1d_cnn.py``).
+    CNN for MNIST-1D, ``tinylm`` its byte-level transformer language model; ``weights:
+    shipped`` loads their trained checkpoints (reproduced by the scripts in ``scripts/``).
     """
 
     source: str = "torchvision"
@@ -53,8 +53,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """The inputs used by the checks: ``synthetic`` is seeded Gaussian noise images; ``digits``
-    is the test split of scikit-learn's 8x8 digits and ``mnist1d`` the test split of MNIST-1D
-    (labels give accuracy), ``batches`` of ``batch_size`` (channels and image_size do not apply
+    is the test split of scikit-learn's 8x8 digits, ``mnist1d`` the test split of MNIST-1D and
+    ``tinylm`` the held-out bytes of the language model's corpus (labels give accuracy; for
+    ``tinylm`` also perplexity), ``batches`` of ``batch_size`` (channels and image_size do not apply
     to them, and their splits are always the ones the shipped checkpoints were trained
     against, so ``seed`` does not apply either)."""
 
@@ -325,7 +326,7 @@ class RunConfig:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
         if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
             raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
-                              f"{self.data.kind!r}; use data=digits or data=mnist1d")
+                              f"{self.data.kind!r}; use data=digits, mnist1d or tinylm")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)

@@ -66,6 +66,10 @@ def labelled_source(kind: str) -> LabelledBatches | None:
         from surgery.cli.mnist1d import mnist1d_batches
 
         return mnist1d_batches
+    if kind == "tinylm":
+        from surgery.cli.tinylm import token_batches
+
+        return token_batches
     return None
 
 
@@ -92,7 +96,7 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
     source = labelled_source(config.kind)
     if source is None:
         raise ConfigError(field, NO_VALUE, f"needs labelled batches (inputs, target) for its gradients and data.kind "
-                          f"is {config.kind!r}; use data=digits or data=mnist1d")
+                          f"is {config.kind!r}; use data=digits, mnist1d or tinylm")
     return source("train", config.batch_size, limit_batches=count)
 
 
@@ -102,7 +106,7 @@ def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tenso
     source = labelled_source(config.kind)
     if source is None:
         raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
-                          "use data=digits or data=mnist1d")
+                          "use data=digits, mnist1d or tinylm")
     from surgery.cli.digits import accuracy
 
     evaluation = load_data(config)

@@ -11,7 +11,7 @@ from torch import nn
 
 from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.config import ModelConfig
-from surgery.cli import digits, mnist1d
+from surgery.cli import digits, mnist1d, tinylm
 from surgery.core.errors import ConfigError
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.core.selection import describe
@@ -20,7 +20,8 @@ from surgery.ops.rules import Rule
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
 SHIPPED_MODELS = {"digits_cnn": (digits.DigitsCNN, digits.CHECKPOINT),  # source -> (class, trained checkpoint)
-                  "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT)}
+                  "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT),
+                  "tinylm": (tinylm.TinyLM, tinylm.CHECKPOINT)}
 
 
 def torchvision_names() -> list[str]:

@@ -219,6 +219,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         else:
             lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
                       "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        lines += ["", "## Perplexity (held-out bytes)", "", "| reference | candidate |", "| --- | --- |",
+                  f"| {ppl['reference']:.3f} | {ppl['candidate']:.3f} |"]
     if "finetune" in report:
         tuned = report["finetune"]
         lines += ["", "## Fine-tuning", "", f"{tuned['steps']} steps of {tuned['optimizer']} (lr {tuned['lr']}, "
@@ -284,5 +288,8 @@ def summary_table(report: dict[str, Any]) -> str:
         else:
             lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
                          f"drop {acc['drop_points']:.2f} points")
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)

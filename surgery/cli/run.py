@@ -125,6 +125,9 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
                 accuracy["before_finetune"] = tuned.curve[0].score
         if accuracy is not None:
             report["accuracy"] = accuracy
+        perplexities = _perplexity(models, config, data)
+        if perplexities is not None:
+            report["perplexity"] = perplexities
         if calls is not None:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
         if gradients is not None:
@@ -177,6 +180,16 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
+
+
+def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:
+    """Held-out perplexity of the unmodified and the modified language model (``data=tinylm``)."""
+    if config.data.kind != "tinylm":
+        return None
+    from surgery.cli.tinylm import perplexity
+
+    pairs = list(data.labelled())
+    return {"reference": perplexity(models.reference, pairs), "candidate": perplexity(models.model, pairs)}
 
 
 def _build(config: RunConfig) -> _Models:

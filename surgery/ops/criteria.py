@@ -235,18 +235,19 @@ def compute_masks(weights: list[Tensor], amount: float, *, method: Union[str, Sc
     return masks_from_scores(weights, scores, amount, scope=scope, structured=criterion.structured, dim=dim)
 
 
-def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float, *, scope: str, structured: bool,
-                      dim: int = 0) -> list[Tensor]:
+def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float | list[float], *, scope: str,
+                      structured: bool, dim: int = 0) -> list[Tensor]:
     """One boolean keep-mask per weight (``True`` keeps the entry) from its scores.
 
     ``amount`` is the fraction of entries (or of slices, when ``structured``) to prune, rounded
-    to the nearest whole count; the lowest scores go. With ``scope="global"`` the ranking is
-    shared by all weights.
+    to the nearest whole count, or one fraction per weight (``scope="layer"``); the lowest
+    scores go. With ``scope="global"`` the ranking is shared by all weights.
     """
     if scope == "global":
         keeps = _split(_keep_smallest_pruned(torch.cat([s.flatten().float() for s in scores]), amount), scores)
     else:
-        keeps = [_keep_smallest_pruned(s.flatten().float(), amount).view(s.shape) for s in scores]
+        each = amount if isinstance(amount, list) else [amount] * len(scores)
+        keeps = [_keep_smallest_pruned(s.flatten().float(), a).view(s.shape) for s, a in zip(scores, each)]
     if structured:
         keeps = [_expand(keep, w, dim) for keep, w in zip(keeps, weights)]
     return keeps

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -185,6 +186,7 @@ def prune(
     loss: Callable[[Any, Any], Tensor] | None = None,
     pattern: str | None = None,
     blocks: Selection | bool | None = None,
+    amounts: Mapping[str, float] | None = None,
     progress: bool = True,
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
@@ -223,6 +225,8 @@ def prune(
             (each fed by the already pruned blocks before it): default the decoder layers
             found automatically (:func:`surgery.core.sequential.find_blocks`), a selection,
             or ``False`` for layer-by-layer full forwards.
+        amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
+            listed (e.g. a plan from :meth:`surgery.Sensitivity.plan`); ``scope="layer"`` only.
         progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
@@ -250,6 +254,7 @@ def prune(
         uses = "solves each layer with its input Hessian" if criterion.reconstruct else "scores with activation statistics"
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} {uses}; pass calibration batches")
     selection = prune_targets(model, select, exclude, spec.dim)
+    per_layer = layer_amounts(selection, spec, amounts)
     targets = {name: target.param for name, target in selection.matched.items()}
     guards.check_editable(targets, "prune.select")
     current = {name: guards.current_value(p) for name, p in targets.items()}  # as attached transforms keep them
@@ -263,7 +268,7 @@ def prune(
         raise ConfigError("prune.loss", getattr(loss, "__name__", type(loss).__name__), f"is only used by gradient "
                           f"criteria such as 'taylor', not {criterion.name!r}")
     if criterion.reconstruct is not None:
-        return _prune_reconstructing(model, selection, spec, calibration, blocks, progress)
+        return _prune_reconstructing(model, selection, spec, calibration, blocks, progress, per_layer)
     if blocks is not None:
         raise ConfigError("prune.blocks", blocks, f"applies to second-order methods (sparsegpt), not {criterion.name!r}")
     if calibration is None:
@@ -277,8 +282,9 @@ def prune(
         axes = [0 if is_hf_conv1d(t.module) and t.attribute == "weight" else 1 for t in selection.matched.values()]
         masks = masks_n_m(scores, list(current), axes, *parse_pattern(spec.pattern))
     else:
-        masks = masks_from_scores(list(current.values()), scores, spec.amount, scope=spec.scope,
-                                  structured=criterion.structured, dim=spec.dim)
+        masks = masks_from_scores(list(current.values()), scores, [per_layer[name] for name in current]
+                                  if amounts else spec.amount, scope=spec.scope, structured=criterion.structured,
+                                  dim=spec.dim)
     handle = PruneHandle(model, selection, spec)
     try:
         enforcers = {name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)}
@@ -291,7 +297,7 @@ def prune(
 
 
 def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec, calibration: Inputs,
-                          blocks: Selection | bool | None, progress: bool) -> PruneHandle:
+                          blocks: Selection | bool | None, progress: bool, per_layer: dict[str, float]) -> PruneHandle:
     """A second-order criterion: each layer's mask and updated weights from its input Hessian,
     layer after layer on the already pruned model, attached as one restorable handle."""
     criterion = spec.criterion
@@ -305,7 +311,7 @@ def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec,
         order = _input_major(selection_modules[layer], matrix.shape[1]) if pattern else None
         if order is not None:
             matrix, hessian = matrix[:, order], hessian[order][:, order]
-        new, keep = criterion.reconstruct(matrix, hessian, spec.amount, pattern=pattern, name=layer)
+        new, keep = criterion.reconstruct(matrix, hessian, per_layer[f"{layer}.weight"], pattern=pattern, name=layer)
         if order is not None:
             new, keep = new[:, order.argsort()], keep[:, order.argsort()]
         return new, (keep,)
@@ -330,6 +336,25 @@ def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec,
         handle.rollback(err)
         raise
     return handle
+
+
+def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, float] | None) -> dict[str, float]:
+    """The amount of each selected parameter: ``amounts[layer]`` where given, else ``spec.amount``."""
+    per_layer = {name: spec.amount for name in selection.matched}
+    if amounts is None:
+        return per_layer
+    if not isinstance(amounts, Mapping):
+        raise ConfigTypeError("prune.amounts", amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)")
+    if spec.scope != "layer" or spec.pattern is not None:
+        raise ConfigError("prune.amounts", dict(amounts), "sets one amount per layer: use scope='layer' and no pattern")
+    layers = {target.module_name: name for name, target in selection.matched.items()}
+    for layer, amount in amounts.items():
+        if layer not in layers:
+            close = difflib.get_close_matches(str(layer), list(layers), n=3)
+            raise ConfigError("prune.amounts", layer, "is not a selected layer", f"closest: {', '.join(close)}" if close
+                              else f"selected: {', '.join(list(layers)[:5])}...")
+        per_layer[layers[layer]] = validate_arguments(amount, "l1_unstructured", "layer", 2.0, 0)[0]
+    return per_layer
 
 
 def _input_major(module: nn.Module, columns: int) -> Tensor | None:
