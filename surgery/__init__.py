@@ -29,6 +29,7 @@ from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, regi
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import register_rewrite, rewrite_inputs
+from surgery.ops.sensitivity import Sensitivity, sensitivity
 from surgery.ops.smoothing import SmoothHandle, smooth
 from surgery.core.selection import select
 
@@ -56,6 +57,7 @@ __all__ = [
     "RuleNeverFiredError",
     "RuleNeverFiredWarning",
     "SelectionError",
+    "Sensitivity",
     "SmoothHandle",
     "SurgeryError",
     "UndoError",
@@ -73,5 +75,6 @@ __all__ = [
     "rewrite_inputs",
     "rules",
     "select",
+    "sensitivity",
     "smooth",
 ]

@@ -87,12 +87,29 @@ class PruneConfig:
     pattern: Optional[str] = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
     calibration_batches: int = 8  # batches of the data's calibration split, for calibrated methods
     blocks: Any = None  # sparsegpt: blocks calibrated in sequence (null: found automatically; false: layer by layer)
+    amounts: Any = None  # {layer: amount} overriding amount, or the path of a plan.yaml from recipe=sensitivity
 
     def __post_init__(self) -> None:
         validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
         if self.pattern is not None:
             check_pattern(self.pattern, float(self.amount), as_criterion(self.method))
         _positive_int("prune.calibration_batches", self.calibration_batches)
+        self.layer_amounts()  # a missing or malformed plan file is refused before any work
+
+    def layer_amounts(self) -> dict[str, float] | None:
+        """``amounts`` as a dict: given inline, or read from a plan YAML file."""
+        if self.amounts is None or isinstance(self.amounts, dict):
+            return self.amounts
+        if not isinstance(self.amounts, str):
+            raise ConfigError("prune.amounts", self.amounts, "must be {layer: amount} or the path of a plan.yaml")
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(self.amounts))
+        except (OSError, OmegaConfBaseException) as err:
+            raise ConfigError("prune.amounts", self.amounts, f"cannot be read as a plan YAML file "
+                              f"({type(err).__name__})") from None
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+            raise ConfigError("prune.amounts", self.amounts, "must hold a mapping {layer: amount}")
+        return loaded
 
     @property
     def calibrated(self) -> bool:
@@ -104,7 +121,32 @@ class PruneConfig:
         blocks = {} if self.blocks is None else {"blocks": self.blocks}
         return {"method": self.method, "scope": self.scope, "select": self.select,
                 "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed,
-                "pattern": self.pattern} | blocks
+                "pattern": self.pattern, "amounts": self.layer_amounts()} | blocks
+
+
+@dataclass
+class SensitivityConfig:
+    """Arguments of :func:`surgery.sensitivity`: each selected layer pruned alone at each of
+    ``amounts`` and measured (accuracy with labelled data, perplexity for ``data=tinylm``, else
+    output drift); with ``target_sparsity``, a per-layer plan written to ``plan.yaml``."""
+
+    amounts: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
+    method: str = "l1_unstructured"
+    select: Any = None
+    exclude: Any = None
+    target_sparsity: Optional[float] = None
+    calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt)
+
+    def __post_init__(self) -> None:
+        validate_arguments(0.5, self.method, "layer", 2.0, 0)
+        _positive_int("sensitivity.calibration_batches", self.calibration_batches)
+        for amount in self.amounts:
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 < amount <= 1.0:
+                raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")
+        target = self.target_sparsity
+        if target is not None and not 0.0 <= target <= max(self.amounts, default=0.0):
+            raise ConfigError("sensitivity.target_sparsity", target, f"must be null or a number in "
+                              f"[0, {max(self.amounts, default=0.0):g}] (the largest amount tried)")
 
 
 @dataclass
@@ -309,12 +351,13 @@ class RunConfig:
     rewrite: Optional[RewriteConfig] = None
     finetune: Optional[FinetuneConfig] = None
     inspect: bool = False
+    sensitivity: Optional[SensitivityConfig] = None  # per-layer sensitivity table and plan (recipe=sensitivity)
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        if not self.steps and not self.build and not self.inspect:
+        if not self.steps and not self.build and not self.inspect and self.sensitivity is None:
             raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)} "
                               "(or the recipe must have build: rules)")
         for index, step in enumerate(self.steps):
@@ -346,7 +389,8 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         _check_integers(cfg, "")
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSettings()),
-                                                rewrite=RewriteConfig(), finetune=FinetuneConfig()))
+                                                rewrite=RewriteConfig(), finetune=FinetuneConfig(),
+                                                sensitivity=SensitivityConfig()))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

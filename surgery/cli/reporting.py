@@ -71,6 +71,9 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(point["score"] is not None for point in report.get("finetune", {}).get("curve", [])):
         written.append(out_dir / "finetune.png")
         write_atomically(written[-1], lambda tmp: plot_finetune(report, tmp))
+    if plots and report.get("sensitivity", {}).get("rows"):
+        written.append(out_dir / "sensitivity.png")
+        write_atomically(written[-1], lambda tmp: plot_sensitivity(report, tmp))
     return written
 
 
@@ -93,6 +96,59 @@ def plot_gradients(report: dict[str, Any], path: Path) -> None:
     norm.set_xscale("log")
     norm.set_xlabel("‖∂L/∂w‖ (RMS over batches)")
     fig.suptitle(f"{report['recipe']}: gradients of {report['model']} ({report['gradients']['loss']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
+    """The sensitivity table (score per layer and amount) and the plan, as markdown lines."""
+    result = report["sensitivity"]
+    layers, amounts, grid = sensitivity_grid(report)
+    lines = [f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
+             f"unpruned {result['baseline']:.4g})", "", f"Each layer pruned alone by {result['method']}.", "",
+             "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |", "| --- |" + " --- |" * len(amounts)]
+    lines += [f"| {layer} | " + " | ".join(_fmt(v) for v in row) + " |" for layer, row in zip(layers, grid)]
+    if "plan" in result:
+        plan = result["plan"]
+        lines += ["", f"Plan reaching {plan['target_sparsity']:g} sparsity over these layers (plan.yaml, for "
+                  "`prune.amounts`):", "", "| layer | amount |", "| --- | --- |"]
+        lines += [f"| {layer} | {amount:.4g} |" for layer, amount in plan["amounts"].items()]
+    return lines
+
+
+def sensitivity_grid(report: dict[str, Any]) -> tuple[list[str], list[float], list[list[float | None]]]:
+    """(layers, amounts, score per layer and amount) of a sensitivity report."""
+    rows = report["sensitivity"]["rows"]
+    layers = list(dict.fromkeys(row["layer"] for row in rows))
+    amounts = sorted({row["amount"] for row in rows})
+    found = {(row["layer"], row["amount"]): row["score"] for row in rows}
+    return layers, amounts, [[found.get((layer, amount)) for amount in amounts] for layer in layers]
+
+
+def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
+    """Heatmap of the damage (score worse than unpruned) of each layer pruned alone at each amount."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    result = report["sensitivity"]
+    layers, amounts, _ = sensitivity_grid(report)
+    damage = {(row["layer"], row["amount"]): row["damage"] for row in result["rows"]}
+    grid = [[damage.get((layer, amount), float("nan")) for amount in amounts] for layer in layers]
+    fig, ax = plt.subplots(figsize=(1.4 * len(amounts) + 3.5, 0.35 * len(layers) + 1.8))
+    image = ax.imshow(grid, aspect="auto", cmap="magma_r")
+    ax.set_xticks(range(len(amounts)), [f"{a:g}" for a in amounts])
+    ax.set_yticks(range(len(layers)), layers)
+    ax.set_xlabel("amount pruned (this layer alone)")
+    top = max((v for row in grid for v in row if v == v), default=0.0)
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7,
+                    color="white" if value > 0.6 * top else "black")
+    fig.colorbar(image, ax=ax, label=f"damage ({result['metric']} {'lost' if result['higher_is_better'] else 'gained'})")
+    ax.set_title(f"{report['recipe']}: which layers of {report['model']} hurt most ({result['method']})")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
@@ -219,6 +275,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         else:
             lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
                       "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+    if "sensitivity" in report:
+        lines += ["", *sensitivity_markdown(report)]
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines += ["", "## Perplexity (held-out bytes)", "", "| reference | candidate |", "| --- | --- |",
@@ -288,6 +346,15 @@ def summary_table(report: dict[str, Any]) -> str:
         else:
             lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
                          f"drop {acc['drop_points']:.2f} points")
+    if "sensitivity" in report:
+        result = report["sensitivity"]
+        layers, amounts, grid = sensitivity_grid(report)
+        lines.append(f"  sensitivity ({result['metric']}, unpruned {result['baseline']:.4g}), layer x amount:")
+        lines.append("    " + " " * 24 + "".join(f"{a:>9g}" for a in amounts))
+        lines += ["    " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
+        if "plan" in result:
+            lines.append(f"  plan for {result['plan']['target_sparsity']:g} sparsity: " +
+                         ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items()))
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")

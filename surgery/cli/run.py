@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from tqdm import tqdm
 
 from surgery.cli import checks
 from surgery.cli.build import neutral, rules_from_config
-from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors
+from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
 from surgery.core.errors import ConfigError
@@ -26,13 +27,15 @@ from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
 from surgery.ops.finetuning import FinetuneHandle
+from surgery.ops.sensitivity import sensitivity
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
+PLAN = "plan.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
 OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
-           "finetune.png", "gradients.png")
+           "finetune.png", "gradients.png", "sensitivity.png", PLAN)
 
 
 @dataclass
@@ -97,6 +100,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     check_runs(models.reference, inputs, config.model.name)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     gradients = _gradients(models.model, data) if config.inspect else None
+    layer_sensitivity = _sensitivity(config, models.model, data, stage.path) if config.sensitivity else None
     built = time.perf_counter()
     with restored_on_error():  # no optimizer step hook outlives a failure
         handle = apply_steps(models.model, config, calibration=calibration)
@@ -132,6 +136,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
         if gradients is not None:
             report["gradients"] = gradients
+        if layer_sensitivity is not None:
+            report["sensitivity"] = layer_sensitivity
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 
@@ -180,6 +186,39 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
+
+
+def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) -> dict[str, Any]:
+    """Each selected layer pruned alone at each amount (``recipe=sensitivity``), measured by
+    perplexity (``data=tinylm``), accuracy (labelled data) or output drift; with a target
+    sparsity, the per-layer plan, also written as ``plan.yaml`` for ``prune.amounts``."""
+    settings = config.sensitivity
+    if config.data.kind == "tinylm":
+        from surgery.cli.tinylm import perplexity
+
+        measure = {"evaluate": lambda m: perplexity(m, list(data.labelled())), "higher_is_better": False}
+    elif data.labels is not None:
+        from surgery.cli.digits import accuracy
+
+        measure = {"evaluate": lambda m: accuracy(m, data.labelled()), "higher_is_better": True}
+    else:
+        measure = {"inputs": data.inputs}
+    calibrated = as_criterion(settings.method).needs_calibration
+    table = sensitivity(model, settings.amounts, method=settings.method, select=settings.select,
+                        exclude=settings.exclude or None, progress=True, **measure,
+                        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated else None)
+    result = {"metric": {"perplexity": "perplexity"}.get(config.data.kind, "accuracy" if data.labels is not None
+                                                           else "drift (1 - cosine)"),
+              "baseline": table.baseline, "higher_is_better": table.higher_is_better, "method": settings.method,
+              "rows": table.as_rows()}
+    if settings.target_sparsity is not None:
+        plan = table.plan(settings.target_sparsity)
+        result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}
+        lines = [f"# per-layer amounts from recipe={config.recipe} ({result['metric']}, target sparsity "
+                 f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"]
+        lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in plan.items()]
+        write_atomically(folder / PLAN, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    return result
 
 
 def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:

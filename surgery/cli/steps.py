@@ -20,8 +20,8 @@ Applier = Callable[[nn.Module, RunConfig, bool, dict], Handle]
 
 def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     settings = config.prune
-    if neutral:  # amount 0 by magnitude, no pattern: nothing changes
-        kwargs = settings.kwargs() | {"pattern": None, "method": "l1_unstructured"}
+    if neutral:  # amount 0 everywhere by magnitude, no pattern: nothing changes
+        kwargs = settings.kwargs() | {"pattern": None, "method": "l1_unstructured", "amounts": None}
         kwargs.pop("blocks", None)
         return prune(model, 0.0, **kwargs)
     return prune(model, settings.amount, calibration=calibration.get("prune"), **settings.kwargs())

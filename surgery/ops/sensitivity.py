@@ -10,8 +10,10 @@ parameter), the ``amounts`` that :func:`surgery.prune` and ``prune.amounts`` acc
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -142,13 +144,25 @@ def sensitivity(model: nn.Module, amounts: Sequence[float] = (0.25, 0.5, 0.75, 0
     rows: list[SensitivityRow] = []
     trials = [(target, amount) for target in targets.values() for amount in amounts]
     for target, amount in tqdm(trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True):
-        handle = prune(model, amount, method=method, select=[target.name], calibration=calibration, progress=False)
+        with _quiet():  # one selection log line per trial would drown the table
+            handle = prune(model, amount, method=method, select=[target.name], calibration=calibration, progress=False)
         try:
             score = _score(evaluate, model, f"{target.module_name} at {amount:g}")
         finally:
             handle.restore()
         rows.append(SensitivityRow(target.module_name, amount, target.param.numel(), score))
     return Sensitivity(rows, metric, baseline, higher_is_better)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    logger = logging.getLogger("surgery")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_amounts(amounts: object) -> list[float]:
