@@ -195,6 +195,10 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
+    ApiCase("sensitivity", lambda m, *_: surgery.sensitivity(m, progress=False), ConfigError, "sensitivity.inputs",
+            "evaluate"),
+    ApiCase("sensitivity", lambda m, *_: surgery.prune(m, 0.5, amounts={"nope": 0.5}, progress=False), ConfigError,
+            "prune.amounts", "'nope'"),
     ApiCase("calibrated", lambda m, *_: surgery.prune(m, 0.5, method="sparsegpt", progress=False), ConfigError,
             "prune.calibration", "sparsegpt"),
     ApiCase("calibrated", lambda m, *_: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False),
@@ -459,6 +463,8 @@ HUGE = "1" + "0" * 400
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 
 CLI_CASES = [
+    CliCase("sensitivity", ("recipe=sensitivity", "sensitivity.target_sparsity=0.95"), "sensitivity.target_sparsity=0.95"),
+    CliCase("sensitivity", ("recipe=prune_mnist1d", "prune.amounts=missing.yaml"), "prune.amounts='missing.yaml'"),
     CliCase("calibrated", ("recipe=prune_mnist1d", "prune.scope=global"), "prune.scope='global'"),
     CliCase("calibrated", ("recipe=quantize_mnist1d", "quantize.weights.group_size=0"),
             "quantize.weights.group_size=0"),

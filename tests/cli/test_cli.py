@@ -318,3 +318,34 @@ def test_calibrated_mnist1d_recipes_report_real_accuracy_offline(tmp_path, recip
     assert 0.3 < accuracy["candidate"] < accuracy["reference"]  # calibrated methods keep most of it
     if key:
         assert data[key] == pytest.approx(expected, abs=1e-3)
+
+
+def test_sensitivity_recipe_writes_a_table_a_heatmap_and_a_plan_the_prune_recipe_accepts(tmp_path):
+    result = surgery("recipe=sensitivity", f"hydra.run.dir={tmp_path / 'sensitivity'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path / "sensitivity")
+    rows = data["sensitivity"]["rows"]
+    assert {row["layer"] for row in rows} == {"conv1", "conv2", "conv3", "fc1", "fc2"} and len(rows) == 20
+    assert (tmp_path / "sensitivity" / "sensitivity.png").stat().st_size > 10_000
+    assert "## Sensitivity" in (tmp_path / "sensitivity" / "report.md").read_text()
+    plan = data["sensitivity"]["plan"]["amounts"]
+    uniform = surgery("recipe=prune_mnist1d", "prune.method=l1_unstructured", f"hydra.run.dir={tmp_path / 'uniform'}",
+                      "checks.drift.max_accuracy_drop=null")
+    planned = surgery("recipe=prune_mnist1d", "prune.method=l1_unstructured",
+                      f"prune.amounts={tmp_path / 'sensitivity' / 'plan.yaml'}", f"hydra.run.dir={tmp_path / 'planned'}")
+    assert uniform.returncode == 0 and planned.returncode == 0, planned.stderr[-3000:]
+    by_plan, by_amount = report(tmp_path / "planned"), report(tmp_path / "uniform")
+    assert by_plan["sparsity"] == pytest.approx(0.7, abs=1e-3) == by_amount["sparsity"]
+    layers = {row["name"]: row["sparsity"] for row in by_plan["layers"] if row["sparsity"] is not None}
+    assert layers["conv1"] == pytest.approx(plan["conv1"], abs=0.01)
+    # measured: 0.227 with 70 % in every layer, 0.671 with the plan
+    assert by_plan["accuracy"]["candidate"] > by_amount["accuracy"]["candidate"] + 0.3
+
+
+def test_prune_tinylm_reports_held_out_perplexity(tmp_path):
+    result = surgery("recipe=prune_tinylm", "data.batches=4", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["ok"] and data["sparsity"] == pytest.approx(0.5, abs=1e-3)
+    assert 4.0 < data["perplexity"]["reference"] < data["perplexity"]["candidate"] < 6.0
+    assert "perplexity (held out)" in result.stdout and "## Perplexity" in (tmp_path / "report.md").read_text()

@@ -31,7 +31,8 @@ def test_recipe_folder_is_the_recipe_group():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_shipped_recipe_composes_and_converts(recipe):
     config = load_config(composed(f"recipe={recipe}"))
-    assert isinstance(config, RunConfig) and config.recipe == recipe and (config.steps or config.build or config.inspect)
+    assert isinstance(config, RunConfig) and config.recipe == recipe
+    assert config.steps or config.build or config.inspect or config.sensitivity
 
 
 def test_prune_resnet50_defaults():
