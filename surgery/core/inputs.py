@@ -40,7 +40,9 @@ class Call:
 
 def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:
     """The call for one batch: a tensor, a tuple/list of positional arguments or a mapping of
-    keyword arguments (string keys)."""
+    keyword arguments (string keys); a :class:`Call` is taken as it is."""
+    if isinstance(batch, Call):
+        return batch
     if isinstance(batch, Mapping):
         bad = next((key for key in batch if not isinstance(key, str)), None)
         if bad is not None:

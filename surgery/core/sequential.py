@@ -7,9 +7,12 @@ selected layers are taken in the order they first run and grouped into *stages*:
 - the layers inside one *block* (a transformer's decoder layer: an entry of the longest run of
   same-class modules in an ``nn.ModuleList``/``nn.Sequential``, found automatically, or the
   modules ``blocks=`` selects) form one stage. The block's inputs (positional and keyword,
-  e.g. attention masks) are caught once, by a forward stopped at the block; the block then
-  runs alone on them, and its outputs become the next block's inputs. Peak memory holds one
-  block's inputs and outputs for the calibration batches, not the model's activations;
+  e.g. attention masks; a key/value cache is dropped) are caught by a forward stopped at the
+  block; the block then runs alone on them, and its outputs become the next block's inputs
+  once a forward on the first batch confirms that they are what the next block receives
+  (otherwise its inputs are caught again). Peak memory holds one block's inputs and outputs
+  for the calibration batches, not the model's activations. A block called other than once
+  per forward is not treated as one;
 - any other layer is a stage of its own, fed by full forwards of the model.
 
 After each stage the caller's ``solve`` returns new values for its weights; they are written
@@ -102,6 +105,7 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
                 ) -> list[Stage]:
     """The stages, in the order the layers first run on the batch ``first``."""
     order: list[str] = []
+    calls = {name: 0 for name in block_names}
     hooks = []
 
     def seen(name: str) -> Callable:
@@ -110,9 +114,16 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
                 order.append(name)
         return hook
 
+    def called(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            calls[name] += 1
+        return hook
+
     try:
         for name, module in layers.items():
             hooks.append(module.register_forward_pre_hook(seen(name)))
+        for name in block_names:
+            hooks.append(model.get_submodule(name).register_forward_pre_hook(called(name)))
         first(model)
     finally:
         for hook in reversed(hooks):
@@ -121,9 +132,10 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
     if missing:
         raise ConfigError("calibration", missing[0], "this layer never ran on the calibration batches",
                           "give batches that run through it, or exclude it")
+    once = [name for name in block_names if calls[name] == 1]  # a block run twice (shared weights) is no block
     stages: list[Stage] = []
     for name in order:
-        block = next((b for b in block_names if name == b or name.startswith(b + ".")), None)
+        block = next((b for b in once if name == b or name.startswith(b + ".")), None)
         if block is not None and stages and stages[-1].block == block:
             stages[-1].layers.append(name)
         else:
@@ -156,17 +168,32 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
                 else:
                     block = model.get_submodule(stage.block)
                     inputs = cache[1] if cache is not None and cache[0] == stage.block else _catch(model, block, calls)
+                    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs))
                     hessians = _hessians(model, stage_layers, lambda: [block(*a, **k) for a, k in inputs])
                 _write(solve(hessians), stage, params, originals)
                 if stage.block is not None:
-                    outputs = [_next_inputs(block(*a, **k), a, k) for a, k in inputs]
-                    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
-                    cache = (_following(report.blocks, stage.block), outputs)
+                    cache = _outputs_for_next(model, report, stage.block, block, inputs, calls[0])
     finally:
         with torch.no_grad():
             for param, original in originals.values():
                 param.copy_(original)
     return report
+
+
+def _outputs_for_next(model: nn.Module, report: SequentialReport, name: str, block: nn.Module,
+                      inputs: list[tuple[tuple, dict]], first: Call) -> tuple[str, list[tuple[tuple, dict]]] | None:
+    """The (pruned) block's outputs as the following block's inputs, if the two chain."""
+    following = _following(report.blocks, name)
+    if following is None:
+        return None
+    first_output = _next_inputs(block(*inputs[0][0], **inputs[0][1]), *inputs[0])
+    if not _chains(model, model.get_submodule(following), first_output, first):
+        return None
+    outputs = [first_output] + [_next_inputs(block(*a, **k), a, k) for a, k in inputs[1:]]
+    if any(output is None for output in outputs):
+        return None
+    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
+    return following, outputs
 
 
 def _hessians(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], Any]) -> dict[str, dict[str, Any]]:
@@ -181,11 +208,12 @@ def _hessians(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], 
 
 
 def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[tuple, dict]]:
-    """The block's inputs for each batch, caught by a forward stopped at the block."""
+    """The block's inputs for each batch, caught by a forward stopped at the block (a key/value
+    cache among them is dropped: running the block again must not attend to its own past)."""
     caught: list[tuple[tuple, dict]] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        caught.append((args, dict(kwargs)))
+        caught.append((tuple(None if _is_cache(value) else value for value in args), _without_cache(kwargs)))
         raise _Stop
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
@@ -203,13 +231,51 @@ def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[
     return caught
 
 
-def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _is_cache(value: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache``...), which a block appends to."""
+    return type(value).__name__.endswith("Cache")
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """Keyword inputs with any key/value cache (``past_key_values``, a transformers ``Cache``)
+    set to None and ``use_cache`` off."""
+    clean = {key: None if "past_key_value" in key or _is_cache(value) else value for key, value in kwargs.items()}
+    if "use_cache" in clean:
+        clean["use_cache"] = False
+    return clean
+
+
+def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The next block's call: this block's output in place of its hidden states (the first
-    positional input, or ``hidden_states``); other inputs (masks, positions) are shared."""
-    hidden = output if isinstance(output, Tensor) else output[0]
+    positional input, or ``hidden_states``); other inputs (masks, positions) are shared.
+    ``None`` if the output or the call has no such place."""
+    hidden = output if isinstance(output, Tensor) else output[0] if isinstance(output, (tuple, list)) and output \
+        else None
+    if not isinstance(hidden, Tensor):
+        return None
     if args:
         return (hidden, *args[1:]), kwargs
-    return (), {**kwargs, "hidden_states": hidden}
+    if "hidden_states" in kwargs:
+        return (), {**kwargs, "hidden_states": hidden}
+    return None
+
+
+def _chains(model: nn.Module, block: nn.Module, predicted: tuple[tuple, dict] | None, first: Call) -> bool:
+    """Whether ``block`` receives ``predicted`` (the previous block's output in place of its
+    hidden states) on the first batch: checked once by a forward stopped at ``block``."""
+    if predicted is None:
+        return False
+    actual = _catch(model, block, [first])[0]
+    if len(actual[0]) != len(predicted[0]) or set(actual[1]) != set(predicted[1]):
+        return False
+    pairs = list(zip(actual[0], predicted[0])) + [(actual[1][k], predicted[1][k]) for k in actual[1]]
+    for real, guess in pairs:
+        if isinstance(real, Tensor) != isinstance(guess, Tensor):
+            return False
+        if isinstance(real, Tensor) and (real.shape != guess.shape or real.dtype != guess.dtype
+                                         or not torch.allclose(real.float(), guess.float(), rtol=1e-4, atol=1e-5)):
+            return False
+    return True
 
 
 def _following(blocks: list[str], block: str) -> str | None:

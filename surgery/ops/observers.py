@@ -277,11 +277,18 @@ class Grid:
         return (scale, zero_point) if self.per_row else (scale.reshape(()), zero_point.reshape(()))
 
     def group_qparams(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        """(outputs, groups) scales and zero points for round-to-nearest by groups."""
+        """(outputs, groups) scales and zero points for round-to-nearest by groups (a last,
+        shorter group is observed on its own entries only)."""
         size = self.spec.group_size
-        padded = torch.nn.functional.pad(rows.float(), (0, (-rows.shape[1]) % size))  # zeros: inside every range
-        scale, zero_point = self.qparams_of(padded.reshape(-1, size))
-        return scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)
+        whole = rows.shape[1] // size * size
+        parts = []
+        if whole:
+            scale, zero_point = self.qparams_of(rows[:, :whole].float().reshape(-1, size))
+            parts.append((scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)))
+        if whole < rows.shape[1]:
+            scale, zero_point = self.qparams_of(rows[:, whole:].float())
+            parts.append((scale.view(-1, 1), zero_point.view(-1, 1)))
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
     def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
         """One column rounded onto the grid (``scale``: one per row, or one)."""

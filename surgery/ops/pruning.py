@@ -307,11 +307,17 @@ def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec,
     check_layers(selection.matched, "prune.select", criterion.name)
     pattern = parse_pattern(spec.pattern) if spec.pattern is not None else None
 
+    solved: dict[str, int] = {}  # layer -> groups solved so far (a grouped convolution comes in parts)
+
     def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        order = _input_major(selection_modules[layer], matrix.shape[1]) if pattern else None
+        module = selection_modules[layer]
+        order = _input_major(module, matrix.shape[1]) if pattern else None
         if order is not None:
             matrix, hessian = matrix[:, order], hessian[order][:, order]
-        new, keep = criterion.reconstruct(matrix, hessian, per_layer[f"{layer}.weight"], pattern=pattern, name=layer)
+        group, groups = solved.get(layer, 0), getattr(module, "groups", 1)
+        solved[layer] = group + 1
+        amount = _share(per_layer[f"{layer}.weight"], matrix.numel(), group, groups)
+        new, keep = criterion.reconstruct(matrix, hessian, amount, pattern=pattern, name=layer)
         if order is not None:
             new, keep = new[:, order.argsort()], keep[:, order.argsort()]
         return new, (keep,)
@@ -355,6 +361,15 @@ def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, flo
                               else f"selected: {', '.join(list(layers)[:5])}...")
         per_layer[layers[layer]] = validate_arguments(amount, "l1_unstructured", "layer", 2.0, 0)[0]
     return per_layer
+
+
+def _share(amount: float, size: int, group: int, groups: int) -> float:
+    """The amount for one of ``groups`` equal parts of a weight such that the parts together
+    prune exactly ``round(amount × numel)`` entries (rounding once, over the whole weight)."""
+    if groups == 1:
+        return amount
+    total = amount * size * groups
+    return (round(total * (group + 1) / groups) - round(total * group / groups)) / size
 
 
 def _input_major(module: nn.Module, columns: int) -> Tensor | None:

@@ -57,7 +57,7 @@ def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[
         block = max(pattern[1], block // pattern[1] * pattern[1])  # N:M groups never straddle blocks
     for start in range(0, cols, block):
         end = min(start + block, cols)
-        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start)
+        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
         local = factor[start:end, start:end]
         diagonal = torch.diagonal(local)
         pruned = torch.zeros_like(part, dtype=torch.bool)
@@ -103,7 +103,7 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
     scales, zero_points = [], []
     for start in range(0, cols, block):
         end = min(start + block, cols)
-        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start)
+        part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
         local = factor[start:end, start:end]
         for i in range(end - start):
             column_index = start + i

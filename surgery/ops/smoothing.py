@@ -11,6 +11,7 @@ output directly) are found by one traced forward, or named explicitly.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -21,9 +22,13 @@ from surgery.core import compiled, guards
 from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, batches, run_batches
+from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_batches
+from surgery.core.sequential import materialise
 from surgery.core.targets import is_hf_conv1d
 from surgery.core.transforms import attach_all
+
+
+log = logging.getLogger("surgery")
 
 
 class Rescaled:
@@ -59,6 +64,7 @@ class SmoothHandle(Handle):
     def __init__(self, model: nn.Module) -> None:
         super().__init__("smooth", model)
         self.pairs: list[SmoothPair] = []
+        self.skipped: list[str] = []  # norms found but left out: smoothing them would change the outputs
 
 
 class AbsMax:
@@ -116,7 +122,7 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
             elif _reads_last_axis(module):
                 hooks.append(module.register_forward_pre_hook(match_input(name)))
         first = next(iter(batches(sample, "smooth.calibration")))
-        with torch.no_grad():
+        with evaluating(model), torch.no_grad():
             first(model)
     finally:
         for hook in reversed(hooks):
@@ -150,6 +156,7 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
     model = compiled.prepare(model)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ConfigError("smooth.alpha", alpha, "must be a number in [0, 1] (0.5 is SmoothQuant's default)")
+    calibration = materialise(calibration, "smooth.calibration")  # read more than once
     found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
     if not found:
         raise ConfigError("smooth.pairs", None if pairs is None else dict(pairs), "found no normalisation layer "
@@ -157,30 +164,99 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
                           "as {norm: [layers]}")
     named = dict(model.named_modules())
     maxima = _input_maxima(model, named, found, calibration, progress)
-    updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
     handle = SmoothHandle(model)
-    for norm, layers in found.items():
-        scales = _scales(named, norm, layers, maxima[layers[0]], alpha)
-        handle.pairs.append(SmoothPair(norm, list(layers), scales))
-        for attribute in ("weight", "bias"):
-            param = getattr(named[norm], attribute, None)
-            if isinstance(param, nn.Parameter):
-                updates[f"{norm}.{attribute}"] = (param, Rescaled(param.detach() / scales.to(param.dtype)))
-        for layer in layers:
-            weight = named[layer].weight
-            column = scales.view(-1, 1) if is_hf_conv1d(named[layer]) else scales
-            updates[f"{layer}.weight"] = (weight, Rescaled(weight.detach() * column.to(weight.dtype)))
-    for name, (param, _) in updates.items():
-        if guards.transforms_of(param):
-            kinds = ", ".join(t.kind for t in guards.transforms_of(param))
-            raise ConfigError("smooth.pairs", name, f"already has {kinds} attached; smooth first, then prune or "
-                              "quantize (SmoothQuant rescales the weights those were computed on)")
+    rescaled = {norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha))
+                for norm, layers in found.items()}
+    for updates, _ in rescaled.values():
+        _check_free(updates)
+    kept = _keeping_outputs(model, calibration[0], rescaled, explicit=pairs is not None)
+    if not kept:
+        raise ConfigError("smooth.pairs", sorted(found), "none of these can be smoothed without changing the model's "
+                          "outputs (their norm's output is also used elsewhere, e.g. a post-norm residual, or the norm "
+                          "does not scale by its weight)")
+    updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
+    handle.skipped = [norm for norm in found if norm not in kept]
+    for norm in kept:
+        handle.pairs.append(SmoothPair(norm, list(found[norm]), rescaled[norm][1]))
+        updates.update(rescaled[norm][0])
     try:
         attach_all(handle, model, updates, "smooth hook")
     except BaseException as err:
         handle.rollback(err)
         raise
     return handle
+
+
+def _rescaled(named: dict[str, nn.Module], norm: str, layers: list[str], scales: Tensor
+              ) -> tuple[dict[str, tuple[nn.Parameter, Rescaled]], Tensor]:
+    """The new values of one pair: the norm's weight and bias divided by ``scales``, the input
+    columns of the layers reading it multiplied."""
+    updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
+    for attribute in ("weight", "bias"):
+        param = getattr(named[norm], attribute, None)
+        if isinstance(param, nn.Parameter):
+            updates[f"{norm}.{attribute}"] = (param, Rescaled(param.detach() / scales.to(param.dtype)))
+    for layer in layers:
+        weight = named[layer].weight
+        column = scales.view(-1, 1) if is_hf_conv1d(named[layer]) else scales
+        updates[f"{layer}.weight"] = (weight, Rescaled(weight.detach() * column.to(weight.dtype)))
+    return updates, scales
+
+
+def _check_free(updates: dict[str, tuple[nn.Parameter, Rescaled]]) -> None:
+    for name, (param, _) in updates.items():
+        kinds = [t.kind for t in guards.transforms_of(param)]
+        if "smooth" in kinds:
+            raise ConfigError("smooth.pairs", name, "is already smoothed; restore() or bake() that handle first")
+        if kinds:
+            raise ConfigError("smooth.pairs", name, f"already has {', '.join(kinds)} attached; smooth first, then "
+                              "prune or quantize (SmoothQuant rescales the weights those were computed on)")
+
+
+def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[dict, Tensor]], explicit: bool
+                     ) -> list[str]:
+    """The pairs whose smoothing leaves the model's outputs on ``first`` as they are (to float
+    rounding): all at once if they do together, else one by one. A post-norm block (BERT),
+    whose norm output is also the residual, or a norm computing ``x * (1 + w)`` (Gemma) is
+    left out and logged; a pair named explicitly raises instead."""
+    reference = _flat_outputs(model, first)
+
+    def unchanged(norms: list[str]) -> bool:
+        originals = {name: (param, param.detach().clone()) for norm in norms
+                     for name, (param, _) in rescaled[norm][0].items()}
+        try:
+            with torch.no_grad():
+                for norm in norms:
+                    for param, update in rescaled[norm][0].values():
+                        param.copy_(update.pending.to(param.dtype))
+            candidate = _flat_outputs(model, first)
+        finally:
+            with torch.no_grad():
+                for param, original in originals.values():
+                    param.copy_(original)
+        scale = reference.abs().max().clamp(min=1e-12)
+        return candidate.shape == reference.shape and bool(((candidate - reference).abs().max() / scale) < 1e-3)
+
+    norms = list(rescaled)
+    if unchanged(norms):
+        return norms
+    kept = []
+    for norm in norms:
+        if unchanged([norm]):
+            kept.append(norm)
+        elif explicit:
+            raise ConfigError("smooth.pairs", norm, "smoothing it changes the model's outputs (its output is also "
+                              "used elsewhere, e.g. a post-norm residual, or it does not scale by its weight)")
+        else:
+            log.warning("smooth: %s left out: smoothing it changes the model's outputs (its output is also used "
+                        "elsewhere, e.g. a post-norm residual, or it does not scale by its weight)", norm)
+    return kept
+
+
+def _flat_outputs(model: nn.Module, call: Call) -> Tensor:
+    with evaluating(model), torch.no_grad():
+        found = outputs(model, call)
+    return torch.cat([t.detach().float().flatten() for t in found]) if found else torch.zeros(0)
 
 
 def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:

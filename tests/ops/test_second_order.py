@@ -379,3 +379,128 @@ def test_a_layer_calibration_never_reaches_is_named():
     with pytest.raises(ConfigError, match="calibration='unused': this layer never ran"):
         surgery.quantize(model, weights=QuantSpec(method="gptq"), calibration=[torch.randn(8, 4)], progress=False)
     assert_no_hooks(model)
+
+
+# ------------------------------------------------------------------ found by review: calibration inputs stay exact
+
+
+class Parallel(nn.Module):
+    """A ModuleList of same-class blocks that do not chain: their outputs are summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        return sum(head(x) for head in self.heads)
+
+
+class Affine(nn.Module):
+    """Blocks chained through an edit between them (``x = block(x) * 2 + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * 2 + 1
+        return x
+
+
+class ByKeyword(nn.Module):
+    """Blocks called with a keyword other than ``hidden_states``."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(self.Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x=x)
+        return x
+
+
+def hessians_seen_and_true(model, data, **kwargs):
+    """The Hessians the solver received at amount 0 (nothing changes) and those of the model's
+    real inputs: sequential calibration must feed every layer exactly what it receives."""
+    from surgery.core.capture import Capture
+    from surgery.core.hessians import HessianReducer
+
+    received = {}
+
+    def record(matrix, hessian, amount, *, pattern, name):
+        received[name] = hessian.clone()
+        return sparsegpt(matrix, hessian, amount, pattern=pattern, name=name)
+
+    register_criterion("recording_hessians", None, reconstruct=record)
+    try:
+        handle = surgery.prune(model, 0.0, method="recording_hessians", calibration=data, progress=False, **kwargs)
+    finally:
+        CRITERIA.unregister("recording_hessians")
+    layers = {name[: -len(".weight")]: model.get_submodule(name[: -len(".weight")]) for name in handle.masks()}
+    with Capture(model, layers, ("inputs",), HessianReducer) as seen, torch.no_grad():
+        for batch in data:
+            model(**batch) if isinstance(batch, dict) else model(batch)
+    handle.restore()
+    return received, {name: found["hessian"][0] for name, found in seen.inputs.items()}  # one group
+
+
+@pytest.mark.parametrize("build,kwargs", [
+    pytest.param(lambda: Parallel().eval(), {}, id="parallel-heads"),
+    pytest.param(lambda: Affine().eval(), {}, id="edited-between-blocks"),
+    pytest.param(lambda: Affine().eval(), {"blocks": ["layers.0", "layers.2"], "exclude": "layers.1.0"}, id="gap"),
+    pytest.param(lambda: ByKeyword().eval(), {}, id="keyword-call"),
+])
+def test_blocks_that_do_not_chain_are_fed_their_real_inputs(build, kwargs):
+    torch.manual_seed(0)
+    model = build()
+    received, true = hessians_seen_and_true(model, [torch.randn(16, 8), torch.randn(16, 8)], **kwargs)
+    assert set(received) == set(true)
+    for name in true:
+        torch.testing.assert_close(received[name], true[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_key_value_cache_of_hugging_face_blocks_is_not_reused(family):
+    """With use_cache on (the default), a block run twice on caught inputs would attend to its
+    own past; the Hessians must match the real inputs."""
+    import transformers
+
+    if family == "gpt2":
+        model = gpt2(2)
+    else:
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                          max_position_embeddings=32)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).eval()
+    data = [{"input_ids": batch["input_ids"]} for batch in token_batches(2)]
+    received, true = hessians_seen_and_true(model, data, exclude="lm_head")
+    for name in true:
+        torch.testing.assert_close(received[name], true[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_grouped_convolution_is_pruned_by_exactly_amount_overall():
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8, padding=1), nn.Conv2d(8, 8, 1))
+    handle = surgery.prune(model, 0.05, method="sparsegpt", calibration=[torch.randn(4, 8, 8, 8)], progress=False)
+    assert int((~handle.masks()["0.weight"]).sum()) == round(0.05 * 72)  # not 0 from rounding 9-entry groups apart
+    handle.restore()
+
+
+def test_a_short_last_group_is_observed_on_its_own_entries():
+    model = nn.Sequential(nn.Linear(130, 1))
+    with torch.no_grad():
+        model[0].weight[0, 128:] = torch.tensor([1.0, 2.0])
+    handle = surgery.quantize(model, weights=QuantSpec(bits=8, observer="percentile", percentile=99.0, group_size=128),
+                              progress=False)
+    torch.testing.assert_close(model[0].weight.detach()[0, 128:], torch.tensor([1.0, 2.0]), rtol=0.01, atol=0.01)
+    handle.restore()

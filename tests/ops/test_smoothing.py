@@ -145,3 +145,31 @@ def test_a_model_without_norms_and_smoothing_after_quantizing_are_refused():
         surgery.smooth(model, calibration=data, progress=False)
     quantized.restore()
     assert_no_hooks(model)
+
+
+def test_norms_whose_smoothing_would_change_outputs_are_refused_post_norm_bert_and_gemma():
+    import transformers
+
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                          intermediate_size=64, vocab_size=64,
+                                                          max_position_embeddings=32)).eval()
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, head_dim=8)).eval()  # its RMSNorm computes x * (1 + w)
+    data = [torch.randint(0, 64, (2, 16))]
+    for model in (bert, gemma):
+        before = snapshot(model)
+        with pytest.raises(ConfigError, match="none of these can be smoothed without changing the model's outputs"):
+            surgery.smooth(model, 0.5, calibration=data, progress=False)
+        assert snapshot_differences(before, snapshot(model)) == []
+    model, data = setup()
+    with pytest.raises(ConfigError, match="smooth.pairs='ln': smoothing it changes the model's outputs"):
+        surgery.smooth(model, calibration=data, pairs={"ln": ["a"]}, progress=False)  # b reads ln too: not enough
+
+
+def test_a_generator_of_batches_is_read_whole_and_smoothing_twice_is_refused():
+    model, data = setup()
+    handle = surgery.smooth(model, 0.5, calibration=(x for x in data[:1]), progress=False)
+    with pytest.raises(ConfigError, match="smooth.pairs='ln.weight': is already smoothed; restore"):
+        surgery.smooth(model, 0.5, calibration=data, progress=False)
+    handle.restore()
