@@ -35,3 +35,13 @@ def test_example_runs(index):
     finally:
         CRITERIA.unregister("wanda_demo")
         OBSERVERS.unregister("absmax_demo")
+
+
+def test_the_calibrated_compression_example_prints_the_figures_it_quotes(capsys):
+    text = README.read_text()
+    section = text[text.index("### Calibrated compression"):]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    exec(compile(code, "README calibrated example", "exec"), {})
+    printed = [float(line) for line in capsys.readouterr().out.split()]
+    quoted = [float(x) for x in re.findall(r"# (0\.\d+)", code)]
+    assert printed == pytest.approx(quoted, abs=0.0015)
