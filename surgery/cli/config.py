@@ -135,11 +135,24 @@ class SensitivityConfig:
     select: Any = None
     exclude: Any = None
     target_sparsity: Optional[float] = None
-    calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt)
+    calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
+    bits: Optional[list[int]] = None  # quantize each layer's weight alone at these widths instead of pruning
+    weights: Optional[QuantSettings] = None  # with bits: the other weight settings (default int per channel)
 
     def __post_init__(self) -> None:
         validate_arguments(0.5, self.method, "layer", 2.0, 0)
         _positive_int("sensitivity.calibration_batches", self.calibration_batches)
+        if self.bits is not None and self.target_sparsity is not None:
+            raise ConfigError("sensitivity.target_sparsity", self.target_sparsity, "plans pruning amounts; set it "
+                              "to null with sensitivity.bits")
+        if self.bits is not None:
+            for width in self.bits:
+                if not 2 <= width <= 8:
+                    raise ConfigError("sensitivity.bits", width, "each bit width must be an integer in [2, 8]")
+        self.weight_spec()
+
+    def weight_spec(self) -> QuantSpec | None:
+        return _spec(self.weights, "sensitivity.weights")
         for amount in self.amounts:
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 < amount <= 1.0:
                 raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")

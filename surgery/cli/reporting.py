@@ -106,7 +106,8 @@ def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
     result = report["sensitivity"]
     layers, amounts, grid = sensitivity_grid(report)
     lines = [f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
-             f"unpruned {result['baseline']:.4g})", "", f"Each layer pruned alone by {result['method']}.", "",
+             f"unchanged {result['baseline']:.4g})", "", f"Each layer {'quantized' if result.get('kind') == 'quantize' else 'pruned'}"
+             f" alone by {result['method']}.", "",
              "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |", "| --- |" + " --- |" * len(amounts)]
     lines += [f"| {layer} | " + " | ".join(_fmt(v) for v in row) + " |" for layer, row in zip(layers, grid)]
     if "plan" in result:
@@ -121,8 +122,8 @@ def sensitivity_grid(report: dict[str, Any]) -> tuple[list[str], list[float], li
     """(layers, amounts, score per layer and amount) of a sensitivity report."""
     rows = report["sensitivity"]["rows"]
     layers = list(dict.fromkeys(row["layer"] for row in rows))
-    amounts = sorted({row["amount"] for row in rows})
-    found = {(row["layer"], row["amount"]): row["score"] for row in rows}
+    amounts = sorted({row["setting"] for row in rows}, reverse=report["sensitivity"].get("kind") == "quantize")
+    found = {(row["layer"], row["setting"]): row["score"] for row in rows}
     return layers, amounts, [[found.get((layer, amount)) for amount in amounts] for layer in layers]
 
 
@@ -135,13 +136,14 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
 
     result = report["sensitivity"]
     layers, amounts, _ = sensitivity_grid(report)
-    damage = {(row["layer"], row["amount"]): row["damage"] for row in result["rows"]}
+    damage = {(row["layer"], row["setting"]): row["damage"] for row in result["rows"]}
     grid = [[damage.get((layer, amount), float("nan")) for amount in amounts] for layer in layers]
     fig, ax = plt.subplots(figsize=(1.4 * len(amounts) + 3.5, 0.35 * len(layers) + 1.8))
     image = ax.imshow(grid, aspect="auto", cmap="magma_r")
     ax.set_xticks(range(len(amounts)), [f"{a:g}" for a in amounts])
     ax.set_yticks(range(len(layers)), layers)
-    ax.set_xlabel("amount pruned (this layer alone)")
+    ax.set_xlabel("weight bits (this layer alone)" if result.get("kind") == "quantize" else
+                  "amount pruned (this layer alone)")
     top = max((v for row in grid for v in row if v == v), default=0.0)
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
@@ -349,7 +351,8 @@ def summary_table(report: dict[str, Any]) -> str:
     if "sensitivity" in report:
         result = report["sensitivity"]
         layers, amounts, grid = sensitivity_grid(report)
-        lines.append(f"  sensitivity ({result['metric']}, unpruned {result['baseline']:.4g}), layer x amount:")
+        lines.append(f"  sensitivity ({result['metric']}, unchanged {result['baseline']:.4g}), layer x "
+                     f"{'weight bits' if result.get('kind') == 'quantize' else 'amount'}:")
         lines.append("    " + " " * 24 + "".join(f"{a:>9g}" for a in amounts))
         lines += ["    " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
         if "plan" in result:

@@ -203,14 +203,18 @@ def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) 
         measure = {"evaluate": lambda m: accuracy(m, data.labelled()), "higher_is_better": True}
     else:
         measure = {"inputs": data.inputs}
-    calibrated = as_criterion(settings.method).needs_calibration
+    weights = settings.weight_spec()
+    quantizing = settings.bits is not None
+    calibrated = weights is not None and weights.method == "gptq" if quantizing else \
+        as_criterion(settings.method).needs_calibration
     table = sensitivity(model, settings.amounts, method=settings.method, select=settings.select,
-                        exclude=settings.exclude or None, progress=True, **measure,
-                        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated else None)
-    result = {"metric": {"perplexity": "perplexity"}.get(config.data.kind, "accuracy" if data.labels is not None
-                                                           else "drift (1 - cosine)"),
-              "baseline": table.baseline, "higher_is_better": table.higher_is_better, "method": settings.method,
-              "rows": table.as_rows()}
+                        exclude=settings.exclude or None, progress=True, bits=settings.bits, weights=weights,
+                        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated
+                        else None, **measure)
+    method = (weights.method if weights else "rtn") if quantizing else settings.method
+    result = {"metric": "perplexity" if config.data.kind == "tinylm" else "accuracy" if data.labels is not None
+              else "drift (1 - cosine)", "kind": table.kind, "baseline": table.baseline,
+              "higher_is_better": table.higher_is_better, "method": method, "rows": table.as_rows()}
     if settings.target_sparsity is not None:
         plan = table.plan(settings.target_sparsity)
         result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}

@@ -1,6 +1,7 @@
-"""``surgery.sensitivity``: which layers hurt most when pruned, and a per-layer plan from it.
+"""``surgery.sensitivity``: which layers hurt most when pruned or quantized, and a per-layer plan.
 
-Each selected layer is pruned alone at each amount, measured, and restored exactly. The
+Each selected layer is pruned alone at each amount (or its weight quantized alone at each bit
+width, with ``bits=``), measured, and restored exactly. The
 measure is a user's ``evaluate(model) -> float`` (accuracy, perplexity) or, by default, the
 drift of the model's outputs from the unpruned outputs on ``inputs`` (1 − cosine similarity).
 :meth:`Sensitivity.plan` then picks non-uniform per-layer amounts that reach a target
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -23,17 +24,22 @@ from tqdm import tqdm
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.selection import Selection
+from surgery.core.handles import Handle
+from surgery.core.targets import Target
+from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import prune, prune_targets
+from surgery.ops.quantization import quantize
 
 Evaluate = Callable[[nn.Module], float]
 
 
 @dataclass(frozen=True)
 class SensitivityRow:
-    """One layer pruned alone at one amount: its weight count and the measured score."""
+    """One layer changed alone at one setting (a pruning amount, or a weight bit width): its
+    weight count and the measured score."""
 
     layer: str
-    amount: float
+    setting: float
     params: int
     score: float
 
@@ -48,14 +54,15 @@ class Sensitivity:
     metric: str
     baseline: float
     higher_is_better: bool
+    kind: str = "prune"  # or "quantize": settings are weight bit widths
 
     @property
     def layers(self) -> list[str]:
         return list(dict.fromkeys(row.layer for row in self.rows))
 
     @property
-    def amounts(self) -> list[float]:
-        return sorted({row.amount for row in self.rows})
+    def settings(self) -> list[float]:
+        return sorted({row.setting for row in self.rows})
 
     def damage(self, row: SensitivityRow) -> float:
         """How much worse than the baseline a row is (>= 0 when pruning hurts; NaN scores are
@@ -76,10 +83,14 @@ class Sensitivity:
         is interpolated so that the plan prunes ``target`` of the weights (to the rounding of
         whole entries). Layers are assumed to add up independently, the usual approximation.
         """
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= max(self.amounts):
-            raise ConfigError("sensitivity.target_sparsity", target, f"must be a number in [0, {max(self.amounts):g}] "
+        if self.kind != "prune":
+            raise ConfigError("sensitivity.target_sparsity", target, "plans pruning amounts; this table measured "
+                              f"{self.kind}")
+        top = max(self.settings)
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= top:
+            raise ConfigError("sensitivity.target_sparsity", target, f"must be a number in [0, {top:g}] "
                               "(the largest amount measured)")
-        by_layer = {layer: sorted((r for r in self.rows if r.layer == layer), key=lambda r: r.amount)
+        by_layer = {layer: sorted((r for r in self.rows if r.layer == layer), key=lambda r: r.setting)
                     for layer in self.layers}
         params = {layer: rows[0].params for layer, rows in by_layer.items()}
         total, goal = sum(params.values()), target * sum(params.values())
@@ -90,9 +101,9 @@ class Sensitivity:
             for layer, rows in by_layer.items():
                 amount, damage = chosen[layer]
                 for row in rows:
-                    if row.amount <= amount:
+                    if row.setting <= amount:
                         continue
-                    gained = (row.amount - amount) * params[layer]
+                    gained = (row.setting - amount) * params[layer]
                     ratio = (max(self.damage(row), 0.0) - damage) / gained
                     if best is None or ratio < best[0]:
                         best = (ratio, layer, row, gained)
@@ -102,10 +113,10 @@ class Sensitivity:
             previous = chosen[layer][0]
             if pruned + gained > goal:  # the last raise: only as far as the target needs
                 fraction = (goal - pruned) / gained
-                chosen[layer] = (previous + fraction * (row.amount - previous), chosen[layer][1])
+                chosen[layer] = (previous + fraction * (row.setting - previous), chosen[layer][1])
                 pruned = goal
                 break
-            chosen[layer] = (row.amount, max(self.damage(row), 0.0))
+            chosen[layer] = (row.setting, max(self.damage(row), 0.0))
             pruned += gained
         return {layer: round(amount, 6) for layer, (amount, _) in chosen.items()}
 
@@ -113,23 +124,27 @@ class Sensitivity:
 def sensitivity(model: nn.Module, amounts: Sequence[float] = (0.25, 0.5, 0.75, 0.9), *, inputs: Inputs | None = None,
                 evaluate: Evaluate | None = None, higher_is_better: bool = True, method: str = "l1_unstructured",
                 select: Selection = None, exclude: Selection = None, calibration: Inputs | None = None,
+                bits: Sequence[int] | None = None, weights: QuantSpec | None = None,
                 progress: bool = True) -> Sensitivity:
-    """Prune each selected layer alone at each amount, measure, restore; return the table.
+    """Prune (or quantize) each selected layer alone at each setting, measure, restore.
 
     Args:
-        model: the model; it is left exactly as it was (every pruning is restored).
-        amounts: the amounts to try on each layer, each in (0, 1].
-        inputs: batches for the default metric, the drift 1 − cosine(outputs, unpruned outputs).
+        model: the model; it is left exactly as it was (every change is restored).
+        amounts: the pruning amounts to try on each layer, each in (0, 1].
+        inputs: batches for the default metric, the drift 1 − cosine(outputs, unchanged outputs).
         evaluate: ``evaluate(model) -> float`` instead (accuracy, perplexity...), with
             ``higher_is_better`` saying which way it points.
         method, select, exclude, calibration: as for :func:`surgery.prune` (layer scope).
-        progress: a progress bar over the (layer, amount) trials (on a terminal).
+        bits: quantize instead of pruning: each layer's weight alone at each of these bit
+            widths, with the other settings of ``weights`` (default symmetric per channel;
+            ``method="gptq"`` uses ``calibration``).
+        progress: a progress bar over the (layer, setting) trials (on a terminal).
 
     Example:
         >>> table = surgery.sensitivity(model, inputs=batches)
         >>> surgery.prune(model, 0.5, amounts=table.plan(0.5))
     """
-    amounts = _check_amounts(amounts)
+    settings = _check_bits(bits) if bits is not None else _check_amounts(amounts)
     if evaluate is None and inputs is None:
         raise ConfigError("sensitivity.inputs", None, "pass inputs (for output drift) or evaluate=fn(model) -> float")
     if evaluate is not None and not callable(evaluate):
@@ -139,19 +154,37 @@ def sensitivity(model: nn.Module, amounts: Sequence[float] = (0.25, 0.5, 0.75, 0
         evaluate, higher_is_better, metric = (lambda m: _drift(reference, _outputs(m, inputs))), False, "drift"
     else:
         metric = getattr(evaluate, "__name__", "score")
+    template = weights or QuantSpec(bits=8, symmetric=True, per_channel=True)
+
+    def change(target: Target, setting: float) -> Handle:
+        if bits is not None:
+            spec = replace(template, bits=int(setting))
+            return quantize(model, weights=spec, select=[target.name], progress=False,
+                            calibration=calibration if spec.method == "gptq" else None)
+        return prune(model, setting, method=method, select=[target.name], calibration=calibration, progress=False)
+
     targets = prune_targets(model, select, exclude).matched
     baseline = _score(evaluate, model, "baseline")
     rows: list[SensitivityRow] = []
-    trials = [(target, amount) for target in targets.values() for amount in amounts]
-    for target, amount in tqdm(trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True):
+    trials = [(target, setting) for target in targets.values() for setting in settings]
+    for target, setting in tqdm(trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True):
         with _quiet():  # one selection log line per trial would drown the table
-            handle = prune(model, amount, method=method, select=[target.name], calibration=calibration, progress=False)
+            handle = change(target, setting)
         try:
-            score = _score(evaluate, model, f"{target.module_name} at {amount:g}")
+            score = _score(evaluate, model, f"{target.module_name} at {setting:g}")
         finally:
             handle.restore()
-        rows.append(SensitivityRow(target.module_name, amount, target.param.numel(), score))
-    return Sensitivity(rows, metric, baseline, higher_is_better)
+        rows.append(SensitivityRow(target.module_name, setting, target.param.numel(), score))
+    return Sensitivity(rows, metric, baseline, higher_is_better, "prune" if bits is None else "quantize")
+
+
+def _check_bits(bits: object) -> list[float]:
+    if isinstance(bits, (str, bytes)) or not isinstance(bits, Sequence) or not bits:
+        raise ConfigTypeError("sensitivity.bits", bits, "must be a non-empty list of bit widths in [2, 8]")
+    for width in bits:
+        if isinstance(width, bool) or not isinstance(width, int) or not 2 <= width <= 8:
+            raise ConfigError("sensitivity.bits", width, "each bit width must be an integer in [2, 8]")
+    return sorted({float(b) for b in bits}, reverse=True)
 
 
 @contextlib.contextmanager

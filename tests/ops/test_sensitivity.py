@@ -21,10 +21,10 @@ def test_every_layer_and_amount_is_measured_and_the_model_is_left_exactly_as_it_
     model = mlp()
     before = snapshot(model)
     table = surgery.sensitivity(model, (0.5, 0.9), inputs=[torch.randn(16, 8)], progress=False)
-    assert [(r.layer, r.amount) for r in table.rows] == [(l, a) for l in ("0", "2", "4") for a in (0.5, 0.9)]
+    assert [(r.layer, r.setting) for r in table.rows] == [(l, a) for l in ("0", "2", "4") for a in (0.5, 0.9)]
     assert table.metric == "drift" and table.baseline == 0.0 and not table.higher_is_better
     for layer in ("0", "2", "4"):
-        at = {r.amount: r.score for r in table.rows if r.layer == layer}
+        at = {r.setting: r.score for r in table.rows if r.layer == layer}
         assert 0.0 < at[0.5] < at[0.9]  # pruning more of a layer moves the outputs more
     assert snapshot_differences(before, snapshot(model)) == []
     assert_no_hooks(model)
@@ -89,3 +89,18 @@ def test_sensitivity_refuses_bad_settings():
         surgery.sensitivity(mlp(), [0, 0.5], inputs=[torch.randn(2, 8)], progress=False)
     with pytest.raises(ConfigError, match="sensitivity.evaluate='str': returned this for baseline"):
         surgery.sensitivity(mlp(), evaluate=lambda m: "good", progress=False)
+
+
+def test_quantizing_each_layer_alone_at_several_bit_widths():
+    model = mlp()
+    before = snapshot(model)
+    table = surgery.sensitivity(model, inputs=[torch.randn(16, 8)], bits=[8, 2], progress=False)
+    assert table.kind == "quantize" and table.settings == [2.0, 8.0]
+    for layer in ("0", "2", "4"):
+        at = {r.setting: r.score for r in table.rows if r.layer == layer}
+        assert 0.0 < at[8.0] < at[2.0]  # fewer bits move the outputs more
+    assert snapshot_differences(before, snapshot(model)) == []
+    with pytest.raises(ConfigError, match="plans pruning amounts"):
+        table.plan(0.5)
+    with pytest.raises(ConfigError, match="sensitivity.bits=9"):
+        surgery.sensitivity(model, inputs=[torch.randn(2, 8)], bits=[9], progress=False)
