@@ -285,11 +285,17 @@ def prune(
         masks = masks_from_scores(list(current.values()), scores, [per_layer[name] for name in current]
                                   if amounts else spec.amount, scope=spec.scope, structured=criterion.structured,
                                   dim=spec.dim)
-    handle = PruneHandle(model, selection, spec)
+    return _attach_masks(PruneHandle(model, selection, spec), model, lambda: {
+        name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)})
+
+
+def _attach_masks(handle: PruneHandle, model: nn.Module,
+                  enforcers: Callable[[], dict[str, tuple[nn.Parameter, MaskEnforcer]]]) -> PruneHandle:
+    """Attach the masks ``enforcers()`` makes to ``handle``, all or nothing."""
     try:
-        enforcers = {name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)}
-        handle.enforcers.update({name: enforcer for name, (_, enforcer) in enforcers.items()})
-        attach_all(handle, model, enforcers, "mask hook")
+        made = enforcers()
+        handle.enforcers.update({name: enforcer for name, (_, enforcer) in made.items()})
+        attach_all(handle, model, made, "mask hook")
     except BaseException as err:
         handle.rollback(err)
         raise
@@ -330,18 +336,16 @@ def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec,
                                          field="prune.calibration", progress=progress)
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
-    try:
-        enforcers = {}
+
+    def enforcers() -> dict[str, tuple[nn.Parameter, MaskEnforcer]]:
+        made = {}
         for name, target in selection.matched.items():
             value, (keep,) = results[name]
             keep = keep if not is_hf_conv1d(target.module) else keep.t()
-            enforcers[name] = (target.param, MaskEnforcer(keep.reshape(value.shape).contiguous(), value))
-        handle.enforcers.update({name: enforcer for name, (_, enforcer) in enforcers.items()})
-        attach_all(handle, model, enforcers, "mask hook")
-    except BaseException as err:
-        handle.rollback(err)
-        raise
-    return handle
+            made[name] = (target.param, MaskEnforcer(keep.reshape(value.shape).contiguous(), value))
+        return made
+
+    return _attach_masks(handle, model, enforcers)
 
 
 def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, float] | None) -> dict[str, float]:
