@@ -432,6 +432,11 @@ def _solved_quantizers(handle: QuantizeHandle, model: nn.Module, targets: Target
         if not spec.group_size:
             whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
     offsets: dict[str, int] = {}
+    masks = {}  # pruned layers: GPTQ keeps their zeros and compensates on the entries kept
+    for layer, target in by_layer.items():
+        mask = next((t.mask() for t in guards.transforms_of(target.param) if callable(getattr(t, "mask", None))), None)
+        if mask is not None:
+            masks[layer] = weight_matrix(target.module, mask)
 
     def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
@@ -439,8 +444,10 @@ def _solved_quantizers(handle: QuantizeHandle, model: nn.Module, targets: Target
         fixed = None if spec.group_size else whole[layer]
         if fixed is not None and grid.per_row:
             fixed = (fixed[0][rows], fixed[1][rows])
+        keep = masks.get(layer)
         new, scale, zero_point = gptq(matrix, hessian, grid.qparams_of if fixed is None else lambda _: fixed,
-                                      grid.round, group_size=spec.group_size, name=layer)
+                                      grid.round, group_size=spec.group_size, name=layer,
+                                      keep=None if keep is None else keep[rows])
         return new, (scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
                      zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point)
 

@@ -85,7 +85,8 @@ def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[
 
 def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams],
          fake_quantize: Callable[[Tensor, Tensor, Tensor], Tensor], *, group_size: int | None = None,
-         block: int = 128, damping: float = 0.01, name: str = "") -> tuple[Tensor, Tensor, Tensor]:
+         keep: Tensor | None = None, block: int = 128, damping: float = 0.01, name: str = ""
+         ) -> tuple[Tensor, Tensor, Tensor]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
 
@@ -94,7 +95,8 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
     that grid. With ``group_size``, every ``group_size`` consecutive columns get their own
     scales, computed from the (already updated) columns when the walk reaches them. Returns
     ``(quantized matrix, scales, zero points)``: scales ``(outputs, groups)`` with groups, else
-    whatever ``qparams_of`` returned for the whole matrix.
+    whatever ``qparams_of`` returned for the whole matrix. With ``keep`` (a pruning mask), pruned
+    entries stay exactly zero and their share of the error goes to the entries kept.
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
@@ -114,6 +116,8 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
                 zero_points.append(zero_point)
             column = part[:, i]
             rounded = fake_quantize(column, scale, zero_point)
+            if keep is not None:
+                rounded = torch.where(keep[:, column_index], rounded, torch.zeros_like(rounded))
             error = (column - rounded) / local[i, i]
             part[:, i:] -= error.unsqueeze(1) * local[i, i:].unsqueeze(0)
             part[:, i] = rounded

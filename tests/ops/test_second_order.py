@@ -504,3 +504,19 @@ def test_a_short_last_group_is_observed_on_its_own_entries():
                               progress=False)
     torch.testing.assert_close(model[0].weight.detach()[0, 128:], torch.tensor([1.0, 2.0]), rtol=0.01, atol=0.01)
     handle.restore()
+
+
+def test_gptq_on_a_pruned_weight_keeps_its_zeros_and_compensates_on_the_entries_kept():
+    from surgery.ops.observers import Grid
+    from surgery.ops.reconstruction import gptq
+
+    x = correlated_inputs()
+    hessian = 2 * x.t() @ x / x.shape[0]
+    weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    pruned, keep = sparsegpt(weight, hessian, 0.5)
+    grid = Grid(QuantSpec(bits=3, symmetric=True, per_channel=True), per_row=True)
+    aware, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round, keep=keep)
+    blind, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round)
+    assert torch.equal(aware[~keep], torch.zeros(int((~keep).sum())))
+    error = lambda w: ((w - weight) @ x.t()).pow(2).sum().item()
+    assert error(aware) < error(blind * keep)  # masking afterwards throws compensation away
