@@ -521,3 +521,21 @@ def test_gptq_on_a_pruned_weight_keeps_its_zeros_and_compensates_on_the_entries_
     error = lambda w: ((w - weight) @ x.t()).pow(2).sum().item()
     # the zeros hold during the walk, at no cost: within 0.1 % of masking afterwards here
     assert error(aware) <= 1.01 * error(blind * keep)
+
+
+def test_a_timm_vision_transformer_is_calibrated_block_by_block_and_restored_exactly():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=3).eval()
+    data = [torch.randn(4, 3, 32, 32) for _ in range(2)]
+    before = snapshot(model)
+    pruned = surgery.prune(model, 0.5, method="sparsegpt", pattern="2:4", calibration=data,
+                           exclude=["head", "patch_embed.proj"], progress=False)  # 3 input channels: no 2:4
+    assert [stage.block for stage in pruned.sequential.stages] == ["blocks.0", "blocks.1", "blocks.2"]
+    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, group_size=32, method="gptq"), calibration=data,
+                                 exclude="head", progress=False)
+    assert torch.isfinite(model(data[0])).all()
+    quantized.restore()
+    pruned.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+    assert_no_hooks(model)
