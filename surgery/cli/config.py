@@ -400,6 +400,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         _check_integers(cfg, "")
+        cfg = {"sensitivity": None, **cfg}  # the schema types it; a config without it runs no sensitivity
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSettings()),
                                                 rewrite=RewriteConfig(), finetune=FinetuneConfig(),

@@ -65,3 +65,11 @@ def test_bad_values_raise_config_error_naming_the_field(override, field):
 def test_type_errors_are_config_errors_with_the_key():
     with pytest.raises(ConfigError, match="seed"):
         load_config(composed("recipe=prune_resnet50", "seed=abc"))
+
+
+def test_a_config_without_sensitivity_runs_none():
+    """The schema types ``sensitivity``; a config that does not set it must not get a default one
+    (every run would then prune every layer at four amounts)."""
+    config = load_config({"steps": ["prune"], "prune": {"amount": 0.5}})
+    assert config.sensitivity is None
+    assert load_config({"steps": [], "sensitivity": {"amounts": [0.5]}}).sensitivity.amounts == [0.5]

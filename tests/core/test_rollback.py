@@ -462,18 +462,18 @@ def test_apply_steps(convnet, image_input, step, position, error):
 
     before, expected = state_of(convnet), collect(convnet, [image_input])
     with mock.patch.dict(steps.APPLIERS, {k: marking(k, v) for k, v in steps.APPLIERS.items()}), wire.armed():
-        handle = apply_steps(convnet, config, calibration=calibration)
+        handle = apply_steps(convnet, config, calibration={"quantize": calibration})
     applied = collect(convnet, [image_input])
     handle.restore()
     first, last = bounds[step]
     assert last > first, bounds
     fail_at = {"first": first, "middle": (first + last) // 2, "last": last}[position]
     with Tripwire(STEP_CALLS, fail_at, error).armed() as failing, pytest.raises(error, match="injected failure"):
-        apply_steps(convnet, config, calibration=calibration)
+        apply_steps(convnet, config, calibration={"quantize": calibration})
     where = f"{step} failing at call {fail_at} ({failing.calls[fail_at - 1][0]}), steps at {bounds}"
     assert_unchanged(convnet, before, where)
     assert_outputs(convnet, image_input, expected, where)
-    retried = apply_steps(convnet, config, calibration=calibration)
+    retried = apply_steps(convnet, config, calibration={"quantize": calibration})
     assert_outputs(convnet, image_input, applied, "the retry")
     retried.restore()
     assert_unchanged(convnet, before, "the retry, restored")
@@ -492,12 +492,12 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
 
     with mock.patch.object(steps, "rewrite_inputs", side_effect=failing_rewrite), \
             Tripwire([Target(RemovableHandle, "remove")]).armed() as wire, pytest.raises(RuntimeError):
-        apply_steps(copy.deepcopy(convnet), three_steps(), calibration=[image_input])
+        apply_steps(copy.deepcopy(convnet), three_steps(), calibration={"quantize": [image_input]})
     first_undo = applied[0] + 1  # the first hook removal of the rollback
     with mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")), \
             Tripwire([Target(RemovableHandle, "remove")], first_undo).armed() as wire:
         with pytest.raises(RuntimeError, match="step failed") as info:
-            apply_steps(convnet, three_steps(), calibration=[image_input])
+            apply_steps(convnet, three_steps(), calibration={"quantize": [image_input]})
     assert not isinstance(info.value, surgery.UndoError)
     assert len(info.value.__notes__) == 1 and "undoing the partial change also failed" in info.value.__notes__[0]
     stuck = wire.calls[first_undo - 1][1][0]
