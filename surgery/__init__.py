@@ -30,6 +30,7 @@ from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity import Sensitivity, sensitivity
+from surgery.ops.shrinking import ShrinkHandle, rebuild, shrink
 from surgery.ops.smoothing import SmoothHandle, smooth
 from surgery.core.selection import select
 
@@ -57,6 +58,7 @@ __all__ = [
     "RuleNeverFiredError",
     "RuleNeverFiredWarning",
     "SelectionError",
+    "ShrinkHandle",
     "Sensitivity",
     "SmoothHandle",
     "SurgeryError",
@@ -69,6 +71,7 @@ __all__ = [
     "intercept",
     "prune",
     "quantize",
+    "rebuild",
     "register_criterion",
     "register_observer",
     "register_rewrite",
@@ -76,5 +79,6 @@ __all__ = [
     "rules",
     "select",
     "sensitivity",
+    "shrink",
     "smooth",
 ]

@@ -1,0 +1,273 @@
+"""Which channels of a model are coupled: traced from one forward on example inputs.
+
+Every output channel of a Conv/Linear layer is a *slot*; ops that combine tensors element by
+element (residual adds, multiplications, activations), normalisation layers and depthwise
+convolutions tie the slots of their inputs together (union-find), ``cat`` along the channel
+axis concatenates slot lists, and ``flatten`` spreads a channel over its spatial positions.
+Each layer that reads a tensor records which slot each of its input channels carries. The
+trace runs under ``no_grad`` with module hooks for layers and a ``TorchFunctionMode`` for the
+functions called between them, so frozen parameters, modules called more than once and
+tuple/dict outputs are fine. Anything it does not understand *freezes* the slots involved:
+they are never removed (a channel that reaches the model's outputs is frozen too, so output
+shapes stay). Nothing here changes the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from surgery.core.inputs import Call, evaluating
+
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm)
+PASSTHROUGH = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU,
+               nn.ELU, nn.Mish, nn.Dropout, nn.Dropout2d, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d,
+               nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+ELEMENTWISE = {"add", "sub", "mul", "div", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__",
+               "__mul__", "__rmul__", "__imul__", "__truediv__", "__itruediv__", "add_", "mul_", "relu", "relu_",
+               "gelu", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "relu6", "dropout", "clamp", "clamp_",
+               "neg", "leaky_relu", "elu", "mish", "hardtanh", "hardtanh_", "contiguous", "clone", "detach"}
+SPATIAL = {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool1d", "max_pool2d",
+           "avg_pool1d", "avg_pool2d", "interpolate", "max_pool2d_with_indices"}
+IGNORED = {"size", "dim", "shape", "__get__", "numel", "__len__", "__getattribute__", "is_floating_point", "float",
+           "to", "type", "__format__", "__repr__", "__bool__", "item", "__index__", "requires_grad_"}
+
+
+class Slots:
+    """Union-find over channel slots, with a frozen flag per class."""
+
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.frozen: set[int] = set()
+
+    def new(self, count: int) -> list[int]:
+        start = len(self.parent)
+        self.parent.extend(range(start, start + count))
+        return list(range(start, start + count))
+
+    def find(self, slot: int) -> int:
+        while self.parent[slot] != slot:
+            self.parent[slot] = self.parent[self.parent[slot]]
+            slot = self.parent[slot]
+        return slot
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            if rb in self.frozen:
+                self.frozen.add(ra)
+
+    def freeze(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.frozen.add(self.find(slot))
+
+    def is_frozen(self, slot: int) -> bool:
+        return self.find(slot) in self.frozen
+
+
+@dataclass
+class Channels:
+    """A tensor's channels: the slot of each index along ``dim``."""
+
+    slots: list[int]
+    dim: int
+
+
+@dataclass
+class LayerChannels:
+    """What the trace found for one layer: the slot of each output channel (producers: Conv,
+    Linear), of each input channel it reads, and whether it passes channels through (norms,
+    depthwise convolutions: their parameters are indexed by the same slots)."""
+
+    name: str
+    module: nn.Module
+    outputs: list[int] | None = None
+    inputs: list[int] | None = None
+    passthrough: bool = False
+
+
+@dataclass
+class ChannelTrace:
+    """The result of :func:`trace_channels`."""
+
+    slots: Slots
+    layers: dict[str, LayerChannels] = field(default_factory=dict)
+    unknown: list[str] = field(default_factory=list)  # why slots were frozen, for the report
+
+
+def _is_depthwise(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.conv._ConvNd) and module.groups > 1 and \
+        module.groups == module.in_channels == module.out_channels
+
+
+class _Tracer(TorchFunctionMode):
+    """Follows channel slots through the functions called outside the traced layers."""
+
+    def __init__(self, trace: ChannelTrace, known: dict[int, Channels]) -> None:
+        super().__init__()
+        self.trace, self.known, self.depth = trace, known, 0
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.depth == 0:
+            self._follow(getattr(func, "__name__", str(func)), args, kwargs, result)
+        return result
+
+    def _follow(self, name: str, args: tuple, kwargs: dict, result: Any) -> None:
+        flat, _ = tree_flatten((args, kwargs))
+        tracked = [(t, self.known[id(t)]) for t in flat if isinstance(t, Tensor) and id(t) in self.known]
+        if not tracked or name in IGNORED:
+            return
+        slots = self.trace.slots
+        first, channels = tracked[0]
+        if isinstance(result, Tensor) and name in ELEMENTWISE | SPATIAL:
+            if name in ELEMENTWISE:
+                for tensor, other in tracked[1:]:
+                    if other.dim == channels.dim and len(other.slots) == len(channels.slots):
+                        for a, b in zip(channels.slots, other.slots):
+                            slots.union(a, b)
+                    else:
+                        self._freeze(name, [channels, other])
+                        return
+                for tensor in flat:  # an untracked operand with full channels: unknown coupling
+                    if isinstance(tensor, Tensor) and id(tensor) not in self.known and tensor.dim() == first.dim() \
+                            and tensor.shape[channels.dim] == len(channels.slots) > 1:
+                        self._freeze(name, [channels])
+                        return
+            if result.dim() == first.dim() and result.shape[channels.dim] == len(channels.slots):
+                self.known[id(result)] = Channels(channels.slots, channels.dim)
+                return
+        if isinstance(result, Tensor) and name in {"cat", "concat"}:
+            tensors = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0) % result.dim()
+            if dim == channels.dim:
+                joined: list[int] = []
+                for tensor in tensors:
+                    info = self.known.get(id(tensor))
+                    if info is None or info.dim != dim:
+                        fresh = slots.new(tensor.shape[dim])
+                        slots.freeze(fresh)
+                        joined += fresh
+                    else:
+                        joined += info.slots
+                self.known[id(result)] = Channels(joined, dim)
+                return
+        if isinstance(result, Tensor) and name in {"flatten", "view", "reshape"} and channels.dim == 1 \
+                and result.dim() == 2 and first.dim() > 2 and result.shape[0] == first.shape[0]:
+            spread = first.shape[2:].numel()
+            self.known[id(result)] = Channels([s for s in channels.slots for _ in range(spread)], 1)
+            return
+        if isinstance(result, Tensor) and name in {"mean", "sum", "amax"}:
+            dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            dims = [dims] if isinstance(dims, int) else list(dims or [])
+            keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            dims = [d % first.dim() for d in dims]
+            if dims and channels.dim not in dims:
+                new_dim = channels.dim if keep else channels.dim - sum(d < channels.dim for d in dims)
+                self.known[id(result)] = Channels(channels.slots, new_dim)
+                return
+        self._freeze(name, [info for _, info in tracked])
+
+    def _freeze(self, name: str, infos: list[Channels]) -> None:
+        for info in infos:
+            self.trace.slots.freeze(info.slots)
+        if name not in self.trace.unknown:
+            self.trace.unknown.append(name)
+
+
+def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
+    """Run ``model`` once on ``example`` (eval mode, no grad) and return the coupled channels."""
+    trace = ChannelTrace(Slots())
+    known: dict[int, Channels] = {}
+    keep_alive: list[Tensor] = []  # ids must stay unique while the trace runs
+    tracer = _Tracer(trace, known)
+    hooks = []
+
+    calls: list[Channels | None] = []  # the input of each traced call in progress (a module may nest)
+
+    def before(name: str, module: nn.Module) -> Callable:
+        def hook(mod: nn.Module, args: tuple) -> None:
+            tracer.depth += 1
+            x = args[0] if args and isinstance(args[0], Tensor) else None
+            info = known.get(id(x)) if x is not None else None
+            calls.append(info)
+            if isinstance(module, PASSTHROUGH):  # no parameters: each call passes its own input's channels
+                return
+            layer = trace.layers.setdefault(name, LayerChannels(name, module))
+            axis = (x.dim() - 1) if isinstance(module, (nn.Linear, nn.LayerNorm)) else 1 if x is not None else 0
+            if info is not None and (info.dim != axis % x.dim()):
+                trace.slots.freeze(info.slots)
+                info = None
+            if info is not None:
+                if layer.inputs is None:
+                    layer.inputs = list(info.slots)
+                elif len(layer.inputs) == len(info.slots):
+                    for a, b in zip(layer.inputs, info.slots):
+                        trace.slots.union(a, b)
+        return hook
+
+    def after(name: str, module: nn.Module) -> Callable:
+        def hook(mod: nn.Module, args: tuple, output: Any) -> None:
+            tracer.depth -= 1
+            info = calls.pop()
+            if isinstance(module, PASSTHROUGH):
+                if info is not None and isinstance(output, Tensor) and output.dim() > info.dim \
+                        and output.shape[info.dim] == len(info.slots):
+                    keep_alive.append(output)
+                    known[id(output)] = Channels(info.slots, info.dim)
+                elif info is not None:
+                    trace.slots.freeze(info.slots)
+                return
+            layer = trace.layers[name]
+            if not isinstance(output, Tensor):
+                if layer.inputs is not None:
+                    trace.slots.freeze(layer.inputs)
+                return
+            keep_alive.append(output)
+            if isinstance(module, NORMS) or _is_depthwise(module):
+                layer.passthrough = True
+                if layer.inputs is not None:
+                    axis = output.dim() - 1 if isinstance(module, nn.LayerNorm) else 1
+                    known[id(output)] = Channels(layer.inputs, axis)
+                    layer.outputs = layer.inputs
+                return
+            if layer.outputs is None:
+                layer.outputs = trace.slots.new(output.shape[-1 if isinstance(module, nn.Linear) else 1])
+            known[id(output)] = Channels(layer.outputs, output.dim() - 1 if isinstance(module, nn.Linear) else 1)
+        return hook
+
+    for name, module in model.named_modules():
+        if _traced(module):
+            hooks.append(module.register_forward_pre_hook(before(name, module)))
+            hooks.append(module.register_forward_hook(after(name, module)))
+    try:
+        with evaluating(model), torch.no_grad(), tracer:
+            output = example(model)
+        keep_alive.append(output)
+    finally:
+        for hook in reversed(hooks):
+            hook.remove()
+    for tensor in tree_flatten(output)[0] if not hasattr(output, "to_tuple") else tree_flatten(output.to_tuple())[0]:
+        if isinstance(tensor, Tensor) and id(tensor) in known:
+            trace.slots.freeze(known[id(tensor)].slots)
+    for layer in trace.layers.values():  # a layer the trace could not follow into keeps its inputs
+        if layer.inputs is None and isinstance(layer.module, (nn.Linear, nn.modules.conv._ConvNd)):
+            continue
+        if isinstance(layer.module, nn.modules.conv._ConvNd) and layer.module.groups > 1 and \
+                not _is_depthwise(layer.module):
+            trace.slots.freeze((layer.inputs or []) + (layer.outputs or []))
+    return trace
+
+
+def _traced(module: nn.Module) -> bool:
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or isinstance(module, NORMS + PASSTHROUGH):
+        return True
+    return False

@@ -1,0 +1,183 @@
+"""surgery.shrink / surgery.rebuild: coupled channels removed for real, restorably, rebuilt strictly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import surgery
+from surgery.core.errors import ConfigError
+from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
+
+
+def with_statistics(model: nn.Module) -> nn.Module:
+    """Non-trivial batch-norm statistics, so a wrongly sliced norm shows in the outputs."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_(0, 0.1)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.normal_(1.0, 0.1)
+                module.bias.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def masked_like(original: nn.Module, handle) -> nn.Module:
+    """The original model with every removed input channel's weights zeroed in the layers that
+    read it: removing a channel must compute exactly this."""
+    masked = copy.deepcopy(original)
+    named = dict(masked.named_modules())
+    with torch.no_grad():
+        for name, (keep_in, _) in handle.kept.items():
+            module = named[name]
+            reads = isinstance(module, nn.Linear) or (isinstance(module, nn.Conv2d) and module.groups == 1)
+            if keep_in is not None and reads:
+                drop = torch.ones(module.weight.shape[1], dtype=torch.bool)
+                drop[keep_in] = False
+                module.weight[:, drop] = 0
+    return masked
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "densenet121", "shufflenet_v2_x0_5",
+                                  "efficientnet_b0", "regnet_x_400mf"])
+def test_removing_channels_computes_what_zeroing_their_readers_computes(name):
+    torch.manual_seed(0)
+    model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 64, 64)
+    before = snapshot(model)
+    handle = surgery.shrink(model, 0.4, example_inputs=x)
+    assert handle.params()["after"] < 0.8 * handle.params()["before"]  # >= 20 % removed at 0.4
+    assert handle.macs()["after"] < handle.macs()["before"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), masked_like(original, handle)(x), rtol=1e-4, atol=1e-5)
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+    assert_no_hooks(model)
+
+
+def test_restore_puts_back_the_same_module_objects_and_amount_zero_changes_nothing():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    objects = dict(model.named_modules())
+    x = torch.randn(1, 3, 32, 32)
+    reference = model(x)
+    untouched = surgery.shrink(model, 0.0, example_inputs=x)
+    assert untouched.replaced == {} and torch.equal(model(x), reference)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert model.layer1[0].conv1 is not objects["layer1.0.conv1"]
+    handle.restore()
+    assert all(module is objects[name] for name, module in model.named_modules())
+    assert torch.equal(model(x), reference)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_large", "swin_t"])
+def test_bake_rebuild_strict_load_gives_identical_outputs(name):
+    torch.manual_seed(0)
+    model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
+    size = 224 if name == "swin_t" else 64
+    x = torch.randn(1, 3, size, size)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    plan = json.loads(json.dumps(handle.plan()))  # JSON-serialisable
+    baked = handle.bake()
+    assert_no_hooks(baked)
+    fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None, num_classes=10), plan)
+    fresh.load_state_dict(baked.state_dict(), strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(x), baked(x))
+
+
+class Odd(nn.Module):
+    """A layer called twice, a dict output, a frozen parameter and a channel concatenation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.shared = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(3, 4, 1)
+        self.head = nn.Linear(20, 5)
+        self.a.weight.requires_grad_(False)
+
+    def forward(self, x):
+        y = torch.relu(self.shared(torch.relu(self.shared(torch.relu(self.a(x))))))
+        z = torch.cat([y, self.b(x), y[:, :8]], dim=1)  # a slice: unknown to the trace, its channels stay
+        return {"logits": self.head(z.mean(dim=(2, 3))), "features": y}
+
+
+def test_shared_layers_dict_outputs_frozen_weights_and_slices_are_handled_safely():
+    torch.manual_seed(0)
+    model = Odd().eval()
+    x = torch.randn(2, 3, 8, 8)
+    reference = model(x)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    out = model(x)
+    assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in reference.items()}
+    assert handle.frozen_ops == ["__getitem__"]  # the slice froze what it touched: a's and shared's channels
+    families = {tuple(f["layers"]): (f["removed"], f["frozen"]) for f in handle.families}
+    assert families[("a", "shared")] == (0, 8)  # shared runs on a's outputs and on its own: one family
+    assert families[("b",)] == (2, 0)
+    assert handle.kept["head"][0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    handle.restore()
+    assert all(torch.equal(model(x)[k], reference[k]) for k in reference)
+
+
+def test_round_to_keeps_channel_counts_multiples():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    handle = surgery.shrink(model, 0.3, example_inputs=torch.randn(1, 3, 32, 32), round_to=8)
+    widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w % 8 == 0 for w in widths) and handle.replaced
+    handle.restore()
+
+
+def test_hugging_face_and_timm_models_keep_their_output_shapes():
+    import timm
+    import transformers
+
+    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                          intermediate_size=64, vocab_size=64,
+                                                          max_position_embeddings=32)).eval()
+    ids = {"input_ids": torch.randint(0, 64, (2, 16))}
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
+    for model, example in ((bert, ids), (vit, torch.randn(2, 3, 32, 32))):
+        before = snapshot(model)
+        out = model(**example) if isinstance(example, dict) else model(example)
+        reference = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+        handle = surgery.shrink(model, 0.5, example_inputs=example)
+        assert handle.params()["after"] < handle.params()["before"]  # the MLPs' hidden width at least
+        out = model(**example) if isinstance(example, dict) else model(example)
+        assert (out.last_hidden_state if hasattr(out, "last_hidden_state") else out).shape == reference.shape
+        handle.restore()
+        assert snapshot_differences(before, snapshot(model)) == []
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"amount": 1.5}, "shrink.amount=1.5"),
+    ({"amount": 0.5, "scope": "all"}, "shrink.scope='all'"),
+    ({"amount": 0.5, "round_to": 0}, "shrink.round_to=0"),
+    ({"amount": 0.5, "importance": "l7"}, "shrink.importance='l7'"),
+])
+def test_bad_settings_raise_one_line_and_change_nothing(kwargs, field):
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    before = snapshot(model)
+    with pytest.raises(ConfigError) as caught:
+        surgery.shrink(model, example_inputs=torch.randn(1, 3, 32, 32), **kwargs)
+    assert str(caught.value).startswith(field)
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_shrinking_a_pruned_model_and_a_wrong_plan_are_refused():
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    pruned = surgery.prune(model, 0.5, progress=False)
+    with pytest.raises(ConfigError, match="has surgery attached"):
+        surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 32, 32))
+    pruned.restore()
+    plan = {"layer1.0.conv1": {"class": "torch.nn.modules.linear.Linear", "args": {"in_features": 2, "out_features": 2}}}
+    with pytest.raises(ConfigError, match="rebuild.plan='layer1.0.conv1': is a Conv2d in this model"):
+        surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), plan)
