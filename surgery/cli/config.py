@@ -143,16 +143,13 @@ class SensitivityConfig:
         validate_arguments(0.5, self.method, "layer", 2.0, 0)
         _positive_int("sensitivity.calibration_batches", self.calibration_batches)
         if self.bits is not None and self.target_sparsity is not None:
-            raise ConfigError("sensitivity.target_sparsity", self.target_sparsity, "plans pruning amounts; set it "
-                              "to null with sensitivity.bits")
+            raise ConfigError("sensitivity.target_sparsity", self.target_sparsity, "plans pruning amounts, and "
+                              "sensitivity.bits measures quantization; pass sensitivity.target_sparsity=null with it")
         if self.bits is not None:
             for width in self.bits:
                 if not 2 <= width <= 8:
                     raise ConfigError("sensitivity.bits", width, "each bit width must be an integer in [2, 8]")
         self.weight_spec()
-
-    def weight_spec(self) -> QuantSpec | None:
-        return _spec(self.weights, "sensitivity.weights")
         for amount in self.amounts:
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 < amount <= 1.0:
                 raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")
@@ -160,6 +157,9 @@ class SensitivityConfig:
         if target is not None and not 0.0 <= target <= max(self.amounts, default=0.0):
             raise ConfigError("sensitivity.target_sparsity", target, f"must be null or a number in "
                               f"[0, {max(self.amounts, default=0.0):g}] (the largest amount tried)")
+
+    def weight_spec(self) -> QuantSpec | None:
+        return _spec(self.weights, "sensitivity.weights")
 
 
 @dataclass

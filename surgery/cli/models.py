@@ -19,6 +19,7 @@ from surgery.ops.rules import Rule
 
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
+SHIPPED_DATA = {"digits_cnn": "digits", "mnist1d_cnn": "mnist1d", "tinylm": "tinylm"}  # the data each was trained on
 SHIPPED_MODELS = {"digits_cnn": (digits.DigitsCNN, digits.CHECKPOINT),  # source -> (class, trained checkpoint)
                   "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT),
                   "tinylm": (tinylm.TinyLM, tinylm.CHECKPOINT)}
@@ -111,6 +112,7 @@ def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> N
             model(sample)
     except Exception as err:  # the model's own error, whatever its type
         first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+        hint = f"use data={SHIPPED_DATA[name]}" if name in SHIPPED_DATA else \
+            "set data.image_size and data.channels to what the model expects"
         raise ConfigError("data", f"shape {tuple(sample.shape)}", f"{name} fails on inputs of this shape "
-                          f"({type(err).__name__}: {first}); set data.image_size and data.channels to what "
-                          "the model expects") from None
+                          f"({type(err).__name__}: {first}); {hint}") from None

@@ -91,6 +91,7 @@ class LayerChannels:
     outputs: list[int] | None = None
     inputs: list[int] | None = None
     passthrough: bool = False
+    positions: int = 0  # output values per output channel, summed over calls (for MACs)
 
 
 @dataclass
@@ -239,8 +240,10 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
                     known[id(output)] = Channels(layer.inputs, axis)
                     layer.outputs = layer.inputs
                 return
+            channels = output.shape[-1 if isinstance(module, nn.Linear) else 1]
+            layer.positions += output.numel() // max(channels, 1)
             if layer.outputs is None:
-                layer.outputs = trace.slots.new(output.shape[-1 if isinstance(module, nn.Linear) else 1])
+                layer.outputs = trace.slots.new(channels)
             known[id(output)] = Channels(layer.outputs, output.dim() - 1 if isinstance(module, nn.Linear) else 1)
         return hook
 

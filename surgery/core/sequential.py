@@ -81,14 +81,14 @@ def find_blocks(model: nn.Module) -> list[str]:
     return best[1]
 
 
-def resolve_blocks(model: nn.Module, blocks: Selection | bool | None) -> list[str]:
+def resolve_blocks(model: nn.Module, blocks: Selection | bool | None, field: str = "blocks") -> list[str]:
     """``None``/``True``: :func:`find_blocks`; ``False``: none (every layer its own stage);
     otherwise the modules the selection names, in model order."""
     if blocks is None or blocks is True:
         return find_blocks(model)
     if blocks is False:
         return []
-    return list(select(model, blocks, field="calibration.blocks"))
+    return list(select(model, blocks, field=field))
 
 
 def materialise(calibration: Any, field_name: str) -> list[Call]:
@@ -153,7 +153,7 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
     returning (or raising).
     """
     calls = materialise(calibration, f"{field}")
-    report = SequentialReport(blocks=resolve_blocks(model, blocks))
+    report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
     originals: dict[str, tuple[nn.Parameter, Tensor]] = {}
     try:
         with evaluating(model), torch.no_grad():

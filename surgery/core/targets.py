@@ -175,7 +175,9 @@ def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb
                 qualified = f"{name}.{attr}" if name else attr
                 out.append(Skipped(qualified, type(module).__name__, f"not selected itself, but it is the same tensor "
                                    f"as {seen[id(p)]}, so it is {verb}d with it"))
-        if own:
+        if own and default_layer(module, name):
+            out.append(Skipped(name, type(module).__name__, f"excluded ({verb}.exclude)"))
+        elif own:
             example = f"{name}.{own[0]}" if name else own[0]
             out.append(Skipped(name, type(module).__name__, f"not in the default selection ({default_layer.__name__}); "
                                f"select '{example}' (or its layer) to include its {', '.join(own)}"))

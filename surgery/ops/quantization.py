@@ -196,6 +196,11 @@ class QuantizeHandle(Handle):
         self.activations: dict[str, ActivationQuantizer] = {}
         self.sequential: SequentialReport | None = None  # GPTQ's calibration pass
 
+    @property
+    def skipped(self) -> list:
+        """Weights selected (or, by default, not selected) but left unquantized, with why."""
+        return list(self.selection.skipped)
+
     def qparams(self) -> dict[str, Tensor]:
         """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
         out: dict[str, Tensor] = {}

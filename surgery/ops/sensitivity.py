@@ -214,6 +214,9 @@ def _score(evaluate: Evaluate, model: nn.Module, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigTypeError("sensitivity.evaluate", type(value).__name__, f"returned this for {what}; it must "
                               "return one number")
+    if math.isnan(value):
+        raise ConfigError("sensitivity.evaluate", value, f"returned NaN for {what}; a NaN score cannot be ranked "
+                          "(an infinite one can)")
     return float(value)
 
 

@@ -23,7 +23,7 @@ from surgery.core import compiled, guards
 from surgery.core.channels import ChannelTrace, LayerChannels, trace_channels
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, as_call, batches, evaluating
+from surgery.core.inputs import Inputs, batches
 from surgery.core.selection import Selection, select as select_modules
 
 SCOPES = ("layer", "global")
@@ -82,7 +82,7 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     allowed = set(select_modules(model, select, exclude=exclude, field="shrink.select", exclude_field="shrink.exclude")
                   ) if select is not None or exclude is not None else None
     trace = trace_channels(model, example)
-    before = _counts(model, example)
+    before = _counts(model, trace)
     removed = _choose(trace, amount, scope, round_to, importance, allowed)
     handle = ShrinkHandle(model)
     handle.frozen_ops = list(trace.unknown)
@@ -105,7 +105,7 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
         handle.rollback(err)
         raise
     handle.families = _families_report(trace, removed)
-    handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, example).items()}
+    handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
     return handle
 
 
@@ -251,25 +251,19 @@ def _families_report(trace: ChannelTrace, removed: set[int]) -> list[dict[str, A
     return list(found.values())
 
 
-def _counts(model: nn.Module, example: Any) -> dict[str, int]:
-    macs = [0]
-
-    def count(module: nn.Module, args: tuple, output: Any) -> None:
-        if not isinstance(output, Tensor):
-            return
+def _counts(model: nn.Module, trace: ChannelTrace) -> dict[str, int]:
+    """Parameters, and the multiply-accumulates of the traced forward computed from each
+    Conv/Linear layer's current shape (no extra forward)."""
+    named = dict(model.named_modules())
+    macs = 0
+    for name, layer in trace.layers.items():
+        module = named.get(name)
         if isinstance(module, nn.Linear):
-            macs[0] += output.numel() * module.in_features
+            macs += layer.positions * module.out_features * module.in_features
         elif isinstance(module, nn.modules.conv._ConvNd):
-            macs[0] += output.numel() * (module.in_channels // module.groups) * math.prod(module.kernel_size)
-
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
-    try:
-        with evaluating(model), torch.no_grad():
-            as_call(example)(model)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return {"params": sum(p.numel() for p in model.parameters()), "macs": macs[0]}
+            macs += layer.positions * module.out_channels * (module.in_channels // module.groups) * \
+                math.prod(module.kernel_size)
+    return {"params": sum(p.numel() for p in model.parameters()), "macs": macs}
 
 
 def _layer_class(path: str) -> type:

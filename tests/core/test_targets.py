@@ -157,3 +157,13 @@ def test_an_intercept_rule_that_never_fires_on_a_hugging_face_model_warns():
     with pytest.raises(surgery.RuleNeverFiredError, match=r"swap\(GELU\) never fired"):
         with surgery.intercept(surgery.rules.swap(nn.GELU, lambda old: nn.ReLU()), strict=True):
             tiny_gpt2()
+
+
+def test_an_excluded_layer_is_reported_as_excluded_not_as_outside_the_default():
+    import surgery
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    handle = surgery.prune(model, 0.5, exclude="2", progress=False)
+    assert [(s.name, s.reason) for s in handle.skipped] == [("2", "excluded (prune.exclude)")]
+    handle.restore()

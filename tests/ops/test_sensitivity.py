@@ -69,7 +69,7 @@ def test_prune_takes_per_layer_amounts_for_every_method():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"amounts": {"9": 0.5}}, "prune.amounts='9': is not a selected layer"),
-    ({"amounts": {"0": 1.5}}, "prune.amount=1.5"),
+    ({"amounts": {"0": 1.5}}, "prune.amounts['0']=1.5"),
     ({"amounts": {"0": 0.5}, "scope": "global"}, "prune.amounts={'0': 0.5}: sets one amount per layer"),
     ({"amounts": [0.5]}, "prune.amounts=[0.5]: must be a dict"),
 ])
@@ -80,6 +80,19 @@ def test_bad_amounts_are_refused_before_anything_changes(kwargs, message):
         surgery.prune(model, 0.5, progress=False, **kwargs)
     assert str(caught.value).startswith(message)
     assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_a_plan_may_list_layers_left_dense_and_a_nan_score_is_refused():
+    model = mlp()
+    handle = surgery.prune(model, 0.5, exclude="4", amounts={"0": 0.25, "4": 0.0}, progress=False)
+    assert handle.layer_sparsity() == {"0.weight": 0.25, "2.weight": 0.5}  # "4" is excluded and planned dense
+    handle.restore()
+    with pytest.raises(ConfigError, match="prune.amounts='4': is not a selected layer"):
+        surgery.prune(model, 0.5, exclude="4", amounts={"4": 0.5}, progress=False)
+    nan_for_layer_2 = lambda m: float("nan") if (m[2].weight == 0).any() else 1.0
+    with pytest.raises(ConfigError, match="sensitivity.evaluate=nan: returned NaN for 2 at 0.5"):
+        surgery.sensitivity(model, [0.5], evaluate=nan_for_layer_2, progress=False)
+    assert not any((p == 0).any() for p in model.parameters())  # the failing trial was restored
 
 
 def test_sensitivity_refuses_bad_settings():
