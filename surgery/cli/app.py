@@ -98,7 +98,7 @@ def _task(cfg: DictConfig) -> None:
     record = JobRecord(int(hydra_config.job.num), overrides, str(out_dir.resolve()), "started")
     record_job(sweep_dir, record)
     try:
-        code, dry_run = _run_job(cfg, out_dir)
+        code, dry_run = _run_job(cfg, out_dir, record)
         record.status = "dry_run" if dry_run else {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
     except Exception as err:  # a job of a sweep never takes the sweep down: it is recorded as crashed
         traceback.print_exc()
@@ -107,9 +107,10 @@ def _task(cfg: DictConfig) -> None:
     _exit_codes[-1] = code
 
 
-def _run_job(cfg: DictConfig, out_dir: Path) -> tuple[int, bool]:
+def _run_job(cfg: DictConfig, out_dir: Path, record: JobRecord | None = None) -> tuple[int, bool]:
     """One run: (exit code: 0 ok, 1 a check failed, 2 bad configuration or input; whether it was
-    a ``select_only`` dry run, which writes nothing)."""
+    a ``select_only`` dry run, which writes nothing). A bad input's one line also goes into
+    ``record`` (a sweep job's), so the sweep summary says why."""
     try:
         config = load_config(cfg)
         if config.select_only:
@@ -117,6 +118,8 @@ def _run_job(cfg: DictConfig, out_dir: Path) -> tuple[int, bool]:
             return EXIT_OK, True
         return run(config, out_dir).exit_code, False
     except SurgeryError as err:
+        if record is not None:
+            record.error = str(err).splitlines()[0]
         return fail(str(err).splitlines()[0]), False
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from surgery.ops.sensitivity import sensitivity
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
 PLAN = "plan.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
+log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
 OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
@@ -150,7 +152,18 @@ class _Files:
 
 
 def _calibration(config: RunConfig) -> dict[str, Any]:
-    """Calibration batches by step, for the steps whose settings need them."""
+    """Calibration batches by step, for the steps whose settings need them (a warning when the
+    data holds fewer batches than asked)."""
+    found = _calibration_by_step(config)
+    for step, batches in found.items():
+        asked = getattr(config, step).calibration_batches
+        if len(batches) < asked:
+            log.warning("%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
+                        step, asked, config.data.kind, len(batches), config.data.batch_size)
+    return found
+
+
+def _calibration_by_step(config: RunConfig) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if "quantize" in config.steps and config.quantize.calibrated:
         found["quantize"] = calibration_batches(config.data, config.quantize.calibration_batches)

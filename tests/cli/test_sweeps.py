@@ -60,6 +60,7 @@ def test_a_rerun_sweep_never_reports_a_failed_job_with_the_earlier_report(tmp_pa
     assert again.returncode == 2, again.stderr[-3000:]
     rows = summary(tmp_path)
     assert rows[1]["prune.amount"] == "1.5" and rows[1]["status"] == "bad_input" and rows[1]["ok"] is False
+    assert rows[1]["error"].startswith("prune.amount=1.5: must be a number in [0, 1]")  # the summary says why
     assert rows[1]["sparsity"] is None and rows[1]["cosine"] is None  # not the first sweep's 0.6
     assert json.loads((tmp_path / "1" / "report.json").read_text())["ok"] is True  # the old folder, untouched
 
