@@ -14,7 +14,7 @@ from surgery.ops.observers import QuantSpec
 from surgery.ops.criteria import as_criterion
 from surgery.ops.pruning import check_pattern, validate_arguments
 
-STEPS = ("prune", "quantize", "rewrite", "finetune")
+STEPS = ("prune", "quantize", "rewrite", "finetune", "shrink")
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm")
 DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm")
 LABELLED_KINDS = ("digits", "mnist1d", "tinylm")  # real data with labels: accuracy, fine-tuning
@@ -122,6 +122,32 @@ class PruneConfig:
         return {"method": self.method, "scope": self.scope, "select": self.select,
                 "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed,
                 "pattern": self.pattern, "amounts": self.layer_amounts()} | blocks
+
+
+@dataclass
+class ShrinkConfig:
+    """Arguments of :func:`surgery.shrink`: coupled channels removed for real, traced on one
+    batch of the data's calibration split; ``latency_batches`` are the batch sizes timed dense
+    against shrunk (one thread)."""
+
+    amount: float = 0.5
+    select: Any = None
+    exclude: Any = None
+    scope: str = "layer"
+    round_to: int = 1
+    latency_batches: list[int] = field(default_factory=lambda: [1, 8])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.amount, bool) or not isinstance(self.amount, (int, float)) or not 0 <= self.amount <= 1:
+            raise ConfigError("shrink.amount", self.amount, "must be a number in [0, 1]")
+        _one_of("shrink.scope", self.scope, ("layer", "global"))
+        _positive_int("shrink.round_to", self.round_to)
+        for size in self.latency_batches:
+            _positive_int("shrink.latency_batches", size)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`surgery.shrink` (without the amount and example inputs)."""
+        return {"select": self.select, "exclude": self.exclude or None, "scope": self.scope, "round_to": self.round_to}
 
 
 @dataclass
@@ -363,6 +389,7 @@ class RunConfig:
     quantize: Optional[QuantizeConfig] = None
     rewrite: Optional[RewriteConfig] = None
     finetune: Optional[FinetuneConfig] = None
+    shrink: Optional[ShrinkConfig] = None
     inspect: bool = False
     sensitivity: Optional[SensitivityConfig] = None  # per-layer sensitivity table and plan (recipe=sensitivity)
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
@@ -404,7 +431,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSettings()),
                                                 rewrite=RewriteConfig(), finetune=FinetuneConfig(),
-                                                sensitivity=SensitivityConfig()))
+                                                shrink=ShrinkConfig(), sensitivity=SensitivityConfig()))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

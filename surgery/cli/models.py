@@ -59,6 +59,11 @@ class ModelBuilder:
         self.rules = list(rules)
         self.events: list[Event] = []
 
+    def architecture(self) -> nn.Module:
+        """The model's class at its configured shape, without weights or build rules (what
+        :func:`surgery.rebuild` builds on the meta device)."""
+        return self._construct()
+
     def with_rules(self, rules: Sequence[Rule]) -> ModelBuilder:
         """The same model and seed with other build rules."""
         return ModelBuilder(self.config, self.seed, rules)

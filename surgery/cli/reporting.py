@@ -71,6 +71,9 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(point["score"] is not None for point in report.get("finetune", {}).get("curve", [])):
         written.append(out_dir / "finetune.png")
         write_atomically(written[-1], lambda tmp: plot_finetune(report, tmp))
+    if plots and report.get("shrink", {}).get("widths"):
+        written.append(out_dir / "widths.png")
+        write_atomically(written[-1], lambda tmp: plot_widths(report, tmp))
     if plots and report.get("sensitivity", {}).get("rows"):
         written.append(out_dir / "sensitivity.png")
         write_atomically(written[-1], lambda tmp: plot_sensitivity(report, tmp))
@@ -96,6 +99,27 @@ def plot_gradients(report: dict[str, Any], path: Path) -> None:
     norm.set_xscale("log")
     norm.set_xlabel("‖∂L/∂w‖ (RMS over batches)")
     fig.suptitle(f"{report['recipe']}: gradients of {report['model']} ({report['gradients']['loss']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def plot_widths(report: dict[str, Any], path: Path) -> None:
+    """Each shrunk layer's output width before and after, in model order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    widths = report["shrink"]["widths"]
+    names = list(widths)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.12 * len(names) + 2), 4.5))
+    ax.bar(range(len(names)), [w[0] for w in widths.values()], color="#C8C8C8", label="before")
+    ax.bar(range(len(names)), [w[1] for w in widths.values()], color="#4C72B0", label="after")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=5)
+    ax.set_ylabel("output channels / features")
+    ax.legend()
+    ax.set_title(f"{report['recipe']}: {report['model']} layer widths")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
@@ -279,6 +303,17 @@ def render_markdown(report: dict[str, Any]) -> str:
                       "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
     if "sensitivity" in report:
         lines += ["", *sensitivity_markdown(report)]
+    if "shrink" in report:
+        shrunk = report["shrink"]
+        lines += ["", "## Shrink", "", "| | before | after | ratio |", "| --- | --- | --- | --- |"]
+        lines += [f"| {key} | {shrunk[key]['before']:,} | {shrunk[key]['after']:,} | "
+                  f"{shrunk[key]['after'] / max(shrunk[key]['before'], 1):.3f} |" for key in ("params", "macs")]
+        lines += [f"| latency, batch {size} (ms, 1 thread) | {row['dense_ms']:.1f} | {row['shrunk_ms']:.1f} | "
+                  f"{row['ratio']:.3f} |" for size, row in shrunk["latency"].items()]
+        lines += ["", "Coupled families (layers producing the same channels):", "",
+                  "| layers | channels | removed | frozen |", "| --- | --- | --- | --- |"]
+        lines += [f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
+                  f"{f['removed']} | {f['frozen']} |" for f in shrunk["families"]]
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines += ["", "## Perplexity (held-out bytes)", "", "| reference | candidate |", "| --- | --- |",
@@ -358,6 +393,14 @@ def summary_table(report: dict[str, Any]) -> str:
         if "plan" in result:
             lines.append(f"  plan for {result['plan']['target_sparsity']:g} sparsity: " +
                          ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items()))
+    if "shrink" in report:
+        shrunk = report["shrink"]
+        params, macs = shrunk["params"], shrunk["macs"]
+        lines.append(f"  shrink: params {params['before']:,} -> {params['after']:,} "
+                     f"({params['after'] / params['before']:.3f}x), MACs {macs['before']:,} -> {macs['after']:,} "
+                     f"({macs['after'] / max(macs['before'], 1):.3f}x)")
+        lines += [f"  latency batch {size}: dense {row['dense_ms']:.1f} ms, shrunk {row['shrunk_ms']:.1f} ms "
+                  f"({row['ratio']:.3f}x, 1 thread)" for size, row in shrunk["latency"].items()]
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
@@ -29,15 +30,17 @@ from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, sum
 from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
 from surgery.ops.finetuning import FinetuneHandle
 from surgery.ops.sensitivity import sensitivity
+from surgery.ops.shrinking import ShrinkHandle, rebuild
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
 PLAN = "plan.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
+PLAN_JSON = "model.plan.json"  # the shrunk layers' shapes, for surgery.rebuild
 log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
 OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
-           "finetune.png", "gradients.png", "sensitivity.png", PLAN)
+           "finetune.png", "gradients.png", "sensitivity.png", PLAN, PLAN_JSON, "widths.png")
 
 
 @dataclass
@@ -140,6 +143,9 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["gradients"] = gradients
         if layer_sensitivity is not None:
             report["sensitivity"] = layer_sensitivity
+        shrunk = find(handle, "shrink")
+        if isinstance(shrunk, ShrinkHandle):
+            report["shrink"] = _shrink_report(shrunk, models, inputs, config.shrink.latency_batches)
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 
@@ -156,7 +162,7 @@ def _calibration(config: RunConfig) -> dict[str, Any]:
     data holds fewer batches than asked)."""
     found = _calibration_by_step(config)
     for step, batches in found.items():
-        asked = getattr(config, step).calibration_batches
+        asked = getattr(getattr(config, step), "calibration_batches", 1)
         if len(batches) < asked:
             log.warning("%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
                         step, asked, config.data.kind, len(batches), config.data.batch_size)
@@ -165,6 +171,8 @@ def _calibration(config: RunConfig) -> dict[str, Any]:
 
 def _calibration_by_step(config: RunConfig) -> dict[str, Any]:
     found: dict[str, Any] = {}
+    if "shrink" in config.steps:  # the batch the coupling is traced on
+        found["shrink"] = list(calibration_batches(config.data, 1))
     if "quantize" in config.steps and config.quantize.calibrated:
         found["quantize"] = calibration_batches(config.data, config.quantize.calibration_batches)
     prune = config.prune
@@ -238,6 +246,35 @@ def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) 
     return result
 
 
+def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:
+    """Parameters, MACs, measured latency dense vs shrunk (one thread, interleaved rounds,
+    median), the coupled families and each changed layer's width before and after."""
+    sample = inputs[0]
+    latency = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for size in batch_sizes:
+            x = torch.randn(size, *sample.shape[1:], generator=torch.Generator().manual_seed(0)) \
+                if sample.is_floating_point() else sample[:1].repeat(size, *([1] * (sample.dim() - 1)))
+            times: dict[str, list[float]] = {"dense": [], "shrunk": []}
+            with torch.no_grad():
+                for round_ in range(7):
+                    for name, model in (("dense", models.reference), ("shrunk", models.model))[:: 1 if round_ % 2 else -1]:
+                        start = time.perf_counter()
+                        model(x)
+                        times[name].append(time.perf_counter() - start)
+            dense, shrunk = (sorted(times[k][1:])[len(times[k][1:]) // 2] for k in ("dense", "shrunk"))
+            latency[str(size)] = {"dense_ms": 1000 * dense, "shrunk_ms": 1000 * shrunk, "ratio": shrunk / dense}
+    finally:
+        torch.set_num_threads(threads)
+    widths = {name: [getattr(old, "out_channels", getattr(old, "out_features", getattr(old, "num_features", None))),
+                     getattr(new, "out_channels", getattr(new, "out_features", getattr(new, "num_features", None)))]
+              for name, (old, new) in handle.replaced.items()}
+    return {"params": handle.params(), "macs": handle.macs(), "latency": latency, "families": handle.families,
+            "frozen_ops": handle.frozen_ops, "widths": widths}
+
+
 def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:
     """Held-out perplexity of the unmodified and the modified language model (``data=tinylm``)."""
     if config.data.kind != "tinylm":
@@ -280,6 +317,9 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
         return apply_steps(subject, config, neutral=neutral_settings, calibration=files.calibration)
 
     qparams = saved_qparams(handle)
+    shrinking = find(handle, "shrink")
+    factory = models.builder if not isinstance(shrinking, ShrinkHandle) else \
+        (lambda plan=shrinking.plan(): rebuild(models.builder.architecture, plan))  # the smaller shapes
 
     results: list[checks.CheckResult] = []
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
@@ -297,7 +337,7 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
                 parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
             results.append(checks.merge(parts, "restore"))
         progress.update()
-        bake = checks.check_bake(models.model, handle, models.builder, inputs,
+        bake = checks.check_bake(models.model, handle, factory, inputs,
                                  lambda model: reattach(model, config, qparams))
         if "bake" in enabled:
             results.append(bake)
@@ -305,8 +345,11 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
         save_checkpoint(models.model, files.checkpoint)  # into the run's staging folder
         if qparams:
             save_tensors(qparams, files.qparams)
+        if isinstance(shrinking, ShrinkHandle):
+            text = json.dumps(shrinking.plan(), indent=2)
+            write_atomically(files.checkpoint.with_name(PLAN_JSON), lambda tmp: tmp.write_text(text + "\n"))
         if "save_load" in enabled:
-            results.append(checks.check_save_load(files.checkpoint, models.builder, inputs, models.model,
+            results.append(checks.check_save_load(files.checkpoint, factory, inputs, models.model,
                                                   lambda model: reattach(model, config, qparams),
                                                   lambda model: reattach(model, config, files.qparams)))
         progress.update()

@@ -14,6 +14,7 @@ from surgery.ops.finetuning import finetune
 from surgery.ops.pruning import prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
+from surgery.ops.shrinking import shrink
 
 Applier = Callable[[nn.Module, RunConfig, bool, dict], Handle]
 
@@ -49,7 +50,14 @@ def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: d
                     seed=config.seed)
 
 
-APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite, "finetune": _finetune}
+def _shrink(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
+    settings = config.shrink
+    return shrink(model, 0.0 if neutral else settings.amount, example_inputs=calibration["shrink"][0],
+                  **settings.kwargs())
+
+
+APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite, "finetune": _finetune,
+                                "shrink": _shrink}
 
 
 def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,

@@ -195,6 +195,8 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
+    ApiCase("shrink", lambda m, *_: surgery.shrink(m, 1.5, example_inputs=batch(2, 8)), ConfigError, "shrink.amount",
+            "1.5"),
     ApiCase("sensitivity", lambda m, *_: surgery.sensitivity(m, progress=False), ConfigError, "sensitivity.inputs",
             "evaluate"),
     ApiCase("sensitivity", lambda m, *_: surgery.prune(m, 0.5, amounts={"nope": 0.5}, progress=False), ConfigError,
@@ -463,6 +465,8 @@ HUGE = "1" + "0" * 400
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 
 CLI_CASES = [
+    CliCase("shrink", ("recipe=shrink_resnet50", "shrink.amount=2"), "shrink.amount=2"),
+    CliCase("shrink", ("recipe=shrink_resnet50", "shrink.round_to=0"), "shrink.round_to=0"),
     CliCase("sensitivity", ("recipe=sensitivity", "sensitivity.target_sparsity=0.95"), "sensitivity.target_sparsity=0.95"),
     CliCase("sensitivity", ("recipe=prune_mnist1d", "prune.amounts=missing.yaml"), "prune.amounts='missing.yaml'"),
     CliCase("calibrated", ("recipe=prune_mnist1d", "prune.scope=global"), "prune.scope='global'"),

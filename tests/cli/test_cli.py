@@ -349,3 +349,22 @@ def test_prune_tinylm_reports_held_out_perplexity(tmp_path):
     assert data["ok"] and data["sparsity"] == pytest.approx(0.5, abs=1e-3)
     assert 4.0 < data["perplexity"]["reference"] < data["perplexity"]["candidate"] < 6.0
     assert "perplexity (held out)" in result.stdout and "## Perplexity" in (tmp_path / "report.md").read_text()
+
+
+def test_shrink_recipe_removes_channels_for_real_and_the_checkpoint_rebuilds(tmp_path):
+    result = surgery("recipe=shrink_resnet50", "model.name=resnet18", "data.image_size=64",
+                     f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["ok"] and {c["name"] for c in data["checks"]} >= {"identity", "restore", "bake", "save_load"}
+    shrunk = data["shrink"]
+    assert shrunk["params"]["after"] < 0.4 * shrunk["params"]["before"]  # half the channels: about a quarter left
+    assert set(shrunk["latency"]) == {"1", "8"} and all(row["ratio"] < 1 for row in shrunk["latency"].values())
+    assert (tmp_path / "widths.png").exists() and "## Shrink" in (tmp_path / "report.md").read_text()
+    from surgery import rebuild
+    from surgery.core.checkpoints import load_checkpoint
+
+    plan = json.loads((tmp_path / "model.plan.json").read_text())
+    fresh = load_checkpoint(rebuild(lambda: torchvision.models.resnet18(num_classes=1000), plan),
+                            tmp_path / "model.safetensors")  # strict
+    assert fresh.layer1[0].conv1.out_channels == plan["layer1.0.conv1"]["args"]["out_channels"] < 64
