@@ -11,6 +11,7 @@ the same class holding the kept slices; the handle keeps the original modules, s
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from surgery.core.inputs import Inputs, batches
 from surgery.core.selection import Selection, select as select_modules
 
 SCOPES = ("layer", "global")
+log = logging.getLogger("surgery")
 
 
 class ShrinkHandle(Handle):
@@ -105,6 +107,11 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
         handle.rollback(err)
         raise
     handle.families = _families_report(trace, removed)
+    if amount > 0 and not removed:
+        log.warning("shrink: nothing removed: %s", "every channel is frozen (by %s, or by reaching the outputs)" %
+                    (", ".join(trace.unknown) or "no traced op") if not any(f["channels"] > f["frozen"]
+                                                                             for f in handle.families)
+                    else f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})")
     handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
     return handle
 

@@ -181,3 +181,9 @@ def test_shrinking_a_pruned_model_and_a_wrong_plan_are_refused():
     plan = {"layer1.0.conv1": {"class": "torch.nn.modules.linear.Linear", "args": {"in_features": 2, "out_features": 2}}}
     with pytest.raises(ConfigError, match="rebuild.plan='layer1.0.conv1': is a Conv2d in this model"):
         surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), plan)
+
+
+def test_a_shrink_that_removes_nothing_says_so(caplog):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    handle = surgery.shrink(model, 0.1, example_inputs=torch.randn(2, 4))  # 10 % of 8 rounds down to 0
+    assert handle.replaced == {} and "shrink: nothing removed: amount 0.1 rounds to zero channels" in caplog.text
