@@ -141,12 +141,12 @@ def zoo() -> dict[str, dict[str, int]]:
             with torch.no_grad():
                 shrunk = model(x)
             counts["surgery"]["shape"] += shrunk.shape == reference.shape
-            plan = json.loads(json.dumps(handle.plan()))
             handle.restore()
             with torch.no_grad():
                 counts["surgery"]["restore"] += snapshot_differences(before, snapshot(model)) == [] and \
                     torch.equal(model(x), reference)
             handle = surgery.shrink(model, 0.3, example_inputs=x)
+            plan = json.loads(json.dumps(handle.plan()))
             baked = handle.bake()
             fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None), plan).eval()
             fresh.load_state_dict(baked.state_dict(), strict=True)

@@ -98,11 +98,13 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
             if smaller is None:
                 continue
             smaller.train(layer.module.training)  # a new module starts in training mode
-            _swap(model, name, smaller)
             original = layer.module
+            paths = _paths_of(model, original)  # a module registered under several names is replaced at each
+            for path in paths:
+                _swap(model, path, smaller)
             handle.replaced[name] = (original, smaller)
             handle.kept[name] = (keep_in, keep_out)
-            handle.add(f"put back {name}", lambda n=name, o=original: _swap(model, n, o))
+            handle.add(f"put back {name}", lambda ps=paths, o=original: [_swap(model, p, o) for p in ps])
     except BaseException as err:
         handle.rollback(err)
         raise
@@ -220,6 +222,10 @@ def _smaller(layer: LayerChannels, keep_in: Tensor | None, keep_out: Tensor | No
     return None
 
 
+def _paths_of(model: nn.Module, module: nn.Module) -> list[str]:
+    return [name for name, found in model.named_modules(remove_duplicate=False) if found is module]
+
+
 def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -312,5 +318,6 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
         with torch.device("meta"):
             new = cls(**args)
         new.train(named[name].training)
-        _swap(model, name, new)
+        for path in _paths_of(model, named[name]):
+            _swap(model, path, new)
     return model.to_empty(device=device)
