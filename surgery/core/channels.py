@@ -111,9 +111,14 @@ def _is_depthwise(module: nn.Module) -> bool:
 class _Tracer(TorchFunctionMode):
     """Follows channel slots through the functions called outside the traced layers."""
 
-    def __init__(self, trace: ChannelTrace, known: dict[int, Channels]) -> None:
+    def __init__(self, trace: ChannelTrace, known: dict[int, Channels], alive: list[Tensor]) -> None:
         super().__init__()
-        self.trace, self.known, self.depth = trace, known, 0
+        self.trace, self.known, self.depth, self.alive = trace, known, 0, alive
+
+    def _track(self, tensor: Tensor, channels: Channels) -> None:
+        """Record ``tensor``'s channels, keeping it alive: a freed tensor's id is reused."""
+        self.alive.append(tensor)
+        self.known[id(tensor)] = channels
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -144,7 +149,7 @@ class _Tracer(TorchFunctionMode):
                         self._freeze(name, [channels])
                         return
             if result.dim() == first.dim() and result.shape[channels.dim] == len(channels.slots):
-                self.known[id(result)] = Channels(channels.slots, channels.dim)
+                self._track(result, Channels(channels.slots, channels.dim))
                 return
         if isinstance(result, Tensor) and name in {"cat", "concat"}:
             tensors = args[0]
@@ -159,12 +164,12 @@ class _Tracer(TorchFunctionMode):
                         joined += fresh
                     else:
                         joined += info.slots
-                self.known[id(result)] = Channels(joined, dim)
+                self._track(result, Channels(joined, dim))
                 return
         if isinstance(result, Tensor) and name in {"flatten", "view", "reshape"} and channels.dim == 1 \
                 and result.dim() == 2 and first.dim() > 2 and result.shape[0] == first.shape[0]:
             spread = first.shape[2:].numel()
-            self.known[id(result)] = Channels([s for s in channels.slots for _ in range(spread)], 1)
+            self._track(result, Channels([s for s in channels.slots for _ in range(spread)], 1))
             return
         if isinstance(result, Tensor) and name in {"mean", "sum", "amax"}:
             dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -173,7 +178,7 @@ class _Tracer(TorchFunctionMode):
             dims = [d % first.dim() for d in dims]
             if dims and channels.dim not in dims:
                 new_dim = channels.dim if keep else channels.dim - sum(d < channels.dim for d in dims)
-                self.known[id(result)] = Channels(channels.slots, new_dim)
+                self._track(result, Channels(channels.slots, new_dim))
                 return
         self._freeze(name, [info for _, info in tracked])
 
@@ -189,7 +194,7 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     trace = ChannelTrace(Slots())
     known: dict[int, Channels] = {}
     keep_alive: list[Tensor] = []  # ids must stay unique while the trace runs
-    tracer = _Tracer(trace, known)
+    tracer = _Tracer(trace, known, keep_alive)
     hooks = []
 
     calls: list[Channels | None] = []  # the input of each traced call in progress (a module may nest)
