@@ -30,7 +30,8 @@ from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity import Sensitivity, sensitivity
-from surgery.ops.shrinking import ShrinkHandle, rebuild, shrink
+from surgery.core.heads import HeadLayout, register_heads
+from surgery.ops.shrinking import ShrinkError, ShrinkHandle, rebuild, register_importance, shrink
 from surgery.ops.smoothing import SmoothHandle, smooth
 from surgery.core.selection import select
 
@@ -43,6 +44,7 @@ __all__ = [
     "Event",
     "FinetuneHandle",
     "Handle",
+    "HeadLayout",
     "HandleGroup",
     "InterceptError",
     "InterceptLog",
@@ -58,6 +60,7 @@ __all__ = [
     "RuleNeverFiredError",
     "RuleNeverFiredWarning",
     "SelectionError",
+    "ShrinkError",
     "ShrinkHandle",
     "Sensitivity",
     "SmoothHandle",
@@ -73,6 +76,8 @@ __all__ = [
     "quantize",
     "rebuild",
     "register_criterion",
+    "register_heads",
+    "register_importance",
     "register_observer",
     "register_rewrite",
     "rewrite_inputs",

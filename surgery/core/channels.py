@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from surgery.core.heads import HeadLayout, head_counts, layout_of
 from surgery.core.inputs import Call, evaluating
 
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm)
@@ -95,11 +96,28 @@ class LayerChannels:
 
 
 @dataclass
+class AttentionHeads:
+    """An attention module traced as one unit: its projections' rows are coupled per *unit*
+    (a head; with grouped key/value heads, one key/value head and the query heads it serves)."""
+
+    name: str
+    module: nn.Module
+    layout: HeadLayout
+    counts: dict[str, int]  # heads per projection
+
+    @property
+    def units(self) -> int:
+        return min(self.counts.values())
+
+
+@dataclass
 class ChannelTrace:
     """The result of :func:`trace_channels`."""
 
     slots: Slots
     layers: dict[str, LayerChannels] = field(default_factory=dict)
+    attention: dict[str, AttentionHeads] = field(default_factory=dict)
+    output_shapes: list[tuple[int, ...]] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)  # why slots were frozen, for the report
 
 
@@ -200,12 +218,12 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     calls: list[Channels | None] = []  # the input of each traced call in progress (a module may nest)
 
     def before(name: str, module: nn.Module) -> Callable:
-        def hook(mod: nn.Module, args: tuple) -> None:
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             tracer.depth += 1
             x = args[0] if args and isinstance(args[0], Tensor) else None
             info = known.get(id(x)) if x is not None else None
             calls.append(info)
-            if isinstance(module, PASSTHROUGH):  # no parameters: each call passes its own input's channels
+            if isinstance(module, PASSTHROUGH) or name in heads:  # no parameters: each call passes its own input's channels
                 return
             layer = trace.layers.setdefault(name, LayerChannels(name, module))
             axis = (x.dim() - 1) if isinstance(module, (nn.Linear, nn.LayerNorm)) else 1 if x is not None else 0
@@ -224,6 +242,9 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             tracer.depth -= 1
             info = calls.pop()
+            if name in heads:
+                _couple_heads(trace, heads[name], output, known, keep_alive)
+                return
             if isinstance(module, PASSTHROUGH):
                 if info is not None and isinstance(output, Tensor) and output.dim() > info.dim \
                         and output.shape[info.dim] == len(info.slots):
@@ -252,9 +273,14 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
             known[id(output)] = Channels(layer.outputs, output.dim() - 1 if isinstance(module, nn.Linear) else 1)
         return hook
 
+    heads: dict[str, AttentionHeads] = {}
     for name, module in model.named_modules():
-        if _traced(module):
-            hooks.append(module.register_forward_pre_hook(before(name, module)))
+        layout = layout_of(module)
+        counts = head_counts(module, layout) if layout is not None else None
+        if counts is not None:
+            heads[name] = AttentionHeads(name, module, layout, counts)
+        if _traced(module) or counts is not None:
+            hooks.append(module.register_forward_pre_hook(before(name, module), with_kwargs=True))
             hooks.append(module.register_forward_hook(after(name, module)))
     try:
         with evaluating(model), torch.no_grad(), tracer:
@@ -263,7 +289,8 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     finally:
         for hook in reversed(hooks):
             hook.remove()
-    for tensor in tree_flatten(output)[0] if not hasattr(output, "to_tuple") else tree_flatten(output.to_tuple())[0]:
+    trace.output_shapes = output_shapes(output)
+    for tensor in _leaves(output):
         if isinstance(tensor, Tensor) and id(tensor) in known:
             trace.slots.freeze(known[id(tensor)].slots)
     for layer in trace.layers.values():  # a layer the trace could not follow into keeps its inputs
@@ -273,6 +300,52 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
                 not _is_depthwise(layer.module):
             trace.slots.freeze((layer.inputs or []) + (layer.outputs or []))
     return trace
+
+
+def _leaves(output: Any) -> list[Any]:
+    return tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
+
+
+def output_shapes(output: Any) -> list[tuple[int, ...]]:
+    """The shapes of every tensor in a model's output (tuples, dicts, ``ModelOutput``)."""
+    return [tuple(t.shape) for t in _leaves(output) if isinstance(t, Tensor)]
+
+
+def _couple_heads(trace: ChannelTrace, unit: AttentionHeads, output: Any, known: dict[int, Channels],
+                  keep_alive: list[Tensor]) -> None:
+    """After an attention module ran: tie each head's rows across its projections, give the
+    output projection (or the module's merged output) the query's head slots."""
+    layout, slots = unit.layout, trace.slots
+    head_dim = getattr(unit.module, layout.head_dim)
+    rows: dict[str, LayerChannels] = {}
+    for projection in layout.projections:
+        layer = trace.layers.get(f"{unit.name}.{projection}")
+        if layer is None or layer.outputs is None:  # not called: the layout does not describe this forward
+            return
+        rows[projection] = layer
+    trace.attention[unit.name] = unit
+    first: dict[int, int] = {}
+    for projection, layer in rows.items():
+        per_unit = unit.counts[projection] // unit.units
+        for row, slot in enumerate(layer.outputs):
+            head = (row % (unit.counts[projection] * head_dim)) // head_dim
+            group = head // per_unit
+            slots.union(first.setdefault(group, slot), slot)
+    query = rows[layout.projections[0]].outputs
+    merged = query[:len(query) // layout.packed]
+    if layout.output is not None:
+        reader = trace.layers.get(f"{unit.name}.{layout.output}")
+        if reader is not None:
+            if reader.inputs is None:
+                reader.inputs = list(merged)
+            for a, b in zip(reader.inputs, merged):
+                slots.union(a, b)
+        return
+    for tensor in tree_flatten(output)[0]:
+        if isinstance(tensor, Tensor) and tensor.dim() > 1 and tensor.shape[-1] == len(merged):
+            keep_alive.append(tensor)
+            known[id(tensor)] = Channels(list(merged), tensor.dim() - 1)
+            return
 
 
 def _traced(module: nn.Module) -> bool:

@@ -11,8 +11,10 @@ the same class holding the kept slices; the handle keeps the original modules, s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -21,14 +23,37 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core.channels import ChannelTrace, LayerChannels, trace_channels
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.channels import AttentionHeads, ChannelTrace, LayerChannels, output_shapes, trace_channels
+from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, batches
+from surgery.core.inputs import Inputs, batches, evaluating
+from surgery.core.registry import Registry
 from surgery.core.selection import Selection, select as select_modules
+from surgery.ops import rules
+from surgery.ops.intercept import RuleNeverFiredWarning, intercept
 
 SCOPES = ("layer", "global")
+IMPORTANCE: Registry[Callable[[Tensor], Tensor]] = Registry("shrink.importance")
+
+
+def register_importance(name: str, fn: Callable[[Tensor], Tensor], *, replace: bool = False) -> Callable:
+    """Add a channel importance for ``shrink(..., importance=name)``: ``fn`` maps a producing
+    layer's weight matrix (output channels × everything else) to one score per output channel;
+    the lowest-scoring coupled channels are removed.
+
+    Example:
+        >>> surgery.register_importance("linf", lambda w: w.abs().amax(dim=1))
+    """
+    return IMPORTANCE.register(name, fn, replace=replace)
+
+
+register_importance("l2", lambda weight: weight.norm(dim=1))
+register_importance("l1", lambda weight: weight.abs().sum(dim=1))
 log = logging.getLogger("surgery")
+
+
+class ShrinkError(SurgeryError, RuntimeError):
+    """The shrunk model does not run or changed its output shapes (the model was restored)."""
 
 
 class ShrinkHandle(Handle):
@@ -38,13 +63,20 @@ class ShrinkHandle(Handle):
         super().__init__("shrink", model)
         self.replaced: dict[str, tuple[nn.Module, nn.Module]] = {}  # name -> (original, smaller)
         self.kept: dict[str, tuple[Tensor | None, Tensor | None]] = {}  # name -> (input, output) indices kept
+        self.attributes: dict[str, dict[str, tuple[Any, Any]]] = {}  # module -> attribute -> (old, new)
         self.families: list[dict[str, Any]] = []
         self.frozen_ops: list[str] = []
         self.counts: dict[str, dict[str, int]] = {}
 
     def plan(self) -> dict[str, dict[str, Any]]:
-        """Every new layer's class and constructor arguments, JSON-serialisable."""
-        return {name: describe(new) for name, (_, new) in self.replaced.items()}
+        """Every new layer's class and constructor arguments, and every changed attribute
+        (attention head counts), JSON-serialisable."""
+        plan = {name: describe(new) for name, (_, new) in self.replaced.items()}
+        for name, changes in self.attributes.items():
+            module = self.model.get_submodule(name)
+            plan[name] = {"class": f"{type(module).__module__}.{type(module).__qualname__}",
+                          "attributes": {attr: new for attr, (_, new) in changes.items()}}
+        return plan
 
     def params(self) -> dict[str, int]:
         """Parameter counts ``{"before", "after"}``."""
@@ -65,8 +97,9 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
         amount: fraction in [0, 1] of each family's channels to remove (0 changes nothing).
         example_inputs: one batch (tensor, tuple or dict) the coupling is traced on.
         select, exclude: layers whose output channels may be removed (default all).
-        importance: ``"l2"`` (norm of each channel's producing weights) or a function of the
-            producing weight matrix (outputs × rest) giving one score per output.
+        importance: ``"l2"`` (norm of each channel's producing weights), ``"l1"``, a name
+            added with :func:`register_importance`, or a function of the producing weight
+            matrix (outputs × rest) giving one score per output.
         scope: ``"layer"`` (each family by ``amount``) or ``"global"`` (one ranking).
         round_to: keep channel counts multiples of this (e.g. 8 for fast kernels).
 
@@ -84,6 +117,7 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     allowed = set(select_modules(model, select, exclude=exclude, field="shrink.select", exclude_field="shrink.exclude")
                   ) if select is not None or exclude is not None else None
     trace = trace_channels(model, example)
+    expected = trace.output_shapes
     before = _counts(model, trace)
     removed = _choose(trace, amount, scope, round_to, importance, allowed)
     handle = ShrinkHandle(model)
@@ -105,6 +139,9 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
             handle.replaced[name] = (original, smaller)
             handle.kept[name] = (keep_in, keep_out)
             handle.add(f"put back {name}", lambda ps=paths, o=original: [_swap(model, p, o) for p in ps])
+        for name, unit in trace.attention.items():
+            _update_heads(handle, name, unit, removed, trace)
+        _check_runs(model, example, expected)
     except BaseException as err:
         handle.rollback(err)
         raise
@@ -118,6 +155,43 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     return handle
 
 
+def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed: set[int],
+                  trace: ChannelTrace) -> None:
+    """Set an attention module's head-count attributes to the heads its projections kept."""
+    layout, module = unit.layout, unit.module
+    query = trace.layers[f"{name}.{layout.projections[0]}"].outputs or []
+    units = {trace.slots.find(s) for s in query}
+    kept = len(units - removed)
+    if kept == unit.units:
+        return
+    head_dim = getattr(module, layout.head_dim)
+    counts = {p: kept * (c // unit.units) for p, c in unit.counts.items()}
+    changes = {attr: (getattr(module, attr), counts[p]) for attr, p in layout.heads.items()}
+    changes.update({attr: (getattr(module, attr), counts[p] * head_dim) for attr, p in layout.derived.items()})
+    if not changes:
+        return
+    for attr, (_, new) in changes.items():
+        setattr(module, attr, new)
+    handle.attributes[name] = changes
+    handle.add(f"put back the head counts of {name}",
+               lambda: [setattr(module, attr, old) for attr, (old, _) in changes.items()])
+
+
+def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]]) -> None:
+    """Run the shrunk model once: it must run and give outputs of the original shapes."""
+    try:
+        with evaluating(model), torch.no_grad():
+            shapes = output_shapes(example(model))
+    except Exception as err:
+        raise ShrinkError(f"shrink: the shrunk model fails on the example inputs ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}); a module the trace does not know "
+                          "reshapes by channel counts: exclude its layers (shrink.exclude) or register its layout "
+                          "(surgery.register_heads); the model is restored") from err
+    if shapes != expected:
+        raise ShrinkError(f"shrink: the shrunk model's output shapes {shapes} differ from the original {expected}; "
+                          "the model is restored")
+
+
 def _validate(amount: object, scope: str, round_to: object, importance: object) -> tuple[float, int]:
     if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount <= 1.0:
         raise ConfigError("shrink.amount", amount, "must be a number in [0, 1]")
@@ -125,8 +199,8 @@ def _validate(amount: object, scope: str, round_to: object, importance: object) 
         raise ConfigError("shrink.scope", scope, f"must be one of {', '.join(SCOPES)}")
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
         raise ConfigError("shrink.round_to", round_to, "must be an integer >= 1")
-    if importance != "l2" and not callable(importance):
-        raise ConfigTypeError("shrink.importance", importance, "must be 'l2' or a function weight -> scores")
+    if not callable(importance):
+        IMPORTANCE.get(importance)  # a one-line error naming the registered ones
     return float(amount), round_to
 
 
@@ -138,13 +212,19 @@ def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, impor
             allowed: set[str] | None) -> set[int]:
     """The slot classes to remove."""
     slots = trace.slots
+    score = importance if callable(importance) else IMPORTANCE.get(importance)
     scores: dict[int, float] = defaultdict(float)
     producers: dict[int, set[str]] = defaultdict(set)
     for name, layer in trace.layers.items():
         if layer.outputs is None or layer.passthrough or layer.outputs is layer.inputs:
             continue
         weight = _producer_weight(layer.module)
-        per_row = weight.norm(dim=1) if importance == "l2" else importance(weight).float().reshape(-1)
+        per_row = score(weight).float().reshape(-1)
+        if per_row.numel() != weight.shape[0] or not torch.isfinite(per_row).all():
+            raise ConfigError("shrink.importance", getattr(score, "__name__", score),
+                              f"must give one finite score per output channel of {name} ({weight.shape[0]}); "
+                              f"got {per_row.numel()} values" + ("" if per_row.numel() != weight.shape[0]
+                                                                  else " with NaN/inf"))
         for row, slot in enumerate(layer.outputs):
             root = slots.find(slot)
             scores[root] += float(per_row[row])
@@ -287,14 +367,19 @@ def _layer_class(path: str) -> type:
     return known[path]
 
 
-def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *, device: str | torch.device = "cpu"
-            ) -> nn.Module:
+def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *, device: str | torch.device = "cpu",
+            meta: bool = True) -> nn.Module:
     """The original class at the shrunk shapes, ready for ``load_state_dict(strict=True)`` of
     the baked state dict.
 
-    ``factory()`` runs on the ``meta`` device (no full-size weights are allocated), the layers
-    the plan names are replaced by new layers of the planned shapes, and the model is then
-    materialised on ``device`` with uninitialised values: load the baked weights next.
+    ``factory()`` runs inside :func:`surgery.intercept`: each layer the plan names is swapped
+    for a layer of the planned shape as the constructor attaches it, and planned attributes
+    (attention head counts) are set then, so the constructor's own code after that point sees
+    the smaller model. Layers are recognised by the order they are attached in, learnt from a
+    first build with parameters on ``meta``. With ``meta=True`` (default) the real build also
+    puts every parameter on ``meta`` as it is registered (no full-size weight is kept;
+    buffers stay real) and the model is materialised on ``device`` uninitialised: load the baked
+    weights next.
 
     Example:
         >>> model = surgery.rebuild(torchvision.models.resnet50, handle.plan())
@@ -302,22 +387,131 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     """
     if not isinstance(plan, dict):
         raise ConfigTypeError("rebuild.plan", plan, "must be the dict ShrinkHandle.plan() returns (or its JSON)")
-    with torch.device("meta"):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise ConfigTypeError("rebuild.factory", type(model).__name__, "must return an nn.Module")
+    for name, entry in plan.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("args", entry.get("attributes")), dict):
+            raise ConfigTypeError(f"rebuild.plan['{name}']", entry, "must be a {'class', 'args' | 'attributes'} dict "
+                                  "from ShrinkHandle.plan()")
+        if "args" in entry:
+            _layer_class(entry.get("class", ""))
+    order, model = _attach_order(factory)
     named = dict(model.named_modules())
     for name, entry in plan.items():
         if name not in named:
             raise ConfigError("rebuild.plan", name, "is not a module of the model the factory builds")
-        cls = _layer_class(entry.get("class", "") if isinstance(entry, dict) else "")
-        if not isinstance(named[name], cls):
+        found = f"{type(named[name]).__module__}.{type(named[name]).__qualname__}"
+        if "args" in entry and not isinstance(named[name], _layer_class(entry["class"])) or \
+                "attributes" in entry and found != entry["class"]:
             raise ConfigError("rebuild.plan", name, f"is a {type(named[name]).__name__} in this model; the plan has "
-                              f"a {cls.__name__}")
+                              f"a {entry['class'].rpartition('.')[2]}")
+    unattached = [name for name in plan if id(named[name]) not in order]
+    if unattached:
+        raise ConfigError("rebuild.plan", unattached[0], "is not attached by the constructor (the model itself?); "
+                          "only submodules can be rebuilt")
+    wanted = {order[id(named[name])]: (name, entry) for name, entry in plan.items()}
+    counter = _AttachCounter()
+
+    def planned(parent: nn.Module, local: str, child: nn.Module) -> bool:
+        return counter.next(child) in wanted
+
+    made: dict[str, nn.Module] = {}
+
+    def build(child: nn.Module) -> nn.Module:
+        name, entry = wanted[counter.last]
+        if not (isinstance(child, _layer_class(entry["class"])) if "args" in entry else
+                f"{type(child).__module__}.{type(child).__qualname__}" == entry["class"]):
+            raise ShrinkError(f"rebuild: {name} does not have its planned shape: the second build attached a "
+                              f"{type(child).__name__} where the first had a {entry['class'].rpartition('.')[2]}; "
+                              "the factory does not build the same model twice")
+        if "attributes" in entry:
+            for attr, value in entry["attributes"].items():
+                setattr(child, attr, value)
+            made[name] = child
+            return child
         args = {k: tuple(v) if isinstance(v, list) and k != "normalized_shape" else v for k, v in entry["args"].items()}
-        with torch.device("meta"):
-            new = cls(**args)
-        new.train(named[name].training)
-        for path in _paths_of(model, named[name]):
-            _swap(model, path, new)
-    return model.to_empty(device=device)
+        new = _layer_class(entry["class"])(**args)
+        new.train(child.training)
+        made[name] = new
+        return new
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleNeverFiredWarning)
+        with intercept(*([rules.swap(planned, build)] if wanted else []), *_meta_parameters(meta)):
+            model = factory()
+    if wanted and not counter.seen:
+        raise ShrinkError("rebuild: the factory attached no modules on the second build")
+    _check_rebuilt(model, plan, made)
+    return _materialise(model, device) if meta else model.to(device)
+
+
+def _meta_parameters(meta: bool) -> list[rules.Rule]:
+    """Parameters go to ``meta`` as they are registered (no weight is filled or kept); buffers
+    stay real, so values the constructor computes (position ids, masks) survive."""
+    if not meta:
+        return []
+    return [rules.on_parameter("*", lambda p: nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))]
+
+
+def _materialise(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Uninitialised storage on ``device`` for every ``meta`` parameter (tied ones stay tied)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+    return model.to(device)
+
+
+class _AttachCounter:
+    """Numbers the modules a build attaches, in order, each object once."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, nn.Module] = {}  # holds every module: a freed one's id could be reused
+        self.count = -1
+        self.last = -1
+
+    def next(self, child: nn.Module) -> int:
+        if id(child) in self.seen:
+            return -1
+        self.seen[id(child)] = child
+        self.count += 1
+        self.last = self.count
+        return self.count
+
+
+def _attach_order(factory: Callable[[], nn.Module]) -> tuple[dict[int, int], nn.Module]:
+    """A build on ``meta``: the attach number of every module, keyed by ``id``."""
+    counter = _AttachCounter()
+    numbers: dict[int, int] = {}
+
+    def record(parent: nn.Module, local: str, child: nn.Module) -> bool:
+        number = counter.next(child)
+        if number >= 0:
+            numbers[id(child)] = number
+        return False
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleNeverFiredWarning)
+        with intercept(rules.swap(record, lambda old: old), *_meta_parameters(True)):
+            model = factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigTypeError("rebuild.factory", type(model).__name__, "must return an nn.Module")
+    alive = {id(module) for module in model.modules()}  # ids of modules the build dropped may be reused
+    return {key: number for key, number in numbers.items() if key in alive}, model
+
+
+def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict[str, nn.Module]) -> None:
+    """Every planned layer is where the plan puts it, with its planned shape: a factory that
+    builds in another order fails here."""
+    named = dict(model.named_modules())
+    for name, entry in plan.items():
+        module = named.get(name)
+        same = module is not None and made.get(name) is module and (describe(module) == entry if "args" in entry
+                                                                      else all(getattr(module, attr, None) == value
+                                                                               for attr, value in
+                                                                               entry["attributes"].items()))
+        if not same:
+            raise ShrinkError(f"rebuild: {name} does not have its planned shape after the build; the factory does "
+                              "not build the same model twice (random architecture?)")

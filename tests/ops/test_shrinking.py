@@ -136,25 +136,176 @@ def test_round_to_keeps_channel_counts_multiples():
     handle.restore()
 
 
-def test_hugging_face_and_timm_models_keep_their_output_shapes():
-    import timm
+def _bert():
     import transformers
+    return transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=32, attn_implementation="eager"))
 
-    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                          intermediate_size=64, vocab_size=64,
-                                                          max_position_embeddings=32)).eval()
-    ids = {"input_ids": torch.randint(0, 64, (2, 16))}
-    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2).eval()
-    for model, example in ((bert, ids), (vit, torch.randn(2, 3, 32, 32))):
-        before = snapshot(model)
-        out = model(**example) if isinstance(example, dict) else model(example)
-        reference = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
-        handle = surgery.shrink(model, 0.5, example_inputs=example)
-        assert handle.params()["after"] < handle.params()["before"]  # the MLPs' hidden width at least
-        out = model(**example) if isinstance(example, dict) else model(example)
-        assert (out.last_hidden_state if hasattr(out, "last_hidden_state") else out).shape == reference.shape
+
+def _hf_vit():
+    import transformers
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5))
+
+
+def _llama_grouped_heads():
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=32))
+
+
+def _timm_vit():
+    import timm
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, num_classes=5)
+
+
+HEAD_MODELS = {  # factory, example inputs, attention module, its head-count attributes at 0.5, heads kept
+    "bert": (_bert, lambda: {"input_ids": torch.randint(0, 64, (2, 16))}, "encoder.layer.0.attention.self",
+             {"num_attention_heads": 2, "all_head_size": 16}, 2 / 4),
+    "hf_vit": (_hf_vit, lambda: {"pixel_values": torch.randn(2, 3, 32, 32)}, "vit.layers.0.attention",
+               {"num_attention_heads": 2}, 2 / 4),
+    "llama_gqa": (_llama_grouped_heads, lambda: {"input_ids": torch.randint(0, 64, (2, 16))},
+                  "model.layers.0.self_attn", {}, 1 / 2),  # 2 key/value groups of 4 query heads: one group goes
+    "timm_vit": (_timm_vit, lambda: torch.randn(2, 3, 32, 32), "blocks.0.attn", {"num_heads": 2, "attn_dim": 128},
+                 2 / 3),  # 3 heads: floor(1.5) = 1 removed
+}
+
+
+def _logits(model, example):
+    out = model(**example) if isinstance(example, dict) else model(example)
+    for key in ("logits", "last_hidden_state"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out
+
+
+@pytest.mark.parametrize("name", list(HEAD_MODELS))
+def test_whole_attention_heads_are_removed_and_the_model_rebuilds(name):
+    """Removing heads computes what zeroing their columns in the output projection computes;
+    the head-count attributes follow, restore is exact, and the plan rebuilds the class."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("timm")
+    factory, example_of, attention, attributes, kept = HEAD_MODELS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    example = example_of()
+    original = copy.deepcopy(model)
+    before = snapshot(model)
+    reference = _logits(model, example)
+    handle = surgery.shrink(model, 0.5, example_inputs=example)
+    module = model.get_submodule(attention)
+    assert {attr: getattr(module, attr) for attr in attributes} == attributes
+    assert handle.plan().get(attention, {}).get("attributes", {}) == attributes
+    layout = surgery.core.heads.layout_of(module)
+    rows = {p: getattr(module, p).out_features for p in layout.projections}
+    full = {p: getattr(original.get_submodule(attention), p).out_features for p in layout.projections}
+    assert all(rows[p] == full[p] * kept for p in rows)  # the same heads in every projection (GQA: whole groups)
+    with torch.no_grad():
+        shrunk = _logits(model, example)
+        torch.testing.assert_close(shrunk, _logits(masked_like(original, handle), example), rtol=1e-4, atol=1e-5)
+    plan = json.loads(json.dumps(handle.plan()))
+    baked = handle.bake()
+    fresh = surgery.rebuild(factory, plan).eval()
+    fresh.load_state_dict(baked.state_dict(), strict=True)
+    with torch.no_grad():
+        assert torch.equal(_logits(fresh, example), _logits(baked, example))
+    restored = factory().eval()
+    restored.load_state_dict(original.state_dict())
+    again = surgery.shrink(restored, 0.5, example_inputs=example)
+    again.restore()
+    assert snapshot_differences(snapshot(original), snapshot(restored)) == []
+    assert torch.equal(_logits(restored, example), reference)
+    assert before  # the snapshot of the model before shrinking was taken
+
+
+class TinyAttention(nn.Module):
+    """An attention module of our own: its heads are unknown to shrink until registered."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, hard_coded: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.size, self.hard_coded, self.dim = heads, dim // heads, hard_coded, dim
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.size).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = torch.softmax(q @ k.transpose(-1, -2) / self.size ** 0.5, dim=-1) @ v
+        width = self.dim if self.hard_coded else self.n_heads * self.size  # a hard-coded width breaks shrinking
+        return self.out(y.transpose(1, 2).reshape(b, t, width))
+
+
+def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), TinyAttention(), nn.Linear(16, 3)).eval()
+    x = torch.randn(2, 5, 8)
+    reference = model(x)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert model[1].q.out_features == 16 and model[1].n_heads == 4  # the reshapes froze the heads
+    assert model[1].q.in_features == 8  # what the first layer feeds it still shrinks
+    handle.restore()
+    surgery.register_heads(TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"},
+                                                             output="out"))
+    try:
+        handle = surgery.shrink(model, 0.5, example_inputs=x)
+        assert model[1].n_heads == 2 and model[1].q.out_features == 8 and model[1].out.in_features == 8
+        assert model(x).shape == reference.shape
         handle.restore()
-        assert snapshot_differences(before, snapshot(model)) == []
+        assert model[1].n_heads == 4 and torch.equal(model(x), reference)
+    finally:
+        surgery.core.heads.unregister_heads(TinyAttention)
+
+
+def test_a_shrunk_model_that_does_not_run_is_refused_and_restored():
+    """A registered layout that misses a hard-coded width: the check forward fails, the model is
+    put back bit for bit, and the error says what to do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), TinyAttention(hard_coded=True), nn.Linear(16, 3)).eval()
+    x = torch.randn(2, 5, 8)
+    before = snapshot(model)
+    surgery.register_heads(TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"},
+                                                             output="out"))
+    try:
+        with pytest.raises(surgery.ShrinkError, match="fails on the example inputs .* the model is restored"):
+            surgery.shrink(model, 0.5, example_inputs=x)
+    finally:
+        surgery.core.heads.unregister_heads(TinyAttention)
+    assert snapshot_differences(before, snapshot(model)) == [] and model[1].n_heads == 4
+    assert_no_hooks(model)
+
+
+def test_importance_by_registered_name_and_bad_scores_are_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.arange(32.0).reshape(8, 4))
+    x = torch.randn(2, 4)
+    surgery.register_importance("reverse_l2", lambda w: -w.norm(dim=1))
+    try:
+        handle = surgery.shrink(model, 0.5, example_inputs=x, importance="reverse_l2")
+        assert handle.kept["0"][1].tolist() == [0, 1, 2, 3]  # the largest rows scored lowest: removed
+        handle.restore()
+    finally:
+        surgery.ops.shrinking.IMPORTANCE.unregister("reverse_l2")
+    handle = surgery.shrink(model, 0.5, example_inputs=x, importance="l1")
+    assert handle.kept["0"][1].tolist() == [4, 5, 6, 7]
+    handle.restore()
+    before = snapshot(model)
+    with pytest.raises(ConfigError, match="one finite score per output channel of 0"):
+        surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.sum(dim=1) * float("nan"))
+    with pytest.raises(ConfigError, match="must give one finite score per output channel of 0 .8.; got 32 values"):
+        surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w)
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_rebuild_refuses_a_factory_that_builds_another_model_each_time():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    plan = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4)).plan()
+    builds = iter([[], [nn.Dropout()]])  # the second build attaches one more module: the order shifts
+    with pytest.raises(surgery.ShrinkError, match="2 does not have its planned shape"):
+        surgery.rebuild(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), *next(builds), nn.Linear(8, 3)), plan)
 
 
 @pytest.mark.parametrize("kwargs,field", [
