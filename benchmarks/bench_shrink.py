@@ -121,13 +121,18 @@ def compare(name: str) -> dict:
 
 
 def zoo() -> dict[str, dict[str, int]]:
-    counts = {"surgery": {"models": 0, "shape": 0, "restore": 0, "rebuild": 0},
-              "Torch-Pruning": {"models": 0, "shape": 0}}
+    """Shrink 0.3 on every torchvision classifier <= 40M parameters (inception_v3/googlenet aside).
+    surgery: output shape kept, >= 10 % of parameters removed, restore bit-exact, bake -> rebuild
+    -> strict load bit-identical. Torch-Pruning (no restore, no rebuild): output shape kept and
+    >= 10 % removed."""
+    counts = {"surgery": {"models": 0, "shape": 0, "removed_10pct": 0, "restore": 0, "rebuild": 0},
+              "Torch-Pruning": {"models": 0, "shape": 0, "removed_10pct": 0}}
     for name in torchvision.models.list_models(module=torchvision.models):
         if name in ("inception_v3", "googlenet"):
             continue
         model = torchvision.models.get_model(name, weights=None).eval()
-        if sum(p.numel() for p in model.parameters()) > 40e6:
+        dense = sum(p.numel() for p in model.parameters())
+        if dense > 40e6:
             continue
         size = 224 if any(k in name for k in ("vit", "swin", "maxvit")) else 64
         x = torch.randn(1, 3, size, size)
@@ -135,12 +140,15 @@ def zoo() -> dict[str, dict[str, int]]:
             reference = model(x)
         for tool in counts:
             counts[tool]["models"] += 1
+        line = f"{name:<24}"
         try:
             before = snapshot(model)
             handle = surgery.shrink(model, 0.3, example_inputs=x)
             with torch.no_grad():
                 shrunk = model(x)
+            removed = 1 - handle.params()["after"] / dense
             counts["surgery"]["shape"] += shrunk.shape == reference.shape
+            counts["surgery"]["removed_10pct"] += removed >= 0.10
             handle.restore()
             with torch.no_grad():
                 counts["surgery"]["restore"] += snapshot_differences(before, snapshot(model)) == [] and \
@@ -152,14 +160,19 @@ def zoo() -> dict[str, dict[str, int]]:
             fresh.load_state_dict(baked.state_dict(), strict=True)
             with torch.no_grad():
                 counts["surgery"]["rebuild"] += torch.equal(fresh(x), baked(x))
+            line += f" surgery -{removed:.0%}"
         except Exception as err:  # counted as not handled
-            print(f"  surgery failed on {name}: {type(err).__name__}: {str(err)[:120]}")
+            line += f" surgery FAILED {type(err).__name__}: {str(err)[:100]}"
         try:
             theirs = torch_pruning(torchvision.models.get_model(name, weights=None).eval(), x, 0.3)
+            removed = 1 - sum(p.numel() for p in theirs.parameters()) / dense
             with torch.no_grad():
                 counts["Torch-Pruning"]["shape"] += theirs(x).shape == reference.shape
+            counts["Torch-Pruning"]["removed_10pct"] += removed >= 0.10
+            line += f"  Torch-Pruning -{removed:.0%}"
         except Exception as err:
-            print(f"  Torch-Pruning failed on {name}: {type(err).__name__}: {str(err)[:120]}")
+            line += f"  Torch-Pruning FAILED {type(err).__name__}: {' '.join(str(err).split())[:100]}"
+        print(line, flush=True)
     return counts
 
 
@@ -167,13 +180,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--zoo", action="store_true", help="also the zoo coverage sweep (about 15 minutes)")
+    parser.add_argument("--zoo-only", action="store_true", help="only the zoo coverage sweep")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     print(f"{'model':<20} {'MACs surgery/TP vs dense':<26} {'b1 surgery':>11} {'b1 TP':>8} {'b8 surgery':>11} "
           f"{'b8 TP':>8} {'shrink s':>9} {'TP s':>6}")
-    for name in args.models:
+    for name in [] if args.zoo_only else args.models:
         row = compare(name)
         rows.append(row)
         tp = lambda key: f"{row[key]['Torch-Pruning']:>7.3f}x" if "Torch-Pruning" in row[key] else f"{'failed':>8}"
@@ -184,7 +198,7 @@ def main() -> None:
         if "tp_error" in row:
             print(f"  Torch-Pruning on {name}: {row['tp_error']}")
     result = {"rows": rows}
-    if args.zoo:
+    if args.zoo or args.zoo_only:
         result["zoo"] = zoo()
         print(json.dumps(result["zoo"], indent=2))
     if args.json:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from surgery.core.heads import HeadLayout, head_counts, layout_of
 from surgery.core.inputs import Call, evaluating
 
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm)
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
 PASSTHROUGH = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU,
                nn.ELU, nn.Mish, nn.Dropout, nn.Dropout2d, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d,
                nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
@@ -118,6 +118,22 @@ class ChannelTrace:
     layers: dict[str, LayerChannels] = field(default_factory=dict)
     attention: dict[str, AttentionHeads] = field(default_factory=dict)
     output_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    module_inputs: dict[str, list[int]] = field(default_factory=dict)  # any module's first input's slots
+    parameters: dict[tuple[str, str], Channels] = field(default_factory=dict)  # (module, name) sliced per channel
+    unsliceable: set[tuple[str, str]] = field(default_factory=set)  # parameters also used by other ops
+
+    def can_keep_whole(self, name: str) -> bool:
+        """Whether :meth:`keep_whole` of module ``name`` would freeze anything not yet frozen."""
+        return any(not self.slots.is_frozen(s) for s in self._whole(name))
+
+    def keep_whole(self, name: str) -> None:
+        """Freeze every channel module ``name`` reads or its layers produce (none is removed)."""
+        self.slots.freeze(self._whole(name))
+        self.unknown.append(f"{name or 'the model'} (fails when its channels shrink: kept whole)")
+
+    def _whole(self, name: str) -> list[int]:
+        inside = [layer for key, layer in self.layers.items() if not name or key == name or key.startswith(f"{name}.")]
+        return self.module_inputs.get(name, []) + [s for layer in inside for s in (layer.outputs or [])]
     unknown: list[str] = field(default_factory=list)  # why slots were frozen, for the report
 
 
@@ -129,9 +145,11 @@ def _is_depthwise(module: nn.Module) -> bool:
 class _Tracer(TorchFunctionMode):
     """Follows channel slots through the functions called outside the traced layers."""
 
-    def __init__(self, trace: ChannelTrace, known: dict[int, Channels], alive: list[Tensor]) -> None:
+    def __init__(self, trace: ChannelTrace, known: dict[int, Channels], alive: list[Tensor],
+                 parameters: dict[int, tuple[str, str]]) -> None:
         super().__init__()
         self.trace, self.known, self.depth, self.alive = trace, known, 0, alive
+        self.parameters = parameters  # parameters of modules that are not traced layers: id -> (module, name)
 
     def _track(self, tensor: Tensor, channels: Channels) -> None:
         """Record ``tensor``'s channels, keeping it alive: a freed tensor's id is reused."""
@@ -147,6 +165,8 @@ class _Tracer(TorchFunctionMode):
 
     def _follow(self, name: str, args: tuple, kwargs: dict, result: Any) -> None:
         flat, _ = tree_flatten((args, kwargs))
+        if name not in ELEMENTWISE | IGNORED:  # a parameter used other than element-wise cannot be sliced
+            self.trace.unsliceable.update(self.parameters[id(t)] for t in flat if id(t) in self.parameters)
         tracked = [(t, self.known[id(t)]) for t in flat if isinstance(t, Tensor) and id(t) in self.known]
         if not tracked or name in IGNORED:
             return
@@ -161,11 +181,23 @@ class _Tracer(TorchFunctionMode):
                     else:
                         self._freeze(name, [channels, other])
                         return
-                for tensor in flat:  # an untracked operand with full channels: unknown coupling
-                    if isinstance(tensor, Tensor) and id(tensor) not in self.known and tensor.dim() == first.dim() \
-                            and tensor.shape[channels.dim] == len(channels.slots) > 1:
-                        self._freeze(name, [channels])
-                        return
+                for tensor in flat:  # an untracked operand with full channels: a parameter sliced, or unknown
+                    if not isinstance(tensor, Tensor) or id(tensor) in self.known:
+                        continue
+                    axis = channels.dim - (result.dim() - tensor.dim())  # broadcasting aligns the last axes
+                    if 0 <= axis < tensor.dim() and tensor.shape[axis] == len(channels.slots) > 1:
+                        owner = self.parameters.get(id(tensor))
+                        if owner is None:
+                            self._freeze(name, [channels])
+                            return
+                        self.trace.parameters.setdefault(owner, Channels([], axis))
+                        sliced = self.trace.parameters[owner]
+                        if sliced.dim != axis:
+                            self.trace.unsliceable.add(owner)
+                        elif not sliced.slots:
+                            sliced.slots.extend(channels.slots)
+                        for a, b in zip(sliced.slots, channels.slots):
+                            slots.union(a, b)
             if result.dim() == first.dim() and result.shape[channels.dim] == len(channels.slots):
                 self._track(result, Channels(channels.slots, channels.dim))
                 return
@@ -184,6 +216,15 @@ class _Tracer(TorchFunctionMode):
                         joined += info.slots
                 self._track(result, Channels(joined, dim))
                 return
+        moved = _moved_axis(name, args, kwargs, first, channels.dim) if first is args[0] else None
+        if isinstance(result, Tensor) and moved is not None and result.shape[moved] == len(channels.slots):
+            self._track(result, Channels(channels.slots, moved))
+            return
+        kept = _kept_axis(first, result, channels.dim) if isinstance(result, Tensor) and first is args[0] and \
+            name in {"flatten", "view", "reshape", "unflatten"} else None
+        if kept is not None:
+            self._track(result, Channels(channels.slots, kept))
+            return
         if isinstance(result, Tensor) and name in {"flatten", "view", "reshape"} and channels.dim == 1 \
                 and result.dim() == 2 and first.dim() > 2 and result.shape[0] == first.shape[0]:
             spread = first.shape[2:].numel()
@@ -212,10 +253,13 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     trace = ChannelTrace(Slots())
     known: dict[int, Channels] = {}
     keep_alive: list[Tensor] = []  # ids must stay unique while the trace runs
-    tracer = _Tracer(trace, known, keep_alive)
+    loose = {id(param): (name, attr) for name, module in model.named_modules() if not _traced(module)
+             for attr, param in module.named_parameters(recurse=False)}
+    tracer = _Tracer(trace, known, keep_alive, loose)
     hooks = []
 
     calls: list[Channels | None] = []  # the input of each traced call in progress (a module may nest)
+    axes: list[int | None] = []  # and the channel axis its layer reads
 
     def before(name: str, module: nn.Module) -> Callable:
         def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -224,10 +268,12 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
             info = known.get(id(x)) if x is not None else None
             calls.append(info)
             if isinstance(module, PASSTHROUGH) or name in heads:  # no parameters: each call passes its own input's channels
+                axes.append(None)
                 return
             layer = trace.layers.setdefault(name, LayerChannels(name, module))
-            axis = (x.dim() - 1) if isinstance(module, (nn.Linear, nn.LayerNorm)) else 1 if x is not None else 0
-            if info is not None and (info.dim != axis % x.dim()):
+            axis = _channel_axis(module, x)
+            axes.append(axis)
+            if info is not None and (axis is None or info.dim != axis):
                 trace.slots.freeze(info.slots)
                 info = None
             if info is not None:
@@ -241,7 +287,7 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     def after(name: str, module: nn.Module) -> Callable:
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             tracer.depth -= 1
-            info = calls.pop()
+            info, axis = calls.pop(), axes.pop()
             if name in heads:
                 _couple_heads(trace, heads[name], output, known, keep_alive)
                 return
@@ -261,20 +307,36 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
             keep_alive.append(output)
             if isinstance(module, NORMS) or _is_depthwise(module):
                 layer.passthrough = True
-                if layer.inputs is not None:
-                    axis = output.dim() - 1 if isinstance(module, nn.LayerNorm) else 1
+                if layer.inputs is not None and axis is not None and output.dim() > axis and \
+                        output.shape[axis] == len(layer.inputs):
                     known[id(output)] = Channels(layer.inputs, axis)
                     layer.outputs = layer.inputs
+                    if isinstance(module, nn.GroupNorm):  # statistics per group: whole groups go together
+                        _union_groups(trace.slots, layer.inputs, module.num_groups)
                 return
             channels = output.shape[-1 if isinstance(module, nn.Linear) else 1]
             layer.positions += output.numel() // max(channels, 1)
             if layer.outputs is None:
                 layer.outputs = trace.slots.new(channels)
+            if isinstance(module, nn.modules.conv._ConvNd) and module.groups > 1:
+                if layer.inputs is None:  # whole groups must go, with their inputs: unknown inputs freeze
+                    trace.slots.freeze(layer.outputs)
+                else:  # a group's inputs and outputs are one unit: removed together, groups shrink
+                    _union_groups(trace.slots, layer.inputs + layer.outputs, module.groups,
+                                  sizes=(len(layer.inputs) // module.groups, len(layer.outputs) // module.groups))
             known[id(output)] = Channels(layer.outputs, output.dim() - 1 if isinstance(module, nn.Linear) else 1)
+        return hook
+
+    def entered(name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            info = known.get(id(args[0])) if args and isinstance(args[0], Tensor) else None
+            if info is not None:
+                trace.module_inputs.setdefault(name, []).extend(info.slots)
         return hook
 
     heads: dict[str, AttentionHeads] = {}
     for name, module in model.named_modules():
+        hooks.append(module.register_forward_pre_hook(entered(name)))
         layout = layout_of(module)
         counts = head_counts(module, layout) if layout is not None else None
         if counts is not None:
@@ -289,17 +351,69 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     finally:
         for hook in reversed(hooks):
             hook.remove()
+    for owner in trace.unsliceable & set(trace.parameters):
+        trace.slots.freeze(trace.parameters.pop(owner).slots)
     trace.output_shapes = output_shapes(output)
     for tensor in _leaves(output):
         if isinstance(tensor, Tensor) and id(tensor) in known:
             trace.slots.freeze(known[id(tensor)].slots)
-    for layer in trace.layers.values():  # a layer the trace could not follow into keeps its inputs
-        if layer.inputs is None and isinstance(layer.module, (nn.Linear, nn.modules.conv._ConvNd)):
-            continue
-        if isinstance(layer.module, nn.modules.conv._ConvNd) and layer.module.groups > 1 and \
-                not _is_depthwise(layer.module):
-            trace.slots.freeze((layer.inputs or []) + (layer.outputs or []))
     return trace
+
+
+def _moved_axis(name: str, args: tuple, kwargs: dict, x: Tensor, axis: int) -> int | None:
+    """Where ``axis`` of ``x`` goes in a permute/transpose, or in a view/reshape/flatten that
+    keeps it whole: the leading axes up to it unchanged (``(B, C, H, W) -> (B, C, H*W)``), or it
+    stays the last axis (channels-last window partitions)."""
+    rest = args[1:]
+    if name in {"permute"}:
+        dims = kwargs.get("dims", rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)
+        dims = [d % x.dim() for d in dims]
+        return dims.index(axis) if sorted(dims) == list(range(x.dim())) else None
+    if name in {"transpose", "swapaxes", "swapdims"} and len(rest) == 2:
+        a, b = (d % x.dim() for d in rest)
+        return b if axis == a else a if axis == b else axis
+    return None
+
+
+def _kept_axis(x: Tensor, result: Tensor, axis: int) -> int | None:
+    """The channel axis of a reshaped tensor, when the reshape keeps it whole."""
+    if result.numel() != x.numel():
+        return None
+    if result.dim() > axis and result.shape[:axis + 1] == x.shape[:axis + 1]:
+        return axis
+    if axis == x.dim() - 1 and result.shape[-1] == x.shape[-1]:
+        return result.dim() - 1
+    return None
+
+
+def _channel_axis(module: nn.Module, x: Tensor | None) -> int | None:
+    """The axis of ``x`` whose channels ``module`` reads (``None``: not one it can follow)."""
+    if x is None or x.dim() < 2:
+        return None
+    if isinstance(module, nn.Linear):
+        return x.dim() - 1
+    if isinstance(module, nn.LayerNorm):
+        if len(module.normalized_shape) != 1:
+            return None
+        width = module.normalized_shape[0]
+        if type(module).forward is nn.LayerNorm.forward:
+            return x.dim() - 1
+        last, first = x.shape[-1] == width, x.shape[1] == width  # a subclass: channels first (LayerNorm2d) or last
+        return x.dim() - 1 if last and not first else 1 if first and not last else None
+    return 1
+
+
+def _union_groups(slots: Slots, channels: list[int], groups: int, sizes: tuple[int, ...] | None = None) -> None:
+    """Tie the channels of each of ``groups`` groups together. ``channels`` is one list per
+    part laid end to end (a grouped convolution's inputs then outputs), each part split into
+    ``groups`` equal runs of ``sizes[part]``."""
+    sizes = sizes or (len(channels) // groups,)
+    start = 0
+    for size in sizes:
+        for group in range(groups):
+            for slot in channels[start + group * size:start + (group + 1) * size]:
+                slots.union(channels[group * sizes[0]], slot)
+        start += size * groups
 
 
 def _leaves(output: Any) -> list[Any]:
@@ -348,7 +462,15 @@ def _couple_heads(trace: ChannelTrace, unit: AttentionHeads, output: Any, known:
             return
 
 
+LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d) + NORMS
+
+
+def rebuildable(cls: type) -> bool:
+    """A layer class shrink can rebuild smaller: one of :data:`LAYERS`, or a subclass that keeps
+    its base's constructor (a subclass with its own, e.g. timm's ``Conv2dSame``, is not)."""
+    base = next((b for b in LAYERS if issubclass(cls, b)), None)
+    return base is not None and cls.__init__ is base.__init__
+
+
 def _traced(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or isinstance(module, NORMS + PASSTHROUGH):
-        return True
-    return False
+    return isinstance(module, PASSTHROUGH) or rebuildable(type(module))

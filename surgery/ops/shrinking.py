@@ -12,6 +12,7 @@ the same class holding the kept slices; the handle keeps the original modules, s
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import warnings
@@ -23,7 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core.channels import AttentionHeads, ChannelTrace, LayerChannels, output_shapes, trace_channels
+from surgery.core.channels import (AttentionHeads, ChannelTrace, LayerChannels, output_shapes, rebuildable,
+                                   trace_channels)
 from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
@@ -33,6 +35,7 @@ from surgery.ops import rules
 from surgery.ops.intercept import RuleNeverFiredWarning, intercept
 
 SCOPES = ("layer", "global")
+MAX_ATTEMPTS = 8  # modules kept whole after failing a check forward, before giving up
 IMPORTANCE: Registry[Callable[[Tensor], Tensor]] = Registry("shrink.importance")
 
 
@@ -64,6 +67,7 @@ class ShrinkHandle(Handle):
         self.replaced: dict[str, tuple[nn.Module, nn.Module]] = {}  # name -> (original, smaller)
         self.kept: dict[str, tuple[Tensor | None, Tensor | None]] = {}  # name -> (input, output) indices kept
         self.attributes: dict[str, dict[str, tuple[Any, Any]]] = {}  # module -> attribute -> (old, new)
+        self.parameters: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}  # module -> name -> (old, sliced)
         self.families: list[dict[str, Any]] = []
         self.frozen_ops: list[str] = []
         self.counts: dict[str, dict[str, int]] = {}
@@ -72,10 +76,13 @@ class ShrinkHandle(Handle):
         """Every new layer's class and constructor arguments, and every changed attribute
         (attention head counts), JSON-serialisable."""
         plan = {name: describe(new) for name, (_, new) in self.replaced.items()}
-        for name, changes in self.attributes.items():
+        for name in {**self.attributes, **self.parameters}:
             module = self.model.get_submodule(name)
-            plan[name] = {"class": f"{type(module).__module__}.{type(module).__qualname__}",
-                          "attributes": {attr: new for attr, (_, new) in changes.items()}}
+            plan[name] = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
+            if name in self.attributes:
+                plan[name]["attributes"] = {attr: new for attr, (_, new) in self.attributes[name].items()}
+            if name in self.parameters:
+                plan[name]["parameters"] = {attr: list(new.shape) for attr, (_, new) in self.parameters[name].items()}
         return plan
 
     def params(self) -> dict[str, int]:
@@ -119,9 +126,31 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     trace = trace_channels(model, example)
     expected = trace.output_shapes
     before = _counts(model, trace)
-    removed = _choose(trace, amount, scope, round_to, importance, allowed)
-    handle = ShrinkHandle(model)
+    for _ in range(MAX_ATTEMPTS):
+        removed = _choose(trace, amount, scope, round_to, importance, allowed)
+        handle = _apply(model, trace, removed)
+        culprit = _check_runs(model, example, expected, trace, handle)
+        if culprit is None:
+            break
+        trace.keep_whole(culprit)  # and try again without touching it
+    else:
+        handle.restore()
+        raise ShrinkError(f"shrink: the shrunk model still fails after keeping {MAX_ATTEMPTS} modules whole; "
+                          "the model is restored")
     handle.frozen_ops = list(trace.unknown)
+    handle.families = _families_report(trace, removed)
+    if amount > 0 and not removed:
+        log.warning("shrink: nothing removed: %s", "every channel is frozen (by %s, or by reaching the outputs)" %
+                    (", ".join(trace.unknown) or "no traced op") if not any(f["channels"] > f["frozen"]
+                                                                             for f in handle.families)
+                    else f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})")
+    handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
+    return handle
+
+
+def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHandle:
+    """Replace every layer that loses channels, set the head counts; undone on any error."""
+    handle = ShrinkHandle(model)
     try:
         for name, layer in trace.layers.items():
             keep_in = _kept(layer.inputs, removed, trace)
@@ -141,18 +170,27 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
             handle.add(f"put back {name}", lambda ps=paths, o=original: [_swap(model, p, o) for p in ps])
         for name, unit in trace.attention.items():
             _update_heads(handle, name, unit, removed, trace)
-        _check_runs(model, example, expected)
+        for (owner, attr), channels in trace.parameters.items():
+            _slice_parameter(handle, owner, attr, _kept(channels.slots, removed, trace), channels.dim)
     except BaseException as err:
         handle.rollback(err)
         raise
-    handle.families = _families_report(trace, removed)
-    if amount > 0 and not removed:
-        log.warning("shrink: nothing removed: %s", "every channel is frozen (by %s, or by reaching the outputs)" %
-                    (", ".join(trace.unknown) or "no traced op") if not any(f["channels"] > f["frozen"]
-                                                                             for f in handle.families)
-                    else f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})")
-    handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
     return handle
+
+
+def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor | None, dim: int) -> None:
+    """Keep the entries of a per-channel parameter (a layer scale, a position embedding) whose
+    channels stay; the original Parameter object goes back on restore."""
+    if keep is None:
+        return
+    module = handle.model.get_submodule(owner)
+    original = module._parameters[attr]
+    with torch.no_grad():
+        smaller = nn.Parameter(original.detach().index_select(dim, keep.to(original.device)).clone(),
+                               requires_grad=original.requires_grad)
+    module._parameters[attr] = smaller
+    handle.parameters.setdefault(owner, {})[attr] = (original, smaller)
+    handle.add(f"put back {owner}.{attr}", lambda: module._parameters.__setitem__(attr, original))
 
 
 def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed: set[int],
@@ -177,19 +215,45 @@ def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed
                lambda: [setattr(module, attr, old) for attr, (old, _) in changes.items()])
 
 
-def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]]) -> None:
-    """Run the shrunk model once: it must run and give outputs of the original shapes."""
+def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]], trace: ChannelTrace,
+                handle: ShrinkHandle) -> str | None:
+    """Run the shrunk model once. ``None`` when it runs and gives outputs of the original shapes;
+    when a module fails (code that reshapes by a channel count the trace cannot see, like an
+    attention whose inner width is read from its input), the handle is undone and the name of
+    the innermost failing module that can be kept whole is returned. Raises when none can."""
+    running: list[str] = []
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def entered(module: nn.Module, args: tuple) -> None:
+        running.append(names.get(id(module), "?"))
+
+    def left(module: nn.Module, args: tuple, output: Any) -> None:
+        running.pop()
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(entered),
+             torch.nn.modules.module.register_module_forward_hook(left)]
     try:
         with evaluating(model), torch.no_grad():
             shapes = output_shapes(example(model))
     except Exception as err:
-        raise ShrinkError(f"shrink: the shrunk model fails on the example inputs ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''}); a module the trace does not know "
-                          "reshapes by channel counts: exclude its layers (shrink.exclude) or register its layout "
-                          "(surgery.register_heads); the model is restored") from err
+        handle.restore()
+        failing = [name for name in reversed(running) if trace.can_keep_whole(name)]
+        if not failing:
+            raise ShrinkError(f"shrink: the shrunk model fails on the example inputs ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}) and no module can be kept whole to "
+                              "avoid it: exclude its layers (shrink.exclude) or register its head layout "
+                              "(surgery.register_heads); the model is restored") from err
+        log.info("shrink: %s fails when its channels shrink (%s: %s); keeping it whole", failing[0],
+                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return failing[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
     if shapes != expected:
+        handle.restore()
         raise ShrinkError(f"shrink: the shrunk model's output shapes {shapes} differ from the original {expected}; "
                           "the model is restored")
+    return None
 
 
 def _validate(amount: object, scope: str, round_to: object, importance: object) -> tuple[float, int]:
@@ -261,21 +325,22 @@ def _smaller(layer: LayerChannels, keep_in: Tensor | None, keep_out: Tensor | No
             weight = module.weight.detach()
             weight = weight if keep_out is None else weight[keep_out]
             weight = weight if keep_in is None else weight[:, keep_in]
-            new = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype, **factory)
+            new = type(module)(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype,
+                               **factory)
             new.weight.copy_(weight)
             if module.bias is not None:
                 new.bias.copy_(module.bias if keep_out is None else module.bias[keep_out])
             return new
         if isinstance(module, nn.modules.conv._ConvNd):
-            depthwise = module.groups > 1
             weight = module.weight.detach()
             weight = weight if keep_out is None else weight[keep_out]
-            if not depthwise and keep_in is not None:
+            if module.groups == 1 and keep_in is not None:
                 weight = weight[:, keep_in]
-            channels_in = weight.shape[0] if depthwise else weight.shape[1]
+            groups = 1 if module.groups == 1 else weight.shape[0] // (module.out_channels // module.groups)
+            channels_in = weight.shape[1] * groups
             new = type(module)(channels_in, weight.shape[0], module.kernel_size, stride=module.stride,
                                padding=module.padding, dilation=module.dilation,
-                               groups=weight.shape[0] if depthwise else 1, bias=module.bias is not None,
+                               groups=groups, bias=module.bias is not None,
                                padding_mode=module.padding_mode, dtype=weight.dtype, **factory)
             new.weight.copy_(weight)
             if module.bias is not None:
@@ -291,8 +356,15 @@ def _smaller(layer: LayerChannels, keep_in: Tensor | None, keep_out: Tensor | No
             if module.num_batches_tracked is not None:
                 new.num_batches_tracked.copy_(module.num_batches_tracked)
             return new
+        if isinstance(module, nn.GroupNorm) and keep_out is not None:
+            new = type(module)(len(keep_out) // (module.num_channels // module.num_groups), len(keep_out),
+                               eps=module.eps, affine=module.affine, **factory)
+            if module.affine:
+                new.weight.copy_(module.weight[keep_out])
+                new.bias.copy_(module.bias[keep_out])
+            return new
         if isinstance(module, nn.LayerNorm) and keep_out is not None:
-            new = nn.LayerNorm(len(keep_out), eps=module.eps, elementwise_affine=module.elementwise_affine,
+            new = type(module)(len(keep_out), eps=module.eps, elementwise_affine=module.elementwise_affine,
                                bias=module.bias is not None, **factory)
             if module.weight is not None:
                 new.weight.copy_(module.weight[keep_out])
@@ -321,6 +393,9 @@ def describe(module: nn.Module) -> dict[str, Any]:
                 "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
                 "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None,
                 "padding_mode": module.padding_mode}
+    elif isinstance(module, nn.GroupNorm):
+        args = {"num_groups": module.num_groups, "num_channels": module.num_channels, "eps": module.eps,
+                "affine": module.affine}
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
         args = {"num_features": module.num_features, "eps": module.eps, "momentum": module.momentum,
                 "affine": module.affine, "track_running_stats": module.track_running_stats}
@@ -360,11 +435,17 @@ def _counts(model: nn.Module, trace: ChannelTrace) -> dict[str, int]:
 
 
 def _layer_class(path: str) -> type:
-    known = {f"{cls.__module__}.{cls.__qualname__}": cls for cls in (
-        nn.Linear, nn.Conv1d, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)}
-    if path not in known:
-        raise ConfigError("rebuild.plan", path, f"is not a layer shrink makes; allowed: {', '.join(known)}")
-    return known[path]
+    """The class a plan names: a layer shrink makes (a subclass keeping its base's constructor,
+    such as torchvision's ``LayerNorm2d``, included)."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name) if module_name else None
+    except ImportError:
+        cls = None
+    if not isinstance(cls, type) or not rebuildable(cls):
+        raise ConfigError("rebuild.plan", path, "is not a layer shrink makes (Linear, Conv1d/2d, BatchNorm, "
+                          "LayerNorm, GroupNorm, or a subclass keeping their constructor)")
+    return cls
 
 
 def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *, device: str | torch.device = "cpu",
@@ -388,59 +469,71 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     if not isinstance(plan, dict):
         raise ConfigTypeError("rebuild.plan", plan, "must be the dict ShrinkHandle.plan() returns (or its JSON)")
     for name, entry in plan.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("args", entry.get("attributes")), dict):
-            raise ConfigTypeError(f"rebuild.plan['{name}']", entry, "must be a {'class', 'args' | 'attributes'} dict "
-                                  "from ShrinkHandle.plan()")
+        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) or \
+                not any(isinstance(entry.get(key), dict) for key in ("args", "attributes", "parameters")):
+            raise ConfigTypeError(f"rebuild.plan['{name}']", entry, "must be a {'class', 'args' | 'attributes' | "
+                                  "'parameters'} dict from ShrinkHandle.plan()")
         if "args" in entry:
-            _layer_class(entry.get("class", ""))
+            _layer_class(entry["class"])
     order, model = _attach_order(factory)
     named = dict(model.named_modules())
     for name, entry in plan.items():
         if name not in named:
             raise ConfigError("rebuild.plan", name, "is not a module of the model the factory builds")
-        found = f"{type(named[name]).__module__}.{type(named[name]).__qualname__}"
-        if "args" in entry and not isinstance(named[name], _layer_class(entry["class"])) or \
-                "attributes" in entry and found != entry["class"]:
+        if not _is_planned_class(named[name], entry):
             raise ConfigError("rebuild.plan", name, f"is a {type(named[name]).__name__} in this model; the plan has "
                               f"a {entry['class'].rpartition('.')[2]}")
-    unattached = [name for name in plan if id(named[name]) not in order]
-    if unattached:
-        raise ConfigError("rebuild.plan", unattached[0], "is not attached by the constructor (the model itself?); "
-                          "only submodules can be rebuilt")
-    wanted = {order[id(named[name])]: (name, entry) for name, entry in plan.items()}
+        if id(named[name]) not in order and "args" in entry:
+            raise ConfigError("rebuild.plan", name, "is not attached by the constructor; only submodules can be "
+                              "replaced")
+    wanted = {order[id(named[name])]: (name, entry) for name, entry in plan.items() if id(named[name]) in order}
     counter = _AttachCounter()
+    made: dict[str, nn.Module] = {}
 
     def planned(parent: nn.Module, local: str, child: nn.Module) -> bool:
         return counter.next(child) in wanted
 
-    made: dict[str, nn.Module] = {}
-
     def build(child: nn.Module) -> nn.Module:
         name, entry = wanted[counter.last]
-        if not (isinstance(child, _layer_class(entry["class"])) if "args" in entry else
-                f"{type(child).__module__}.{type(child).__qualname__}" == entry["class"]):
+        if not _is_planned_class(child, entry):
             raise ShrinkError(f"rebuild: {name} does not have its planned shape: the second build attached a "
                               f"{type(child).__name__} where the first had a {entry['class'].rpartition('.')[2]}; "
                               "the factory does not build the same model twice")
-        if "attributes" in entry:
-            for attr, value in entry["attributes"].items():
-                setattr(child, attr, value)
-            made[name] = child
-            return child
-        args = {k: tuple(v) if isinstance(v, list) and k != "normalized_shape" else v for k, v in entry["args"].items()}
-        new = _layer_class(entry["class"])(**args)
-        new.train(child.training)
-        made[name] = new
-        return new
+        made[name] = _planned(child, entry, meta)
+        return made[name]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuleNeverFiredWarning)
         with intercept(*([rules.swap(planned, build)] if wanted else []), *_meta_parameters(meta)):
             model = factory()
-    if wanted and not counter.seen:
-        raise ShrinkError("rebuild: the factory attached no modules on the second build")
+    for name, entry in plan.items():  # the model itself is never attached: changed once it is built
+        if name not in made and name in dict(model.named_modules()):
+            made[name] = _planned(model.get_submodule(name), entry, meta)
     _check_rebuilt(model, plan, made)
     return _materialise(model, device) if meta else model.to(device)
+
+
+def _is_planned_class(module: nn.Module, entry: dict[str, Any]) -> bool:
+    if "args" in entry:
+        return isinstance(module, _layer_class(entry["class"]))
+    return f"{type(module).__module__}.{type(module).__qualname__}" == entry["class"]
+
+
+def _planned(module: nn.Module, entry: dict[str, Any], meta: bool) -> nn.Module:
+    """``module`` as the plan entry has it: a new layer of the planned shape, or the same module
+    with planned attributes and per-channel parameters (uninitialised) set."""
+    if "args" in entry:
+        args = {k: tuple(v) if isinstance(v, list) and k != "normalized_shape" else v for k, v in entry["args"].items()}
+        new = _layer_class(entry["class"])(**args)
+        new.train(module.training)
+        return new
+    for attr, value in entry.get("attributes", {}).items():
+        setattr(module, attr, value)
+    for attr, shape in entry.get("parameters", {}).items():
+        old = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta" if meta else
+                                                            old.device), requires_grad=old.requires_grad)
+    return module
 
 
 def _meta_parameters(meta: bool) -> list[rules.Rule]:
@@ -508,10 +601,9 @@ def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict
     named = dict(model.named_modules())
     for name, entry in plan.items():
         module = named.get(name)
-        same = module is not None and made.get(name) is module and (describe(module) == entry if "args" in entry
-                                                                      else all(getattr(module, attr, None) == value
-                                                                               for attr, value in
-                                                                               entry["attributes"].items()))
+        same = module is not None and made.get(name) is module and (describe(module) == entry if "args" in entry else (
+            all(getattr(module, attr, None) == value for attr, value in entry.get("attributes", {}).items()) and
+            all(list(module._parameters[attr].shape) == shape for attr, shape in entry.get("parameters", {}).items())))
         if not same:
             raise ShrinkError(f"rebuild: {name} does not have its planned shape after the build; the factory does "
                               "not build the same model twice (random architecture?)")

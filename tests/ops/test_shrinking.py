@@ -45,7 +45,7 @@ def masked_like(original: nn.Module, handle) -> nn.Module:
 
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "densenet121", "shufflenet_v2_x0_5",
-                                  "efficientnet_b0", "regnet_x_400mf"])
+                                  "efficientnet_b0", "regnet_x_400mf", "resnext50_32x4d"])
 def test_removing_channels_computes_what_zeroing_their_readers_computes(name):
     torch.manual_seed(0)
     model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
@@ -60,6 +60,41 @@ def test_removing_channels_computes_what_zeroing_their_readers_computes(name):
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == []
     assert_no_hooks(model)
+
+
+class GroupedBlock(nn.Module):
+    """Group norm and a grouped (not depthwise) convolution: channels go in whole groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 16)
+        self.grouped = nn.Conv2d(16, 24, 3, padding=1, groups=4)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.grouped(torch.relu(self.norm(self.stem(x)))).mean(dim=(2, 3)))
+
+
+def test_group_norm_and_grouped_convolutions_lose_whole_groups():
+    torch.manual_seed(0)
+    model = GroupedBlock().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_(1.0, 0.2)
+        model.norm.bias.normal_(0.0, 0.2)
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert (model.norm.num_groups, model.norm.num_channels) == (2, 8)
+    assert (model.grouped.groups, model.grouped.in_channels, model.grouped.out_channels) == (2, 8, 12)
+    kept = handle.kept["stem"][1].tolist()
+    assert all(kept[i] // 4 == kept[i - i % 4] // 4 for i in range(len(kept)))  # whole groups of 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), masked_like(original, handle)(x), rtol=1e-4, atol=1e-5)
+    fresh = surgery.rebuild(GroupedBlock, json.loads(json.dumps(handle.plan())))
+    baked = handle.bake()
+    fresh.load_state_dict(baked.state_dict(), strict=True)
+    assert torch.equal(fresh.eval()(x), baked(x))
 
 
 def test_restore_puts_back_the_same_module_objects_and_amount_zero_changes_nothing():
@@ -77,8 +112,10 @@ def test_restore_puts_back_the_same_module_objects_and_amount_zero_changes_nothi
     assert torch.equal(model(x), reference)
 
 
-@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_large", "swin_t"])
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v3_large", "swin_t", "convnext_tiny"])
 def test_bake_rebuild_strict_load_gives_identical_outputs(name):
+    """convnext_tiny: LayerNorm2d (a subclass) stays itself, and each block's layer scale (a loose
+    parameter multiplying the residual branch) is sliced with the channels it scales."""
     torch.manual_seed(0)
     model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
     size = 224 if name == "swin_t" else 64
@@ -91,6 +128,10 @@ def test_bake_rebuild_strict_load_gives_identical_outputs(name):
     fresh.load_state_dict(baked.state_dict(), strict=True)
     with torch.no_grad():
         assert torch.equal(fresh.eval()(x), baked(x))
+    if name == "convnext_tiny":
+        assert type(baked.features[0][1]).__name__ == "LayerNorm2d"
+        assert plan["features.1.0"]["parameters"]["layer_scale"][0] < 96  # the stage's width shrank
+        assert 1 - handle.params()["after"] / handle.params()["before"] > 0.6  # residual streams shrink too
 
 
 class Odd(nn.Module):
@@ -258,22 +299,47 @@ def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered()
         surgery.core.heads.unregister_heads(TinyAttention)
 
 
-def test_a_shrunk_model_that_does_not_run_is_refused_and_restored():
-    """A registered layout that misses a hard-coded width: the check forward fails, the model is
-    put back bit for bit, and the error says what to do."""
+def test_a_module_that_fails_once_shrunk_is_kept_whole_and_the_rest_still_shrinks():
+    """A registered layout that misses a hard-coded width: the check forward fails inside the
+    attention, which is then kept whole (heads and inputs); the layers after it still shrink."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), TinyAttention(hard_coded=True), nn.Linear(16, 3)).eval()
+    model = nn.Sequential(nn.Linear(8, 16), TinyAttention(hard_coded=True), nn.Linear(16, 32), nn.ReLU(),
+                          nn.Linear(32, 3)).eval()
     x = torch.randn(2, 5, 8)
-    before = snapshot(model)
+    reference = model(x)
     surgery.register_heads(TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"},
                                                              output="out"))
     try:
-        with pytest.raises(surgery.ShrinkError, match="fails on the example inputs .* the model is restored"):
-            surgery.shrink(model, 0.5, example_inputs=x)
+        handle = surgery.shrink(model, 0.5, example_inputs=x)
     finally:
         surgery.core.heads.unregister_heads(TinyAttention)
-    assert snapshot_differences(before, snapshot(model)) == [] and model[1].n_heads == 4
+    assert "1 (fails when its channels shrink: kept whole)" in handle.frozen_ops
+    assert model[1].n_heads == 4 and model[1].q.in_features == 16 and model[2].out_features == 16
+    assert model(x).shape == reference.shape
+    handle.restore()
+    assert torch.equal(model(x), reference)
     assert_no_hooks(model)
+
+
+class HardCoded(nn.Module):
+    """Its own forward reshapes by a fixed width: only keeping the whole model avoids the failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)).view(x.shape[0], 8))
+
+
+def test_when_only_the_whole_model_can_be_kept_nothing_is_removed_and_it_says_so(caplog):
+    model = HardCoded().eval()
+    x = torch.randn(2, 4)
+    before = snapshot(model)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert handle.replaced == {} and "the model (fails when its channels shrink: kept whole)" in handle.frozen_ops
+    assert "shrink: nothing removed" in caplog.text
+    assert snapshot_differences(before, snapshot(model)) == []
 
 
 def test_importance_by_registered_name_and_bad_scores_are_refused():
@@ -351,4 +417,5 @@ def test_the_trace_is_deterministic_where_many_temporaries_are_freed():
     first.restore()
     second = surgery.shrink(model, 0.3, example_inputs=x)
     assert second.plan() == plan and len(plan) > 100
+    assert sum("kept whole" in op for op in second.frozen_ops) == 4  # each stage's attention reads its input width
     second.restore()
