@@ -45,3 +45,13 @@ def test_the_calibrated_compression_example_prints_the_figures_it_quotes(capsys)
     printed = [float(line) for line in capsys.readouterr().out.split()]
     quoted = [float(x) for x in re.findall(r"# (0\.\d+)", code)]
     assert printed == pytest.approx(quoted, abs=0.0015)
+
+
+def test_the_shrinking_example_prints_what_it_quotes(capsys):
+    pytest.importorskip("transformers")
+    text = README.read_text()
+    section = text[text.index("### Shrinking: channels and heads removed for real"):]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    exec(compile(code, "README shrinking example", "exec"), {})
+    printed = capsys.readouterr().out.split()
+    assert printed == re.findall(r"# (\S+)\n", code) == ["2", "True"]

@@ -314,6 +314,12 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| layers | channels | removed | frozen |", "| --- | --- | --- | --- |"]
         lines += [f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
                   f"{f['removed']} | {f['frozen']} |" for f in shrunk["families"]]
+        if shrunk.get("heads"):
+            lines += ["", "Attention heads:", "", "| module | attribute | before | after |", "| --- | --- | --- | --- |"]
+            lines += [f"| {name} | {attr} | {old} | {new} |" for name, changes in shrunk["heads"].items()
+                      for attr, (old, new) in changes.items()]
+        if shrunk.get("frozen_ops"):
+            lines += ["", f"Channels kept by: {', '.join(shrunk['frozen_ops'])}."]
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines += ["", "## Perplexity (held-out bytes)", "", "| reference | candidate |", "| --- | --- |",

@@ -268,11 +268,19 @@ def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_si
             latency[str(size)] = {"dense_ms": 1000 * dense, "shrunk_ms": 1000 * shrunk, "ratio": shrunk / dense}
     finally:
         torch.set_num_threads(threads)
-    widths = {name: [getattr(old, "out_channels", getattr(old, "out_features", getattr(old, "num_features", None))),
-                     getattr(new, "out_channels", getattr(new, "out_features", getattr(new, "num_features", None)))]
-              for name, (old, new) in handle.replaced.items()}
+    widths = {name: [_width(old), _width(new)] for name, (old, new) in handle.replaced.items()}
+    heads = {name: {attr: list(pair) for attr, pair in changes.items()} for name, changes in handle.attributes.items()}
     return {"params": handle.params(), "macs": handle.macs(), "latency": latency, "families": handle.families,
-            "frozen_ops": handle.frozen_ops, "widths": widths}
+            "frozen_ops": handle.frozen_ops, "widths": widths, "heads": heads}
+
+
+def _width(layer: nn.Module) -> int | None:
+    """A layer's output width (channels, features)."""
+    for attr in ("out_channels", "out_features", "num_features", "num_channels"):
+        if isinstance(getattr(layer, attr, None), int):
+            return getattr(layer, attr)
+    shape = getattr(layer, "normalized_shape", None)
+    return shape[-1] if shape else None
 
 
 def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:

@@ -217,6 +217,8 @@ class _Tracer(TorchFunctionMode):
                 self._track(result, Channels(joined, dim))
                 return
         moved = _moved_axis(name, args, kwargs, first, channels.dim) if first is args[0] else None
+        if name == "__getitem__" and first is args[0] and isinstance(result, Tensor):
+            moved = _indexed_axis(args[1], first, channels.dim)
         if isinstance(result, Tensor) and moved is not None and result.shape[moved] == len(channels.slots):
             self._track(result, Channels(channels.slots, moved))
             return
@@ -253,6 +255,10 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     trace = ChannelTrace(Slots())
     known: dict[int, Channels] = {}
     keep_alive: list[Tensor] = []  # ids must stay unique while the trace runs
+    shared: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            shared[id(param)] = shared.get(id(param), 0) + 1
     loose = {id(param): (name, attr) for name, module in model.named_modules() if not _traced(module)
              for attr, param in module.named_parameters(recurse=False)}
     tracer = _Tracer(trace, known, keep_alive, loose)
@@ -314,7 +320,8 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
                     if isinstance(module, nn.GroupNorm):  # statistics per group: whole groups go together
                         _union_groups(trace.slots, layer.inputs, module.num_groups)
                 return
-            channels = output.shape[-1 if isinstance(module, nn.Linear) else 1]
+            last = isinstance(module, (nn.Linear, nn.Embedding))  # channels on the last axis
+            channels = output.shape[-1 if last else 1]
             layer.positions += output.numel() // max(channels, 1)
             if layer.outputs is None:
                 layer.outputs = trace.slots.new(channels)
@@ -324,7 +331,7 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
                 else:  # a group's inputs and outputs are one unit: removed together, groups shrink
                     _union_groups(trace.slots, layer.inputs + layer.outputs, module.groups,
                                   sizes=(len(layer.inputs) // module.groups, len(layer.outputs) // module.groups))
-            known[id(output)] = Channels(layer.outputs, output.dim() - 1 if isinstance(module, nn.Linear) else 1)
+            known[id(output)] = Channels(layer.outputs, output.dim() - 1 if last else 1)
         return hook
 
     def entered(name: str) -> Callable:
@@ -351,6 +358,9 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     finally:
         for hook in reversed(hooks):
             hook.remove()
+    for layer in trace.layers.values():  # a weight tied to another module's (an LM head) cannot be resized alone
+        if any(shared.get(id(p), 0) > 1 for p in layer.module.parameters(recurse=False)):
+            trace.slots.freeze((layer.inputs or []) + (layer.outputs or []))
     for owner in trace.unsliceable & set(trace.parameters):
         trace.slots.freeze(trace.parameters.pop(owner).slots)
     trace.output_shapes = output_shapes(output)
@@ -373,6 +383,29 @@ def _moved_axis(name: str, args: tuple, kwargs: dict, x: Tensor, axis: int) -> i
         a, b = (d % x.dim() for d in rest)
         return b if axis == a else a if axis == b else axis
     return None
+
+
+def _indexed_axis(index: Any, x: Tensor, axis: int) -> int | None:
+    """Where ``axis`` goes in ``x[index]`` when the index leaves it whole (ints, slices and
+    ``None`` on other axes, a full ``:`` on it), else ``None``."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(not (item is None or item is Ellipsis or isinstance(item, (int, slice))) or isinstance(item, bool)
+           for item in items) or items.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        used = sum(item is not None for item in items if item is not Ellipsis)
+        items[at:at + 1] = [slice(None)] * (x.dim() - used)
+    dim, out = 0, 0
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        if dim == axis:
+            return out if item == slice(None) else None
+        dim += 1
+        out += not isinstance(item, int)
+    return out + (axis - dim) if axis >= dim else None
 
 
 def _kept_axis(x: Tensor, result: Tensor, axis: int) -> int | None:
@@ -462,7 +495,7 @@ def _couple_heads(trace: ChannelTrace, unit: AttentionHeads, output: Any, known:
             return
 
 
-LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d) + NORMS
+LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding) + NORMS
 
 
 def rebuildable(cls: type) -> bool:

@@ -269,7 +269,9 @@ def _validate(amount: object, scope: str, round_to: object, importance: object) 
 
 
 def _producer_weight(module: nn.Module) -> Tensor:
-    return module.weight.detach().reshape(module.weight.shape[0], -1).float()
+    """The weights producing each output channel, one row per channel."""
+    weight = module.weight.detach().float()
+    return weight.t() if isinstance(module, nn.Embedding) else weight.reshape(weight.shape[0], -1)
 
 
 def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, importance: Any,
@@ -356,6 +358,13 @@ def _smaller(layer: LayerChannels, keep_in: Tensor | None, keep_out: Tensor | No
             if module.num_batches_tracked is not None:
                 new.num_batches_tracked.copy_(module.num_batches_tracked)
             return new
+        if isinstance(module, nn.Embedding) and keep_out is not None:
+            new = type(module)(module.num_embeddings, len(keep_out), padding_idx=module.padding_idx,
+                               max_norm=module.max_norm, norm_type=module.norm_type,
+                               scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
+                               dtype=module.weight.dtype, **factory)
+            new.weight.copy_(module.weight[:, keep_out])
+            return new
         if isinstance(module, nn.GroupNorm) and keep_out is not None:
             new = type(module)(len(keep_out) // (module.num_channels // module.num_groups), len(keep_out),
                                eps=module.eps, affine=module.affine, **factory)
@@ -393,6 +402,10 @@ def describe(module: nn.Module) -> dict[str, Any]:
                 "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
                 "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None,
                 "padding_mode": module.padding_mode}
+    elif isinstance(module, nn.Embedding):
+        args = {"num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim,
+                "padding_idx": module.padding_idx, "max_norm": module.max_norm, "norm_type": module.norm_type,
+                "scale_grad_by_freq": module.scale_grad_by_freq, "sparse": module.sparse}
     elif isinstance(module, nn.GroupNorm):
         args = {"num_groups": module.num_groups, "num_channels": module.num_channels, "eps": module.eps,
                 "affine": module.affine}

@@ -262,6 +262,32 @@ def test_whole_attention_heads_are_removed_and_the_model_rebuilds(name):
     assert before  # the snapshot of the model before shrinking was taken
 
 
+def test_embeddings_and_the_pooler_slice_let_bert_lose_hidden_width_but_tied_weights_stay():
+    """BertForSequenceClassification: the word/position/type embeddings produce the hidden
+    stream, the pooler reads ``hidden[:, 0]``: the whole stream shrinks. BertForMaskedLM ties its
+    decoder to the word embeddings: that stream stays, the tie survives rebuild."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, vocab_size=64, max_position_embeddings=32)
+    ids = {"input_ids": torch.randint(0, 64, (2, 16))}
+    for cls, width in ((transformers.BertForSequenceClassification, 16), (transformers.BertForMaskedLM, 32)):
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        reference = model(**ids).logits
+        handle = surgery.shrink(model, 0.5, example_inputs=ids)
+        assert model.bert.embeddings.word_embeddings.embedding_dim == width
+        assert model.bert.encoder.layer[1].output.LayerNorm.normalized_shape == (width,)
+        assert model.bert.encoder.layer[0].attention.self.num_attention_heads == 2
+        assert model(**ids).logits.shape == reference.shape
+        plan = json.loads(json.dumps(handle.plan()))
+        baked = handle.bake()
+        fresh = surgery.rebuild(lambda: cls(config), plan).eval()
+        fresh.load_state_dict(baked.state_dict(), strict=True)
+        assert torch.equal(fresh(**ids).logits, baked(**ids).logits)
+        if cls is transformers.BertForMaskedLM:
+            assert fresh.cls.predictions.decoder.weight is fresh.bert.embeddings.word_embeddings.weight
+
+
 class TinyAttention(nn.Module):
     """An attention module of our own: its heads are unknown to shrink until registered."""
 
