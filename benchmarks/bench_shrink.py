@@ -24,7 +24,10 @@ import argparse
 import copy
 import json
 import statistics
+import subprocess
+import sys
 import time
+import warnings
 
 import torch
 import torchvision
@@ -120,58 +123,74 @@ def compare(name: str) -> dict:
     return row
 
 
+ZOO_TIMEOUT = 300  # seconds per model and tool: a tool that takes longer (or runs out of memory) fails it
+
+
+def zoo_one(name: str, tool: str) -> dict:
+    """One zoo model with one tool (run in a child process): what held, and the share removed."""
+    torch.set_num_threads(1)
+    model = torchvision.models.get_model(name, weights=None).eval()
+    dense = sum(p.numel() for p in model.parameters())
+    size = 224 if any(k in name for k in ("vit", "swin", "maxvit")) else 64
+    x = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        reference = model(x)
+    if tool == "Torch-Pruning":
+        theirs = torch_pruning(model, x, 0.3)
+        with torch.no_grad():
+            shape = theirs(x).shape == reference.shape
+        return {"shape": shape, "removed": 1 - sum(p.numel() for p in theirs.parameters()) / dense}
+    before = snapshot(model)
+    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    with torch.no_grad():
+        shape = model(x).shape == reference.shape
+    removed = 1 - handle.params()["after"] / dense
+    handle.restore()
+    with torch.no_grad():
+        restore = snapshot_differences(before, snapshot(model)) == [] and torch.equal(model(x), reference)
+    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    plan = json.loads(json.dumps(handle.plan()))
+    baked = handle.bake()
+    fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None), plan).eval()
+    fresh.load_state_dict(baked.state_dict(), strict=True)
+    with torch.no_grad():
+        rebuild = torch.equal(fresh(x), baked(x))
+    return {"shape": shape, "removed": removed, "restore": restore, "rebuild": rebuild,
+            "kept_whole": sum("kept whole" in op for op in handle.frozen_ops)}
+
+
 def zoo() -> dict[str, dict[str, int]]:
-    """Shrink 0.3 on every torchvision classifier <= 40M parameters (inception_v3/googlenet aside).
-    surgery: output shape kept, >= 10 % of parameters removed, restore bit-exact, bake -> rebuild
-    -> strict load bit-identical. Torch-Pruning (no restore, no rebuild): output shape kept and
-    >= 10 % removed."""
+    """Shrink 0.3 on every torchvision classifier <= 40M parameters (inception_v3/googlenet aside),
+    each model and tool in its own process (``ZOO_TIMEOUT``). surgery: output shape kept, >= 10 %
+    of parameters removed, restore bit-exact, bake -> rebuild -> strict load bit-identical.
+    Torch-Pruning (no restore, no rebuild): output shape kept and >= 10 % removed."""
     counts = {"surgery": {"models": 0, "shape": 0, "removed_10pct": 0, "restore": 0, "rebuild": 0},
               "Torch-Pruning": {"models": 0, "shape": 0, "removed_10pct": 0}}
     for name in torchvision.models.list_models(module=torchvision.models):
         if name in ("inception_v3", "googlenet"):
             continue
-        model = torchvision.models.get_model(name, weights=None).eval()
-        dense = sum(p.numel() for p in model.parameters())
-        if dense > 40e6:
-            continue
-        size = 224 if any(k in name for k in ("vit", "swin", "maxvit")) else 64
-        x = torch.randn(1, 3, size, size)
-        with torch.no_grad():
-            reference = model(x)
-        for tool in counts:
-            counts[tool]["models"] += 1
+        with torch.device("meta"):
+            if sum(p.numel() for p in torchvision.models.get_model(name, weights=None).parameters()) > 40e6:
+                continue
         line = f"{name:<24}"
-        try:
-            before = snapshot(model)
-            handle = surgery.shrink(model, 0.3, example_inputs=x)
-            with torch.no_grad():
-                shrunk = model(x)
-            removed = 1 - handle.params()["after"] / dense
-            counts["surgery"]["shape"] += shrunk.shape == reference.shape
-            counts["surgery"]["removed_10pct"] += removed >= 0.10
-            handle.restore()
-            with torch.no_grad():
-                counts["surgery"]["restore"] += snapshot_differences(before, snapshot(model)) == [] and \
-                    torch.equal(model(x), reference)
-            handle = surgery.shrink(model, 0.3, example_inputs=x)
-            plan = json.loads(json.dumps(handle.plan()))
-            baked = handle.bake()
-            fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None), plan).eval()
-            fresh.load_state_dict(baked.state_dict(), strict=True)
-            with torch.no_grad():
-                counts["surgery"]["rebuild"] += torch.equal(fresh(x), baked(x))
-            line += f" surgery -{removed:.0%}"
-        except Exception as err:  # counted as not handled
-            line += f" surgery FAILED {type(err).__name__}: {str(err)[:100]}"
-        try:
-            theirs = torch_pruning(torchvision.models.get_model(name, weights=None).eval(), x, 0.3)
-            removed = 1 - sum(p.numel() for p in theirs.parameters()) / dense
-            with torch.no_grad():
-                counts["Torch-Pruning"]["shape"] += theirs(x).shape == reference.shape
-            counts["Torch-Pruning"]["removed_10pct"] += removed >= 0.10
-            line += f"  Torch-Pruning -{removed:.0%}"
-        except Exception as err:
-            line += f"  Torch-Pruning FAILED {type(err).__name__}: {' '.join(str(err).split())[:100]}"
+        for tool, row in counts.items():
+            row["models"] += 1
+            try:
+                done = subprocess.run([sys.executable, __file__, "--zoo-one", name, tool], capture_output=True,
+                                      text=True, timeout=ZOO_TIMEOUT)
+                result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
+                    {"error": (done.stderr.strip().splitlines() or ["killed"])[-1][:100]}
+            except subprocess.TimeoutExpired:
+                result = {"error": f"no result within {ZOO_TIMEOUT} s"}
+            if "error" in result:
+                line += f"  {tool} FAILED {result['error']}"
+                continue
+            for key in ("shape", "restore", "rebuild"):
+                if key in row:
+                    row[key] += bool(result[key])
+            row["removed_10pct"] += result["removed"] >= 0.10
+            line += f"  {tool} -{result['removed']:.0%}" + ("" if all(result.get(k, True) for k in (
+                "shape", "restore", "rebuild")) else f" {result}")
         print(line, flush=True)
     return counts
 
@@ -181,9 +200,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--zoo", action="store_true", help="also the zoo coverage sweep (about 15 minutes)")
     parser.add_argument("--zoo-only", action="store_true", help="only the zoo coverage sweep")
+    parser.add_argument("--zoo-one", nargs=2, metavar=("MODEL", "TOOL"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.zoo_one:
+        warnings.simplefilter("ignore")
+        print(json.dumps(zoo_one(*args.zoo_one)))
+        return
     rows = []
     print(f"{'model':<20} {'MACs surgery/TP vs dense':<26} {'b1 surgery':>11} {'b1 TP':>8} {'b8 surgery':>11} "
           f"{'b8 TP':>8} {'shrink s':>9} {'TP s':>6}")

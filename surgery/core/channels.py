@@ -24,9 +24,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from surgery.core.heads import HeadLayout, head_counts, layout_of
-from surgery.core.inputs import Call, evaluating
+from surgery.core.inputs import Call, evaluating, flatten_tensors
 
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+RENORMALISING = (nn.LayerNorm, nn.RMSNorm)  # statistics over all channels: fewer channels change them
 PASSTHROUGH = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU,
                nn.ELU, nn.Mish, nn.Dropout, nn.Dropout2d, nn.Identity, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d,
                nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
@@ -36,8 +37,9 @@ ELEMENTWISE = {"add", "sub", "mul", "div", "__add__", "__radd__", "__iadd__", "_
                "neg", "leaky_relu", "elu", "mish", "hardtanh", "hardtanh_", "contiguous", "clone", "detach"}
 SPATIAL = {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "max_pool1d", "max_pool2d",
            "avg_pool1d", "avg_pool2d", "interpolate", "max_pool2d_with_indices"}
-IGNORED = {"size", "dim", "shape", "__get__", "numel", "__len__", "__getattribute__", "is_floating_point", "float",
-           "to", "type", "__format__", "__repr__", "__bool__", "item", "__index__", "requires_grad_"}
+IGNORED = {"size", "dim", "shape", "__get__", "numel", "__len__", "__getattribute__", "is_floating_point",
+           "__format__", "__repr__", "__bool__", "item", "__index__", "requires_grad_"}
+CASTS = {"to", "float", "double", "half", "bfloat16", "type", "cpu", "cuda"}  # same values, maybe another dtype
 
 
 class Slots:
@@ -126,6 +128,12 @@ class ChannelTrace:
         """Whether :meth:`keep_whole` of module ``name`` would freeze anything not yet frozen."""
         return any(not self.slots.is_frozen(s) for s in self._whole(name))
 
+    def keep_normalised(self) -> None:
+        """Freeze every channel a LayerNorm/RMSNorm normalises (its statistics then never change)."""
+        for layer in self.layers.values():
+            if isinstance(layer.module, RENORMALISING) and layer.inputs is not None:
+                self.slots.freeze(layer.inputs)
+
     def keep_whole(self, name: str) -> None:
         """Freeze every channel module ``name`` reads or its layers produce (none is removed)."""
         self.slots.freeze(self._whole(name))
@@ -169,6 +177,10 @@ class _Tracer(TorchFunctionMode):
             self.trace.unsliceable.update(self.parameters[id(t)] for t in flat if id(t) in self.parameters)
         tracked = [(t, self.known[id(t)]) for t in flat if isinstance(t, Tensor) and id(t) in self.known]
         if not tracked or name in IGNORED:
+            return
+        if name in CASTS:  # a cast keeps channels; ``type()`` without a dtype returns a string
+            if isinstance(result, Tensor) and result.shape == tracked[0][0].shape:
+                self._track(result, tracked[0][1])
             return
         slots = self.trace.slots
         first, channels = tracked[0]
@@ -342,13 +354,14 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
         return hook
 
     heads: dict[str, AttentionHeads] = {}
+    traced = {name for name, module in model.named_modules() if _traced(module)}  # before hooks are added
     for name, module in model.named_modules():
         hooks.append(module.register_forward_pre_hook(entered(name)))
         layout = layout_of(module)
         counts = head_counts(module, layout) if layout is not None else None
         if counts is not None:
             heads[name] = AttentionHeads(name, module, layout, counts)
-        if _traced(module) or counts is not None:
+        if name in traced or counts is not None:
             hooks.append(module.register_forward_pre_hook(before(name, module), with_kwargs=True))
             hooks.append(module.register_forward_hook(after(name, module)))
     try:
@@ -425,11 +438,11 @@ def _channel_axis(module: nn.Module, x: Tensor | None) -> int | None:
         return None
     if isinstance(module, nn.Linear):
         return x.dim() - 1
-    if isinstance(module, nn.LayerNorm):
+    if isinstance(module, RENORMALISING):
         if len(module.normalized_shape) != 1:
             return None
         width = module.normalized_shape[0]
-        if type(module).forward is nn.LayerNorm.forward:
+        if type(module).forward in (nn.LayerNorm.forward, nn.RMSNorm.forward):
             return x.dim() - 1
         last, first = x.shape[-1] == width, x.shape[1] == width  # a subclass: channels first (LayerNorm2d) or last
         return x.dim() - 1 if last and not first else 1 if first and not last else None
@@ -449,8 +462,8 @@ def _union_groups(slots: Slots, channels: list[int], groups: int, sizes: tuple[i
         start += size * groups
 
 
-def _leaves(output: Any) -> list[Any]:
-    return tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
+def _leaves(output: Any) -> list[Tensor]:
+    return flatten_tensors(output, floating_only=False)
 
 
 def output_shapes(output: Any) -> list[tuple[int, ...]]:
@@ -498,6 +511,15 @@ def _couple_heads(trace: ChannelTrace, unit: AttentionHeads, output: Any, known:
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding) + NORMS
 
 
+def replaceable(module: nn.Module) -> bool:
+    """A layer shrink may replace by a smaller one: a rebuildable class, with no hooks (a user's
+    forward hook, legacy ``weight_norm``) and no parametrizations, which a new layer would lose."""
+    hooked = any(getattr(module, attr, None) for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                          "_backward_pre_hooks", "_state_dict_hooks",
+                                                          "_load_state_dict_pre_hooks"))
+    return rebuildable(type(module)) and not hooked and not hasattr(module, "parametrizations")
+
+
 def rebuildable(cls: type) -> bool:
     """A layer class shrink can rebuild smaller: one of :data:`LAYERS`, or a subclass that keeps
     its base's constructor (a subclass with its own, e.g. timm's ``Conv2dSame``, is not)."""
@@ -506,4 +528,4 @@ def rebuildable(cls: type) -> bool:
 
 
 def _traced(module: nn.Module) -> bool:
-    return isinstance(module, PASSTHROUGH) or rebuildable(type(module))
+    return isinstance(module, PASSTHROUGH) or replaceable(module)

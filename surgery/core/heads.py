@@ -45,6 +45,27 @@ class HeadLayout:
     derived: dict[str, str] = field(default_factory=dict)
     packed: int = 1
 
+    def __post_init__(self) -> None:
+        if isinstance(self.projections, list):
+            object.__setattr__(self, "projections", tuple(self.projections))
+        if not isinstance(self.projections, tuple) or not self.projections or \
+                not all(isinstance(p, str) for p in self.projections):
+            raise ConfigTypeError("HeadLayout.projections", self.projections, "must be a tuple of child names, "
+                                  "e.g. ('query', 'key', 'value') or ('qkv',) with packed=3")
+        if not isinstance(self.head_dim, str):
+            raise ConfigTypeError("HeadLayout.head_dim", self.head_dim, "must be the name of an attribute")
+        for name in ("heads", "derived"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and v in self.projections
+                                                      for k, v in value.items()):
+                raise ConfigTypeError(f"HeadLayout.{name}", value, "must map attribute names to one of the "
+                                      f"projections {self.projections}")
+        if self.output is not None and not isinstance(self.output, str):
+            raise ConfigTypeError("HeadLayout.output", self.output, "must be a child name or None")
+        if isinstance(self.packed, bool) or not isinstance(self.packed, int) or self.packed < 1 or \
+                (self.packed > 1 and len(self.projections) != 1):
+            raise ConfigError("HeadLayout.packed", self.packed, "must be 1, or > 1 with exactly one projection")
+
 
 _lock = threading.Lock()
 _layouts: list[tuple[type | str, HeadLayout]] = []
@@ -62,9 +83,6 @@ def register_heads(cls: type | str, layout: HeadLayout) -> HeadLayout:
         raise ConfigTypeError("register_heads.cls", cls, "must be a class or its dotted path")
     if not isinstance(layout, HeadLayout):
         raise ConfigTypeError("register_heads.layout", layout, "must be a surgery.HeadLayout")
-    if not layout.projections or layout.packed < 1 or (layout.packed > 1 and len(layout.projections) != 1):
-        raise ConfigError("register_heads.layout", layout.projections,
-                          "needs query/key/value projections, or one packed projection with packed > 1")
     with _lock:
         _layouts[:] = [(c, lay) for c, lay in _layouts if c != cls]
         _layouts.append((cls, layout))

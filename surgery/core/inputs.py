@@ -8,6 +8,8 @@ user batches (compare, calibration, capture, inspection) reads them through :fun
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,13 +82,15 @@ def outputs(model: nn.Module, call: Call) -> list[Tensor]:
 
 
 def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
-    """Tensors of a model output (tensor, tuple, list, dict or ``to_tuple()`` object such as a
-    Hugging Face ``ModelOutput``): the floating ones, or all with ``floating_only=False``."""
+    """Tensors of a model output (tensor, tuple, list, dict, dataclass or ``to_tuple()`` object
+    such as a Hugging Face ``ModelOutput``): the floating ones, or all with ``floating_only=False``."""
     if isinstance(value, Tensor):
         keep = not floating_only or value.is_floating_point() or value.is_complex()
         return [value] if keep else []
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, (tuple, list)):

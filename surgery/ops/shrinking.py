@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import math
+import os
+import sys
 import warnings
+from pathlib import Path
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core.channels import (AttentionHeads, ChannelTrace, LayerChannels, output_shapes, rebuildable,
-                                   trace_channels)
-from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
+from surgery.core.channels import (RENORMALISING, AttentionHeads, ChannelTrace, LayerChannels, output_shapes,
+                                   rebuildable, trace_channels)
+from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, SurgeryError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.registry import Registry
@@ -70,7 +74,24 @@ class ShrinkHandle(Handle):
         self.parameters: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}  # module -> name -> (old, sliced)
         self.families: list[dict[str, Any]] = []
         self.frozen_ops: list[str] = []
+        self.renormalised: list[str] = []  # LayerNorm/RMSNorm layers that normalise over fewer channels
         self.counts: dict[str, dict[str, int]] = {}
+
+    def restore(self) -> None:
+        """Put the original layers, parameters and head counts back (the same objects).
+
+        Raises:
+            AlreadyModifiedError: when surgery applied later still sits on a smaller layer
+                (restore or bake it first: undo in reverse order).
+        """
+        if self.state == "attached":
+            for name, (_, new) in self.replaced.items():
+                hooked = any(guards.transforms_of(p) for p in new.parameters(recurse=False)) or \
+                    new._forward_hooks or new._forward_pre_hooks
+                if hooked:
+                    raise AlreadyModifiedError(f"shrink: {name} has surgery applied after the shrink (prune, quantize, "
+                                               "hooks); restore or bake that first (undo in reverse order)")
+        super().restore()
 
     def plan(self) -> dict[str, dict[str, Any]]:
         """Every new layer's class and constructor arguments, and every changed attribute
@@ -96,19 +117,26 @@ class ShrinkHandle(Handle):
 
 def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: Selection = None,
            exclude: Selection = None, importance: str | Callable[[Tensor], Tensor] = "l2",
-           scope: str = "layer", round_to: int = 1) -> ShrinkHandle:
+           scope: str = "layer", round_to: int = 1, renormalise: bool = True) -> ShrinkHandle:
     """Remove ``amount`` of the removable channels of every coupled family, for real.
 
     Args:
         model: modified in place: layers are replaced by smaller ones.
         amount: fraction in [0, 1] of each family's channels to remove (0 changes nothing).
         example_inputs: one batch (tensor, tuple or dict) the coupling is traced on.
-        select, exclude: layers whose output channels may be removed (default all).
+        select, exclude: layers (or containers of layers) whose output channels may be removed
+            (default all).
         importance: ``"l2"`` (norm of each channel's producing weights), ``"l1"``, a name
             added with :func:`register_importance`, or a function of the producing weight
             matrix (outputs × rest) giving one score per output.
-        scope: ``"layer"`` (each family by ``amount``) or ``"global"`` (one ranking).
-        round_to: keep channel counts multiples of this (e.g. 8 for fast kernels).
+        scope: ``"layer"`` (each family by ``amount``) or ``"global"`` (one ranking; every
+            family still keeps at least ``round_to`` channels).
+        round_to: keep channel counts multiples of this (e.g. 8 for fast kernels); heads and
+            groups go whole whatever it is.
+        renormalise: let LayerNorm/RMSNorm layers lose channels. Their statistics are then
+            taken over fewer channels, so the result is not exactly "the removed channels
+            zeroed" (the layers are listed in ``handle.renormalised``, with a warning);
+            ``False`` keeps every channel they normalise.
 
     Example:
         >>> handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 224, 224))
@@ -117,35 +145,70 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     """
     model = compiled.prepare(model)
     amount, round_to = _validate(amount, scope, round_to, importance)
-    example = next(iter(batches(example_inputs, "shrink.example_inputs")))
+    example = next(iter(batches(example_inputs, "shrink.example_inputs")), None)
+    if example is None:
+        raise ConfigError("shrink.example_inputs", "no batch", "must hold one batch to trace the model on")
     for name, param in model.named_parameters():
         if guards.transforms_of(param):
             raise ConfigError("shrink", name, "has surgery attached (prune, quantize...); restore or bake it first")
-    allowed = set(select_modules(model, select, exclude=exclude, field="shrink.select", exclude_field="shrink.exclude")
-                  ) if select is not None or exclude is not None else None
+    allowed = _allowed(model, select, exclude)
     trace = trace_channels(model, example)
+    if not trace.output_shapes:
+        raise ShrinkError("shrink: the model's output holds no tensor shrink can find (tensors, tuples, lists, "
+                          "dicts, dataclasses and ModelOutputs are searched), so its shape cannot be kept")
+    if not renormalise:
+        trace.keep_normalised()
     expected = trace.output_shapes
     before = _counts(model, trace)
     for _ in range(MAX_ATTEMPTS):
         removed = _choose(trace, amount, scope, round_to, importance, allowed)
         handle = _apply(model, trace, removed)
-        culprit = _check_runs(model, example, expected, trace, handle)
+        try:
+            culprit = _check_runs(model, example, expected, trace, handle)
+        except BaseException:  # an interrupt too: nothing is left half-shrunk
+            handle.restore()
+            raise
         if culprit is None:
             break
         trace.keep_whole(culprit)  # and try again without touching it
     else:
-        handle.restore()
         raise ShrinkError(f"shrink: the shrunk model still fails after keeping {MAX_ATTEMPTS} modules whole; "
                           "the model is restored")
     handle.frozen_ops = list(trace.unknown)
     handle.families = _families_report(trace, removed)
+    handle.renormalised = [name for name, (old, new) in handle.replaced.items()
+                           if isinstance(old, RENORMALISING) and handle.kept[name][1] is not None]
+    if handle.renormalised:
+        log.warning("shrink: %d LayerNorm/RMSNorm layers now normalise over fewer channels, so their statistics "
+                    "change (handle.renormalised; renormalise=False keeps their channels)", len(handle.renormalised))
     if amount > 0 and not removed:
-        log.warning("shrink: nothing removed: %s", "every channel is frozen (by %s, or by reaching the outputs)" %
-                    (", ".join(trace.unknown) or "no traced op") if not any(f["channels"] > f["frozen"]
-                                                                             for f in handle.families)
-                    else f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})")
+        log.warning("shrink: nothing removed: %s", _why_nothing(trace, handle, amount, round_to, allowed))
     handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
     return handle
+
+
+def _allowed(model: nn.Module, select: Selection, exclude: Selection) -> set[str] | None:
+    """The layers whose channels may go: selected names and everything inside them."""
+    if select is None and exclude is None:
+        return None
+    chosen = set(select_modules(model, select, exclude=exclude, field="shrink.select", exclude_field="shrink.exclude"))
+    if select is not None and not chosen:
+        raise ConfigError("shrink.select", select, "matches no module")
+    excluded = set(select_modules(model, exclude, field="shrink.exclude")) if exclude is not None else set()
+    names = [name for name, _ in model.named_modules()]
+    inside = lambda name, group: any(name == g or name.startswith(f"{g}.") or not g for g in group)
+    return {name for name in names if (select is None or inside(name, chosen)) and not inside(name, excluded)}
+
+
+def _why_nothing(trace: ChannelTrace, handle: ShrinkHandle, amount: float, round_to: int,
+                 allowed: set[str] | None) -> str:
+    if not any(f["channels"] > f["frozen"] for f in handle.families):
+        causes = ", ".join(trace.unknown)
+        return f"every channel is frozen ({'by ' + causes + ', ' if causes else ''}or by reaching the outputs)"
+    if allowed is not None:
+        return "no family whose producing layers are all selected (shrink.select / shrink.exclude) has " \
+               "removable channels"
+    return f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})"
 
 
 def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHandle:
@@ -160,7 +223,7 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
             smaller = _smaller(layer, keep_in, keep_out)
             if smaller is None:
                 continue
-            smaller.train(layer.module.training)  # a new module starts in training mode
+            _like(smaller, layer.module)
             original = layer.module
             paths = _paths_of(model, original)  # a module registered under several names is replaced at each
             for path in paths:
@@ -191,6 +254,19 @@ def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor |
     module._parameters[attr] = smaller
     handle.parameters.setdefault(owner, {})[attr] = (original, smaller)
     handle.add(f"put back {owner}.{attr}", lambda: module._parameters.__setitem__(attr, original))
+
+
+def _like(new: nn.Module, old: nn.Module) -> None:
+    """Give a new layer what the old one had beyond its values: training mode, dtype, and
+    which parameters were frozen."""
+    new.train(old.training)  # a new module starts in training mode
+    dtype = next((t.dtype for t in [*old.parameters(recurse=False), *old.buffers(recurse=False)]
+                  if t.is_floating_point()), None)
+    if dtype is not None:
+        new.to(dtype=dtype)
+    frozen = {name for name, p in old.named_parameters(recurse=False) if not p.requires_grad}
+    for name, param in new.named_parameters(recurse=False):
+        param.requires_grad_(name not in frozen)
 
 
 def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed: set[int],
@@ -276,39 +352,77 @@ def _producer_weight(module: nn.Module) -> Tensor:
 
 def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, importance: Any,
             allowed: set[str] | None) -> set[int]:
-    """The slot classes to remove."""
+    """The slot classes (channels, or whole heads/groups: *units*) to remove."""
     slots = trace.slots
     score = importance if callable(importance) else IMPORTANCE.get(importance)
     scores: dict[int, float] = defaultdict(float)
     producers: dict[int, set[str]] = defaultdict(set)
+    width: dict[int, int] = {}  # channels per unit, in the first layer producing it
     for name, layer in trace.layers.items():
         if layer.outputs is None or layer.passthrough or layer.outputs is layer.inputs:
             continue
         weight = _producer_weight(layer.module)
-        per_row = score(weight).float().reshape(-1)
-        if per_row.numel() != weight.shape[0] or not torch.isfinite(per_row).all():
-            raise ConfigError("shrink.importance", getattr(score, "__name__", score),
-                              f"must give one finite score per output channel of {name} ({weight.shape[0]}); "
-                              f"got {per_row.numel()} values" + ("" if per_row.numel() != weight.shape[0]
-                                                                  else " with NaN/inf"))
+        per_row = _scores(score, weight, name)
+        seen: dict[int, int] = defaultdict(int)
         for row, slot in enumerate(layer.outputs):
             root = slots.find(slot)
             scores[root] += float(per_row[row])
             producers[root].add(name)
+            seen[root] += 1
+        for root, count in seen.items():
+            width.setdefault(root, count)
     families: dict[frozenset, list[int]] = defaultdict(list)
     for root, names in producers.items():
         if root in slots.frozen or (allowed is not None and not names <= allowed):
             continue
         families[frozenset(names)].append(root)
+    quota = {key: _removable(len(roots), amount, 1 if any(width[r] > 1 for r in roots) else round_to)
+             for key, roots in families.items()}
+    if scope == "layer":
+        return {r for key, roots in families.items() for r in sorted(roots, key=scores.__getitem__)[:quota[key]]}
+    ranked = sorted(((scores[r], r, key) for key, roots in families.items() for r in roots), key=lambda t: t[0])
+    total = sum(quota.values())
+    limit = {key: _removable(len(roots), 1.0, 1 if any(width[r] > 1 for r in roots) else round_to)
+             for key, roots in families.items()}  # the most a family may lose
     removed: set[int] = set()
-    groups = [sorted(roots, key=lambda r: scores[r]) for roots in families.values()]
-    if scope == "global":
-        groups = [sorted((r for g in groups for r in g), key=lambda r: scores[r])]
-    for roots in groups:
-        count = math.floor(amount * len(roots) / round_to) * round_to
-        count = min(count, len(roots) - 1)  # a family keeps at least one channel
-        removed.update(roots[:max(count, 0)])
+    taken: dict[frozenset, int] = defaultdict(int)
+    for _, root, key in ranked:
+        if len(removed) >= total:
+            break
+        if taken[key] < limit[key]:
+            removed.add(root)
+            taken[key] += 1
+    for key, roots in families.items():  # whole multiples of round_to in every family
+        extra = taken[key] - _removable(len(roots), taken[key] / len(roots), 1 if any(
+            width[r] > 1 for r in roots) else round_to)
+        if extra > 0:
+            mine = sorted((r for r in roots if r in removed), key=scores.__getitem__, reverse=True)
+            removed.difference_update(mine[:extra])
     return removed
+
+
+def _removable(count: int, amount: float, round_to: int) -> int:
+    """How many of ``count`` units go at ``amount``: the kept count is rounded up to a multiple
+    of ``round_to`` (a family smaller than ``round_to`` stays whole) and at least one is kept."""
+    keep = count - math.floor(amount * count + 1e-9)
+    keep = min(count, max(round_to, math.ceil(keep / round_to) * round_to)) if count >= round_to else count
+    return max(count - max(keep, 1), 0)
+
+
+def _scores(score: Callable, weight: Tensor, name: str) -> Tensor:
+    """One finite importance per output channel of layer ``name``, or a one-line error."""
+    label = getattr(score, "__name__", repr(score))
+    try:
+        per_row = torch.as_tensor(score(weight)).detach().float().reshape(-1)
+    except Exception as err:  # the user's function failed or returned something unusable
+        raise ConfigError("shrink.importance", label, f"failed on {name}: {type(err).__name__}: {err}") from None
+    if per_row.numel() != weight.shape[0]:
+        raise ConfigError("shrink.importance", label, f"must give one finite score per output channel of {name} "
+                          f"({weight.shape[0]}); got {per_row.numel()} values")
+    if not torch.isfinite(per_row).all():
+        raise ConfigError("shrink.importance", label, f"must give one finite score per output channel of {name} "
+                          f"({weight.shape[0]}); got NaN/inf")
+    return per_row
 
 
 def _kept(slots_of: list[int] | None, removed: set[int], trace: ChannelTrace) -> Tensor | None:
@@ -450,14 +564,16 @@ def _counts(model: nn.Module, trace: ChannelTrace) -> dict[str, int]:
 def _layer_class(path: str) -> type:
     """The class a plan names: a layer shrink makes (a subclass keeping its base's constructor,
     such as torchvision's ``LayerNorm2d``, included)."""
-    module_name, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name) if module_name else None
+    module_name, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    known = module_name == "torch" or module_name.startswith(("torch.", "torchvision.", "timm.", "transformers."))
+    try:  # a module outside the libraries shrink knows is imported only if it is already loaded
+        module = importlib.import_module(module_name) if known else sys.modules.get(module_name)
+        cls = getattr(module, name, None)
     except ImportError:
         cls = None
     if not isinstance(cls, type) or not rebuildable(cls):
-        raise ConfigError("rebuild.plan", path, "is not a layer shrink makes (Linear, Conv1d/2d, BatchNorm, "
-                          "LayerNorm, GroupNorm, or a subclass keeping their constructor)")
+        raise ConfigError("rebuild.plan", path, "is not a layer shrink makes (Linear, Conv1d/2d, Embedding, "
+                          "BatchNorm, LayerNorm, GroupNorm, RMSNorm, or a subclass keeping their constructor)")
     return cls
 
 
@@ -479,13 +595,14 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
         >>> model = surgery.rebuild(torchvision.models.resnet50, handle.plan())
         >>> model.load_state_dict(baked.state_dict(), strict=True)
     """
-    if not isinstance(plan, dict):
-        raise ConfigTypeError("rebuild.plan", plan, "must be the dict ShrinkHandle.plan() returns (or its JSON)")
+    if not callable(factory):
+        raise ConfigTypeError("rebuild.factory", type(factory).__name__, "must be a callable returning the model")
+    plan = _read_plan(plan)
     for name, entry in plan.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) or \
                 not any(isinstance(entry.get(key), dict) for key in ("args", "attributes", "parameters")):
-            raise ConfigTypeError(f"rebuild.plan['{name}']", entry, "must be a {'class', 'args' | 'attributes' | "
-                                  "'parameters'} dict from ShrinkHandle.plan()")
+            raise ConfigTypeError(f"rebuild.plan['{name}']", type(entry).__name__, "must be a {'class', 'args' | "
+                                  "'attributes' | 'parameters'} dict from ShrinkHandle.plan()")
         if "args" in entry:
             _layer_class(entry["class"])
     order, model = _attach_order(factory)
@@ -526,6 +643,26 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     return _materialise(model, device) if meta else model.to(device)
 
 
+def _read_plan(plan: Any) -> dict[str, Any]:
+    """A plan dict, its JSON text, or the path of a ``model.plan.json``."""
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as err:
+                raise ConfigError("rebuild.plan", str(plan)[:80], f"is neither plan JSON nor a readable file "
+                                  f"({type(err).__name__})") from None
+        try:
+            plan = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError("rebuild.plan", str(plan)[:80], f"is not valid JSON ({err})") from None
+    if not isinstance(plan, dict):
+        raise ConfigTypeError("rebuild.plan", type(plan).__name__, "must be the dict ShrinkHandle.plan() returns, "
+                              "its JSON, or a model.plan.json path")
+    return plan
+
+
 def _is_planned_class(module: nn.Module, entry: dict[str, Any]) -> bool:
     if "args" in entry:
         return isinstance(module, _layer_class(entry["class"]))
@@ -537,7 +674,11 @@ def _planned(module: nn.Module, entry: dict[str, Any], meta: bool) -> nn.Module:
     with planned attributes and per-channel parameters (uninitialised) set."""
     if "args" in entry:
         args = {k: tuple(v) if isinstance(v, list) and k != "normalized_shape" else v for k, v in entry["args"].items()}
-        new = _layer_class(entry["class"])(**args)
+        try:
+            new = _layer_class(entry["class"])(**args)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ConfigError("rebuild.plan", entry["class"].rpartition(".")[2], f"cannot be built with {args}: "
+                              f"{type(err).__name__}: {err}") from None
         new.train(module.training)
         return new
     for attr, value in entry.get("attributes", {}).items():
@@ -614,7 +755,8 @@ def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict
     named = dict(model.named_modules())
     for name, entry in plan.items():
         module = named.get(name)
-        same = module is not None and made.get(name) is module and (describe(module) == entry if "args" in entry else (
+        same = module is not None and made.get(name) is module and (describe(module)["args"] == entry["args"]
+                                                                      if "args" in entry else (
             all(getattr(module, attr, None) == value for attr, value in entry.get("attributes", {}).items()) and
             all(list(module._parameters[attr].shape) == shape for attr, shape in entry.get("parameters", {}).items())))
         if not same:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -445,3 +446,138 @@ def test_the_trace_is_deterministic_where_many_temporaries_are_freed():
     assert second.plan() == plan and len(plan) > 100
     assert sum("kept whole" in op for op in second.frozen_ops) == 4  # each stage's attention reads its input width
     second.restore()
+
+
+def test_layer_norms_that_lose_channels_are_named_or_kept_with_renormalise_false(caplog):
+    """A LayerNorm over fewer channels changes its statistics: said, and avoidable."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    original = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert handle.renormalised == ["1"] and "now normalise over fewer channels" in caplog.text
+    handle.restore()
+    kept = surgery.shrink(model, 0.5, example_inputs=x, renormalise=False)
+    assert kept.replaced == {} and torch.equal(model(x), original(x))
+
+
+@dataclasses.dataclass
+class Features:
+    features: torch.Tensor
+    logits: torch.Tensor
+
+
+class DataclassOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        features = torch.relu(self.a(x))
+        return Features(features.to(torch.float64), self.b(features))  # a cast on the way out, too
+
+
+def test_outputs_inside_dataclasses_and_casts_keep_their_shapes():
+    model = DataclassOutput().eval()
+    x = torch.randn(4, 8)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert model(x).features.shape == (4, 16) and handle.replaced == {}  # a's channels reach the output
+
+
+def test_frozen_weights_dtype_hooks_and_parametrizations_survive():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10).double().eval()
+    model.layer1[0].conv1.weight.requires_grad_(False)
+    seen = []
+    model.layer2[0].conv1.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    assert model.layer1[0].conv1.out_channels == 32 and not model.layer1[0].conv1.weight.requires_grad
+    assert model.layer1[0].bn1.running_mean.dtype == torch.float64 and model.fc.weight.requires_grad
+    assert "layer2.0.conv1" not in handle.replaced  # a new layer would drop the user's hook
+    seen.clear()
+    model(x)
+    assert len(seen) == 1
+    handle.restore()
+    linear = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    torch.nn.utils.parametrizations.weight_norm(linear[0])
+    handle = surgery.shrink(linear, 0.5, example_inputs=torch.randn(2, 8))
+    assert "0" not in handle.replaced and hasattr(linear[0], "parametrizations")
+
+
+def test_round_to_keeps_multiples_and_global_scope_keeps_every_family():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 100), nn.ReLU(), nn.Linear(100, 3)).eval()
+    surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 8), round_to=8)
+    assert model[0].out_features == 56  # 50 kept, rounded up to a multiple of 8
+    branches = Branches().eval()
+    with torch.no_grad():
+        branches.small.weight.mul_(1e-3)
+    surgery.shrink(branches, 0.5, example_inputs=torch.randn(2, 8), scope="global")
+    assert branches.small.out_features >= 1 and branches.large.out_features >= 1
+    assert branches.small.out_features + branches.large.out_features == 16
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.small, self.large = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x):
+        return self.head(torch.cat([torch.relu(self.small(x)), torch.relu(self.large(x))], dim=1))
+
+
+class Interrupting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(8, 16), nn.Linear(16, 3), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:  # the check forward
+            raise KeyboardInterrupt
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_an_interrupt_and_a_later_surgery_never_leave_the_model_half_shrunk():
+    model = Interrupting().eval()
+    before = snapshot(model)
+    with pytest.raises(KeyboardInterrupt):
+        surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 8))
+    assert snapshot_differences(before, snapshot(model)) == []
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 32, 32))
+    pruned = surgery.prune(model, 0.5, progress=False)
+    with pytest.raises(surgery.AlreadyModifiedError, match="restore or bake that first"):
+        handle.restore()
+    pruned.restore()
+    handle.restore()
+    assert model.layer1[0].conv1.out_channels == 64
+
+
+def test_selection_of_containers_and_hostile_arguments():
+    model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    handle = surgery.shrink(model, 0.5, example_inputs=x, select="layer1")
+    assert {name.split(".")[0] for name in handle.replaced} == {"layer1"}
+    handle.restore()
+    with pytest.raises(ConfigError, match="shrink.example_inputs"):
+        surgery.shrink(model, 0.5, example_inputs=[])
+    handle = surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.norm(dim=1).tolist())
+    assert handle.replaced  # a list of scores is fine
+    plan = handle.plan()
+    handle.restore()
+    text = json.dumps(plan)
+    fresh = surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), text)
+    assert fresh.layer1[0].conv1.out_channels == 32
+    with pytest.raises(ConfigError, match="rebuild.factory"):
+        surgery.rebuild(None, plan)
+    broken = json.loads(text)
+    broken["layer1.0.conv1"]["args"]["out_channels"] = "32"
+    with pytest.raises(ConfigError, match="rebuild.plan='Conv2d': cannot be built"):
+        surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), broken)
+    with pytest.raises(ConfigError, match="HeadLayout.projections"):
+        surgery.HeadLayout("qkv", "head_dim")
+    with pytest.raises(ConfigError, match="HeadLayout.heads"):
+        surgery.HeadLayout(("q", "k", "v"), "head_dim", heads=["n_heads"])
