@@ -517,7 +517,9 @@ def replaceable(module: nn.Module) -> bool:
     hooked = any(getattr(module, attr, None) for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                                           "_backward_pre_hooks", "_state_dict_hooks",
                                                           "_load_state_dict_pre_hooks"))
-    return rebuildable(type(module)) and not hooked and not hasattr(module, "parametrizations")
+    if hooked or hasattr(module, "parametrizations"):
+        return False
+    return rebuildable(type(module)) or isinstance(module, NORMS)  # a norm of another constructor: resized in place
 
 
 def rebuildable(cls: type) -> bool:

@@ -72,6 +72,7 @@ class ShrinkHandle(Handle):
         self.kept: dict[str, tuple[Tensor | None, Tensor | None]] = {}  # name -> (input, output) indices kept
         self.attributes: dict[str, dict[str, tuple[Any, Any]]] = {}  # module -> attribute -> (old, new)
         self.parameters: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}  # module -> name -> (old, sliced)
+        self.buffers: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}  # norms resized in place
         self.families: list[dict[str, Any]] = []
         self.frozen_ops: list[str] = []
         self.renormalised: list[str] = []  # LayerNorm/RMSNorm layers that normalise over fewer channels
@@ -97,13 +98,15 @@ class ShrinkHandle(Handle):
         """Every new layer's class and constructor arguments, and every changed attribute
         (attention head counts), JSON-serialisable."""
         plan = {name: describe(new) for name, (_, new) in self.replaced.items()}
-        for name in {**self.attributes, **self.parameters}:
+        for name in {**self.attributes, **self.parameters, **self.buffers}:
             module = self.model.get_submodule(name)
             plan[name] = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
             if name in self.attributes:
-                plan[name]["attributes"] = {attr: new for attr, (_, new) in self.attributes[name].items()}
-            if name in self.parameters:
-                plan[name]["parameters"] = {attr: list(new.shape) for attr, (_, new) in self.parameters[name].items()}
+                plan[name]["attributes"] = {attr: list(new) if isinstance(new, tuple) else new
+                                            for attr, (_, new) in self.attributes[name].items()}
+            for kind in ("parameters", "buffers"):
+                if name in getattr(self, kind):
+                    plan[name][kind] = {attr: list(new.shape) for attr, (_, new) in getattr(self, kind)[name].items()}
         return plan
 
     def params(self) -> dict[str, int]:
@@ -220,6 +223,9 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
             keep_out = _kept(layer.outputs, removed, trace) if not layer.passthrough else keep_in
             if keep_in is None and keep_out is None:
                 continue
+            if not rebuildable(type(layer.module)):  # a norm with its own constructor (timm's BatchNormAct2d)
+                _resize_norm(handle, name, layer.module, keep_out)
+                continue
             smaller = _smaller(layer, keep_in, keep_out)
             if smaller is None:
                 continue
@@ -239,6 +245,35 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
         handle.rollback(err)
         raise
     return handle
+
+
+NORM_WIDTH = {"num_features": int, "num_channels": int, "normalized_shape": tuple}
+
+
+def _resize_norm(handle: ShrinkHandle, name: str, module: nn.Module, keep: Tensor | None) -> None:
+    """Keep a norm layer's channels ``keep`` in place: its per-channel parameters and buffers are
+    sliced and its width attributes updated (the same object stays; restore puts the old back)."""
+    if keep is None:
+        return
+    width = next(len(getattr(module, attr)) if attr == "normalized_shape" else getattr(module, attr)
+                 for attr in NORM_WIDTH if hasattr(module, attr))
+    changes = {attr: (getattr(module, attr), (len(keep),) if kind is tuple else len(keep))
+               for attr, kind in NORM_WIDTH.items() if hasattr(module, attr)}
+    if isinstance(module, nn.GroupNorm):
+        changes["num_groups"] = (module.num_groups, len(keep) // (width // module.num_groups))
+    for attr, (_, new) in changes.items():
+        setattr(module, attr, new)
+    handle.attributes[name] = changes
+    handle.add(f"put back the width of {name}", lambda: [setattr(module, a, old) for a, (old, _) in changes.items()])
+    for store, kind in ((module._parameters, "parameters"), (module._buffers, "buffers")):
+        for attr, tensor in list(store.items()):
+            if tensor is None or tensor.dim() == 0 or tensor.shape[0] != width:
+                continue
+            with torch.no_grad():
+                sliced = tensor.detach().index_select(0, keep.to(tensor.device)).clone()
+            store[attr] = nn.Parameter(sliced, requires_grad=tensor.requires_grad) if kind == "parameters" else sliced
+            getattr(handle, kind).setdefault(name, {})[attr] = (tensor, store[attr])
+            handle.add(f"put back {name}.{attr}", lambda st=store, a=attr, t=tensor: st.__setitem__(a, t))
 
 
 def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor | None, dim: int) -> None:
@@ -600,7 +635,7 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     plan = _read_plan(plan)
     for name, entry in plan.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) or \
-                not any(isinstance(entry.get(key), dict) for key in ("args", "attributes", "parameters")):
+                not any(isinstance(entry.get(key), dict) for key in ("args", "attributes", "parameters", "buffers")):
             raise ConfigTypeError(f"rebuild.plan['{name}']", type(entry).__name__, "must be a {'class', 'args' | "
                                   "'attributes' | 'parameters'} dict from ShrinkHandle.plan()")
         if "args" in entry:
@@ -663,6 +698,11 @@ def _read_plan(plan: Any) -> dict[str, Any]:
     return plan
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it (tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _is_planned_class(module: nn.Module, entry: dict[str, Any]) -> bool:
     if "args" in entry:
         return isinstance(module, _layer_class(entry["class"]))
@@ -682,11 +722,14 @@ def _planned(module: nn.Module, entry: dict[str, Any], meta: bool) -> nn.Module:
         new.train(module.training)
         return new
     for attr, value in entry.get("attributes", {}).items():
-        setattr(module, attr, value)
+        setattr(module, attr, tuple(value) if isinstance(getattr(module, attr, None), tuple) else value)
     for attr, shape in entry.get("parameters", {}).items():
         old = module._parameters[attr]
         module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta" if meta else
                                                             old.device), requires_grad=old.requires_grad)
+    for attr, shape in entry.get("buffers", {}).items():  # real storage: a buffer is not moved to meta
+        old = module._buffers[attr]
+        module._buffers[attr] = torch.empty(shape, dtype=old.dtype, device=old.device)
     return module
 
 
@@ -757,8 +800,9 @@ def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict
         module = named.get(name)
         same = module is not None and made.get(name) is module and (describe(module)["args"] == entry["args"]
                                                                       if "args" in entry else (
-            all(getattr(module, attr, None) == value for attr, value in entry.get("attributes", {}).items()) and
-            all(list(module._parameters[attr].shape) == shape for attr, shape in entry.get("parameters", {}).items())))
+            all(_plain(getattr(module, attr, None)) == value for attr, value in entry.get("attributes", {}).items())
+            and all(list(getattr(module, f"_{kind}")[attr].shape) == shape for kind in ("parameters", "buffers")
+                    for attr, shape in entry.get(kind, {}).items())))
         if not same:
             raise ShrinkError(f"rebuild: {name} does not have its planned shape after the build; the factory does "
                               "not build the same model twice (random architecture?)")

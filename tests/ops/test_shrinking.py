@@ -581,3 +581,31 @@ def test_selection_of_containers_and_hostile_arguments():
         surgery.HeadLayout("qkv", "head_dim")
     with pytest.raises(ConfigError, match="HeadLayout.heads"):
         surgery.HeadLayout(("q", "k", "v"), "head_dim", heads=["n_heads"])
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "regnetx_002"])
+def test_timm_norms_with_their_own_constructor_are_resized_in_place(name):
+    """timm's BatchNormAct2d cannot be built from BatchNorm2d's arguments: it is resized in
+    place (same object, sliced statistics), restored exactly and rebuilt from the plan."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    factory = lambda: timm.create_model(name, pretrained=False, num_classes=10)
+    model = with_statistics(factory())
+    original = copy.deepcopy(model)
+    before = snapshot(model)
+    x = torch.randn(2, 3, 64, 64)
+    norm = model.get_submodule("bn1" if name == "efficientnet_b0" else "stem.bn")
+    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    assert type(norm).__name__ == "BatchNormAct2d" and norm.num_features < 32
+    assert model.get_submodule("bn1" if name == "efficientnet_b0" else "stem.bn") is norm
+    assert 1 - handle.params()["after"] / handle.params()["before"] > 0.3
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), masked_like(original, handle)(x), rtol=1e-4, atol=1e-5)
+    plan = json.loads(json.dumps(handle.plan()))
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == [] and norm.num_features == 32
+    baked = surgery.shrink(model, 0.3, example_inputs=x).bake()
+    fresh = surgery.rebuild(factory, plan).eval()
+    fresh.load_state_dict(baked.state_dict(), strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), baked(x))
