@@ -15,9 +15,10 @@ from surgery.ops.criteria import as_criterion
 from surgery.ops.pruning import check_pattern, validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite", "finetune", "shrink")
-MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm")
-DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm")
-LABELLED_KINDS = ("digits", "mnist1d", "tinylm")  # real data with labels: accuracy, fine-tuning
+MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
+HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
+DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm", "imagefolder", "tokens")
+LABELLED_KINDS = ("digits", "mnist1d", "tinylm", "imagefolder")  # real data with labels: accuracy, fine-tuning
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 
@@ -41,13 +42,32 @@ class ModelConfig:
     """
 
     source: str = "torchvision"
-    name: str = "resnet50"
+    name: Optional[str] = "resnet50"
     weights: Optional[str] = None
     num_classes: int = 1000
+    task: str = "causal_lm"          # hf: which head (HF_TASKS)
+    config: Optional[dict[str, Any]] = None  # hf: AutoConfig.for_model(name, **config)
+    path: Optional[str] = None       # hf: a local pretrained folder (local_files_only, safetensors)
+    kwargs: Optional[dict[str, Any]] = None  # timm.create_model / the factory's arguments
+    _target_: Optional[str] = None   # factory: the dotted path of a callable returning the model
 
     def __post_init__(self) -> None:
         _one_of("model.source", self.source, MODEL_SOURCES)
         _positive_int("model.num_classes", self.num_classes)
+        self.config, self.kwargs = dict(self.config or {}), dict(self.kwargs or {})
+        if self.source == "hf":
+            _one_of("model.task", self.task, HF_TASKS)
+        if self.source == "factory":
+            if not self._target_:
+                raise ConfigError("model._target_", self._target_, "model=factory needs the dotted path of a "
+                                  "callable returning the model, e.g. model._target_=torchvision.models.resnet18")
+            self.name = self.name or self._target_
+        elif self.source != "hf" or self.path is None:
+            if not self.name:
+                raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")
+        if self.path is not None and self.source != "hf":
+            raise ConfigError("model.path", self.path, "applies to model=hf only (a local pretrained folder)")
+        self.name = self.name or self.path
 
 
 @dataclass
@@ -65,11 +85,27 @@ class DataConfig:
     channels: int = 3
     image_size: int = 224
     seed: int = 0
+    root: Optional[str] = None         # imagefolder: a folder of class sub-folders of images
+    resize: Optional[int] = None       # imagefolder: shorter side before the centre crop (default image_size * 8/7)
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # imagefolder: normalisation
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    seq_len: int = 32                  # tokens: tokens per sequence
+    vocab_size: Optional[int] = None   # tokens: random ids below it (default: the model's config.vocab_size)
+    text: Optional[str] = None         # tokens: a local text file, tokenised by `tokenizer`
+    tokenizer: Optional[str] = None    # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
 
     def __post_init__(self) -> None:
         _one_of("data.kind", self.kind, DATA_KINDS)
-        for name in ("batch_size", "batches", "channels", "image_size"):
+        for name in ("batch_size", "batches", "channels", "image_size", "seq_len"):
             _positive_int(f"data.{name}", getattr(self, name))
+        if self.kind == "imagefolder" and not self.root:
+            raise ConfigError("data.root", self.root, "data=imagefolder needs data.root=PATH (a folder of class "
+                              "sub-folders of images)")
+        if self.vocab_size is not None:
+            _positive_int("data.vocab_size", self.vocab_size)
+        if (self.text is None) != (self.tokenizer is None):
+            raise ConfigError("data.text" if self.text is None else "data.tokenizer", None,
+                              "data.text and data.tokenizer go together (a text file and a local tokenizer folder)")
 
 
 @dataclass

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
+import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,7 +15,8 @@ from torch import nn
 from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.config import ModelConfig
 from surgery.cli import digits, mnist1d, tinylm
-from surgery.core.errors import ConfigError
+from surgery.core.errors import NO_VALUE, ConfigError
+from surgery.core.importing import import_object
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.core.selection import describe
 from surgery.ops.rules import Rule
@@ -33,14 +37,100 @@ def torchvision_names() -> list[str]:
 
 
 def validate_model(config: ModelConfig) -> None:
-    """Raise :class:`ConfigError` if ``config.name`` is not a model of ``config.source``."""
-    if config.source in SHIPPED_MODELS:
+    """Raise :class:`ConfigError` if ``config.name`` is not a model of ``config.source`` (with
+    the closest names), or if the source's package is missing (naming the extra to install)."""
+    if config.source in SHIPPED_MODELS or config.source == "factory":
         return
-    names = torchvision_names()
-    if config.name not in names:
-        close = difflib.get_close_matches(config.name, names, n=4, cutoff=0.5)
-        hint = f"closest: {', '.join(close)}" if close else "see torchvision.models.list_models(module=torchvision.models)"
-        raise ConfigError("model.name", config.name, "not a torchvision classification model", hint)
+    if config.source == "hf" and config.path is not None:
+        if not os.path.isdir(config.path):
+            raise ConfigError("model.path", config.path, "is not a folder (a local pretrained model: config.json and "
+                              "model.safetensors)")
+        return
+    names, what, where = {"torchvision": (torchvision_names, "a torchvision classification model",
+                                          "see torchvision.models.list_models(module=torchvision.models)"),
+                          "timm": (_timm_names, "a timm model", "see timm.list_models()"),
+                          "hf": (_hf_names, "a Hugging Face model type",
+                                 "see transformers.CONFIG_MAPPING (gpt2, bert, llama, vit...)")}[config.source]
+    known = names()
+    if config.name not in known:
+        close = difflib.get_close_matches(config.name, known, n=4, cutoff=0.5)
+        raise ConfigError("model.name", config.name, f"not {what}", f"closest: {', '.join(close)}" if close else where)
+
+
+def _optional(package: str, extra: str) -> Any:
+    """Import an optional package, or a one-line error naming the extra that installs it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError("model.source", package, f"needs the {package} package: pip install 'surgery[{extra}]'"
+                          ) from None
+
+
+def _timm_names() -> list[str]:
+    return _optional("timm", "timm").list_models()
+
+
+def _hf_names() -> list[str]:
+    return list(_optional("transformers", "hf").CONFIG_MAPPING.keys())
+
+
+HF_HEADS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification",
+            "image_classification": "AutoModelForImageClassification"}
+
+
+def _build_hf(config: ModelConfig) -> nn.Module:
+    """A Hugging Face model built offline: from a config (random weights), or a local folder."""
+    transformers = _optional("transformers", "hf")
+    head = getattr(transformers, HF_HEADS[config.task])
+    settings = dict(config.config)
+    if config.task != "causal_lm":
+        settings.setdefault("num_labels", config.num_classes)
+    else:
+        settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
+    try:
+        if config.path is not None:
+            return head.from_pretrained(config.path, local_files_only=True, use_safetensors=True, **settings)
+        return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
+    except (ValueError, TypeError, KeyError, OSError) as err:
+        first = " ".join(str(err).split())[:200]
+        raise ConfigError("model.config" if config.path is None else "model.path", config.name,
+                          f"cannot build a {config.task} model: {type(err).__name__}: {first}") from None
+
+
+def _build_timm(config: ModelConfig) -> nn.Module:
+    timm = _optional("timm", "timm")
+    return timm.create_model(config.name, pretrained=False, num_classes=config.num_classes, **config.kwargs)
+
+
+def _build_factory(config: ModelConfig) -> nn.Module:
+    """``model._target_(**model.kwargs)``; kwargs may hold their own ``_target_`` objects
+    (Hydra ``instantiate``, ``_partial_: true`` for a class or function to pass along)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    target = import_object(config._target_, "model._target_")
+    if not callable(target):
+        raise ConfigError("model._target_", config._target_, "is not callable")
+    try:
+        kwargs = instantiate(dict(config.kwargs), _convert_="all")
+    except InstantiationException as err:
+        raise ConfigError("model.kwargs", NO_VALUE, " ".join(str(err).split())[:200]) from None
+    try:
+        model = target(**kwargs)
+    except TypeError as err:
+        raise ConfigError("model.kwargs", dict(config.kwargs), f"{config._target_} refused them: {err}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model._target_", config._target_, f"returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _build_torchvision(config: ModelConfig) -> nn.Module:
+    import torchvision
+
+    return torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+
+
+BUILDERS = {"torchvision": _build_torchvision, "timm": _build_timm, "hf": _build_hf, "factory": _build_factory}
 
 
 class ModelBuilder:
@@ -96,9 +186,7 @@ class ModelBuilder:
         try:
             if config.source in SHIPPED_MODELS:
                 return SHIPPED_MODELS[config.source][0](num_classes=config.num_classes)
-            import torchvision
-
-            return torchvision.models.get_model(config.name, weights=None, num_classes=config.num_classes)
+            return BUILDERS[config.source](config)
         except (RuntimeError, MemoryError, OverflowError) as err:  # e.g. model.num_classes=10**10
             first = " ".join(str(err).split())[:200]
             raise ConfigError("model.name", config.name, f"cannot be built with these settings (model.num_classes="
