@@ -61,7 +61,7 @@ class ModelConfig:
             if not self._target_:
                 raise ConfigError("model._target_", self._target_, "model=factory needs the dotted path of a "
                                   "callable returning the model, e.g. model._target_=torchvision.models.resnet18")
-            self.name = self.name or self._target_
+            self.name = self._target_  # what the report calls the model
         elif self.source != "hf" or self.path is None:
             if not self.name:
                 raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")

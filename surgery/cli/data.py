@@ -6,6 +6,7 @@ it after use, so a run's memory does not grow with ``data.batches``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -56,8 +57,11 @@ class Data:
 LabelledBatches = Callable[..., list[tuple[Tensor, Tensor]]]  # (split, batch_size, *, limit_batches)
 
 
-def labelled_source(kind: str) -> LabelledBatches | None:
+def labelled_source(kind: str, config: DataConfig | None = None) -> LabelledBatches | None:
     """The batch function of a labelled data set (its fixed train/test split), or None."""
+    if kind == "imagefolder" and config is not None:
+        return lambda split, batch_size, limit_batches=None: image_folder_batches(config, split, batch_size,
+                                                                                  limit_batches)
     if kind == "digits":
         from surgery.cli.digits import digits_batches
 
@@ -75,25 +79,29 @@ def labelled_source(kind: str) -> LabelledBatches | None:
 
 def load_data(config: DataConfig) -> Data:
     """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
-    source = labelled_source(config.kind)
+    source = labelled_source(config.kind, config)
     if source is not None:
         pairs = source("test", config.batch_size, limit_batches=config.batches)  # the fixed split
         return Data([inputs for inputs, _ in pairs], [labels for _, labels in pairs])
+    if config.kind == "tokens":
+        return Data(token_dicts(config, config.seed, config.batches), None)
     return Data(_noise(config, config.seed, config.batches), None)
 
 
 def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     """``count`` batches for calibration, disjoint from the evaluation batches (labelled data:
     the training split; synthetic: noise from ``seed + 1``)."""
-    source = labelled_source(config.kind)
+    source = labelled_source(config.kind, config)
     if source is not None:
         return [inputs for inputs, _ in source("train", config.batch_size, limit_batches=count)]
+    if config.kind == "tokens":
+        return token_dicts(config, config.seed + 1, count)
     return _noise(config, config.seed + 1, count)
 
 
 def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[Tensor, Tensor]]:
     """``count`` labelled training batches, for criteria that take gradients (taylor)."""
-    source = labelled_source(config.kind)
+    source = labelled_source(config.kind, config)
     if source is None:
         raise ConfigError(field, NO_VALUE, f"needs labelled batches (inputs, target) for its gradients and data.kind "
                           f"is {config.kind!r}; use data=digits, mnist1d or tinylm")
@@ -103,7 +111,7 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
 def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[nn.Module], float]]:
     """Labelled training batches (the training split) and an accuracy function over the
     evaluation batches, for the ``finetune`` step."""
-    source = labelled_source(config.kind)
+    source = labelled_source(config.kind, config)
     if source is None:
         raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
                           "use data=digits, mnist1d or tinylm")
@@ -111,6 +119,93 @@ def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tenso
 
     evaluation = load_data(config)
     return source("train", batch_size), lambda model: accuracy(model, evaluation.labelled())
+
+
+def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_batches: int | None = None
+                         ) -> list[tuple[Tensor, Tensor]]:
+    """Labelled batches of a torchvision ``ImageFolder`` (resize, centre crop, normalise), in a
+    fixed order: ``test`` is the first ``data.batches`` batches, ``train`` (calibration) the
+    images after them, or the same ones when the folder holds no more."""
+    from torchvision import datasets, transforms
+
+    size = config.image_size
+    transform = transforms.Compose([transforms.Resize(config.resize or round(size * 8 / 7)),
+                                    transforms.CenterCrop(size), transforms.ToTensor(),
+                                    transforms.Normalize(config.mean, config.std)])
+    try:
+        folder = datasets.ImageFolder(config.root, transform=transform)
+    except (FileNotFoundError, OSError) as err:
+        raise ConfigError("data.root", config.root, f"is not a folder of class sub-folders of images ({err})"
+                          ) from None
+    evaluation = min(len(folder), config.batches * batch_size)
+    indices = list(range(evaluation)) if split == "test" else list(range(evaluation, len(folder))) or \
+        list(range(evaluation))
+    if limit_batches is not None:
+        indices = indices[:limit_batches * batch_size]
+    images = [folder[i] for i in indices]
+    return [(torch.stack([x for x, _ in images[i:i + batch_size]]),
+             torch.tensor([y for _, y in images[i:i + batch_size]])) for i in range(0, len(images), batch_size)]
+
+
+class TokenBatches(Sequence):
+    """``count`` dict batches ``{input_ids, attention_mask}`` of ``batch_size × seq_len``: seeded
+    random ids below ``vocab_size``, or windows of a local text file through a local tokenizer."""
+
+    def __init__(self, config: DataConfig, seed: int, count: int) -> None:
+        self.config, self.seed, self.count = config, seed, count
+        self.ids = _tokenised(config) if config.text else None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        config = self.config
+        shape = (config.batch_size, config.seq_len)
+        generator = torch.Generator().manual_seed(self.seed)
+        for index in range(self.count):
+            if self.ids is None:
+                ids = torch.randint(0, config.vocab_size, shape, generator=generator)
+            else:
+                step = shape[0] * shape[1]
+                start = (index * step + self.seed * 7919 * step) % max(len(self.ids) - step, 1)
+                ids = self.ids[start:start + step].reshape(shape)
+            yield {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long)}
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:  # type: ignore[override]
+        return list(self)[index]
+
+
+def token_dicts(config: DataConfig, seed: int, count: int) -> TokenBatches:
+    if config.vocab_size is None and config.text is None:
+        raise ConfigError("data.vocab_size", None, "data=tokens needs the vocabulary size (taken from the model's "
+                          "config.vocab_size when it has one)")
+    return TokenBatches(config, seed, count)
+
+
+def _tokenised(config: DataConfig) -> Tensor:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("data.tokenizer", config.tokenizer, "needs transformers: pip install 'surgery[hf]'") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        text = open(config.text, encoding="utf-8").read()
+    except OSError as err:
+        raise ConfigError("data.text", config.text, f"cannot be read with tokenizer {config.tokenizer!r}: "
+                          f"{' '.join(str(err).split())[:160]}") from None
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if len(ids) < config.batch_size * config.seq_len:
+        raise ConfigError("data.text", config.text, f"holds {len(ids)} tokens, fewer than one batch "
+                          f"({config.batch_size} × {config.seq_len})")
+    return ids
+
+
+def with_model_defaults(config: DataConfig, model: nn.Module) -> DataConfig:
+    """``config`` with what it left to the model filled in (the vocabulary size of ``tokens``)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if config.kind == "tokens" and config.vocab_size is None and isinstance(vocab, int):
+        return dataclasses.replace(config, vocab_size=vocab)
+    return config
 
 
 def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.core.inputs import evaluating
+from surgery.cli.outputs import logits_of
+from surgery.core.inputs import as_call, evaluating
 from surgery.core.errors import ConfigError
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"
@@ -135,7 +136,7 @@ def accuracy(model: nn.Module, batches: Batches) -> float:
     correct = total = 0
     with evaluating(model), torch.no_grad():
         for inputs, labels in batches:
-            correct += int((model(inputs).argmax(-1) == labels).sum())
+            correct += int((logits_of(as_call(inputs, "data")(model)).argmax(-1) == labels).sum())
             total += labels.numel()
     if total == 0:
         raise ValueError("accuracy: batches holds no sample; pass at least one non-empty batch")

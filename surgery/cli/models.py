@@ -17,6 +17,8 @@ from surgery.cli.config import ModelConfig
 from surgery.cli import digits, mnist1d, tinylm
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_object
+from surgery.core.inputs import as_call
+from surgery.cli.outputs import describe_batch, first_sample
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.core.selection import describe
 from surgery.ops.rules import Rule
@@ -199,13 +201,13 @@ def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> N
     A model that expects another image size or channel count fails here, with the shape and
     the model's own message, before any surgery or output.
     """
-    sample = next(iter(inputs))[:1]
+    sample = first_sample(next(iter(inputs)))
     try:
         with torch.no_grad():
-            model(sample)
+            as_call(sample, "data")(model)
     except Exception as err:  # the model's own error, whatever its type
         first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
         hint = f"use data={SHIPPED_DATA[name]}" if name in SHIPPED_DATA else \
             "set data.image_size and data.channels to what the model expects"
-        raise ConfigError("data", f"shape {tuple(sample.shape)}", f"{name} fails on inputs of this shape "
+        raise ConfigError("data", f"shape {describe_batch(sample)}", f"{name} fails on inputs of this shape "
                           f"({type(err).__name__}: {first}); {hint}") from None

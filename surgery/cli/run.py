@@ -21,9 +21,11 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
 from surgery.core.errors import ConfigError
-from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data
+from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data, with_model_defaults
+from surgery.cli.outputs import batch_of, classification_loss, first_sample, logits_of
 from surgery.ops.criteria import as_criterion
 from surgery.core.handles import HandleGroup, restored_on_error
+from surgery.core.inputs import as_call
 from surgery.analysis.inspection import calls_as_rows, format_table, gradient_statistics, gradients_as_rows, inspect_model
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
@@ -100,6 +102,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     """Build, operate, check; write every output into ``stage``; return the report."""
     started = time.perf_counter()
     models = _build(config)
+    config.data = with_model_defaults(config.data, models.reference)  # e.g. the vocabulary of data=tokens
     data, calibration = load_data(config.data), _calibration(config)
     inputs = data.inputs
     check_runs(models.reference, inputs, config.model.name)
@@ -191,8 +194,7 @@ def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
     pairs = list(data.labelled()) if labelled else [(x, None) for x in data.inputs]
 
     def loss(output: Any, target: Any) -> Any:
-        logits = getattr(output, "logits", output)
-        return F.cross_entropy(logits, logits.argmax(-1) if target is None else target)
+        return classification_loss(output, logits_of(output).argmax(-1) if target is None else target)
 
     rows, mechanism = gradient_statistics(model, pairs, loss)
     return {"loss": "cross-entropy vs " + ("labels" if labelled else "the model's own top-1 (no labels)"),
@@ -249,20 +251,19 @@ def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) 
 def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:
     """Parameters, MACs, measured latency dense vs shrunk (one thread, interleaved rounds,
     median), the coupled families and each changed layer's width before and after."""
-    sample = inputs[0]
+    sample = first_sample(inputs[0])
     latency = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for size in batch_sizes:
-            x = torch.randn(size, *sample.shape[1:], generator=torch.Generator().manual_seed(0)) \
-                if sample.is_floating_point() else sample[:1].repeat(size, *([1] * (sample.dim() - 1)))
+            x = as_call(batch_of(sample, size), "data")
             times: dict[str, list[float]] = {"dense": [], "shrunk": []}
             with torch.no_grad():
                 for round_ in range(7):
                     for name, model in (("dense", models.reference), ("shrunk", models.model))[:: 1 if round_ % 2 else -1]:
                         start = time.perf_counter()
-                        model(x)
+                        x(model)
                         times[name].append(time.perf_counter() - start)
             dense, shrunk = (sorted(times[k][1:])[len(times[k][1:]) // 2] for k in ("dense", "shrunk"))
             latency[str(size)] = {"dense_ms": 1000 * dense, "shrunk_ms": 1000 * shrunk, "ratio": shrunk / dense}

@@ -9,8 +9,10 @@ from torch import Tensor, nn
 
 from surgery.cli.config import RunConfig
 from surgery.cli.data import training_data
+from surgery.cli.outputs import classification_loss
 from surgery.core.handles import Handle, HandleGroup
 from surgery.ops.finetuning import finetune
+from surgery.ops.criteria import as_criterion
 from surgery.ops.pruning import prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
@@ -25,7 +27,9 @@ def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict
         kwargs = settings.kwargs() | {"pattern": None, "method": "l1_unstructured", "amounts": None}
         kwargs.pop("blocks", None)
         return prune(model, 0.0, **kwargs)
-    return prune(model, settings.amount, calibration=calibration.get("prune"), **settings.kwargs())
+    gradients = as_criterion(settings.method).needs_gradients
+    return prune(model, settings.amount, calibration=calibration.get("prune"),
+                 loss=classification_loss if gradients else None, **settings.kwargs())
 
 
 def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
@@ -47,7 +51,7 @@ def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: d
     batches, evaluate = training_data(config.data, settings.batch_size)
     return finetune(model, batches, epochs=settings.epochs, lr=settings.lr, optimizer=settings.optimizer,
                     weight_decay=settings.weight_decay, evaluate=evaluate, eval_every=settings.eval_every,
-                    seed=config.seed)
+                    seed=config.seed, loss=classification_loss)
 
 
 def _shrink(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:

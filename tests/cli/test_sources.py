@@ -1,0 +1,121 @@
+"""The command line on models nobody here wrote: timm, Hugging Face (from a config), any factory,
+with image-folder and token data (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from surgery.cli.models import _optional
+from surgery.core.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def surgery(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+
+
+def report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+pytest.importorskip("timm")
+pytest.importorskip("transformers")
+
+
+def passed(result, folder) -> dict:
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = report(folder)
+    assert data["ok"] is True and all(check["passed"] for check in data["checks"])
+    return data
+
+
+def test_prune_vit_timm_runs_with_every_check_passing(tmp_path):
+    data = passed(surgery("recipe=prune_vit_timm", f"hydra.run.dir={tmp_path}"), tmp_path)
+    assert data["model"] == "vit_tiny_patch16_224" and abs(data["sparsity"] - 0.5) < 1e-3
+
+
+def test_quantize_gpt2_hf_runs_on_token_batches_with_every_check_passing(tmp_path):
+    data = passed(surgery("recipe=quantize_gpt2_hf", f"hydra.run.dir={tmp_path}"), tmp_path)
+    assert data["model"] == "gpt2" and data["drift"]["cosine"] > 0.99
+    assert any(row["type"] == "Conv1D" for row in data["layers"])  # transformers' own layer class
+
+
+def test_swap_activations_hf_swaps_transformers_gelu_while_bert_is_built(tmp_path):
+    data = passed(surgery("recipe=swap_activations_hf", f"hydra.run.dir={tmp_path}"), tmp_path)
+    assert [event["old_type"] for event in data["build"]] == ["GELUActivation"] * 2
+    assert {event["new_type"] for event in data["build"]} == {"GELU"}
+
+
+def test_any_model_a_factory_builds(tmp_path):
+    result = surgery("recipe=prune_resnet50", "model=factory", "model._target_=torchvision.models.resnet18",
+                     "model.kwargs={num_classes: 10, norm_layer: {_target_: torch.nn.BatchNorm2d, _partial_: true}}",
+                     "data.image_size=64", "data.batches=1", f"hydra.run.dir={tmp_path}")
+    data = passed(result, tmp_path)
+    assert data["model"] == "torchvision.models.resnet18"
+
+
+def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in ("cat", "dog"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for index in range(3):
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / label / f"{index}.png")
+    out = tmp_path / "run"
+    result = surgery("recipe=prune_resnet50", "model.name=resnet18", "model.num_classes=2", "data=imagefolder",
+                     f"data.root={tmp_path / 'images'}", "data.image_size=32", "data.batch_size=2",
+                     "data.batches=3", f"hydra.run.dir={out}")
+    data = passed(result, out)
+    accuracy = data["accuracy"]
+    assert 0.0 <= accuracy["reference"] <= 1.0 and accuracy["reference"] in {k / 6 for k in range(7)}
+
+
+def test_hugging_face_image_classifier_on_an_image_folder_fine_tunes(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for label in ("a", "b"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for index in range(4):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(
+                tmp_path / "images" / label / f"{index}.png")
+    out = tmp_path / "run"
+    result = surgery("recipe=prune_finetune_digits", "model=hf", "model.name=vit", "model.task=image_classification",
+                     "model.num_classes=2", "model.config={image_size: 32, patch_size: 8, hidden_size: 32, "
+                     "num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}", "data=imagefolder",
+                     f"data.root={tmp_path / 'images'}", "data.image_size=32", "data.batch_size=2", "data.batches=2",
+                     "finetune.epochs=1", f"hydra.run.dir={out}")
+    data = passed(result, out)
+    assert data["finetune"]["steps"] >= 1 and "accuracy" in data
+
+
+@pytest.mark.parametrize("args,message", [
+    (["model=timm", "model.name=vit_tiny_patch16_22"], "model.name='vit_tiny_patch16_22': not a timm model "
+                                                       "(closest: vit_tiny_patch16_224"),
+    (["model=hf", "model.name=gtp2"], "model.name='gtp2': not a Hugging Face model type (closest: gpt2"),
+    (["model=hf", "model.name=gpt2", "model.task=translation"], "model.task='translation': must be one of causal_lm"),
+    (["model=factory"], "model._target_=None: model=factory needs the dotted path"),
+    (["model=factory", "model._target_=torchvision.models.resnet18", "model.kwargs={colour: 3}"],
+     "model.kwargs={'colour': 3}: torchvision.models.resnet18 refused them"),
+    (["data=imagefolder"], "data.root"),
+    (["data=imagefolder", "data.root=/nonexistent/images"], "data.root='/nonexistent/images': is not a folder"),
+    (["model=hf", "model.path=/nonexistent"], "model.path='/nonexistent': is not a folder"),
+])
+def test_bad_model_and_data_settings_exit_2_with_one_line(tmp_path, args, message):
+    result = surgery("recipe=prune_resnet50", *args, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr[-1500:]
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_missing_optional_package_names_the_extra_to_install():
+    with pytest.raises(ConfigError, match=r"needs the no_such_package package: pip install 'surgery\[hf\]'"):
+        _optional("no_such_package", "hf")
