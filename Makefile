@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
-# The first use creates .venv and installs surgery into it (editable) with its cli, test and sweeps extras.
+# The first use creates .venv and installs surgery into it (editable) with its cli, test, sweeps, search,
+# hf and timm extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[cli,test,sweeps]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[cli,test,sweeps,search,hf,timm]' $(TORCH_PIN)
 	touch $@
 
 run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"
@@ -27,6 +28,8 @@ bench: $(STAMP)  ## performance figures quoted in the README
 	$(PY) benchmarks/bench_quantize.py $(ARGS)
 	$(PY) benchmarks/bench_intercept.py
 	$(PY) benchmarks/bench_compile.py
+	$(PY) benchmarks/bench_calibrated.py
+	$(PY) benchmarks/bench_shrink.py
 
 tour: $(STAMP)  ## regenerate the README's images (docs/images/) from real runs
 	rm -rf build/tour

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from surgery.cli.config import load_config
 from surgery.core.errors import SurgeryError
+from surgery.cli.objective import WORST, objective_value
 from surgery.cli.preview import preview
 from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
 from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
@@ -86,41 +87,59 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
-def _task(cfg: DictConfig) -> None:
+def _task(cfg: DictConfig) -> float | None:
+    """One job; returns its ``objective`` score (for a search sweeper) when the config has one."""
     _exit_codes.append(-1)  # marks that composition succeeded and the job started
     hydra_config = HydraConfig.get()
     out_dir = Path(hydra_config.runtime.output_dir)
     if hydra_config.mode != RunMode.MULTIRUN:
-        _exit_codes[-1] = _run_job(cfg, out_dir)[0]
-        return
+        _exit_codes[-1], _, score = _run_job(cfg, out_dir)
+        return score
     sweep_dir = Path(hydra_config.sweep.dir)
     overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
     record = JobRecord(int(hydra_config.job.num), overrides, str(out_dir.resolve()), "started")
     record_job(sweep_dir, record)
+    score = None
     try:
-        code, dry_run = _run_job(cfg, out_dir, record)
+        code, dry_run, score = _run_job(cfg, out_dir, record)
         record.status = "dry_run" if dry_run else {EXIT_OK: "ok", EXIT_BAD_INPUT: "bad_input"}.get(code, "check_failed")
     except Exception as err:  # a job of a sweep never takes the sweep down: it is recorded as crashed
         traceback.print_exc()
         record.status, record.error, code = "crashed", f"{type(err).__name__}: {err}".splitlines()[0], 1
+        score = _worst_score(cfg)
+    record.objective = score
     record_job(sweep_dir, record)
     _exit_codes[-1] = code
+    return score
 
 
-def _run_job(cfg: DictConfig, out_dir: Path, record: JobRecord | None = None) -> tuple[int, bool]:
+def _run_job(cfg: DictConfig, out_dir: Path, record: JobRecord | None = None) -> tuple[int, bool, float | None]:
     """One run: (exit code: 0 ok, 1 a check failed, 2 bad configuration or input; whether it was
-    a ``select_only`` dry run, which writes nothing). A bad input's one line also goes into
-    ``record`` (a sweep job's), so the sweep summary says why."""
+    a ``select_only`` dry run, which writes nothing; its objective score, when the config has an
+    ``objective``). A bad input's one line also goes into ``record`` (a sweep job's), so the
+    sweep summary says why; it scores the worst, so a search goes on."""
     try:
         config = load_config(cfg)
         if config.select_only:
             print(preview(config))
-            return EXIT_OK, True
-        return run(config, out_dir).exit_code, False
+            return EXIT_OK, True, None
+        result = run(config, out_dir)
+        score = objective_value(config.objective, result.report) if config.objective else None
+        if score is not None:
+            print(f"  objective: {score:.6g}")
+        return result.exit_code, False, score
     except SurgeryError as err:
         if record is not None:
             record.error = str(err).splitlines()[0]
-        return fail(str(err).splitlines()[0]), False
+        return fail(str(err).splitlines()[0]), False, _worst_score(cfg)
+
+
+def _worst_score(cfg: DictConfig) -> float | None:
+    """The score of a job that produced no report, when the sweep searches an objective."""
+    objective = cfg.get("objective") if isinstance(cfg, DictConfig) else None
+    if not objective:
+        return None
+    return -WORST if objective.get("maximize") is not None else WORST
 
 
 def main() -> None:

@@ -410,6 +410,38 @@ class BuildRuleConfig:
             raise ConfigError("build[].match", None, "is required: 'type:ReLU', a name glob, or a list of them")
 
 
+OBJECTIVE_METRICS = {  # name -> (report path, bound kind in subject_to: "min" = at least, "max" = at most)
+    "sparsity": ("sparsity", "min"), "cosine": ("drift.cosine", "min"), "sqnr_db": ("drift.sqnr_db", "min"),
+    "top1_agreement": ("drift.top1_agreement", "min"), "max_abs": ("drift.max_abs", "max"),
+    "accuracy": ("accuracy.candidate", "min"), "accuracy_drop": ("accuracy.drop_points", "max"),
+    "perplexity": ("perplexity.candidate", "max"), "params_nonzero": ("params.nonzero", "max"),
+}
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a search optimises (``hydra/sweeper=optuna``): the run returns ``maximize`` (or
+    ``minimize``) of its report, penalised by ``penalty × (1 + shortfall)`` when a
+    ``subject_to`` bound is missed (``cosine: 0.95`` = at least 0.95; ``max_abs``,
+    ``accuracy_drop``, ``perplexity``, ``params_nonzero`` are upper bounds)."""
+
+    maximize: Optional[str] = None
+    minimize: Optional[str] = None
+    subject_to: dict[str, float] = field(default_factory=dict)
+    penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.maximize is None) == (self.minimize is None):
+            raise ConfigError("objective", {"maximize": self.maximize, "minimize": self.minimize},
+                              "set exactly one of objective.maximize and objective.minimize")
+        for key, name in (("maximize", self.maximize), ("minimize", self.minimize), *(
+                (f"subject_to.{bound}", bound) for bound in self.subject_to)):
+            if name is not None:
+                _one_of(f"objective.{key}", name, tuple(OBJECTIVE_METRICS))
+        if not math.isfinite(self.penalty) or self.penalty <= 0:
+            raise ConfigError("objective.penalty", self.penalty, "must be a positive number")
+
+
 @dataclass
 class RunConfig:
     """One run of a recipe: build ``model`` (with ``build`` rules), apply ``steps`` in order,
@@ -428,6 +460,7 @@ class RunConfig:
     shrink: Optional[ShrinkConfig] = None
     inspect: bool = False
     sensitivity: Optional[SensitivityConfig] = None  # per-layer sensitivity table and plan (recipe=sensitivity)
+    objective: Optional[ObjectiveConfig] = None  # what a search (hydra/sweeper=optuna) optimises
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -443,6 +476,14 @@ class RunConfig:
                                   f"'{step}:' settings")
             if getattr(self, step) is None:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
+        if self.objective is not None:
+            needs = {name: OBJECTIVE_METRICS[name][0].split(".")[0] for name in
+                     [self.objective.maximize, self.objective.minimize, *self.objective.subject_to] if name}
+            for name, part in needs.items():
+                if part == "accuracy" and self.data.kind not in LABELLED_KINDS or \
+                        part == "perplexity" and self.data.kind != "tinylm":
+                    raise ConfigError("objective", name, f"needs {'labelled' if part == 'accuracy' else 'tinylm'} "
+                                      f"data and data.kind is {self.data.kind!r}")
         if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
             raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
                               f"{self.data.kind!r}; use data=digits, mnist1d or tinylm")
@@ -463,11 +504,12 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         if isinstance(cfg, DictConfig):
             cfg = OmegaConf.to_container(cfg, resolve=True)
         _check_integers(cfg, "")
-        cfg = {"sensitivity": None, **cfg}  # the schema types it; a config without it runs no sensitivity
+        cfg = {"sensitivity": None, "objective": None, **cfg}  # typed by the schema; absent = not used
         schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
                                                 quantize=QuantizeConfig(activations=QuantSettings()),
                                                 rewrite=RewriteConfig(), finetune=FinetuneConfig(),
-                                                shrink=ShrinkConfig(), sensitivity=SensitivityConfig()))
+                                                shrink=ShrinkConfig(), sensitivity=SensitivityConfig(),
+                                                objective=ObjectiveConfig(maximize="sparsity")))
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -42,6 +42,7 @@ class JobRecord:
     folder: str
     status: str
     error: str | None = None
+    objective: float | None = None  # the job's score, in a search (hydra/sweeper=optuna)
 
     @property
     def exit_code(self) -> int:
@@ -133,7 +134,8 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
         overwrite = any(str(r.overrides.get("output.overwrite", "")).lower() == "true" for r in records)
     refuse_existing([sweep_dir / name for name in SUMMARY], overwrite)
     keys = swept_keys([r.overrides for r in records]) or list(records[0].overrides)[:1]
-    table = [_row(record, keys, sweep_dir) for record in records]
+    searched = any(record.objective is not None for record in records)
+    table = [_row(record, keys, sweep_dir, searched) for record in records]
     failed = [] if launcher_error is None else [{"job": None, "status": "launcher failed", "ok": False,
                                                  "error": launcher_error}]  # jobs without a record never ran
     text = json.dumps(table + failed, indent=2)
@@ -146,12 +148,13 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
     return [sweep_dir / name for name in SUMMARY if sweep_dir / name in published]
 
 
-def _row(record: JobRecord, keys: list[str], sweep_dir: Path) -> dict[str, Any]:
+def _row(record: JobRecord, keys: list[str], sweep_dir: Path, searched: bool = False) -> dict[str, Any]:
     report = json.loads((Path(record.folder) / "report.json").read_text()) if record.has_report else {}
     status = "died (no final record)" if record.status == "started" else record.status
     return {"job": os.path.relpath(Path(record.folder).resolve(), sweep_dir.resolve()),
             **{k: record.overrides.get(k) for k in keys}, "status": status, "ok": report.get("ok", False),
-            **{label: _metric(report, path) for path, label in METRICS}, "error": record.error}
+            **{label: _metric(report, path) for path, label in METRICS},
+            **({"objective": record.objective} if searched else {}), "error": record.error}
 
 
 def _markdown(table: list[dict[str, Any]], launcher_error: str | None) -> str:
