@@ -38,7 +38,9 @@ def test_objective_is_the_metric_penalised_by_the_missed_bound():
 @pytest.mark.slow
 def test_optuna_searches_prune_amount_under_a_cosine_bound(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    run = surgery("-m", "recipe=search_prune", "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path}")
+    from test_sources import readme_command  # the README's command, as written
+
+    run = surgery(*readme_command("recipe=search_prune"), "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path}")
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "sweep.json").read_text())
     assert len(rows) == 3 and all(row["status"] == "ok" for row in rows)

@@ -1,9 +1,11 @@
 """The command line on models nobody here wrote: timm, Hugging Face (from a config), any factory,
-with image-folder and token data (issue 15)."""
+with image-folder and token data. The commands are the README's "Your model" section, as written."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,14 @@ def surgery(*args: str) -> subprocess.CompletedProcess:
 def report(folder: Path) -> dict:
     return json.loads((folder / "report.json").read_text())
 
+
+def readme_command(fragment: str) -> list[str]:
+    """The arguments of the README "Your model" command containing ``fragment``."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your model"):], flags=re.S).group(1)
+    commands = [shlex.split(line, comments=True)[3:] for line in block.splitlines() if line.startswith("python -m")]
+    return next(args for args in commands if any(fragment in arg for arg in args))
+
 pytest.importorskip("timm")
 pytest.importorskip("transformers")
 
@@ -37,27 +47,29 @@ def passed(result, folder) -> dict:
 
 
 def test_prune_vit_timm_runs_with_every_check_passing(tmp_path):
-    data = passed(surgery("recipe=prune_vit_timm", f"hydra.run.dir={tmp_path}"), tmp_path)
+    data = passed(surgery(*readme_command("recipe=prune_vit_timm"), f"hydra.run.dir={tmp_path}"), tmp_path)
     assert data["model"] == "vit_tiny_patch16_224" and abs(data["sparsity"] - 0.5) < 1e-3
 
 
+def test_any_timm_model_by_name(tmp_path):
+    data = passed(surgery(*readme_command("model.name=convnext_atto"), f"hydra.run.dir={tmp_path}"), tmp_path)
+    assert data["model"] == "convnext_atto"
+
+
 def test_quantize_gpt2_hf_runs_on_token_batches_with_every_check_passing(tmp_path):
-    data = passed(surgery("recipe=quantize_gpt2_hf", f"hydra.run.dir={tmp_path}"), tmp_path)
+    data = passed(surgery(*readme_command("recipe=quantize_gpt2_hf"), f"hydra.run.dir={tmp_path}"), tmp_path)
     assert data["model"] == "gpt2" and data["drift"]["cosine"] > 0.99
     assert any(row["type"] == "Conv1D" for row in data["layers"])  # transformers' own layer class
 
 
 def test_swap_activations_hf_swaps_transformers_gelu_while_bert_is_built(tmp_path):
-    data = passed(surgery("recipe=swap_activations_hf", f"hydra.run.dir={tmp_path}"), tmp_path)
+    data = passed(surgery(*readme_command("recipe=swap_activations_hf"), f"hydra.run.dir={tmp_path}"), tmp_path)
     assert [event["old_type"] for event in data["build"]] == ["GELUActivation"] * 2
     assert {event["new_type"] for event in data["build"]} == {"GELU"}
 
 
 def test_any_model_a_factory_builds(tmp_path):
-    result = surgery("recipe=prune_resnet50", "model=factory", "model._target_=torchvision.models.resnet18",
-                     "model.kwargs={num_classes: 10, norm_layer: {_target_: torch.nn.BatchNorm2d, _partial_: true}}",
-                     "data.image_size=64", "data.batches=1", f"hydra.run.dir={tmp_path}")
-    data = passed(result, tmp_path)
+    data = passed(surgery(*readme_command("model=factory"), f"hydra.run.dir={tmp_path}"), tmp_path)
     assert data["model"] == "torchvision.models.resnet18"
 
 
@@ -71,10 +83,9 @@ def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
             Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
                 tmp_path / "images" / label / f"{index}.png")
     out = tmp_path / "run"
-    result = surgery("recipe=prune_resnet50", "model.name=resnet18", "model.num_classes=2", "data=imagefolder",
-                     f"data.root={tmp_path / 'images'}", "data.image_size=32", "data.batch_size=2",
-                     "data.batches=3", f"hydra.run.dir={out}")
-    data = passed(result, out)
+    args = [f"data.root={tmp_path / 'images'}" if arg == "data.root=images" else arg
+            for arg in readme_command("data=imagefolder")]
+    data = passed(surgery(*args, f"hydra.run.dir={out}"), out)
     accuracy = data["accuracy"]
     assert 0.0 <= accuracy["reference"] <= 1.0 and accuracy["reference"] in {k / 6 for k in range(7)}
 
