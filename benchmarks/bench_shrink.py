@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torchvision
@@ -126,6 +127,18 @@ def compare(name: str) -> dict:
 ZOO_TIMEOUT = 300  # seconds per model and tool: a tool that takes longer (or runs out of memory) fails it
 
 
+def _zoo_child(name: str, tool: str) -> dict:
+    """``zoo_one`` in its own process, with a time limit."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--zoo-one", name, tool], capture_output=True, text=True,
+                              timeout=ZOO_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {ZOO_TIMEOUT} s"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["killed"])[-1][:100]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def zoo_one(name: str, tool: str) -> dict:
     """One zoo model with one tool (run in a child process): what held, and the share removed."""
     torch.set_num_threads(1)
@@ -159,29 +172,41 @@ def zoo_one(name: str, tool: str) -> dict:
             "kept_whole": sum("kept whole" in op for op in handle.frozen_ops)}
 
 
-def zoo() -> dict[str, dict[str, int]]:
+def _dense_params(name: str) -> int:
+    try:
+        with torch.device("meta"):  # no memory, when the constructor allows it
+            model = torchvision.models.get_model(name, weights=None)
+    except (NotImplementedError, RuntimeError):  # regnet computes widths with tensors: build it for real
+        model = torchvision.models.get_model(name, weights=None)
+    return sum(p.numel() for p in model.parameters())
+
+
+def zoo(cache: Path | None = None) -> dict[str, dict[str, int]]:
     """Shrink 0.3 on every torchvision classifier <= 40M parameters (inception_v3/googlenet aside),
     each model and tool in its own process (``ZOO_TIMEOUT``). surgery: output shape kept, >= 10 %
     of parameters removed, restore bit-exact, bake -> rebuild -> strict load bit-identical.
     Torch-Pruning (no restore, no rebuild): output shape kept and >= 10 % removed."""
     counts = {"surgery": {"models": 0, "shape": 0, "removed_10pct": 0, "restore": 0, "rebuild": 0},
               "Torch-Pruning": {"models": 0, "shape": 0, "removed_10pct": 0}}
+    cached = {}  # (model, tool) -> result, from an earlier, interrupted sweep with the same cache file
+    if cache is not None and cache.exists():
+        for line in cache.read_text().splitlines():
+            entry = json.loads(line)
+            cached[(entry.pop("model"), entry.pop("tool"))] = entry
     for name in torchvision.models.list_models(module=torchvision.models):
         if name in ("inception_v3", "googlenet"):
             continue
-        with torch.device("meta"):
-            if sum(p.numel() for p in torchvision.models.get_model(name, weights=None).parameters()) > 40e6:
-                continue
+        if _dense_params(name) > 40e6:
+            continue
         line = f"{name:<24}"
         for tool, row in counts.items():
             row["models"] += 1
-            try:
-                done = subprocess.run([sys.executable, __file__, "--zoo-one", name, tool], capture_output=True,
-                                      text=True, timeout=ZOO_TIMEOUT)
-                result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
-                    {"error": (done.stderr.strip().splitlines() or ["killed"])[-1][:100]}
-            except subprocess.TimeoutExpired:
-                result = {"error": f"no result within {ZOO_TIMEOUT} s"}
+            result = cached.get((name, tool))
+            if result is None:
+                result = _zoo_child(name, tool)
+                if cache is not None:
+                    with cache.open("a") as handle:
+                        handle.write(json.dumps({"model": name, "tool": tool, **result}) + "\n")
             if "error" in result:
                 line += f"  {tool} FAILED {result['error']}"
                 continue
@@ -201,6 +226,8 @@ def main() -> None:
     parser.add_argument("--zoo", action="store_true", help="also the zoo coverage sweep (about 15 minutes)")
     parser.add_argument("--zoo-only", action="store_true", help="only the zoo coverage sweep")
     parser.add_argument("--zoo-one", nargs=2, metavar=("MODEL", "TOOL"), help=argparse.SUPPRESS)
+    parser.add_argument("--zoo-cache", type=Path, help="JSON lines of finished (model, tool) results: an "
+                        "interrupted zoo sweep resumes from it")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -223,7 +250,7 @@ def main() -> None:
             print(f"  Torch-Pruning on {name}: {row['tp_error']}")
     result = {"rows": rows}
     if args.zoo or args.zoo_only:
-        result["zoo"] = zoo()
+        result["zoo"] = zoo(args.zoo_cache)
         print(json.dumps(result["zoo"], indent=2))
     if args.json:
         with open(args.json, "w") as handle:

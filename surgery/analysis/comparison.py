@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating, outputs
+from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating, flatten_tensors, outputs
 
 
 
@@ -92,18 +93,26 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
     with evaluating(reference), evaluating(candidate), torch.no_grad():
         for index, batch in enumerate(batches(inputs, "compare.inputs")):
             check_batch_finite(batch, index, "compare.inputs")
-            ref_outputs, cand_outputs = outputs(reference, batch), outputs(candidate, batch)
+            ref_raw = batch(reference)
+            ref_outputs, cand_outputs = flatten_tensors(ref_raw), outputs(candidate, batch)
             if len(ref_outputs) != len(cand_outputs):
                 raise ConfigError("compare.candidate", f"{len(cand_outputs)} output tensor(s)",
                                   f"must match the reference's {len(ref_outputs)} floating output tensor(s)")
+            primary = _primary_index(ref_raw, ref_outputs)
             for index, (ref, cand) in enumerate(zip(ref_outputs, cand_outputs)):
-                stats.add(ref, cand, primary=index == 0)
+                stats.add(ref, cand, primary=index == primary)
     result = stats.result()
     if per_layer:
         from surgery.analysis.layer_drift import layer_drift
 
         result = dataclasses.replace(result, layers=layer_drift(reference, candidate, inputs))
     return result
+
+
+def _primary_index(output: Any, flat: list[Tensor]) -> int:
+    """Which flattened output top-1 agreement reads: the ``logits`` of a ModelOutput or dict, else the first."""
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    return next((i for i, tensor in enumerate(flat) if tensor is logits), 0)
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:

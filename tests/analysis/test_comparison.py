@@ -294,3 +294,18 @@ def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp
     assert drift.finite and math.isnan(drift.cosine)
     result = check_drift(drift, DriftThresholds(min_cosine=0.5))
     assert not result.passed and "cosine nan < 0.5" in result.detail
+
+
+def test_top1_agreement_reads_the_logits_of_a_dict_output_whatever_their_position():
+    class Features(torch.nn.Module):
+        def __init__(self, flip: bool) -> None:
+            super().__init__()
+            self.flip = flip
+
+        def forward(self, x):
+            logits = -x if self.flip else x
+            return {"features": x.flip(-1), "logits": logits}  # features first, and unchanged by flip
+
+    x = torch.randn(8, 5)
+    drift = surgery.compare(Features(False), Features(True), x)
+    assert drift.top1_agreement == pytest.approx(float((x.argmax(-1) == (-x).argmax(-1)).float().mean()))
