@@ -73,15 +73,20 @@ def test_any_model_a_factory_builds(tmp_path):
     assert data["model"] == "torchvision.models.resnet18"
 
 
-def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
+def image_folder(root: Path, labels: tuple[str, ...], per_label: int, size: tuple[int, int], seed: int) -> Path:
+    """A folder of random PNGs in class sub-folders (what torchvision's ImageFolder reads)."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
-    for label in ("cat", "dog"):
-        (tmp_path / "images" / label).mkdir(parents=True)
-        for index in range(3):
-            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(
-                tmp_path / "images" / label / f"{index}.png")
+    rng = np.random.default_rng(seed)
+    for label in labels:
+        (root / label).mkdir(parents=True)
+        for index in range(per_label):
+            Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(root / label / f"{index}.png")
+    return root
+
+
+def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
+    image_folder(tmp_path / "images", ("cat", "dog"), 3, (40, 48), seed=0)
     out = tmp_path / "run"
     args = [f"data.root={tmp_path / 'images'}" if arg == "data.root=images" else arg
             for arg in readme_command("data=imagefolder")]
@@ -91,14 +96,7 @@ def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
 
 
 def test_hugging_face_image_classifier_on_an_image_folder_fine_tunes(tmp_path):
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    for label in ("a", "b"):
-        (tmp_path / "images" / label).mkdir(parents=True)
-        for index in range(4):
-            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(
-                tmp_path / "images" / label / f"{index}.png")
+    image_folder(tmp_path / "images", ("a", "b"), 4, (32, 32), seed=1)
     out = tmp_path / "run"
     result = surgery("recipe=prune_finetune_digits", "model=hf", "model.name=vit", "model.task=image_classification",
                      "model.num_classes=2", "model.config={image_size: 32, patch_size: 8, hidden_size: 32, "
