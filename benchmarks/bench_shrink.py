@@ -4,6 +4,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_shrink.py                  # four models, about 5 minutes
     .venv/bin/python benchmarks/bench_shrink.py --zoo            # also every torchvision classifier <= 40M
+    .venv/bin/python benchmarks/bench_shrink.py --zoo-only --zoo-cache /tmp/zoo.jsonl   # resumable, ~40 min
     .venv/bin/python benchmarks/bench_shrink.py --models resnet18 --json /tmp/shrink.json
 
 For resnet50, resnet18, mobilenet_v3_large and vit_b_16 (random weights, 224 px, one torch
@@ -14,8 +15,9 @@ that alternates), as the median of per-round ratios to dense. ``--zoo`` runs shr
 every torchvision classification model up to 40 M parameters (inception_v3 and googlenet
 aside) and counts, for each tool, the models whose output shape holds (and, for surgery, whose
 restore is bit-exact and whose bake -> rebuild -> strict load gives identical outputs;
-Torch-Pruning has no restore or rebuild). Torch-Pruning is the ``bench`` extra. A script, not
-a test: it asserts nothing.
+Torch-Pruning has no restore or rebuild) and >= 10 % of parameters removed; each model and
+tool runs in its own process, limited to ``ZOO_TIMEOUT`` seconds (Torch-Pruning on MaxViT grew
+past 17 GB here). Torch-Pruning is the ``bench`` extra. A script, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def macs_of(model: nn.Module, x: torch.Tensor) -> int:
 def torch_pruning(model: nn.Module, x: torch.Tensor, ratio: float) -> nn.Module:
     import torch_pruning as tp
 
-    classifier = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    classes = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)} | {1000}
+    classifier = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) and
+                  getattr(m, "out_features", getattr(m, "out_channels", None)) in classes][-1]  # squeezenet: a conv
     pruner = tp.pruner.MagnitudePruner(model, x, importance=tp.importance.MagnitudeImportance(p=2),
                                        pruning_ratio=ratio, ignored_layers=[classifier])
     pruner.step()
