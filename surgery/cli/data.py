@@ -194,6 +194,9 @@ def _tokenised(config: DataConfig) -> Tensor:
         raise ConfigError("data.text", config.text, f"cannot be read with tokenizer {config.tokenizer!r}: "
                           f"{' '.join(str(err).split())[:160]}") from None
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if config.vocab_size is not None and len(ids) and int(ids.max()) >= config.vocab_size:
+        raise ConfigError("data.tokenizer", config.tokenizer, f"gives token ids up to {int(ids.max())}, beyond the "
+                          f"model's vocabulary of {config.vocab_size}; use the model's own tokenizer")
     if len(ids) < config.batch_size * config.seq_len:
         raise ConfigError("data.text", config.text, f"holds {len(ids)} tokens, fewer than one batch "
                           f"({config.batch_size} × {config.seq_len})")

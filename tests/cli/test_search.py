@@ -66,3 +66,13 @@ def test_the_shipped_slurm_launcher_config_composes():
     run = surgery("recipe=prune_resnet50", "hydra/launcher=slurm", "--cfg", "hydra")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in run.stdout
+
+
+@pytest.mark.slow
+def test_the_same_search_runs_on_the_joblib_launcher(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    run = surgery("-m", "recipe=search_prune", "hydra/launcher=joblib", "hydra.sweeper.n_trials=2",
+                  "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={tmp_path}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(rows) == 2 and all(row["status"] == "ok" and row["objective"] is not None for row in rows)

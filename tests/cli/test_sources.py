@@ -128,3 +128,28 @@ def test_bad_model_and_data_settings_exit_2_with_one_line(tmp_path, args, messag
 def test_a_missing_optional_package_names_the_extra_to_install():
     with pytest.raises(ConfigError, match=r"needs the no_such_package package: pip install 'surgery\[hf\]'"):
         _optional("no_such_package", "hf")
+
+
+def local_tokenizer(folder: Path, text: str, vocab: int) -> Path:
+    """A small BPE tokenizer trained here and saved as a local folder (AutoTokenizer reads it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(str(folder))
+    return folder
+
+
+def test_token_batches_from_a_local_text_file_and_tokenizer(tmp_path):
+    text = "surgery operates on models it does not own, and puts every change back exactly. " * 40
+    (tmp_path / "corpus.txt").write_text(text)
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", text, 120)
+    out = tmp_path / "run"
+    data = passed(surgery(*readme_command("recipe=quantize_gpt2_hf"), f"data.text={tmp_path / 'corpus.txt'}",
+                          f"data.tokenizer={tokenizer}", f"hydra.run.dir={out}"), out)
+    assert data["drift"]["cosine"] > 0.99
+    tiny = surgery("recipe=quantize_gpt2_hf", "model.config.vocab_size=16", f"data.text={tmp_path / 'corpus.txt'}",
+                   f"data.tokenizer={tokenizer}", f"hydra.run.dir={tmp_path / 'tiny'}")
+    assert tiny.returncode == 2 and "beyond the model's vocabulary of 16" in tiny.stderr, tiny.stderr[-1000:]
