@@ -67,7 +67,8 @@ class ModelConfig:
                 raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")
         if self.path is not None and self.source != "hf":
             raise ConfigError("model.path", self.path, "applies to model=hf only (a local pretrained folder)")
-        self.name = self.name or self.path
+        if self.path is not None:
+            self.name = self.path  # what the report calls the model (not a recipe's default name)
 
 
 @dataclass
@@ -486,7 +487,7 @@ class RunConfig:
                                       f"data and data.kind is {self.data.kind!r}")
         if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
             raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
-                              f"{self.data.kind!r}; use data=digits, mnist1d or tinylm")
+                              f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)

@@ -7,6 +7,7 @@ it after use, so a run's memory does not grow with ``data.batches``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,9 @@ from torch import Tensor, nn
 
 from surgery.cli.config import DataConfig
 from surgery.core.errors import NO_VALUE, ConfigError
+
+
+log = logging.getLogger("surgery")
 
 
 class SyntheticBatches(Sequence):
@@ -104,7 +108,7 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
     source = labelled_source(config.kind, config)
     if source is None:
         raise ConfigError(field, NO_VALUE, f"needs labelled batches (inputs, target) for its gradients and data.kind "
-                          f"is {config.kind!r}; use data=digits, mnist1d or tinylm")
+                          f"is {config.kind!r}; use data=digits, mnist1d, tinylm or imagefolder")
     return source("train", config.batch_size, limit_batches=count)
 
 
@@ -114,7 +118,7 @@ def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tenso
     source = labelled_source(config.kind, config)
     if source is None:
         raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
-                          "use data=digits, mnist1d or tinylm")
+                          "use data=digits, mnist1d, tinylm or imagefolder")
     from surgery.cli.digits import accuracy
 
     evaluation = load_data(config)
@@ -137,14 +141,26 @@ def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_
     except (FileNotFoundError, OSError) as err:
         raise ConfigError("data.root", config.root, f"is not a folder of class sub-folders of images ({err})"
                           ) from None
+    order = _classes_interleaved([label for _, label in folder.samples])
     evaluation = min(len(folder), config.batches * batch_size)
-    indices = list(range(evaluation)) if split == "test" else list(range(evaluation, len(folder))) or \
-        list(range(evaluation))
+    indices = order[:evaluation] if split == "test" else order[evaluation:] or order[:evaluation]
+    if split == "test" and len({folder.samples[i][1] for i in indices}) < min(2, len(folder.classes)):
+        log.warning("data.root: the evaluation images cover one class only; accuracy says little")
     if limit_batches is not None:
         indices = indices[:limit_batches * batch_size]
     images = [folder[i] for i in indices]
     return [(torch.stack([x for x, _ in images[i:i + batch_size]]),
              torch.tensor([y for _, y in images[i:i + batch_size]])) for i in range(0, len(images), batch_size)]
+
+
+def _classes_interleaved(labels: list[int]) -> list[int]:
+    """Sample indices taking each class in turn (a folder lists its images class by class, so
+    the first batches would otherwise hold one class)."""
+    by_class: dict[int, list[int]] = {}
+    for index, label in enumerate(labels):
+        by_class.setdefault(label, []).append(index)
+    queues = list(by_class.values())
+    return [queue[rank] for rank in range(max(map(len, queues), default=0)) for queue in queues if rank < len(queue)]
 
 
 class TokenBatches(Sequence):
@@ -179,6 +195,7 @@ def token_dicts(config: DataConfig, seed: int, count: int) -> TokenBatches:
     if config.vocab_size is None and config.text is None:
         raise ConfigError("data.vocab_size", None, "data=tokens needs the vocabulary size (taken from the model's "
                           "config.vocab_size when it has one)")
+    _check_fits_in_memory((config.batch_size, config.seq_len), itemsize=8)
     return TokenBatches(config, seed, count)
 
 
@@ -217,14 +234,19 @@ def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:
     return SyntheticBatches(shape, seed, count)
 
 
-def _check_fits_in_memory(shape: tuple[int, ...]) -> None:
+def _check_fits_in_memory(shape: tuple[int, ...], itemsize: int = 4) -> None:
     """Refuse a batch larger than a quarter of this machine's memory before allocating it."""
-    needed = math.prod(shape) * 4
+    needed = math.prod(shape) * itemsize
     try:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
     if needed > available // 4:
+        if len(shape) == 2:  # token ids
+            field = "data.seq_len" if shape[1] >= shape[0] else "data.batch_size"
+            raise ConfigError(field, shape[1] if field == "data.seq_len" else shape[0], f"one batch of {shape} token "
+                              f"ids needs {needed / 2**30:.1f} GiB, more than a quarter of this machine's "
+                              f"{available / 2**30:.1f} GiB")
         field = "data.image_size" if shape[2] * shape[3] >= shape[0] * shape[1] else "data.batch_size"
         raise ConfigError(field, shape[2] if field == "data.image_size" else shape[0],
                           f"one batch of shape {shape} needs {needed / 2**30:.1f} GiB, more than a quarter of this "

@@ -136,7 +136,12 @@ def accuracy(model: nn.Module, batches: Batches) -> float:
     correct = total = 0
     with evaluating(model), torch.no_grad():
         for inputs, labels in batches:
-            correct += int((logits_of(as_call(inputs, "data")(model)).argmax(-1) == labels).sum())
+            logits = logits_of(as_call(inputs, "data")(model))
+            if labels.numel() and int(labels.max()) >= logits.shape[-1]:
+                raise ConfigError("model.num_classes", logits.shape[-1], f"the data has labels up to "
+                                  f"{int(labels.max())}: the model must score at least {int(labels.max()) + 1} "
+                                  "classes")
+            correct += int((logits.argmax(-1) == labels).sum())
             total += labels.numel()
     if total == 0:
         raise ValueError("accuracy: batches holds no sample; pass at least one non-empty batch")

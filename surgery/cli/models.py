@@ -81,27 +81,51 @@ HF_HEADS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "Aut
 
 
 def _build_hf(config: ModelConfig) -> nn.Module:
-    """A Hugging Face model built offline: from a config (random weights), or a local folder."""
+    """A Hugging Face model built offline: from a config (random weights), or a local folder
+    (its own config and labels; ``model.config`` entries override them)."""
     transformers = _optional("transformers", "hf")
+    transformers.logging.set_verbosity_error()  # its load reports and warnings are not ours to print
+    transformers.utils.logging.disable_progress_bar()
     head = getattr(transformers, HF_HEADS[config.task])
     settings = dict(config.config)
-    if config.task != "causal_lm":
-        settings.setdefault("num_labels", config.num_classes)
-    else:
+    if config.path is None:
+        _check_hf_keys(transformers, config.name, settings)
+        if config.task != "causal_lm":
+            settings.setdefault("num_labels", config.num_classes)
+    if config.task == "causal_lm":
         settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
     try:
         if config.path is not None:
             return head.from_pretrained(config.path, local_files_only=True, use_safetensors=True, **settings)
         return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
     except (ValueError, TypeError, KeyError, OSError) as err:
-        first = " ".join(str(err).split())[:200]
-        raise ConfigError("model.config" if config.path is None else "model.path", config.name,
+        first = " ".join(str(err).split()).split(". ")[0][:160]
+        if "Unrecognized configuration class" in first:
+            raise ConfigError("model.task", config.task, f"{config.name} has no {config.task} head; allowed: "
+                              f"{', '.join(HF_HEADS)}") from None
+        raise ConfigError("model.config" if config.path is None else "model.path",
+                          config.name if config.path is None else config.path,
                           f"cannot build a {config.task} model: {type(err).__name__}: {first}") from None
+
+
+def _check_hf_keys(transformers: Any, name: str, settings: dict[str, Any]) -> None:
+    """Every ``model.config`` key must be a setting of the model type's config (a typo would
+    otherwise be kept as an unused attribute, silently building the default model)."""
+    defaults = transformers.CONFIG_MAPPING[name]()
+    known = [key for key in vars(defaults) if not key.startswith("_")] + list(getattr(defaults, "attribute_map", {}))
+    for key in settings:
+        if not hasattr(defaults, key):
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+            raise ConfigError(f"model.config.{key}", settings[key], f"is not a setting of {name}'s config",
+                              f"closest: {', '.join(close)}" if close else f"see transformers.{type(defaults).__name__}")
 
 
 def _build_timm(config: ModelConfig) -> nn.Module:
     timm = _optional("timm", "timm")
-    return timm.create_model(config.name, pretrained=False, num_classes=config.num_classes, **config.kwargs)
+    try:
+        return timm.create_model(config.name, pretrained=False, num_classes=config.num_classes, **config.kwargs)
+    except TypeError as err:  # an argument the model's constructor does not take
+        raise ConfigError("model.kwargs", dict(config.kwargs), f"{config.name} refused them: {err}") from None
 
 
 def _build_factory(config: ModelConfig) -> nn.Module:
@@ -121,6 +145,9 @@ def _build_factory(config: ModelConfig) -> nn.Module:
         model = target(**kwargs)
     except TypeError as err:
         raise ConfigError("model.kwargs", dict(config.kwargs), f"{config._target_} refused them: {err}") from None
+    except Exception as err:  # the factory's own failure, whatever its type
+        first = " ".join(str(err).split())[:160]
+        raise ConfigError("model._target_", config._target_, f"raised {type(err).__name__}: {first}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model._target_", config._target_, f"returned a {type(model).__name__}, not an nn.Module")
     return model
@@ -208,6 +235,7 @@ def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> N
     except Exception as err:  # the model's own error, whatever its type
         first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
         hint = f"use data={SHIPPED_DATA[name]}" if name in SHIPPED_DATA else \
-            "set data.image_size and data.channels to what the model expects"
+            "check data.seq_len (at most the model's positions) and data.vocab_size (at most its vocabulary)" \
+            if isinstance(sample, dict) else "set data.image_size and data.channels to what the model expects"
         raise ConfigError("data", f"shape {describe_batch(sample)}", f"{name} fails on inputs of this shape "
                           f"({type(err).__name__}: {first}); {hint}") from None

@@ -93,6 +93,20 @@ def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
     data = passed(surgery(*args, f"hydra.run.dir={out}"), out)
     accuracy = data["accuracy"]
     assert 0.0 <= accuracy["reference"] <= 1.0 and accuracy["reference"] in {k / 6 for k in range(7)}
+    too_few = surgery(*args, "model.num_classes=1", f"hydra.run.dir={tmp_path / 'few'}")  # labels 0 and 1
+    assert too_few.returncode == 2 and "model.num_classes=1: the data has labels up to 1" in too_few.stderr
+
+
+def test_image_folder_evaluation_takes_every_class_in_turn(tmp_path):
+    from surgery.cli.config import DataConfig
+    from surgery.cli.data import image_folder_batches
+
+    root = image_folder(tmp_path / "images", ("a", "b", "c"), 4, (8, 8), seed=2)
+    config = DataConfig(kind="imagefolder", root=str(root), image_size=8, batch_size=3, batches=2)
+    evaluation = image_folder_batches(config, "test", 3, 2)
+    assert [labels.tolist() for _, labels in evaluation] == [[0, 1, 2], [0, 1, 2]]  # not [0, 0, 0], [0, 1, 1]
+    calibration = image_folder_batches(config, "train", 3)
+    assert sum(len(labels) for _, labels in calibration) == 6  # the other six images
 
 
 def test_hugging_face_image_classifier_on_an_image_folder_fine_tunes(tmp_path):
@@ -118,6 +132,14 @@ def test_hugging_face_image_classifier_on_an_image_folder_fine_tunes(tmp_path):
     (["data=imagefolder"], "data.root"),
     (["data=imagefolder", "data.root=/nonexistent/images"], "data.root='/nonexistent/images': is not a folder"),
     (["model=hf", "model.path=/nonexistent"], "model.path='/nonexistent': is not a folder"),
+    (["model=hf", "model.name=gpt2", "model.config={n_layr: 1}", "data=tokens"],
+     "model.config.n_layr=1: is not a setting of gpt2's config (closest: n_layer)"),
+    (["model=hf", "model.name=gpt2", "model.task=image_classification"],
+     "model.task='image_classification': gpt2 has no image_classification head"),
+    (["recipe=prune_vit_timm", "+model.kwargs.img_siz=64"], "vit_tiny_patch16_224 refused them"),
+    (["model=factory", "model._target_=builtins.print"], "model._target_='builtins.print': returned a NoneType"),
+    (["recipe=quantize_gpt2_hf", "data.seq_len=10000000000"], "data.seq_len=10000000000: one batch of"),
+    (["recipe=quantize_gpt2_hf", "data.seq_len=1000"], "check data.seq_len (at most the model's positions)"),
 ])
 def test_bad_model_and_data_settings_exit_2_with_one_line(tmp_path, args, message):
     result = surgery("recipe=prune_resnet50", *args, f"hydra.run.dir={tmp_path}")
@@ -153,3 +175,18 @@ def test_token_batches_from_a_local_text_file_and_tokenizer(tmp_path):
     tiny = surgery("recipe=quantize_gpt2_hf", "model.config.vocab_size=16", f"data.text={tmp_path / 'corpus.txt'}",
                    f"data.tokenizer={tokenizer}", f"hydra.run.dir={tmp_path / 'tiny'}")
     assert tiny.returncode == 2 and "beyond the model's vocabulary of 16" in tiny.stderr, tiny.stderr[-1000:]
+
+
+def test_a_local_pretrained_folder_keeps_its_own_config_and_labels(tmp_path):
+    import transformers
+
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, num_labels=3)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "bert", safe_serialization=True)
+    out = tmp_path / "run"
+    data = passed(surgery("recipe=prune_resnet50", "model=hf", f"model.path={tmp_path / 'bert'}",
+                          "model.task=sequence_classification", "data=tokens", f"hydra.run.dir={out}"), out)
+    assert data["model"] == str(tmp_path / "bert")  # not the recipe's resnet50
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "model.safetensors"))["classifier.weight"].shape == (3, 32)  # its 3 labels
