@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from surgery.cli import checks

@@ -11,7 +11,6 @@ the same class holding the kept slices; the handle keeps the original modules, s
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
