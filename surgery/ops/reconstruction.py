@@ -24,7 +24,7 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
     """The upper Cholesky factor of ``(H + λI)⁻¹``, λ = ``damping`` × mean diagonal; columns no
     calibration input reached (zero diagonal) get a unit diagonal. The damping grows tenfold
     (up to three times) if ``H`` is not positive definite."""
-    h = hessian.double().clone()
+    h = hessian.float().clone()  # float32, as the reference code: float64 factors move GPTQ's walk off theirs
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     mean = torch.diagonal(h).mean()
@@ -35,7 +35,7 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
             inverse = torch.cholesky_inverse(factor)
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
-                return upper.float()
+                return upper
     raise ConfigError("calibration", name, "its input Hessian is not positive definite even with 1000x damping "
                       "(too few or degenerate calibration batches); give more batches or exclude the layer")
 
@@ -93,7 +93,9 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
     ``qparams_of(columns)`` gives the scale and zero point of a (outputs, k) slice (per row, or
     one for the tensor); ``fake_quantize(column, scale, zero_point)`` rounds one column onto
     that grid. With ``group_size``, every ``group_size`` consecutive columns get their own
-    scales, computed from the (already updated) columns when the walk reaches them. Returns
+    scales, computed when the walk reaches the group's first column from the group's values as
+    they stood at the start of the current block (the columns the walk updated inside the block
+    are not used), as the original GPTQ code and llm-compressor do. Returns
     ``(quantized matrix, scales, zero points)``: scales ``(outputs, groups)`` with groups, else
     whatever ``qparams_of`` returned for the whole matrix. With ``keep`` (a pruning mask), pruned
     entries stay exactly zero and their share of the error goes to the entries kept.
@@ -109,9 +111,8 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
         local = factor[start:end, start:end]
         for i in range(end - start):
             column_index = start + i
-            if group_size and column_index % group_size == 0:
-                group = torch.cat([part[:, i:], w[:, end:]], dim=1)[:, :group_size]
-                scale, zero_point = qparams_of(group)
+            if group_size and column_index % group_size == 0:  # the group's values at the block's start
+                scale, zero_point = qparams_of(w[:, column_index:column_index + group_size])
                 scales.append(scale)
                 zero_points.append(zero_point)
             column = part[:, i]
