@@ -37,7 +37,8 @@ from surgery.cli import mnist1d, tinylm
 from surgery.core.checkpoints import load_checkpoint
 from surgery.testing import snapshot, snapshot_differences
 
-PRUNING = [("magnitude", "l1_unstructured"), ("Wanda", "wanda"), ("SparseGPT", "sparsegpt")]
+PRUNING = [("magnitude", "l1_unstructured"), ("Wanda", "wanda"), ("Wanda, layer-wide", "wanda_layer"),
+           ("SparseGPT", "sparsegpt")]
 SPARSITY = [("50%", 0.5, None), ("70%", 0.7, None), ("2:4", 0.5, "2:4")]
 QUANTIZING = [("RTN", "rtn"), ("GPTQ", "gptq")]
 BITS = (4, 3, 2)

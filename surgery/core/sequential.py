@@ -1,7 +1,8 @@
 """Sequential calibration: compress layer by layer, each fed by the compressed layers before it.
 
-Second-order methods (SparseGPT, GPTQ) solve each layer against the inputs it receives; as in
-the papers, those inputs come from a model whose earlier layers are already compressed. The
+Second-order methods (SparseGPT, GPTQ) solve each layer against the inputs it receives, and
+Wanda scores each layer by them; as in the papers, those inputs come from a model whose
+earlier layers are already compressed. The
 selected layers are taken in the order they first run and grouped into *stages*:
 
 - the layers inside one *block* (a transformer's decoder layer: an entry of the longest run of
@@ -31,14 +32,14 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from surgery.core.capture import Capture
+from surgery.core.capture import Capture, ReducerFactory
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import HessianReducer
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
-Solve = Callable[[dict[str, dict[str, Any]]], Mapping[str, Tensor]]  # {layer: {"hessian", "rows"}} -> {param name: new value}
+Solve = Callable[[dict[str, Any]], Mapping[str, Tensor]]  # {layer: its reduced inputs} -> {param name: new value}
 
 
 class _Stop(Exception):
@@ -145,12 +146,14 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
 
 def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, solve: Solve, *,
                    params: Callable[[str], tuple[str, nn.Parameter]], blocks: Selection | bool | None = None,
-                   field: str = "calibration", progress: bool = True) -> SequentialReport:
+                   field: str = "calibration", progress: bool = True,
+                   reduce: ReducerFactory = HessianReducer) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
-    ``params(layer)`` names the parameter ``solve``'s values replace for that layer
-    (``(qualified name, parameter)``). Every parameter written is put back as it was before
-    returning (or raising).
+    ``solve`` receives each stage layer's inputs reduced by ``reduce`` (default their Hessian,
+    ``{"hessian", "rows"}``; Wanda uses per-feature squared norms). ``params(layer)`` names
+    the parameter ``solve``'s values replace for that layer (``(qualified name, parameter)``).
+    Every parameter written is put back as it was before returning (or raising).
     """
     calls = materialise(calibration, f"{field}")
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
@@ -164,13 +167,13 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
                 stage_layers = {name: layers[name] for name in stage.layers}
                 if stage.block is None:
                     cache = None
-                    hessians = _hessians(model, stage_layers, lambda: [call(model) for call in calls])
+                    reduced = _reduced(model, stage_layers, reduce, lambda: [call(model) for call in calls])
                 else:
                     block = model.get_submodule(stage.block)
                     inputs = cache[1] if cache is not None and cache[0] == stage.block else _catch(model, block, calls)
                     report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs))
-                    hessians = _hessians(model, stage_layers, lambda: [block(*a, **k) for a, k in inputs])
-                _write(solve(hessians), stage, params, originals)
+                    reduced = _reduced(model, stage_layers, reduce, lambda: [block(*a, **k) for a, k in inputs])
+                _write(solve(reduced), stage, params, originals)
                 if stage.block is not None:
                     cache = _outputs_for_next(model, report, stage.block, block, inputs, calls[0])
     finally:
@@ -196,8 +199,9 @@ def _outputs_for_next(model: nn.Module, report: SequentialReport, name: str, blo
     return following, outputs
 
 
-def _hessians(model: nn.Module, layers: dict[str, nn.Module], run: Callable[[], Any]) -> dict[str, dict[str, Any]]:
-    with Capture(model, layers, ("inputs",), HessianReducer) as seen:
+def _reduced(model: nn.Module, layers: dict[str, nn.Module], reduce: ReducerFactory, run: Callable[[], Any]
+             ) -> dict[str, Any]:
+    with Capture(model, layers, ("inputs",), reduce) as seen:
         run()
     found = seen.inputs
     for name in layers:

@@ -78,6 +78,7 @@ class Criterion:
     needs_calibration: bool = False  # raise without calibration batches instead of passing None
     needs_gradients: bool = False  # calibration runs a loss backward: LayerStats.taylor and grad_sq
     reconstruct: Optional[Reconstruct] = None  # second-order: picks the mask and updates the weights kept
+    per_output: bool = False  # ranked within each output row: every row loses ``amount`` of its entries (Wanda)
 
     def keywords(self, options: dict) -> dict:
         """The options this criterion's signature accepts (all of them with ``**kwargs``),
@@ -102,11 +103,17 @@ CRITERIA: Registry[Criterion] = Registry("prune.method")
 
 def register_criterion(name: str, score: Score | None, *, structured: bool = False, needs_calibration: bool = False,
                        needs_gradients: bool = False, reconstruct: Reconstruct | None = None,
-                       replace: bool = False) -> Criterion:
+                       per_output: bool = False, replace: bool = False) -> Criterion:
     """Make ``score(weight, stats) -> Tensor`` available as ``prune(..., method=name)`` and
     ``prune.method=name`` in recipes. ``needs_gradients`` makes calibration batches
     ``(inputs, target)`` pairs run through a loss and backward, filling ``stats.taylor`` and
-    ``stats.grad_sq`` (it implies ``needs_calibration``).
+    ``stats.grad_sq`` (it implies ``needs_calibration``). ``per_output`` ranks the scores
+    within each output row (each row of a Linear, each filter of a convolution) instead of
+    across the layer, as Wanda does: every row loses ``int(amount × row length)`` entries.
+
+    A criterion that needs calibration (and no gradients) is calibrated layer by layer on the
+    already pruned model, as SparseGPT is: each layer's statistics come from inputs that the
+    pruned layers before it produced.
 
     A second-order method passes ``reconstruct(matrix, hessian, amount, *, pattern, name) ->
     (new matrix, keep-mask)`` instead of a score: it receives each layer's weight as an
@@ -126,11 +133,14 @@ def register_criterion(name: str, score: Score | None, *, structured: bool = Fal
     if not callable(score):
         raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
     for flag, value in (("structured", structured), ("needs_calibration", needs_calibration),
-                        ("needs_gradients", needs_gradients)):
+                        ("needs_gradients", needs_gradients), ("per_output", per_output)):
         if not isinstance(value, bool):
             raise ConfigTypeError(f"register_criterion.{flag}", value, "must be True or False")
+    if per_output and (structured or reconstruct is not None):
+        raise ConfigError("register_criterion.per_output", per_output, "ranks single entries within each row; it "
+                          "does not apply to a structured or second-order criterion")
     criterion = Criterion(name, score, structured, needs_calibration or needs_gradients or reconstruct is not None,
-                          needs_gradients, reconstruct)
+                          needs_gradients, reconstruct, per_output)
     return CRITERIA.register(name, criterion, replace=replace)
 
 
@@ -175,7 +185,9 @@ def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim:
 
 def wanda(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
     """|W| · ‖X_j‖ (Sun et al., Wanda): a weight matters as much as the inputs it multiplies;
-    ``‖X_j‖`` over calibration batches, along the weight's input-feature axis."""
+    ``‖X_j‖`` over calibration batches, along the weight's input-feature axis. Registered as
+    ``"wanda"``, ranked within each output row as in the paper, and as ``"wanda_layer"``,
+    ranked across the whole layer."""
     return weight.abs() * stats.norms_like(weight)
 
 
@@ -188,7 +200,8 @@ def taylor(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
 register_criterion("l1_unstructured", l1_unstructured)
 register_criterion("random_unstructured", random_unstructured)
 register_criterion("ln_structured", ln_structured, structured=True)
-register_criterion("wanda", wanda, needs_calibration=True)
+register_criterion("wanda", wanda, needs_calibration=True, per_output=True)
+register_criterion("wanda_layer", wanda, needs_calibration=True)
 register_criterion("taylor", taylor, needs_gradients=True)
 register_criterion("sparsegpt", None, reconstruct=sparsegpt)
 
@@ -226,27 +239,33 @@ def compute_masks(weights: list[Tensor], amount: float, *, method: Union[str, Sc
                   scope: str = "layer", n: float = 2.0, dim: int = 0, seed: int = 0,
                   stats: Optional[list[Optional[LayerStats]]] = None) -> list[Tensor]:
     """One boolean keep-mask per weight (``True`` keeps the entry) for ``method``: the
-    criterion's scores (:func:`compute_scores`) ranked by :func:`masks_from_scores`. Reads the
-    weights, never writes them."""
+    criterion's scores (:func:`compute_scores`) ranked by :func:`masks_from_scores` (per
+    output row along dim 0 for a ``per_output`` criterion). Reads the weights, never writes them."""
     criterion = as_criterion(method)
     named = {str(i): w for i, w in enumerate(weights)}
     by_name = {str(i): s for i, s in enumerate(stats or [])}
     scores = compute_scores(criterion, named, by_name, n=n, dim=dim, scope=scope, seed=seed)
-    return masks_from_scores(weights, scores, amount, scope=scope, structured=criterion.structured, dim=dim)
+    return masks_from_scores(weights, scores, amount, scope=scope, structured=criterion.structured, dim=dim,
+                             output_axes=[0] * len(weights) if criterion.per_output else None)
 
 
 def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float | list[float], *, scope: str,
-                      structured: bool, dim: int = 0) -> list[Tensor]:
+                      structured: bool, dim: int = 0, output_axes: Optional[list[int]] = None) -> list[Tensor]:
     """One boolean keep-mask per weight (``True`` keeps the entry) from its scores.
 
     ``amount`` is the fraction of entries (or of slices, when ``structured``) to prune, rounded
     to the nearest whole count, or one fraction per weight (``scope="layer"``); the lowest
-    scores go. With ``scope="global"`` the ranking is shared by all weights.
+    scores go. With ``scope="global"`` the ranking is shared by all weights. With
+    ``output_axes`` (one per weight, ``scope="layer"``), each slice along a weight's output
+    axis (a row) is ranked on its own and loses ``int(amount × row length)`` entries, ties
+    broken by position, as Wanda's reference code does.
     """
     if scope == "global":
         keeps = _split(_keep_smallest_pruned(torch.cat([s.flatten().float() for s in scores]), amount), scores)
     else:
         each = amount if isinstance(amount, list) else [amount] * len(scores)
+        if output_axes is not None:
+            return [_keep_smallest_per_row(s, a, axis) for s, a, axis in zip(scores, each, output_axes)]
         keeps = [_keep_smallest_pruned(s.flatten().float(), a).view(s.shape) for s, a in zip(scores, each)]
     if structured:
         keeps = [_expand(keep, w, dim) for keep, w in zip(keeps, weights)]
@@ -287,6 +306,16 @@ def _keep_smallest_pruned(scores: Tensor, amount: float) -> Tensor:
     if count > 0:
         keep[torch.topk(scores, count, largest=False, sorted=False).indices] = False
     return keep
+
+
+def _keep_smallest_per_row(scores: Tensor, amount: float, axis: int) -> Tensor:
+    rows = scores.float().movedim(axis, 0)
+    flat = rows.reshape(rows.shape[0], -1)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    count = int(flat.shape[1] * amount)
+    if count > 0:
+        keep.scatter_(1, torch.sort(flat, dim=1, stable=True).indices[:, :count], False)
+    return keep.view(rows.shape).movedim(0, axis).contiguous()
 
 
 def _split(flat: Tensor, like: list[Tensor]) -> list[Tensor]:

@@ -13,14 +13,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core import compiled, guards
-from surgery.core.capture import gradient_statistics, input_statistics
+from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.selection import Selection
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.ops.second_order import check_layers, reconstruct_layers
-from surgery.core.sequential import SequentialReport
+from surgery.core.sequential import SequentialReport, run_sequential
 from surgery.core.transforms import SavedEntries, SavedTensor, attach_all
 from surgery.ops.criteria import (
     CRITERIA,
@@ -58,6 +58,10 @@ class PruneSpec:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
         if self.pattern is not None:
             check_pattern(self.pattern, amount, self.criterion)
+        if self.criterion.per_output and self.scope != "layer":
+            layer_wide = " (or method='wanda_layer')" if self.criterion.name == "wanda" else ""
+            raise ConfigError("prune.scope", self.scope, f"{self.criterion.name!r} ranks weights within each output "
+                              f"row; use scope='layer'{layer_wide}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise ConfigTypeError("prune.dim", self.dim, "must be an integer (the dimension whose slices a "
                                   "structured criterion prunes)")
@@ -269,24 +273,72 @@ def prune(
                           f"criteria such as 'taylor', not {criterion.name!r}")
     if criterion.reconstruct is not None:
         return _prune_reconstructing(model, selection, spec, calibration, blocks, progress, per_layer)
+    if _sequential(criterion, spec):
+        return _prune_sequentially(model, selection, spec, calibration, blocks, progress, per_layer)
     if blocks is not None:
-        raise ConfigError("prune.blocks", blocks, f"applies to second-order methods (sparsegpt), not {criterion.name!r}")
+        raise ConfigError("prune.blocks", blocks, f"applies to methods calibrated layer by layer (sparsegpt, wanda, "
+                          f"scope='layer'), not {criterion.name!r} with scope={spec.scope!r}")
     if calibration is None:
         stats = {}
     elif criterion.needs_gradients:
         stats = calibrate_with_gradients(model, selection, calibration, loss or F.cross_entropy, progress)
     else:
         stats = calibrate(model, selection, calibration, progress)
+    masks = _masks(spec, selection.matched, current, stats, per_layer)
+    return _attach_masks(PruneHandle(model, selection, spec), model, lambda: {
+        name: (param, MaskEnforcer(masks[name])) for name, param in targets.items()})
+
+
+def _sequential(criterion: Criterion, spec: PruneSpec) -> bool:
+    """Scored by activation statistics alone, one layer at a time: calibrated layer by layer
+    on the already pruned model (a global ranking needs every layer's statistics at once)."""
+    return criterion.needs_calibration and not criterion.needs_gradients and spec.scope == "layer"
+
+
+def _masks(spec: PruneSpec, chosen: dict[str, Target], current: dict[str, Tensor],
+           stats: Mapping[str, Optional[LayerStats]], per_layer: dict[str, float]) -> dict[str, Tensor]:
+    """Keep-masks by parameter name for the weights in ``current``, from the criterion's scores."""
+    criterion = spec.criterion
     scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
+    inputs = [0 if is_hf_conv1d(chosen[name].module) and chosen[name].attribute == "weight" else 1 for name in current]
     if spec.pattern is not None:
-        axes = [0 if is_hf_conv1d(t.module) and t.attribute == "weight" else 1 for t in selection.matched.values()]
-        masks = masks_n_m(scores, list(current), axes, *parse_pattern(spec.pattern))
+        masks = masks_n_m(scores, list(current), inputs, *parse_pattern(spec.pattern))
     else:
         masks = masks_from_scores(list(current.values()), scores, [per_layer[name] for name in current]
-                                  if amounts else spec.amount, scope=spec.scope, structured=criterion.structured,
-                                  dim=spec.dim)
-    return _attach_masks(PruneHandle(model, selection, spec), model, lambda: {
-        name: (param, MaskEnforcer(mask)) for (name, param), mask in zip(targets.items(), masks)})
+                                  if spec.scope == "layer" else spec.amount, scope=spec.scope,
+                                  structured=criterion.structured, dim=spec.dim,
+                                  output_axes=[1 - axis for axis in inputs] if criterion.per_output else None)
+    return dict(zip(current, masks))
+
+
+def _prune_sequentially(model: nn.Module, selection: Targets, spec: PruneSpec, calibration: Inputs,
+                        blocks: Selection | bool | None, progress: bool, per_layer: dict[str, float]) -> PruneHandle:
+    """An activation-statistics criterion (Wanda) scored stage by stage: each layer's input
+    norms come from the already pruned layers before it, as in the paper's code."""
+    criterion, chosen = spec.criterion, selection.matched
+    for name, target in chosen.items():
+        if target.attribute != "weight" or not _has_input_features(target):
+            raise ConfigError("prune.select", name, f"has no input statistics, which {criterion.name!r} needs (only "
+                              "the weight of a Linear, convolution or Conv1D layer has them); exclude it")
+    by_layer = {target.module_name: name for name, target in chosen.items()}
+    masks: dict[str, Tensor] = {}
+
+    def solve(reduced: dict[str, Any]) -> dict[str, Tensor]:
+        names = [by_layer[layer] for layer in reduced]
+        current = {name: guards.current_value(chosen[name].param) for name in names}
+        stats = {by_layer[layer]: LayerStats(layer, found["sq_norms"], found["rows"],
+                                             0 if is_hf_conv1d(chosen[by_layer[layer]].module) else 1)
+                 for layer, found in reduced.items()}
+        masks.update(_masks(spec, chosen, current, stats, per_layer))
+        return {name: current[name] * masks[name].to(current[name].device) for name in names}
+
+    report = run_sequential(model, {layer: chosen[name].module for layer, name in by_layer.items()}, calibration, solve,
+                            params=lambda layer: (by_layer[layer], chosen[by_layer[layer]].param), blocks=blocks,
+                            field="prune.calibration", progress=progress, reduce=SquaredNorms)
+    handle = PruneHandle(model, selection, spec)
+    handle.sequential = report
+    return _attach_masks(handle, model, lambda: {name: (target.param, MaskEnforcer(masks[name]))
+                                                 for name, target in chosen.items()})
 
 
 def _attach_masks(handle: PruneHandle, model: nn.Module,

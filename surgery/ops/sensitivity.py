@@ -231,4 +231,6 @@ def _drift(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> floa
     a, b = torch.cat(reference), torch.cat(candidate)
     if not torch.isfinite(b).all():
         return math.nan
-    return float(1.0 - torch.nn.functional.cosine_similarity(a, b, dim=0))
+    if torch.equal(a, b):
+        return 0.0  # float32 cosine of a vector with itself can exceed 1 by an ulp
+    return max(0.0, float(1.0 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0)))

@@ -14,8 +14,11 @@ from torch import nn
 
 import surgery
 from surgery import QuantSpec
+from surgery.core.errors import ConfigError
 from surgery.ops.observers import Grid
 from surgery.ops.reconstruction import gptq
+
+from support import tiny_gpt2  # tests/support.py
 
 
 def correlated_inputs(rows: int, features: int, seed: int = 0) -> torch.Tensor:
@@ -101,14 +104,31 @@ def test_layer_wide_wanda_is_kept_under_its_own_name():
 
 def test_wanda_calibrates_each_layer_on_the_already_pruned_layers_before_it():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     x = correlated_inputs(256, 32)
     first = reference_wanda_masks(model[0].weight.detach(), x, 0.5)
     pruned_hidden = torch.relu(x @ (model[0].weight.detach() * first).t() + model[0].bias.detach())
     second = reference_wanda_masks(model[2].weight.detach(), pruned_hidden, 0.5)
     dense_hidden = torch.relu(model[0](x)).detach()
-    assert not torch.equal(second, reference_wanda_masks(model[2].weight.detach(), dense_hidden, 0.5))
+    assert not torch.equal(second, reference_wanda_masks(model[2].weight.detach(), dense_hidden, 0.5))  # 4 entries differ
     handle = surgery.prune(model, 0.5, method="wanda", calibration=[x], progress=False)
     assert torch.equal(handle.masks()["0.weight"], first)
     assert torch.equal(handle.masks()["2.weight"], second)
     assert math.isclose(handle.sparsity(), 0.5)
+
+
+def test_wanda_ranks_the_rows_of_a_hugging_face_conv1d_along_its_output_axis():
+    model = tiny_gpt2()  # Conv1D stores (inputs, outputs): a row is a column of the weight
+    tokens = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    handle = surgery.prune(model, 0.5, method="wanda", select="transformer.h.*.mlp.c_fc", calibration=tokens,
+                           progress=False)
+    for name, keep in handle.masks().items():
+        per_output = 1 - keep.float().mean(0)
+        assert torch.equal(per_output, torch.full_like(per_output, 0.5)), name
+    assert len(handle.sequential.stages) == 2  # one per decoder block, each fed by the pruned one before
+    handle.restore()
+
+
+def test_wanda_with_a_global_ranking_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"prune.scope.*within each output row.*wanda_layer"):
+        surgery.prune(nn.Linear(4, 4), 0.5, method="wanda", scope="global", calibration=[torch.randn(2, 4)])
