@@ -94,12 +94,20 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
     matched: dict[str, Target] = {}
     skipped: list[Skipped] = []
     seen: dict[int, str] = {}
+    embeddings = _input_embeddings(model, modules) if include is None else {}
+    tied_heads: list[str] = []
     for name, module in modules.items():
         own = {attr: p for attr, p in module._parameters.items() if p is not None}
         for attr, param in own.items():
             qualified = f"{name}.{attr}" if name else attr
             wanted = qualified not in excluded_params and (
                 qualified in chosen_params or name in chosen_modules and attr == "weight")
+            if wanted and id(param) in embeddings:
+                skipped.append(Skipped(qualified, type(module).__name__, f"is the same tensor as the input embedding "
+                                       f"{embeddings[id(param)]} (a tied output head): left out by default; select "
+                                       f"'{name}' to {verb} both"))
+                tied_heads.append(name)
+                continue
             if not wanted:
                 if name in chosen_modules and param.dim() >= 2 and param.is_floating_point():
                     skipped.append(Skipped(qualified, type(module).__name__, f"not the layer's 'weight'; select "
@@ -121,6 +129,9 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
             skipped.append(Skipped(name, type(module).__name__, "has no 'weight' parameter of its own"))
     if include is None:
         skipped += _outside_default(modules, chosen_modules, seen, verb)
+    if tied_heads:
+        log.warning("%s: %s left out: the same tensor as an input embedding (a tied output head, which would %s the "
+                    "embedding too); select it explicitly to include it", verb, ", ".join(tied_heads), verb)
     if not matched and required:
         containers = [n for n in modules if n in chosen_modules and not any(True for _ in modules[n].parameters(False))]
         why = (f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
@@ -133,6 +144,21 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
     for item in skipped:
         log.debug("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
     return Targets(matched, skipped)
+
+
+def _input_embeddings(model: nn.Module, modules: dict[str, nn.Module]) -> dict[int, str]:
+    """``id(weight) -> name`` of the input embeddings: every ``nn.Embedding``, and what a
+    Hugging Face model's ``get_input_embeddings()`` returns."""
+    found = {id(m.weight): name for name, m in modules.items() if isinstance(m, nn.Embedding)}
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):  # a transformers base class without embeddings
+        embedding = None
+    weight = getattr(embedding, "weight", None)
+    if isinstance(weight, nn.Parameter) and id(weight) not in found:
+        found[id(weight)] = next((n for n, m in modules.items() if m is embedding), "input embedding")
+    return found
 
 
 def _named_parameters(model: nn.Module) -> dict[str, nn.Module]:

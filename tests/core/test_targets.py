@@ -45,13 +45,35 @@ IDS = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(1))
 def test_the_default_selection_reports_each_layer_it_leaves_out_and_why(mixed, caplog):
     with caplog.at_level(logging.DEBUG, logger="surgery"):
         handle = surgery.prune(mixed, 0.5)
-    assert handle.parameters == ["attn.out_proj.weight", "proj.weight", "head.weight"]
+    assert handle.parameters == ["attn.out_proj.weight", "proj.weight"]
     skipped = {s.name: s.reason for s in handle.skipped}
     assert "select 'lstm.weight_ih_l0'" in skipped["lstm"]
     assert "in_proj_weight" in skipped["attn"]
-    assert skipped["embed.weight"].startswith("not selected itself, but it is the same tensor as head.weight")
-    assert "prune: 3 parameter(s) matched" in caplog.text and "skipped lstm (LSTM)" in caplog.text
+    assert "same tensor as the input embedding embed" in skipped["head.weight"]
+    assert "not in the default selection" in skipped["embed"]
+    assert "prune: 2 parameter(s) matched" in caplog.text and "skipped lstm (LSTM)" in caplog.text
     handle.restore()
+
+
+def test_a_head_tied_to_the_input_embedding_is_left_out_by_default_with_one_warning(mixed, caplog):
+    """Before: the head was pruned by default, and the embedding with it, said only in skipped."""
+    embedding = mixed.embed.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        pruned = surgery.prune(mixed, 0.5)
+        quantized = surgery.quantize(mixed, weights=QuantSpec(bits=4))
+    assert torch.equal(mixed.embed.weight, embedding)
+    assert "head.weight" not in pruned.parameters and "head.weight" not in quantized.weights
+    warnings = [r for r in caplog.records if "tied output head" in r.getMessage()]
+    assert [r.getMessage().split(":")[0] for r in warnings] == ["prune", "quantize"]  # one each, naming it
+    assert all("head left out" in r.getMessage() for r in warnings)
+    quantized.restore()
+    pruned.restore()
+
+
+def test_a_tied_head_selected_explicitly_is_pruned_with_its_embedding(mixed):
+    with surgery.prune(mixed, 0.5, select="head") as handle:
+        assert handle.parameters == ["head.weight"]
+        assert (mixed.embed.weight == 0).float().mean().item() == pytest.approx(0.5)
 
 
 def test_any_floating_parameter_can_be_pruned_by_qualified_name(mixed):
@@ -137,7 +159,8 @@ def test_gpt2_conv1d_is_pruned_and_quantized_as_a_linear_layer():
         assert "transformer.h.0.attn.c_attn.weight" in pruned.parameters
         assert sum("mlp.c_fc" in name for name in pruned.parameters) == 2
         assert pruned.sparsity() == pytest.approx(0.5, abs=1e-4)
-        assert any(s.name == "transformer.wte.weight" and "same tensor as lm_head.weight" in s.reason
+        assert "lm_head.weight" not in pruned.parameters
+        assert any(s.name == "lm_head.weight" and "input embedding transformer.wte" in s.reason
                    for s in pruned.skipped)
     assert torch.equal(model(input_ids=ids).logits, reference)
     with surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True)) as quantized:
