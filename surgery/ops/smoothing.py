@@ -7,6 +7,12 @@ the outputs do not change, and the activations get easier to quantize. The divis
 into what produces the inputs, a normalisation layer (LayerNorm, RMSNorm: its weight and
 bias), so nothing runs at inference. Pairs (a norm, the Linear / Conv1D layers reading its
 output directly) are found by one traced forward, or named explicitly.
+
+``max|X_j|`` is the paper's and its reference code's statistic (``statistic="absmax"``), the
+range a symmetric per-tensor int8 grid has to cover. llm-compressor's ``SmoothQuantModifier``
+uses the channel's spread instead, ``max X_j − min X_j``, against ``2·max|W_:,j|``
+(``statistic="range"``, for parity with it): its scales are ours times
+``((max − min) / (2·max|X|))^α``, equal only on channels symmetric about zero.
 """
 
 from __future__ import annotations
@@ -81,6 +87,27 @@ class AbsMax:
         return self.value
 
 
+class Spread:
+    """Per-feature ``max x − min x`` over every other axis (llm-compressor's statistic)."""
+
+    def __init__(self, name: str = "", module: nn.Module | None = None) -> None:
+        self.low: Tensor | None = None
+        self.high: Tensor | None = None
+
+    def update(self, tensor: Tensor) -> None:
+        flat = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+        low, high = flat.amin(0), flat.amax(0)
+        self.low = low if self.low is None else torch.minimum(self.low, low)
+        self.high = high if self.high is None else torch.maximum(self.high, high)
+
+    def result(self) -> Tensor | None:
+        return None if self.low is None else self.high - self.low
+
+
+# statistic -> (activation reducer, factor on max|W| per column)
+STATISTICS = {"absmax": (AbsMax, 1.0), "range": (Spread, 2.0)}
+
+
 def is_norm(module: nn.Module) -> bool:
     """A last-axis normalisation with a per-feature weight: ``nn.LayerNorm`` (affine), or any
     ``*RMSNorm`` class with a 1-d ``weight`` (Llama, T5, ``nn.RMSNorm``)."""
@@ -131,7 +158,8 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
 
 
 def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
-           pairs: Mapping[str, Iterable[str]] | None = None, progress: bool = True) -> SmoothHandle:
+           pairs: Mapping[str, Iterable[str]] | None = None, statistic: str = "absmax",
+           progress: bool = True) -> SmoothHandle:
     """Migrate activation outliers into weights (SmoothQuant); return a handle that undoes it.
 
     Args:
@@ -142,6 +170,8 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
         calibration: batches run through the model to measure each channel's max |x|.
         pairs: ``{norm: [layers reading its output]}``; default found by a traced forward
             (every LayerNorm / RMSNorm feeding Linear or Hugging Face Conv1D layers directly).
+        statistic: ``"absmax"`` (``max|X_j|``, the paper's) or ``"range"`` (``max − min``
+            against ``2·max|W|``, llm-compressor's); see the module docstring.
         progress: a progress bar over calibration batches (on a terminal).
 
     Returns:
@@ -156,6 +186,9 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
     model = compiled.prepare(model)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ConfigError("smooth.alpha", alpha, "must be a number in [0, 1] (0.5 is SmoothQuant's default)")
+    if statistic not in STATISTICS:
+        raise ConfigError("smooth.statistic", statistic, f"must be one of {', '.join(STATISTICS)}")
+    reducer, weight_factor = STATISTICS[statistic]
     calibration = materialise(calibration, "smooth.calibration")  # read more than once
     found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
     if not found:
@@ -163,9 +196,10 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
                           "(LayerNorm, RMSNorm) whose output feeds Linear or Conv1D layers directly; name the pairs "
                           "as {norm: [layers]}")
     named = dict(model.named_modules())
-    maxima = _input_maxima(model, named, found, calibration, progress)
+    maxima = _input_maxima(model, named, found, calibration, reducer, progress)
     handle = SmoothHandle(model)
-    rescaled = {norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha))
+    rescaled = {norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha,
+                                                             weight_factor))
                 for norm, layers in found.items()}
     for updates, _ in rescaled.values():
         _check_free(updates)
@@ -220,6 +254,11 @@ def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[di
     whose norm output is also the residual, or a norm computing ``x * (1 + w)`` (Gemma) is
     left out and logged; a pair named explicitly raises instead."""
     reference = _flat_outputs(model, first)
+    # rounding the rescaled weights to their dtype moves the outputs: 1e-3 is far above float32's
+    # and float16's, and below bfloat16's (8 ulps there); a post-norm residual moves them by far more
+    lowest = max((param.dtype for updates, _ in rescaled.values() for param, _ in updates.values()),
+                 key=lambda dtype: torch.finfo(dtype).eps)
+    tolerance = max(1e-3, 8 * torch.finfo(lowest).eps)
 
     def unchanged(norms: list[str]) -> bool:
         originals = {name: (param, param.detach().clone()) for norm in norms
@@ -235,7 +274,8 @@ def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[di
                 for param, original in originals.values():
                     param.copy_(original)
         scale = reference.abs().max().clamp(min=1e-12)
-        return candidate.shape == reference.shape and bool(((candidate - reference).abs().max() / scale) < 1e-3)
+        return candidate.shape == reference.shape and bool(((candidate - reference).abs().max() / scale) < tolerance)
+
 
     norms = list(rescaled)
     if unchanged(norms):
@@ -283,9 +323,9 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
 
 
 def _input_maxima(model: nn.Module, named: dict[str, nn.Module], found: dict[str, list[str]], calibration: Inputs,
-                  progress: bool) -> dict[str, Tensor]:
+                  reducer: type, progress: bool) -> dict[str, Tensor]:
     layers = {pair[0]: named[pair[0]] for pair in found.values()}
-    with Capture(model, layers, ("inputs",), AbsMax) as seen:
+    with Capture(model, layers, ("inputs",), reducer) as seen:
         count = run_batches(model, calibration, field="smooth.calibration", progress=progress)
     if not count:
         raise ConfigError("smooth.calibration", "0 batches", "must hold at least one batch")
@@ -296,11 +336,13 @@ def _input_maxima(model: nn.Module, named: dict[str, nn.Module], found: dict[str
     return maxima
 
 
-def _scales(named: dict[str, nn.Module], norm: str, layers: list[str], activation: Tensor, alpha: float) -> Tensor:
-    """``s_j = max|X_j|^α / max|W_:,j|^(1−α)``, clamped away from zero; 1 for dead channels."""
+def _scales(named: dict[str, nn.Module], norm: str, layers: list[str], activation: Tensor, alpha: float,
+            weight_factor: float = 1.0) -> Tensor:
+    """``s_j = max|X_j|^α / max|W_:,j|^(1−α)`` (``activation`` is the chosen statistic,
+    ``max|W|`` times ``weight_factor``), clamped away from zero; 1 for dead channels."""
     weights = [named[layer].weight.detach().float() for layer in layers]
     columns = torch.stack([(w.abs().amax(1) if is_hf_conv1d(named[layer]) else w.abs().amax(0))
-                           for w, layer in zip(weights, layers)]).amax(0)
+                           for w, layer in zip(weights, layers)]).amax(0) * weight_factor
     scales = activation.clamp(min=1e-5).pow(alpha) / columns.clamp(min=1e-5).pow(1 - alpha)
     scales = torch.where((activation == 0) | (columns == 0), torch.ones_like(scales), scales)
     if not torch.isfinite(scales).all():

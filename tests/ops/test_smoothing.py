@@ -173,3 +173,48 @@ def test_a_generator_of_batches_is_read_whole_and_smoothing_twice_is_refused():
     with pytest.raises(ConfigError, match="smooth.pairs='ln.weight': is already smoothed; restore"):
         surgery.smooth(model, 0.5, calibration=data, progress=False)
     handle.restore()
+
+
+def tiny_llama(dtype=torch.float32):
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval().to(dtype)
+
+
+def test_a_bfloat16_model_is_smoothed_not_refused_for_its_own_rounding():
+    """Before: bfloat16 rounding (0.8 %) exceeded the 1e-3 output check and every pair was refused."""
+    model = tiny_llama(torch.bfloat16)
+    data = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    before, dense = snapshot(model), model(data[0]).logits.float()
+    with surgery.smooth(model, 0.5, calibration=data, progress=False) as handle:
+        assert len(handle.pairs) == 4 and handle.skipped == []
+        smoothed = model(data[0]).logits.float()
+        assert torch.nn.functional.cosine_similarity(smoothed.flatten(), dense.flatten(), dim=0) > 0.999
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_the_range_statistic_gives_llm_compressors_scales():
+    """llm-compressor: s = (max x − min x)^α / (2·max|W|)^(1−α), with max|W| over the layers sharing the norm."""
+    model = tiny_llama()
+    data = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    norm = model.model.layers[0].input_layernorm
+    seen = []
+    hook = norm.register_forward_hook(lambda m, a, out: seen.append(out.detach().reshape(-1, 32)))
+    for batch in data:
+        model(batch)
+    hook.remove()
+    x = torch.cat(seen)
+    attention = model.model.layers[0].self_attn
+    weights = torch.cat([getattr(attention, f"{n}_proj").weight.detach() for n in "qkv"])
+    expected = (x.amax(0) - x.amin(0)).pow(0.5) / (2 * weights.abs().amax(0)).pow(0.5)
+    with surgery.smooth(model, 0.5, calibration=data, statistic="range", progress=False) as handle:
+        found = {p.norm: p.scales for p in handle.pairs}["model.layers.0.input_layernorm"]
+        torch.testing.assert_close(found, expected, rtol=1e-6, atol=0)
+    with surgery.smooth(model, 0.5, calibration=data, progress=False) as handle:  # the paper's max|x|
+        found = {p.norm: p.scales for p in handle.pairs}["model.layers.0.input_layernorm"]
+        torch.testing.assert_close(found, x.abs().amax(0).pow(0.5) / weights.abs().amax(0).pow(0.5), rtol=1e-6, atol=0)
+    with pytest.raises(ConfigError, match="smooth.statistic='max': must be one of absmax, range"):
+        surgery.smooth(model, 0.5, calibration=data, statistic="max")
