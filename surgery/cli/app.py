@@ -48,7 +48,13 @@ def _search_roots(overrides: list) -> list[Path] | None:
     return roots
 
 
+# The library's errors name Python arguments; on the command line they are these overrides.
+CLI_NAMES = {"pass overwrite=True": "pass output.overwrite=true"}
+
+
 def fail(message: str) -> int:
+    for python, override in CLI_NAMES.items():
+        message = message.replace(python, override)
     print(f"surgery: error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
@@ -153,10 +159,10 @@ def main() -> None:
     launcher_error = None
     try:
         _task()
-    except Terminated:
-        sys.exit(_interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM))
-    except KeyboardInterrupt:
-        sys.exit(_interrupted("interrupted", 128 + signal.SIGINT))
+    except Terminated as err:
+        sys.exit(_interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM, err))
+    except KeyboardInterrupt as err:
+        sys.exit(_interrupted("interrupted", 128 + signal.SIGINT, err))
     except (HydraException, OmegaConfBaseException) as err:
         if _exit_codes:
             raise
@@ -198,8 +204,13 @@ def _finish_sweep(launcher_error: str | None) -> int:
     return code
 
 
-def _interrupted(what: str, code: int) -> int:
-    print(f"surgery: {what}; the run's outputs were left as they were", file=sys.stderr)
+def _interrupted(what: str, code: int, err: KeyboardInterrupt) -> int:
+    published = getattr(err, "published", None)
+    if published:
+        print(f"surgery: {what} after its outputs were published: {', '.join(str(p) for p in published)} are "
+              "complete", file=sys.stderr)
+    else:
+        print(f"surgery: {what}; the run's outputs were left as they were", file=sys.stderr)
     return code
 
 

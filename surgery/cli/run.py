@@ -19,7 +19,8 @@ from surgery.cli.build import neutral, rules_from_config
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.core.folders import claimed
 from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data, with_model_defaults
 from surgery.cli.outputs import batch_of, classification_loss, first_sample, logits_of
 from surgery.ops.criteria import as_criterion
@@ -80,11 +81,18 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         SurgeryError: for bad configuration or input (the CLI turns it into exit code 2).
     """
     out_dir = Path(out_dir)
-    refuse_existing([out_dir / name for name in OUTPUTS], config.output.overwrite)
+    stage = Staging(out_dir)
     try:
-        with Staging(out_dir) as stage:
-            report = _execute(config, stage)
-            files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=OUTPUTS)
+        with claimed(out_dir):  # from the existence check through publishing: a second run is refused
+            refuse_existing([out_dir / name for name in OUTPUTS], config.output.overwrite)
+            with stage:
+                report = _execute(config, stage)
+                files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=OUTPUTS)
+    except OutputExistsError:  # a FileExistsError, but no failure to write
+        raise
+    except KeyboardInterrupt as err:  # the CLI says whether the outputs were published
+        err.published = stage.published  # type: ignore[attr-defined]
+        raise
     except OSError as err:  # disk full, read-only or vanished folder: nothing was published
         where = err.filename if err.filename is not None else out_dir
         raise ConfigError("output", str(where), f"cannot be written ({err.strerror or err}); "

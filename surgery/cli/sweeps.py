@@ -22,6 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from surgery.core.checkpoints import Staging, refuse_existing, write_atomically
+from surgery.core.folders import claimed
 
 SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
@@ -132,7 +133,6 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
         return []
     if overwrite is None:
         overwrite = any(str(r.overrides.get("output.overwrite", "")).lower() == "true" for r in records)
-    refuse_existing([sweep_dir / name for name in SUMMARY], overwrite)
     keys = swept_keys([r.overrides for r in records]) or list(records[0].overrides)[:1]
     searched = any(record.objective is not None for record in records)
     table = [_row(record, keys, sweep_dir, searched) for record in records]
@@ -140,7 +140,8 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
                                                  "error": launcher_error}]  # jobs without a record never ran
     text = json.dumps(table + failed, indent=2)
     markdown = _markdown(table, launcher_error)
-    with Staging(sweep_dir) as stage:
+    with claimed(sweep_dir), Staging(sweep_dir) as stage:
+        refuse_existing([sweep_dir / name for name in SUMMARY], overwrite)
         write_atomically(stage / "sweep.json", lambda tmp: tmp.write_text(text + "\n"))
         write_atomically(stage / "sweep.md", lambda tmp: tmp.write_text(markdown))
         write_atomically(stage / "sweep.png", lambda tmp: _plot(table, keys, tmp))

@@ -5,6 +5,7 @@ never-overwrite-silently check (:func:`refuse_existing`)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -20,6 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from surgery.core.errors import CheckpointError, OutputExistsError
+from surgery.core.folders import deferred_interrupts
+
+log = logging.getLogger("surgery")
 
 STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
@@ -200,6 +204,7 @@ class Staging:
         self.folder = Path(folder)
         self.path = self.folder  # the hidden folder, once entered
         self._created = False
+        self.published: list[Path] = []  # what publish() moved into place
 
     def __enter__(self) -> Staging:
         self._created = not self.folder.exists()
@@ -224,7 +229,9 @@ class Staging:
         earlier set — the staged names and those in ``replaces`` that exist, ``last`` first —
         is first moved aside, then the new set moved in; if any move fails (or is interrupted)
         the new files are removed and the earlier set put back, so the folder holds either the
-        whole earlier set or the whole new one.
+        whole earlier set or the whole new one. An interrupt (SIGINT, SIGTERM) that arrives
+        while files move takes effect once they have all moved and the aside folder is gone;
+        :attr:`published` then says the new set is in place.
         """
         staged = sorted((p for p in self.path.iterdir() if p.is_file()), key=lambda p: p.name == last)
         targets = [self.folder / p.name for p in staged]
@@ -236,24 +243,26 @@ class Staging:
         manifest = json.dumps({"moved_aside": earlier, "publishing": [p.name for p in staged]})
         moved_aside: list[str] = []
         published: list[Path] = []
-        try:
-            write_atomically(backup / MANIFEST, lambda tmp: tmp.write_text(manifest))
-            for name in earlier:
-                os.replace(self.folder / name, backup / name)
-                moved_aside.append(name)
-            for source, target in zip(staged, targets):
-                os.replace(source, target)
-                published.append(target)
-        except BaseException:
-            for target in reversed(published):
-                target.unlink(missing_ok=True)
-            for name in reversed(moved_aside):
-                os.replace(backup / name, self.folder / name)
-            raise
-        finally:
-            if published == targets or not any(p.name != MANIFEST for p in backup.iterdir()):
-                shutil.rmtree(backup, ignore_errors=True)
-        fsync_folder(self.folder)
+        with deferred_interrupts():
+            try:
+                write_atomically(backup / MANIFEST, lambda tmp: tmp.write_text(manifest))
+                for name in earlier:
+                    os.replace(self.folder / name, backup / name)
+                    moved_aside.append(name)
+                for source, target in zip(staged, targets):
+                    os.replace(source, target)
+                    published.append(target)
+            except BaseException:
+                for target in reversed(published):
+                    target.unlink(missing_ok=True)
+                for name in reversed(moved_aside):
+                    os.replace(backup / name, self.folder / name)
+                raise
+            finally:
+                if published == targets or not any(p.name != MANIFEST for p in backup.iterdir()):
+                    shutil.rmtree(backup, ignore_errors=True)
+            fsync_folder(self.folder)
+            self.published = targets
         return targets
 
 
@@ -286,13 +295,28 @@ def _put_back(folder: Path, backup: Path) -> None:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError):
         return  # died before the manifest was complete: nothing had moved yet
-    for name in manifest["publishing"]:
-        if (backup / name).exists() or name not in manifest["moved_aside"]:
+    publishing, moved_aside = _plain_names(manifest, "publishing", backup), _plain_names(manifest, "moved_aside", backup)
+    for name in publishing:
+        if (backup / name).exists() or name not in moved_aside:
             (folder / name).unlink(missing_ok=True)  # a new file, or one whose earlier version is kept aside
-    for name in manifest["moved_aside"]:
+    for name in moved_aside:
         if (backup / name).exists():
             os.replace(backup / name, folder / name)
     fsync_folder(folder)
+
+
+def _plain_names(manifest: object, key: str, backup: Path) -> list[str]:
+    """The manifest's list under ``key``, keeping only plain file names (no folder part, no
+    ``..``): a planted entry never reaches a file outside the output folder."""
+    names = manifest.get(key) if isinstance(manifest, dict) else None
+    kept = []
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name \
+                and "\0" not in name:
+            kept.append(name)
+        else:
+            log.warning("output: ignored %r in %s: not a plain file name of the output folder", name, backup / MANIFEST)
+    return kept
 
 
 def _alive(pid: int) -> bool:

@@ -49,7 +49,15 @@ class OutputExistsError(ConfigError, FileExistsError):
     """An output file already exists and replacing it was not asked for."""
 
     def __init__(self, path: str) -> None:
-        super().__init__("output", path, "already exists; pass output.overwrite=true to replace it")
+        super().__init__("output", path, "already exists; pass overwrite=True to replace it")
+
+
+class OutputBusyError(ConfigError):
+    """Another run is writing into the same output folder now."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__("output", folder, "another run is writing into this folder now; wait for it to finish or "
+                         "choose another folder")
 
 
 class CheckpointError(SurgeryError, ValueError):

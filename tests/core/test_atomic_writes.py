@@ -399,3 +399,69 @@ def test_publishing_without_overwrite_never_removes_the_files_it_would_replace(t
     stage.publish(overwrite=False, last="report.json", replaces=run_module.OUTPUTS)
     stage.__exit__(None, None, None)
     assert listing(tmp_path)["drift.png"] == PREVIOUS
+
+
+def test_a_planted_manifest_entry_outside_the_folder_is_ignored_with_a_warning(tmp_path, caplog):
+    """Before: a `.previous-*/MANIFEST.json` naming "../../victim.txt" made the next run delete that file."""
+    import socket
+    import subprocess
+    import sys
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "a" / "b"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    backup = out / f".previous-{socket.gethostname()}-{int(dead.stdout)}-abc123"
+    backup.mkdir(parents=True)
+    (out / "report.json").write_bytes(b"new")
+    (backup / "report.json").write_bytes(PREVIOUS)
+    (backup / "MANIFEST.json").write_text(json.dumps({"moved_aside": ["report.json", "../../victim.txt", "/etc/x"],
+                                                      "publishing": ["../../victim.txt", "report.json", 3]}))
+    with caplog.at_level("WARNING", logger="surgery"), checkpoints.Staging(out):
+        pass
+    assert victim.read_text() == "keep me"
+    assert listing(out) == {"report.json": PREVIOUS}  # the plain name is still put back
+    assert "ignored '../../victim.txt'" in caplog.text and "ignored 3" in caplog.text
+
+
+def test_a_second_claim_on_an_output_folder_is_refused_until_the_first_ends(tmp_path):
+    from surgery.core.errors import OutputBusyError
+    from surgery.core.folders import claimed
+
+    folder = tmp_path / "new"
+    with claimed(folder):
+        with pytest.raises(OutputBusyError, match=r"^output='.*new': another run is writing into this folder now"):
+            with claimed(folder):
+                pass
+    assert not folder.exists()  # created by the claim, removed with it
+    with claimed(folder):  # free again
+        pass
+
+
+def test_an_interrupt_during_publishing_takes_effect_after_it_and_leaves_nothing_hidden(tmp_path):
+    """Before: SIGINT at the end of an overwriting publish left the new set in place, an empty
+    `.previous-*` folder behind, and the CLI said the outputs were left as they were."""
+    import signal
+
+    from surgery.cli.app import _interrupted
+
+    earlier = {"report.json": PREVIOUS, "model.safetensors": PREVIOUS}
+    for name, data in earlier.items():
+        (tmp_path / name).write_bytes(data)
+    stage = stage_set(tmp_path, ["report.json", "model.safetensors"])
+    real = os.replace
+
+    def replace(source, destination):
+        real(source, destination)
+        if Path(destination).name == "report.json" and Path(destination).parent == tmp_path:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the last file lands
+
+    with mock.patch.object(checkpoints.os, "replace", replace), pytest.raises(KeyboardInterrupt) as caught:
+        stage.publish(overwrite=True, last="report.json")
+    stage.__exit__(None, None, None)
+    assert stage.published == [tmp_path / "model.safetensors", tmp_path / "report.json"]
+    assert listing(tmp_path) == {"model.safetensors": b"new model.safetensors", "report.json": b"new report.json"}
+    caught.value.published = stage.published
+    with mock.patch("sys.stderr", new_callable=io.StringIO) as stderr:
+        assert _interrupted("interrupted", 130, caught.value) == 130
+    assert "after its outputs were published" in stderr.getvalue() and "left as they were" not in stderr.getvalue()
