@@ -34,8 +34,9 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.registry import Registry
 from surgery.core.selection import Selection, select as select_modules
-from surgery.ops import rules
+from surgery.ops import plans, rules
 from surgery.ops.intercept import RuleNeverFiredWarning, intercept
+from surgery.ops.plans import NORM_WIDTH
 
 SCOPES = ("layer", "global")
 MAX_ATTEMPTS = 8  # modules kept whole after failing a check forward, before giving up
@@ -76,6 +77,7 @@ class ShrinkHandle(Handle):
         self.frozen_ops: list[str] = []
         self.renormalised: list[str] = []  # LayerNorm/RMSNorm layers that normalise over fewer channels
         self.counts: dict[str, dict[str, int]] = {}
+        self.fingerprint = plans.fingerprint(model)  # of the original: made before anything is replaced
 
     def restore(self) -> None:
         """Put the original layers, parameters and head counts back (the same objects).
@@ -95,7 +97,8 @@ class ShrinkHandle(Handle):
 
     def plan(self) -> dict[str, dict[str, Any]]:
         """Every new layer's class and constructor arguments, and every changed attribute
-        (attention head counts), JSON-serialisable."""
+        (attention head counts), JSON-serialisable, sealed under ``"$model"`` with the original
+        model's fingerprint and a digest of the entries (:mod:`surgery.ops.plans`)."""
         plan = {name: describe(new) for name, (_, new) in self.replaced.items()}
         for name in {**self.attributes, **self.parameters, **self.buffers}:
             module = self.model.get_submodule(name)
@@ -106,7 +109,7 @@ class ShrinkHandle(Handle):
             for kind in ("parameters", "buffers"):
                 if name in getattr(self, kind):
                     plan[name][kind] = {attr: list(new.shape) for attr, (_, new) in getattr(self, kind)[name].items()}
-        return plan
+        return plans.seal(plan, self.fingerprint)
 
     def params(self) -> dict[str, int]:
         """Parameter counts ``{"before", "after"}``."""
@@ -246,7 +249,6 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
     return handle
 
 
-NORM_WIDTH = {"num_features": int, "num_channels": int, "normalized_shape": tuple}
 
 
 def _resize_norm(handle: ShrinkHandle, name: str, module: nn.Module, keep: Tensor | None) -> None:
@@ -631,15 +633,12 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     """
     if not callable(factory):
         raise ConfigTypeError("rebuild.factory", type(factory).__name__, "must be a callable returning the model")
-    plan = _read_plan(plan)
-    for name, entry in plan.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) or \
-                not any(isinstance(entry.get(key), dict) for key in ("args", "attributes", "parameters", "buffers")):
-            raise ConfigTypeError(f"rebuild.plan['{name}']", type(entry).__name__, "must be a {'class', 'args' | "
-                                  "'attributes' | 'parameters'} dict from ShrinkHandle.plan()")
+    plan, expected = plans.read_entries(_read_plan(plan))
+    for entry in plan.values():
         if "args" in entry:
             _layer_class(entry["class"])
     order, model = _attach_order(factory)
+    plans.check_model(model, expected, factory)
     named = dict(model.named_modules())
     for name, entry in plan.items():
         if name not in named:
@@ -647,6 +646,7 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
         if not _is_planned_class(named[name], entry):
             raise ConfigError("rebuild.plan", name, f"is a {type(named[name]).__name__} in this model; the plan has "
                               f"a {entry['class'].rpartition('.')[2]}")
+        plans.check_attributes(name, named[name], entry.get("attributes", {}))
         if id(named[name]) not in order and "args" in entry:
             raise ConfigError("rebuild.plan", name, "is not attached by the constructor; only submodules can be "
                               "replaced")
@@ -691,6 +691,8 @@ def _read_plan(plan: Any) -> dict[str, Any]:
             plan = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigError("rebuild.plan", str(plan)[:80], f"is not valid JSON ({err})") from None
+        except RecursionError:
+            raise ConfigError("rebuild.plan", str(plan)[:80], "is nested too deeply to be a plan") from None
     if not isinstance(plan, dict):
         raise ConfigTypeError("rebuild.plan", type(plan).__name__, "must be the dict ShrinkHandle.plan() returns, "
                               "its JSON, or a model.plan.json path")

@@ -575,6 +575,9 @@ def test_selection_of_containers_and_hostile_arguments():
         surgery.rebuild(None, plan)
     broken = json.loads(text)
     broken["layer1.0.conv1"]["args"]["out_channels"] = "32"
+    with pytest.raises(ConfigError, match=r"rebuild.plan='\$model': the layer entries were changed"):
+        surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), broken)
+    del broken["$model"]  # an unsealed plan (made by hand) is still checked as it is built
     with pytest.raises(ConfigError, match="rebuild.plan='Conv2d': cannot be built"):
         surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), broken)
     with pytest.raises(ConfigError, match="HeadLayout.projections"):
