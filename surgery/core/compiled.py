@@ -151,16 +151,20 @@ def prepare(model: nn.Module) -> nn.Module:
 
 
 def _guard_hook_dicts(model: nn.Module) -> None:
-    if _compat.hook_guards_skipped():
-        log = _log.warning if not _unguarded_scanned else _log.info  # WARNING once per process
-        log("surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
-                     "that compiled code notices surgery's hooks (once; see README, torch.compile)")
+    if _compat.hook_guards_skipped():  # building a torchvision model loads dynamo: say it only at INFO
+        _log.info("surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
+                  "that compiled code notices surgery's hooks (once; see README, torch.compile)")
         _unguarded.update(_compat.guard_hook_dicts())
         _unguarded_scanned.append(True)
     if not _unguarded:
         return
     files = {getattr(sys.modules.get(type(m).__module__), "__file__", None) for m in model.modules()}
     files |= _compat.wrapper_files()  # Module._call_impl, compiled wrappers
-    for code in [code for code in _unguarded if code.co_filename in files]:
+    stale = [code for code in _unguarded if code.co_filename in files]
+    if stale:  # compiled code exists for this model: a user with torch.compile should know it recompiles
+        _log.warning("surgery: dropped %d piece(s) of code torch.compile made for %s's classes without guards on "
+                     "their hooks; they recompile on the next call (see README, torch.compile)", len(stale),
+                     type(model).__name__)
+    for code in stale:
         _compat.reset_code(code)
         _unguarded.discard(code)

@@ -241,6 +241,26 @@ def test_a_nan_in_the_reference_passes_exactness_and_is_reported_as_such(tmp_pat
     assert not checks["drift"]["passed"] and "reference model's own outputs hold" in checks["drift"]["detail"]
 
 
+@pytest.mark.parametrize("recipe,step,expected", [
+    ("shrink_resnet50", "shrink", "layer1.0.conv1"),
+    ("prune_finetune_digits", "finetune", "(model)"),
+])
+def test_select_only_previews_every_step_kind(tmp_path, recipe, step, expected):
+    """Before: a traceback and exit 1 for shrink and finetune steps (the preview knew prune,
+    quantize and rewrite only)."""
+    fast = FAST if recipe.endswith("resnet50") else []
+    result = surgery(f"recipe={recipe}", *fast, "+select_only=true", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert any(line.split()[:3] == [step, "matched", expected] for line in result.stdout.splitlines()), result.stdout
+
+
+def test_every_step_the_app_applies_has_a_preview():
+    from surgery.cli.preview import PREVIEWS
+    from surgery.cli.steps import APPLIERS
+
+    assert set(PREVIEWS) == set(APPLIERS)
+
+
 def test_select_only_prints_matched_and_skipped_and_writes_nothing(tmp_path):
     result = surgery(*FAST, "+select_only=true", "prune.select=[layer4.**]", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
