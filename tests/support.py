@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,3 +61,27 @@ def edit_in_place(model: nn.Module, amount: float = 0.1) -> None:
     with torch.no_grad():
         for param in model.parameters():
             param.add_(amount)
+
+
+def image_folder(root: Path, labels: tuple[str, ...], per_label: int, size: tuple[int, int], seed: int) -> Path:
+    """A folder of random PNGs in class sub-folders (what torchvision's ImageFolder reads)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for label in labels:
+        (root / label).mkdir(parents=True)
+        for index in range(per_label):
+            Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(root / label / f"{index}.png")
+    return root
+
+
+def local_tokenizer(folder: Path, text: str, vocab: int) -> Path:
+    """A small BPE tokenizer trained here and saved as a local folder (AutoTokenizer reads it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(str(folder))
+    return folder

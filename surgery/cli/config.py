@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
@@ -104,9 +106,60 @@ class DataConfig:
                               "sub-folders of images)")
         if self.vocab_size is not None:
             _positive_int("data.vocab_size", self.vocab_size)
+        if self.resize is not None:
+            _positive_int("data.resize", self.resize)
+            if self.resize < self.image_size:
+                raise ConfigError("data.resize", self.resize, f"must be null or an integer >= data.image_size "
+                                  f"({self.image_size}): the image is resized, then centre-cropped to image_size")
+        for name, lowest in (("mean", None), ("std", 0.0)):
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or not values or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and (lowest is None or v > lowest) for v in values):
+                raise ConfigError(f"data.{name}", list(values) if isinstance(values, (list, tuple)) else values,
+                                  "must be a list of finite numbers" + (", every std positive" if lowest == 0.0 else ""))
+        if self.kind == "imagefolder" and self.channels not in (1, 3):
+            raise ConfigError("data.channels", self.channels, "must be 3 (RGB) or 1 (grayscale) for data=imagefolder")
+        if self.kind == "imagefolder" and len(self.mean) not in (1, self.channels) or \
+                self.kind == "imagefolder" and len(self.std) not in (1, self.channels):
+            raise ConfigError("data.std" if len(self.mean) in (1, self.channels) else "data.mean",
+                              list(self.std if len(self.mean) in (1, self.channels) else self.mean),
+                              f"needs one value per channel ({self.channels}, data.channels) or one for all")
         if (self.text is None) != (self.tokenizer is None):
             raise ConfigError("data.text" if self.text is None else "data.tokenizer", None,
                               "data.text and data.tokenizer go together (a text file and a local tokenizer folder)")
+
+
+class _PlainYaml(yaml.SafeLoader):
+    """Safe YAML without anchors and aliases: a plan is a flat mapping, and nested aliases
+    (a "billion laughs" file of 1 kB) would expand for minutes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent) or getattr(self.peek_event(), "anchor", None):
+            raise yaml.composer.ComposerError(None, None, "anchors and aliases are not allowed in a plan",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+PLAN_BYTES = 10 * 2**20
+
+
+def read_plan_yaml(path: str, field: str) -> Any:
+    """A plan file (``{layer: amount}``) read as plain YAML: at most 10 MiB, no tags beyond
+    the safe ones, no aliases."""
+    try:
+        if os.path.getsize(path) > PLAN_BYTES:
+            raise ConfigError(field, path, f"is larger than {PLAN_BYTES // 2**20} MiB; a plan lists one amount per layer")
+        with open(path, encoding="utf-8") as handle:
+            return yaml.load(handle, Loader=_PlainYaml)  # noqa: S506 - a SafeLoader subclass
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(field, path, f"cannot be read as a plan YAML file ({type(err).__name__})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(field, path, f"is not a plain YAML plan{where} ({' '.join(str(problem).split())[:120]})"
+                          ) from None
 
 
 @dataclass
@@ -139,11 +192,7 @@ class PruneConfig:
             return self.amounts
         if not isinstance(self.amounts, str):
             raise ConfigError("prune.amounts", self.amounts, "must be {layer: amount} or the path of a plan.yaml")
-        try:
-            loaded = OmegaConf.to_container(OmegaConf.load(self.amounts))
-        except (OSError, OmegaConfBaseException) as err:
-            raise ConfigError("prune.amounts", self.amounts, f"cannot be read as a plan YAML file "
-                              f"({type(err).__name__})") from None
+        loaded = read_plan_yaml(self.amounts, "prune.amounts")
         if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
             raise ConfigError("prune.amounts", self.amounts, "must hold a mapping {layer: amount}")
         return loaded

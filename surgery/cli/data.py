@@ -12,11 +12,13 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from surgery.cli.config import DataConfig
+from surgery.cli.hf_folders import refuse_custom_code
 from surgery.core.errors import NO_VALUE, ConfigError
 
 
@@ -133,9 +135,12 @@ def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_
     from torchvision import datasets, transforms
 
     size = config.image_size
-    transform = transforms.Compose([transforms.Resize(config.resize or round(size * 8 / 7)),
-                                    transforms.CenterCrop(size), transforms.ToTensor(),
-                                    transforms.Normalize(config.mean, config.std)])
+    resize = config.resize or round(size * 8 / 7)
+    _check_fits_in_memory((batch_size, config.channels, resize, resize), field="data.resize")
+    grayscale = [transforms.Grayscale(1)] if config.channels == 1 else []
+    transform = transforms.Compose([*grayscale, transforms.Resize(resize), transforms.CenterCrop(size),
+                                    transforms.ToTensor(), transforms.Normalize(config.mean, config.std)])
+    _refuse_folder_loops(config.root)
     try:
         folder = datasets.ImageFolder(config.root, transform=transform)
     except (FileNotFoundError, OSError) as err:
@@ -148,9 +153,35 @@ def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_
         log.warning("data.root: the evaluation images cover one class only; accuracy says little")
     if limit_batches is not None:
         indices = indices[:limit_batches * batch_size]
-    images = [folder[i] for i in indices]
+    images = [_image(folder, i) for i in indices]
     return [(torch.stack([x for x, _ in images[i:i + batch_size]]),
              torch.tensor([y for _, y in images[i:i + batch_size]])) for i in range(0, len(images), batch_size)]
+
+
+def _image(folder: Any, index: int) -> tuple[Tensor, int]:
+    """One transformed image of an ``ImageFolder``; a file PIL cannot read (corrupt, truncated,
+    or a decompression bomb past PIL's pixel limit) is named in one line."""
+    from PIL import Image
+
+    try:
+        return folder[index]
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ConfigError("data.root", folder.samples[index][0], f"cannot be read as an image "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+
+
+def _refuse_folder_loops(root: str) -> None:
+    """``ImageFolder`` follows symbolic links: a folder reached twice (a link to a parent, or
+    two links to one folder) would repeat its images, or never end."""
+    seen: dict[str, str] = {}
+    for path, folders, _ in os.walk(root, followlinks=True):
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError("data.root", root, f"reaches the folder {real} twice ({seen[real]} and {path}): a "
+                              "symbolic link loop, or two links to one folder, would repeat its images")
+        seen[real] = path
+        if len(seen) > 100_000:
+            raise ConfigError("data.root", root, "holds more than 100000 folders")
 
 
 def _classes_interleaved(labels: list[int]) -> list[int]:
@@ -204,12 +235,18 @@ def _tokenised(config: DataConfig) -> Tensor:
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError("data.tokenizer", config.tokenizer, "needs transformers: pip install 'surgery[hf]'") from None
+    refuse_custom_code(config.tokenizer, "data.tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer file raises (JSON, KeyError, OSError)
+        raise ConfigError("data.tokenizer", config.tokenizer, f"cannot be loaded as a tokenizer ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())[:160]})") from None
+    try:
         text = open(config.text, encoding="utf-8").read()
+    except UnicodeDecodeError as err:
+        raise ConfigError("data.text", config.text, f"is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except OSError as err:
-        raise ConfigError("data.text", config.text, f"cannot be read with tokenizer {config.tokenizer!r}: "
-                          f"{' '.join(str(err).split())[:160]}") from None
+        raise ConfigError("data.text", config.text, f"cannot be read: {' '.join(str(err).split())[:160]}") from None
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     if config.vocab_size is not None and len(ids) and int(ids.max()) >= config.vocab_size:
         raise ConfigError("data.tokenizer", config.tokenizer, f"gives token ids up to {int(ids.max())}, beyond the "
@@ -234,8 +271,9 @@ def _noise(config: DataConfig, seed: int, count: int) -> SyntheticBatches:
     return SyntheticBatches(shape, seed, count)
 
 
-def _check_fits_in_memory(shape: tuple[int, ...], itemsize: int = 4) -> None:
-    """Refuse a batch larger than a quarter of this machine's memory before allocating it."""
+def _check_fits_in_memory(shape: tuple[int, ...], itemsize: int = 4, field: str | None = None) -> None:
+    """Refuse a batch larger than a quarter of this machine's memory before allocating it
+    (``field``: the setting to name, when it is not image_size or batch_size)."""
     needed = math.prod(shape) * itemsize
     try:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -247,7 +285,7 @@ def _check_fits_in_memory(shape: tuple[int, ...], itemsize: int = 4) -> None:
             raise ConfigError(field, shape[1] if field == "data.seq_len" else shape[0], f"one batch of {shape} token "
                               f"ids needs {needed / 2**30:.1f} GiB, more than a quarter of this machine's "
                               f"{available / 2**30:.1f} GiB")
-        field = "data.image_size" if shape[2] * shape[3] >= shape[0] * shape[1] else "data.batch_size"
-        raise ConfigError(field, shape[2] if field == "data.image_size" else shape[0],
+        field = field or ("data.image_size" if shape[2] * shape[3] >= shape[0] * shape[1] else "data.batch_size")
+        raise ConfigError(field, shape[0] if field == "data.batch_size" else shape[2],
                           f"one batch of shape {shape} needs {needed / 2**30:.1f} GiB, more than a quarter of this "
                           f"machine's {available / 2**30:.1f} GiB; use smaller batches or images")

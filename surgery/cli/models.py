@@ -5,16 +5,20 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import json
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.config import ModelConfig
 from surgery.cli import digits, mnist1d, tinylm
+from surgery.cli.hf_folders import refuse_custom_code
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_object
 from surgery.core.inputs import as_call
@@ -88,24 +92,49 @@ def _build_hf(config: ModelConfig) -> nn.Module:
     transformers.utils.logging.disable_progress_bar()
     head = getattr(transformers, HF_HEADS[config.task])
     settings = dict(config.config)
+    own: dict[str, Any] = {}
     if config.path is None:
         _check_hf_keys(transformers, config.name, settings)
         if config.task != "causal_lm":
             settings.setdefault("num_labels", config.num_classes)
+    else:
+        refuse_custom_code(config.path, "model.path")
+        own = _folder_config(config.path)
+        if own.get("model_type") in transformers.CONFIG_MAPPING:
+            _check_hf_keys(transformers, own["model_type"], settings)
     if config.task == "causal_lm":
         settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
     try:
         if config.path is not None:
-            return head.from_pretrained(config.path, local_files_only=True, use_safetensors=True, **settings)
+            return head.from_pretrained(config.path, local_files_only=True, use_safetensors=True,
+                                        trust_remote_code=False, **settings)
         return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
-    except (ValueError, TypeError, KeyError, OSError) as err:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, SafetensorError) as err:
         first = " ".join(str(err).split()).split(". ")[0][:160]
+        differing = [key for key, value in settings.items() if key in own and own[key] != value]
+        if differing and isinstance(err, RuntimeError):
+            key = differing[0]
+            raise ConfigError(f"model.config.{key}", settings[key], f"differs from {own[key]!r} in "
+                              f"{config.path}/config.json, and the folder's weights have its sizes; drop the "
+                              "override") from None
+        if isinstance(err, SafetensorError) or "safetensors" in first.lower() and isinstance(err, OSError):
+            raise ConfigError("model.path", config.path, f"holds a corrupted or truncated safetensors file "
+                              f"({type(err).__name__}: {first})") from None
         if "Unrecognized configuration class" in first:
             raise ConfigError("model.task", config.task, f"{config.name} has no {config.task} head; allowed: "
                               f"{', '.join(HF_HEADS)}") from None
         raise ConfigError("model.config" if config.path is None else "model.path",
                           config.name if config.path is None else config.path,
                           f"cannot build a {config.task} model: {type(err).__name__}: {first}") from None
+
+
+def _folder_config(path: str) -> dict[str, Any]:
+    """A local Hugging Face folder's own ``config.json`` (empty if it has none readable)."""
+    try:
+        found = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _check_hf_keys(transformers: Any, name: str, settings: dict[str, Any]) -> None:

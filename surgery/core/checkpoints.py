@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import socket
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -36,16 +38,28 @@ def read_state_dict(path: str | Path, *, field: str = "checkpoint") -> dict[str,
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{field}={str(path)!r}: no such file")
+        what = "no such file" if not path.exists() else "is a folder, not a checkpoint file" if path.is_dir() else \
+            "is not a regular file (a device or a pipe), not a checkpoint"
+        raise CheckpointError(f"{field}={str(path)!r}: {what}")
     try:
-        if path.suffix == ".safetensors":
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on quantized or sparse storage: the checks below speak
+            warnings.simplefilter("ignore")
+            if path.suffix == ".safetensors":
+                state = load_file(str(path))
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else "unsafe content"
+        text = " ".join(str(err).split())
+        if _is_safetensors(path):
+            raise CheckpointError(f"{field}={str(path)!r}: is a safetensors file; name it with the .safetensors "
+                                  "suffix") from None
+        found = re.search(r"Unsupported (global|operand)[^.]*", text)
+        if found is None or found.group(1) != "global":
+            raise CheckpointError(f"{field}={str(path)!r}: corrupted or truncated checkpoint, or not a torch.save "
+                                  f"or safetensors file ({found.group(0)[:120] if found else 'not a pickle'})") from None
+        reason = found.group(0)[:160]
         raise CheckpointError(f"{field}={str(path)!r}: refused by weights_only=True, the file carries "
-                              f"more than tensors ({first[:160]})") from None
+                              f"more than tensors ({reason})") from None
     except (RuntimeError, EOFError, OSError, SafetensorError, zipfile.BadZipFile, ValueError) as err:
         raise CheckpointError(f"{field}={str(path)!r}: corrupted or truncated checkpoint "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})") from None
@@ -55,6 +69,16 @@ def read_state_dict(path: str | Path, *, field: str = "checkpoint") -> dict[str,
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{field}={str(path)!r}: holds no state dict of tensors")
     return state
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether the file starts as safetensors does: an 8-byte header length, then JSON."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000
 
 
 def check_fits(model: nn.Module, state: dict[str, Tensor], *, field: str = "checkpoint") -> None:
@@ -98,7 +122,8 @@ def _check_kind(key: str, stored: Tensor, expected: Tensor, field: str) -> None:
         raise CheckpointError(f"{field}: key {key!r} has dtype {stored.dtype}; the model expects {expected.dtype} "
                               f"({_kind(stored)} values cannot stand for {_kind(expected)} ones)")
     if stored.is_floating_point() and expected.is_floating_point() and stored.dtype != expected.dtype:
-        finite = stored[torch.isfinite(stored)]
+        wide = stored.float() if stored.element_size() == 1 else stored  # float8 has no isfinite kernel
+        finite = wide[torch.isfinite(wide)]
         limit = torch.finfo(expected.dtype).max
         if finite.numel() and finite.abs().max().item() > limit:
             raise CheckpointError(f"{field}: key {key!r} holds {finite.abs().max().item():.3g}, beyond the range of "

@@ -102,8 +102,8 @@ def materialise(calibration: Any, field_name: str) -> list[Call]:
     return calls
 
 
-def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call
-                ) -> list[Stage]:
+def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call,
+                field: str = "calibration") -> list[Stage]:
     """The stages, in the order the layers first run on the batch ``first``."""
     order: list[str] = []
     calls = {name: 0 for name in block_names}
@@ -125,7 +125,11 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
             hooks.append(module.register_forward_pre_hook(seen(name)))
         for name in block_names:
             hooks.append(model.get_submodule(name).register_forward_pre_hook(called(name)))
-        first(model)
+        try:
+            first(model)
+        except (RuntimeError, TypeError) as err:
+            _explain_dtype(model, first, err, field)
+            raise
     finally:
         for hook in reversed(hooks):
             hook.remove()
@@ -144,6 +148,17 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
     return stages
 
 
+def _explain_dtype(model: nn.Module, first: Call, err: BaseException, field: str) -> None:
+    """A forward that failed on batches of another floating dtype than the model's weights is
+    that mismatch (float16 calibration on a float32 model), said in one line."""
+    weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    given = {t.dtype for t in first.tensors()}
+    if len(weights) == 1 and given and given != weights:
+        raise ConfigError(field, "batch 0", f"holds {', '.join(sorted(map(str, given)))} tensors and the "
+                          f"model's weights are {next(iter(weights))}; give batches of the model's dtype "
+                          f"({type(err).__name__}: {' '.join(str(err).split())[:100]})") from None
+
+
 def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, solve: Solve, *,
                    params: Callable[[str], tuple[str, nn.Parameter]], blocks: Selection | bool | None = None,
                    field: str = "calibration", progress: bool = True,
@@ -160,7 +175,7 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
     originals: dict[str, tuple[nn.Parameter, Tensor]] = {}
     try:
         with evaluating(model), torch.no_grad():
-            report.stages = plan_stages(model, layers, report.blocks, calls[0])
+            report.stages = plan_stages(model, layers, report.blocks, calls[0], field)
             cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
             for stage in tqdm(report.stages, unit="stage", desc="compressing", leave=False,
                               disable=None if progress else True):

@@ -147,7 +147,14 @@ def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: 
                 inputs, target = _pair(batches[index], index)
                 model.train()
                 optimizer.zero_grad(set_to_none=True)
-                value = loss_fn(as_call(inputs, "finetune.batches", index)(model), target)
+                output = as_call(inputs, "finetune.batches", index)(model)
+                try:
+                    value = loss_fn(output, target)
+                except (IndexError, RuntimeError, ValueError) as err:  # targets the loss cannot take
+                    first = " ".join(str(err).split())[:160]
+                    raise ConfigError("finetune.batches", f"batch {index}", f"the loss cannot take this batch's "
+                                      f"targets ({type(err).__name__}: {first}); with the default cross-entropy, "
+                                      "targets are integer class indices below the number of classes") from None
                 if not torch.isfinite(value):
                     raise ConfigError("finetune.lr", optimizer.param_groups[0]["lr"], f"the loss became {value.item()} "
                                       f"at step {step}; lower the learning rate (the model was put back as before)")

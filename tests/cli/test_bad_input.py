@@ -7,6 +7,7 @@ table and these cases list the same ids, so neither can drift from the other.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -38,6 +39,8 @@ from surgery.core.errors import (
 )
 from surgery.ops.observers import NonFiniteError
 from surgery.ops.rewriting import Normalize, rewrite_from_config
+
+from support import image_folder, local_tokenizer  # tests/support.py
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -195,6 +198,16 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
+    ApiCase("calibration-dtype", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=4, method="gptq"),
+                                                               calibration=[batch(4, 8).half()], progress=False),
+            ConfigError, "quantize.calibration='batch 0'", "torch.float16"),
+    ApiCase("finetune-labels", lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.full((4,), 7))], epochs=1,
+                                                              progress=False), ConfigError, "finetune.batches", "batch 0"),
+    ApiCase("finetune-labels", lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.rand(4))], epochs=1,
+                                                              progress=False), ConfigError, "finetune.batches", "batch 0"),
+    ApiCase("rebuild-plan", lambda m, *_: surgery.rebuild(mlp, {"0": {"class": "torch.nn.modules.linear.Linear",
+                                                                      "attributes": {"forward": 1}}}),
+            ConfigError, "rebuild.plan['0'].attributes.forward", "not an attribute shrink changes"),
     ApiCase("shrink", lambda m, *_: surgery.shrink(m, 1.5, example_inputs=batch(2, 8)), ConfigError, "shrink.amount",
             "1.5"),
     ApiCase("sensitivity", lambda m, *_: surgery.sensitivity(m, progress=False), ConfigError, "sensitivity.inputs",
@@ -463,8 +476,103 @@ safetensors.torch.save_file = save_file
 HUGE = "1" + "0" * 400
 
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
+IMAGES = ("recipe=prune_resnet50", "model.name=resnet18", "model.num_classes=2", "data=imagefolder",
+          "data.image_size=32", "data.batch_size=2", "data.batches=1")
+GPT2 = ("recipe=quantize_gpt2_hf",)
+HELD: list = []  # claims held for the whole test session (a run elsewhere owns the folder)
+
+
+def images(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """An image folder with one ``corrupt`` PNG, a decompression ``bomb`` (196 megapixels), a
+    symlink ``loop``, or a ``good`` one (for the settings' cases)."""
+    def make(folder: Path) -> tuple[str, ...]:
+        from PIL import Image
+
+        root = image_folder(folder / "images", ("a", "b"), 2, (40, 48), seed=0)
+        if kind == "corrupt":
+            (root / "a" / "0.png").write_bytes(b"\x89PNG not really")
+        elif kind == "bomb":
+            Image.new("1", (14_000, 14_000)).save(root / "a" / "0.png")
+        elif kind == "loop":
+            (root / "a" / "loop").symlink_to(root)
+        return (f"data.root={root}",)
+    return make
+
+
+def tokens(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """A local tokenizer and text for data=tokens: the text not UTF-8, the tokenizer.json cut,
+    or the tokenizer asking to run its own code (auto_map)."""
+    def make(folder: Path) -> tuple[str, ...]:
+        text = "surgery puts every change back exactly. " * 40
+        tokenizer = local_tokenizer(folder / "tokenizer", text, 60)
+        corpus = folder / "corpus.txt"
+        corpus.write_bytes(text.encode() + (b"\xff\xfe" if kind == "utf8" else b""))
+        if kind == "cut":
+            path = tokenizer / "tokenizer.json"
+            path.write_text(path.read_text()[:200])
+        elif kind == "code":
+            path = tokenizer / "tokenizer_config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+        return (f"data.text={corpus}", f"data.tokenizer={tokenizer}")
+    return make
+
+
+def hf_folder(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """A saved GPT-2 folder whose safetensors file is cut, or whose config asks for its own code."""
+    def make(folder: Path) -> tuple[str, ...]:
+        import transformers
+
+        path = folder / "gpt2"
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+                                     ).save_pretrained(path, safe_serialization=True)
+        if kind == "cut":
+            weights = path / "model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:300])
+        elif kind == "code":
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "x.Y"}}))
+        return (f"model.path={path}", "model.config=null") if kind != "mismatch" else (f"model.path={path}",)
+    return make
+
+
+def plan_file(text: str) -> Callable[[Path], tuple[str, ...]]:
+    def make(folder: Path) -> tuple[str, ...]:
+        (folder / "plan.yaml").write_text(text)
+        return (f"prune.amounts={folder / 'plan.yaml'}",)
+    return make
+
+
+def busy(folder: Path) -> tuple[str, ...]:
+    """The run folder is claimed by another run (this test process) while the CLI runs."""
+    from surgery.core.folders import claimed
+
+    claim = claimed(folder / "busy")
+    claim.__enter__()
+    HELD.append(claim)
+    return (f"hydra.run.dir={folder / 'busy'}",)
+
+
+LAUGHS = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b]\n"
 
 CLI_CASES = [
+    CliCase("output-busy", FAST, "output='", busy),
+    CliCase("plan-file", FAST, "prune.amounts='", plan_file("conv1: [0.5\nfc: 0.2:\n")),
+    CliCase("plan-file", FAST, "prune.amounts='", plan_file("conv1: !!python/object/apply:os.system ['true']\n")),
+    CliCase("plan-file", FAST, "prune.amounts='", plan_file(LAUGHS)),
+    CliCase("image-folder", IMAGES, "data.root='", images("corrupt")),
+    CliCase("image-folder", IMAGES, "data.root='", images("bomb")),
+    CliCase("image-folder", IMAGES, "data.root='", images("loop")),
+    CliCase("image-folder", (*IMAGES, "data.std=[0,1,1]"), "data.std=[0.0, 1.0, 1.0]", images("good")),
+    CliCase("image-folder", (*IMAGES, "data.resize=0"), "data.resize=0", images("good")),
+    CliCase("image-folder", (*IMAGES, "data.channels=2"), "data.channels=2", images("good")),
+    CliCase("image-folder", (*IMAGES, "data.resize=100000"), "data.resize=100000", images("good")),
+    CliCase("token-files", GPT2, "data.text='", tokens("utf8")),
+    CliCase("token-files", GPT2, "data.tokenizer='", tokens("cut")),
+    CliCase("token-files", GPT2, "data.tokenizer='", tokens("code")),
+    CliCase("hf-folder", GPT2, "model.path='", hf_folder("cut")),
+    CliCase("hf-folder", GPT2, "model.path='", hf_folder("code")),
+    CliCase("hf-folder", GPT2, "model.config.n_layer=2: differs from 1", hf_folder("mismatch")),  # the recipe's 2
+    CliCase("checkpoint", (*FAST, "model.weights=/dev/zero"), "model.weights='/dev/zero': is not a regular file"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.amount=2"), "shrink.amount=2"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.round_to=0"), "shrink.round_to=0"),
     CliCase("sensitivity", ("recipe=sensitivity", "sensitivity.target_sparsity=0.95"), "sensitivity.target_sparsity=0.95"),

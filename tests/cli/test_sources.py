@@ -16,6 +16,8 @@ import pytest
 from surgery.cli.models import _optional
 from surgery.core.errors import ConfigError
 
+from support import image_folder, local_tokenizer  # tests/support.py
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,18 +73,6 @@ def test_swap_activations_hf_swaps_transformers_gelu_while_bert_is_built(tmp_pat
 def test_any_model_a_factory_builds(tmp_path):
     data = passed(surgery(*readme_command("model=factory"), f"hydra.run.dir={tmp_path}"), tmp_path)
     assert data["model"] == "torchvision.models.resnet18"
-
-
-def image_folder(root: Path, labels: tuple[str, ...], per_label: int, size: tuple[int, int], seed: int) -> Path:
-    """A folder of random PNGs in class sub-folders (what torchvision's ImageFolder reads)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for label in labels:
-        (root / label).mkdir(parents=True)
-        for index in range(per_label):
-            Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(root / label / f"{index}.png")
-    return root
 
 
 def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
@@ -150,18 +140,6 @@ def test_bad_model_and_data_settings_exit_2_with_one_line(tmp_path, args, messag
 def test_a_missing_optional_package_names_the_extra_to_install():
     with pytest.raises(ConfigError, match=r"needs the no_such_package package: pip install 'surgery\[hf\]'"):
         _optional("no_such_package", "hf")
-
-
-def local_tokenizer(folder: Path, text: str, vocab: int) -> Path:
-    """A small BPE tokenizer trained here and saved as a local folder (AutoTokenizer reads it)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(str(folder))
-    return folder
 
 
 def test_token_batches_from_a_local_text_file_and_tokenizer(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import surgery
@@ -69,7 +70,43 @@ def test_missing_file(mlp, tmp_path):
 
 
 def test_directory_is_not_a_checkpoint(mlp, tmp_path):
-    assert_load_refused(mlp, tmp_path, "no such file")
+    assert_load_refused(mlp, tmp_path, "is a folder, not a checkpoint file")
+
+
+def test_a_device_or_a_pipe_is_named_as_such_not_as_missing(mlp, tmp_path):
+    """Before: /dev/zero, a FIFO or a folder were all "no such file"."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.pt")
+    for path in ("/dev/zero", tmp_path / "pipe.pt"):
+        assert_load_refused(mlp, path, "is not a regular file \\(a device or a pipe\\)")
+
+
+def test_random_bytes_and_a_renamed_safetensors_file_are_not_said_to_carry_code(mlp, tmp_path):
+    """Before: both were "refused by weights_only=True, the file carries more than tensors"."""
+    noise = tmp_path / "noise.pt"
+    noise.write_bytes(bytes(range(256)) * 40)
+    assert_load_refused(mlp, noise, "corrupted or truncated checkpoint, or not a torch.save or safetensors file")
+    renamed = tmp_path / "renamed.pt"
+    renamed.write_bytes(save_checkpoint(mlp, tmp_path / "real.safetensors").read_bytes())
+    assert_load_refused(mlp, renamed, "is a safetensors file; name it with the .safetensors suffix")
+
+
+def test_a_float8_checkpoint_loads_into_a_float32_model(mlp, tmp_path):
+    """Before: NotImplementedError ("isfinite" not implemented for Float8_e4m3fn) escaped."""
+    state = {k: v.to(torch.float8_e4m3fn) for k, v in mlp.state_dict().items()}
+    path = tmp_path / "f8.safetensors"
+    save_file(state, str(path))
+    fresh = load_checkpoint(mlp, path)
+    assert torch.equal(fresh[0].weight, state["0.weight"].float())
+
+
+def test_quantized_or_sparse_tensors_are_refused_without_torch_warnings(mlp, tmp_path, recwarn):
+    state = mlp.state_dict()
+    state["0.weight"] = state["0.weight"].to_sparse()
+    torch.save(state, tmp_path / "sparse.pt")
+    assert_load_refused(mlp, tmp_path / "sparse.pt", "layout torch.sparse_coo")
+    assert [str(w.message) for w in recwarn] == []
 
 
 @pytest.mark.parametrize("keep", [0, 1, 8, 64, 0.5, -40, -1])
