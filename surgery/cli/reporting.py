@@ -351,7 +351,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         top = sorted((r for r in grads["layers"] if r["share"] is not None), key=lambda r: -r["share"])[:15]
         lines += ["", "## Gradients (inspect)", "", f"Loss: {grads['loss']}; measured with {grads['mechanism']}. "
                   "The 15 layers with the largest share of the loss sensitivity:", "",
-                  "| layer | type | share | Σ\|w·∂L/∂w\| | ‖∂L/∂w‖ | ‖∂L/∂output‖ |", "| --- | --- | --- | --- | --- | --- |"]
+                  r"| layer | type | share | Σ\|w·∂L/∂w\| | ‖∂L/∂w‖ | ‖∂L/∂output‖ |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| `{r['name']}` | {r['type']} | {_fmt(r['share'])} | {_fmt(r['sensitivity'])} | "
                   f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |" for r in top]
     return "\n".join(lines) + "\n"
