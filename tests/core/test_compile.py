@@ -354,3 +354,20 @@ def test_inductor_matches_eager_and_keeps_masks_while_training(mlp_factory, mlp_
             compiled_model(mlp_input)
     assert pruned_entries(model, masks).abs().sum() == 0
     surgery.compose(pruning, quantizing).restore()
+
+
+def test_dynamo_loaded_but_nothing_compiled_is_said_at_info_not_warning(mlp, caplog, convnet_factory, image_input):
+    """Before: every CLI run printed a WARNING about hook guards, because building a torchvision
+    model loads dynamo; a WARNING now comes only when code compiled for the model is dropped."""
+    import logging
+
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True), caplog.at_level(logging.INFO, logger="surgery"):
+        surgery.prune(mlp, 0.5).restore()
+        plain = convnet_factory()
+        with torch.no_grad():
+            torch.compile(plain, backend="aot_eager")(image_input)
+        torch._dynamo.config.skip_nnmodule_hook_guards = True
+        surgery.prune(plain, 0.5).restore()
+    records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("surgery")]
+    assert [level for level, text in records if "skip_nnmodule_hook_guards" in text] == ["INFO", "INFO"]
+    assert [level for level, text in records if "recompile on the next call" in text] == ["WARNING"]
