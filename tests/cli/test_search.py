@@ -35,6 +35,18 @@ def test_objective_is_the_metric_penalised_by_the_missed_bound():
         ObjectiveConfig(maximize="sparsity", subject_to={"cosin": 0.9})
 
 
+def test_outputs_identical_to_the_reference_are_the_best_sqnr_not_a_missing_one():
+    """Before: sqnr_db of identical outputs is null in the report, so the perfect trial scored the
+    worst (-1e9) and the search named a worse one best, with exit 0."""
+    identical = {"drift": {"max_abs": 0.0, "sqnr_db": None, "cosine": 1.0}}
+    noisy = {"drift": {"max_abs": 0.2, "sqnr_db": 17.2, "cosine": 0.99}}
+    best = ObjectiveConfig(maximize="sqnr_db")
+    assert objective_value(best, identical) > objective_value(best, noisy) == 17.2
+    bounded = ObjectiveConfig(maximize="cosine", subject_to={"sqnr_db": 30.0})
+    assert objective_value(bounded, identical) == 1.0  # the bound holds
+    assert objective_value(best, {"drift": {"max_abs": None, "sqnr_db": None}}) == -WORST  # non-finite: missing
+
+
 @pytest.mark.slow
 def test_optuna_searches_prune_amount_under_a_cosine_bound(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
