@@ -54,10 +54,48 @@ class Data:
     """Evaluation batches, with labels when the data set has them (for accuracy)."""
 
     inputs: Sequence[Tensor]
-    labels: list[Tensor] | None
+    labels: Sequence[Tensor] | None
 
     def labelled(self) -> Iterator[tuple[Tensor, Tensor]]:
+        if isinstance(self.inputs, Column) and self.inputs.pairs is getattr(self.labels, "pairs", None):
+            return iter(self.inputs.pairs)  # one read of each batch, not one for inputs and one for labels
         return zip(self.inputs, self.labels or [], strict=True)
+
+
+class Column(Sequence):
+    """One side (0: inputs, 1: labels) of a sequence of ``(inputs, labels)`` batches, read
+    through: a lazily loaded data set stays lazy."""
+
+    def __init__(self, pairs: Sequence[tuple[Tensor, Tensor]], side: int) -> None:
+        self.pairs, self.side = pairs, side
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.pairs[index][self.side]
+
+
+class ImageFolderBatches(Sequence):
+    """Labelled batches of an ``ImageFolder``, each read from disk when it is asked for, so
+    peak memory holds one batch whatever ``data.batches`` is."""
+
+    def __init__(self, folder: Any, indices: list[int], batch_size: int) -> None:
+        self.folder, self.indices, self.batch_size = folder, indices, batch_size
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        images = [_image(self.folder, i) for i in self.indices[index * self.batch_size:(index + 1) * self.batch_size]]
+        return torch.stack([x for x, _ in images]), torch.tensor([y for _, y in images])
 
 
 LabelledBatches = Callable[..., list[tuple[Tensor, Tensor]]]  # (split, batch_size, *, limit_batches)
@@ -88,7 +126,7 @@ def load_data(config: DataConfig) -> Data:
     source = labelled_source(config.kind, config)
     if source is not None:
         pairs = source("test", config.batch_size, limit_batches=config.batches)  # the fixed split
-        return Data([inputs for inputs, _ in pairs], [labels for _, labels in pairs])
+        return Data(Column(pairs, 0), Column(pairs, 1))
     if config.kind == "tokens":
         return Data(token_dicts(config, config.seed, config.batches), None)
     return Data(_noise(config, config.seed, config.batches), None)
@@ -99,7 +137,7 @@ def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     the training split; synthetic: noise from ``seed + 1``)."""
     source = labelled_source(config.kind, config)
     if source is not None:
-        return [inputs for inputs, _ in source("train", config.batch_size, limit_batches=count)]
+        return Column(source("train", config.batch_size, limit_batches=count), 0)
     if config.kind == "tokens":
         return token_dicts(config, config.seed + 1, count)
     return _noise(config, config.seed + 1, count)
@@ -128,7 +166,7 @@ def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tenso
 
 
 def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_batches: int | None = None
-                         ) -> list[tuple[Tensor, Tensor]]:
+                         ) -> ImageFolderBatches:
     """Labelled batches of a torchvision ``ImageFolder`` (resize, centre crop, normalise), in a
     fixed order: ``test`` is the first ``data.batches`` batches, ``train`` (calibration) the
     images after them, or the same ones when the folder holds no more."""
@@ -153,9 +191,7 @@ def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_
         log.warning("data.root: the evaluation images cover one class only; accuracy says little")
     if limit_batches is not None:
         indices = indices[:limit_batches * batch_size]
-    images = [_image(folder, i) for i in indices]
-    return [(torch.stack([x for x, _ in images[i:i + batch_size]]),
-             torch.tensor([y for _, y in images[i:i + batch_size]])) for i in range(0, len(images), batch_size)]
+    return ImageFolderBatches(folder, indices, batch_size)
 
 
 def _image(folder: Any, index: int) -> tuple[Tensor, int]:

@@ -37,3 +37,25 @@ def test_peak_memory_does_not_grow_with_the_number_of_batches(tmp_path):
     # Kept batches would add ~340 MiB (evaluation + calibration) to a ~700 MiB process; the bound
     # leaves room for allocator noise only.
     assert many < 1.10 * few, f"peak RSS {few:.0f} MiB with 4 batches, {many:.0f} MiB with 400"
+
+
+def test_image_folder_batches_are_read_when_used_not_held(tmp_path):
+    """Before: every evaluation image was decoded into a list at load time, so peak memory grew
+    by one batch per `data.batches` (4.3 MB a batch at 224 px)."""
+    from unittest import mock
+
+    from surgery.cli import data as data_module
+    from surgery.cli.config import DataConfig
+
+    from support import image_folder  # tests/support.py
+
+    root = image_folder(tmp_path / "images", ("a", "b"), 6, (40, 48), seed=0)
+    config = DataConfig(kind="imagefolder", root=str(root), batch_size=2, batches=5, image_size=32)
+    reads = []
+    real = data_module._image
+    with mock.patch.object(data_module, "_image", lambda folder, i: reads.append(i) or real(folder, i)):
+        loaded = data_module.load_data(config)
+        assert reads == []  # nothing decoded yet
+        pairs = list(loaded.labelled())
+        assert len(pairs) == 5 and len(reads) == 10  # each image once: inputs and labels come together
+        assert [tuple(x.shape) for x in loaded.inputs[:1]] == [(2, 3, 32, 32)]
