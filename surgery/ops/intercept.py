@@ -1,9 +1,9 @@
 """``surgery.ops.intercept``: build-time surgery through torch's global registration hooks.
 
 While an ``intercept`` block is open, torch's global module, parameter and buffer
-registration hooks are installed. They act only for the thread that opened the block, and
-apply its rules to every submodule, parameter and buffer attached while a model's own
-``__init__`` runs — so the model's initialisation code, weight tying and
+registration hooks are installed. They act only for the thread (and the asyncio task: the
+context) that opened the block, and apply its rules to every submodule, parameter and buffer
+attached while a model's own ``__init__`` runs — so the model's initialisation code, weight tying and
 ``zero_init_residual`` run on what the rules put in.
 
 Registration hooks fire bottom-up, when a child is attached to its parent and before that
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from contextvars import ContextVar
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -110,30 +111,38 @@ class _Session:
         self.tensors: dict[int, tuple[Tensor, Tensor]] = {}  # id(original) -> (original, result)
         self.results: dict[int, Tensor] = {}  # id(result) -> result: never transformed again
         self.fired: set[int] = set()  # ids of the rules whose action ran at least once
+        self.closed = False
+        self.produced: weakref.WeakSet = weakref.WeakSet()  # shared with the blocks it nests in
+        self.token: Any = None
 
     def never_fired(self) -> list[Rule]:
         return [rule for rule in self.rules if id(rule) not in self.fired]
 
 
 class _Registry:
-    """Global hooks installed once for any number of open blocks (a counter, not a flag)."""
+    """Global hooks installed once for any number of open blocks (a counter, not a flag).
+
+    Which blocks apply is a context variable, not a thread's: each thread starts with none,
+    and so does an asyncio task created outside a block, even while another task of the same
+    thread holds one open across an ``await``. A block closed from another thread or context
+    (a generator finalised elsewhere) is marked closed, so it never applies again anywhere.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
         self.handles: list = []
-        self.local = threading.local()
+        self.sessions: ContextVar[tuple[_Session, ...]] = ContextVar("surgery_intercept_blocks", default=())
+        self.busy: ContextVar[bool] = ContextVar("surgery_intercept_busy", default=False)
 
     def stack(self) -> list[_Session]:
-        """This thread's open blocks, outermost first."""
-        if not hasattr(self.local, "stack"):
-            self.local.stack, self.local.busy, self.local.produced = [], False, weakref.WeakSet()
-        return self.local.stack
+        """The blocks open in this context, outermost first."""
+        return [session for session in self.sessions.get() if not session.closed]
 
     def produced(self) -> weakref.WeakSet:
-        """Modules made or wrapped by a rule in this thread's open blocks: never matched again."""
-        self.stack()
-        return self.local.produced
+        """Modules made or wrapped by a rule in this context's open blocks: never matched again."""
+        stack = self.stack()
+        return stack[0].produced if stack else weakref.WeakSet()
 
     def enter(self, session: _Session) -> None:
         with self.lock:
@@ -142,14 +151,16 @@ class _Registry:
                                 module_globals.register_module_parameter_registration_hook(_on_parameter),
                                 module_globals.register_module_buffer_registration_hook(_on_buffer)]
             self.count += 1
-        self.stack().append(session)
+        stack = self.stack()
+        session.produced = stack[0].produced if stack else weakref.WeakSet()
+        session.token = self.sessions.set((*stack, session))
 
     def exit(self, session: _Session) -> None:
-        stack = self.stack()
-        if session in stack:
-            stack.remove(session)
-        if not stack:
-            self.local.produced = weakref.WeakSet()
+        session.closed = True
+        try:
+            self.sessions.reset(session.token)
+        except (ValueError, RuntimeError):  # closed from another context: the closed mark suffices
+            pass
         with self.lock:
             self.count -= 1
             if self.count == 0:
@@ -216,16 +227,14 @@ def _report_never_fired(rules: list[Rule], strict: bool) -> None:
 
 
 def _active() -> list[_Session]:
-    stack = _registry.stack()
-    return [] if _registry.local.busy else stack
+    return [] if _registry.busy.get() else _registry.stack()
 
 
 def _call(rule: Rule, parent: nn.Module, name: str, value: Any, action: bool) -> Any:
     """Run a rule's match or action; rules do not apply to modules a rule itself builds."""
     if not action and isinstance(rule.match, (type, tuple, str)):
         return rule.matches(parent, name, value)  # cannot build modules or raise: no guard needed
-    local = _registry.local
-    previous, local.busy = local.busy, True
+    token = _registry.busy.set(True)
     try:
         return rule.action(value) if action else rule.matches(parent, name, value)
     except SurgeryError:
@@ -235,7 +244,7 @@ def _call(rule: Rule, parent: nn.Module, name: str, value: Any, action: bool) ->
         raise InterceptError(f"build rule {rule.label} failed in its {step} for {type(parent).__name__}.{name}: "
                              f"{type(err).__name__}: {err}") from err
     finally:
-        local.busy = previous
+        _registry.busy.reset(token)
 
 
 def _on_module(parent: nn.Module, name: str, child: nn.Module | None) -> nn.Module | None:

@@ -277,3 +277,70 @@ def test_parameter_rules_count_as_fired_when_their_action_ran_and_errors_are_not
         with surgery.intercept(rules.swap(nn.GELU, lambda old: nn.ReLU()), strict=True):
             raise RuntimeError("inside the block")
     assert not [w for w in recwarn if issubclass(w.category, surgery.RuleNeverFiredWarning)]
+
+
+def small() -> nn.Module:
+    return nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+
+
+def test_an_asyncio_task_without_a_block_is_untouched_while_another_task_holds_one():
+    """Before: blocks were per thread, so task B's plain build got task A's GELU across A's await."""
+    import asyncio
+
+    async def holder(opened: asyncio.Event, done: asyncio.Event) -> str:
+        with surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.GELU())):
+            opened.set()
+            await done.wait()
+            return type(small()[1]).__name__
+
+    async def plain(opened: asyncio.Event, done: asyncio.Event) -> str:
+        await opened.wait()
+        built = type(small()[1]).__name__
+        done.set()
+        return built
+
+    async def both() -> list[str]:
+        opened, done = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(holder(opened, done), plain(opened, done))
+
+    assert asyncio.run(both()) == ["GELU", "ReLU"]
+
+
+def test_a_block_closed_from_another_thread_never_applies_again():
+    """Before: a block opened in a generator on thread T1 and closed from the main thread stayed
+    on T1's stack, and T1's later plain builds were swapped whenever any thread held a block."""
+    import threading
+
+    def block():
+        with surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.GELU())):
+            yield
+
+    opened, closed, other_open, release = (threading.Event() for _ in range(4))
+    held, built = {}, {}
+
+    def first() -> None:
+        generator = block()
+        next(generator)
+        held["generator"] = generator
+        opened.set()
+        closed.wait()
+        other_open.wait()
+        built["after"] = type(small()[1]).__name__
+
+    def other() -> None:
+        with surgery.intercept(rules.on_buffer("nothing", rules.freeze())):
+            other_open.set()
+            release.wait()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    opened.wait()
+    held.pop("generator").close()  # the block's exit runs here, in the main thread
+    closed.set()
+    keeper = threading.Thread(target=other)
+    with pytest.warns(surgery.RuleNeverFiredWarning):
+        keeper.start()
+        thread.join()
+        release.set()
+        keeper.join()
+    assert built["after"] == "ReLU"
