@@ -203,7 +203,8 @@ def prune(
         method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
             ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
             along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters),
-            ``"wanda"`` (|W|·‖X‖, calibrated), ``"taylor"`` (|w·∂L/∂w|, calibrated with a
+            ``"wanda"`` (|W|·‖X‖, calibrated, ranked within each output row; ``"wanda_layer"``
+            ranks across the layer), ``"taylor"`` (|w·∂L/∂w|, calibrated with a
             loss), ``"sparsegpt"`` (second order: prunes layer by layer and updates the
             weights kept to make up for what was removed), any name added with
             :func:`surgery.register_criterion`; or a function ``score(weight, stats) ->
@@ -225,8 +226,9 @@ def prune(
         pattern: ``"N:M"`` semi-structured sparsity (``"2:4"``): in every group of M
             consecutive input features of each output, the N best-scored weights are kept, for
             any criterion; ``amount`` must be ``1 - N/M``.
-        blocks: for second-order methods, the repeated blocks calibrated one after another
-            (each fed by the already pruned blocks before it): default the decoder layers
+        blocks: for methods calibrated layer by layer (second-order ones, and activation
+            criteria such as Wanda with ``scope="layer"``), the repeated blocks calibrated one
+            after another (each fed by the already pruned blocks before it): default the decoder layers
             found automatically (:func:`surgery.core.sequential.find_blocks`), a selection,
             or ``False`` for layer-by-layer full forwards.
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
