@@ -537,7 +537,7 @@ class Bomb:
 
 def intercept_idle() -> bool:
     registry = intercept_module._registry
-    return registry.count == 0 and registry.handles == [] and registry.stack() == [] and not registry.local.busy
+    return registry.count == 0 and registry.handles == [] and registry.stack() == [] and not registry.busy.get()
 
 
 @pytest.mark.parametrize("error", ERRORS)
