@@ -120,11 +120,10 @@ class DataConfig:
                                   "must be a list of finite numbers" + (", every std positive" if lowest == 0.0 else ""))
         if self.kind == "imagefolder" and self.channels not in (1, 3):
             raise ConfigError("data.channels", self.channels, "must be 3 (RGB) or 1 (grayscale) for data=imagefolder")
-        if self.kind == "imagefolder" and len(self.mean) not in (1, self.channels) or \
-                self.kind == "imagefolder" and len(self.std) not in (1, self.channels):
-            raise ConfigError("data.std" if len(self.mean) in (1, self.channels) else "data.mean",
-                              list(self.std if len(self.mean) in (1, self.channels) else self.mean),
-                              f"needs one value per channel ({self.channels}, data.channels) or one for all")
+        for name in ("mean", "std") if self.kind == "imagefolder" else ():
+            if len(getattr(self, name)) not in (1, self.channels):
+                raise ConfigError(f"data.{name}", list(getattr(self, name)), f"needs one value per channel "
+                                  f"({self.channels}, data.channels) or one for all")
         if (self.text is None) != (self.tokenizer is None):
             raise ConfigError("data.text" if self.text is None else "data.tokenizer", None,
                               "data.text and data.tokenizer go together (a text file and a local tokenizer folder)")

@@ -210,7 +210,7 @@ def _refuse_folder_loops(root: str) -> None:
     """``ImageFolder`` follows symbolic links: a folder reached twice (a link to a parent, or
     two links to one folder) would repeat its images, or never end."""
     seen: dict[str, str] = {}
-    for path, folders, _ in os.walk(root, followlinks=True):
+    for path, _, _ in os.walk(root, followlinks=True):
         real = os.path.realpath(path)
         if real in seen:
             raise ConfigError("data.root", root, f"reaches the folder {real} twice ({seen[real]} and {path}): a "

@@ -11,17 +11,22 @@ from surgery.core.errors import ConfigError
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
+def read_config(folder: str | Path, name: str = "config.json") -> dict:
+    """A JSON config file of a local folder as a dict (empty when missing or unreadable: the
+    loader reports that itself)."""
+    try:
+        found = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def refuse_custom_code(folder: str | None, field: str) -> None:
     """Raise if a config file of ``folder`` has an ``auto_map`` (classes defined by the folder's
     own Python files); a missing or unreadable file is left to the loader to report."""
     if folder is None or not Path(folder).is_dir():
         return
     for name in CONFIG_FILES:
-        path = Path(folder) / name
-        try:
-            found = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(found, dict) and "auto_map" in found:
+        if "auto_map" in read_config(folder, name):
             raise ConfigError(field, folder, f"asks to run its own code ('auto_map' in {name}); surgery never runs code "
                               "from a model or data folder: use a folder of a class transformers ships")

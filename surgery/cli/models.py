@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-import json
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +16,7 @@ from torch import nn
 from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.config import ModelConfig
 from surgery.cli import digits, mnist1d, tinylm
-from surgery.cli.hf_folders import refuse_custom_code
+from surgery.cli.hf_folders import read_config, refuse_custom_code
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_object
 from surgery.core.inputs import as_call
@@ -99,7 +97,7 @@ def _build_hf(config: ModelConfig) -> nn.Module:
             settings.setdefault("num_labels", config.num_classes)
     else:
         refuse_custom_code(config.path, "model.path")
-        own = _folder_config(config.path)
+        own = read_config(config.path)
         if own.get("model_type") in transformers.CONFIG_MAPPING:
             _check_hf_keys(transformers, own["model_type"], settings)
     if config.task == "causal_lm":
@@ -126,15 +124,6 @@ def _build_hf(config: ModelConfig) -> nn.Module:
         raise ConfigError("model.config" if config.path is None else "model.path",
                           config.name if config.path is None else config.path,
                           f"cannot build a {config.task} model: {type(err).__name__}: {first}") from None
-
-
-def _folder_config(path: str) -> dict[str, Any]:
-    """A local Hugging Face folder's own ``config.json`` (empty if it has none readable)."""
-    try:
-        found = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
 
 
 def _check_hf_keys(transformers: Any, name: str, settings: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from surgery.core.errors import ConfigError, SelectionError
-from surgery.core.selection import Selection, as_patterns, closest, describe, matches, select
+from surgery.core.selection import Selection, as_patterns, closest, describe, matches
 
 log = logging.getLogger("surgery")
 LINEAR_LIKE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)

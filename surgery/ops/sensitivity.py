@@ -93,7 +93,7 @@ class Sensitivity:
         by_layer = {layer: sorted((r for r in self.rows if r.layer == layer), key=lambda r: r.setting)
                     for layer in self.layers}
         params = {layer: rows[0].params for layer, rows in by_layer.items()}
-        total, goal = sum(params.values()), target * sum(params.values())
+        goal = target * sum(params.values())
         chosen = {layer: (0.0, 0.0) for layer in by_layer}  # layer -> (amount, damage)
         pruned = 0.0
         while pruned < goal - 1e-9:
