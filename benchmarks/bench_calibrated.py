@@ -37,8 +37,12 @@ from surgery.cli import mnist1d, tinylm
 from surgery.core.checkpoints import load_checkpoint
 from surgery.testing import snapshot, snapshot_differences
 
-PRUNING = [("magnitude", "l1_unstructured"), ("Wanda", "wanda"), ("Wanda, layer-wide", "wanda_layer"),
-           ("SparseGPT", "sparsegpt")]
+PRUNING = [
+    ("magnitude", "l1_unstructured"),
+    ("Wanda", "wanda"),
+    ("Wanda, layer-wide", "wanda_layer"),
+    ("SparseGPT", "sparsegpt"),
+]
 SPARSITY = [("50%", 0.5, None), ("70%", 0.7, None), ("2:4", 0.5, "2:4")]
 QUANTIZING = [("RTN", "rtn"), ("GPTQ", "gptq")]
 BITS = (4, 3, 2)
@@ -60,31 +64,54 @@ def torch_magnitude(model: nn.Module, amount: float, exclude: set[str]) -> nn.Mo
     return copy
 
 
-def measure(task: str, model: nn.Module, score: Callable[[nn.Module], float], calibration: list,
-            head: str | None, first: str | None) -> list[dict]:
+def measure(
+    task: str,
+    model: nn.Module,
+    score: Callable[[nn.Module], float],
+    calibration: list,
+    head: str | None,
+    first: str | None,
+) -> list[dict]:
     before = snapshot(model)
     rows = [{"task": task, "method": "dense", "setting": "", "score": score(model), "seconds": 0.0}]
     for label, amount, pattern in SPARSITY:
         for name, method in PRUNING:
             exclude = [x for x in (head, first if pattern else None) if x]
-            handle, seconds = timed(lambda: surgery.prune(
-                model, amount, method=method, pattern=pattern, exclude=exclude or None, progress=False,
-                calibration=None if method == "l1_unstructured" else calibration))
+            handle, seconds = timed(
+                lambda: surgery.prune(
+                    model,
+                    amount,
+                    method=method,
+                    pattern=pattern,
+                    exclude=exclude or None,
+                    progress=False,
+                    calibration=None if method == "l1_unstructured" else calibration,
+                )
+            )
             rows.append({"task": task, "method": name, "setting": label, "score": score(model), "seconds": seconds})
             if handle.sequential is not None:
                 rows[-1]["peak_cached_bytes"] = handle.sequential.peak_cached_bytes
             handle.restore()
         if pattern is None:
             pruned, seconds = timed(lambda: torch_magnitude(model, amount, {x for x in (head,) if x}))
-            rows.append({"task": task, "method": "torch prune (peer)", "setting": label, "score": score(pruned),
-                         "seconds": seconds})
+            rows.append(
+                {
+                    "task": task,
+                    "method": "torch prune (peer)",
+                    "setting": label,
+                    "score": score(pruned),
+                    "seconds": seconds,
+                }
+            )
     for bits in BITS:
         for name, method in QUANTIZING:
             spec = QuantSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
-            handle, seconds = timed(lambda: surgery.quantize(model, weights=spec, calibration=calibration,
-                                                             exclude=head, progress=False))
-            rows.append({"task": task, "method": name, "setting": f"W{bits} g32", "score": score(model),
-                         "seconds": seconds})
+            handle, seconds = timed(
+                lambda: surgery.quantize(model, weights=spec, calibration=calibration, exclude=head, progress=False)
+            )
+            rows.append(
+                {"task": task, "method": name, "setting": f"W{bits} g32", "score": score(model), "seconds": seconds}
+            )
             handle.restore()
     problems = snapshot_differences(before, snapshot(model))
     if problems:
@@ -106,8 +133,10 @@ def block_memory(model: tinylm.TinyLM, calibration: list) -> dict[str, int]:
     peak = handle.sequential.peak_cached_bytes
     handle.restore()
     sizes = []
-    hooks = [block.register_forward_pre_hook(lambda m, a: sizes.append(a[0].numel() * a[0].element_size()))
-             for block in model.blocks]
+    hooks = [
+        block.register_forward_pre_hook(lambda m, a: sizes.append(a[0].numel() * a[0].element_size()))
+        for block in model.blocks
+    ]
     with torch.no_grad():
         for batch in calibration:
             model(batch)
@@ -134,9 +163,11 @@ def main() -> None:
     lm_rows = measure("tiny LM", lm, lambda m: tinylm.perplexity(m, held_out), lm_calibration, "head", None)
     print_table(lm_rows, "perplexity")
     memory = block_memory(lm, lm_calibration)
-    print(f"\nsequential calibration of the tiny LM ({memory['blocks']} blocks, 8 batches of 16x128 bytes): "
-          f"{memory['sequential_peak_bytes'] / 2**20:.2f} MiB of block activations held at once, against "
-          f"{memory['all_block_inputs_bytes'] / 2**20:.2f} MiB for every block's inputs together")
+    print(
+        f"\nsequential calibration of the tiny LM ({memory['blocks']} blocks, 8 batches of 16x128 bytes): "
+        f"{memory['sequential_peak_bytes'] / 2**20:.2f} MiB of block activations held at once, against "
+        f"{memory['all_block_inputs_bytes'] / 2**20:.2f} MiB for every block's inputs together"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": cnn_rows + lm_rows, "memory": memory, "torch": torch.__version__}, handle, indent=2)

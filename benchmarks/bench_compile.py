@@ -76,8 +76,12 @@ def build_variants(base: nn.Module, example: Tensor) -> tuple[dict[str, nn.Modul
     models[PRUNED] = copy.deepcopy(base)
     pruning = surgery.prune(models[PRUNED], 0.5)
     models[W8A8] = copy.deepcopy(base)
-    quantizing = surgery.quantize(models[W8A8], activations=surgery.QuantSpec(bits=8),
-                                  calibration=[torch.randn_like(example) for _ in range(4)], progress=False)
+    quantizing = surgery.quantize(
+        models[W8A8],
+        activations=surgery.QuantSpec(bits=8),
+        calibration=[torch.randn_like(example) for _ in range(4)],
+        progress=False,
+    )
     models[BAKED] = copy.deepcopy(base)
     surgery.prune(models[BAKED], 0.5).bake()  # the same masks: L1 on the same weights
     models[REAPPLY] = copy.deepcopy(base)
@@ -107,8 +111,9 @@ def base_model() -> tuple[nn.Module, Tensor]:
 def cold_compile_seconds(name: str) -> float:
     """First call of ``torch.compile`` on variant ``name``, in a fresh process with inductor's disk
     caches off (a process compiles shared kernels once: later variants would look cheaper)."""
-    done = subprocess.run([sys.executable, __file__, "--cold-compile", name], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--cold-compile", name], capture_output=True, text=True, check=True
+    )
     return float(done.stdout.split()[-1])
 
 
@@ -158,31 +163,42 @@ def run(args: argparse.Namespace) -> dict[str, VariantResult]:
 
 def print_results(results: dict[str, VariantResult]) -> None:
     print("\nresnet18, batch 1, 224x224, inductor, 1 thread")
-    print(f"{'variant':45s} {'graphs':>6s} {'breaks':>6s} {'compile':>8s} {'vs eager':>22s} "
-          f"{'median':>9s} {'vs compiled plain [95% CI]':>28s}")
+    print(
+        f"{'variant':45s} {'graphs':>6s} {'breaks':>6s} {'compile':>8s} {'vs eager':>22s} "
+        f"{'median':>9s} {'vs compiled plain [95% CI]':>28s}"
+    )
     for result in results.values():
         lat = result.latency
         compile_s = f"{result.compile_s:.1f} s" if result.compile_s is not None else "-"
         graphs = "-" if result.graphs is None else str(result.graphs)
         breaks = "-" if result.graph_breaks is None else str(result.graph_breaks)
-        exact = "-" if result.max_abs_vs_eager is None else \
-            ("exact" if result.max_abs_vs_eager == 0 else f"{result.max_abs_vs_eager:.1e}")
+        exact = (
+            "-"
+            if result.max_abs_vs_eager is None
+            else ("exact" if result.max_abs_vs_eager == 0 else f"{result.max_abs_vs_eager:.1e}")
+        )
         if result.cosine_vs_eager is not None and result.max_abs_vs_eager:
             exact += f" (cos {result.cosine_vs_eager:.6f})"
         ratio = f"{lat.ratio:.3f}x [{lat.ratio_low:.3f}, {lat.ratio_high:.3f}]" if lat else "-"
         median = f"{lat.median_ms:.1f} ms" if lat else "-"
         print(f"{result.name:45s} {graphs:>6s} {breaks:>6s} {compile_s:>8s} {exact:>22s} {median:>9s} {ratio:>28s}")
-    print("\ngraphs/breaks: torch._dynamo.explain; compile: cold first call (fresh process, inductor disk "
-          "caches off); vs eager: max |compiled - eager| of the same variant's logits (cosine); ratio: median over rounds of "
-          "variant time / compiled plain time in the same round")
+    print(
+        "\ngraphs/breaks: torch._dynamo.explain; compile: cold first call (fresh process, inductor disk "
+        "caches off); vs eager: max |compiled - eager| of the same variant's logits (cosine); ratio: median over rounds of "
+        "variant time / compiled plain time in the same round"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run, no cold compile times")
     parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 150, 15 with --quick)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="stop timing after this many seconds (default 150, 40 with --quick)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop timing after this many seconds (default 150, 40 with --quick)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--cold-compile", metavar="VARIANT", help=argparse.SUPPRESS)  # child process

@@ -42,7 +42,9 @@ def _timed_hook(hook: Callable) -> Callable:
 def hook_seconds(build: Callable[[], nn.Module], rule_list: list) -> float:
     """Seconds spent inside surgery's three registration hooks during one build."""
     originals = (intercept_module._on_module, intercept_module._on_parameter, intercept_module._on_buffer)
-    intercept_module._on_module, intercept_module._on_parameter, intercept_module._on_buffer = map(_timed_hook, originals)
+    intercept_module._on_module, intercept_module._on_parameter, intercept_module._on_buffer = map(
+        _timed_hook, originals
+    )
     HOOK_SECONDS[0] = 0.0
     try:
         timed(build, rule_list)
@@ -68,8 +70,10 @@ RULES = {
 
 
 def models() -> dict[str, Callable[[], nn.Module]]:
-    builds = {"resnet50": lambda: torchvision.models.resnet50(), "mobilenet_v3_large":
-              lambda: torchvision.models.mobilenet_v3_large()}
+    builds = {
+        "resnet50": lambda: torchvision.models.resnet50(),
+        "mobilenet_v3_large": lambda: torchvision.models.mobilenet_v3_large(),
+    }
     try:
         import timm
 
@@ -103,7 +107,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {name: [] for name in variants}
         names = list(variants)
         for round_index in tqdm(range(args.repeats), desc=model_name, leave=False):
-            order = names[round_index % len(names):] + names[: round_index % len(names)]
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
                 samples[name].append(timed(build, variants[name]))
         plain = statistics.median(samples["plain"])

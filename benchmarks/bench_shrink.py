@@ -49,7 +49,9 @@ def macs_of(model: nn.Module, x: torch.Tensor) -> int:
         if isinstance(module, nn.Linear):
             total[0] += output.numel() * module.in_features
         elif isinstance(module, nn.Conv2d):
-            total[0] += output.numel() * module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            total[0] += (
+                output.numel() * module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            )
 
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     with torch.no_grad():
@@ -63,10 +65,15 @@ def torch_pruning(model: nn.Module, x: torch.Tensor, ratio: float) -> nn.Module:
     import torch_pruning as tp
 
     classes = {m.out_features for m in model.modules() if isinstance(m, nn.Linear)} | {1000}
-    classifier = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) and
-                  getattr(m, "out_features", getattr(m, "out_channels", None)) in classes][-1]  # squeezenet: a conv
-    pruner = tp.pruner.MagnitudePruner(model, x, importance=tp.importance.MagnitudeImportance(p=2),
-                                       pruning_ratio=ratio, ignored_layers=[classifier])
+    classifier = [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+        and getattr(m, "out_features", getattr(m, "out_channels", None)) in classes
+    ][-1]  # squeezenet: a conv
+    pruner = tp.pruner.MagnitudePruner(
+        model, x, importance=tp.importance.MagnitudeImportance(p=2), pruning_ratio=ratio, ignored_layers=[classifier]
+    )
     pruner.step()
     return model
 
@@ -80,7 +87,9 @@ def matched_torch_pruning(base: nn.Module, x: torch.Tensor, target: int) -> tupl
         pruned = torch_pruning(copy.deepcopy(base), x, ratio)
         seconds = time.perf_counter() - start
         macs = macs_of(pruned, x)
-        best = (pruned, ratio, seconds) if best is None or abs(macs - target) < abs(macs_of(best[0], x) - target) else best
+        best = (
+            (pruned, ratio, seconds) if best is None or abs(macs - target) < abs(macs_of(best[0], x) - target) else best
+        )
         if abs(macs - target) <= 0.03 * target:
             break
         low, high = (ratio, high) if macs > target else (low, ratio)
@@ -100,8 +109,9 @@ def latency(models: dict[str, nn.Module], x: torch.Tensor, rounds: int = 9) -> d
                 models[name](x)
                 times[name].append(time.perf_counter() - start)
     dense = times["dense"]
-    return {name: statistics.median(t / d for t, d in zip(times[name], dense)) for name in models} | \
-        {"dense_ms": 1000 * statistics.median(dense)}
+    return {name: statistics.median(t / d for t, d in zip(times[name], dense)) for name in models} | {
+        "dense_ms": 1000 * statistics.median(dense)
+    }
 
 
 def compare(name: str) -> dict:
@@ -113,12 +123,22 @@ def compare(name: str) -> dict:
     handle = surgery.shrink(ours, 0.5, example_inputs=x)
     shrink_seconds = time.perf_counter() - start
     dense_macs, our_macs = macs_of(base, x), macs_of(ours, x)
-    row = {"model": name, "dense_macs": dense_macs, "surgery_macs": our_macs, "surgery_seconds": shrink_seconds,
-           "surgery_params": handle.params()["after"], "dense_params": handle.params()["before"]}
+    row = {
+        "model": name,
+        "dense_macs": dense_macs,
+        "surgery_macs": our_macs,
+        "surgery_seconds": shrink_seconds,
+        "surgery_params": handle.params()["after"],
+        "dense_params": handle.params()["before"],
+    }
     try:
         theirs, ratio, their_seconds = matched_torch_pruning(base, x, our_macs)
-        row |= {"tp_macs": macs_of(theirs, x), "tp_ratio": ratio, "tp_seconds": their_seconds,
-                "tp_params": sum(p.numel() for p in theirs.parameters())}
+        row |= {
+            "tp_macs": macs_of(theirs, x),
+            "tp_ratio": ratio,
+            "tp_seconds": their_seconds,
+            "tp_params": sum(p.numel() for p in theirs.parameters()),
+        }
         variants = {"dense": base, "surgery": ours, "Torch-Pruning": theirs}
     except Exception as err:  # e.g. a stale attribute after removing channels: reported, not hidden
         row["tp_error"] = f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
@@ -134,8 +154,9 @@ ZOO_TIMEOUT = 300  # seconds per model and tool: a tool that takes longer (or ru
 def _zoo_child(name: str, tool: str) -> dict:
     """``zoo_one`` in its own process, with a time limit."""
     try:
-        done = subprocess.run([sys.executable, __file__, "--zoo-one", name, tool], capture_output=True, text=True,
-                              timeout=ZOO_TIMEOUT)
+        done = subprocess.run(
+            [sys.executable, __file__, "--zoo-one", name, tool], capture_output=True, text=True, timeout=ZOO_TIMEOUT
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {ZOO_TIMEOUT} s"}
     if done.returncode != 0:
@@ -172,8 +193,13 @@ def zoo_one(name: str, tool: str) -> dict:
     fresh.load_state_dict(baked.state_dict(), strict=True)
     with torch.no_grad():
         rebuild = torch.equal(fresh(x), baked(x))
-    return {"shape": shape, "removed": removed, "restore": restore, "rebuild": rebuild,
-            "kept_whole": sum("kept whole" in op for op in handle.frozen_ops)}
+    return {
+        "shape": shape,
+        "removed": removed,
+        "restore": restore,
+        "rebuild": rebuild,
+        "kept_whole": sum("kept whole" in op for op in handle.frozen_ops),
+    }
 
 
 def _dense_params(name: str) -> int:
@@ -190,8 +216,10 @@ def zoo(cache: Path | None = None) -> dict[str, dict[str, int]]:
     each model and tool in its own process (``ZOO_TIMEOUT``). surgery: output shape kept, >= 10 %
     of parameters removed, restore bit-exact, bake -> rebuild -> strict load bit-identical.
     Torch-Pruning (no restore, no rebuild): output shape kept and >= 10 % removed."""
-    counts = {"surgery": {"models": 0, "shape": 0, "removed_10pct": 0, "restore": 0, "rebuild": 0},
-              "Torch-Pruning": {"models": 0, "shape": 0, "removed_10pct": 0}}
+    counts = {
+        "surgery": {"models": 0, "shape": 0, "removed_10pct": 0, "restore": 0, "rebuild": 0},
+        "Torch-Pruning": {"models": 0, "shape": 0, "removed_10pct": 0},
+    }
     cached = {}  # (model, tool) -> result, from an earlier, interrupted sweep with the same cache file
     if cache is not None and cache.exists():
         for line in cache.read_text().splitlines():
@@ -218,8 +246,9 @@ def zoo(cache: Path | None = None) -> dict[str, dict[str, int]]:
                 if key in row:
                     row[key] += bool(result[key])
             row["removed_10pct"] += result["removed"] >= 0.10
-            line += f"  {tool} -{result['removed']:.0%}" + ("" if all(result.get(k, True) for k in (
-                "shape", "restore", "rebuild")) else f" {result}")
+            line += f"  {tool} -{result['removed']:.0%}" + (
+                "" if all(result.get(k, True) for k in ("shape", "restore", "rebuild")) else f" {result}"
+            )
         print(line, flush=True)
     return counts
 
@@ -230,8 +259,11 @@ def main() -> None:
     parser.add_argument("--zoo", action="store_true", help="also the zoo coverage sweep (about 15 minutes)")
     parser.add_argument("--zoo-only", action="store_true", help="only the zoo coverage sweep")
     parser.add_argument("--zoo-one", nargs=2, metavar=("MODEL", "TOOL"), help=argparse.SUPPRESS)
-    parser.add_argument("--zoo-cache", type=Path, help="JSON lines of finished (model, tool) results: an "
-                        "interrupted zoo sweep resumes from it")
+    parser.add_argument(
+        "--zoo-cache",
+        type=Path,
+        help="JSON lines of finished (model, tool) results: an interrupted zoo sweep resumes from it",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -240,16 +272,21 @@ def main() -> None:
         print(json.dumps(zoo_one(*args.zoo_one)))
         return
     rows = []
-    print(f"{'model':<20} {'MACs surgery/TP vs dense':<26} {'b1 surgery':>11} {'b1 TP':>8} {'b8 surgery':>11} "
-          f"{'b8 TP':>8} {'shrink s':>9} {'TP s':>6}")
+    print(
+        f"{'model':<20} {'MACs surgery/TP vs dense':<26} {'b1 surgery':>11} {'b1 TP':>8} {'b8 surgery':>11} "
+        f"{'b8 TP':>8} {'shrink s':>9} {'TP s':>6}"
+    )
     for name in [] if args.zoo_only else args.models:
         row = compare(name)
         rows.append(row)
         tp = lambda key: f"{row[key]['Torch-Pruning']:>7.3f}x" if "Torch-Pruning" in row[key] else f"{'failed':>8}"
         their_macs = f"{row['tp_macs'] / row['dense_macs']:.3f}" if "tp_macs" in row else "failed"
-        print(f"{name:<20} {row['surgery_macs'] / row['dense_macs']:.3f} / {their_macs:<6}{'':<14} "
-              f"{row['batch1']['surgery']:>10.3f}x {tp('batch1')} {row['batch8']['surgery']:>10.3f}x {tp('batch8')} "
-              f"{row['surgery_seconds']:>9.2f} {row.get('tp_seconds', float('nan')):>6.2f}", flush=True)
+        print(
+            f"{name:<20} {row['surgery_macs'] / row['dense_macs']:.3f} / {their_macs:<6}{'':<14} "
+            f"{row['batch1']['surgery']:>10.3f}x {tp('batch1')} {row['batch8']['surgery']:>10.3f}x {tp('batch8')} "
+            f"{row['surgery_seconds']:>9.2f} {row.get('tp_seconds', float('nan')):>6.2f}",
+            flush=True,
+        )
         if "tp_error" in row:
             print(f"  Torch-Pruning on {name}: {row['tp_error']}")
     result = {"rows": rows}

@@ -39,14 +39,23 @@ from surgery.core.targets import default_layer
 def build(args: argparse.Namespace) -> dict[str, tuple[nn.Module, torch.optim.Optimizer, object]]:
     torch.manual_seed(0)
     base = getattr(torchvision.models, args.model)(num_classes=10)
-    variants = {"plain": copy.deepcopy(base), "surgery": copy.deepcopy(base), "torch.nn.utils.prune": copy.deepcopy(base)}
+    variants = {
+        "plain": copy.deepcopy(base),
+        "surgery": copy.deepcopy(base),
+        "torch.nn.utils.prune": copy.deepcopy(base),
+    }
     handle = surgery.prune(variants["surgery"], args.amount, progress=False)
     layers = [m for name, m in variants["torch.nn.utils.prune"].named_modules() if default_layer(m, name)]
     for layer in layers:
         torch_prune.l1_unstructured(layer, "weight", amount=args.amount)
-    return {name: (model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
-                   handle if name == "surgery" else layers if name != "plain" else None)
-            for name, model in variants.items()}
+    return {
+        name: (
+            model.train(),
+            torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+            handle if name == "surgery" else layers if name != "plain" else None,
+        )
+        for name, model in variants.items()
+    }
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -62,7 +71,9 @@ def masks_hold(name: str, model: nn.Module, owner: object) -> bool:
     if name == "surgery":
         return all(not model.get_parameter(n).detach()[~m].any() for n, m in owner.masks().items())
     if name == "torch.nn.utils.prune":  # its effective weight is recomputed in the forward: check that product
-        return all(not (layer.weight_orig * layer.weight_mask).detach()[layer.weight_mask == 0].any() for layer in owner)
+        return all(
+            not (layer.weight_orig * layer.weight_mask).detach()[layer.weight_mask == 0].any() for layer in owner
+        )
     return True
 
 
@@ -95,8 +106,10 @@ def main() -> None:
             if round_ >= args.warmup:
                 times[name].append(elapsed)
     plain = np.array(times["plain"])
-    print(f"{args.model}, batch {args.batch}, {args.image_size} px, prune {args.amount}, fused AdamW, 1 thread, "
-          f"{args.rounds} paired rounds (torch {torch.__version__})")
+    print(
+        f"{args.model}, batch {args.batch}, {args.image_size} px, prune {args.amount}, fused AdamW, 1 thread, "
+        f"{args.rounds} paired rounds (torch {torch.__version__})"
+    )
     print(f"{'variant':<24} {'median step':>12} {'ratio vs plain (median, 95% CI)':>34} {'masks hold':>11}")
     results = {}
     for name in names:
@@ -104,10 +117,16 @@ def main() -> None:
         low, high = bootstrap(ratios, rng)
         model, _, owner = variants[name]
         holds = masks_hold(name, model, owner)
-        results[name] = {"median_s": float(np.median(times[name])), "ratio": float(np.median(ratios)),
-                         "ci": [low, high], "masks_hold": holds}
-        print(f"{name:<24} {np.median(times[name]) * 1e3:>10.1f} ms {np.median(ratios):>20.3f}× [{low:.3f}, {high:.3f}]"
-              f" {'yes' if holds else 'NO':>11}")
+        results[name] = {
+            "median_s": float(np.median(times[name])),
+            "ratio": float(np.median(ratios)),
+            "ci": [low, high],
+            "masks_hold": holds,
+        }
+        print(
+            f"{name:<24} {np.median(times[name]) * 1e3:>10.1f} ms {np.median(ratios):>20.3f}× [{low:.3f}, {high:.3f}]"
+            f" {'yes' if holds else 'NO':>11}"
+        )
     variants["surgery"][2].restore()
     if args.json:
         with open(args.json, "w") as handle:

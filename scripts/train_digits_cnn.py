@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from surgery.core.checkpoints import write_atomically
 from surgery.cli.digits import CHECKPOINT, accuracy, digits_batches, train
+from surgery.core.checkpoints import write_atomically
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     train_acc = accuracy(model, digits_batches("train", 256))
     test_acc = accuracy(model, digits_batches("test", 256))
-    print(f"trained in {seconds:.1f} s: train accuracy {train_acc:.4f}, "
-          f"test accuracy {test_acc:.4f}")
+    print(f"trained in {seconds:.1f} s: train accuracy {train_acc:.4f}, test accuracy {test_acc:.4f}")
 
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     write_atomically(args.out, lambda tmp: save_file(state, str(tmp)))

@@ -27,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     model = train(seed=args.seed, epochs=args.epochs)
     seconds = time.perf_counter() - start
-    print(f"trained in {seconds:.1f} s: train accuracy {accuracy(model, mnist1d_batches('train', 500)):.4f}, "
-          f"test accuracy {accuracy(model, mnist1d_batches('test', 500)):.4f}")
+    print(
+        f"trained in {seconds:.1f} s: train accuracy {accuracy(model, mnist1d_batches('train', 500)):.4f}, "
+        f"test accuracy {accuracy(model, mnist1d_batches('test', 500)):.4f}"
+    )
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     write_atomically(args.out, lambda tmp: save_file(state, str(tmp)))
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")

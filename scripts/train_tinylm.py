@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     model = train(seed=args.seed, steps=args.steps)
-    print(f"trained in {time.perf_counter() - start:.1f} s: held-out perplexity "
-          f"{perplexity(model, token_batches('test', 16)):.3f} (bytes)")
+    print(
+        f"trained in {time.perf_counter() - start:.1f} s: held-out perplexity "
+        f"{perplexity(model, token_batches('test', 16)):.3f} (bytes)"
+    )
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     write_atomically(args.out, lambda tmp: save_file(state, str(tmp)))
     print(f"wrote {args.out} ({args.out.stat().st_size} bytes)")

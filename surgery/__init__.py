@@ -1,6 +1,5 @@
 """surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
 
-from surgery.ops import rules
 from surgery.analysis.comparison import Drift, compare
 from surgery.core.capture import Capture, capture
 from surgery.core.errors import (
@@ -14,7 +13,10 @@ from surgery.core.errors import (
     UndoError,
 )
 from surgery.core.handles import Handle, HandleGroup, compose
+from surgery.core.heads import HeadLayout, register_heads
+from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
+from surgery.ops import rules
 from surgery.ops.criteria import LayerStats, register_criterion
 from surgery.ops.finetuning import FinetuneHandle, finetune
 from surgery.ops.intercept import (
@@ -30,10 +32,8 @@ from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity import Sensitivity, sensitivity
-from surgery.core.heads import HeadLayout, register_heads
 from surgery.ops.shrinking import ShrinkError, ShrinkHandle, rebuild, register_importance, shrink
 from surgery.ops.smoothing import SmoothHandle, smooth
-from surgery.core.selection import select
 
 __all__ = [
     "AlreadyModifiedError",

@@ -39,22 +39,33 @@ def snapshot(model: nn.Module) -> Snapshot:
     """Copy the state of ``model`` that ``restore()`` must reproduce bit for bit."""
     tensors = {f"param:{k}": v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     tensors |= {f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers(remove_duplicate=False)}
-    return Snapshot(tensors, list(model.state_dict()), {n: type(m) for n, m in model.named_modules()},
-                    module_hook_counts(model), global_hook_counts())
+    return Snapshot(
+        tensors,
+        list(model.state_dict()),
+        {n: type(m) for n, m in model.named_modules()},
+        module_hook_counts(model),
+        global_hook_counts(),
+    )
 
 
 def snapshot_differences(before: Snapshot, after: Snapshot) -> list[str]:
     """Human-readable differences between two snapshots (empty when bit-identical)."""
-    diffs = [f"tensor {k} changed" for k, v in before.tensors.items()
-             if k not in after.tensors or not same_bits(v, after.tensors[k])]
+    diffs = [
+        f"tensor {k} changed"
+        for k, v in before.tensors.items()
+        if k not in after.tensors or not same_bits(v, after.tensors[k])
+    ]
     diffs += [f"tensor {k} appeared" for k in after.tensors if k not in before.tensors]
     if before.keys != after.keys:
         diffs.append("state_dict keys changed")
     if before.classes != after.classes:
         diffs.append("module classes or children changed")
     diffs += [f"hooks {k}: {v} -> {after.hooks.get(k)}" for k, v in before.hooks.items() if after.hooks.get(k) != v]
-    diffs += [f"global {k}: {v} -> {after.global_hooks.get(k)}"
-              for k, v in before.global_hooks.items() if after.global_hooks.get(k) != v]
+    diffs += [
+        f"global {k}: {v} -> {after.global_hooks.get(k)}"
+        for k, v in before.global_hooks.items()
+        if after.global_hooks.get(k) != v
+    ]
     return diffs
 
 
@@ -96,5 +107,16 @@ def assert_no_hooks(model: nn.Module) -> None:
     assert not leftover, f"hooks left on the model: {leftover}"
 
 
-__all__ = ["MODULE_HOOK_DICTS", "Snapshot", "assert_no_hooks", "collect", "global_hook_counts", "max_difference", "module_hook_counts",
-           "snapshot", "snapshot_differences", "transformed_parameters", "same_bits"]
+__all__ = [
+    "MODULE_HOOK_DICTS",
+    "Snapshot",
+    "assert_no_hooks",
+    "collect",
+    "global_hook_counts",
+    "max_difference",
+    "module_hook_counts",
+    "snapshot",
+    "snapshot_differences",
+    "transformed_parameters",
+    "same_bits",
+]

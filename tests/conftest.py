@@ -20,10 +20,13 @@ def global_state() -> dict[str, int]:
     """Sizes of every global registry surgery could leave something in."""
     from torch.optim import optimizer
 
-    return {**global_hook_counts(), "intercept blocks (all threads)": intercept_registry.count,
-            "intercept blocks (this thread)": len(intercept_registry.stack()),
-            "optimizer pre hooks": len(optimizer._global_optimizer_pre_hooks),
-            "optimizer post hooks": len(optimizer._global_optimizer_post_hooks)}
+    return {
+        **global_hook_counts(),
+        "intercept blocks (all threads)": intercept_registry.count,
+        "intercept blocks (this thread)": len(intercept_registry.stack()),
+        "optimizer pre hooks": len(optimizer._global_optimizer_pre_hooks),
+        "optimizer post hooks": len(optimizer._global_optimizer_post_hooks),
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +76,9 @@ class ConvNet(nn.Module):
 
 def make_mlp(seed: int = 0) -> nn.Module:
     """Three Linear layers (named ``0``, ``2``, ``4``) with ReLUs between them."""
-    return _seeded(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                                         nn.Linear(16, 4)), seed)
+    return _seeded(
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), seed
+    )
 
 
 def make_convnet(seed: int = 0) -> nn.Module:
@@ -127,8 +131,10 @@ def _torch_save_round_trip(model: nn.Module) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
-@pytest.fixture(params=[copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), _torch_save_round_trip],
-                ids=["deepcopy", "pickle", "torch.save"])
+@pytest.fixture(
+    params=[copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), _torch_save_round_trip],
+    ids=["deepcopy", "pickle", "torch.save"],
+)
 def duplicate(request) -> Callable[[nn.Module], nn.Module]:
     """Each way a user copies a model: deepcopy, pickle, torch.save(model)/torch.load."""
     return request.param

@@ -49,8 +49,9 @@ def tiny_gpt2() -> nn.Module:
     """A two-layer GPT-2 built from a config (never downloaded), seeded, in eval mode."""
     import transformers
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
 

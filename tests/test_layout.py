@@ -59,8 +59,10 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     (fake / "core").mkdir(parents=True)
     (fake / "core" / "bad.py").write_text("from surgery.ops.pruning import prune\nimport hydra\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
-    assert sorted(wrong_way_imports()) == ["core/bad.py (core) imports surgery.ops.pruning (ops)",
-                                           "core/bad.py imports hydra (an app-only package)"]
+    assert sorted(wrong_way_imports()) == [
+        "core/bad.py (core) imports surgery.ops.pruning (ops)",
+        "core/bad.py imports hydra (an app-only package)",
+    ]
 
 
 BLOCKED = f"""
@@ -79,7 +81,9 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_library_works_without_hydra_omegaconf_matplotlib_or_sklearn():
-    result = run_python(BLOCKED + """
+    result = run_python(
+        BLOCKED
+        + """
 import torch, surgery, surgery.testing
 from torch import nn
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -90,7 +94,8 @@ with surgery.prune(model, 0.5, calibration=[x]) as handle, surgery.capture(model
 assert handle.sparsity() > 0 and seen.outputs and drift.identical
 assert not [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf', 'matplotlib', 'sklearn')]
 print("ok")
-""")
+"""
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -98,8 +103,9 @@ print("ok")
 def test_the_command_line_without_its_extra_says_what_to_install():
     result = run_python(BLOCKED + "import runpy; runpy.run_module('surgery', run_name='__main__')")
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == ("surgery: error: the command line needs 'hydra'; install it "
-                                                      "with: pip install 'surgery[cli]'")
+    assert result.stderr.strip().splitlines()[-1] == (
+        "surgery: error: the command line needs 'hydra'; install it with: pip install 'surgery[cli]'"
+    )
 
 
 def test_import_registers_no_operator_and_leaves_dynamo_alone():

@@ -15,7 +15,6 @@ from surgery.core.errors import ConfigError
 from surgery.core.inputs import Inputs, batches, check_batch_finite, evaluating, flatten_tensors, outputs
 
 
-
 @dataclass(frozen=True)
 class NonFinite:
     """How many output values were NaN or Inf, in the reference and in the candidate."""
@@ -63,8 +62,13 @@ class Drift:
         return not (self.nonfinite.reference or self.nonfinite.candidate)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"max_abs": self.max_abs, "cosine": self.cosine, "sqnr_db": self.sqnr_db,
-                "top1_agreement": self.top1_agreement, "nonfinite": dataclasses.asdict(self.nonfinite)}
+        return {
+            "max_abs": self.max_abs,
+            "cosine": self.cosine,
+            "sqnr_db": self.sqnr_db,
+            "top1_agreement": self.top1_agreement,
+            "nonfinite": dataclasses.asdict(self.nonfinite),
+        }
 
 
 def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_layer: bool = False) -> Drift:
@@ -96,8 +100,11 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
             ref_raw = batch(reference)
             ref_outputs, cand_outputs = flatten_tensors(ref_raw), outputs(candidate, batch)
             if len(ref_outputs) != len(cand_outputs):
-                raise ConfigError("compare.candidate", f"{len(cand_outputs)} output tensor(s)",
-                                  f"must match the reference's {len(ref_outputs)} floating output tensor(s)")
+                raise ConfigError(
+                    "compare.candidate",
+                    f"{len(cand_outputs)} output tensor(s)",
+                    f"must match the reference's {len(ref_outputs)} floating output tensor(s)",
+                )
             primary = _primary_index(ref_raw, ref_outputs)
             for index, (ref, cand) in enumerate(zip(ref_outputs, cand_outputs)):
                 stats.add(ref, cand, primary=index == primary)
@@ -201,8 +208,11 @@ class _Accumulator(StreamingError):
 
     def add(self, ref: Tensor, cand: Tensor, *, primary: bool = False) -> None:
         if ref.shape != cand.shape:
-            raise ConfigError("compare.candidate", f"output shape {tuple(cand.shape)}",
-                              f"must match the reference's output shape {tuple(ref.shape)} (shapes differ)")
+            raise ConfigError(
+                "compare.candidate",
+                f"output shape {tuple(cand.shape)}",
+                f"must match the reference's output shape {tuple(ref.shape)} (shapes differ)",
+            )
         super().add(ref, cand)
         if primary and ref.dim() >= 2:  # class scores: the first output's last dimension
             self.agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
@@ -210,5 +220,6 @@ class _Accumulator(StreamingError):
 
     def result(self) -> Drift:
         top1 = self.agree / self.rows if self.rows and self.measurable else None
-        return Drift(self.max_abs, self.cosine(), self.sqnr_db(), top1, nonfinite=self.nonfinite,
-                     identical=self.identical)
+        return Drift(
+            self.max_abs, self.cosine(), self.sqnr_db(), top1, nonfinite=self.nonfinite, identical=self.identical
+        )

@@ -54,8 +54,10 @@ class _Tracer:
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.modules = {id(m) for m in model.modules()}
-        self.params = {id(m): (sum(p.numel() for p in m.parameters(recurse=False)),
-                               sum(p.numel() for p in m.parameters())) for m in model.modules()}
+        self.params = {
+            id(m): (sum(p.numel() for p in m.parameters(recurse=False)), sum(p.numel() for p in m.parameters()))
+            for m in model.modules()
+        }
         self.thread = threading.get_ident()
         self.calls: list[ModuleCall] = []
         self.open: list[tuple[int, ModuleCall, float]] = []  # (module id, record, start)
@@ -70,8 +72,16 @@ class _Tracer:
             return
         own, total = self.params[id(module)]
         shapes, dtypes = _describe([a for a in args if isinstance(a, Tensor)])
-        call = ModuleCall(self.names.get(id(module), ""), type(module).__name__, len(self.open), self.batch,
-                          shapes, dtypes, params_own=own, params_total=total)
+        call = ModuleCall(
+            self.names.get(id(module), ""),
+            type(module).__name__,
+            len(self.open),
+            self.batch,
+            shapes,
+            dtypes,
+            params_own=own,
+            params_total=total,
+        )
         self.calls.append(call)
         self.open.append((id(module), call, time.perf_counter()))
 
@@ -142,8 +152,17 @@ def format_table(calls: list[ModuleCall]) -> str:
           fc1         Linear  [2, 8]       [2, 16]       144     0.020
     """
     header = ("Layer", "Type", "Input shape", "Output shape", "Params", "ms")
-    rows = [("  " * c.depth + (c.name or "(root)"), c.type, _shapes(c.input_shapes), _shapes(c.output_shapes),
-             f"{c.params_own:,}", "--" if c.ms is None else f"{c.ms:.3f}") for c in calls]
+    rows = [
+        (
+            "  " * c.depth + (c.name or "(root)"),
+            c.type,
+            _shapes(c.input_shapes),
+            _shapes(c.output_shapes),
+            f"{c.params_own:,}",
+            "--" if c.ms is None else f"{c.ms:.3f}",
+        )
+        for c in calls
+    ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     right = {4, 5}  # numbers align right
 
@@ -165,10 +184,22 @@ def calls_as_rows(calls: list[ModuleCall]) -> list[dict[str, Any]]:
     Example:
         >>> json.dumps(calls_as_rows(inspect_model(model, x)))
     """
-    return [{"name": c.name, "type": c.type, "depth": c.depth, "batch": c.batch,
-             "input_shapes": [list(s) for s in c.input_shapes], "input_dtypes": list(c.input_dtypes),
-             "output_shapes": [list(s) for s in c.output_shapes], "output_dtypes": list(c.output_dtypes),
-             "params_own": c.params_own, "params_total": c.params_total, "ms": c.ms} for c in calls]
+    return [
+        {
+            "name": c.name,
+            "type": c.type,
+            "depth": c.depth,
+            "batch": c.batch,
+            "input_shapes": [list(s) for s in c.input_shapes],
+            "input_dtypes": list(c.input_dtypes),
+            "output_shapes": [list(s) for s in c.output_shapes],
+            "output_dtypes": list(c.output_dtypes),
+            "params_own": c.params_own,
+            "params_total": c.params_total,
+            "ms": c.ms,
+        }
+        for c in calls
+    ]
 
 
 @dataclass
@@ -221,7 +252,7 @@ class _GradientTracer:
     def weights(self) -> None:
         """After each backward: each module's own parameters' gradients."""
         self.passes += 1
-        for module_id, name in self.names.items():
+        for _module_id, name in self.names.items():
             module = self.model.get_submodule(name) if name else self.model
             for param in module.parameters(recurse=False):
                 if param.grad is not None:
@@ -235,11 +266,21 @@ class _GradientTracer:
         for name, module in model.named_modules():
             if name not in self.output_sq and name not in self.weight_sq:
                 continue
-            rms = {key: (table[name] / self.passes) ** 0.5 if name in table else None
-                   for key, table in (("out", self.output_sq), ("w", self.weight_sq))}
+            rms = {
+                key: (table[name] / self.passes) ** 0.5 if name in table else None
+                for key, table in (("out", self.output_sq), ("w", self.weight_sq))
+            }
             sensitivity = self.sensitivity.get(name)
-            rows.append(LayerGradients(name, type(module).__name__, rms["out"], rms["w"], sensitivity,
-                                       sensitivity / total if sensitivity is not None and total > 0 else None))
+            rows.append(
+                LayerGradients(
+                    name,
+                    type(module).__name__,
+                    rms["out"],
+                    rms["w"],
+                    sensitivity,
+                    sensitivity / total if sensitivity is not None and total > 0 else None,
+                )
+            )
         return rows
 
 
@@ -247,8 +288,9 @@ BACKWARD_HOOKS = "global full backward hooks"
 TENSOR_HOOKS = "tensor hooks on module outputs (the model edits outputs in place, which full backward hooks forbid)"
 
 
-def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *,
-                        progress: bool = False) -> tuple[list[LayerGradients], str]:
+def gradient_statistics(
+    model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *, progress: bool = False
+) -> tuple[list[LayerGradients], str]:
     """Per-module gradient statistics over ``(inputs, target)`` pairs, and how they were taken.
 
     Torch's global full backward hooks are installed for the call only and ignore modules of
@@ -265,8 +307,9 @@ def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, 
     try:
         with warnings.catch_warnings():  # inputs need no gradient here: the hooks still see grad_output
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            run_backward_batches(model, pairs, loss, field="inspect.gradients", progress=progress,
-                                 after_each=tracer.weights)
+            run_backward_batches(
+                model, pairs, loss, field="inspect.gradients", progress=progress, after_each=tracer.weights
+            )
         return tracer.rows(model), BACKWARD_HOOKS
     except RuntimeError as err:
         if "inplace" not in str(err).replace("in-place", "inplace"):
@@ -277,8 +320,9 @@ def gradient_statistics(model: nn.Module, pairs: Iterable, loss: Callable[[Any, 
     tracer = _GradientTracer(model)
     hook = module_globals.register_module_forward_hook(tracer.forward_hook)
     try:
-        run_backward_batches(model, pairs, loss, field="inspect.gradients", progress=progress,
-                             after_each=tracer.weights)
+        run_backward_batches(
+            model, pairs, loss, field="inspect.gradients", progress=progress, after_each=tracer.weights
+        )
     finally:
         hook.remove()
     return tracer.rows(model), TENSOR_HOOKS

@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from surgery.analysis.comparison import StreamingError
 from surgery.core import compiled
 from surgery.core.capture import Capture, Keep
-from surgery.core.inputs import Call, Inputs, batches, evaluating
 from surgery.core.errors import ConfigError
+from surgery.core.inputs import Call, Inputs, batches, evaluating
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,17 @@ class LayerDrift:
         return self.comparable and self.max_abs == 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "cosine": self.cosine, "sqnr_db": self.sqnr_db,
-                "max_abs": self.max_abs, "index": self.index, "depth": self.depth, "calls": self.calls,
-                "detail": self.detail}
+        return {
+            "name": self.name,
+            "type": self.type,
+            "cosine": self.cosine,
+            "sqnr_db": self.sqnr_db,
+            "max_abs": self.max_abs,
+            "index": self.index,
+            "depth": self.depth,
+            "calls": self.calls,
+            "detail": self.detail,
+        }
 
 
 class _LayerStats(StreamingError):
@@ -140,14 +148,22 @@ def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> l
     reference, candidate = compiled.prepare(reference), compiled.prepare(candidate)  # compiled: their models
     names = shared_names(reference, candidate)
     if not names:
-        raise ConfigError("per_layer", True, "the models share no module names, so no layer can be compared",
-                          f"reference has {type(reference).__name__}, candidate has {type(candidate).__name__}")
+        raise ConfigError(
+            "per_layer",
+            True,
+            "the models share no module names, so no layer can be compared",
+            f"reference has {type(reference).__name__}, candidate has {type(candidate).__name__}",
+        )
     ref_modules, cand_modules = dict(reference.named_modules()), dict(candidate.named_modules())
     stats = {name: _LayerStats() for name in names}
     order: dict[str, int] = {}
     ref_seen = Capture(reference, {n: ref_modules[n] for n in names}, ("outputs",), _ReferenceOutputs)
-    cand_seen = Capture(candidate, {n: cand_modules[n] for n in names}, ("outputs",),
-                        lambda name, module: _CandidateOutputs(name, ref_seen, stats[name], order))
+    cand_seen = Capture(
+        candidate,
+        {n: cand_modules[n] for n in names},
+        ("outputs",),
+        lambda name, module: _CandidateOutputs(name, ref_seen, stats[name], order),
+    )
     with ref_seen, cand_seen, evaluating(reference), evaluating(candidate), torch.no_grad():
         for batch in batches(inputs):
             _run_batch(ref_seen, cand_seen, reference, candidate, batch, stats, order)
@@ -155,8 +171,15 @@ def layer_drift(reference: nn.Module, candidate: nn.Module, inputs: Inputs) -> l
     return [stats[name].result(name, types[name], index) for name, index in order.items()]
 
 
-def _run_batch(ref_seen: Capture, cand_seen: Capture, reference: nn.Module, candidate: nn.Module, batch: Call,
-               stats: dict[str, _LayerStats], order: dict[str, int]) -> None:
+def _run_batch(
+    ref_seen: Capture,
+    cand_seen: Capture,
+    reference: nn.Module,
+    candidate: nn.Module,
+    batch: Call,
+    stats: dict[str, _LayerStats],
+    order: dict[str, int],
+) -> None:
     """The reference runs (its capture alone active), then the candidate; the same model may be both."""
     ref_seen.clear(), cand_seen.clear()
     with ref_seen.paused(False), cand_seen.paused(True):
@@ -168,5 +191,7 @@ def _run_batch(ref_seen: Capture, cand_seen: Capture, reference: nn.Module, cand
     for name, stored in ref_seen.reducers["outputs"].items():
         done = cand_seen.reducers["outputs"].get(name)
         if (done.calls if done else 0) < len(stored.tensors) and not stats[name].problem:
-            stats[name].problem = "the candidate does not call it as often as the reference (or its output is not floating)"
+            stats[
+                name
+            ].problem = "the candidate does not call it as often as the reference (or its output is not floating)"
     ref_seen.clear(), cand_seen.clear()

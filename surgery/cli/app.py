@@ -11,18 +11,18 @@ from pathlib import Path
 import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from surgery.cli.config import load_config
-from surgery.core.errors import SurgeryError
 from surgery.cli.objective import WORST, objective_value
 from surgery.cli.preview import preview
 from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
 from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
+from surgery.core.errors import SurgeryError
 
 PACKAGE = Path(__file__).resolve().parents[1]  # surgery/
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
@@ -44,7 +44,7 @@ def _search_roots(overrides: list) -> list[Path] | None:
         for entry in override.value() or []:
             if not str(entry).startswith("file://"):
                 return None
-            roots.append(Path(str(entry)[len("file://"):]))
+            roots.append(Path(str(entry)[len("file://") :]))
     return roots
 
 
@@ -185,8 +185,12 @@ def main() -> None:
         launcher_error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
         print(f"surgery: error: the sweep's launcher failed: {launcher_error}", file=sys.stderr)
     if multirun and current_sweep() is None:
-        _exit_codes.append(fail("hydra.callbacks: surgery's sweep_records callback did not run, so the outcome of "
-                                "jobs in other processes is unknown; keep it in hydra.callbacks"))
+        _exit_codes.append(
+            fail(
+                "hydra.callbacks: surgery's sweep_records callback did not run, so the outcome of "
+                "jobs in other processes is unknown; keep it in hydra.callbacks"
+            )
+        )
     elif multirun:
         _exit_codes.append(_finish_sweep(launcher_error))
     sys.exit(max(_exit_codes, default=0))
@@ -199,18 +203,20 @@ def _finish_sweep(launcher_error: str | None) -> int:
         return fail(str(err).splitlines()[0])
     failed = [r for r in records if r.exit_code]
     if files:
-        print(f"sweep summary: {', '.join(str(f) for f in files)}"
-              f"{f' ({len(failed)} of {len(records)} jobs failed)' if failed else ''}")
+        print(
+            f"sweep summary: {', '.join(str(f) for f in files)}"
+            f"{f' ({len(failed)} of {len(records)} jobs failed)' if failed else ''}"
+        )
     return code
 
 
 def _interrupted(what: str, code: int, err: KeyboardInterrupt) -> int:
     published = getattr(err, "published", None)
     if published:
-        print(f"surgery: {what} after its outputs were published: {', '.join(str(p) for p in published)} are "
-              "complete", file=sys.stderr)
+        print(
+            f"surgery: {what} after its outputs were published: {', '.join(str(p) for p in published)} are complete",
+            file=sys.stderr,
+        )
     else:
         print(f"surgery: {what}; the run's outputs were left as they were", file=sys.stderr)
     return code
-
-

@@ -9,13 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery.core import importing
-
-from surgery.ops import rules
 from surgery.cli.config import BuildRuleConfig
+from surgery.core import importing
 from surgery.core.errors import ConfigError
-from surgery.ops.rules import Rule
 from surgery.core.selection import TYPE_PREFIX
+from surgery.ops import rules
+from surgery.ops.rules import Rule
 
 
 def import_object(path: str, field: str) -> Any:
@@ -27,7 +26,7 @@ def _match(spec: Any, field: str) -> Any:
     items = spec if isinstance(spec, (list, tuple)) else [spec]
     if not items or not all(isinstance(item, str) for item in items):
         raise ConfigError(field, spec, "must be 'type:ClassName', a name glob, or a list of them")
-    types = [import_object(item[len(TYPE_PREFIX):], field) for item in items if item.startswith(TYPE_PREFIX)]
+    types = [import_object(item[len(TYPE_PREFIX) :], field) for item in items if item.startswith(TYPE_PREFIX)]
     globs = [item for item in items if not item.startswith(TYPE_PREFIX)]
     for found in types:
         if not isinstance(found, type):
@@ -52,8 +51,12 @@ def _module_action(spec: BuildRuleConfig, field: str) -> Callable[[nn.Module], n
     path = spec.factory if spec.kind == "swap" else spec.wrapper
     name = "factory" if spec.kind == "swap" else "wrapper"
     if not path:
-        raise ConfigError(f"{field}.{name}", None, f"a {spec.kind} rule needs "
-                          f"{'to: CLASS or factory: CALLABLE' if spec.kind == 'swap' else 'wrapper: CALLABLE'}")
+        raise ConfigError(
+            f"{field}.{name}",
+            None,
+            f"a {spec.kind} rule needs "
+            f"{'to: CLASS or factory: CALLABLE' if spec.kind == 'swap' else 'wrapper: CALLABLE'}",
+        )
     target = import_object(path, f"{field}.{name}")
     return lambda old: target(old, **spec.kwargs)
 
@@ -96,5 +99,6 @@ def rules_from_config(specs: list[BuildRuleConfig]) -> list[Rule]:
 
 def neutral(rule_list: list[Rule]) -> list[Rule]:
     """The same matches with actions that change nothing: the build ``identity`` check."""
-    return [Rule(r.kind, r.match, (lambda old: old) if r.kind in ("swap", "wrap") else (lambda t: None))
-            for r in rule_list]
+    return [
+        Rule(r.kind, r.match, (lambda old: old) if r.kind in ("swap", "wrap") else (lambda t: None)) for r in rule_list
+    ]

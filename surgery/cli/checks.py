@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from surgery.analysis.comparison import Drift
+from surgery.cli.config import DriftThresholds
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
-from surgery.analysis.comparison import Drift, same_bits
 from surgery.core.inputs import batches, evaluating, outputs
-from surgery.cli.config import DriftThresholds
 from surgery.testing import (
-    Snapshot,
-    collect,
-    global_hook_counts,
     max_difference,
     module_hook_counts,
     snapshot,
     snapshot_differences,
 )
+
 
 @dataclass
 class CheckResult:
@@ -79,8 +76,13 @@ def merge(results: list[CheckResult], name: str) -> CheckResult:
     if not results:
         return CheckResult(name, True, None, None, "nothing to check")
     values = [r.value for r in results if r.value is not None]
-    return CheckResult(name, all(r.passed for r in results), max(values) if values else None, results[0].threshold,
-                       "; ".join(r.detail for r in results if r.detail))
+    return CheckResult(
+        name,
+        all(r.passed for r in results),
+        max(values) if values else None,
+        results[0].threshold,
+        "; ".join(r.detail for r in results if r.detail),
+    )
 
 
 def check_restore(reference: nn.Module, apply: Apply, inputs) -> CheckResult:
@@ -135,8 +137,9 @@ def check_bake(model: nn.Module, handle, factory: Callable[[], nn.Module], input
     return CheckResult("bake", not problems, worst, 0.0, "; ".join(problems))
 
 
-def check_save_load(path: Path, factory: Callable[[], nn.Module], inputs, baked: nn.Module, reattach: Reattach,
-                    reattach_saved: Reattach) -> CheckResult:
+def check_save_load(
+    path: Path, factory: Callable[[], nn.Module], inputs, baked: nn.Module, reattach: Reattach, reattach_saved: Reattach
+) -> CheckResult:
     """The written checkpoint (and saved quantization parameters), loaded into a fresh
     instance, reproduce the baked model's outputs."""
     fresh = load_checkpoint(factory(), path)
@@ -157,8 +160,10 @@ def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float
     failures = []
     counts = drift.nonfinite
     if counts.reference:
-        failures.append(f"the reference model's own outputs hold {counts.describe('reference')} values, so drift "
-                        "cannot be measured (check its weights, buffers and inputs)")
+        failures.append(
+            f"the reference model's own outputs hold {counts.describe('reference')} values, so drift "
+            "cannot be measured (check its weights, buffers and inputs)"
+        )
     if counts.candidate:
         failures.append(f"the modified model's outputs hold {counts.describe('candidate')} values")
     if failures:

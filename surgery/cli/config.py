@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from surgery.core.errors import NO_VALUE, ConfigError
-from surgery.ops.observers import QuantSpec
 from surgery.ops.criteria import as_criterion
+from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import check_pattern, validate_arguments
 
 STEPS = ("prune", "quantize", "rewrite", "finetune", "shrink")
@@ -44,14 +44,14 @@ class ModelConfig:
     """
 
     source: str = "torchvision"
-    name: Optional[str] = "resnet50"
-    weights: Optional[str] = None
+    name: str | None = "resnet50"
+    weights: str | None = None
     num_classes: int = 1000
-    task: str = "causal_lm"          # hf: which head (HF_TASKS)
-    config: Optional[dict[str, Any]] = None  # hf: AutoConfig.for_model(name, **config)
-    path: Optional[str] = None       # hf: a local pretrained folder (local_files_only, safetensors)
-    kwargs: Optional[dict[str, Any]] = None  # timm.create_model / the factory's arguments
-    _target_: Optional[str] = None   # factory: the dotted path of a callable returning the model
+    task: str = "causal_lm"  # hf: which head (HF_TASKS)
+    config: dict[str, Any] | None = None  # hf: AutoConfig.for_model(name, **config)
+    path: str | None = None  # hf: a local pretrained folder (local_files_only, safetensors)
+    kwargs: dict[str, Any] | None = None  # timm.create_model / the factory's arguments
+    _target_: str | None = None  # factory: the dotted path of a callable returning the model
 
     def __post_init__(self) -> None:
         _one_of("model.source", self.source, MODEL_SOURCES)
@@ -61,12 +61,15 @@ class ModelConfig:
             _one_of("model.task", self.task, HF_TASKS)
         if self.source == "factory":
             if not self._target_:
-                raise ConfigError("model._target_", self._target_, "model=factory needs the dotted path of a "
-                                  "callable returning the model, e.g. model._target_=torchvision.models.resnet18")
+                raise ConfigError(
+                    "model._target_",
+                    self._target_,
+                    "model=factory needs the dotted path of a "
+                    "callable returning the model, e.g. model._target_=torchvision.models.resnet18",
+                )
             self.name = self._target_  # what the report calls the model
-        elif self.source != "hf" or self.path is None:
-            if not self.name:
-                raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")
+        elif (self.source != "hf" or self.path is None) and not self.name:
+            raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")
         if self.path is not None and self.source != "hf":
             raise ConfigError("model.path", self.path, "applies to model=hf only (a local pretrained folder)")
         if self.path is not None:
@@ -88,45 +91,69 @@ class DataConfig:
     channels: int = 3
     image_size: int = 224
     seed: int = 0
-    root: Optional[str] = None         # imagefolder: a folder of class sub-folders of images
-    resize: Optional[int] = None       # imagefolder: shorter side before the centre crop (default image_size * 8/7)
+    root: str | None = None  # imagefolder: a folder of class sub-folders of images
+    resize: int | None = None  # imagefolder: shorter side before the centre crop (default image_size * 8/7)
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])  # imagefolder: normalisation
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    seq_len: int = 32                  # tokens: tokens per sequence
-    vocab_size: Optional[int] = None   # tokens: random ids below it (default: the model's config.vocab_size)
-    text: Optional[str] = None         # tokens: a local text file, tokenised by `tokenizer`
-    tokenizer: Optional[str] = None    # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
+    seq_len: int = 32  # tokens: tokens per sequence
+    vocab_size: int | None = None  # tokens: random ids below it (default: the model's config.vocab_size)
+    text: str | None = None  # tokens: a local text file, tokenised by `tokenizer`
+    tokenizer: str | None = None  # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
 
     def __post_init__(self) -> None:
         _one_of("data.kind", self.kind, DATA_KINDS)
         for name in ("batch_size", "batches", "channels", "image_size", "seq_len"):
             _positive_int(f"data.{name}", getattr(self, name))
         if self.kind == "imagefolder" and not self.root:
-            raise ConfigError("data.root", self.root, "data=imagefolder needs data.root=PATH (a folder of class "
-                              "sub-folders of images)")
+            raise ConfigError(
+                "data.root",
+                self.root,
+                "data=imagefolder needs data.root=PATH (a folder of class sub-folders of images)",
+            )
         if self.vocab_size is not None:
             _positive_int("data.vocab_size", self.vocab_size)
         if self.resize is not None:
             _positive_int("data.resize", self.resize)
             if self.resize < self.image_size:
-                raise ConfigError("data.resize", self.resize, f"must be null or an integer >= data.image_size "
-                                  f"({self.image_size}): the image is resized, then centre-cropped to image_size")
+                raise ConfigError(
+                    "data.resize",
+                    self.resize,
+                    f"must be null or an integer >= data.image_size "
+                    f"({self.image_size}): the image is resized, then centre-cropped to image_size",
+                )
         for name, lowest in (("mean", None), ("std", 0.0)):
             values = getattr(self, name)
-            if not isinstance(values, (list, tuple)) or not values or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                    and (lowest is None or v > lowest) for v in values):
-                raise ConfigError(f"data.{name}", list(values) if isinstance(values, (list, tuple)) else values,
-                                  "must be a list of finite numbers" + (", every std positive" if lowest == 0.0 else ""))
+            if (
+                not isinstance(values, (list, tuple))
+                or not values
+                or not all(
+                    isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                    and math.isfinite(v)
+                    and (lowest is None or v > lowest)
+                    for v in values
+                )
+            ):
+                raise ConfigError(
+                    f"data.{name}",
+                    list(values) if isinstance(values, (list, tuple)) else values,
+                    "must be a list of finite numbers" + (", every std positive" if lowest == 0.0 else ""),
+                )
         if self.kind == "imagefolder" and self.channels not in (1, 3):
             raise ConfigError("data.channels", self.channels, "must be 3 (RGB) or 1 (grayscale) for data=imagefolder")
         for name in ("mean", "std") if self.kind == "imagefolder" else ():
             if len(getattr(self, name)) not in (1, self.channels):
-                raise ConfigError(f"data.{name}", list(getattr(self, name)), f"needs one value per channel "
-                                  f"({self.channels}, data.channels) or one for all")
+                raise ConfigError(
+                    f"data.{name}",
+                    list(getattr(self, name)),
+                    f"needs one value per channel ({self.channels}, data.channels) or one for all",
+                )
         if (self.text is None) != (self.tokenizer is None):
-            raise ConfigError("data.text" if self.text is None else "data.tokenizer", None,
-                              "data.text and data.tokenizer go together (a text file and a local tokenizer folder)")
+            raise ConfigError(
+                "data.text" if self.text is None else "data.tokenizer",
+                None,
+                "data.text and data.tokenizer go together (a text file and a local tokenizer folder)",
+            )
 
 
 class _PlainYaml(yaml.SafeLoader):
@@ -135,8 +162,9 @@ class _PlainYaml(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.events.AliasEvent) or getattr(self.peek_event(), "anchor", None):
-            raise yaml.composer.ComposerError(None, None, "anchors and aliases are not allowed in a plan",
-                                              self.peek_event().start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, "anchors and aliases are not allowed in a plan", self.peek_event().start_mark
+            )
         return super().compose_node(parent, index)
 
 
@@ -148,7 +176,9 @@ def read_plan_yaml(path: str, field: str) -> Any:
     the safe ones, no aliases."""
     try:
         if os.path.getsize(path) > PLAN_BYTES:
-            raise ConfigError(field, path, f"is larger than {PLAN_BYTES // 2**20} MiB; a plan lists one amount per layer")
+            raise ConfigError(
+                field, path, f"is larger than {PLAN_BYTES // 2**20} MiB; a plan lists one amount per layer"
+            )
         with open(path, encoding="utf-8") as handle:
             return yaml.load(handle, Loader=_PlainYaml)  # noqa: S506 - a SafeLoader subclass
     except (OSError, UnicodeDecodeError) as err:
@@ -157,8 +187,9 @@ def read_plan_yaml(path: str, field: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(field, path, f"is not a plain YAML plan{where} ({' '.join(str(problem).split())[:120]})"
-                          ) from None
+        raise ConfigError(
+            field, path, f"is not a plain YAML plan{where} ({' '.join(str(problem).split())[:120]})"
+        ) from None
 
 
 @dataclass
@@ -173,7 +204,7 @@ class PruneConfig:
     n: Any = 2.0
     dim: int = 0
     seed: int = 0
-    pattern: Optional[str] = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
+    pattern: str | None = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
     calibration_batches: int = 8  # batches of the data's calibration split, for calibrated methods
     blocks: Any = None  # sparsegpt: blocks calibrated in sequence (null: found automatically; false: layer by layer)
     amounts: Any = None  # {layer: amount} overriding amount, or the path of a plan.yaml from recipe=sensitivity
@@ -204,9 +235,17 @@ class PruneConfig:
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.prune` (without calibration)."""
         blocks = {} if self.blocks is None else {"blocks": self.blocks}
-        return {"method": self.method, "scope": self.scope, "select": self.select,
-                "exclude": self.exclude or None, "n": self.n, "dim": self.dim, "seed": self.seed,
-                "pattern": self.pattern, "amounts": self.layer_amounts()} | blocks
+        return {
+            "method": self.method,
+            "scope": self.scope,
+            "select": self.select,
+            "exclude": self.exclude or None,
+            "n": self.n,
+            "dim": self.dim,
+            "seed": self.seed,
+            "pattern": self.pattern,
+            "amounts": self.layer_amounts(),
+        } | blocks
 
 
 @dataclass
@@ -245,17 +284,21 @@ class SensitivityConfig:
     method: str = "l1_unstructured"
     select: Any = None
     exclude: Any = None
-    target_sparsity: Optional[float] = None
+    target_sparsity: float | None = None
     calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
-    bits: Optional[list[int]] = None  # quantize each layer's weight alone at these widths instead of pruning
-    weights: Optional[QuantSettings] = None  # with bits: the other weight settings (default int per channel)
+    bits: list[int] | None = None  # quantize each layer's weight alone at these widths instead of pruning
+    weights: QuantSettings | None = None  # with bits: the other weight settings (default int per channel)
 
     def __post_init__(self) -> None:
         validate_arguments(0.5, self.method, "layer", 2.0, 0)
         _positive_int("sensitivity.calibration_batches", self.calibration_batches)
         if self.bits is not None and self.target_sparsity is not None:
-            raise ConfigError("sensitivity.target_sparsity", self.target_sparsity, "plans pruning amounts, and "
-                              "sensitivity.bits measures quantization; pass sensitivity.target_sparsity=null with it")
+            raise ConfigError(
+                "sensitivity.target_sparsity",
+                self.target_sparsity,
+                "plans pruning amounts, and "
+                "sensitivity.bits measures quantization; pass sensitivity.target_sparsity=null with it",
+            )
         if self.bits is not None:
             for width in self.bits:
                 if not 2 <= width <= 8:
@@ -266,8 +309,11 @@ class SensitivityConfig:
                 raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")
         target = self.target_sparsity
         if target is not None and not 0.0 <= target <= max(self.amounts, default=0.0):
-            raise ConfigError("sensitivity.target_sparsity", target, f"must be null or a number in "
-                              f"[0, {max(self.amounts, default=0.0):g}] (the largest amount tried)")
+            raise ConfigError(
+                "sensitivity.target_sparsity",
+                target,
+                f"must be null or a number in [0, {max(self.amounts, default=0.0):g}] (the largest amount tried)",
+            )
 
     def weight_spec(self) -> QuantSpec | None:
         return _spec(self.weights, "sensitivity.weights")
@@ -285,7 +331,7 @@ class QuantSettings:
     percentile: float = 99.99
     averaging: float = 0.01
     method: str = "rtn"  # weights: rtn (round to nearest) or gptq (calibrated)
-    group_size: Optional[int] = None  # weights: one scale per this many consecutive inputs of each output
+    group_size: int | None = None  # weights: one scale per this many consecutive inputs of each output
 
 
 def _spec(settings: QuantSettings | QuantSpec | None, field_name: str) -> QuantSpec | None:
@@ -302,15 +348,16 @@ class QuantizeConfig:
     split (training images for ``digits``, differently seeded noise for ``synthetic``).
     """
 
-    weights: Optional[QuantSettings] = field(default_factory=lambda: QuantSettings(bits=8, symmetric=True,
-                                                                                   per_channel=True))
-    activations: Optional[QuantSettings] = None
+    weights: QuantSettings | None = field(
+        default_factory=lambda: QuantSettings(bits=8, symmetric=True, per_channel=True)
+    )
+    activations: QuantSettings | None = None
     select: Any = None
     exclude: Any = None
     where: str = "output"
     calibration_batches: int = 4
     train: bool = False  # quantization-aware training: float shadows, fake-quantized in the forward
-    freeze_observers_after: Optional[int] = None  # with train: optimizer steps before activation ranges freeze
+    freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
 
     def __post_init__(self) -> None:
         if self.weights is None and self.activations is None:
@@ -333,9 +380,15 @@ class QuantizeConfig:
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
-        return {"weights": self.weight_spec(), "activations": self.activation_spec(), "select": self.select,
-                "exclude": self.exclude or None, "where": self.where, "train": self.train,
-                "freeze_observers_after": self.freeze_observers_after}
+        return {
+            "weights": self.weight_spec(),
+            "activations": self.activation_spec(),
+            "select": self.select,
+            "exclude": self.exclude or None,
+            "where": self.where,
+            "train": self.train,
+            "freeze_observers_after": self.freeze_observers_after,
+        }
 
 
 @dataclass
@@ -348,7 +401,7 @@ class FinetuneConfig:
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     batch_size: int = 32
-    eval_every: Optional[int] = None  # steps between accuracy points of the curve (default: each epoch)
+    eval_every: int | None = None  # steps between accuracy points of the curve (default: each epoch)
 
     def __post_init__(self) -> None:
         from surgery.ops.finetuning import OPTIMIZERS
@@ -378,19 +431,24 @@ class RewriteConfig:
     exclude: Any = None
 
 
-DRIFT_RANGES = {"min_cosine": (-1.0, 1.0), "min_sqnr_db": (-math.inf, math.inf), "min_top1_agreement": (0.0, 1.0),
-                "max_abs": (0.0, math.inf), "max_accuracy_drop": (0.0, 100.0)}
+DRIFT_RANGES = {
+    "min_cosine": (-1.0, 1.0),
+    "min_sqnr_db": (-math.inf, math.inf),
+    "min_top1_agreement": (0.0, 1.0),
+    "max_abs": (0.0, math.inf),
+    "max_accuracy_drop": (0.0, 100.0),
+}
 
 
 @dataclass
 class DriftThresholds:
     """Bounds the drift check enforces between the original and the modified model."""
 
-    min_cosine: Optional[float] = None
-    min_sqnr_db: Optional[float] = None
-    min_top1_agreement: Optional[float] = None
-    max_abs: Optional[float] = None
-    max_accuracy_drop: Optional[float] = None  # in points (percent), with labelled data
+    min_cosine: float | None = None
+    min_sqnr_db: float | None = None
+    min_top1_agreement: float | None = None
+    max_abs: float | None = None
+    max_accuracy_drop: float | None = None  # in points (percent), with labelled data
 
     def __post_init__(self) -> None:
         for name, (low, high) in DRIFT_RANGES.items():
@@ -445,13 +503,13 @@ class BuildRuleConfig:
 
     kind: str = "swap"
     match: Any = None
-    to: Optional[str] = None
-    factory: Optional[str] = None
-    wrapper: Optional[str] = None
+    to: str | None = None
+    factory: str | None = None
+    wrapper: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
-    dtype: Optional[str] = None
-    requires_grad: Optional[bool] = None
-    init: Optional[str] = None
+    dtype: str | None = None
+    requires_grad: bool | None = None
+    init: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("build[].kind", self.kind, BUILD_KINDS)
@@ -460,10 +518,15 @@ class BuildRuleConfig:
 
 
 OBJECTIVE_METRICS = {  # name -> (report path, bound kind in subject_to: "min" = at least, "max" = at most)
-    "sparsity": ("sparsity", "min"), "cosine": ("drift.cosine", "min"), "sqnr_db": ("drift.sqnr_db", "min"),
-    "top1_agreement": ("drift.top1_agreement", "min"), "max_abs": ("drift.max_abs", "max"),
-    "accuracy": ("accuracy.candidate", "min"), "accuracy_drop": ("accuracy.drop_points", "max"),
-    "perplexity": ("perplexity.candidate", "max"), "params_nonzero": ("params.nonzero", "max"),
+    "sparsity": ("sparsity", "min"),
+    "cosine": ("drift.cosine", "min"),
+    "sqnr_db": ("drift.sqnr_db", "min"),
+    "top1_agreement": ("drift.top1_agreement", "min"),
+    "max_abs": ("drift.max_abs", "max"),
+    "accuracy": ("accuracy.candidate", "min"),
+    "accuracy_drop": ("accuracy.drop_points", "max"),
+    "perplexity": ("perplexity.candidate", "max"),
+    "params_nonzero": ("params.nonzero", "max"),
 }
 
 
@@ -474,17 +537,23 @@ class ObjectiveConfig:
     ``subject_to`` bound is missed (``cosine: 0.95`` = at least 0.95; ``max_abs``,
     ``accuracy_drop``, ``perplexity``, ``params_nonzero`` are upper bounds)."""
 
-    maximize: Optional[str] = None
-    minimize: Optional[str] = None
+    maximize: str | None = None
+    minimize: str | None = None
     subject_to: dict[str, float] = field(default_factory=dict)
     penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if (self.maximize is None) == (self.minimize is None):
-            raise ConfigError("objective", {"maximize": self.maximize, "minimize": self.minimize},
-                              "set exactly one of objective.maximize and objective.minimize")
-        for key, name in (("maximize", self.maximize), ("minimize", self.minimize), *(
-                (f"subject_to.{bound}", bound) for bound in self.subject_to)):
+            raise ConfigError(
+                "objective",
+                {"maximize": self.maximize, "minimize": self.minimize},
+                "set exactly one of objective.maximize and objective.minimize",
+            )
+        for key, name in (
+            ("maximize", self.maximize),
+            ("minimize", self.minimize),
+            *((f"subject_to.{bound}", bound) for bound in self.subject_to),
+        ):
             if name is not None:
                 _one_of(f"objective.{key}", name, tuple(OBJECTIVE_METRICS))
         if not math.isfinite(self.penalty) or self.penalty <= 0:
@@ -502,40 +571,59 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     build: list[BuildRuleConfig] = field(default_factory=list)
     steps: list[str] = field(default_factory=list)
-    prune: Optional[PruneConfig] = None
-    quantize: Optional[QuantizeConfig] = None
-    rewrite: Optional[RewriteConfig] = None
-    finetune: Optional[FinetuneConfig] = None
-    shrink: Optional[ShrinkConfig] = None
+    prune: PruneConfig | None = None
+    quantize: QuantizeConfig | None = None
+    rewrite: RewriteConfig | None = None
+    finetune: FinetuneConfig | None = None
+    shrink: ShrinkConfig | None = None
     inspect: bool = False
-    sensitivity: Optional[SensitivityConfig] = None  # per-layer sensitivity table and plan (recipe=sensitivity)
-    objective: Optional[ObjectiveConfig] = None  # what a search (hydra/sweeper=optuna) optimises
+    sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and plan (recipe=sensitivity)
+    objective: ObjectiveConfig | None = None  # what a search (hydra/sweeper=optuna) optimises
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
         if not self.steps and not self.build and not self.inspect and self.sensitivity is None:
-            raise ConfigError("steps", self.steps, f"must list at least one of {', '.join(STEPS)} "
-                              "(or the recipe must have build: rules)")
+            raise ConfigError(
+                "steps",
+                self.steps,
+                f"must list at least one of {', '.join(STEPS)} (or the recipe must have build: rules)",
+            )
         for index, step in enumerate(self.steps):
             _one_of("steps", step, STEPS)
             if step in self.steps[:index]:
-                raise ConfigError("steps", self.steps, f"lists '{step}' twice; each step runs once, with its "
-                                  f"'{step}:' settings")
+                raise ConfigError(
+                    "steps", self.steps, f"lists '{step}' twice; each step runs once, with its '{step}:' settings"
+                )
             if getattr(self, step) is None:
                 raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
         if self.objective is not None:
-            needs = {name: OBJECTIVE_METRICS[name][0].split(".")[0] for name in
-                     [self.objective.maximize, self.objective.minimize, *self.objective.subject_to] if name}
+            needs = {
+                name: OBJECTIVE_METRICS[name][0].split(".")[0]
+                for name in [self.objective.maximize, self.objective.minimize, *self.objective.subject_to]
+                if name
+            }
             for name, part in needs.items():
-                if part == "accuracy" and self.data.kind not in LABELLED_KINDS or \
-                        part == "perplexity" and self.data.kind != "tinylm":
-                    raise ConfigError("objective", name, f"needs {'labelled' if part == 'accuracy' else 'tinylm'} "
-                                      f"data and data.kind is {self.data.kind!r}")
+                if (
+                    part == "accuracy"
+                    and self.data.kind not in LABELLED_KINDS
+                    or part == "perplexity"
+                    and self.data.kind != "tinylm"
+                ):
+                    raise ConfigError(
+                        "objective",
+                        name,
+                        f"needs {'labelled' if part == 'accuracy' else 'tinylm'} "
+                        f"data and data.kind is {self.data.kind!r}",
+                    )
         if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
-            raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is "
-                              f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder")
+            raise ConfigError(
+                "finetune",
+                NO_VALUE,
+                f"needs labelled training data and data.kind is "
+                f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder",
+            )
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -554,11 +642,18 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             cfg = OmegaConf.to_container(cfg, resolve=True)
         _check_integers(cfg, "")
         cfg = {"sensitivity": None, "objective": None, **cfg}  # typed by the schema; absent = not used
-        schema = OmegaConf.structured(RunConfig(steps=["prune"], prune=PruneConfig(),
-                                                quantize=QuantizeConfig(activations=QuantSettings()),
-                                                rewrite=RewriteConfig(), finetune=FinetuneConfig(),
-                                                shrink=ShrinkConfig(), sensitivity=SensitivityConfig(),
-                                                objective=ObjectiveConfig(maximize="sparsity")))
+        schema = OmegaConf.structured(
+            RunConfig(
+                steps=["prune"],
+                prune=PruneConfig(),
+                quantize=QuantizeConfig(activations=QuantSettings()),
+                rewrite=RewriteConfig(),
+                finetune=FinetuneConfig(),
+                shrink=ShrinkConfig(),
+                sensitivity=SensitivityConfig(),
+                objective=ObjectiveConfig(maximize="sparsity"),
+            )
+        )
         merged = OmegaConf.merge(schema, cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -577,8 +672,11 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
 def _check_integers(value: Any, key: str) -> None:
     """Refuse integers outside 64 bits (seeds, counts, amounts typed as huge integers) by name."""
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
-        raise ConfigError(key, f"a {len(str(abs(value)))}-digit integer", "is out of range: numbers must fit in "
-                          f"64 bits ([{INT64[0]}, {INT64[1]}])")
+        raise ConfigError(
+            key,
+            f"a {len(str(abs(value)))}-digit integer",
+            f"is out of range: numbers must fit in 64 bits ([{INT64[0]}, {INT64[1]}])",
+        )
     if isinstance(value, dict):
         for name, item in value.items():
             _check_integers(item, f"{key}.{name}" if key else str(name))

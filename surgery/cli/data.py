@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,6 @@ from torch import Tensor, nn
 from surgery.cli.config import DataConfig
 from surgery.cli.hf_folders import refuse_custom_code
 from surgery.core.errors import NO_VALUE, ConfigError
-
 
 log = logging.getLogger("surgery")
 
@@ -94,7 +94,7 @@ class ImageFolderBatches(Sequence):
         if not -len(self) <= index < len(self):
             raise IndexError(index)
         index %= len(self)
-        images = [_image(self.folder, i) for i in self.indices[index * self.batch_size:(index + 1) * self.batch_size]]
+        images = [_image(self.folder, i) for i in self.indices[index * self.batch_size : (index + 1) * self.batch_size]]
         return torch.stack([x for x, _ in images]), torch.tensor([y for _, y in images])
 
 
@@ -104,8 +104,9 @@ LabelledBatches = Callable[..., list[tuple[Tensor, Tensor]]]  # (split, batch_si
 def labelled_source(kind: str, config: DataConfig | None = None) -> LabelledBatches | None:
     """The batch function of a labelled data set (its fixed train/test split), or None."""
     if kind == "imagefolder" and config is not None:
-        return lambda split, batch_size, limit_batches=None: image_folder_batches(config, split, batch_size,
-                                                                                  limit_batches)
+        return lambda split, batch_size, limit_batches=None: image_folder_batches(
+            config, split, batch_size, limit_batches
+        )
     if kind == "digits":
         from surgery.cli.digits import digits_batches
 
@@ -147,26 +148,37 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
     """``count`` labelled training batches, for criteria that take gradients (taylor)."""
     source = labelled_source(config.kind, config)
     if source is None:
-        raise ConfigError(field, NO_VALUE, f"needs labelled batches (inputs, target) for its gradients and data.kind "
-                          f"is {config.kind!r}; use data=digits, mnist1d, tinylm or imagefolder")
+        raise ConfigError(
+            field,
+            NO_VALUE,
+            f"needs labelled batches (inputs, target) for its gradients and data.kind "
+            f"is {config.kind!r}; use data=digits, mnist1d, tinylm or imagefolder",
+        )
     return source("train", config.batch_size, limit_batches=count)
 
 
-def training_data(config: DataConfig, batch_size: int) -> tuple[list[tuple[Tensor, Tensor]], Callable[[nn.Module], float]]:
+def training_data(
+    config: DataConfig, batch_size: int
+) -> tuple[list[tuple[Tensor, Tensor]], Callable[[nn.Module], float]]:
     """Labelled training batches (the training split) and an accuracy function over the
     evaluation batches, for the ``finetune`` step."""
     source = labelled_source(config.kind, config)
     if source is None:
-        raise ConfigError("finetune", NO_VALUE, f"needs labelled training data and data.kind is {config.kind!r}; "
-                          "use data=digits, mnist1d, tinylm or imagefolder")
+        raise ConfigError(
+            "finetune",
+            NO_VALUE,
+            f"needs labelled training data and data.kind is {config.kind!r}; "
+            "use data=digits, mnist1d, tinylm or imagefolder",
+        )
     from surgery.cli.digits import accuracy
 
     evaluation = load_data(config)
     return source("train", batch_size), lambda model: accuracy(model, evaluation.labelled())
 
 
-def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_batches: int | None = None
-                         ) -> ImageFolderBatches:
+def image_folder_batches(
+    config: DataConfig, split: str, batch_size: int, limit_batches: int | None = None
+) -> ImageFolderBatches:
     """Labelled batches of a torchvision ``ImageFolder`` (resize, centre crop, normalise), in a
     fixed order: ``test`` is the first ``data.batches`` batches, ``train`` (calibration) the
     images after them, or the same ones when the folder holds no more."""
@@ -176,21 +188,27 @@ def image_folder_batches(config: DataConfig, split: str, batch_size: int, limit_
     resize = config.resize or round(size * 8 / 7)
     _check_fits_in_memory((batch_size, config.channels, resize, resize), field="data.resize")
     grayscale = [transforms.Grayscale(1)] if config.channels == 1 else []
-    transform = transforms.Compose([*grayscale, transforms.Resize(resize), transforms.CenterCrop(size),
-                                    transforms.ToTensor(), transforms.Normalize(config.mean, config.std)])
+    transform = transforms.Compose(
+        [
+            *grayscale,
+            transforms.Resize(resize),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize(config.mean, config.std),
+        ]
+    )
     _refuse_folder_loops(config.root)
     try:
         folder = datasets.ImageFolder(config.root, transform=transform)
     except (FileNotFoundError, OSError) as err:
-        raise ConfigError("data.root", config.root, f"is not a folder of class sub-folders of images ({err})"
-                          ) from None
+        raise ConfigError("data.root", config.root, f"is not a folder of class sub-folders of images ({err})") from None
     order = _classes_interleaved([label for _, label in folder.samples])
     evaluation = min(len(folder), config.batches * batch_size)
     indices = order[:evaluation] if split == "test" else order[evaluation:] or order[:evaluation]
     if split == "test" and len({folder.samples[i][1] for i in indices}) < min(2, len(folder.classes)):
         log.warning("data.root: the evaluation images cover one class only; accuracy says little")
     if limit_batches is not None:
-        indices = indices[:limit_batches * batch_size]
+        indices = indices[: limit_batches * batch_size]
     return ImageFolderBatches(folder, indices, batch_size)
 
 
@@ -202,8 +220,11 @@ def _image(folder: Any, index: int) -> tuple[Tensor, int]:
     try:
         return folder[index]
     except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise ConfigError("data.root", folder.samples[index][0], f"cannot be read as an image "
-                          f"({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
+        raise ConfigError(
+            "data.root",
+            folder.samples[index][0],
+            f"cannot be read as an image ({type(err).__name__}: {' '.join(str(err).split())[:160]})",
+        ) from None
 
 
 def _refuse_folder_loops(root: str) -> None:
@@ -213,8 +234,12 @@ def _refuse_folder_loops(root: str) -> None:
     for path, _, _ in os.walk(root, followlinks=True):
         real = os.path.realpath(path)
         if real in seen:
-            raise ConfigError("data.root", root, f"reaches the folder {real} twice ({seen[real]} and {path}): a "
-                              "symbolic link loop, or two links to one folder, would repeat its images")
+            raise ConfigError(
+                "data.root",
+                root,
+                f"reaches the folder {real} twice ({seen[real]} and {path}): a "
+                "symbolic link loop, or two links to one folder, would repeat its images",
+            )
         seen[real] = path
         if len(seen) > 100_000:
             raise ConfigError("data.root", root, "holds more than 100000 folders")
@@ -251,7 +276,7 @@ class TokenBatches(Sequence):
             else:
                 step = shape[0] * shape[1]
                 start = (index * step + self.seed * 7919 * step) % max(len(self.ids) - step, 1)
-                ids = self.ids[start:start + step].reshape(shape)
+                ids = self.ids[start : start + step].reshape(shape)
             yield {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long)}
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:  # type: ignore[override]
@@ -260,8 +285,11 @@ class TokenBatches(Sequence):
 
 def token_dicts(config: DataConfig, seed: int, count: int) -> TokenBatches:
     if config.vocab_size is None and config.text is None:
-        raise ConfigError("data.vocab_size", None, "data=tokens needs the vocabulary size (taken from the model's "
-                          "config.vocab_size when it has one)")
+        raise ConfigError(
+            "data.vocab_size",
+            None,
+            "data=tokens needs the vocabulary size (taken from the model's config.vocab_size when it has one)",
+        )
     _check_fits_in_memory((config.batch_size, config.seq_len), itemsize=8)
     return TokenBatches(config, seed, count)
 
@@ -275,21 +303,31 @@ def _tokenised(config: DataConfig) -> Tensor:
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer file raises (JSON, KeyError, OSError)
-        raise ConfigError("data.tokenizer", config.tokenizer, f"cannot be loaded as a tokenizer ({type(err).__name__}: "
-                          f"{' '.join(str(err).split())[:160]})") from None
+        raise ConfigError(
+            "data.tokenizer",
+            config.tokenizer,
+            f"cannot be loaded as a tokenizer ({type(err).__name__}: {' '.join(str(err).split())[:160]})",
+        ) from None
     try:
-        text = open(config.text, encoding="utf-8").read()
+        text = Path(config.text).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError("data.text", config.text, f"is not UTF-8 text (byte {err.start}: {err.reason})") from None
     except OSError as err:
         raise ConfigError("data.text", config.text, f"cannot be read: {' '.join(str(err).split())[:160]}") from None
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     if config.vocab_size is not None and len(ids) and int(ids.max()) >= config.vocab_size:
-        raise ConfigError("data.tokenizer", config.tokenizer, f"gives token ids up to {int(ids.max())}, beyond the "
-                          f"model's vocabulary of {config.vocab_size}; use the model's own tokenizer")
+        raise ConfigError(
+            "data.tokenizer",
+            config.tokenizer,
+            f"gives token ids up to {int(ids.max())}, beyond the "
+            f"model's vocabulary of {config.vocab_size}; use the model's own tokenizer",
+        )
     if len(ids) < config.batch_size * config.seq_len:
-        raise ConfigError("data.text", config.text, f"holds {len(ids)} tokens, fewer than one batch "
-                          f"({config.batch_size} × {config.seq_len})")
+        raise ConfigError(
+            "data.text",
+            config.text,
+            f"holds {len(ids)} tokens, fewer than one batch ({config.batch_size} × {config.seq_len})",
+        )
     return ids
 
 
@@ -318,10 +356,17 @@ def _check_fits_in_memory(shape: tuple[int, ...], itemsize: int = 4, field: str 
     if needed > available // 4:
         if len(shape) == 2:  # token ids
             field = "data.seq_len" if shape[1] >= shape[0] else "data.batch_size"
-            raise ConfigError(field, shape[1] if field == "data.seq_len" else shape[0], f"one batch of {shape} token "
-                              f"ids needs {needed / 2**30:.1f} GiB, more than a quarter of this machine's "
-                              f"{available / 2**30:.1f} GiB")
+            raise ConfigError(
+                field,
+                shape[1] if field == "data.seq_len" else shape[0],
+                f"one batch of {shape} token "
+                f"ids needs {needed / 2**30:.1f} GiB, more than a quarter of this machine's "
+                f"{available / 2**30:.1f} GiB",
+            )
         field = field or ("data.image_size" if shape[2] * shape[3] >= shape[0] * shape[1] else "data.batch_size")
-        raise ConfigError(field, shape[0] if field == "data.batch_size" else shape[2],
-                          f"one batch of shape {shape} needs {needed / 2**30:.1f} GiB, more than a quarter of this "
-                          f"machine's {available / 2**30:.1f} GiB; use smaller batches or images")
+        raise ConfigError(
+            field,
+            shape[0] if field == "data.batch_size" else shape[2],
+            f"one batch of shape {shape} needs {needed / 2**30:.1f} GiB, more than a quarter of this "
+            f"machine's {available / 2**30:.1f} GiB; use smaller batches or images",
+        )

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.cli.outputs import logits_of
-from surgery.core.inputs import as_call, evaluating
 from surgery.core.errors import ConfigError
+from surgery.core.inputs import as_call, evaluating
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"
 SPLITS = ("train", "test")
@@ -91,8 +91,9 @@ def digits_split(split: str, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     return images[index], labels[index]
 
 
-def digits_batches(split: str, batch_size: int, *, limit_batches: int | None = None,
-                   seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+def digits_batches(
+    split: str, batch_size: int, *, limit_batches: int | None = None, seed: int = 0
+) -> list[tuple[Tensor, Tensor]]:
     """Cut one side of the digits split into (images, labels) batches in a fixed order.
 
     Args:
@@ -111,8 +112,9 @@ def digits_batches(split: str, batch_size: int, *, limit_batches: int | None = N
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError("data.batch_size", batch_size, "must be an integer >= 1")
-    if limit_batches is not None and (isinstance(limit_batches, bool)
-                                      or not isinstance(limit_batches, int) or limit_batches < 1):
+    if limit_batches is not None and (
+        isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1
+    ):
         raise ConfigError("data.limit_batches", limit_batches, "must be null or an integer >= 1")
     images, labels = digits_split(split, seed=seed)
     batches = list(zip(images.split(batch_size), labels.split(batch_size), strict=True))
@@ -138,9 +140,13 @@ def accuracy(model: nn.Module, batches: Batches) -> float:
         for inputs, labels in batches:
             logits = logits_of(as_call(inputs, "data")(model))
             if labels.numel() and int(labels.max()) >= logits.shape[-1]:
-                raise ConfigError("model.num_classes", logits.shape[-1], f"the data has labels up to "
-                                  f"{int(labels.max())}: the model must score at least {int(labels.max()) + 1} "
-                                  "classes")
+                raise ConfigError(
+                    "model.num_classes",
+                    logits.shape[-1],
+                    f"the data has labels up to "
+                    f"{int(labels.max())}: the model must score at least {int(labels.max()) + 1} "
+                    "classes",
+                )
             correct += int((logits.argmax(-1) == labels).sum())
             total += labels.numel()
     if total == 0:
@@ -190,8 +196,7 @@ def train(seed: int = 0, epochs: int = 8, *, batch_size: int = 32, lr: float = 3
         torch.set_num_threads(threads)
 
 
-def _fit(images: Tensor, labels: Tensor, seed: int, epochs: int, batch_size: int,
-         lr: float) -> DigitsCNN:
+def _fit(images: Tensor, labels: Tensor, seed: int, epochs: int, batch_size: int, lr: float) -> DigitsCNN:
     """The training loop of :func:`train`; seeds and consumes torch's global random state."""
     torch.manual_seed(seed)
     model = DigitsCNN()
@@ -219,8 +224,9 @@ def _load_digits() -> tuple[Tensor, Tensor]:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise ConfigError("data.name", "digits", "needs scikit-learn, which is not installed",
-                          hint="pip install scikit-learn") from None
+        raise ConfigError(
+            "data.name", "digits", "needs scikit-learn, which is not installed", hint="pip install scikit-learn"
+        ) from None
     bunch = load_digits()
     images = torch.from_numpy(np.asarray(bunch.images, dtype=np.float32) / 16.0).unsqueeze(1)
     return images.contiguous(), torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))

@@ -28,5 +28,9 @@ def refuse_custom_code(folder: str | None, field: str) -> None:
         return
     for name in CONFIG_FILES:
         if "auto_map" in read_config(folder, name):
-            raise ConfigError(field, folder, f"asks to run its own code ('auto_map' in {name}); surgery never runs code "
-                              "from a model or data folder: use a folder of a class transformers ships")
+            raise ConfigError(
+                field,
+                folder,
+                f"asks to run its own code ('auto_map' in {name}); surgery never runs code "
+                "from a model or data folder: use a folder of a class transformers ships",
+            )

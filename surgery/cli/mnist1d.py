@@ -80,16 +80,18 @@ def mnist1d_batches(split: str, batch_size: int, *, limit_batches: int | None = 
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError("data.batch_size", batch_size, "must be an integer >= 1")
-    if limit_batches is not None and (isinstance(limit_batches, bool)
-                                      or not isinstance(limit_batches, int) or limit_batches < 1):
+    if limit_batches is not None and (
+        isinstance(limit_batches, bool) or not isinstance(limit_batches, int) or limit_batches < 1
+    ):
         raise ConfigError("data.limit_batches", limit_batches, "must be null or an integer >= 1")
     signals, labels = mnist1d_split(split)
     batches = list(zip(signals.split(batch_size), labels.split(batch_size), strict=True))
     return batches if limit_batches is None else batches[:limit_batches]
 
 
-def train(seed: int = 0, epochs: int = 60, *, batch_size: int = 100, lr: float = 3e-3,
-          weight_decay: float = 1e-4) -> MNIST1DCNN:
+def train(
+    seed: int = 0, epochs: int = 60, *, batch_size: int = 100, lr: float = 3e-3, weight_decay: float = 1e-4
+) -> MNIST1DCNN:
     """Train a fresh :class:`MNIST1DCNN` on the training split with AdamW and a cosine schedule,
     on one CPU thread (restored afterwards), seeded; torch's global random state is left as it
     was. About half a minute on one core.
@@ -130,10 +132,16 @@ def _generate() -> dict[str, Tensor]:
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError:
-        raise ConfigError("data.kind", "mnist1d", "needs the mnist1d package, which is not installed",
-                          hint="pip install 'surgery[cli]'") from None
+        raise ConfigError(
+            "data.kind",
+            "mnist1d",
+            "needs the mnist1d package, which is not installed",
+            hint="pip install 'surgery[cli]'",
+        ) from None
     data = make_dataset(get_dataset_args())
-    return {"x": torch.from_numpy(np.asarray(data["x"], dtype=np.float32)),
-            "y": torch.from_numpy(np.asarray(data["y"], dtype=np.int64)),
-            "x_test": torch.from_numpy(np.asarray(data["x_test"], dtype=np.float32)),
-            "y_test": torch.from_numpy(np.asarray(data["y_test"], dtype=np.int64))}
+    return {
+        "x": torch.from_numpy(np.asarray(data["x"], dtype=np.float32)),
+        "y": torch.from_numpy(np.asarray(data["y"], dtype=np.int64)),
+        "x_test": torch.from_numpy(np.asarray(data["x_test"], dtype=np.float32)),
+        "y_test": torch.from_numpy(np.asarray(data["y_test"], dtype=np.int64)),
+    }

@@ -13,24 +13,25 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from surgery.core.checkpoints import load_checkpoint
-from surgery.cli.config import ModelConfig
 from surgery.cli import digits, mnist1d, tinylm
+from surgery.cli.config import ModelConfig
 from surgery.cli.hf_folders import read_config, refuse_custom_code
+from surgery.cli.outputs import describe_batch, first_sample
+from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_object
 from surgery.core.inputs import as_call
-from surgery.cli.outputs import describe_batch, first_sample
-from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.core.selection import describe
+from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.ops.rules import Rule
-
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
 SHIPPED_DATA = {"digits_cnn": "digits", "mnist1d_cnn": "mnist1d", "tinylm": "tinylm"}  # the data each was trained on
-SHIPPED_MODELS = {"digits_cnn": (digits.DigitsCNN, digits.CHECKPOINT),  # source -> (class, trained checkpoint)
-                  "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT),
-                  "tinylm": (tinylm.TinyLM, tinylm.CHECKPOINT)}
+SHIPPED_MODELS = {
+    "digits_cnn": (digits.DigitsCNN, digits.CHECKPOINT),  # source -> (class, trained checkpoint)
+    "mnist1d_cnn": (mnist1d.MNIST1DCNN, mnist1d.CHECKPOINT),
+    "tinylm": (tinylm.TinyLM, tinylm.CHECKPOINT),
+}
 
 
 def torchvision_names() -> list[str]:
@@ -47,14 +48,21 @@ def validate_model(config: ModelConfig) -> None:
         return
     if config.source == "hf" and config.path is not None:
         if not os.path.isdir(config.path):
-            raise ConfigError("model.path", config.path, "is not a folder (a local pretrained model: config.json and "
-                              "model.safetensors)")
+            raise ConfigError(
+                "model.path",
+                config.path,
+                "is not a folder (a local pretrained model: config.json and model.safetensors)",
+            )
         return
-    names, what, where = {"torchvision": (torchvision_names, "a torchvision classification model",
-                                          "see torchvision.models.list_models(module=torchvision.models)"),
-                          "timm": (_timm_names, "a timm model", "see timm.list_models()"),
-                          "hf": (_hf_names, "a Hugging Face model type",
-                                 "see transformers.CONFIG_MAPPING (gpt2, bert, llama, vit...)")}[config.source]
+    names, what, where = {
+        "torchvision": (
+            torchvision_names,
+            "a torchvision classification model",
+            "see torchvision.models.list_models(module=torchvision.models)",
+        ),
+        "timm": (_timm_names, "a timm model", "see timm.list_models()"),
+        "hf": (_hf_names, "a Hugging Face model type", "see transformers.CONFIG_MAPPING (gpt2, bert, llama, vit...)"),
+    }[config.source]
     known = names()
     if config.name not in known:
         close = difflib.get_close_matches(config.name, known, n=4, cutoff=0.5)
@@ -66,8 +74,9 @@ def _optional(package: str, extra: str) -> Any:
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ConfigError("model.source", package, f"needs the {package} package: pip install 'surgery[{extra}]'"
-                          ) from None
+        raise ConfigError(
+            "model.source", package, f"needs the {package} package: pip install 'surgery[{extra}]'"
+        ) from None
 
 
 def _timm_names() -> list[str]:
@@ -78,8 +87,11 @@ def _hf_names() -> list[str]:
     return list(_optional("transformers", "hf").CONFIG_MAPPING.keys())
 
 
-HF_HEADS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification",
-            "image_classification": "AutoModelForImageClassification"}
+HF_HEADS = {
+    "causal_lm": "AutoModelForCausalLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "image_classification": "AutoModelForImageClassification",
+}
 
 
 def _build_hf(config: ModelConfig) -> nn.Module:
@@ -104,26 +116,37 @@ def _build_hf(config: ModelConfig) -> nn.Module:
         settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
     try:
         if config.path is not None:
-            return head.from_pretrained(config.path, local_files_only=True, use_safetensors=True,
-                                        trust_remote_code=False, **settings)
+            return head.from_pretrained(
+                config.path, local_files_only=True, use_safetensors=True, trust_remote_code=False, **settings
+            )
         return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, SafetensorError) as err:
         first = " ".join(str(err).split()).split(". ")[0][:160]
         differing = [key for key, value in settings.items() if key in own and own[key] != value]
         if differing and isinstance(err, RuntimeError):
             key = differing[0]
-            raise ConfigError(f"model.config.{key}", settings[key], f"differs from {own[key]!r} in "
-                              f"{config.path}/config.json, and the folder's weights have its sizes; drop the "
-                              "override") from None
+            raise ConfigError(
+                f"model.config.{key}",
+                settings[key],
+                f"differs from {own[key]!r} in "
+                f"{config.path}/config.json, and the folder's weights have its sizes; drop the "
+                "override",
+            ) from None
         if isinstance(err, SafetensorError) or "safetensors" in first.lower() and isinstance(err, OSError):
-            raise ConfigError("model.path", config.path, f"holds a corrupted or truncated safetensors file "
-                              f"({type(err).__name__}: {first})") from None
+            raise ConfigError(
+                "model.path",
+                config.path,
+                f"holds a corrupted or truncated safetensors file ({type(err).__name__}: {first})",
+            ) from None
         if "Unrecognized configuration class" in first:
-            raise ConfigError("model.task", config.task, f"{config.name} has no {config.task} head; allowed: "
-                              f"{', '.join(HF_HEADS)}") from None
-        raise ConfigError("model.config" if config.path is None else "model.path",
-                          config.name if config.path is None else config.path,
-                          f"cannot build a {config.task} model: {type(err).__name__}: {first}") from None
+            raise ConfigError(
+                "model.task", config.task, f"{config.name} has no {config.task} head; allowed: {', '.join(HF_HEADS)}"
+            ) from None
+        raise ConfigError(
+            "model.config" if config.path is None else "model.path",
+            config.name if config.path is None else config.path,
+            f"cannot build a {config.task} model: {type(err).__name__}: {first}",
+        ) from None
 
 
 def _check_hf_keys(transformers: Any, name: str, settings: dict[str, Any]) -> None:
@@ -134,8 +157,12 @@ def _check_hf_keys(transformers: Any, name: str, settings: dict[str, Any]) -> No
     for key in settings:
         if not hasattr(defaults, key):
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-            raise ConfigError(f"model.config.{key}", settings[key], f"is not a setting of {name}'s config",
-                              f"closest: {', '.join(close)}" if close else f"see transformers.{type(defaults).__name__}")
+            raise ConfigError(
+                f"model.config.{key}",
+                settings[key],
+                f"is not a setting of {name}'s config",
+                f"closest: {', '.join(close)}" if close else f"see transformers.{type(defaults).__name__}",
+            )
 
 
 def _build_timm(config: ModelConfig) -> nn.Module:
@@ -223,9 +250,12 @@ class ModelBuilder:
                 model = self._construct()
         except RuleNeverFiredError as err:
             index = next(i for i, rule in enumerate(self.rules) if rule is err.rule)
-            raise ConfigError(f"build[{index}].match", describe(err.rule.match), f"matched nothing while building "
-                              f"{self.config.name}: the rule never fired", "print the model to see its classes "
-                              "and attribute names") from None
+            raise ConfigError(
+                f"build[{index}].match",
+                describe(err.rule.match),
+                f"matched nothing while building {self.config.name}: the rule never fired",
+                "print the model to see its classes and attribute names",
+            ) from None
         return model, list(log)
 
     def _construct(self) -> nn.Module:
@@ -236,8 +266,12 @@ class ModelBuilder:
             return BUILDERS[config.source](config)
         except (RuntimeError, MemoryError, OverflowError) as err:  # e.g. model.num_classes=10**10
             first = " ".join(str(err).split())[:200]
-            raise ConfigError("model.name", config.name, f"cannot be built with these settings (model.num_classes="
-                              f"{config.num_classes}): {type(err).__name__}: {first}") from None
+            raise ConfigError(
+                "model.name",
+                config.name,
+                f"cannot be built with these settings (model.num_classes="
+                f"{config.num_classes}): {type(err).__name__}: {first}",
+            ) from None
 
 
 def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> None:
@@ -252,8 +286,15 @@ def check_runs(model: nn.Module, inputs: Iterable[torch.Tensor], name: str) -> N
             as_call(sample, "data")(model)
     except Exception as err:  # the model's own error, whatever its type
         first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
-        hint = f"use data={SHIPPED_DATA[name]}" if name in SHIPPED_DATA else \
-            "check data.seq_len (at most the model's positions) and data.vocab_size (at most its vocabulary)" \
-            if isinstance(sample, dict) else "set data.image_size and data.channels to what the model expects"
-        raise ConfigError("data", f"shape {describe_batch(sample)}", f"{name} fails on inputs of this shape "
-                          f"({type(err).__name__}: {first}); {hint}") from None
+        hint = (
+            f"use data={SHIPPED_DATA[name]}"
+            if name in SHIPPED_DATA
+            else "check data.seq_len (at most the model's positions) and data.vocab_size (at most its vocabulary)"
+            if isinstance(sample, dict)
+            else "set data.image_size and data.channels to what the model expects"
+        )
+        raise ConfigError(
+            "data",
+            f"shape {describe_batch(sample)}",
+            f"{name} fails on inputs of this shape ({type(err).__name__}: {first}); {hint}",
+        ) from None

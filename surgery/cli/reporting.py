@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from surgery.core.checkpoints import write_atomically
 from surgery.cli.checks import CheckResult
+from surgery.core.checkpoints import write_atomically
 
 
 def layer_rows(model: nn.Module, sparsity: dict[str, float], drift: list | None = None) -> list[dict[str, Any]]:
@@ -23,10 +23,16 @@ def layer_rows(model: nn.Module, sparsity: dict[str, float], drift: list | None 
             continue
         key = f"{name}.weight" if name else "weight"
         layer = by_name.get(name)
-        rows.append({"name": name, "type": type(module).__name__, "sparsity": sparsity.get(key),
-                     "cosine": None if layer is None else layer.cosine,
-                     "sqnr_db": None if layer is None else layer.sqnr_db,
-                     "max_abs": None if layer is None else layer.max_abs})
+        rows.append(
+            {
+                "name": name,
+                "type": type(module).__name__,
+                "sparsity": sparsity.get(key),
+                "cosine": None if layer is None else layer.cosine,
+                "sqnr_db": None if layer is None else layer.sqnr_db,
+                "max_abs": None if layer is None else layer.max_abs,
+            }
+        )
     return rows
 
 
@@ -37,8 +43,10 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 def checks_rows(checks: list[CheckResult]) -> list[dict[str, Any]]:
-    return [{"name": c.name, "passed": c.passed, "value": c.value, "threshold": c.threshold, "detail": c.detail}
-            for c in checks]
+    return [
+        {"name": c.name, "passed": c.passed, "value": c.value, "threshold": c.threshold, "detail": c.detail}
+        for c in checks
+    ]
 
 
 def finite(value: Any) -> Any:
@@ -129,15 +137,25 @@ def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
     """The sensitivity table (score per layer and amount) and the plan, as markdown lines."""
     result = report["sensitivity"]
     layers, amounts, grid = sensitivity_grid(report)
-    lines = [f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
-             f"unchanged {result['baseline']:.4g})", "", f"Each layer {'quantized' if result.get('kind') == 'quantize' else 'pruned'}"
-             f" alone by {result['method']}.", "",
-             "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |", "| --- |" + " --- |" * len(amounts)]
+    lines = [
+        f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
+        f"unchanged {result['baseline']:.4g})",
+        "",
+        f"Each layer {'quantized' if result.get('kind') == 'quantize' else 'pruned'} alone by {result['method']}.",
+        "",
+        "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |",
+        "| --- |" + " --- |" * len(amounts),
+    ]
     lines += [f"| {layer} | " + " | ".join(_fmt(v) for v in row) + " |" for layer, row in zip(layers, grid)]
     if "plan" in result:
         plan = result["plan"]
-        lines += ["", f"Plan reaching {plan['target_sparsity']:g} sparsity over these layers (plan.yaml, for "
-                  "`prune.amounts`):", "", "| layer | amount |", "| --- | --- |"]
+        lines += [
+            "",
+            f"Plan reaching {plan['target_sparsity']:g} sparsity over these layers (plan.yaml, for `prune.amounts`):",
+            "",
+            "| layer | amount |",
+            "| --- | --- |",
+        ]
         lines += [f"| {layer} | {amount:.4g} |" for layer, amount in plan["amounts"].items()]
     return lines
 
@@ -166,14 +184,24 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
     image = ax.imshow(grid, aspect="auto", cmap="magma_r")
     ax.set_xticks(range(len(amounts)), [f"{a:g}" for a in amounts])
     ax.set_yticks(range(len(layers)), layers)
-    ax.set_xlabel("weight bits (this layer alone)" if result.get("kind") == "quantize" else
-                  "amount pruned (this layer alone)")
+    ax.set_xlabel(
+        "weight bits (this layer alone)" if result.get("kind") == "quantize" else "amount pruned (this layer alone)"
+    )
     top = max((v for row in grid for v in row if v == v), default=0.0)
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7,
-                    color="white" if value > 0.6 * top else "black")
-    fig.colorbar(image, ax=ax, label=f"damage ({result['metric']} {'lost' if result['higher_is_better'] else 'gained'})")
+            ax.text(
+                j,
+                i,
+                f"{value:.3g}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if value > 0.6 * top else "black",
+            )
+    fig.colorbar(
+        image, ax=ax, label=f"damage ({result['metric']} {'lost' if result['higher_is_better'] else 'gained'})"
+    )
     ax.set_title(f"{report['recipe']}: which layers of {report['model']} hurt most ({result['method']})")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
@@ -190,8 +218,13 @@ def plot_finetune(report: dict[str, Any], path: Path) -> None:
 
     curve = report["finetune"]["curve"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([p["step"] for p in curve], [p["score"] for p in curve], marker="o", color="#4C72B0",
-            label="accuracy (modified, fine-tuning)")
+    ax.plot(
+        [p["step"] for p in curve],
+        [p["score"] for p in curve],
+        marker="o",
+        color="#4C72B0",
+        label="accuracy (modified, fine-tuning)",
+    )
     if "accuracy" in report:
         ax.axhline(report["accuracy"]["reference"], color="#55A868", linestyle="--", label="accuracy (unmodified)")
     ax.set_xlabel("optimizer step")
@@ -204,8 +237,9 @@ def plot_finetune(report: dict[str, Any], path: Path) -> None:
         twin.set_ylabel("training loss")
         twin.legend(loc="center right")
     ax.legend(loc="lower right")
-    ax.set_title(f"{report['recipe']}: fine-tuning {report['model']} with {', '.join(report['steps'][:-1]) or 'it'} "
-                 "attached")
+    ax.set_title(
+        f"{report['recipe']}: fine-tuning {report['model']} with {', '.join(report['steps'][:-1]) or 'it'} attached"
+    )
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)
@@ -282,63 +316,135 @@ def _over(over: dict[str, int] | None) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     """The human-readable report: outcome, checks, drift, timings and per-layer table."""
     drift = report["drift"]
-    lines = [f"# surgery report: {report['recipe']}", "",
-             f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.", "",
-             f"Parameters: {report['params']['total']:,} total, {report['params']['nonzero']:,} non-zero; "
-             f"sparsity over selected weights: {report['sparsity']:.4f}"
-             f"{_over(report.get('sparsity_over'))}.", "",
-             "## Checks", "", "| check | passed | value | threshold | detail |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
-              for c in report["checks"]]
+    lines = [
+        f"# surgery report: {report['recipe']}",
+        "",
+        f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.",
+        "",
+        f"Parameters: {report['params']['total']:,} total, {report['params']['nonzero']:,} non-zero; "
+        f"sparsity over selected weights: {report['sparsity']:.4f}"
+        f"{_over(report.get('sparsity_over'))}.",
+        "",
+        "## Checks",
+        "",
+        "| check | passed | value | threshold | detail |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
+        for c in report["checks"]
+    ]
     sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
     if "accuracy" in report:
         acc = report["accuracy"]
         if "before_finetune" in acc:
-            lines += ["", "## Accuracy (labelled data)", "",
-                      "| unmodified | after surgery, before fine-tuning | after fine-tuning | drop (points) |",
-                      "| --- | --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['before_finetune']:.4f} | "
-                      f"{acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+            lines += [
+                "",
+                "## Accuracy (labelled data)",
+                "",
+                "| unmodified | after surgery, before fine-tuning | after fine-tuning | drop (points) |",
+                "| --- | --- | --- | --- |",
+                f"| {acc['reference']:.4f} | {acc['before_finetune']:.4f} | "
+                f"{acc['candidate']:.4f} | {acc['drop_points']:.2f} |",
+            ]
         else:
-            lines += ["", "## Accuracy (labelled data)", "", "| reference | candidate | drop (points) |",
-                      "| --- | --- | --- |", f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |"]
+            lines += [
+                "",
+                "## Accuracy (labelled data)",
+                "",
+                "| reference | candidate | drop (points) |",
+                "| --- | --- | --- |",
+                f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |",
+            ]
     if "sensitivity" in report:
         lines += ["", *sensitivity_markdown(report)]
     if "shrink" in report:
         shrunk = report["shrink"]
         lines += ["", "## Shrink", "", "| | before | after | ratio |", "| --- | --- | --- | --- |"]
-        lines += [f"| {key} | {shrunk[key]['before']:,} | {shrunk[key]['after']:,} | "
-                  f"{shrunk[key]['after'] / max(shrunk[key]['before'], 1):.3f} |" for key in ("params", "macs")]
-        lines += [f"| latency, batch {size} (ms, 1 thread) | {row['dense_ms']:.1f} | {row['shrunk_ms']:.1f} | "
-                  f"{row['ratio']:.3f} |" for size, row in shrunk["latency"].items()]
-        lines += ["", "Coupled families (layers producing the same channels):", "",
-                  "| layers | channels | removed | frozen |", "| --- | --- | --- | --- |"]
-        lines += [f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
-                  f"{f['removed']} | {f['frozen']} |" for f in shrunk["families"]]
+        lines += [
+            f"| {key} | {shrunk[key]['before']:,} | {shrunk[key]['after']:,} | "
+            f"{shrunk[key]['after'] / max(shrunk[key]['before'], 1):.3f} |"
+            for key in ("params", "macs")
+        ]
+        lines += [
+            f"| latency, batch {size} (ms, 1 thread) | {row['dense_ms']:.1f} | {row['shrunk_ms']:.1f} | "
+            f"{row['ratio']:.3f} |"
+            for size, row in shrunk["latency"].items()
+        ]
+        lines += [
+            "",
+            "Coupled families (layers producing the same channels):",
+            "",
+            "| layers | channels | removed | frozen |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
+            f"{f['removed']} | {f['frozen']} |"
+            for f in shrunk["families"]
+        ]
         if shrunk.get("heads"):
-            lines += ["", "Attention heads:", "", "| module | attribute | before | after |", "| --- | --- | --- | --- |"]
-            lines += [f"| {name} | {attr} | {old} | {new} |" for name, changes in shrunk["heads"].items()
-                      for attr, (old, new) in changes.items()]
+            lines += [
+                "",
+                "Attention heads:",
+                "",
+                "| module | attribute | before | after |",
+                "| --- | --- | --- | --- |",
+            ]
+            lines += [
+                f"| {name} | {attr} | {old} | {new} |"
+                for name, changes in shrunk["heads"].items()
+                for attr, (old, new) in changes.items()
+            ]
         if shrunk.get("frozen_ops"):
             lines += ["", f"Channels kept by: {', '.join(shrunk['frozen_ops'])}."]
     if "perplexity" in report:
         ppl = report["perplexity"]
-        lines += ["", "## Perplexity (held-out bytes)", "", "| reference | candidate |", "| --- | --- |",
-                  f"| {ppl['reference']:.3f} | {ppl['candidate']:.3f} |"]
+        lines += [
+            "",
+            "## Perplexity (held-out bytes)",
+            "",
+            "| reference | candidate |",
+            "| --- | --- |",
+            f"| {ppl['reference']:.3f} | {ppl['candidate']:.3f} |",
+        ]
     if "finetune" in report:
         tuned = report["finetune"]
-        lines += ["", "## Fine-tuning", "", f"{tuned['steps']} steps of {tuned['optimizer']} (lr {tuned['lr']}, "
-                  f"{tuned['epochs']} epochs, batch {tuned['batch_size']}), the earlier steps attached.", "",
-                  "| step | mean training loss | accuracy |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            "## Fine-tuning",
+            "",
+            f"{tuned['steps']} steps of {tuned['optimizer']} (lr {tuned['lr']}, "
+            f"{tuned['epochs']} epochs, batch {tuned['batch_size']}), the earlier steps attached.",
+            "",
+            "| step | mean training loss | accuracy |",
+            "| --- | --- | --- |",
+        ]
         lines += [f"| {p['step']} | {_fmt(p['loss'])} | {_fmt(p['score'])} |" for p in tuned["curve"]]
-    lines += ["", "## Drift (original vs modified)", "", "| max abs | cosine | SQNR dB | top-1 agreement |",
-              "| --- | --- | --- | --- |",
-              f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
-              "", "## Timings (s)", "", "| build | surgery | checks |", "| --- | --- | --- |",
-              "| " + " | ".join(f"{report['timings_s'][k]:.2f}" for k in ("build", "surgery", "checks")) + " |",
-              "", "## Layers", "", "| layer | type | sparsity | cosine | SQNR dB | max abs |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} | {_fmt(row.get('cosine'))} | "
-              f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |" for row in report["layers"]]
+    lines += [
+        "",
+        "## Drift (original vs modified)",
+        "",
+        "| max abs | cosine | SQNR dB | top-1 agreement |",
+        "| --- | --- | --- | --- |",
+        f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
+        "",
+        "## Timings (s)",
+        "",
+        "| build | surgery | checks |",
+        "| --- | --- | --- |",
+        "| " + " | ".join(f"{report['timings_s'][k]:.2f}" for k in ("build", "surgery", "checks")) + " |",
+        "",
+        "## Layers",
+        "",
+        "| layer | type | sparsity | cosine | SQNR dB | max abs |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} | {_fmt(row.get('cosine'))} | "
+        f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |"
+        for row in report["layers"]
+    ]
     for kind, selection in report.get("selection", {}).items():
         lines += ["", f"## Selection: {kind}", "", f"{len(selection['matched'])} weight(s) matched.", ""]
         if selection["skipped"]:
@@ -349,11 +455,21 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("gradients"):
         grads = report["gradients"]
         top = sorted((r for r in grads["layers"] if r["share"] is not None), key=lambda r: -r["share"])[:15]
-        lines += ["", "## Gradients (inspect)", "", f"Loss: {grads['loss']}; measured with {grads['mechanism']}. "
-                  "The 15 layers with the largest share of the loss sensitivity:", "",
-                  r"| layer | type | share | Σ\|w·∂L/∂w\| | ‖∂L/∂w‖ | ‖∂L/∂output‖ |", "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| `{r['name']}` | {r['type']} | {_fmt(r['share'])} | {_fmt(r['sensitivity'])} | "
-                  f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |" for r in top]
+        lines += [
+            "",
+            "## Gradients (inspect)",
+            "",
+            f"Loss: {grads['loss']}; measured with {grads['mechanism']}. "
+            "The 15 layers with the largest share of the loss sensitivity:",
+            "",
+            r"| layer | type | share | Σ\|w·∂L/∂w\| | ‖∂L/∂w‖ | ‖∂L/∂output‖ |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| `{r['name']}` | {r['type']} | {_fmt(r['share'])} | {_fmt(r['sensitivity'])} | "
+            f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |"
+            for r in top
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -363,8 +479,10 @@ def selection_lines(report: dict[str, Any]) -> list[str]:
     for kind, selection in report.get("selection", {}).items():
         skipped = selection["skipped"]
         names = ", ".join(f"{s['name']} ({s['type']})" for s in skipped[:4]) + (" ..." if len(skipped) > 4 else "")
-        lines.append(f"{kind}: {len(selection['matched'])} weight(s) matched, {len(skipped)} skipped"
-                     f"{': ' + names if skipped else ''}")
+        lines.append(
+            f"{kind}: {len(selection['matched'])} weight(s) matched, {len(skipped)} skipped"
+            f"{': ' + names if skipped else ''}"
+        )
     return lines
 
 
@@ -372,8 +490,10 @@ def summary_table(report: dict[str, Any]) -> str:
     """A short plain-text table for the terminal."""
     drift = report["drift"]
     width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 8
-    lines = [f"recipe {report['recipe']}  model {report['model']}  sparsity {report['sparsity']:.4f}  "
-             f"params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"]
+    lines = [
+        f"recipe {report['recipe']}  model {report['model']}  sparsity {report['sparsity']:.4f}  "
+        f"params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"
+    ]
     lines += [f"  {line}" for line in selection_lines(report)]
     for c in report["checks"]:
         value = "" if c["value"] is None else f"{c['value']:.4g}"
@@ -384,29 +504,42 @@ def summary_table(report: dict[str, Any]) -> str:
     if "accuracy" in report:
         acc = report["accuracy"]
         if "before_finetune" in acc:
-            lines.append(f"  accuracy: unmodified {acc['reference']:.4f}  after surgery {acc['before_finetune']:.4f}  "
-                         f"after fine-tuning {acc['candidate']:.4f}  drop {acc['drop_points']:.2f} points")
+            lines.append(
+                f"  accuracy: unmodified {acc['reference']:.4f}  after surgery {acc['before_finetune']:.4f}  "
+                f"after fine-tuning {acc['candidate']:.4f}  drop {acc['drop_points']:.2f} points"
+            )
         else:
-            lines.append(f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
-                         f"drop {acc['drop_points']:.2f} points")
+            lines.append(
+                f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
+                f"drop {acc['drop_points']:.2f} points"
+            )
     if "sensitivity" in report:
         result = report["sensitivity"]
         layers, amounts, grid = sensitivity_grid(report)
-        lines.append(f"  sensitivity ({result['metric']}, unchanged {result['baseline']:.4g}), layer x "
-                     f"{'weight bits' if result.get('kind') == 'quantize' else 'amount'}:")
+        lines.append(
+            f"  sensitivity ({result['metric']}, unchanged {result['baseline']:.4g}), layer x "
+            f"{'weight bits' if result.get('kind') == 'quantize' else 'amount'}:"
+        )
         lines.append("    " + " " * 24 + "".join(f"{a:>9g}" for a in amounts))
         lines += ["    " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
         if "plan" in result:
-            lines.append(f"  plan for {result['plan']['target_sparsity']:g} sparsity: " +
-                         ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items()))
+            lines.append(
+                f"  plan for {result['plan']['target_sparsity']:g} sparsity: "
+                + ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items())
+            )
     if "shrink" in report:
         shrunk = report["shrink"]
         params, macs = shrunk["params"], shrunk["macs"]
-        lines.append(f"  shrink: params {params['before']:,} -> {params['after']:,} "
-                     f"({params['after'] / params['before']:.3f}x), MACs {macs['before']:,} -> {macs['after']:,} "
-                     f"({macs['after'] / max(macs['before'], 1):.3f}x)")
-        lines += [f"  latency batch {size}: dense {row['dense_ms']:.1f} ms, shrunk {row['shrunk_ms']:.1f} ms "
-                  f"({row['ratio']:.3f}x, 1 thread)" for size, row in shrunk["latency"].items()]
+        lines.append(
+            f"  shrink: params {params['before']:,} -> {params['after']:,} "
+            f"({params['after'] / params['before']:.3f}x), MACs {macs['before']:,} -> {macs['after']:,} "
+            f"({macs['after'] / max(macs['before'], 1):.3f}x)"
+        )
+        lines += [
+            f"  latency batch {size}: dense {row['dense_ms']:.1f} ms, shrunk {row['shrunk_ms']:.1f} ms "
+            f"({row['ratio']:.3f}x, 1 thread)"
+            for size, row in shrunk["latency"].items()
+        ]
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")

@@ -14,25 +14,32 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from surgery.analysis.comparison import compare
+from surgery.analysis.inspection import (
+    calls_as_rows,
+    format_table,
+    gradient_statistics,
+    gradients_as_rows,
+    inspect_model,
+)
 from surgery.cli import checks
 from surgery.cli.build import neutral, rules_from_config
-from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
-from surgery.analysis.comparison import compare
 from surgery.cli.config import RunConfig
-from surgery.core.errors import ConfigError, OutputExistsError
-from surgery.core.folders import claimed
 from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data, with_model_defaults
-from surgery.cli.outputs import batch_of, classification_loss, first_sample, logits_of
-from surgery.ops.criteria import as_criterion
-from surgery.core.handles import HandleGroup, restored_on_error
-from surgery.core.inputs import as_call
-from surgery.analysis.inspection import calls_as_rows, format_table, gradient_statistics, gradients_as_rows, inspect_model
 from surgery.cli.models import ModelBuilder, check_runs
+from surgery.cli.outputs import batch_of, classification_loss, first_sample, logits_of
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
+from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
+from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.core.folders import claimed
+from surgery.core.handles import HandleGroup, restored_on_error
+from surgery.core.inputs import as_call
+from surgery.ops.criteria import as_criterion
 from surgery.ops.finetuning import FinetuneHandle
 from surgery.ops.sensitivity import sensitivity
 from surgery.ops.shrinking import ShrinkHandle, rebuild
+from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
@@ -41,8 +48,21 @@ PLAN_JSON = "model.plan.json"  # the shrunk layers' shapes, for surgery.rebuild
 log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
-OUTPUTS = ("report.json", "report.md", "model.safetensors", "model.pt", QPARAMS, "sparsity.png", "drift.png",
-           "finetune.png", "gradients.png", "sensitivity.png", PLAN, PLAN_JSON, "widths.png")
+OUTPUTS = (
+    "report.json",
+    "report.md",
+    "model.safetensors",
+    "model.pt",
+    QPARAMS,
+    "sparsity.png",
+    "drift.png",
+    "finetune.png",
+    "gradients.png",
+    "sensitivity.png",
+    PLAN,
+    PLAN_JSON,
+    "widths.png",
+)
 
 
 @dataclass
@@ -95,8 +115,9 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
         raise
     except OSError as err:  # disk full, read-only or vanished folder: nothing was published
         where = err.filename if err.filename is not None else out_dir
-        raise ConfigError("output", str(where), f"cannot be written ({err.strerror or err}); "
-                          "nothing was written") from None
+        raise ConfigError(
+            "output", str(where), f"cannot be written ({err.strerror or err}); nothing was written"
+        ) from None
     if echo:
         if "modules_table" in report:
             print(report["modules_table"])
@@ -126,20 +147,29 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
         finished = time.perf_counter()
         report = {
-            "recipe": config.recipe, "model": config.model.name, "ok": all(c.passed for c in results),
-            "params": parameter_counts(models.model), "sparsity": sparsity["overall"],
-            "sparsity_over": sparsity["over"], "selection": selections(handle),
-            "checks": checks_rows(results), "drift": drift.as_dict(),
+            "recipe": config.recipe,
+            "model": config.model.name,
+            "ok": all(c.passed for c in results),
+            "params": parameter_counts(models.model),
+            "sparsity": sparsity["overall"],
+            "sparsity_over": sparsity["over"],
+            "selection": selections(handle),
+            "checks": checks_rows(results),
+            "drift": drift.as_dict(),
             "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
             "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
             "build": [vars(event) for event in models.builder.events],
-            "steps": list(config.steps), "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
+            "steps": list(config.steps),
+            "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
             "qparams": files.qparams.name if files.qparams.exists() else None,
         }
         tuned = find(handle, "finetune")
         if isinstance(tuned, FinetuneHandle) and tuned.curve:
-            report["finetune"] = {**vars(config.finetune), "steps": tuned.curve[-1].step,
-                                  "curve": [vars(point) for point in tuned.curve]}
+            report["finetune"] = {
+                **vars(config.finetune),
+                "steps": tuned.curve[-1].step,
+                "curve": [vars(point) for point in tuned.curve],
+            }
             if accuracy is not None:  # before fine-tuning = after the surgery steps before it
                 accuracy["before_finetune"] = tuned.curve[0].score
         if accuracy is not None:
@@ -174,8 +204,14 @@ def _calibration(config: RunConfig) -> dict[str, Any]:
     for step, batches in found.items():
         asked = getattr(getattr(config, step), "calibration_batches", 1)
         if len(batches) < asked:
-            log.warning("%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
-                        step, asked, config.data.kind, len(batches), config.data.batch_size)
+            log.warning(
+                "%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
+                step,
+                asked,
+                config.data.kind,
+                len(batches),
+                config.data.batch_size,
+            )
     return found
 
 
@@ -204,8 +240,11 @@ def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
         return classification_loss(output, logits_of(output).argmax(-1) if target is None else target)
 
     rows, mechanism = gradient_statistics(model, pairs, loss)
-    return {"loss": "cross-entropy vs " + ("labels" if labelled else "the model's own top-1 (no labels)"),
-            "mechanism": mechanism, "layers": gradients_as_rows(rows)}
+    return {
+        "loss": "cross-entropy vs " + ("labels" if labelled else "the model's own top-1 (no labels)"),
+        "mechanism": mechanism,
+        "layers": gradients_as_rows(rows),
+    }
 
 
 def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
@@ -235,21 +274,43 @@ def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) 
         measure = {"inputs": data.inputs}
     weights = settings.weight_spec()
     quantizing = settings.bits is not None
-    calibrated = weights is not None and weights.method == "gptq" if quantizing else \
-        as_criterion(settings.method).needs_calibration
-    table = sensitivity(model, settings.amounts, method=settings.method, select=settings.select,
-                        exclude=settings.exclude or None, progress=True, bits=settings.bits, weights=weights,
-                        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated
-                        else None, **measure)
+    calibrated = (
+        weights is not None and weights.method == "gptq"
+        if quantizing
+        else as_criterion(settings.method).needs_calibration
+    )
+    table = sensitivity(
+        model,
+        settings.amounts,
+        method=settings.method,
+        select=settings.select,
+        exclude=settings.exclude or None,
+        progress=True,
+        bits=settings.bits,
+        weights=weights,
+        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated else None,
+        **measure,
+    )
     method = (weights.method if weights else "rtn") if quantizing else settings.method
-    result = {"metric": "perplexity" if config.data.kind == "tinylm" else "accuracy" if data.labels is not None
-              else "drift (1 - cosine)", "kind": table.kind, "baseline": table.baseline,
-              "higher_is_better": table.higher_is_better, "method": method, "rows": table.as_rows()}
+    result = {
+        "metric": "perplexity"
+        if config.data.kind == "tinylm"
+        else "accuracy"
+        if data.labels is not None
+        else "drift (1 - cosine)",
+        "kind": table.kind,
+        "baseline": table.baseline,
+        "higher_is_better": table.higher_is_better,
+        "method": method,
+        "rows": table.as_rows(),
+    }
     if settings.target_sparsity is not None:
         plan = table.plan(settings.target_sparsity)
         result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}
-        lines = [f"# per-layer amounts from recipe={config.recipe} ({result['metric']}, target sparsity "
-                 f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"]
+        lines = [
+            f"# per-layer amounts from recipe={config.recipe} ({result['metric']}, target sparsity "
+            f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"
+        ]
         lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in plan.items()]
         write_atomically(folder / PLAN, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     return result
@@ -268,7 +329,9 @@ def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_si
             times: dict[str, list[float]] = {"dense": [], "shrunk": []}
             with torch.no_grad():
                 for round_ in range(7):
-                    for name, model in (("dense", models.reference), ("shrunk", models.model))[:: 1 if round_ % 2 else -1]:
+                    for name, model in (("dense", models.reference), ("shrunk", models.model))[
+                        :: 1 if round_ % 2 else -1
+                    ]:
                         start = time.perf_counter()
                         x(model)
                         times[name].append(time.perf_counter() - start)
@@ -278,8 +341,15 @@ def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_si
         torch.set_num_threads(threads)
     widths = {name: [_width(old), _width(new)] for name, (old, new) in handle.replaced.items()}
     heads = {name: {attr: list(pair) for attr, pair in changes.items()} for name, changes in handle.attributes.items()}
-    return {"params": handle.params(), "macs": handle.macs(), "latency": latency, "families": handle.families,
-            "frozen_ops": handle.frozen_ops, "widths": widths, "heads": heads}
+    return {
+        "params": handle.params(),
+        "macs": handle.macs(),
+        "latency": latency,
+        "families": handle.families,
+        "frozen_ops": handle.frozen_ops,
+        "widths": widths,
+        "heads": heads,
+    }
 
 
 def _width(layer: nn.Module) -> int | None:
@@ -303,9 +373,9 @@ def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, flo
 
 def _build(config: RunConfig) -> _Models:
     builder = ModelBuilder(config.model, config.seed, rules_from_config(config.build))
-    hooks_before = checks.global_hook_counts()
+    hooks_before = global_hook_counts()
     model = builder()
-    hooks_after = checks.global_hook_counts()
+    hooks_after = global_hook_counts()
     built = copy.deepcopy(model)
     reference = builder.with_rules([])() if builder.rules else built
     return _Models(builder, reference, built, model, hooks_before, hooks_after)
@@ -324,8 +394,14 @@ def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:
     return {h.kind: h.selection.as_dict() for h in handle.handles if getattr(h, "selection", None) is not None}
 
 
-def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs: list, files: _Files,
-                accuracy: dict[str, float] | None):
+def _run_checks(
+    config: RunConfig,
+    models: _Models,
+    handle: HandleGroup,
+    inputs: list,
+    files: _Files,
+    accuracy: dict[str, float] | None,
+):
     enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
     drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
 
@@ -334,8 +410,12 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
 
     qparams = saved_qparams(handle)
     shrinking = find(handle, "shrink")
-    factory = models.builder if not isinstance(shrinking, ShrinkHandle) else \
-        (lambda plan=shrinking.plan(): rebuild(models.builder.architecture, plan))  # the smaller shapes
+    factory = models.builder
+    if isinstance(shrinking, ShrinkHandle):  # the smaller shapes
+        plan = shrinking.plan()
+
+        def factory() -> nn.Module:
+            return rebuild(models.builder.architecture, plan)
 
     results: list[checks.CheckResult] = []
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
@@ -353,8 +433,7 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
                 parts.append(checks.check_build_hooks(models.hooks_before, models.hooks_after))
             results.append(checks.merge(parts, "restore"))
         progress.update()
-        bake = checks.check_bake(models.model, handle, factory, inputs,
-                                 lambda model: reattach(model, config, qparams))
+        bake = checks.check_bake(models.model, handle, factory, inputs, lambda model: reattach(model, config, qparams))
         if "bake" in enabled:
             results.append(bake)
         progress.update()
@@ -365,9 +444,16 @@ def _run_checks(config: RunConfig, models: _Models, handle: HandleGroup, inputs:
             text = json.dumps(shrinking.plan(), indent=2)
             write_atomically(files.checkpoint.with_name(PLAN_JSON), lambda tmp: tmp.write_text(text + "\n"))
         if "save_load" in enabled:
-            results.append(checks.check_save_load(files.checkpoint, factory, inputs, models.model,
-                                                  lambda model: reattach(model, config, qparams),
-                                                  lambda model: reattach(model, config, files.qparams)))
+            results.append(
+                checks.check_save_load(
+                    files.checkpoint,
+                    factory,
+                    inputs,
+                    models.model,
+                    lambda model: reattach(model, config, qparams),
+                    lambda model: reattach(model, config, files.qparams),
+                )
+            )
         progress.update()
         if "drift" in enabled:
             results.append(checks.check_drift(drift, config.checks.drift, accuracy))

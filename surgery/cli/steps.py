@@ -11,8 +11,8 @@ from surgery.cli.config import RunConfig
 from surgery.cli.data import training_data
 from surgery.cli.outputs import classification_loss
 from surgery.core.handles import Handle, HandleGroup
-from surgery.ops.finetuning import finetune
 from surgery.ops.criteria import as_criterion
+from surgery.ops.finetuning import finetune
 from surgery.ops.pruning import prune
 from surgery.ops.quantization import QuantizeHandle, quantize
 from surgery.ops.rewriting import rewrite_from_config, rewrite_inputs
@@ -28,8 +28,13 @@ def _prune(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict
         kwargs.pop("blocks", None)
         return prune(model, 0.0, **kwargs)
     gradients = as_criterion(settings.method).needs_gradients
-    return prune(model, settings.amount, calibration=calibration.get("prune"),
-                 loss=classification_loss if gradients else None, **settings.kwargs())
+    return prune(
+        model,
+        settings.amount,
+        calibration=calibration.get("prune"),
+        loss=classification_loss if gradients else None,
+        **settings.kwargs(),
+    )
 
 
 def _quantize(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
@@ -49,23 +54,39 @@ def _finetune(model: nn.Module, config: RunConfig, neutral: bool, calibration: d
     if neutral:  # no training
         return Handle("finetune", model)
     batches, evaluate = training_data(config.data, settings.batch_size)
-    return finetune(model, batches, epochs=settings.epochs, lr=settings.lr, optimizer=settings.optimizer,
-                    weight_decay=settings.weight_decay, evaluate=evaluate, eval_every=settings.eval_every,
-                    seed=config.seed, loss=classification_loss)
+    return finetune(
+        model,
+        batches,
+        epochs=settings.epochs,
+        lr=settings.lr,
+        optimizer=settings.optimizer,
+        weight_decay=settings.weight_decay,
+        evaluate=evaluate,
+        eval_every=settings.eval_every,
+        seed=config.seed,
+        loss=classification_loss,
+    )
 
 
 def _shrink(model: nn.Module, config: RunConfig, neutral: bool, calibration: dict) -> Handle:
     settings = config.shrink
-    return shrink(model, 0.0 if neutral else settings.amount, example_inputs=calibration["shrink"][0],
-                  **settings.kwargs())
+    return shrink(
+        model, 0.0 if neutral else settings.amount, example_inputs=calibration["shrink"][0], **settings.kwargs()
+    )
 
 
-APPLIERS: dict[str, Applier] = {"prune": _prune, "quantize": _quantize, "rewrite": _rewrite, "finetune": _finetune,
-                                "shrink": _shrink}
+APPLIERS: dict[str, Applier] = {
+    "prune": _prune,
+    "quantize": _quantize,
+    "rewrite": _rewrite,
+    "finetune": _finetune,
+    "shrink": _shrink,
+}
 
 
-def apply_steps(model: nn.Module, config: RunConfig, *, neutral: bool = False,
-                calibration: dict | None = None) -> HandleGroup:
+def apply_steps(
+    model: nn.Module, config: RunConfig, *, neutral: bool = False, calibration: dict | None = None
+) -> HandleGroup:
     """Apply ``config.steps`` in order; if one fails, undo those already applied and re-raise.
 
     ``neutral=True`` applies the same steps with settings that must not change any output
@@ -102,8 +123,18 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
         for step in config.steps:
             if step == "quantize" and config.quantize.activations is not None:
                 q = config.quantize
-                handles.append(quantize(model, weights=None, activations=q.activation_spec(), select=q.select,
-                                        exclude=q.exclude or None, where=q.where, qparams=qparams, progress=False))
+                handles.append(
+                    quantize(
+                        model,
+                        weights=None,
+                        activations=q.activation_spec(),
+                        select=q.select,
+                        exclude=q.exclude or None,
+                        where=q.where,
+                        qparams=qparams,
+                        progress=False,
+                    )
+                )
             elif step == "rewrite":
                 handles.append(_rewrite(model, config, False, {}))
     except BaseException as err:

@@ -118,8 +118,9 @@ def _metric(report: dict[str, Any], path: str) -> float | None:
     return value
 
 
-def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite: bool | None = None,
-                        launcher_error: str | None = None) -> list[Path]:
+def write_sweep_summary(
+    sweep_dir: Path, records: list[JobRecord], *, overwrite: bool | None = None, launcher_error: str | None = None
+) -> list[Path]:
     """Write ``sweep.json``, ``sweep.md`` and ``sweep.png``: one row per job with its status;
     metrics only from reports the job published in this sweep.
 
@@ -136,8 +137,11 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
     keys = swept_keys([r.overrides for r in records]) or list(records[0].overrides)[:1]
     searched = any(record.objective is not None for record in records)
     table = [_row(record, keys, sweep_dir, searched) for record in records]
-    failed = [] if launcher_error is None else [{"job": None, "status": "launcher failed", "ok": False,
-                                                 "error": launcher_error}]  # jobs without a record never ran
+    failed = (
+        []
+        if launcher_error is None
+        else [{"job": None, "status": "launcher failed", "ok": False, "error": launcher_error}]
+    )  # jobs without a record never ran
     text = json.dumps(table + failed, indent=2)
     markdown = _markdown(table, launcher_error)
     with claimed(sweep_dir), Staging(sweep_dir) as stage:
@@ -152,10 +156,15 @@ def write_sweep_summary(sweep_dir: Path, records: list[JobRecord], *, overwrite:
 def _row(record: JobRecord, keys: list[str], sweep_dir: Path, searched: bool = False) -> dict[str, Any]:
     report = json.loads((Path(record.folder) / "report.json").read_text()) if record.has_report else {}
     status = "died (no final record)" if record.status == "started" else record.status
-    return {"job": os.path.relpath(Path(record.folder).resolve(), sweep_dir.resolve()),
-            **{k: record.overrides.get(k) for k in keys}, "status": status, "ok": report.get("ok", False),
-            **{label: _metric(report, path) for path, label in METRICS},
-            **({"objective": record.objective} if searched else {}), "error": record.error}
+    return {
+        "job": os.path.relpath(Path(record.folder).resolve(), sweep_dir.resolve()),
+        **{k: record.overrides.get(k) for k in keys},
+        "status": status,
+        "ok": report.get("ok", False),
+        **{label: _metric(report, path) for path, label in METRICS},
+        **({"objective": record.objective} if searched else {}),
+        "error": record.error,
+    }
 
 
 def _markdown(table: list[dict[str, Any]], launcher_error: str | None) -> str:
@@ -185,8 +194,9 @@ def _plot(table: list[dict[str, Any]], keys: list[str], path: Path) -> None:
         if any(y is not None for y in ys):
             ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=label)
     if not numeric:
-        ax.set_xticks(xs, [", ".join(f"{k}={table[i][k]}" for k in keys) for i in order], rotation=30, ha="right",
-                      fontsize=7)
+        ax.set_xticks(
+            xs, [", ".join(f"{k}={table[i][k]}" for k in keys) for i in order], rotation=30, ha="right", fontsize=7
+        )
     ax.set_xlabel(keys[0] if numeric else "job")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)

@@ -88,8 +88,9 @@ def tokens(split: str) -> Tensor:
     return (data[:cut] if split == "train" else data[cut:]).clone()
 
 
-def token_batches(split: str, batch_size: int, *, limit_batches: int | None = None,
-                  length: int = CONTEXT) -> list[tuple[Tensor, Tensor]]:
+def token_batches(
+    split: str, batch_size: int, *, limit_batches: int | None = None, length: int = CONTEXT
+) -> list[tuple[Tensor, Tensor]]:
     """Consecutive, non-overlapping windows of ``length`` bytes as ``(inputs, next bytes)``
     batches in a fixed order: the targets are the inputs shifted by one.
 
@@ -103,8 +104,8 @@ def token_batches(split: str, batch_size: int, *, limit_batches: int | None = No
             raise ConfigError(field, value, "must be an integer >= 1" + (" or null" if "limit" in field else ""))
     data = tokens(split)
     windows = (len(data) - 1) // length
-    inputs = data[:windows * length].view(windows, length)
-    targets = data[1:windows * length + 1].view(windows, length)
+    inputs = data[: windows * length].view(windows, length)
+    targets = data[1 : windows * length + 1].view(windows, length)
     batches = list(zip(inputs.split(batch_size), targets.split(batch_size), strict=True))
     return batches if limit_batches is None else batches[:limit_batches]
 
@@ -142,7 +143,7 @@ def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float =
         model.train()
         for _ in range(steps):
             starts = torch.randint(0, len(data) - CONTEXT - 1, (batch_size,), generator=sampler)
-            window = torch.stack([data[s:s + CONTEXT + 1] for s in starts.tolist()])
+            window = torch.stack([data[s : s + CONTEXT + 1] for s in starts.tolist()])
             logits = model(window[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
             optimizer.zero_grad()

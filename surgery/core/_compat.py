@@ -20,15 +20,27 @@ from torch.nn.modules import module as _module_globals
 _log = logging.getLogger("surgery")
 
 GLOBAL_HOOK_DICTS = (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
-    "_global_forward_hooks_always_called", "_global_backward_pre_hooks", "_global_backward_hooks",
-    "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_with_kwargs",
+    "_global_forward_hooks_always_called",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_module_registration_hooks",
+    "_global_parameter_registration_hooks",
     "_global_buffer_registration_hooks",
 )
 MODULE_HOOK_DICTS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
 
@@ -55,9 +67,14 @@ def global_hook_counts() -> dict[str, int]:
 def module_hook_counts(model: nn.Module) -> dict[str, int]:
     """Hooks of each kind on each module of ``model`` and on each of its parameters (tensor
     hooks on gradients): ``{"<module>:<dict>": count}``, ``{"param <name>:<dict>": count}``."""
-    counts = {f"{name}:{kind}": len(getattr(m, kind, {})) for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS}
-    return counts | {f"param {name}:{kind}": len(getattr(p, kind, None) or {})
-                     for name, p in model.named_parameters(remove_duplicate=False) for kind in TENSOR_HOOK_DICTS}
+    counts = {
+        f"{name}:{kind}": len(getattr(m, kind, {})) for name, m in model.named_modules() for kind in MODULE_HOOK_DICTS
+    }
+    return counts | {
+        f"param {name}:{kind}": len(getattr(p, kind, None) or {})
+        for name, p in model.named_parameters(remove_duplicate=False)
+        for kind in TENSOR_HOOK_DICTS
+    }
 
 
 _ABSENT = object()
@@ -83,8 +100,10 @@ def run_eagerly_when_called_directly(code: types.CodeType) -> None:
         skip = eval_frame._FrameAction.SKIP
         eval_frame.set_code_exec_strategy(code, eval_frame._FrameExecStrategy(skip, skip))
     except (ImportError, AttributeError, TypeError):
-        fallback("dynamo's per-code frame strategy", "hooks on a compiled model's root are compiled as "
-                 "graphs of their own (slower to compile, equally correct)")
+        fallback(
+            "dynamo's per-code frame strategy",
+            "hooks on a compiled model's root are compiled as graphs of their own (slower to compile, equally correct)",
+        )
 
 
 def mark_mutation_hidden_available() -> bool:
@@ -105,8 +124,10 @@ def register_functional_rule(op: str, rule: Callable[..., Any], library: Any) ->
         torch.library.register_torch_dispatch(op, FunctionalTensorMode, rule, lib=library)
         return True
     except (ImportError, AttributeError):
-        fallback("marking parameter writes hidden from autograd", "compiled graphs re-apply masks and "
-                 "quantization on every call (correct, slower)")
+        fallback(
+            "marking parameter writes hidden from autograd",
+            "compiled graphs re-apply masks and quantization on every call (correct, slower)",
+        )
         return False
 
 

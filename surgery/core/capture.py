@@ -21,7 +21,8 @@ from surgery.core import compiled
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import flatten_tensors
 from surgery.core.registry import Registry
-from surgery.core.selection import Selection, select as select_modules
+from surgery.core.selection import Selection
+from surgery.core.selection import select as select_modules
 
 SIDES = ("inputs", "outputs", "weight_grads")
 
@@ -69,8 +70,12 @@ class Sum:
     def update(self, tensor: Tensor) -> None:
         value = tensor.detach().double()
         if self.total is not None and self.total.shape != value.shape:
-            raise ConfigError("capture.reduce", "sum", f"{self.name} produced shapes {tuple(self.total.shape)} and "
-                              f"{tuple(value.shape)}; 'sum' needs one shape (use 'sq_norms' or 'keep')")
+            raise ConfigError(
+                "capture.reduce",
+                "sum",
+                f"{self.name} produced shapes {tuple(self.total.shape)} and "
+                f"{tuple(value.shape)}; 'sum' needs one shape (use 'sq_norms' or 'keep')",
+            )
         self.total = value if self.total is None else self.total + value
 
     def result(self) -> Tensor | None:
@@ -92,8 +97,11 @@ class SquaredNorms:
         flat = x.movedim(axis, -1).reshape(-1, x.shape[axis])
         norms = (flat * flat).sum(0)
         if self.sq_norms is not None and self.sq_norms.shape != norms.shape:
-            raise ConfigError("capture.reduce", "sq_norms", f"{self.name} produced {norms.numel()} features after "
-                              f"{self.sq_norms.numel()}")
+            raise ConfigError(
+                "capture.reduce",
+                "sq_norms",
+                f"{self.name} produced {norms.numel()} features after {self.sq_norms.numel()}",
+            )
         self.sq_norms = norms if self.sq_norms is None else self.sq_norms + norms
         self.rows += flat.shape[0]
 
@@ -132,8 +140,9 @@ class Capture:
     that ran to its reducer's result (a layer that never ran is absent).
     """
 
-    def __init__(self, model: nn.Module, layers: dict[str, nn.Module], what: tuple[str, ...],
-                 reduce: ReducerFactory) -> None:
+    def __init__(
+        self, model: nn.Module, layers: dict[str, nn.Module], what: tuple[str, ...], reduce: ReducerFactory
+    ) -> None:
         self.model, self.layers, self.what, self.reduce = model, layers, what, reduce
         self.reducers: dict[str, dict[str, Reducer]] = {side: {} for side in SIDES}
         self._hooks: list[RemovableHandle] = []
@@ -155,8 +164,10 @@ class Capture:
 
     def _results(self, side: str) -> dict[str, Any]:
         if not self._entered:
-            raise RuntimeError("capture: nothing was recorded; use it as `with surgery.capture(...) as seen:` "
-                               "and run the model inside the block")
+            raise RuntimeError(
+                "capture: nothing was recorded; use it as `with surgery.capture(...) as seen:` "
+                "and run the model inside the block"
+            )
         return {name: r.result() for name, r in self.reducers[side].items()}
 
     def clear(self) -> None:
@@ -188,16 +199,19 @@ class Capture:
     def _input_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self._feed("inputs", name, module, [list(args), kwargs])
+
         return hook
 
     def _weight_grad_hook(self, name: str, module: nn.Module) -> Callable:
         def hook(grad: Tensor) -> None:
             self._feed("weight_grads", name, module, grad)
+
         return hook
 
     def _output_hook(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self._feed("outputs", name, module, output)
+
         return hook
 
     def __enter__(self) -> Capture:
@@ -213,8 +227,12 @@ class Capture:
                 weight = getattr(module, "weight", None)
                 if "weight_grads" in self.what and isinstance(weight, nn.Parameter):
                     if not weight.requires_grad:
-                        raise ConfigError("capture.select", name, "its weight does not require a gradient (frozen), "
-                                          "so no gradient can be captured; unfreeze it or exclude the layer")
+                        raise ConfigError(
+                            "capture.select",
+                            name,
+                            "its weight does not require a gradient (frozen), "
+                            "so no gradient can be captured; unfreeze it or exclude the layer",
+                        )
                     self._hooks.append(weight.register_hook(self._weight_grad_hook(name, module)))
         except BaseException:
             self.close()
@@ -266,11 +284,19 @@ def capture(
     elif callable(reduce):
         factory = reduce
     else:
-        raise ConfigTypeError("capture.reduce", reduce, f"must be one of {', '.join(REDUCTIONS.names())} "
-                              "or a factory (name, module) -> reducer")
+        raise ConfigTypeError(
+            "capture.reduce",
+            reduce,
+            f"must be one of {', '.join(REDUCTIONS.names())} or a factory (name, module) -> reducer",
+        )
     model = compiled.prepare(model)  # a torch.compile wrapper: its model, with dynamo guarding hook dicts
-    layers = select_modules(model, select if select is not None else _every_submodule, exclude=exclude,
-                            field="capture.select", exclude_field="capture.exclude")
+    layers = select_modules(
+        model,
+        select if select is not None else _every_submodule,
+        exclude=exclude,
+        field="capture.select",
+        exclude_field="capture.exclude",
+    )
     return Capture(model, layers, sides, factory)
 
 
@@ -296,8 +322,9 @@ class TaylorSaliency:
         self.passes += 1
 
     def result(self) -> dict[str, Any] | None:
-        return None if self.products is None else {"taylor": self.products, "grad_sq": self.squares,
-                                                   "passes": self.passes}
+        return (
+            None if self.products is None else {"taylor": self.products, "grad_sq": self.squares, "passes": self.passes}
+        )
 
 
 register_reduction("taylor", TaylorSaliency)
@@ -319,5 +346,18 @@ def gradient_statistics(model: nn.Module, layers: dict[str, nn.Module], run: Cal
     return seen.weight_grads
 
 
-__all__ = ["Capture", "Keep", "MinMax", "REDUCTIONS", "Reducer", "SquaredNorms", "Sum", "TaylorSaliency", "capture",
-           "feature_axis", "gradient_statistics", "input_statistics", "torch"]
+__all__ = [
+    "Capture",
+    "Keep",
+    "MinMax",
+    "REDUCTIONS",
+    "Reducer",
+    "SquaredNorms",
+    "Sum",
+    "TaylorSaliency",
+    "capture",
+    "feature_axis",
+    "gradient_statistics",
+    "input_statistics",
+    "torch",
+]

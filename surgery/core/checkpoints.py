@@ -38,8 +38,13 @@ def read_state_dict(path: str | Path, *, field: str = "checkpoint") -> dict[str,
     """
     path = Path(path)
     if not path.is_file():
-        what = "no such file" if not path.exists() else "is a folder, not a checkpoint file" if path.is_dir() else \
-            "is not a regular file (a device or a pipe), not a checkpoint"
+        what = (
+            "no such file"
+            if not path.exists()
+            else "is a folder, not a checkpoint file"
+            if path.is_dir()
+            else "is not a regular file (a device or a pipe), not a checkpoint"
+        )
         raise CheckpointError(f"{field}={str(path)!r}: {what}")
     try:
         with warnings.catch_warnings():  # torch's notes on quantized or sparse storage: the checks below speak
@@ -51,18 +56,24 @@ def read_state_dict(path: str | Path, *, field: str = "checkpoint") -> dict[str,
     except pickle.UnpicklingError as err:
         text = " ".join(str(err).split())
         if _is_safetensors(path):
-            raise CheckpointError(f"{field}={str(path)!r}: is a safetensors file; name it with the .safetensors "
-                                  "suffix") from None
+            raise CheckpointError(
+                f"{field}={str(path)!r}: is a safetensors file; name it with the .safetensors suffix"
+            ) from None
         found = re.search(r"Unsupported (global|operand)[^.]*", text)
         if found is None or found.group(1) != "global":
-            raise CheckpointError(f"{field}={str(path)!r}: corrupted or truncated checkpoint, or not a torch.save "
-                                  f"or safetensors file ({found.group(0)[:120] if found else 'not a pickle'})") from None
+            raise CheckpointError(
+                f"{field}={str(path)!r}: corrupted or truncated checkpoint, or not a torch.save "
+                f"or safetensors file ({found.group(0)[:120] if found else 'not a pickle'})"
+            ) from None
         reason = found.group(0)[:160]
-        raise CheckpointError(f"{field}={str(path)!r}: refused by weights_only=True, the file carries "
-                              f"more than tensors ({reason})") from None
+        raise CheckpointError(
+            f"{field}={str(path)!r}: refused by weights_only=True, the file carries more than tensors ({reason})"
+        ) from None
     except (RuntimeError, EOFError, OSError, SafetensorError, zipfile.BadZipFile, ValueError) as err:
-        raise CheckpointError(f"{field}={str(path)!r}: corrupted or truncated checkpoint "
-                              f"({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})") from None
+        raise CheckpointError(
+            f"{field}={str(path)!r}: corrupted or truncated checkpoint "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
+        ) from None
     for key in STATE_KEYS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -86,8 +97,11 @@ def check_fits(model: nn.Module, state: dict[str, Tensor], *, field: str = "chec
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
-    shapes = [f"{k}: {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-              for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing key(s), e.g. {missing[0]}")
@@ -116,18 +130,24 @@ def _check_kind(key: str, stored: Tensor, expected: Tensor, field: str) -> None:
         raise CheckpointError(f"{field}: key {key!r} is a meta tensor and holds no values; save the real weights")
     if stored.layout != torch.strided or stored.is_quantized:
         what = f"layout {stored.layout}" if stored.layout != torch.strided else f"quantized dtype {stored.dtype}"
-        raise CheckpointError(f"{field}: key {key!r} is a tensor of {what}; the model expects a dense "
-                              f"{expected.dtype} tensor (dequantize or densify it before saving)")
+        raise CheckpointError(
+            f"{field}: key {key!r} is a tensor of {what}; the model expects a dense "
+            f"{expected.dtype} tensor (dequantize or densify it before saving)"
+        )
     if _kind(stored) != _kind(expected):
-        raise CheckpointError(f"{field}: key {key!r} has dtype {stored.dtype}; the model expects {expected.dtype} "
-                              f"({_kind(stored)} values cannot stand for {_kind(expected)} ones)")
+        raise CheckpointError(
+            f"{field}: key {key!r} has dtype {stored.dtype}; the model expects {expected.dtype} "
+            f"({_kind(stored)} values cannot stand for {_kind(expected)} ones)"
+        )
     if stored.is_floating_point() and expected.is_floating_point() and stored.dtype != expected.dtype:
         wide = stored.float() if stored.element_size() == 1 else stored  # float8 has no isfinite kernel
         finite = wide[torch.isfinite(wide)]
         limit = torch.finfo(expected.dtype).max
         if finite.numel() and finite.abs().max().item() > limit:
-            raise CheckpointError(f"{field}: key {key!r} holds {finite.abs().max().item():.3g}, beyond the range of "
-                                  f"the model's {expected.dtype} (max {limit:.3g}); loading would turn it into inf")
+            raise CheckpointError(
+                f"{field}: key {key!r} holds {finite.abs().max().item():.3g}, beyond the range of "
+                f"the model's {expected.dtype} (max {limit:.3g}); loading would turn it into inf"
+            )
 
 
 def load_checkpoint(model: nn.Module, path: str | Path, *, field: str = "checkpoint") -> nn.Module:
@@ -305,7 +325,7 @@ def sweep_dead_staging(folder: Path) -> list[Path]:
     removed = []
     for prefix in (BACKUP_PREFIX, STAGING_PREFIX):  # undo a half-published set first
         for path in folder.glob(f"{prefix}*"):
-            owner = path.name[len(prefix):].rsplit("-", 2)  # host (may hold '-'), pid, random part
+            owner = path.name[len(prefix) :].rsplit("-", 2)  # host (may hold '-'), pid, random part
             if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not _alive(int(owner[1])):
                 if prefix == BACKUP_PREFIX:
                     _put_back(folder, path)
@@ -320,7 +340,10 @@ def _put_back(folder: Path, backup: Path) -> None:
         manifest = json.loads((backup / MANIFEST).read_text())
     except (OSError, ValueError):
         return  # died before the manifest was complete: nothing had moved yet
-    publishing, moved_aside = _plain_names(manifest, "publishing", backup), _plain_names(manifest, "moved_aside", backup)
+    publishing, moved_aside = (
+        _plain_names(manifest, "publishing", backup),
+        _plain_names(manifest, "moved_aside", backup),
+    )
     for name in publishing:
         if (backup / name).exists() or name not in moved_aside:
             (folder / name).unlink(missing_ok=True)  # a new file, or one whose earlier version is kept aside
@@ -336,8 +359,13 @@ def _plain_names(manifest: object, key: str, backup: Path) -> list[str]:
     names = manifest.get(key) if isinstance(manifest, dict) else None
     kept = []
     for name in names if isinstance(names, list) else []:
-        if isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name and "\\" not in name \
-                and "\0" not in name:
+        if (
+            isinstance(name, str)
+            and name not in ("", ".", "..")
+            and Path(name).name == name
+            and "\\" not in name
+            and "\0" not in name
+        ):
             kept.append(name)
         else:
             log.warning("output: ignored %r in %s: not a plain file name of the output folder", name, backup / MANIFEST)

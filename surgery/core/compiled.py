@@ -86,7 +86,9 @@ def _hide_from_autograd(mode: Any, func: Any, _types: Any, args: tuple, kwargs: 
     """Functionalize ``surgery::enforce`` as usual, then mark the parameter writes hidden from
     autograd: the operator writes only after someone else changed the weight (which already
     bumped its version), so there is nothing new for autograd to detect."""
-    return _compat.functionalize_hiding_mutation(mode, func, args, kwargs, mutated=args[0] if args else kwargs["params"])
+    return _compat.functionalize_hiding_mutation(
+        mode, func, args, kwargs, mutated=args[0] if args else kwargs["params"]
+    )
 
 
 def _define_operator() -> None:
@@ -152,8 +154,10 @@ def prepare(model: nn.Module) -> nn.Module:
 
 def _guard_hook_dicts(model: nn.Module) -> None:
     if _compat.hook_guards_skipped():  # building a torchvision model loads dynamo: say it only at INFO
-        _log.info("surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
-                  "that compiled code notices surgery's hooks (once; see README, torch.compile)")
+        _log.info(
+            "surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
+            "that compiled code notices surgery's hooks (once; see README, torch.compile)"
+        )
         _unguarded.update(_compat.guard_hook_dicts())
         _unguarded_scanned.append(True)
     if not _unguarded:
@@ -162,9 +166,12 @@ def _guard_hook_dicts(model: nn.Module) -> None:
     files |= _compat.wrapper_files()  # Module._call_impl, compiled wrappers
     stale = [code for code in _unguarded if code.co_filename in files]
     if stale:  # compiled code exists for this model: a user with torch.compile should know it recompiles
-        _log.warning("surgery: dropped %d piece(s) of code torch.compile made for %s's classes without guards on "
-                     "their hooks; they recompile on the next call (see README, torch.compile)", len(stale),
-                     type(model).__name__)
+        _log.warning(
+            "surgery: dropped %d piece(s) of code torch.compile made for %s's classes without guards on "
+            "their hooks; they recompile on the next call (see README, torch.compile)",
+            len(stale),
+            type(model).__name__,
+        )
     for code in stale:
         _compat.reset_code(code)
         _unguarded.discard(code)

@@ -34,7 +34,7 @@ def _short(value: object, limit: int = 80) -> str:
     text = repr(value)
     if len(text) <= limit or isinstance(value, str):
         return text
-    return f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
+    return f"{text[: limit // 2]}...{text[-limit // 4 :]} ({len(text)} characters)"
 
 
 class ConfigTypeError(ConfigError, TypeError):
@@ -56,8 +56,11 @@ class OutputBusyError(ConfigError):
     """Another run is writing into the same output folder now."""
 
     def __init__(self, folder: str) -> None:
-        super().__init__("output", folder, "another run is writing into this folder now; wait for it to finish or "
-                         "choose another folder")
+        super().__init__(
+            "output",
+            folder,
+            "another run is writing into this folder now; wait for it to finish or choose another folder",
+        )
 
 
 class CheckpointError(SurgeryError, ValueError):

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from surgery.core import compiled
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
 
+
 class _GuardTable:
     """parameter -> its :class:`TensorGuard` while any transform is attached, holding neither
     strongly: the hooks and handles that use a guard keep it alive, and a model dropped with its
@@ -120,8 +121,9 @@ class SubtreeEnforcer:
     references, so a model under surgery pickles and deep-copies.
     """
 
-    def __init__(self, guards: list[TensorGuard], owned: list[tuple[nn.Module, str, str, TensorGuard]] | None = None
-                 ) -> None:
+    def __init__(
+        self, guards: list[TensorGuard], owned: list[tuple[nn.Module, str, str, TensorGuard]] | None = None
+    ) -> None:
         self.guards = guards
         self.owned = owned or []
 
@@ -144,7 +146,8 @@ def check_owned(owned: list[tuple[nn.Module, str, str, TensorGuard]]) -> None:
             raise ParameterReplacedError(
                 f"{name} was replaced by a new object after {kinds} was attached (load_state_dict(assign=True) or "
                 "assignment), so the surgery no longer reaches it; call enforce() on the handles to carry it over "
-                "to the new parameter, or restore() them before replacing")
+                "to the new parameter, or restore() them before replacing"
+            )
 
 
 class StepEnforcer:
@@ -185,8 +188,9 @@ def attach(param: nn.Parameter, transform: Transform, name: str) -> TensorGuard:
             guard = _guards[param] = TensorGuard(param)
             guard.mark_clean()
         if any(t.kind == transform.kind for t in guard.transforms):
-            raise AlreadyModifiedError(f"{transform.kind}: {name} already has {transform.kind} attached; "
-                                       "bake() or restore() that handle first")
+            raise AlreadyModifiedError(
+                f"{transform.kind}: {name} already has {transform.kind} attached; bake() or restore() that handle first"
+            )
         guard.enforce()  # bring earlier transforms up to date before stacking a new one
         guard.transforms.append(transform)
     try:
@@ -209,11 +213,19 @@ def check_editable(named: dict[str, torch.Tensor], field: str) -> None:
     edit in place: one on the ``meta`` device (no values) or created under ``inference_mode``."""
     for name, tensor in named.items():
         if tensor.is_meta:
-            raise ConfigError(field, name, "is on the meta device and has no values; materialise the model first "
-                              "(model.to_empty(device='cpu') and load its weights)")
+            raise ConfigError(
+                field,
+                name,
+                "is on the meta device and has no values; materialise the model first "
+                "(model.to_empty(device='cpu') and load its weights)",
+            )
         if tensor.is_inference():
-            raise ConfigError(field, name, "was created under torch.inference_mode(), and PyTorch forbids editing "
-                              "it in place; build or load the model outside inference_mode")
+            raise ConfigError(
+                field,
+                name,
+                "was created under torch.inference_mode(), and PyTorch forbids editing "
+                "it in place; build or load the model outside inference_mode",
+            )
 
 
 def check_last(param: nn.Parameter, transform: Transform, name: str) -> None:
@@ -221,8 +233,10 @@ def check_last(param: nn.Parameter, transform: Transform, name: str) -> None:
     guard = _guards.get(param)
     if guard is not None and transform in guard.transforms and guard.transforms[-1] is not transform:
         later = guard.transforms[-1].kind
-        raise AlreadyModifiedError(f"{transform.kind}: {name} also has {later} attached after it; "
-                                   f"restore or bake the {later} handle first (undo in reverse order)")
+        raise AlreadyModifiedError(
+            f"{transform.kind}: {name} also has {later} attached after it; "
+            f"restore or bake the {later} handle first (undo in reverse order)"
+        )
 
 
 def detach(param: nn.Parameter, transform: Transform, name: str) -> None:
@@ -286,8 +300,9 @@ def guard_of(param: nn.Parameter) -> TensorGuard:
     return _guards[param]
 
 
-def paths_to_owners(model: nn.Module, params: list[nn.Parameter]
-                    ) -> list[tuple[nn.Module, list[int], list[tuple[nn.Module, str, str, int]]]]:
+def paths_to_owners(
+    model: nn.Module, params: list[nn.Parameter]
+) -> list[tuple[nn.Module, list[int], list[tuple[nn.Module, str, str, int]]]]:
     """Every module from the root down to each owner of one of ``params``, with the ids of
     those parameters at or below it (for a shared module or parameter: every path) and where
     each sits: ``(owner module, attribute, qualified name, id)``."""

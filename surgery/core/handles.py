@@ -151,8 +151,10 @@ class Handle:
         for record in self._records:
             guards.check_last(record.param, record.transform, record.name)
             if record.name in current and current[record.name] is not record.param:
-                raise ParameterReplacedError(f"{self.kind}: {record.name} was replaced by a new object after the "
-                                             "surgery was attached; call enforce() first to carry it over")
+                raise ParameterReplacedError(
+                    f"{self.kind}: {record.name} was replaced by a new object after the "
+                    "surgery was attached; call enforce() first to carry it over"
+                )
 
     def _check_nothing_later(self) -> None:
         """Refuse to restore under a later handle that must be undone first (a fine-tuning run
@@ -160,8 +162,10 @@ class Handle:
         model = self.model
         for later in list(_later.get(model, ())) if model is not None else []:
             if later is not self and later.state == "attached" and later._order > self._order:
-                raise AlreadyModifiedError(f"{self.kind}: {later.kind} was applied after it and is still attached; "
-                                           f"restore {later.kind} first (undo in reverse order), or compose them")
+                raise AlreadyModifiedError(
+                    f"{self.kind}: {later.kind} was applied after it and is still attached; "
+                    f"restore {later.kind} first (undo in reverse order), or compose them"
+                )
 
     def enforce(self) -> None:
         """Re-apply this handle's transforms to the weights now.
@@ -189,8 +193,12 @@ class Handle:
     def _savepoint(self) -> Revert:
         """What baking changes — the dicts holding this handle's hooks and the tensor guards of
         the model's parameters — as a callable that puts it back exactly."""
-        dicts = {id(d): d for hook in self._hooks
-                 for d in (ref() for ref in (hook.hooks_dict_ref, *hook.extra_dict_ref)) if d is not None}
+        dicts = {
+            id(d): d
+            for hook in self._hooks
+            for d in (ref() for ref in (hook.hooks_dict_ref, *hook.extra_dict_ref))
+            if d is not None
+        }
         saved = [(d, list(d.items())) for d in dicts.values()]
         model = self.model
         put_back_guards = guards.savepoint(model.parameters() if model is not None else [])
@@ -244,8 +252,11 @@ class HandleGroup(Handle):
     def __init__(self, handles: list[Handle], model: nn.Module | None = None) -> None:
         for handle in handles:
             if not isinstance(handle, Handle):
-                raise ConfigTypeError("compose.handles", handle, "must be handles returned by surgery verbs "
-                                      "(prune, quantize, rewrite_inputs, compose)")
+                raise ConfigTypeError(
+                    "compose.handles",
+                    handle,
+                    "must be handles returned by surgery verbs (prune, quantize, rewrite_inputs, compose)",
+                )
         model = model if model is not None else (handles[0].model if handles else None)
         if model is None:
             raise ConfigError("compose.handles", len(handles), "needs at least one handle whose model still exists")

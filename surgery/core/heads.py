@@ -48,22 +48,36 @@ class HeadLayout:
     def __post_init__(self) -> None:
         if isinstance(self.projections, list):
             object.__setattr__(self, "projections", tuple(self.projections))
-        if not isinstance(self.projections, tuple) or not self.projections or \
-                not all(isinstance(p, str) for p in self.projections):
-            raise ConfigTypeError("HeadLayout.projections", self.projections, "must be a tuple of child names, "
-                                  "e.g. ('query', 'key', 'value') or ('qkv',) with packed=3")
+        if (
+            not isinstance(self.projections, tuple)
+            or not self.projections
+            or not all(isinstance(p, str) for p in self.projections)
+        ):
+            raise ConfigTypeError(
+                "HeadLayout.projections",
+                self.projections,
+                "must be a tuple of child names, e.g. ('query', 'key', 'value') or ('qkv',) with packed=3",
+            )
         if not isinstance(self.head_dim, str):
             raise ConfigTypeError("HeadLayout.head_dim", self.head_dim, "must be the name of an attribute")
         for name in ("heads", "derived"):
             value = getattr(self, name)
-            if not isinstance(value, dict) or not all(isinstance(k, str) and v in self.projections
-                                                      for k, v in value.items()):
-                raise ConfigTypeError(f"HeadLayout.{name}", value, "must map attribute names to one of the "
-                                      f"projections {self.projections}")
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and v in self.projections for k, v in value.items()
+            ):
+                raise ConfigTypeError(
+                    f"HeadLayout.{name}",
+                    value,
+                    f"must map attribute names to one of the projections {self.projections}",
+                )
         if self.output is not None and not isinstance(self.output, str):
             raise ConfigTypeError("HeadLayout.output", self.output, "must be a child name or None")
-        if isinstance(self.packed, bool) or not isinstance(self.packed, int) or self.packed < 1 or \
-                (self.packed > 1 and len(self.projections) != 1):
+        if (
+            isinstance(self.packed, bool)
+            or not isinstance(self.packed, int)
+            or self.packed < 1
+            or (self.packed > 1 and len(self.projections) != 1)
+        ):
             raise ConfigError("HeadLayout.packed", self.packed, "must be 1, or > 1 with exactly one projection")
 
 
@@ -133,15 +147,33 @@ def head_counts(module: nn.Module, layout: HeadLayout) -> dict[str, int] | None:
     return counts
 
 
-register_heads("transformers.models.bert.modeling_bert.BertSelfAttention", HeadLayout(
-    ("query", "key", "value"), "attention_head_size", heads={"num_attention_heads": "query"},
-    derived={"all_head_size": "query"}))
-register_heads("transformers.models.roberta.modeling_roberta.RobertaSelfAttention", HeadLayout(
-    ("query", "key", "value"), "attention_head_size", heads={"num_attention_heads": "query"},
-    derived={"all_head_size": "query"}))
-register_heads("transformers.models.vit.modeling_vit.ViTAttention", HeadLayout(
-    ("q_proj", "k_proj", "v_proj"), "head_dim", heads={"num_attention_heads": "q_proj"}, output="o_proj"))
-register_heads("transformers.models.llama.modeling_llama.LlamaAttention", HeadLayout(
-    ("q_proj", "k_proj", "v_proj"), "head_dim", output="o_proj"))
-register_heads("timm.layers.attention.Attention", HeadLayout(
-    ("qkv",), "head_dim", heads={"num_heads": "qkv"}, output="proj", derived={"attn_dim": "qkv"}, packed=3))
+register_heads(
+    "transformers.models.bert.modeling_bert.BertSelfAttention",
+    HeadLayout(
+        ("query", "key", "value"),
+        "attention_head_size",
+        heads={"num_attention_heads": "query"},
+        derived={"all_head_size": "query"},
+    ),
+)
+register_heads(
+    "transformers.models.roberta.modeling_roberta.RobertaSelfAttention",
+    HeadLayout(
+        ("query", "key", "value"),
+        "attention_head_size",
+        heads={"num_attention_heads": "query"},
+        derived={"all_head_size": "query"},
+    ),
+)
+register_heads(
+    "transformers.models.vit.modeling_vit.ViTAttention",
+    HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", heads={"num_attention_heads": "q_proj"}, output="o_proj"),
+)
+register_heads(
+    "transformers.models.llama.modeling_llama.LlamaAttention",
+    HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", output="o_proj"),
+)
+register_heads(
+    "timm.layers.attention.Attention",
+    HeadLayout(("qkv",), "head_dim", heads={"num_heads": "qkv"}, output="proj", derived={"attn_dim": "qkv"}, packed=3),
+)

@@ -49,8 +49,12 @@ def groups_of(module: nn.Module) -> int:
 def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
     """The columns a layer multiplies by its weight, as ``(groups, rows, columns per group)``."""
     if not supports_hessian(module):
-        raise ConfigError("calibration", name, f"is a {type(module).__name__}; second-order methods need nn.Linear, "
-                          "nn.Conv1d, nn.Conv2d or Hugging Face Conv1D (exclude the layer)")
+        raise ConfigError(
+            "calibration",
+            name,
+            f"is a {type(module).__name__}; second-order methods need nn.Linear, "
+            "nn.Conv1d, nn.Conv2d or Hugging Face Conv1D (exclude the layer)",
+        )
     x = x.detach().float()
     if not isinstance(module, nn.modules.conv._ConvNd):
         return x.reshape(1, -1, x.shape[-1])
@@ -64,7 +68,11 @@ def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
     patches = F.unfold(x, kernel, dilation=dilation, stride=stride)  # (N, C·k, L), channel-major
     groups = module.groups
     n, features, positions = patches.shape
-    return patches.view(n, groups, features // groups, positions).permute(1, 0, 3, 2).reshape(groups, -1, features // groups)
+    return (
+        patches.view(n, groups, features // groups, positions)
+        .permute(1, 0, 3, 2)
+        .reshape(groups, -1, features // groups)
+    )
 
 
 def _pad(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:

@@ -23,8 +23,12 @@ def import_object(path: object, field: str, *, default_module: str | None = None
         raise ConfigError(field, path, "must be a dotted import path such as 'package.module.name'")
     parts = path.split(".")
     if not all(part.isidentifier() for part in parts):
-        raise ConfigError(field, path, "must be an absolute dotted path of Python names such as "
-                          "'package.module.name' (relative paths and empty parts are not allowed)")
+        raise ConfigError(
+            field,
+            path,
+            "must be an absolute dotted path of Python names such as "
+            "'package.module.name' (relative paths and empty parts are not allowed)",
+        )
     module_name = ".".join(parts[:-1]) or default_module
     if module_name is None:
         raise ConfigError(field, path, "must name its module too, e.g. 'package.module.name'")

@@ -8,12 +8,11 @@ user batches (compare, calibration, capture, inspection) reads them through :fun
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,8 +20,8 @@ from tqdm import tqdm
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 
-Batch = Union[Tensor, Sequence[Any], Mapping[str, Any]]
-Inputs = Union[Tensor, Mapping[str, Any], Iterable[Batch]]
+Batch = Tensor | Sequence[Any] | Mapping[str, Any]
+Inputs = Tensor | Mapping[str, Any] | Iterable[Batch]
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,12 @@ def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:
     if isinstance(batch, Mapping):
         bad = next((key for key in batch if not isinstance(key, str)), None)
         if bad is not None:
-            raise ConfigError(field_name, f"batch {index}", f"has the key {bad!r}; a dict batch holds keyword "
-                              "arguments, so its keys must be argument names (strings)")
+            raise ConfigError(
+                field_name,
+                f"batch {index}",
+                f"has the key {bad!r}; a dict batch holds keyword "
+                "arguments, so its keys must be argument names (strings)",
+            )
         return Call((), dict(batch))
     if isinstance(batch, (tuple, list)):
         return Call(tuple(batch))
@@ -63,8 +66,11 @@ def batches(inputs: Inputs, field_name: str = "inputs") -> Iterator[Call]:
         yield as_call(inputs, field_name)
         return
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Iterable):
-        raise ConfigError(field_name, inputs if isinstance(inputs, (str, int, float)) else type(inputs).__name__,
-                          "must be a tensor, a dict of keyword inputs, or an iterable of batches")
+        raise ConfigError(
+            field_name,
+            inputs if isinstance(inputs, (str, int, float)) else type(inputs).__name__,
+            "must be a tensor, a dict of keyword inputs, or an iterable of batches",
+        )
     for index, batch in enumerate(inputs):
         yield as_call(batch, field_name, index)
 
@@ -98,16 +104,25 @@ def flatten_tensors(value: Any, *, floating_only: bool = True) -> list[Tensor]:
     return []
 
 
-def run_batches(model: nn.Module, inputs: Inputs, *, field: str, progress: bool = True,
-                error: type[ConfigError] = ConfigError) -> int:
+def run_batches(
+    model: nn.Module, inputs: Inputs, *, field: str, progress: bool = True, error: type[ConfigError] = ConfigError
+) -> int:
     """Run ``model`` on every batch of ``inputs`` in eval mode without gradients, each batch
     checked finite (``error`` naming ``field``), streamed one at a time, with a progress bar on
     a terminal. Returns how many batches ran (calibration passes of prune and quantize)."""
     total = 1 if isinstance(inputs, (Tensor, Mapping)) else len(inputs) if hasattr(inputs, "__len__") else None
     count = 0
     with evaluating(model), torch.no_grad():
-        for index, batch in enumerate(tqdm(batches(inputs, field), total=total, unit="batch", desc="calibrating",
-                                           disable=None if progress else True, leave=False)):
+        for index, batch in enumerate(
+            tqdm(
+                batches(inputs, field),
+                total=total,
+                unit="batch",
+                desc="calibrating",
+                disable=None if progress else True,
+                leave=False,
+            )
+        ):
             check_batch_finite(batch, index, field, error)
             batch(model)
             count += 1
@@ -132,8 +147,15 @@ def trainable(model: nn.Module) -> Iterator[nn.Module]:
             p.grad = grad
 
 
-def run_backward_batches(model: nn.Module, pairs: Iterable, loss: Callable[[Any, Any], Tensor], *, field: str,
-                         progress: bool = True, after_each: Callable[[], None] | None = None) -> int:
+def run_backward_batches(
+    model: nn.Module,
+    pairs: Iterable,
+    loss: Callable[[Any, Any], Tensor],
+    *,
+    field: str,
+    progress: bool = True,
+    after_each: Callable[[], None] | None = None,
+) -> int:
     """Run ``loss(model(inputs), target).backward()`` for every ``(inputs, target)`` pair, in
     eval mode (no dropout, batch-norm statistics untouched) and :func:`trainable`.
     ``after_each()`` runs after each backward, while the gradients are in ``.grad``; they are
@@ -141,11 +163,22 @@ def run_backward_batches(model: nn.Module, pairs: Iterable, loss: Callable[[Any,
     count = 0
     with trainable(model), evaluating(model), torch.enable_grad():
         total = len(pairs) if hasattr(pairs, "__len__") else None
-        for index, pair in enumerate(tqdm(pairs, total=total, unit="batch", desc="calibrating (gradients)",
-                                          disable=None if progress else True, leave=False)):
+        for index, pair in enumerate(
+            tqdm(
+                pairs,
+                total=total,
+                unit="batch",
+                desc="calibrating (gradients)",
+                disable=None if progress else True,
+                leave=False,
+            )
+        ):
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                raise ConfigTypeError(field, f"batch {index}", "must be an (inputs, target) pair: gradients need "
-                                      "a loss, loss(model(inputs), target)")
+                raise ConfigTypeError(
+                    field,
+                    f"batch {index}",
+                    "must be an (inputs, target) pair: gradients need a loss, loss(model(inputs), target)",
+                )
             call = as_call(pair[0], field, index)
             check_batch_finite(call, index, field, ConfigError)
             value = loss(call(model), pair[1])

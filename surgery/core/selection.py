@@ -5,12 +5,14 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+
 try:  # the parser behind `re`, to refuse patterns that backtrack exponentially
-    from re import _constants as sre_constants, _parser as sre_parse  # Python 3.11+
+    from re import _constants as sre_constants  # Python 3.11+
+    from re import _parser as sre_parse
 except ImportError:  # pragma: no cover - Python 3.10
-    import sre_constants, sre_parse  # type: ignore[no-redef]
+    import sre_constants  # type: ignore[no-redef]
+    import sre_parse
 from collections.abc import Callable, Iterable
-from typing import Union
 
 from torch import nn
 
@@ -18,8 +20,8 @@ from surgery.core.errors import ConfigError, ConfigTypeError, SelectionError
 from surgery.core.importing import import_object
 
 Predicate = Callable[[nn.Module, str], bool]
-Pattern = Union[str, type, tuple, Predicate]
-Selection = Union[Pattern, Iterable[Pattern], None]
+Pattern = str | type | tuple | Predicate
+Selection = Pattern | Iterable[Pattern] | None
 
 REGEX_PREFIX = "re:"
 TYPE_PREFIX = "type:"
@@ -64,9 +66,13 @@ def select(
 def as_patterns(selection: Selection, field: str) -> list[Pattern]:
     if selection is None:
         return []
-    if isinstance(selection, (str, type)) or callable(selection) and not isinstance(selection, type):
-        patterns = [selection]
-    elif isinstance(selection, tuple) and all(isinstance(t, type) for t in selection):
+    if (
+        isinstance(selection, (str, type))
+        or callable(selection)
+        and not isinstance(selection, type)
+        or isinstance(selection, tuple)
+        and all(isinstance(t, type) for t in selection)
+    ):
         patterns = [selection]
     elif isinstance(selection, Iterable):
         patterns = list(selection)
@@ -77,19 +83,27 @@ def as_patterns(selection: Selection, field: str) -> list[Pattern]:
 
 def _compile(pattern: Pattern, field: str) -> Pattern:
     if isinstance(pattern, nn.Module):
-        raise ConfigTypeError(field, type(pattern).__name__, "a module object is not a pattern; pass its qualified "
-                              "name (e.g. '0' or 'layer1.0'), its class, or a predicate (module, name) -> bool")
+        raise ConfigTypeError(
+            field,
+            type(pattern).__name__,
+            "a module object is not a pattern; pass its qualified "
+            "name (e.g. '0' or 'layer1.0'), its class, or a predicate (module, name) -> bool",
+        )
     if isinstance(pattern, str) and pattern.startswith(TYPE_PREFIX):
-        return _import_type(pattern[len(TYPE_PREFIX):], field)
+        return _import_type(pattern[len(TYPE_PREFIX) :], field)
     if isinstance(pattern, str) and pattern.startswith(REGEX_PREFIX):
         try:
-            re.compile(pattern[len(REGEX_PREFIX):])
+            re.compile(pattern[len(REGEX_PREFIX) :])
         except re.error as err:
             raise SelectionError(field, pattern, f"not a valid regular expression: {err}") from None
-        if _nested_repeat(sre_parse.parse(pattern[len(REGEX_PREFIX):])):
-            raise SelectionError(field, pattern, "repeats a group that itself repeats or alternates, e.g. (a+)+, "
-                                 "(.*)* or (a|ab)*, which can take exponential time to match",
-                                 "rewrite it without the outer repeat")
+        if _nested_repeat(sre_parse.parse(pattern[len(REGEX_PREFIX) :])):
+            raise SelectionError(
+                field,
+                pattern,
+                "repeats a group that itself repeats or alternates, e.g. (a+)+, "
+                "(.*)* or (a|ab)*, which can take exponential time to match",
+                "rewrite it without the outer repeat",
+            )
         return pattern
     if isinstance(pattern, str):
         try:
@@ -108,7 +122,11 @@ def _nested_repeat(parsed: object, inside_repeat: bool = False) -> bool:
     """Whether a parsed regex repeats (``*``, ``+``, ``{n,}``) something that itself repeats, or
     an alternation (``(?:.|..)*``): both can backtrack exponentially."""
     for op, av in parsed:
-        if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, getattr(sre_constants, "POSSESSIVE_REPEAT", None)):
+        if op in (
+            sre_constants.MAX_REPEAT,
+            sre_constants.MIN_REPEAT,
+            getattr(sre_constants, "POSSESSIVE_REPEAT", None),
+        ):
             low, high, sub = av
             repeats = high is sre_constants.MAXREPEAT or high > 1
             if repeats and inside_repeat or _nested_repeat(sub, inside_repeat or repeats):
@@ -119,9 +137,8 @@ def _nested_repeat(parsed: object, inside_repeat: bool = False) -> bool:
         elif op is sre_constants.SUBPATTERN:
             if _nested_repeat(av[-1], inside_repeat):
                 return True
-        elif op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
-            if _nested_repeat(av[1], inside_repeat):
-                return True
+        elif op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT) and _nested_repeat(av[1], inside_repeat):
+            return True
     return False
 
 
@@ -131,7 +148,9 @@ def _import_type(spec: str, field: str) -> type:
     except ConfigError:
         found = None
     if not isinstance(found, type):
-        raise SelectionError(field, f"{TYPE_PREFIX}{spec}", "names no class", "use e.g. 'type:Conv2d' or 'type:pkg.module.Class'")
+        raise SelectionError(
+            field, f"{TYPE_PREFIX}{spec}", "names no class", "use e.g. 'type:Conv2d' or 'type:pkg.module.Class'"
+        )
     return found
 
 
@@ -148,7 +167,7 @@ def _matching(named: dict[str, nn.Module], patterns: list[Pattern], field: str) 
 def matches(pattern: Pattern, name: str, module: nn.Module) -> bool:
     if isinstance(pattern, str):
         if pattern.startswith(REGEX_PREFIX):
-            return re.fullmatch(pattern[len(REGEX_PREFIX):], name) is not None
+            return re.fullmatch(pattern[len(REGEX_PREFIX) :], name) is not None
         return name == pattern or glob_regex(pattern).fullmatch(name) is not None
     if isinstance(pattern, (type, tuple)):
         return isinstance(module, pattern)
@@ -162,7 +181,9 @@ def glob_regex(pattern: str) -> re.Pattern:
     ``**`` as a whole segment matches any number of segments (``layer1.**`` = everything below
     ``layer1``; ``**.conv1`` = every ``conv1``; ``a.**.b`` includes ``a.b``), ``?`` one
     character and ``[...]`` one of a set, as in gitignore-style globs."""
-    segments = [s for i, s in enumerate(pattern.split(".")) if not (s == "**" and pattern.split(".")[i - 1:i] == ["**"])]
+    segments = [
+        s for i, s in enumerate(pattern.split(".")) if not (s == "**" and pattern.split(".")[i - 1 : i] == ["**"])
+    ]
     regex = ""
     for index, segment in enumerate(segments):
         last = index == len(segments) - 1
@@ -186,12 +207,12 @@ def _segment_regex(segment: str) -> str:
         elif char == "?":
             out += r"[^.]"
         elif char == "[":
-            start = i + 1 + (segment[i + 1:i + 2] == "!")
-            end = segment.find("]", start + (segment[start:start + 1] == "]"))
+            start = i + 1 + (segment[i + 1 : i + 2] == "!")
+            end = segment.find("]", start + (segment[start : start + 1] == "]"))
             if end == -1:
                 out += re.escape(char)
             else:
-                body = segment[i + 1:end]
+                body = segment[i + 1 : end]
                 out += "[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]"
                 i = end
         else:
@@ -202,7 +223,7 @@ def _segment_regex(segment: str) -> str:
 
 def closest(pattern: Pattern, named: dict[str, nn.Module]) -> str:
     if isinstance(pattern, str):
-        text = pattern[len(REGEX_PREFIX):] if pattern.startswith(REGEX_PREFIX) else pattern
+        text = pattern[len(REGEX_PREFIX) :] if pattern.startswith(REGEX_PREFIX) else pattern
         close = difflib.get_close_matches(text, [n for n in named if n], n=3, cutoff=0.4)
     else:
         close = sorted({type(m).__name__ for m in named.values()})[:6]

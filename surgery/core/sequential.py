@@ -102,8 +102,9 @@ def materialise(calibration: Any, field_name: str) -> list[Call]:
     return calls
 
 
-def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call,
-                field: str = "calibration") -> list[Stage]:
+def plan_stages(
+    model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call, field: str = "calibration"
+) -> list[Stage]:
     """The stages, in the order the layers first run on the batch ``first``."""
     order: list[str] = []
     calls = {name: 0 for name in block_names}
@@ -113,11 +114,13 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
         def hook(module: nn.Module, args: tuple) -> None:
             if name not in order:
                 order.append(name)
+
         return hook
 
     def called(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
             calls[name] += 1
+
         return hook
 
     try:
@@ -135,8 +138,12 @@ def plan_stages(model: nn.Module, layers: dict[str, nn.Module], block_names: lis
             hook.remove()
     missing = [name for name in layers if name not in order]
     if missing:
-        raise ConfigError("calibration", missing[0], "this layer never ran on the calibration batches",
-                          "give batches that run through it, or exclude it")
+        raise ConfigError(
+            "calibration",
+            missing[0],
+            "this layer never ran on the calibration batches",
+            "give batches that run through it, or exclude it",
+        )
     once = [name for name in block_names if calls[name] == 1]  # a block run twice (shared weights) is no block
     stages: list[Stage] = []
     for name in order:
@@ -154,15 +161,27 @@ def _explain_dtype(model: nn.Module, first: Call, err: BaseException, field: str
     weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
     given = {t.dtype for t in first.tensors()}
     if len(weights) == 1 and given and given != weights:
-        raise ConfigError(field, "batch 0", f"holds {', '.join(sorted(map(str, given)))} tensors and the "
-                          f"model's weights are {next(iter(weights))}; give batches of the model's dtype "
-                          f"({type(err).__name__}: {' '.join(str(err).split())[:100]})") from None
+        raise ConfigError(
+            field,
+            "batch 0",
+            f"holds {', '.join(sorted(map(str, given)))} tensors and the "
+            f"model's weights are {next(iter(weights))}; give batches of the model's dtype "
+            f"({type(err).__name__}: {' '.join(str(err).split())[:100]})",
+        ) from None
 
 
-def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, solve: Solve, *,
-                   params: Callable[[str], tuple[str, nn.Parameter]], blocks: Selection | bool | None = None,
-                   field: str = "calibration", progress: bool = True,
-                   reduce: ReducerFactory = HessianReducer) -> SequentialReport:
+def run_sequential(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    calibration: Any,
+    solve: Solve,
+    *,
+    params: Callable[[str], tuple[str, nn.Parameter]],
+    blocks: Selection | bool | None = None,
+    field: str = "calibration",
+    progress: bool = True,
+    reduce: ReducerFactory = HessianReducer,
+) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
     ``solve`` receives each stage layer's inputs reduced by ``reduce`` (default their Hessian,
@@ -177,17 +196,23 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
         with evaluating(model), torch.no_grad():
             report.stages = plan_stages(model, layers, report.blocks, calls[0], field)
             cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
-            for stage in tqdm(report.stages, unit="stage", desc="compressing", leave=False,
-                              disable=None if progress else True):
+            for stage in tqdm(
+                report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
+            ):
                 stage_layers = {name: layers[name] for name in stage.layers}
                 if stage.block is None:
                     cache = None
-                    reduced = _reduced(model, stage_layers, reduce, lambda: [call(model) for call in calls])
+                    reduced = _reduced(model, stage_layers, reduce, lambda calls=calls: [call(model) for call in calls])
                 else:
                     block = model.get_submodule(stage.block)
                     inputs = cache[1] if cache is not None and cache[0] == stage.block else _catch(model, block, calls)
                     report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs))
-                    reduced = _reduced(model, stage_layers, reduce, lambda: [block(*a, **k) for a, k in inputs])
+                    reduced = _reduced(
+                        model,
+                        stage_layers,
+                        reduce,
+                        lambda block=block, inputs=inputs: [block(*a, **k) for a, k in inputs],
+                    )
                 _write(solve(reduced), stage, params, originals)
                 if stage.block is not None:
                     cache = _outputs_for_next(model, report, stage.block, block, inputs, calls[0])
@@ -198,8 +223,14 @@ def run_sequential(model: nn.Module, layers: dict[str, nn.Module], calibration: 
     return report
 
 
-def _outputs_for_next(model: nn.Module, report: SequentialReport, name: str, block: nn.Module,
-                      inputs: list[tuple[tuple, dict]], first: Call) -> tuple[str, list[tuple[tuple, dict]]] | None:
+def _outputs_for_next(
+    model: nn.Module,
+    report: SequentialReport,
+    name: str,
+    block: nn.Module,
+    inputs: list[tuple[tuple, dict]],
+    first: Call,
+) -> tuple[str, list[tuple[tuple, dict]]] | None:
     """The (pruned) block's outputs as the following block's inputs, if the two chain."""
     following = _following(report.blocks, name)
     if following is None:
@@ -214,15 +245,20 @@ def _outputs_for_next(model: nn.Module, report: SequentialReport, name: str, blo
     return following, outputs
 
 
-def _reduced(model: nn.Module, layers: dict[str, nn.Module], reduce: ReducerFactory, run: Callable[[], Any]
-             ) -> dict[str, Any]:
+def _reduced(
+    model: nn.Module, layers: dict[str, nn.Module], reduce: ReducerFactory, run: Callable[[], Any]
+) -> dict[str, Any]:
     with Capture(model, layers, ("inputs",), reduce) as seen:
         run()
     found = seen.inputs
     for name in layers:
         if found.get(name) is None:
-            raise ConfigError("calibration", name, "this layer received no floating-point input during calibration",
-                              "give batches that run through it, or exclude it")
+            raise ConfigError(
+                "calibration",
+                name,
+                "this layer received no floating-point input during calibration",
+                "give batches that run through it, or exclude it",
+            )
     return found
 
 
@@ -245,8 +281,12 @@ def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[
     finally:
         handle.remove()
     if len(caught) != len(calls):
-        raise ConfigError("calibration.blocks", type(block).__name__, "a block did not run on every calibration batch; "
-                          "pass blocks=False to compress layer by layer with full forwards")
+        raise ConfigError(
+            "calibration.blocks",
+            type(block).__name__,
+            "a block did not run on every calibration batch; "
+            "pass blocks=False to compress layer by layer with full forwards",
+        )
     return caught
 
 
@@ -268,8 +308,9 @@ def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] |
     """The next block's call: this block's output in place of its hidden states (the first
     positional input, or ``hidden_states``); other inputs (masks, positions) are shared.
     ``None`` if the output or the call has no such place."""
-    hidden = output if isinstance(output, Tensor) else output[0] if isinstance(output, (tuple, list)) and output \
-        else None
+    hidden = (
+        output if isinstance(output, Tensor) else output[0] if isinstance(output, (tuple, list)) and output else None
+    )
     if not isinstance(hidden, Tensor):
         return None
     if args:
@@ -291,8 +332,11 @@ def _chains(model: nn.Module, block: nn.Module, predicted: tuple[tuple, dict] | 
     for real, guess in pairs:
         if isinstance(real, Tensor) != isinstance(guess, Tensor):
             return False
-        if isinstance(real, Tensor) and (real.shape != guess.shape or real.dtype != guess.dtype
-                                         or not torch.allclose(real.float(), guess.float(), rtol=1e-4, atol=1e-5)):
+        if isinstance(real, Tensor) and (
+            real.shape != guess.shape
+            or real.dtype != guess.dtype
+            or not torch.allclose(real.float(), guess.float(), rtol=1e-4, atol=1e-5)
+        ):
             return False
     return True
 
@@ -302,8 +346,12 @@ def _following(blocks: list[str], block: str) -> str | None:
     return blocks[index + 1] if index + 1 < len(blocks) else None
 
 
-def _write(values: Mapping[str, Tensor], stage: Stage, params: Callable[[str], tuple[str, nn.Parameter]],
-           originals: dict[str, tuple[nn.Parameter, Tensor]]) -> None:
+def _write(
+    values: Mapping[str, Tensor],
+    stage: Stage,
+    params: Callable[[str], tuple[str, nn.Parameter]],
+    originals: dict[str, tuple[nn.Parameter, Tensor]],
+) -> None:
     for layer in stage.layers:
         name, param = params(layer)
         value = values.get(name)

@@ -73,8 +73,9 @@ class Targets:
         return {"matched": list(self.matched), "skipped": [asdict(s) for s in self.skipped]}
 
 
-def select_parameters(model: nn.Module, include: Selection, exclude: Selection, *, verb: str,
-                      min_dim: int = 2, required: bool = True) -> Targets:
+def select_parameters(
+    model: nn.Module, include: Selection, exclude: Selection, *, verb: str, min_dim: int = 2, required: bool = True
+) -> Targets:
     """Resolve ``include``/``exclude`` to the parameters ``verb`` (``"prune"``, ``"quantize"``)
     works on; ``include=None`` is :func:`default_layer`. See the module docstring. With
     ``required=False`` an empty result is returned instead of raising.
@@ -101,27 +102,50 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
         for attr, param in own.items():
             qualified = f"{name}.{attr}" if name else attr
             wanted = qualified not in excluded_params and (
-                qualified in chosen_params or name in chosen_modules and attr == "weight")
+                qualified in chosen_params or name in chosen_modules and attr == "weight"
+            )
             if wanted and id(param) in embeddings:
-                skipped.append(Skipped(qualified, type(module).__name__, f"is the same tensor as the input embedding "
-                                       f"{embeddings[id(param)]} (a tied output head): left out by default; select "
-                                       f"'{name}' to {verb} both"))
+                skipped.append(
+                    Skipped(
+                        qualified,
+                        type(module).__name__,
+                        f"is the same tensor as the input embedding "
+                        f"{embeddings[id(param)]} (a tied output head): left out by default; select "
+                        f"'{name}' to {verb} both",
+                    )
+                )
                 tied_heads.append(name)
                 continue
             if not wanted:
                 if name in chosen_modules and param.dim() >= 2 and param.is_floating_point():
-                    skipped.append(Skipped(qualified, type(module).__name__, f"not the layer's 'weight'; select "
-                                           f"'{qualified}' to include it"))
+                    skipped.append(
+                        Skipped(
+                            qualified,
+                            type(module).__name__,
+                            f"not the layer's 'weight'; select '{qualified}' to include it",
+                        )
+                    )
                 continue
             if not param.is_floating_point():
-                raise ConfigError(f"{verb}.select", name if attr == "weight" else qualified,
-                                  f"weight has dtype {param.dtype}; only floating weights can be {verb}d")
+                raise ConfigError(
+                    f"{verb}.select",
+                    name if attr == "weight" else qualified,
+                    f"weight has dtype {param.dtype}; only floating weights can be {verb}d",
+                )
             if param.dim() < min_dim:
-                skipped.append(Skipped(qualified, type(module).__name__, f"has {param.dim()} dimension(s); "
-                                       f"{verb} works on weights of {min_dim}+"))
+                skipped.append(
+                    Skipped(
+                        qualified,
+                        type(module).__name__,
+                        f"has {param.dim()} dimension(s); {verb} works on weights of {min_dim}+",
+                    )
+                )
             elif id(param) in seen:
-                skipped.append(Skipped(qualified, type(module).__name__, f"is tied to {seen[id(param)]} "
-                                       "(handled once, stays tied)"))
+                skipped.append(
+                    Skipped(
+                        qualified, type(module).__name__, f"is tied to {seen[id(param)]} (handled once, stays tied)"
+                    )
+                )
             else:
                 seen[id(param)] = qualified
                 matched[qualified] = Target(qualified, name, module, attr)
@@ -130,17 +154,34 @@ def select_parameters(model: nn.Module, include: Selection, exclude: Selection, 
     if include is None:
         skipped += _outside_default(modules, chosen_modules, seen, verb)
     if tied_heads:
-        log.warning("%s: %s left out: the same tensor as an input embedding (a tied output head, which would %s the "
-                    "embedding too); select it explicitly to include it", verb, ", ".join(tied_heads), verb)
+        log.warning(
+            "%s: %s left out: the same tensor as an input embedding (a tied output head, which would %s the "
+            "embedding too); select it explicitly to include it",
+            verb,
+            ", ".join(tied_heads),
+            verb,
+        )
     if not matched and required:
         containers = [n for n in modules if n in chosen_modules and not any(True for _ in modules[n].parameters(False))]
-        why = (f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
-               f"'{containers[0]}.**' reaches the layers inside; " if containers and containers[0] else "")
-        raise ConfigError(field_, describe(include), f"selects no floating weight of {min_dim}+ dimensions",
-                          f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as "
-                          "'**.weight_ih_l0'")
-    log.info("%s: %d parameter(s) matched, %d skipped%s", verb, len(matched), len(skipped),
-             f" ({', '.join(s.name for s in skipped[:3])}{' ...' if len(skipped) > 3 else ''})" if skipped else "")
+        why = (
+            f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
+            f"'{containers[0]}.**' reaches the layers inside; "
+            if containers and containers[0]
+            else ""
+        )
+        raise ConfigError(
+            field_,
+            describe(include),
+            f"selects no floating weight of {min_dim}+ dimensions",
+            f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as '**.weight_ih_l0'",
+        )
+    log.info(
+        "%s: %d parameter(s) matched, %d skipped%s",
+        verb,
+        len(matched),
+        len(skipped),
+        f" ({', '.join(s.name for s in skipped[:3])}{' ...' if len(skipped) > 3 else ''})" if skipped else "",
+    )
     for item in skipped:
         log.debug("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
     return Targets(matched, skipped)
@@ -163,8 +204,12 @@ def _input_embeddings(model: nn.Module, modules: dict[str, nn.Module]) -> dict[i
 
 def _named_parameters(model: nn.Module) -> dict[str, nn.Module]:
     """Qualified parameter name -> owning module, for every (also shared) parameter."""
-    return {f"{name}.{attr}" if name else attr: module for name, module in model.named_modules()
-            for attr, p in module._parameters.items() if p is not None}
+    return {
+        f"{name}.{attr}" if name else attr: module
+        for name, module in model.named_modules()
+        for attr, p in module._parameters.items()
+        if p is not None
+    }
 
 
 def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> tuple[set[str], set[str]]:
@@ -180,8 +225,9 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
                 chosen_params |= param_hits
                 continue
         if not hits:
-            raise SelectionError(field_, describe(pattern), "matches no module or parameter",
-                                 closest(pattern, {**modules, **params}))
+            raise SelectionError(
+                field_, describe(pattern), "matches no module or parameter", closest(pattern, {**modules, **params})
+            )
         chosen_modules |= hits
     return chosen_modules, chosen_params
 
@@ -193,18 +239,32 @@ def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb
     for name, module in modules.items():
         if name in chosen:
             continue
-        heavy = {attr: p for attr, p in module._parameters.items()
-                 if p is not None and p.dim() >= 2 and p.is_floating_point()}
+        heavy = {
+            attr: p
+            for attr, p in module._parameters.items()
+            if p is not None and p.dim() >= 2 and p.is_floating_point()
+        }
         own = [attr for attr, p in heavy.items() if id(p) not in seen]
         for attr, p in heavy.items():
             if id(p) in seen:
                 qualified = f"{name}.{attr}" if name else attr
-                out.append(Skipped(qualified, type(module).__name__, f"not selected itself, but it is the same tensor "
-                                   f"as {seen[id(p)]}, so it is {verb}d with it"))
+                out.append(
+                    Skipped(
+                        qualified,
+                        type(module).__name__,
+                        f"not selected itself, but it is the same tensor as {seen[id(p)]}, so it is {verb}d with it",
+                    )
+                )
         if own and default_layer(module, name):
             out.append(Skipped(name, type(module).__name__, f"excluded ({verb}.exclude)"))
         elif own:
             example = f"{name}.{own[0]}" if name else own[0]
-            out.append(Skipped(name, type(module).__name__, f"not in the default selection ({default_layer.__name__}); "
-                               f"select '{example}' (or its layer) to include its {', '.join(own)}"))
+            out.append(
+                Skipped(
+                    name,
+                    type(module).__name__,
+                    f"not in the default selection ({default_layer.__name__}); "
+                    f"select '{example}' (or its layer) to include its {', '.join(own)}",
+                )
+            )
     return out

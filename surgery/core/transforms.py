@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Protocol, Union
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -72,9 +72,13 @@ class FunctionTransform:
         if result is not None and result is not param:
             if not isinstance(result, Tensor) or result.shape != param.shape:
                 got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
-                raise ConfigError("transforms", self.kind, f"returned {got} for a parameter of shape "
-                                  f"{tuple(param.shape)}; a transform returns the same shape (or None after an "
-                                  "in-place edit)")
+                raise ConfigError(
+                    "transforms",
+                    self.kind,
+                    f"returned {got} for a parameter of shape "
+                    f"{tuple(param.shape)}; a transform returns the same shape (or None after an "
+                    "in-place edit)",
+                )
             param.copy_(result)
 
 
@@ -87,8 +91,12 @@ class CheckedTransform:
     def apply(self, param: Tensor) -> None:
         result = self.inner.apply(param)
         if isinstance(result, Tensor) and result is not param:
-            raise ConfigError("transforms", self.kind, "apply(param) returned a new tensor; it must edit param in "
-                              "place (or pass a function tensor -> tensor instead)")
+            raise ConfigError(
+                "transforms",
+                self.kind,
+                "apply(param) returned a new tensor; it must edit param in "
+                "place (or pass a function tensor -> tensor instead)",
+            )
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # save(), and whatever else the transform offers
@@ -148,8 +156,12 @@ class AttachedTransform:
         current = dict(model.named_parameters(remove_duplicate=False)).get(self.name)
         if current is not None and current is not self.guard.param:
             if current.shape != self.guard.param.shape:
-                raise ConfigError("enforce", self.name, f"was replaced by a parameter of shape {tuple(current.shape)}; "
-                                  f"the surgery was made for {tuple(self.guard.param.shape)} (restore() instead)")
+                raise ConfigError(
+                    "enforce",
+                    self.name,
+                    f"was replaced by a parameter of shape {tuple(current.shape)}; "
+                    f"the surgery was made for {tuple(self.guard.param.shape)} (restore() instead)",
+                )
             guards.adopt(self.guard, current)
             _own_gradient_hook(handle, current, self.transform)
         else:
@@ -179,8 +191,9 @@ def _own_gradient_hook(handle: Handle, param: nn.Parameter, transform: Transform
     handle.add_hook("gradient hook", hook)
 
 
-def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]],
-               hook_description: str) -> dict[str, AttachedTransform]:
+def attach_all(
+    handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[nn.Parameter, Transform]], hook_description: str
+) -> dict[str, AttachedTransform]:
     """Attach each ``(param, transform)`` under its qualified name, recording undo records on
     ``handle`` before each change, then own the hooks that keep them applied: forward-pre hooks
     (before each forward), tensor hooks on accumulated gradients (transforms with
@@ -196,8 +209,9 @@ def attach_all(handle: Handle, model: nn.Module, transforms: Mapping[str, tuple[
         records[name] = record
     by_param = {id(r.param): r.guard for r in records.values()}
     for module, below, owned in guards.paths_to_owners(model, [r.param for r in records.values()]):
-        enforcer = SubtreeEnforcer([by_param[i] for i in below],
-                                   [(owner, attr, name, by_param[i]) for owner, attr, name, i in owned])
+        enforcer = SubtreeEnforcer(
+            [by_param[i] for i in below], [(owner, attr, name, by_param[i]) for owner, attr, name, i in owned]
+        )
         handle.add_hook(hook_description, module.register_forward_pre_hook(enforcer))
     for record in records.values():
         _own_gradient_hook(handle, record.param, record.transform)
@@ -225,12 +239,16 @@ def _check_idempotent(name: str, param: nn.Parameter, transform: Transform) -> N
         twice = once.clone()
         transform.apply(twice)
     if not torch.equal(once.nan_to_num(), twice.nan_to_num()):
-        raise ConfigError(f"transforms[{name!r}]", transform.kind, "is not idempotent: applying it twice changes the "
-                          "result, and surgery re-applies it whenever the weight changes (optimizer steps, restores); "
-                          "make apply(apply(w)) == apply(w), e.g. clamp or mask rather than scale")
+        raise ConfigError(
+            f"transforms[{name!r}]",
+            transform.kind,
+            "is not idempotent: applying it twice changes the "
+            "result, and surgery re-applies it whenever the weight changes (optimizer steps, restores); "
+            "make apply(apply(w)) == apply(w), e.g. clamp or mask rather than scale",
+        )
 
 
-TransformLike = Union[Transform, Callable[[Tensor], Union[Tensor, None]]]
+TransformLike = Transform | Callable[[Tensor], Tensor | None]
 
 
 def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], *, kind: str = "transform") -> Handle:
@@ -256,15 +274,22 @@ def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], 
     for name, transform in transforms.items():
         if name not in params:
             close = [n for n in params if n.endswith(str(name).split(".")[-1])][:3]
-            raise ConfigError("transforms", name, "is not a parameter of the model",
-                              f"closest: {', '.join(close)}" if close else "see model.named_parameters()")
+            raise ConfigError(
+                "transforms",
+                name,
+                "is not a parameter of the model",
+                f"closest: {', '.join(close)}" if close else "see model.named_parameters()",
+            )
         if callable(getattr(transform, "apply", None)) and isinstance(getattr(transform, "kind", None), str):
             resolved[name] = (params[name], CheckedTransform(transform))
         elif callable(transform):
             resolved[name] = (params[name], FunctionTransform(transform, kind))
         else:
-            raise ConfigTypeError(f"transforms[{name!r}]", transform, "must be a function tensor -> tensor or an "
-                                  "object with kind and apply(param)")
+            raise ConfigTypeError(
+                f"transforms[{name!r}]",
+                transform,
+                "must be a function tensor -> tensor or an object with kind and apply(param)",
+            )
     guards.check_editable({name: p for name, (p, _) in resolved.items()}, "transforms")
     for name, (param, transform) in resolved.items():
         _check_idempotent(name, param, transform)

@@ -15,7 +15,6 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -42,8 +41,8 @@ class LayerStats:
     input_sq_norms: Tensor
     rows: int
     weight_axis: int = 1  # the weight's input-feature axis: 1 for Linear and convolutions, 0 for HF Conv1D
-    taylor: Optional[Tensor] = None
-    grad_sq: Optional[Tensor] = None
+    taylor: Tensor | None = None
+    grad_sq: Tensor | None = None
 
     @property
     def input_norms(self) -> Tensor:
@@ -56,9 +55,13 @@ class LayerStats:
         score for Linear, convolutions and Hugging Face ``Conv1D`` alike."""
         features = self.input_sq_norms.numel()
         if weight.dim() <= self.weight_axis or weight.shape[self.weight_axis] != features:
-            raise ConfigError("prune.calibration", self.name, f"has {features} input features but its weight "
-                              f"{tuple(weight.shape)} has {weight.shape[self.weight_axis] if weight.dim() > self.weight_axis else 'no'}"
-                              f" along axis {self.weight_axis} (a grouped convolution?); per-feature scores do not apply")
+            raise ConfigError(
+                "prune.calibration",
+                self.name,
+                f"has {features} input features but its weight "
+                f"{tuple(weight.shape)} has {weight.shape[self.weight_axis] if weight.dim() > self.weight_axis else 'no'}"
+                f" along axis {self.weight_axis} (a grouped convolution?); per-feature scores do not apply",
+            )
         shape = [1] * weight.dim()
         shape[self.weight_axis] = features
         return self.input_norms.to(weight.dtype).view(shape)
@@ -77,7 +80,7 @@ class Criterion:
     structured: bool = False  # one score per slice along ``dim``: whole slices pruned
     needs_calibration: bool = False  # raise without calibration batches instead of passing None
     needs_gradients: bool = False  # calibration runs a loss backward: LayerStats.taylor and grad_sq
-    reconstruct: Optional[Reconstruct] = None  # second-order: picks the mask and updates the weights kept
+    reconstruct: Reconstruct | None = None  # second-order: picks the mask and updates the weights kept
     per_output: bool = False  # ranked within each output row: every row loses ``amount`` of its entries (Wanda)
 
     def keywords(self, options: dict) -> dict:
@@ -88,22 +91,37 @@ class Criterion:
         except (TypeError, ValueError):  # a builtin without a signature
             return {}
         params = signature.parameters.values()
-        accepted = options if any(p.kind is p.VAR_KEYWORD for p in params) else \
-            {k: v for k, v in options.items() if k in signature.parameters}
+        accepted = (
+            options
+            if any(p.kind is p.VAR_KEYWORD for p in params)
+            else {k: v for k, v in options.items() if k in signature.parameters}
+        )
         try:
             signature.bind(None, None, **accepted)
         except TypeError as err:
-            raise ConfigError("prune.method", self.name, f"cannot be called as score(weight, stats): {err}; it may "
-                              "also take n, dim, scope and generator as keywords") from None
+            raise ConfigError(
+                "prune.method",
+                self.name,
+                f"cannot be called as score(weight, stats): {err}; it may "
+                "also take n, dim, scope and generator as keywords",
+            ) from None
         return accepted
 
 
 CRITERIA: Registry[Criterion] = Registry("prune.method")
 
 
-def register_criterion(name: str, score: Score | None, *, structured: bool = False, needs_calibration: bool = False,
-                       needs_gradients: bool = False, reconstruct: Reconstruct | None = None,
-                       per_output: bool = False, replace: bool = False) -> Criterion:
+def register_criterion(
+    name: str,
+    score: Score | None,
+    *,
+    structured: bool = False,
+    needs_calibration: bool = False,
+    needs_gradients: bool = False,
+    reconstruct: Reconstruct | None = None,
+    per_output: bool = False,
+    replace: bool = False,
+) -> Criterion:
     """Make ``score(weight, stats) -> Tensor`` available as ``prune(..., method=name)`` and
     ``prune.method=name`` in recipes. ``needs_gradients`` makes calibration batches
     ``(inputs, target)`` pairs run through a loss and backward, filling ``stats.taylor`` and
@@ -127,31 +145,53 @@ def register_criterion(name: str, score: Score | None, *, structured: bool = Fal
     """
     if reconstruct is not None:
         if not callable(reconstruct):
-            raise ConfigError("register_criterion.reconstruct", reconstruct, "must be a function (matrix, hessian, "
-                              "amount, *, pattern, name) -> (new matrix, keep-mask)")
+            raise ConfigError(
+                "register_criterion.reconstruct",
+                reconstruct,
+                "must be a function (matrix, hessian, amount, *, pattern, name) -> (new matrix, keep-mask)",
+            )
         score = score or _no_score(name)
     if not callable(score):
         raise ConfigError("register_criterion.score", score, "must be a function score(weight, stats) -> Tensor")
-    for flag, value in (("structured", structured), ("needs_calibration", needs_calibration),
-                        ("needs_gradients", needs_gradients), ("per_output", per_output)):
+    for flag, value in (
+        ("structured", structured),
+        ("needs_calibration", needs_calibration),
+        ("needs_gradients", needs_gradients),
+        ("per_output", per_output),
+    ):
         if not isinstance(value, bool):
             raise ConfigTypeError(f"register_criterion.{flag}", value, "must be True or False")
     if per_output and (structured or reconstruct is not None):
-        raise ConfigError("register_criterion.per_output", per_output, "ranks single entries within each row; it "
-                          "does not apply to a structured or second-order criterion")
-    criterion = Criterion(name, score, structured, needs_calibration or needs_gradients or reconstruct is not None,
-                          needs_gradients, reconstruct, per_output)
+        raise ConfigError(
+            "register_criterion.per_output",
+            per_output,
+            "ranks single entries within each row; it does not apply to a structured or second-order criterion",
+        )
+    criterion = Criterion(
+        name,
+        score,
+        structured,
+        needs_calibration or needs_gradients or reconstruct is not None,
+        needs_gradients,
+        reconstruct,
+        per_output,
+    )
     return CRITERIA.register(name, criterion, replace=replace)
 
 
 def _no_score(name: str) -> Score:
-    def score(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
-        raise ConfigError("prune.method", name, "chooses its mask while it reconstructs each layer, with the "
-                          "layer's input Hessian; it has no standalone score (use surgery.prune with calibration)")
+    def score(weight: Tensor, stats: LayerStats | None) -> Tensor:
+        raise ConfigError(
+            "prune.method",
+            name,
+            "chooses its mask while it reconstructs each layer, with the "
+            "layer's input Hessian; it has no standalone score (use surgery.prune with calibration)",
+        )
+
     return score
 
 
-def as_criterion(method: Union[str, Score, Criterion]) -> Criterion:
+def as_criterion(method: str | Score | Criterion) -> Criterion:
     """The criterion for a registered name, a :class:`Criterion`, or a plain scoring function."""
     if isinstance(method, Criterion):
         return method
@@ -159,21 +199,24 @@ def as_criterion(method: Union[str, Score, Criterion]) -> Criterion:
         return CRITERIA.get(method)
     if callable(method):
         return Criterion(getattr(method, "__name__", type(method).__name__), method)
-    raise ConfigError("prune.method", method, f"must be one of {', '.join(CRITERIA.names())} or a function "
-                      "score(weight, stats) -> Tensor")
+    raise ConfigError(
+        "prune.method",
+        method,
+        f"must be one of {', '.join(CRITERIA.names())} or a function score(weight, stats) -> Tensor",
+    )
 
 
-def l1_unstructured(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+def l1_unstructured(weight: Tensor, stats: LayerStats | None) -> Tensor:
     """|w|: the smallest magnitudes are pruned."""
     return weight.abs()
 
 
-def random_unstructured(weight: Tensor, stats: Optional[LayerStats], *, generator: torch.Generator) -> Tensor:
+def random_unstructured(weight: Tensor, stats: LayerStats | None, *, generator: torch.Generator) -> Tensor:
     """Uniform random scores from the call's seeded generator (the global RNG is untouched)."""
     return torch.rand(weight.shape, generator=generator).to(weight.device)
 
 
-def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim: int, scope: str) -> Tensor:
+def ln_structured(weight: Tensor, stats: LayerStats | None, *, n: float, dim: int, scope: str) -> Tensor:
     """The Ln norm of each slice along ``dim``; with ``scope="global"`` divided by
     ``numel ** (1/n)`` of the slice so that layers of different fan-in compare fairly."""
     dims = [d for d in range(weight.dim()) if d != dim % weight.dim()]
@@ -183,7 +226,7 @@ def ln_structured(weight: Tensor, stats: Optional[LayerStats], *, n: float, dim:
     return norms
 
 
-def wanda(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+def wanda(weight: Tensor, stats: LayerStats | None) -> Tensor:
     """|W| · ‖X_j‖ (Sun et al., Wanda): a weight matters as much as the inputs it multiplies;
     ``‖X_j‖`` over calibration batches, along the weight's input-feature axis. Registered as
     ``"wanda"``, ranked within each output row as in the paper, and as ``"wanda_layer"``,
@@ -191,7 +234,7 @@ def wanda(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
     return weight.abs() * stats.norms_like(weight)
 
 
-def taylor(weight: Tensor, stats: Optional[LayerStats]) -> Tensor:
+def taylor(weight: Tensor, stats: LayerStats | None) -> Tensor:
     """First-order Taylor importance, Σ over calibration batches of |w · ∂L/∂w| (Molchanov et
     al.): the loss change a weight's removal would cause, to first order."""
     return stats.taylor.to(weight.device)
@@ -206,8 +249,16 @@ register_criterion("taylor", taylor, needs_gradients=True)
 register_criterion("sparsegpt", None, reconstruct=sparsegpt)
 
 
-def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict[str, Optional[LayerStats]], *,
-                   n: float = 2.0, dim: int = 0, scope: str = "layer", seed: int = 0) -> list[Tensor]:
+def compute_scores(
+    criterion: Criterion,
+    weights: dict[str, Tensor],
+    stats: dict[str, LayerStats | None],
+    *,
+    n: float = 2.0,
+    dim: int = 0,
+    scope: str = "layer",
+    seed: int = 0,
+) -> list[Tensor]:
     """One score tensor per weight, checked: the weight's shape (``(size of dim,)`` for a
     structured criterion), real numbers, no NaN."""
     options = {"n": n, "dim": dim, "scope": scope, "generator": torch.Generator().manual_seed(seed)}
@@ -215,29 +266,50 @@ def compute_scores(criterion: Criterion, weights: dict[str, Tensor], stats: dict
     scores = []
     for name, weight in weights.items():
         if criterion.needs_calibration and stats.get(name) is None:
-            raise ConfigError("prune.select", name, f"has no input statistics, which {criterion.name!r} needs (only "
-                              "the weight of a Linear, convolution or Conv1D layer has them); exclude it")
+            raise ConfigError(
+                "prune.select",
+                name,
+                f"has no input statistics, which {criterion.name!r} needs (only "
+                "the weight of a Linear, convolution or Conv1D layer has them); exclude it",
+            )
         if criterion.needs_gradients and stats[name].taylor is None:
-            raise ConfigError("prune.select", name, f"received no gradient during calibration, which "
-                              f"{criterion.name!r} needs (frozen, or not on the loss's path); exclude it")
+            raise ConfigError(
+                "prune.select",
+                name,
+                f"received no gradient during calibration, which "
+                f"{criterion.name!r} needs (frozen, or not on the loss's path); exclude it",
+            )
         score = criterion.score(weight.detach().clone(), stats.get(name), **kwargs)  # a copy: the weight stays safe
         expected = (weight.shape[dim],) if criterion.structured else tuple(weight.shape)
         if not isinstance(score, Tensor) or tuple(score.shape) != expected:
             got = tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__
-            raise ConfigError("prune.method", criterion.name, f"returned {got} for {name}; a score must have shape "
-                              f"{expected} ({'one per slice along dim' if criterion.structured else 'the weight'}'s)")
+            raise ConfigError(
+                "prune.method",
+                criterion.name,
+                f"returned {got} for {name}; a score must have shape "
+                f"{expected} ({'one per slice along dim' if criterion.structured else 'the weight'}'s)",
+            )
         if score.is_complex() or score.dtype == torch.bool:
-            raise ConfigError("prune.method", criterion.name, f"returned dtype {score.dtype} for {name}; scores must "
-                              "be real numbers")
+            raise ConfigError(
+                "prune.method", criterion.name, f"returned dtype {score.dtype} for {name}; scores must be real numbers"
+            )
         if torch.isnan(score).any():
             raise ConfigError("prune.method", criterion.name, f"returned NaN scores for {name}; a NaN cannot be ranked")
         scores.append(score)
     return scores
 
 
-def compute_masks(weights: list[Tensor], amount: float, *, method: Union[str, Score, Criterion] = "l1_unstructured",
-                  scope: str = "layer", n: float = 2.0, dim: int = 0, seed: int = 0,
-                  stats: Optional[list[Optional[LayerStats]]] = None) -> list[Tensor]:
+def compute_masks(
+    weights: list[Tensor],
+    amount: float,
+    *,
+    method: str | Score | Criterion = "l1_unstructured",
+    scope: str = "layer",
+    n: float = 2.0,
+    dim: int = 0,
+    seed: int = 0,
+    stats: list[LayerStats | None] | None = None,
+) -> list[Tensor]:
     """One boolean keep-mask per weight (``True`` keeps the entry) for ``method``: the
     criterion's scores (:func:`compute_scores`) ranked by :func:`masks_from_scores` (per
     output row along dim 0 for a ``per_output`` criterion). Reads the weights, never writes them."""
@@ -245,12 +317,27 @@ def compute_masks(weights: list[Tensor], amount: float, *, method: Union[str, Sc
     named = {str(i): w for i, w in enumerate(weights)}
     by_name = {str(i): s for i, s in enumerate(stats or [])}
     scores = compute_scores(criterion, named, by_name, n=n, dim=dim, scope=scope, seed=seed)
-    return masks_from_scores(weights, scores, amount, scope=scope, structured=criterion.structured, dim=dim,
-                             output_axes=[0] * len(weights) if criterion.per_output else None)
+    return masks_from_scores(
+        weights,
+        scores,
+        amount,
+        scope=scope,
+        structured=criterion.structured,
+        dim=dim,
+        output_axes=[0] * len(weights) if criterion.per_output else None,
+    )
 
 
-def masks_from_scores(weights: list[Tensor], scores: list[Tensor], amount: float | list[float], *, scope: str,
-                      structured: bool, dim: int = 0, output_axes: Optional[list[int]] = None) -> list[Tensor]:
+def masks_from_scores(
+    weights: list[Tensor],
+    scores: list[Tensor],
+    amount: float | list[float],
+    *,
+    scope: str,
+    structured: bool,
+    dim: int = 0,
+    output_axes: list[int] | None = None,
+) -> list[Tensor]:
     """One boolean keep-mask per weight (``True`` keeps the entry) from its scores.
 
     ``amount`` is the fraction of entries (or of slices, when ``structured``) to prune, rounded
@@ -290,8 +377,12 @@ def masks_n_m(scores: list[Tensor], names: list[str], axes: list[int], kept: int
     for score, name, axis in zip(scores, names, axes):
         if score.dim() < 2 or score.shape[axis] % group:
             got = score.shape[axis] if score.dim() >= 2 else "no"
-            raise ConfigError("prune.pattern", f"{kept}:{group}", f"{name} has {got} input features along axis "
-                              f"{axis}, not a multiple of {group}; exclude it or pick another M")
+            raise ConfigError(
+                "prune.pattern",
+                f"{kept}:{group}",
+                f"{name} has {got} input features along axis "
+                f"{axis}, not a multiple of {group}; exclude it or pick another M",
+            )
         moved = score.float().movedim(axis, -1)
         flat = moved.reshape(-1, group)
         keep = torch.zeros_like(flat, dtype=torch.bool)

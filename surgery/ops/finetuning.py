@@ -40,9 +40,13 @@ def _torch_optimizer(cls: type[torch.optim.Optimizer], fused: bool) -> Optimizer
     return build
 
 
-for _name, _cls, _fused in (("adamw", torch.optim.AdamW, True), ("adam", torch.optim.Adam, True),
-                            ("sgd", torch.optim.SGD, True), ("adagrad", torch.optim.Adagrad, True),
-                            ("rmsprop", torch.optim.RMSprop, False)):  # RMSprop has no fused kernel
+for _name, _cls, _fused in (
+    ("adamw", torch.optim.AdamW, True),
+    ("adam", torch.optim.Adam, True),
+    ("sgd", torch.optim.SGD, True),
+    ("adagrad", torch.optim.Adagrad, True),
+    ("rmsprop", torch.optim.RMSprop, False),
+):  # RMSprop has no fused kernel
     OPTIMIZERS.register(_name, _torch_optimizer(_cls, _fused))
 
 
@@ -107,14 +111,25 @@ def finetune(
     saved = {name: t.detach().clone() for name, t in _state(model).items()}
     ranges = learned_ranges(model)  # activation ranges that quantization-aware training moves
     model_ref = weakref.ref(model)
-    handle.add("undo fine-tuning (every parameter, buffer and learned range as before)",
-               lambda: _put_back(model_ref(), saved, ranges))
+    handle.add(
+        "undo fine-tuning (every parameter, buffer and learned range as before)",
+        lambda: _put_back(model_ref(), saved, ranges),
+    )
     flags = [(m, m.training) for m in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]
     try:
-        _train(model, handle, batches, epochs, make_optimizer(list(p for p in model.parameters() if p.requires_grad),
-                                                              lr, weight_decay),
-               loss, evaluate, eval_every or len(batches), seed, progress)
+        _train(
+            model,
+            handle,
+            batches,
+            epochs,
+            make_optimizer(list(p for p in model.parameters() if p.requires_grad), lr, weight_decay),
+            loss,
+            evaluate,
+            eval_every or len(batches),
+            seed,
+            progress,
+        )
         _check_finite(model, batches[0], loss, lr)
     except BaseException as err:  # interrupted or failed: the model as it was before training
         return_loans(model)  # a forward cut short may have left a quantized weight in its slot
@@ -128,8 +143,18 @@ def finetune(
     return handle
 
 
-def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: int, optimizer: torch.optim.Optimizer,
-           loss_fn: Callable, evaluate: Callable | None, eval_every: int, seed: int, progress: bool) -> None:
+def _train(
+    model: nn.Module,
+    handle: FinetuneHandle,
+    batches: Sequence,
+    epochs: int,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable,
+    evaluate: Callable | None,
+    eval_every: int,
+    seed: int,
+    progress: bool,
+) -> None:
     total = epochs * len(batches)
     generator = torch.Generator().manual_seed(seed)
     losses: list[float] = []
@@ -152,12 +177,20 @@ def _train(model: nn.Module, handle: FinetuneHandle, batches: Sequence, epochs: 
                     value = loss_fn(output, target)
                 except (IndexError, RuntimeError, ValueError) as err:  # targets the loss cannot take
                     first = " ".join(str(err).split())[:160]
-                    raise ConfigError("finetune.batches", f"batch {index}", f"the loss cannot take this batch's "
-                                      f"targets ({type(err).__name__}: {first}); with the default cross-entropy, "
-                                      "targets are integer class indices below the number of classes") from None
+                    raise ConfigError(
+                        "finetune.batches",
+                        f"batch {index}",
+                        f"the loss cannot take this batch's "
+                        f"targets ({type(err).__name__}: {first}); with the default cross-entropy, "
+                        "targets are integer class indices below the number of classes",
+                    ) from None
                 if not torch.isfinite(value):
-                    raise ConfigError("finetune.lr", optimizer.param_groups[0]["lr"], f"the loss became {value.item()} "
-                                      f"at step {step}; lower the learning rate (the model was put back as before)")
+                    raise ConfigError(
+                        "finetune.lr",
+                        optimizer.param_groups[0]["lr"],
+                        f"the loss became {value.item()} "
+                        f"at step {step}; lower the learning rate (the model was put back as before)",
+                    )
                 value.backward()
                 optimizer.step()
                 step += 1
@@ -183,8 +216,11 @@ def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) 
             value = loss_fn(as_call(batch[0], "finetune.batches", 0)(model), batch[1])
         broken = None if torch.isfinite(value).all() else "the loss"
     if broken is not None:
-        raise ConfigError("finetune.lr", lr, f"{broken} became NaN or Inf in training; lower the learning rate (the "
-                          "model was put back as before)")
+        raise ConfigError(
+            "finetune.lr",
+            lr,
+            f"{broken} became NaN or Inf in training; lower the learning rate (the model was put back as before)",
+        )
 
 
 def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> OptimizerFactory:
@@ -196,8 +232,9 @@ def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> Optim
     if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
         raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
     if not isinstance(batches, Sequence) or not len(batches):
-        raise ConfigTypeError("finetune.batches", type(batches).__name__, "must be a non-empty sequence of "
-                              "(inputs, target) pairs")
+        raise ConfigTypeError(
+            "finetune.batches", type(batches).__name__, "must be a non-empty sequence of (inputs, target) pairs"
+        )
     first = batches[0]
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
         raise ConfigTypeError("finetune.batches", type(first).__name__, "each batch must be an (inputs, target) pair")

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from contextvars import ContextVar
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,9 +147,11 @@ class _Registry:
     def enter(self, session: _Session) -> None:
         with self.lock:
             if self.count == 0:
-                self.handles = [module_globals.register_module_module_registration_hook(_on_module),
-                                module_globals.register_module_parameter_registration_hook(_on_parameter),
-                                module_globals.register_module_buffer_registration_hook(_on_buffer)]
+                self.handles = [
+                    module_globals.register_module_module_registration_hook(_on_module),
+                    module_globals.register_module_parameter_registration_hook(_on_parameter),
+                    module_globals.register_module_buffer_registration_hook(_on_buffer),
+                ]
             self.count += 1
         stack = self.stack()
         session.produced = stack[0].produced if stack else weakref.WeakSet()
@@ -157,10 +159,8 @@ class _Registry:
 
     def exit(self, session: _Session) -> None:
         session.closed = True
-        try:
+        with contextlib.suppress(ValueError, RuntimeError):  # closed from another context: the closed mark suffices
             self.sessions.reset(session.token)
-        except (ValueError, RuntimeError):  # closed from another context: the closed mark suffices
-            pass
         with self.lock:
             self.count -= 1
             if self.count == 0:
@@ -203,8 +203,11 @@ def intercept(*rules: Rule, strict: bool = False) -> Iterator[InterceptLog]:
     """
     for rule in rules:
         if not isinstance(rule, Rule):
-            raise ConfigTypeError("intercept.rules", rule, "is not a rule; build rules with surgery.rules.swap/wrap/"
-                                  "on_parameter/on_buffer")
+            raise ConfigTypeError(
+                "intercept.rules",
+                rule,
+                "is not a rule; build rules with surgery.rules.swap/wrap/on_parameter/on_buffer",
+            )
     session = _Session(rules)
     _registry.enter(session)
     try:
@@ -219,8 +222,10 @@ def intercept(*rules: Rule, strict: bool = False) -> Iterator[InterceptLog]:
 
 def _report_never_fired(rules: list[Rule], strict: bool) -> None:
     for rule in rules:
-        message = (f"build rule {rule.label} never fired: nothing built in the intercept block matched it "
-                   "(check the class: models often define their own, e.g. transformers' GELUActivation)")
+        message = (
+            f"build rule {rule.label} never fired: nothing built in the intercept block matched it "
+            "(check the class: models often define their own, e.g. transformers' GELUActivation)"
+        )
         if strict:
             raise RuleNeverFiredError(message, rule)
         warnings.warn(message, RuleNeverFiredWarning, stacklevel=4)
@@ -241,8 +246,10 @@ def _call(rule: Rule, parent: nn.Module, name: str, value: Any, action: bool) ->
         raise
     except Exception as err:
         step = "action" if action else "match"
-        raise InterceptError(f"build rule {rule.label} failed in its {step} for {type(parent).__name__}.{name}: "
-                             f"{type(err).__name__}: {err}") from err
+        raise InterceptError(
+            f"build rule {rule.label} failed in its {step} for {type(parent).__name__}.{name}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
     finally:
         _registry.busy.reset(token)
 
@@ -268,8 +275,10 @@ def _apply_module_rules(session: _Session, parent: nn.Module, name: str, child: 
         new = _call(rule, parent, name, child, action=True)
         session.fired.add(id(rule))
         if not isinstance(new, nn.Module):
-            raise InterceptError(f"build rule {rule.label} returned {type(new).__name__} for "
-                                 f"{type(parent).__name__}.{name}; it must return an nn.Module")
+            raise InterceptError(
+                f"build rule {rule.label} returned {type(new).__name__} for "
+                f"{type(parent).__name__}.{name}; it must return an nn.Module"
+            )
         _registry.produced().add(new)
         session.log.record(rule.kind, parent, name, type(child).__name__, type(new).__name__, rule.label)
         return new
@@ -319,13 +328,16 @@ def _apply_tensor_rules(session: _Session, kind: str, module: nn.Module, name: s
 def _checked_tensor(rule: Rule, kind: str, module: nn.Module, name: str, old: Tensor, new: Any) -> Tensor:
     where = f"{type(module).__name__}.{name}"
     if not isinstance(new, Tensor):
-        raise InterceptError(f"build rule {rule.label} returned {type(new).__name__} for {where}; "
-                             "it must return a tensor or None")
+        raise InterceptError(
+            f"build rule {rule.label} returned {type(new).__name__} for {where}; it must return a tensor or None"
+        )
     if kind == "parameter" and not isinstance(new, nn.Parameter):
         requires_grad = old.requires_grad
         if requires_grad and not (new.is_floating_point() or new.is_complex()):
-            raise InterceptError(f"build rule {rule.label} made {where} {new.dtype}, but it requires grad; "
-                                 "only floating parameters can require grad (freeze it first)")
+            raise InterceptError(
+                f"build rule {rule.label} made {where} {new.dtype}, but it requires grad; "
+                "only floating parameters can require grad (freeze it first)"
+            )
         new = nn.Parameter(new.detach(), requires_grad=requires_grad)
     return new
 

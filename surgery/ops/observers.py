@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ class ObservedRange(NamedTuple):
     batches: int
 
 
-ObserverFn = Callable[[Tensor, Optional[ObservedRange], "QuantSpec"], tuple[Tensor, Tensor]]
+ObserverFn = Callable[[Tensor, ObservedRange | None, "QuantSpec"], tuple[Tensor, Tensor]]
 OBSERVERS: Registry[ObserverFn] = Registry("quantize.observer")
 
 
@@ -45,7 +45,7 @@ def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) 
     return OBSERVERS.register(name, observe, replace=replace)
 
 
-def minmax(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def minmax(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """Running extremes."""
     low, high = x.amin(dim=1), x.amax(dim=1)
     if previous is None:
@@ -53,7 +53,7 @@ def minmax(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tup
     return torch.minimum(previous.low, low), torch.maximum(previous.high, high)
 
 
-def moving_average(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def moving_average(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """Exponential moving average of each batch's extremes (``spec.averaging``), as torch.ao."""
     low, high = x.amin(dim=1), x.amax(dim=1)
     if previous is None:
@@ -62,7 +62,7 @@ def moving_average(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec
     return previous.low + c * (low - previous.low), previous.high + c * (high - previous.high)
 
 
-def percentile(x: Tensor, previous: Optional[ObservedRange], spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def percentile(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """The ``100 - p`` and ``p`` quantiles of each batch, averaged over batches."""
     if x.numel() > _QUANTILE_LIMIT:
         x = x[:, :: math.ceil(x.numel() / _QUANTILE_LIMIT)]
@@ -101,11 +101,11 @@ class QuantSpec:
     bits: int = 8
     symmetric: bool = False
     per_channel: bool = False
-    observer: Union[str, ObserverFn] = "minmax"
+    observer: str | ObserverFn = "minmax"
     percentile: float = 99.99
     averaging: float = 0.01
     method: str = "rtn"
-    group_size: Optional[int] = None
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(self, "QuantSpec")
@@ -129,7 +129,7 @@ class QuantSpec:
     def observer_name(self) -> str:
         return self.observer if isinstance(self.observer, str) else getattr(self.observer, "__name__", "custom")
 
-    def observe(self, x: Tensor, previous: Optional[ObservedRange]) -> tuple[Tensor, Tensor]:
+    def observe(self, x: Tensor, previous: ObservedRange | None) -> tuple[Tensor, Tensor]:
         """Update a range estimate with ``x`` (``(channels, values)``) through the observer."""
         fn = self.observer if callable(self.observer) else OBSERVERS.get(self.observer)
         return fn(x, previous, self)
@@ -156,9 +156,14 @@ def _check(spec: Any, field: str) -> None:
         if not isinstance(getattr(spec, flag), bool):
             raise ConfigTypeError(f"{field}.{flag}", getattr(spec, flag), "must be true or false")
     if not callable(spec.observer) and spec.observer not in OBSERVERS:
-        raise ConfigError(f"{field}.observer", spec.observer, f"must be one of {', '.join(OBSERVERS.names())} "
-                          "(or a function registered with register_observer)")
-    if isinstance(spec.percentile, bool) or not (isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100):
+        raise ConfigError(
+            f"{field}.observer",
+            spec.observer,
+            f"must be one of {', '.join(OBSERVERS.names())} (or a function registered with register_observer)",
+        )
+    if isinstance(spec.percentile, bool) or not (
+        isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100
+    ):
         raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
     if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
         raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
@@ -166,8 +171,9 @@ def _check(spec: Any, field: str) -> None:
         raise ConfigError(f"{field}.method", spec.method, f"must be one of {', '.join(WEIGHT_METHODS)}")
     size = spec.group_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
-        raise ConfigError(f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] "
-                          "(e.g. 32, 64, 128)")
+        raise ConfigError(
+            f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
+        )
 
 
 WEIGHT_METHODS = ("rtn", "gptq")  # gptq needs calibration batches (its Hessians)
@@ -193,7 +199,9 @@ class Observer:
         """Update the range with ``x``; NaN or Inf raises :class:`NonFiniteError`."""
         x = x.detach().float()
         if not torch.isfinite(x).all():
-            raise NonFiniteError("quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
+            raise NonFiniteError(
+                "quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data"
+            )
         flat = x.reshape(1, -1) if self.axis is None else x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1)
         previous = None if self.low is None else ObservedRange(self.low, self.high, self.count)
         self.low, self.high = self._checked(self.spec.observe(flat, previous), flat.shape[0])
@@ -203,12 +211,18 @@ class Observer:
         """An observer's ``(low, high)``: tensors of one value per row, finite, low <= high."""
         field, name = "quantize.observer", self.spec.observer_name
         if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, Tensor) for r in result)):
-            raise ConfigError(field, name, f"returned {type(result).__name__} for {self.name}; an observer returns "
-                              "(low, high) tensors")
+            raise ConfigError(
+                field,
+                name,
+                f"returned {type(result).__name__} for {self.name}; an observer returns (low, high) tensors",
+            )
         low, high = (r.float().reshape(-1) for r in result)
         if low.numel() != rows or high.numel() != rows:
-            raise ConfigError(field, name, f"returned {low.numel()} and {high.numel()} values for {self.name}; "
-                              f"it needs one per row of x ({rows})")
+            raise ConfigError(
+                field,
+                name,
+                f"returned {low.numel()} and {high.numel()} values for {self.name}; it needs one per row of x ({rows})",
+            )
         if not (torch.isfinite(low).all() and torch.isfinite(high).all()) or (low > high).any():
             raise ConfigError(field, name, f"returned a range for {self.name} that is not finite with low <= high")
         return low, high
@@ -226,8 +240,12 @@ class Observer:
     def qparams(self) -> tuple[Tensor, Tensor]:
         """(scale float32, zero_point int32), shaped () per tensor or (C,) per channel."""
         if self.low is None:
-            raise ConfigError("quantize.calibration", self.name, "this layer saw no data during calibration",
-                              "give batches that run through it, or exclude it")
+            raise ConfigError(
+                "quantize.calibration",
+                self.name,
+                "this layer saw no data during calibration",
+                "give batches that run through it, or exclude it",
+            )
         scale, zero_point = compute_qparams(self.low, self.high, self.spec)
         return (scale.reshape(()), zero_point.reshape(())) if self.axis is None else (scale, zero_point)
 
@@ -257,8 +275,9 @@ def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int
     columns = rows.shape[1]
     padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
     quant_min, quant_max = spec.quant_range
-    rounded = torch.fake_quantize_per_channel_affine(padded, scale.reshape(-1), zero_point.reshape(-1), 0,
-                                                     quant_min, quant_max)
+    rounded = torch.fake_quantize_per_channel_affine(
+        padded, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min, quant_max
+    )
     return rounded.reshape(rows.shape[0], -1)[:, :columns].reshape(moved.shape).movedim(0, axis)
 
 
@@ -294,9 +313,14 @@ class Grid:
         """One column rounded onto the grid (``scale``: one per row, or one)."""
         quant_min, quant_max = self.spec.quant_range
         rows = column.shape[0]
-        return torch.fake_quantize_per_channel_affine(column.unsqueeze(1), scale.expand(rows).contiguous(),
-                                                      zero_point.expand(rows).contiguous(), 0, quant_min,
-                                                      quant_max).squeeze(1)
+        return torch.fake_quantize_per_channel_affine(
+            column.unsqueeze(1),
+            scale.expand(rows).contiguous(),
+            zero_point.expand(rows).contiguous(),
+            0,
+            quant_min,
+            quant_max,
+        ).squeeze(1)
 
 
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: QuantSpec) -> Tensor:

@@ -52,15 +52,25 @@ def read_entries(plan: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str |
         _check_entry(name, entry)
     sealed = plan.get(SEAL)
     if sealed is None:
-        log.warning("rebuild: the plan carries no %r seal (made before surgery 0.2, or by hand): it cannot be checked "
-                    "against the model it was made for", SEAL)
+        log.warning(
+            "rebuild: the plan carries no %r seal (made before surgery 0.2, or by hand): it cannot be checked "
+            "against the model it was made for",
+            SEAL,
+        )
         return entries, None
     if not isinstance(sealed, dict) or not all(isinstance(sealed.get(k), str) for k in ("fingerprint", "digest")):
-        raise ConfigError(f"rebuild.plan['{SEAL}']", type(sealed).__name__, "must be the {'fingerprint', 'digest'} "
-                          "dict ShrinkHandle.plan() writes")
+        raise ConfigError(
+            f"rebuild.plan['{SEAL}']",
+            type(sealed).__name__,
+            "must be the {'fingerprint', 'digest'} dict ShrinkHandle.plan() writes",
+        )
     if _digest(entries) != sealed["digest"]:
-        raise ConfigError("rebuild.plan", SEAL, "the layer entries were changed after the plan was made (their "
-                          "digest differs); make a new plan with shrink")
+        raise ConfigError(
+            "rebuild.plan",
+            SEAL,
+            "the layer entries were changed after the plan was made (their "
+            "digest differs); make a new plan with shrink",
+        )
     return entries, sealed["fingerprint"]
 
 
@@ -68,8 +78,12 @@ def check_model(model: nn.Module, expected: str | None, factory: object) -> None
     """Refuse a plan sealed for another model than the one ``factory`` builds."""
     if expected is not None and fingerprint(model) != expected:
         name = getattr(factory, "__name__", type(factory).__name__)
-        raise ConfigError("rebuild.plan", SEAL, f"was made for another model: {name}() builds a "
-                          f"{type(model).__name__} whose modules or parameter shapes differ from the shrunk model's")
+        raise ConfigError(
+            "rebuild.plan",
+            SEAL,
+            f"was made for another model: {name}() builds a "
+            f"{type(model).__name__} whose modules or parameter shapes differ from the shrunk model's",
+        )
 
 
 def check_attributes(name: str, module: nn.Module, attributes: dict[str, Any]) -> None:
@@ -81,23 +95,38 @@ def check_attributes(name: str, module: nn.Module, attributes: dict[str, Any]) -
     for attr, value in attributes.items():
         field = f"rebuild.plan['{name}'].attributes.{attr}"
         if attr not in allowed or not hasattr(module, attr):
-            raise ConfigError(field, value, f"is not an attribute shrink changes on a {type(module).__name__}"
-                              f"{'; allowed: ' + ', '.join(sorted(allowed)) if allowed else ' (none are)'}")
+            raise ConfigError(
+                field,
+                value,
+                f"is not an attribute shrink changes on a {type(module).__name__}"
+                f"{'; allowed: ' + ', '.join(sorted(allowed)) if allowed else ' (none are)'}",
+            )
         current = getattr(module, attr)
         if isinstance(current, (tuple, list)):
-            if not isinstance(value, list) or len(value) != len(current) or \
-                    not all(_integer(v) and 1 <= v <= c for v, c in zip(value, current)):
-                raise ConfigError(field, value, f"must be a list of {len(current)} integers, each in [1, {list(current)}]")
+            if (
+                not isinstance(value, list)
+                or len(value) != len(current)
+                or not all(_integer(v) and 1 <= v <= c for v, c in zip(value, current))
+            ):
+                raise ConfigError(
+                    field, value, f"must be a list of {len(current)} integers, each in [1, {list(current)}]"
+                )
         elif not _integer(current) or not _integer(value) or not 1 <= value <= current:
             raise ConfigError(field, value, f"must be an integer in [1, {current}] (shrink only removes)")
 
 
 def _check_entry(name: str, entry: Any) -> None:
     field = f"rebuild.plan['{name}']"
-    if not isinstance(entry, dict) or not isinstance(entry.get("class"), str) or \
-            not any(isinstance(entry.get(key), dict) for key in ENTRY_KEYS[1:]):
-        raise ConfigTypeError(field, type(entry).__name__, "must be a {'class', 'args' | 'attributes' | "
-                              "'parameters'} dict from ShrinkHandle.plan()")
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("class"), str)
+        or not any(isinstance(entry.get(key), dict) for key in ENTRY_KEYS[1:])
+    ):
+        raise ConfigTypeError(
+            field,
+            type(entry).__name__,
+            "must be a {'class', 'args' | 'attributes' | 'parameters'} dict from ShrinkHandle.plan()",
+        )
     unknown = set(entry) - set(ENTRY_KEYS)
     if unknown:
         raise ConfigError(field, sorted(unknown)[0], f"is not a plan key; allowed: {', '.join(ENTRY_KEYS)}")
@@ -109,10 +138,15 @@ def _check_entry(name: str, entry: Any) -> None:
             if not isinstance(attr, str) or not attr.isidentifier() or attr.startswith("_"):
                 raise ConfigError(f"{field}.{key}", attr, "must be a public attribute name")
             if key in ("parameters", "buffers") and not (isinstance(value, list) and all(map(_in_range, value))):
-                raise ConfigError(f"{field}.{key}.{attr}", value, f"must be a shape: a list of integers in [0, {LARGEST}]")
+                raise ConfigError(
+                    f"{field}.{key}.{attr}", value, f"must be a shape: a list of integers in [0, {LARGEST}]"
+                )
             if key in ("args", "attributes") and not _plain_value(value):
-                raise ConfigError(f"{field}.{key}.{attr}", value, f"must be a number in [0, {LARGEST}], a string, "
-                                  "a bool, null, or a list of such numbers")
+                raise ConfigError(
+                    f"{field}.{key}.{attr}",
+                    value,
+                    f"must be a number in [0, {LARGEST}], a string, a bool, null, or a list of such numbers",
+                )
 
 
 def _plain_value(value: Any) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +18,8 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.selection import Selection
-from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
-from surgery.ops.second_order import check_layers, reconstruct_layers
 from surgery.core.sequential import SequentialReport, run_sequential
+from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import SavedEntries, SavedTensor, attach_all
 from surgery.ops.criteria import (
     CRITERIA,
@@ -32,10 +31,11 @@ from surgery.ops.criteria import (
     compute_scores,
     masks_from_scores,
     masks_n_m,
-    parse_pattern,
     pack,
+    parse_pattern,
     unpack,
 )
+from surgery.ops.second_order import check_layers, reconstruct_layers
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,12 @@ class PruneSpec:
     """
 
     amount: float
-    method: Union[str, Score, Criterion] = "l1_unstructured"
+    method: str | Score | Criterion = "l1_unstructured"
     scope: str = "layer"
     n: float = 2.0
     dim: int = 0
     seed: int = 0
-    pattern: Optional[str] = None
+    pattern: str | None = None
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
@@ -60,11 +60,15 @@ class PruneSpec:
             check_pattern(self.pattern, amount, self.criterion)
         if self.criterion.per_output and self.scope != "layer":
             layer_wide = " (or method='wanda_layer')" if self.criterion.name == "wanda" else ""
-            raise ConfigError("prune.scope", self.scope, f"{self.criterion.name!r} ranks weights within each output "
-                              f"row; use scope='layer'{layer_wide}")
+            raise ConfigError(
+                "prune.scope",
+                self.scope,
+                f"{self.criterion.name!r} ranks weights within each output row; use scope='layer'{layer_wide}",
+            )
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise ConfigTypeError("prune.dim", self.dim, "must be an integer (the dimension whose slices a "
-                                  "structured criterion prunes)")
+            raise ConfigTypeError(
+                "prune.dim", self.dim, "must be an integer (the dimension whose slices a structured criterion prunes)"
+            )
         object.__setattr__(self, "amount", amount)
         object.__setattr__(self, "n", n)
 
@@ -248,16 +252,25 @@ def prune(
     if isinstance(amount, PruneSpec):
         spec = amount
         if (method, scope, n, dim, seed, pattern) != ("l1_unstructured", "layer", 2.0, 0, 0, None):
-            raise ConfigError("prune.amount", spec, "is a PruneSpec: set method, scope, n, dim, seed and pattern in "
-                              "it, not as arguments too")
+            raise ConfigError(
+                "prune.amount",
+                spec,
+                "is a PruneSpec: set method, scope, n, dim, seed and pattern in it, not as arguments too",
+            )
     else:
         spec = PruneSpec(amount, method, scope, n, dim, seed, pattern)
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
-        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} scores with gradients; pass "
-                          "calibration (inputs, target) pairs (and loss=, default cross-entropy)")
+        raise ConfigError(
+            "prune.calibration",
+            None,
+            f"method {criterion.name!r} scores with gradients; pass "
+            "calibration (inputs, target) pairs (and loss=, default cross-entropy)",
+        )
     if criterion.needs_calibration and calibration is None:
-        uses = "solves each layer with its input Hessian" if criterion.reconstruct else "scores with activation statistics"
+        uses = (
+            "solves each layer with its input Hessian" if criterion.reconstruct else "scores with activation statistics"
+        )
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} {uses}; pass calibration batches")
     selection = prune_targets(model, select, exclude, spec.dim)
     per_layer = layer_amounts(selection, spec, amounts)
@@ -267,19 +280,30 @@ def prune(
     if criterion.name != "random_unstructured":
         for name, value in current.items():
             if not torch.isfinite(value).all():
-                raise ConfigError("prune.select", name, f"has NaN or Inf entries; {criterion.name} ranks by magnitude "
-                                  "and needs finite weights (exclude the layer, fix the weights or use "
-                                  "random_unstructured)")
+                raise ConfigError(
+                    "prune.select",
+                    name,
+                    f"has NaN or Inf entries; {criterion.name} ranks by magnitude "
+                    "and needs finite weights (exclude the layer, fix the weights or use "
+                    "random_unstructured)",
+                )
     if loss is not None and not criterion.needs_gradients:
-        raise ConfigError("prune.loss", getattr(loss, "__name__", type(loss).__name__), f"is only used by gradient "
-                          f"criteria such as 'taylor', not {criterion.name!r}")
+        raise ConfigError(
+            "prune.loss",
+            getattr(loss, "__name__", type(loss).__name__),
+            f"is only used by gradient criteria such as 'taylor', not {criterion.name!r}",
+        )
     if criterion.reconstruct is not None:
         return _prune_reconstructing(model, selection, spec, calibration, blocks, progress, per_layer)
     if _sequential(criterion, spec):
         return _prune_sequentially(model, selection, spec, calibration, blocks, progress, per_layer)
     if blocks is not None:
-        raise ConfigError("prune.blocks", blocks, f"applies to methods calibrated layer by layer (sparsegpt, wanda, "
-                          f"scope='layer'), not {criterion.name!r} with scope={spec.scope!r}")
+        raise ConfigError(
+            "prune.blocks",
+            blocks,
+            f"applies to methods calibrated layer by layer (sparsegpt, wanda, "
+            f"scope='layer'), not {criterion.name!r} with scope={spec.scope!r}",
+        )
     if calibration is None:
         stats = {}
     elif criterion.needs_gradients:
@@ -287,8 +311,11 @@ def prune(
     else:
         stats = calibrate(model, selection, calibration, progress)
     masks = _masks(spec, selection.matched, current, stats, per_layer)
-    return _attach_masks(PruneHandle(model, selection, spec), model, lambda: {
-        name: (param, MaskEnforcer(masks[name])) for name, param in targets.items()})
+    return _attach_masks(
+        PruneHandle(model, selection, spec),
+        model,
+        lambda: {name: (param, MaskEnforcer(masks[name])) for name, param in targets.items()},
+    )
 
 
 def _sequential(criterion: Criterion, spec: PruneSpec) -> bool:
@@ -297,8 +324,13 @@ def _sequential(criterion: Criterion, spec: PruneSpec) -> bool:
     return criterion.needs_calibration and not criterion.needs_gradients and spec.scope == "layer"
 
 
-def _masks(spec: PruneSpec, chosen: dict[str, Target], current: dict[str, Tensor],
-           stats: Mapping[str, Optional[LayerStats]], per_layer: dict[str, float]) -> dict[str, Tensor]:
+def _masks(
+    spec: PruneSpec,
+    chosen: dict[str, Target],
+    current: dict[str, Tensor],
+    stats: Mapping[str, LayerStats | None],
+    per_layer: dict[str, float],
+) -> dict[str, Tensor]:
     """Keep-masks by parameter name for the weights in ``current``, from the criterion's scores."""
     criterion = spec.criterion
     scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
@@ -306,45 +338,74 @@ def _masks(spec: PruneSpec, chosen: dict[str, Target], current: dict[str, Tensor
     if spec.pattern is not None:
         masks = masks_n_m(scores, list(current), inputs, *parse_pattern(spec.pattern))
     else:
-        masks = masks_from_scores(list(current.values()), scores, [per_layer[name] for name in current]
-                                  if spec.scope == "layer" else spec.amount, scope=spec.scope,
-                                  structured=criterion.structured, dim=spec.dim,
-                                  output_axes=[1 - axis for axis in inputs] if criterion.per_output else None)
+        masks = masks_from_scores(
+            list(current.values()),
+            scores,
+            [per_layer[name] for name in current] if spec.scope == "layer" else spec.amount,
+            scope=spec.scope,
+            structured=criterion.structured,
+            dim=spec.dim,
+            output_axes=[1 - axis for axis in inputs] if criterion.per_output else None,
+        )
     return dict(zip(current, masks))
 
 
-def _prune_sequentially(model: nn.Module, selection: Targets, spec: PruneSpec, calibration: Inputs,
-                        blocks: Selection | bool | None, progress: bool, per_layer: dict[str, float]) -> PruneHandle:
+def _prune_sequentially(
+    model: nn.Module,
+    selection: Targets,
+    spec: PruneSpec,
+    calibration: Inputs,
+    blocks: Selection | bool | None,
+    progress: bool,
+    per_layer: dict[str, float],
+) -> PruneHandle:
     """An activation-statistics criterion (Wanda) scored stage by stage: each layer's input
     norms come from the already pruned layers before it, as in the paper's code."""
     criterion, chosen = spec.criterion, selection.matched
     for name, target in chosen.items():
         if target.attribute != "weight" or not _has_input_features(target):
-            raise ConfigError("prune.select", name, f"has no input statistics, which {criterion.name!r} needs (only "
-                              "the weight of a Linear, convolution or Conv1D layer has them); exclude it")
+            raise ConfigError(
+                "prune.select",
+                name,
+                f"has no input statistics, which {criterion.name!r} needs (only "
+                "the weight of a Linear, convolution or Conv1D layer has them); exclude it",
+            )
     by_layer = {target.module_name: name for name, target in chosen.items()}
     masks: dict[str, Tensor] = {}
 
     def solve(reduced: dict[str, Any]) -> dict[str, Tensor]:
         names = [by_layer[layer] for layer in reduced]
         current = {name: guards.current_value(chosen[name].param) for name in names}
-        stats = {by_layer[layer]: LayerStats(layer, found["sq_norms"], found["rows"],
-                                             0 if is_hf_conv1d(chosen[by_layer[layer]].module) else 1)
-                 for layer, found in reduced.items()}
+        stats = {
+            by_layer[layer]: LayerStats(
+                layer, found["sq_norms"], found["rows"], 0 if is_hf_conv1d(chosen[by_layer[layer]].module) else 1
+            )
+            for layer, found in reduced.items()
+        }
         masks.update(_masks(spec, chosen, current, stats, per_layer))
         return {name: current[name] * masks[name].to(current[name].device) for name in names}
 
-    report = run_sequential(model, {layer: chosen[name].module for layer, name in by_layer.items()}, calibration, solve,
-                            params=lambda layer: (by_layer[layer], chosen[by_layer[layer]].param), blocks=blocks,
-                            field="prune.calibration", progress=progress, reduce=SquaredNorms)
+    report = run_sequential(
+        model,
+        {layer: chosen[name].module for layer, name in by_layer.items()},
+        calibration,
+        solve,
+        params=lambda layer: (by_layer[layer], chosen[by_layer[layer]].param),
+        blocks=blocks,
+        field="prune.calibration",
+        progress=progress,
+        reduce=SquaredNorms,
+    )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
-    return _attach_masks(handle, model, lambda: {name: (target.param, MaskEnforcer(masks[name]))
-                                                 for name, target in chosen.items()})
+    return _attach_masks(
+        handle, model, lambda: {name: (target.param, MaskEnforcer(masks[name])) for name, target in chosen.items()}
+    )
 
 
-def _attach_masks(handle: PruneHandle, model: nn.Module,
-                  enforcers: Callable[[], dict[str, tuple[nn.Parameter, MaskEnforcer]]]) -> PruneHandle:
+def _attach_masks(
+    handle: PruneHandle, model: nn.Module, enforcers: Callable[[], dict[str, tuple[nn.Parameter, MaskEnforcer]]]
+) -> PruneHandle:
     """Attach the masks ``enforcers()`` makes to ``handle``, all or nothing."""
     try:
         made = enforcers()
@@ -356,14 +417,24 @@ def _attach_masks(handle: PruneHandle, model: nn.Module,
     return handle
 
 
-def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec, calibration: Inputs,
-                          blocks: Selection | bool | None, progress: bool, per_layer: dict[str, float]) -> PruneHandle:
+def _prune_reconstructing(
+    model: nn.Module,
+    selection: Targets,
+    spec: PruneSpec,
+    calibration: Inputs,
+    blocks: Selection | bool | None,
+    progress: bool,
+    per_layer: dict[str, float],
+) -> PruneHandle:
     """A second-order criterion: each layer's mask and updated weights from its input Hessian,
     layer after layer on the already pruned model, attached as one restorable handle."""
     criterion = spec.criterion
     if spec.scope != "layer":
-        raise ConfigError("prune.scope", spec.scope, f"{criterion.name} prunes each layer by amount against its own "
-                          "Hessian; use scope='layer'")
+        raise ConfigError(
+            "prune.scope",
+            spec.scope,
+            f"{criterion.name} prunes each layer by amount against its own Hessian; use scope='layer'",
+        )
     check_layers(selection.matched, "prune.select", criterion.name)
     pattern = parse_pattern(spec.pattern) if spec.pattern is not None else None
 
@@ -384,10 +455,15 @@ def _prune_reconstructing(model: nn.Module, selection: Targets, spec: PruneSpec,
 
     selection_modules = {t.module_name: t.module for t in selection.matched.values()}
     if pattern is not None:  # the layers' group sizes checked before any work
-        masks_n_m([torch.zeros(p.param.shape) for p in selection.matched.values()], list(selection.matched),
-                  [0 if is_hf_conv1d(t.module) else 1 for t in selection.matched.values()], *pattern)
-    results, report = reconstruct_layers(model, selection.matched, calibration, solver, blocks=blocks,
-                                         field="prune.calibration", progress=progress)
+        masks_n_m(
+            [torch.zeros(p.param.shape) for p in selection.matched.values()],
+            list(selection.matched),
+            [0 if is_hf_conv1d(t.module) else 1 for t in selection.matched.values()],
+            *pattern,
+        )
+    results, report = reconstruct_layers(
+        model, selection.matched, calibration, solver, blocks=blocks, field="prune.calibration", progress=progress
+    )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
 
@@ -408,7 +484,9 @@ def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, flo
     if amounts is None:
         return per_layer
     if not isinstance(amounts, Mapping):
-        raise ConfigTypeError("prune.amounts", amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)")
+        raise ConfigTypeError(
+            "prune.amounts", amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)"
+        )
     if spec.scope != "layer" or spec.pattern is not None:
         raise ConfigError("prune.amounts", dict(amounts), "sets one amount per layer: use scope='layer' and no pattern")
     layers = {target.module_name: name for name, target in selection.matched.items()}
@@ -419,8 +497,12 @@ def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, flo
             if amount == 0:  # a plan may list layers this run leaves dense anyway (an excluded head)
                 continue
             close = difflib.get_close_matches(str(layer), list(layers), n=3)
-            raise ConfigError("prune.amounts", layer, "is not a selected layer", f"closest: {', '.join(close)}" if close
-                              else f"selected: {', '.join(list(layers)[:5])}...")
+            raise ConfigError(
+                "prune.amounts",
+                layer,
+                "is not a selected layer",
+                f"closest: {', '.join(close)}" if close else f"selected: {', '.join(list(layers)[:5])}...",
+            )
         per_layer[layers[layer]] = float(amount)
     return per_layer
 
@@ -443,7 +525,9 @@ def _input_major(module: nn.Module, columns: int) -> Tensor | None:
     return torch.arange(columns).view(columns // positions, positions).t().flatten()
 
 
-def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progress: bool = True) -> dict[str, LayerStats]:
+def calibrate(
+    model: nn.Module, selection: Targets, calibration: Inputs, progress: bool = True
+) -> dict[str, LayerStats]:
     """Run ``calibration`` through ``model`` (eval mode, no grad) and return, by parameter name,
     the input statistics of each selected layer weight (Linear, convolution, Hugging Face
     ``Conv1D``); other parameters (e.g. an LSTM's ``weight_hh_l0``) get none."""
@@ -461,15 +545,21 @@ def calibrate(model: nn.Module, selection: Targets, calibration: Inputs, progres
     for name, target in weights.items():
         captured = seen.get(target.module_name)
         if captured is None:
-            raise ConfigError("prune.calibration", target.module_name, "this layer received no floating-point input "
-                              "during calibration", "give batches that run through it, or exclude it")
-        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"],
-                                 0 if is_hf_conv1d(target.module) else 1)
+            raise ConfigError(
+                "prune.calibration",
+                target.module_name,
+                "this layer received no floating-point input during calibration",
+                "give batches that run through it, or exclude it",
+            )
+        stats[name] = LayerStats(
+            target.module_name, captured["sq_norms"], captured["rows"], 0 if is_hf_conv1d(target.module) else 1
+        )
     return stats
 
 
-def calibrate_with_gradients(model: nn.Module, selection: Targets, pairs: Inputs, loss: Callable,
-                             progress: bool = True) -> dict[str, LayerStats]:
+def calibrate_with_gradients(
+    model: nn.Module, selection: Targets, pairs: Inputs, loss: Callable, progress: bool = True
+) -> dict[str, LayerStats]:
     """:func:`calibrate` on ``(inputs, target)`` pairs run forward and backward through
     ``loss``: each layer's statistics also carry its weight's Taylor saliency and squared
     gradients (parameters' ``.grad`` and ``requires_grad`` are left as they were)."""
@@ -493,10 +583,20 @@ def calibrate_with_gradients(model: nn.Module, selection: Targets, pairs: Inputs
     for name, target in weights.items():
         captured, grads = seen.get(target.module_name), gradients.get(target.module_name) or {}
         if captured is None:
-            raise ConfigError("prune.calibration", target.module_name, "this layer received no floating-point input "
-                              "during calibration", "give batches that run through it, or exclude it")
-        stats[name] = LayerStats(target.module_name, captured["sq_norms"], captured["rows"],
-                                 0 if is_hf_conv1d(target.module) else 1, grads.get("taylor"), grads.get("grad_sq"))
+            raise ConfigError(
+                "prune.calibration",
+                target.module_name,
+                "this layer received no floating-point input during calibration",
+                "give batches that run through it, or exclude it",
+            )
+        stats[name] = LayerStats(
+            target.module_name,
+            captured["sq_norms"],
+            captured["rows"],
+            0 if is_hf_conv1d(target.module) else 1,
+            grads.get("taylor"),
+            grads.get("grad_sq"),
+        )
     return stats
 
 
@@ -508,11 +608,18 @@ def check_pattern(pattern: object, amount: float, criterion: Criterion) -> None:
     """An N:M pattern fixes the amount (``1 - N/M``) and ranks entries within groups."""
     kept, group = parse_pattern(pattern)
     if criterion.structured:
-        raise ConfigError("prune.pattern", pattern, f"applies to criteria that score each weight; "
-                          f"{criterion.name!r} scores whole slices")
+        raise ConfigError(
+            "prune.pattern",
+            pattern,
+            f"applies to criteria that score each weight; {criterion.name!r} scores whole slices",
+        )
     if abs(amount - (1 - kept / group)) > 1e-9:
-        raise ConfigError("prune.amount", amount, f"disagrees with pattern {pattern!r}, which prunes "
-                          f"{1 - kept / group:g} of every group; pass amount={1 - kept / group:g}")
+        raise ConfigError(
+            "prune.amount",
+            amount,
+            f"disagrees with pattern {pattern!r}, which prunes "
+            f"{1 - kept / group:g} of every group; pass amount={1 - kept / group:g}",
+        )
 
 
 def validate_arguments(amount: object, method: object, scope: str, n: object, seed: object) -> tuple[float, float]:
@@ -521,9 +628,8 @@ def validate_arguments(amount: object, method: object, scope: str, n: object, se
         raise ConfigTypeError("prune.amount", amount, "must be a number in [0, 1]")
     if amount != amount or not 0.0 <= amount <= 1.0:  # NaN, or out of range (huge integers too)
         raise ConfigError("prune.amount", amount, "must be a number in [0, 1]")
-    if not callable(method) and not isinstance(method, Criterion):
-        if method not in CRITERIA:
-            CRITERIA.get(method)  # raises, listing the registered criteria
+    if not callable(method) and not isinstance(method, Criterion) and method not in CRITERIA:
+        CRITERIA.get(method)  # raises, listing the registered criteria
     if scope not in SCOPES:
         raise ConfigError("prune.scope", scope, f"must be one of {', '.join(SCOPES)}")
     norm = {"inf": math.inf, "fro": 2.0}.get(n, n) if isinstance(n, str) else n

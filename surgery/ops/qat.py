@@ -66,7 +66,8 @@ class ShadowWeight:
             if owner._parameters.get(attribute) is not self.param:
                 raise ParameterReplacedError(
                     f"{self.name} was replaced by a new object after quantize(train=True) was attached (load_state_dict("
-                    "assign=True) or assignment); call enforce() on the handle to carry it over, or restore() it first")
+                    "assign=True) or assignment); call enforce() on the handle to carry it over, or restore() it first"
+                )
         guards.settle(self.param)  # masks and other transforms first: the forward sees them quantized
         weight = self.quantized(self.param)
         weight._surgery_source = self.param  # lets surgery's own checks know the slot is on loan
@@ -170,8 +171,12 @@ class ShadowRecord:
         if current is None or current is self.shadow.param:
             return
         if current.shape != self.shadow.param.shape:
-            raise ConfigError("enforce", self.name, f"was replaced by a parameter of shape {tuple(current.shape)}; "
-                              f"the surgery was made for {tuple(self.shadow.param.shape)} (restore() instead)")
+            raise ConfigError(
+                "enforce",
+                self.name,
+                f"was replaced by a parameter of shape {tuple(current.shape)}; "
+                f"the surgery was made for {tuple(self.shadow.param.shape)} (restore() instead)",
+            )
         guards.adopt(self.guard, current)
         self.shadow.param = current
         self.shadow.owners = owners_of(model, current)
@@ -179,8 +184,12 @@ class ShadowRecord:
 
 def owners_of(model: nn.Module, param: nn.Parameter) -> list[tuple[nn.Module, str]]:
     """Every (module, attribute) slot of ``model`` holding ``param`` (a tied weight has several)."""
-    return [(module, attribute) for module in model.modules()
-            for attribute, value in module._parameters.items() if value is param]
+    return [
+        (module, attribute)
+        for module in model.modules()
+        for attribute, value in module._parameters.items()
+        if value is param
+    ]
 
 
 def attach_shadows(handle: Handle, model: nn.Module, shadows: dict[str, ShadowWeight]) -> None:
@@ -195,5 +204,4 @@ def attach_shadows(handle: Handle, model: nn.Module, shadows: dict[str, ShadowWe
     for module, below, _ in guards.paths_to_owners(model, [s.param for s in shadows.values()]):
         hooks = SwapHooks([by_param[i] for i in below], loans, root=module is model)
         handle.add_hook("quantization-aware weight hook", module.register_forward_pre_hook(hooks.pre))
-        handle.add_hook("quantization-aware weight hook",
-                        module.register_forward_hook(hooks.post, always_call=True))
+        handle.add_hook("quantization-aware weight hook", module.register_forward_hook(hooks.post, always_call=True))

@@ -12,25 +12,40 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core.checkpoints import save_tensors
-from surgery.core.inputs import run_batches
-from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.capture import Capture
-from surgery.core.transforms import attach_all, own_step_hook
+from surgery.core.checkpoints import save_tensors
+from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.handles import Handle
+from surgery.core.hessians import weight_matrix
+from surgery.core.inputs import run_batches
+from surgery.core.selection import Selection, select
+from surgery.core.sequential import SequentialReport
+from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
+from surgery.core.transforms import attach_all, own_step_hook
 from surgery.ops.observers import Grid, NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.reconstruction import gptq
 from surgery.ops.second_order import check_layers, reconstruct_layers
-from surgery.core.hessians import weight_matrix
-from surgery.core.sequential import SequentialReport
-from surgery.ops.qat import ShadowWeight, attach_shadows
-from surgery.core.selection import Selection, select
-from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
 
-WEIGHT_AXIS = ((nn.ConvTranspose1d, 1), (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1),
-               (nn.Conv1d, 0), (nn.Conv2d, 0), (nn.Conv3d, 0), (nn.Linear, 0), (nn.Embedding, 0))
-ACTIVATION_AXIS = ((nn.Conv1d, 1), (nn.Conv2d, 1), (nn.Conv3d, 1), (nn.ConvTranspose1d, 1),
-                   (nn.ConvTranspose2d, 1), (nn.ConvTranspose3d, 1), (nn.Linear, -1))
+WEIGHT_AXIS = (
+    (nn.ConvTranspose1d, 1),
+    (nn.ConvTranspose2d, 1),
+    (nn.ConvTranspose3d, 1),
+    (nn.Conv1d, 0),
+    (nn.Conv2d, 0),
+    (nn.Conv3d, 0),
+    (nn.Linear, 0),
+    (nn.Embedding, 0),
+)
+ACTIVATION_AXIS = (
+    (nn.Conv1d, 1),
+    (nn.Conv2d, 1),
+    (nn.Conv3d, 1),
+    (nn.ConvTranspose1d, 1),
+    (nn.ConvTranspose2d, 1),
+    (nn.ConvTranspose3d, 1),
+    (nn.Linear, -1),
+)
 WHERE = ("output", "input")
 DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
 
@@ -40,8 +55,9 @@ class WeightQuantizer:
 
     kind = "quantize"
 
-    def __init__(self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None,
-                 update: Tensor | None = None) -> None:
+    def __init__(
+        self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None, update: Tensor | None = None
+    ) -> None:
         self.spec, self.scale, self.zero_point, self.axis = spec, scale, zero_point, axis
         self.pending = update  # GPTQ's rounded weights, written once when attached
         self.rewrites = update is not None
@@ -124,9 +140,13 @@ class ActivationQuantizer:
 
     def _quantize(self, x: Any, training: bool = False) -> Any:
         if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise ConfigError("quantize.select", self.name, f"its {self.where} is {type(x).__name__}"
-                              f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
-                              "tensors can be quantized")
+            raise ConfigError(
+                "quantize.select",
+                self.name,
+                f"its {self.where} is {type(x).__name__}"
+                f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
+                "tensors can be quantized",
+            )
         axis = None if self.axis is None else self.axis % x.dim()
         if self.observer is not None:  # calibrating: the capture feeds the observer, values pass unchanged
             return None
@@ -134,8 +154,11 @@ class ActivationQuantizer:
             if self.tracker.requested_axis is not None:
                 self.tracker.axis = self.tracker.requested_axis % x.dim()
             if not torch.isfinite(x.detach()).all():
-                raise NonFiniteError("quantize.train", self.name, "NaN or Inf reached this layer in training, where its "
-                                     "range is learned; lower the learning rate")
+                raise NonFiniteError(
+                    "quantize.train",
+                    self.name,
+                    "NaN or Inf reached this layer in training, where its range is learned; lower the learning rate",
+                )
             self.tracker.observe(x)
             self._use(*self.tracker.qparams())
         fast = self._fast_path(x)
@@ -161,8 +184,13 @@ def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tenso
 
 def learned_ranges(model: nn.Module) -> list[tuple[ActivationQuantizer, tuple]]:
     """The activation quantizers on ``model`` whose ranges training moves, with their state now."""
-    found = {id(h): h for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks)
-             for h in hooks.values() if isinstance(h, ActivationQuantizer) and h.tracker is not None}
+    found = {
+        id(h): h
+        for m in model.modules()
+        for hooks in (m._forward_hooks, m._forward_pre_hooks)
+        for h in hooks.values()
+        if isinstance(h, ActivationQuantizer) and h.tracker is not None
+    }
     return [(quantizer, quantizer.range_state()) for quantizer in found.values()]
 
 
@@ -216,8 +244,11 @@ class QuantizeHandle(Handle):
         if Path(path).exists() and not overwrite:
             raise OutputExistsError(str(path))
         first = next(iter(self.activations.values()), None)
-        meta = {"where": first.where if first else "output",
-                "spec": json.dumps(first.spec.as_dict() if first else {}), "layers": json.dumps(list(self.activations))}
+        meta = {
+            "where": first.where if first else "output",
+            "spec": json.dumps(first.spec.as_dict() if first else {}),
+            "layers": json.dumps(list(self.activations)),
+        }
         return save_tensors(self.qparams(), path, metadata=meta)
 
 
@@ -293,8 +324,9 @@ def quantize(
             _attach_activations(handle, layers, activations, where, learning=train)
             _calibrate_or_load(handle, model, calibration, qparams, progress)
             if train and freeze_observers_after is not None:
-                schedule = ObserverSchedule(list(handle.activations.values()), list(model.parameters()),
-                                            freeze_observers_after)
+                schedule = ObserverSchedule(
+                    list(handle.activations.values()), list(model.parameters()), freeze_observers_after
+                )
                 own_step_hook(handle, model, schedule)
     except BaseException as err:
         handle.rollback(err)
@@ -310,8 +342,9 @@ def _validate(weights, activations, where, calibration, qparams) -> tuple[QuantS
     if where not in WHERE:
         raise ConfigError("quantize.where", where, f"must be one of {', '.join(WHERE)}")
     if activations is not None and calibration is None and qparams is None:
-        raise ConfigError("quantize.calibration", None, "activation quantization needs calibration batches "
-                          "(or saved qparams)")
+        raise ConfigError(
+            "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
+        )
     return weights, activations
 
 
@@ -321,28 +354,46 @@ def _validate_training(train: object, freeze_after: object, activations: QuantSp
     if freeze_after is None:
         return
     if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or not 0 <= freeze_after < 2**63:
-        raise ConfigError("quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 "
-                          "(optimizer steps)")
+        raise ConfigError(
+            "quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 (optimizer steps)"
+        )
     if not train or activations is None:
-        raise ConfigError("quantize.freeze_observers_after", freeze_after, "applies to quantization-aware training "
-                          "of activations: set train=true and activations")
+        raise ConfigError(
+            "quantize.freeze_observers_after",
+            freeze_after,
+            "applies to quantization-aware training of activations: set train=true and activations",
+        )
 
 
-def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, calibration: Any, train: bool,
-                     blocks: Any) -> None:
+def _validate_method(
+    weights: QuantSpec | None, activations: QuantSpec | None, calibration: Any, train: bool, blocks: Any
+) -> None:
     if activations is not None and activations.method != "rtn":
-        raise ConfigError("quantize.activations.method", activations.method, "applies to weights; activations are "
-                          "rounded to nearest ('rtn')")
+        raise ConfigError(
+            "quantize.activations.method",
+            activations.method,
+            "applies to weights; activations are rounded to nearest ('rtn')",
+        )
     if activations is not None and activations.group_size is not None:
-        raise ConfigError("quantize.activations.group_size", activations.group_size, "applies to weights; "
-                          "activations take per_channel or one scale")
+        raise ConfigError(
+            "quantize.activations.group_size",
+            activations.group_size,
+            "applies to weights; activations take per_channel or one scale",
+        )
     method = weights.method if weights is not None else "rtn"
     if method == "gptq" and calibration is None:
-        raise ConfigError("quantize.calibration", None, "weights.method='gptq' solves each layer with its input "
-                          "Hessian; pass calibration batches")
+        raise ConfigError(
+            "quantize.calibration",
+            None,
+            "weights.method='gptq' solves each layer with its input Hessian; pass calibration batches",
+        )
     if (train and weights is not None) and (method != "rtn" or weights.group_size is not None):
-        raise ConfigError("quantize.train", True, "quantization-aware training rounds weights to nearest with "
-                          "per-channel or per-tensor scales; set weights.method='rtn' and group_size=null")
+        raise ConfigError(
+            "quantize.train",
+            True,
+            "quantization-aware training rounds weights to nearest with "
+            "per-channel or per-tensor scales; set weights.method='rtn' and group_size=null",
+        )
     if blocks is not None and method != "gptq":
         raise ConfigError("quantize.blocks", blocks, "applies to weights.method='gptq'")
 
@@ -360,32 +411,48 @@ def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
         if isinstance(module, kind):
             return axis
     allowed = ", ".join(sorted({k.__name__ for k, _ in table}))
-    raise ConfigError(f"{field}.per_channel", True, f"{name} ({type(module).__name__}) has no channel axis; "
-                      f"per-channel works on {allowed}")
+    raise ConfigError(
+        f"{field}.per_channel",
+        True,
+        f"{name} ({type(module).__name__}) has no channel axis; per-channel works on {allowed}",
+    )
 
 
-def quantize_targets(model: nn.Module, include: Selection, exclude: Selection, weights: QuantSpec | None,
-                     activations: QuantSpec | None, where: str) -> tuple[Targets, dict[str, nn.Module]]:
+def quantize_targets(
+    model: nn.Module,
+    include: Selection,
+    exclude: Selection,
+    weights: QuantSpec | None,
+    activations: QuantSpec | None,
+    where: str,
+) -> tuple[Targets, dict[str, nn.Module]]:
     """(weights :func:`quantize` would quantize, with those skipped; layers whose activations it
     would quantize), checked as the verb checks them (also the dry run's)."""
     weight_targets = Targets({}, [])
     if weights is not None:
-        weight_targets = select_parameters(model, include, exclude, verb="quantize", min_dim=1,
-                                           required=activations is None)
+        weight_targets = select_parameters(
+            model, include, exclude, verb="quantize", min_dim=1, required=activations is None
+        )
         if weights.per_channel:
             for name, target in weight_targets.matched.items():
                 _weight_axis(target, name)
     layers: dict[str, nn.Module] = {}
     if activations is not None:
-        layers = select(model, default_layer if include is None else include, exclude=exclude,
-                        field="quantize.select", exclude_field="quantize.exclude")
+        layers = select(
+            model,
+            default_layer if include is None else include,
+            exclude=exclude,
+            field="quantize.select",
+            exclude_field="quantize.exclude",
+        )
     for name, module in layers.items():
         if activations.per_channel and not is_hf_conv1d(module):
             _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         hooks = module._forward_hooks if where == "output" else module._forward_pre_hooks
         if any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
-            raise AlreadyModifiedError(f"quantize: {name} already has its {where} quantized; "
-                                       "bake() or restore() that handle first")
+            raise AlreadyModifiedError(
+                f"quantize: {name} already has its {where} quantized; bake() or restore() that handle first"
+            )
     return weight_targets, layers
 
 
@@ -398,18 +465,27 @@ def _weight_axis(target: Target, name: str) -> int:
     return _axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
 
 
-def _attach_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec,
-                    calibration: Any = None, blocks: Any = None, progress: bool = True) -> None:
+def _attach_weights(
+    handle: QuantizeHandle,
+    model: nn.Module,
+    targets: Targets,
+    spec: QuantSpec,
+    calibration: Any = None,
+    blocks: Any = None,
+    progress: bool = True,
+) -> None:
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
-            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
+            raise NonFiniteError(
+                "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
+            )
     if spec.method == "gptq":
         quantizers = _solved_quantizers(handle, model, targets, spec, calibration, blocks, progress)
     elif spec.group_size:
         quantizers = _group_quantizers(targets, spec)
     else:
         quantizers = _nearest_quantizers(targets, spec)
-    for key, (param, quantizer) in quantizers.items():
+    for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
 
@@ -426,8 +502,15 @@ def _group_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn.P
     return quantizers
 
 
-def _solved_quantizers(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec, calibration: Any,
-                       blocks: Any, progress: bool) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
+def _solved_quantizers(
+    handle: QuantizeHandle,
+    model: nn.Module,
+    targets: Targets,
+    spec: QuantSpec,
+    calibration: Any,
+    blocks: Any,
+    progress: bool,
+) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
     """GPTQ: each layer rounded column by column against its input Hessian, in sequence."""
     check_layers(targets.matched, "quantize.select", "gptq")
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
@@ -450,14 +533,23 @@ def _solved_quantizers(handle: QuantizeHandle, model: nn.Module, targets: Target
         if fixed is not None and grid.per_row:
             fixed = (fixed[0][rows], fixed[1][rows])
         keep = masks.get(layer)
-        new, scale, zero_point = gptq(matrix, hessian, grid.qparams_of if fixed is None else lambda _: fixed,
-                                      grid.round, group_size=spec.group_size, name=layer,
-                                      keep=None if keep is None else keep[rows])
-        return new, (scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
-                     zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point)
+        new, scale, zero_point = gptq(
+            matrix,
+            hessian,
+            grid.qparams_of if fixed is None else lambda _: fixed,
+            grid.round,
+            group_size=spec.group_size,
+            name=layer,
+            keep=None if keep is None else keep[rows],
+        )
+        return new, (
+            scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
+            zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point,
+        )
 
-    results, handle.sequential = reconstruct_layers(model, targets.matched, calibration, solver, blocks=blocks,
-                                                    field="quantize.calibration", progress=progress)
+    results, handle.sequential = reconstruct_layers(
+        model, targets.matched, calibration, solver, blocks=blocks, field="quantize.calibration", progress=progress
+    )
     quantizers = {}
     for key, target in targets.matched.items():
         value, (scale, zero_point) = results[key]
@@ -475,7 +567,9 @@ def _nearest_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn
         axis = _weight_axis(target, key) if spec.per_channel else None
         value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
         if not torch.isfinite(value).all():
-            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
+            raise NonFiniteError(
+                "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
+            )
         observer = Observer(spec, axis, key)
         observer.observe(value)
         quantizers[key] = (param, WeightQuantizer(spec, *observer.qparams(), axis))
@@ -486,20 +580,31 @@ def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Ta
     shadows: dict[str, ShadowWeight] = {}
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
-            raise NonFiniteError("quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized")
+            raise NonFiniteError(
+                "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
+            )
         shadows[key] = ShadowWeight(key, target, spec, _weight_axis(target, key) if spec.per_channel else None)
     handle.weights.update(shadows)
     attach_shadows(handle, model, shadows)
 
 
-def _attach_activations(handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str,
-                        learning: bool = False) -> None:
+def _attach_activations(
+    handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str, learning: bool = False
+) -> None:
     for name, module in targets.items():
-        axis = None if not spec.per_channel else -1 if is_hf_conv1d(module) else \
-            _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+        axis = (
+            None
+            if not spec.per_channel
+            else -1
+            if is_hf_conv1d(module)
+            else _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+        )
         quantizer = ActivationQuantizer(spec, axis, name, where, learning)
-        hook = module.register_forward_hook(quantizer) if where == "output" else \
-            module.register_forward_pre_hook(quantizer)
+        hook = (
+            module.register_forward_hook(quantizer)
+            if where == "output"
+            else module.register_forward_pre_hook(quantizer)
+        )
         handle.add_hook("activation quantization hook", hook)
         handle.activations[name] = quantizer
 
@@ -526,25 +631,32 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec
     bad = ~(torch.isfinite(scale64) & (scale64 >= tiny) & (scale64 <= huge))
     if bad.any():
         value = scale.flatten()[bad.flatten()][0].item()
-        raise CheckpointError(f"quantize.qparams: {name}.scale holds {value!r}; every scale must be a finite "
-                              f"number in [{tiny:.3g}, {huge:.3g}] (positive, not denormal, and its grid "
-                              "representable in float32)")
+        raise CheckpointError(
+            f"quantize.qparams: {name}.scale holds {value!r}; every scale must be a finite "
+            f"number in [{tiny:.3g}, {huge:.3g}] (positive, not denormal, and its grid "
+            "representable in float32)"
+        )
     if zero_point.is_floating_point() or zero_point.is_complex() or zero_point.dtype == torch.bool:
-        raise CheckpointError(f"quantize.qparams: {name}.zero_point has dtype {zero_point.dtype}; it must be an "
-                              "integer tensor")
+        raise CheckpointError(
+            f"quantize.qparams: {name}.zero_point has dtype {zero_point.dtype}; it must be an integer tensor"
+        )
     outside = (zero_point < low) | (zero_point > high)
     if outside.any():
         value = int(zero_point.flatten()[outside.flatten()][0])
-        raise CheckpointError(f"quantize.qparams: {name}.zero_point holds {value}; it must lie in [{low}, {high}] "
-                              f"for {spec.bits}-bit {'symmetric' if spec.symmetric else 'affine'} quantization")
+        raise CheckpointError(
+            f"quantize.qparams: {name}.zero_point holds {value}; it must lie in [{low}, {high}] "
+            f"for {spec.bits}-bit {'symmetric' if spec.symmetric else 'affine'} quantization"
+        )
 
 
 def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qparams, progress: bool) -> None:
     if qparams is not None:
         saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
         if not isinstance(saved, dict):
-            raise CheckpointError(f"quantize.qparams: got {type(saved).__name__}; pass a path or a dict of tensors "
-                                  "as written by save_qparams")
+            raise CheckpointError(
+                f"quantize.qparams: got {type(saved).__name__}; pass a path or a dict of tensors "
+                "as written by save_qparams"
+            )
         missing = [n for n in handle.activations if f"{n}.scale" not in saved or f"{n}.zero_point" not in saved]
         if missing:
             raise CheckpointError(f"quantize.qparams: no parameters for {len(missing)} layer(s), e.g. {missing[0]}")
@@ -552,13 +664,21 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
             scale, zero_point = saved[f"{name}.scale"], saved[f"{name}.zero_point"]
             _check_qparam_values(name, scale, zero_point, quantizer.spec)
             channels = _channels(model.get_submodule(name), quantizer.where)
-            fits = scale.numel() == 1 if quantizer.axis is None else \
-                scale.dim() == 1 and (channels is None or scale.numel() == channels)
+            fits = (
+                scale.numel() == 1
+                if quantizer.axis is None
+                else scale.dim() == 1 and (channels is None or scale.numel() == channels)
+            )
             if not fits or zero_point.shape != scale.shape:
-                need = "one value each" if quantizer.axis is None else \
-                    f"1-d tensors of length {channels if channels is not None else 'C'}"
-                raise CheckpointError(f"quantize.qparams: {name} has scale shape {tuple(scale.shape)} and zero point "
-                                      f"shape {tuple(zero_point.shape)}; these settings need {need}")
+                need = (
+                    "one value each"
+                    if quantizer.axis is None
+                    else f"1-d tensors of length {channels if channels is not None else 'C'}"
+                )
+                raise CheckpointError(
+                    f"quantize.qparams: {name} has scale shape {tuple(scale.shape)} and zero point "
+                    f"shape {tuple(zero_point.shape)}; these settings need {need}"
+                )
             quantizer.freeze(scale, zero_point)
         return
     observers = {name: quantizer.observer for name, quantizer in handle.activations.items()}
@@ -568,4 +688,3 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
         run_batches(model, calibration, field="quantize.calibration", progress=progress, error=NonFiniteError)
     for quantizer in handle.activations.values():
         quantizer.freeze()
-

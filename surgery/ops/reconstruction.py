@@ -36,12 +36,24 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper
-    raise ConfigError("calibration", name, "its input Hessian is not positive definite even with 1000x damping "
-                      "(too few or degenerate calibration batches); give more batches or exclude the layer")
+    raise ConfigError(
+        "calibration",
+        name,
+        "its input Hessian is not positive definite even with 1000x damping "
+        "(too few or degenerate calibration batches); give more batches or exclude the layer",
+    )
 
 
-def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[int, int] | None = None,
-              block: int = 128, damping: float = 0.01, name: str = "") -> tuple[Tensor, Tensor]:
+def sparsegpt(
+    weight: Tensor,
+    hessian: Tensor,
+    amount: float,
+    *,
+    pattern: tuple[int, int] | None = None,
+    block: int = 128,
+    damping: float = 0.01,
+    name: str = "",
+) -> tuple[Tensor, Tensor]:
     """Prune ``amount`` of a (outputs, columns) matrix, updating the weights kept.
 
     Within each block, the entries with the smallest ``w² / [H⁻¹]²_jj`` are pruned (exactly
@@ -68,7 +80,7 @@ def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[
                 pruned.view(-1)[torch.topk(scores, count, largest=False).indices] = True
         for i in range(end - start):
             if pattern is not None and i % pattern[1] == 0:
-                scores = part[:, i:i + pattern[1]] ** 2 / diagonal[i:i + pattern[1]] ** 2
+                scores = part[:, i : i + pattern[1]] ** 2 / diagonal[i : i + pattern[1]] ** 2
                 drop = torch.topk(scores, pattern[1] - pattern[0], dim=1, largest=False).indices
                 pruned.scatter_(1, i + drop, True)
             column = part[:, i]
@@ -83,10 +95,18 @@ def sparsegpt(weight: Tensor, hessian: Tensor, amount: float, *, pattern: tuple[
     return w, keep
 
 
-def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams],
-         fake_quantize: Callable[[Tensor, Tensor, Tensor], Tensor], *, group_size: int | None = None,
-         keep: Tensor | None = None, block: int = 128, damping: float = 0.01, name: str = ""
-         ) -> tuple[Tensor, Tensor, Tensor]:
+def gptq(
+    weight: Tensor,
+    hessian: Tensor,
+    qparams_of: Callable[[Tensor], QParams],
+    fake_quantize: Callable[[Tensor, Tensor, Tensor], Tensor],
+    *,
+    group_size: int | None = None,
+    keep: Tensor | None = None,
+    block: int = 128,
+    damping: float = 0.01,
+    name: str = "",
+) -> tuple[Tensor, Tensor, Tensor]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
 
@@ -112,7 +132,7 @@ def gptq(weight: Tensor, hessian: Tensor, qparams_of: Callable[[Tensor], QParams
         for i in range(end - start):
             column_index = start + i
             if group_size and column_index % group_size == 0:  # the group's values at the block's start
-                scale, zero_point = qparams_of(w[:, column_index:column_index + group_size])
+                scale, zero_point = qparams_of(w[:, column_index : column_index + group_size])
                 scales.append(scale)
                 zero_points.append(zero_point)
             column = part[:, i]

@@ -29,7 +29,8 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.importing import import_object
 from surgery.core.registry import Registry
-from surgery.core.selection import Selection, select as select_modules
+from surgery.core.selection import Selection
+from surgery.core.selection import select as select_modules
 
 Rewrite = Callable[[tuple, dict], tuple[tuple, dict]]
 
@@ -58,11 +59,16 @@ class InputRewriter:
             raise ConfigTypeError("rewrite", self.label, f"must return (args, kwargs), got {type(result).__name__}")
         new_args, new_kwargs = result
         if not isinstance(new_args, (tuple, list)) or not isinstance(new_kwargs, dict):
-            raise ConfigTypeError("rewrite", self.label, "must return (args, kwargs) as (tuple, dict), got "
-                                  f"({type(new_args).__name__}, {type(new_kwargs).__name__})")
+            raise ConfigTypeError(
+                "rewrite",
+                self.label,
+                "must return (args, kwargs) as (tuple, dict), got "
+                f"({type(new_args).__name__}, {type(new_kwargs).__name__})",
+            )
         if len(new_args) != len(args):
-            raise ConfigError("rewrite", self.label,
-                              f"changed the number of positional inputs from {len(args)} to {len(new_args)}")
+            raise ConfigError(
+                "rewrite", self.label, f"changed the number of positional inputs from {len(args)} to {len(new_args)}"
+            )
         return tuple(new_args), new_kwargs
 
     @property
@@ -127,12 +133,17 @@ def rewrite_inputs(
     check_signature(fn, "rewrite.fn", getattr(fn, "__name__", type(fn).__name__))
     if select is None:
         if exclude:  # an empty list (the CLI default) is fine
-            raise ConfigError("rewrite.exclude", exclude, "only applies together with rewrite.select",
-                              "rewrite.select=null hooks the root model alone")
+            raise ConfigError(
+                "rewrite.exclude",
+                exclude,
+                "only applies together with rewrite.select",
+                "rewrite.select=null hooks the root model alone",
+            )
         targets = {"": model}
     else:
-        targets = select_modules(model, select, exclude=exclude,
-                                 field="rewrite.select", exclude_field="rewrite.exclude")
+        targets = select_modules(
+            model, select, exclude=exclude, field="rewrite.select", exclude_field="rewrite.exclude"
+        )
     handle = RewriteHandle(model)
     try:
         for name, module in targets.items():
@@ -247,8 +258,11 @@ class Normalize(TensorRewrite):
         if len(values) == 1:
             return t.reshape(())
         if x.dim() < 2 or x.shape[1] != len(values):
-            raise ConfigError("rewrite", tuple(x.shape), f"Normalize has {len(values)} channels but the input "
-                              "does not have them along dim 1")
+            raise ConfigError(
+                "rewrite",
+                tuple(x.shape),
+                f"Normalize has {len(values)} channels but the input does not have them along dim 1",
+            )
         return t.reshape(1, -1, *([1] * (x.dim() - 2)))
 
 
@@ -292,7 +306,9 @@ class Clamp(TensorRewrite):
         super().__post_init__()
         for name in ("min", "max"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+            ):
                 raise ConfigError(f"rewrite.{name}", value, "must be a number or None")
         if self.min is None and self.max is None:
             raise ConfigError("rewrite.min", None, "set rewrite.min, rewrite.max or both")
@@ -319,7 +335,12 @@ class AddNoise(TensorRewrite):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.std, bool) or not isinstance(self.std, (int, float)) or not self.std >= 0 or math.isinf(self.std):
+        if (
+            isinstance(self.std, bool)
+            or not isinstance(self.std, (int, float))
+            or not self.std >= 0
+            or math.isinf(self.std)
+        ):
             raise ConfigError("rewrite.std", self.std, "must be a finite number >= 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigTypeError("rewrite.seed", self.seed, "must be an integer")
@@ -364,8 +385,15 @@ def register_rewrite(name: str, factory: Callable[..., Rewrite], *, replace: boo
     return REWRITES.register(name, factory, replace=replace)
 
 
-for _name, _factory in (("cast", Cast), ("normalize", Normalize), ("resize", Resize), ("channels_last", ChannelsLast),
-                        ("clamp", Clamp), ("add_noise", AddNoise), ("identity", Identity)):
+for _name, _factory in (
+    ("cast", Cast),
+    ("normalize", Normalize),
+    ("resize", Resize),
+    ("channels_last", ChannelsLast),
+    ("clamp", Clamp),
+    ("add_noise", AddNoise),
+    ("identity", Identity),
+):
     register_rewrite(_name, _factory)
 
 
@@ -402,8 +430,12 @@ def rewrite_from_config(name: str, **kwargs: Any) -> Rewrite:
             raise ConfigError("rewrite.kwargs", kwargs, f"the dotted-path rewrite '{name}' takes no parameters")
         return found
     close = difflib.get_close_matches(name, REWRITES.names(), n=1)
-    raise ConfigError("rewrite.name", name, f"must be one of {', '.join(REWRITES.names())} or an importable "
-                      "'pkg.module.callable'", f"did you mean {close[0]!r}?" if close else "")
+    raise ConfigError(
+        "rewrite.name",
+        name,
+        f"must be one of {', '.join(REWRITES.names())} or an importable 'pkg.module.callable'",
+        f"did you mean {close[0]!r}?" if close else "",
+    )
 
 
 def _import_callable(path: str) -> Rewrite:
@@ -419,8 +451,9 @@ def check_signature(fn: Callable, field: str, value: object) -> None:
     try:
         inspect.signature(fn).bind((), {})
     except TypeError:
-        raise ConfigError(field, value, "cannot be called as a rewrite: it must accept (args, kwargs) and "
-                          "return (args, kwargs)") from None
+        raise ConfigError(
+            field, value, "cannot be called as a rewrite: it must accept (args, kwargs) and return (args, kwargs)"
+        ) from None
     except ValueError:
         pass  # no signature to inspect (some builtins): the call itself will tell
 

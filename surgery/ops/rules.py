@@ -11,14 +11,14 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 
-Match = Union[type, tuple, str, Callable[[nn.Module, str, Any], bool]]
+Match = type | tuple | str | Callable[[nn.Module, str, Any], bool]
 KINDS = ("swap", "wrap", "parameter", "buffer")
 
 
@@ -34,11 +34,18 @@ class Rule:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError("rule.kind", self.kind, f"must be one of {', '.join(KINDS)}")
-        valid = isinstance(self.match, (type, str)) or callable(self.match) or (
-            isinstance(self.match, tuple) and self.match and all(isinstance(t, type) for t in self.match))
+        valid = (
+            isinstance(self.match, (type, str))
+            or callable(self.match)
+            or (isinstance(self.match, tuple) and self.match and all(isinstance(t, type) for t in self.match))
+        )
         if not valid:
-            raise ConfigTypeError(f"{self.kind}.match", self.match, "must be a class, a tuple of classes, "
-                                  "a glob on the attribute name, or a predicate (parent, name, value) -> bool")
+            raise ConfigTypeError(
+                f"{self.kind}.match",
+                self.match,
+                "must be a class, a tuple of classes, "
+                "a glob on the attribute name, or a predicate (parent, name, value) -> bool",
+            )
         if not callable(self.action):
             raise ConfigTypeError(f"{self.kind}.action", self.action, "must be callable")
 

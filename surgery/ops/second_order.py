@@ -30,14 +30,25 @@ def check_layers(targets: dict[str, Target], field: str, method: str) -> None:
     """Second-order methods need a layer weight whose input columns are known."""
     for name, target in targets.items():
         if target.attribute != "weight" or not supports_hessian(target.module):
-            raise ConfigError(field, name, f"{method} solves Linear, Conv1d, Conv2d and Hugging Face Conv1D weights "
-                              f"with their input Hessian; this is {type(target.module).__name__}.{target.attribute} "
-                              "(exclude it)")
+            raise ConfigError(
+                field,
+                name,
+                f"{method} solves Linear, Conv1d, Conv2d and Hugging Face Conv1D weights "
+                f"with their input Hessian; this is {type(target.module).__name__}.{target.attribute} "
+                "(exclude it)",
+            )
 
 
-def reconstruct_layers(model: nn.Module, targets: dict[str, Target], calibration: Any, solver: MatrixSolver, *,
-                       blocks: Selection | bool | None = None, field: str = "calibration", progress: bool = True
-                       ) -> tuple[dict[str, tuple[Tensor, tuple[Tensor, ...]]], SequentialReport]:
+def reconstruct_layers(
+    model: nn.Module,
+    targets: dict[str, Target],
+    calibration: Any,
+    solver: MatrixSolver,
+    *,
+    blocks: Selection | bool | None = None,
+    field: str = "calibration",
+    progress: bool = True,
+) -> tuple[dict[str, tuple[Tensor, tuple[Tensor, ...]]], SequentialReport]:
     """Solve every target's weight in sequence; returns, by parameter name, the new weight (in
     its own shape) and the solver's extras (concatenated over a grouped convolution's groups),
     and the pass's report. The model's weights are as before when this returns."""
@@ -49,26 +60,36 @@ def reconstruct_layers(model: nn.Module, targets: dict[str, Target], calibration
         for layer, found in hessians.items():
             name, target = by_layer[layer]
             value = guards.current_value(target.param)
-            matrix, extras = _solve_groups(layer, target.module, weight_matrix(target.module, value),
-                                           found["hessian"], solver)
+            matrix, extras = _solve_groups(
+                layer, target.module, weight_matrix(target.module, value), found["hessian"], solver
+            )
             written[name] = from_matrix(target.module, matrix, value)
             results[name] = (written[name], extras)
         return written
 
-    report = run_sequential(model, {layer: t.module for layer, (_, t) in by_layer.items()}, calibration, solve,
-                            params=lambda layer: (by_layer[layer][0], by_layer[layer][1].param), blocks=blocks,
-                            field=field, progress=progress)
+    report = run_sequential(
+        model,
+        {layer: t.module for layer, (_, t) in by_layer.items()},
+        calibration,
+        solve,
+        params=lambda layer: (by_layer[layer][0], by_layer[layer][1].param),
+        blocks=blocks,
+        field=field,
+        progress=progress,
+    )
     return results, report
 
 
-def _solve_groups(layer: str, module: nn.Module, matrix: Tensor, hessian: Tensor, solver: MatrixSolver
-                  ) -> tuple[Tensor, tuple[Tensor, ...]]:
+def _solve_groups(
+    layer: str, module: nn.Module, matrix: Tensor, hessian: Tensor, solver: MatrixSolver
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     groups = groups_of(module)
     rows = matrix.shape[0] // groups
-    parts = [solver(layer, matrix[g * rows:(g + 1) * rows], hessian[g]) for g in range(groups)]
+    parts = [solver(layer, matrix[g * rows : (g + 1) * rows], hessian[g]) for g in range(groups)]
     if groups == 1:
         return parts[0]
     merged = torch.cat([p[0] for p in parts])
-    extras = tuple(torch.cat([p[1][i] for p in parts]) if parts[0][1][i].dim() else parts[0][1][i]
-                   for i in range(len(parts[0][1])))
+    extras = tuple(
+        torch.cat([p[1][i] for p in parts]) if parts[0][1][i].dim() else parts[0][1][i] for i in range(len(parts[0][1]))
+    )
     return merged, extras

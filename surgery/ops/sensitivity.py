@@ -22,9 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.selection import Selection
-from surgery.core.handles import Handle
 from surgery.core.targets import Target
 from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import prune, prune_targets
@@ -84,14 +84,17 @@ class Sensitivity:
         whole entries). Layers are assumed to add up independently, the usual approximation.
         """
         if self.kind != "prune":
-            raise ConfigError("sensitivity.target_sparsity", target, "plans pruning amounts; this table measured "
-                              f"{self.kind}")
+            raise ConfigError(
+                "sensitivity.target_sparsity", target, f"plans pruning amounts; this table measured {self.kind}"
+            )
         top = max(self.settings)
         if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= top:
-            raise ConfigError("sensitivity.target_sparsity", target, f"must be a number in [0, {top:g}] "
-                              "(the largest amount measured)")
-        by_layer = {layer: sorted((r for r in self.rows if r.layer == layer), key=lambda r: r.setting)
-                    for layer in self.layers}
+            raise ConfigError(
+                "sensitivity.target_sparsity", target, f"must be a number in [0, {top:g}] (the largest amount measured)"
+            )
+        by_layer = {
+            layer: sorted((r for r in self.rows if r.layer == layer), key=lambda r: r.setting) for layer in self.layers
+        }
         params = {layer: rows[0].params for layer, rows in by_layer.items()}
         goal = target * sum(params.values())
         chosen = {layer: (0.0, 0.0) for layer in by_layer}  # layer -> (amount, damage)
@@ -121,11 +124,21 @@ class Sensitivity:
         return {layer: round(amount, 6) for layer, (amount, _) in chosen.items()}
 
 
-def sensitivity(model: nn.Module, amounts: Sequence[float] = (0.25, 0.5, 0.75, 0.9), *, inputs: Inputs | None = None,
-                evaluate: Evaluate | None = None, higher_is_better: bool = True, method: str = "l1_unstructured",
-                select: Selection = None, exclude: Selection = None, calibration: Inputs | None = None,
-                bits: Sequence[int] | None = None, weights: QuantSpec | None = None,
-                progress: bool = True) -> Sensitivity:
+def sensitivity(
+    model: nn.Module,
+    amounts: Sequence[float] = (0.25, 0.5, 0.75, 0.9),
+    *,
+    inputs: Inputs | None = None,
+    evaluate: Evaluate | None = None,
+    higher_is_better: bool = True,
+    method: str = "l1_unstructured",
+    select: Selection = None,
+    exclude: Selection = None,
+    calibration: Inputs | None = None,
+    bits: Sequence[int] | None = None,
+    weights: QuantSpec | None = None,
+    progress: bool = True,
+) -> Sensitivity:
     """Prune (or quantize) each selected layer alone at each setting, measure, restore.
 
     Args:
@@ -159,15 +172,22 @@ def sensitivity(model: nn.Module, amounts: Sequence[float] = (0.25, 0.5, 0.75, 0
     def change(target: Target, setting: float) -> Handle:
         if bits is not None:
             spec = replace(template, bits=int(setting))
-            return quantize(model, weights=spec, select=[target.name], progress=False,
-                            calibration=calibration if spec.method == "gptq" else None)
+            return quantize(
+                model,
+                weights=spec,
+                select=[target.name],
+                progress=False,
+                calibration=calibration if spec.method == "gptq" else None,
+            )
         return prune(model, setting, method=method, select=[target.name], calibration=calibration, progress=False)
 
     targets = prune_targets(model, select, exclude).matched
     baseline = _score(evaluate, model, "baseline")
     rows: list[SensitivityRow] = []
     trials = [(target, setting) for target in targets.values() for setting in settings]
-    for target, setting in tqdm(trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True):
+    for target, setting in tqdm(
+        trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True
+    ):
         with _quiet():  # one selection log line per trial would drown the table
             handle = change(target, setting)
         try:
@@ -212,18 +232,23 @@ def _score(evaluate: Evaluate, model: nn.Module, what: str) -> float:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigTypeError("sensitivity.evaluate", type(value).__name__, f"returned this for {what}; it must "
-                              "return one number")
+        raise ConfigTypeError(
+            "sensitivity.evaluate", type(value).__name__, f"returned this for {what}; it must return one number"
+        )
     if math.isnan(value):
-        raise ConfigError("sensitivity.evaluate", value, f"returned NaN for {what}; a NaN score cannot be ranked "
-                          "(an infinite one can)")
+        raise ConfigError(
+            "sensitivity.evaluate",
+            value,
+            f"returned NaN for {what}; a NaN score cannot be ranked (an infinite one can)",
+        )
     return float(value)
 
 
 def _outputs(model: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
     with evaluating(model), torch.no_grad():
-        return [t.detach().float().flatten() for call in batches(inputs, "sensitivity.inputs")
-                for t in outputs(model, call)]
+        return [
+            t.detach().float().flatten() for call in batches(inputs, "sensitivity.inputs") for t in outputs(model, call)
+        ]
 
 
 def _drift(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> float:

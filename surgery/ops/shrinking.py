@@ -18,22 +18,30 @@ import math
 import os
 import sys
 import warnings
-from pathlib import Path
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core.channels import (RENORMALISING, AttentionHeads, ChannelTrace, LayerChannels, output_shapes,
-                                   rebuildable, trace_channels)
+from surgery.core.channels import (
+    RENORMALISING,
+    AttentionHeads,
+    ChannelTrace,
+    LayerChannels,
+    output_shapes,
+    rebuildable,
+    trace_channels,
+)
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, SurgeryError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.registry import Registry
-from surgery.core.selection import Selection, select as select_modules
+from surgery.core.selection import Selection
+from surgery.core.selection import select as select_modules
 from surgery.ops import plans, rules
 from surgery.ops.intercept import RuleNeverFiredWarning, intercept
 from surgery.ops.plans import NORM_WIDTH
@@ -88,11 +96,16 @@ class ShrinkHandle(Handle):
         """
         if self.state == "attached":
             for name, (_, new) in self.replaced.items():
-                hooked = any(guards.transforms_of(p) for p in new.parameters(recurse=False)) or \
-                    new._forward_hooks or new._forward_pre_hooks
+                hooked = (
+                    any(guards.transforms_of(p) for p in new.parameters(recurse=False))
+                    or new._forward_hooks
+                    or new._forward_pre_hooks
+                )
                 if hooked:
-                    raise AlreadyModifiedError(f"shrink: {name} has surgery applied after the shrink (prune, quantize, "
-                                               "hooks); restore or bake that first (undo in reverse order)")
+                    raise AlreadyModifiedError(
+                        f"shrink: {name} has surgery applied after the shrink (prune, quantize, "
+                        "hooks); restore or bake that first (undo in reverse order)"
+                    )
         super().restore()
 
     def plan(self) -> dict[str, dict[str, Any]]:
@@ -104,8 +117,10 @@ class ShrinkHandle(Handle):
             module = self.model.get_submodule(name)
             plan[name] = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
             if name in self.attributes:
-                plan[name]["attributes"] = {attr: list(new) if isinstance(new, tuple) else new
-                                            for attr, (_, new) in self.attributes[name].items()}
+                plan[name]["attributes"] = {
+                    attr: list(new) if isinstance(new, tuple) else new
+                    for attr, (_, new) in self.attributes[name].items()
+                }
             for kind in ("parameters", "buffers"):
                 if name in getattr(self, kind):
                     plan[name][kind] = {attr: list(new.shape) for attr, (_, new) in getattr(self, kind)[name].items()}
@@ -120,9 +135,18 @@ class ShrinkHandle(Handle):
         return self.counts.get("macs", {})
 
 
-def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: Selection = None,
-           exclude: Selection = None, importance: str | Callable[[Tensor], Tensor] = "l2",
-           scope: str = "layer", round_to: int = 1, renormalise: bool = True) -> ShrinkHandle:
+def shrink(
+    model: nn.Module,
+    amount: float,
+    *,
+    example_inputs: Inputs,
+    select: Selection = None,
+    exclude: Selection = None,
+    importance: str | Callable[[Tensor], Tensor] = "l2",
+    scope: str = "layer",
+    round_to: int = 1,
+    renormalise: bool = True,
+) -> ShrinkHandle:
     """Remove ``amount`` of the removable channels of every coupled family, for real.
 
     Args:
@@ -159,8 +183,10 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
     allowed = _allowed(model, select, exclude)
     trace = trace_channels(model, example)
     if not trace.output_shapes:
-        raise ShrinkError("shrink: the model's output holds no tensor shrink can find (tensors, tuples, lists, "
-                          "dicts, dataclasses and ModelOutputs are searched), so its shape cannot be kept")
+        raise ShrinkError(
+            "shrink: the model's output holds no tensor shrink can find (tensors, tuples, lists, "
+            "dicts, dataclasses and ModelOutputs are searched), so its shape cannot be kept"
+        )
     if not renormalise:
         trace.keep_normalised()
     expected = trace.output_shapes
@@ -177,15 +203,22 @@ def shrink(model: nn.Module, amount: float, *, example_inputs: Inputs, select: S
             break
         trace.keep_whole(culprit)  # and try again without touching it
     else:
-        raise ShrinkError(f"shrink: the shrunk model still fails after keeping {MAX_ATTEMPTS} modules whole; "
-                          "the model is restored")
+        raise ShrinkError(
+            f"shrink: the shrunk model still fails after keeping {MAX_ATTEMPTS} modules whole; the model is restored"
+        )
     handle.frozen_ops = list(trace.unknown)
     handle.families = _families_report(trace, removed)
-    handle.renormalised = [name for name, (old, new) in handle.replaced.items()
-                           if isinstance(old, RENORMALISING) and handle.kept[name][1] is not None]
+    handle.renormalised = [
+        name
+        for name, (old, new) in handle.replaced.items()
+        if isinstance(old, RENORMALISING) and handle.kept[name][1] is not None
+    ]
     if handle.renormalised:
-        log.warning("shrink: %d LayerNorm/RMSNorm layers now normalise over fewer channels, so their statistics "
-                    "change (handle.renormalised; renormalise=False keeps their channels)", len(handle.renormalised))
+        log.warning(
+            "shrink: %d LayerNorm/RMSNorm layers now normalise over fewer channels, so their statistics "
+            "change (handle.renormalised; renormalise=False keeps their channels)",
+            len(handle.renormalised),
+        )
     if amount > 0 and not removed:
         log.warning("shrink: nothing removed: %s", _why_nothing(trace, handle, amount, round_to, allowed))
     handle.counts = {key: {"before": before[key], "after": value} for key, value in _counts(model, trace).items()}
@@ -205,14 +238,16 @@ def _allowed(model: nn.Module, select: Selection, exclude: Selection) -> set[str
     return {name for name in names if (select is None or inside(name, chosen)) and not inside(name, excluded)}
 
 
-def _why_nothing(trace: ChannelTrace, handle: ShrinkHandle, amount: float, round_to: int,
-                 allowed: set[str] | None) -> str:
+def _why_nothing(
+    trace: ChannelTrace, handle: ShrinkHandle, amount: float, round_to: int, allowed: set[str] | None
+) -> str:
     if not any(f["channels"] > f["frozen"] for f in handle.families):
         causes = ", ".join(trace.unknown)
         return f"every channel is frozen ({'by ' + causes + ', ' if causes else ''}or by reaching the outputs)"
     if allowed is not None:
-        return "no family whose producing layers are all selected (shrink.select / shrink.exclude) has " \
-               "removable channels"
+        return (
+            "no family whose producing layers are all selected (shrink.select / shrink.exclude) has removable channels"
+        )
     return f"amount {amount:g} rounds to zero channels in every family (round_to={round_to})"
 
 
@@ -249,17 +284,21 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
     return handle
 
 
-
-
 def _resize_norm(handle: ShrinkHandle, name: str, module: nn.Module, keep: Tensor | None) -> None:
     """Keep a norm layer's channels ``keep`` in place: its per-channel parameters and buffers are
     sliced and its width attributes updated (the same object stays; restore puts the old back)."""
     if keep is None:
         return
-    width = next(len(getattr(module, attr)) if attr == "normalized_shape" else getattr(module, attr)
-                 for attr in NORM_WIDTH if hasattr(module, attr))
-    changes = {attr: (getattr(module, attr), (len(keep),) if kind is tuple else len(keep))
-               for attr, kind in NORM_WIDTH.items() if hasattr(module, attr)}
+    width = next(
+        len(getattr(module, attr)) if attr == "normalized_shape" else getattr(module, attr)
+        for attr in NORM_WIDTH
+        if hasattr(module, attr)
+    )
+    changes = {
+        attr: (getattr(module, attr), (len(keep),) if kind is tuple else len(keep))
+        for attr, kind in NORM_WIDTH.items()
+        if hasattr(module, attr)
+    }
     if isinstance(module, nn.GroupNorm):
         changes["num_groups"] = (module.num_groups, len(keep) // (width // module.num_groups))
     for attr, (_, new) in changes.items():
@@ -285,8 +324,9 @@ def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor |
     module = handle.model.get_submodule(owner)
     original = module._parameters[attr]
     with torch.no_grad():
-        smaller = nn.Parameter(original.detach().index_select(dim, keep.to(original.device)).clone(),
-                               requires_grad=original.requires_grad)
+        smaller = nn.Parameter(
+            original.detach().index_select(dim, keep.to(original.device)).clone(), requires_grad=original.requires_grad
+        )
     module._parameters[attr] = smaller
     handle.parameters.setdefault(owner, {})[attr] = (original, smaller)
     handle.add(f"put back {owner}.{attr}", lambda: module._parameters.__setitem__(attr, original))
@@ -296,8 +336,9 @@ def _like(new: nn.Module, old: nn.Module) -> None:
     """Give a new layer what the old one had beyond its values: training mode, dtype, and
     which parameters were frozen."""
     new.train(old.training)  # a new module starts in training mode
-    dtype = next((t.dtype for t in [*old.parameters(recurse=False), *old.buffers(recurse=False)]
-                  if t.is_floating_point()), None)
+    dtype = next(
+        (t.dtype for t in [*old.parameters(recurse=False), *old.buffers(recurse=False)] if t.is_floating_point()), None
+    )
     if dtype is not None:
         new.to(dtype=dtype)
     frozen = {name for name, p in old.named_parameters(recurse=False) if not p.requires_grad}
@@ -305,8 +346,9 @@ def _like(new: nn.Module, old: nn.Module) -> None:
         param.requires_grad_(name not in frozen)
 
 
-def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed: set[int],
-                  trace: ChannelTrace) -> None:
+def _update_heads(
+    handle: ShrinkHandle, name: str, unit: AttentionHeads, removed: set[int], trace: ChannelTrace
+) -> None:
     """Set an attention module's head-count attributes to the heads its projections kept."""
     layout, module = unit.layout, unit.module
     query = trace.layers[f"{name}.{layout.projections[0]}"].outputs or []
@@ -323,12 +365,15 @@ def _update_heads(handle: ShrinkHandle, name: str, unit: AttentionHeads, removed
     for attr, (_, new) in changes.items():
         setattr(module, attr, new)
     handle.attributes[name] = changes
-    handle.add(f"put back the head counts of {name}",
-               lambda: [setattr(module, attr, old) for attr, (old, _) in changes.items()])
+    handle.add(
+        f"put back the head counts of {name}",
+        lambda: [setattr(module, attr, old) for attr, (old, _) in changes.items()],
+    )
 
 
-def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]], trace: ChannelTrace,
-                handle: ShrinkHandle) -> str | None:
+def _check_runs(
+    model: nn.Module, example: Any, expected: list[tuple[int, ...]], trace: ChannelTrace, handle: ShrinkHandle
+) -> str | None:
     """Run the shrunk model once. ``None`` when it runs and gives outputs of the original shapes;
     when a module fails (code that reshapes by a channel count the trace cannot see, like an
     attention whose inner width is read from its input), the handle is undone and the name of
@@ -342,8 +387,10 @@ def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]],
     def left(module: nn.Module, args: tuple, output: Any) -> None:
         running.pop()
 
-    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(entered),
-             torch.nn.modules.module.register_module_forward_hook(left)]
+    hooks = [
+        torch.nn.modules.module.register_module_forward_pre_hook(entered),
+        torch.nn.modules.module.register_module_forward_hook(left),
+    ]
     try:
         with evaluating(model), torch.no_grad():
             shapes = output_shapes(example(model))
@@ -351,20 +398,28 @@ def _check_runs(model: nn.Module, example: Any, expected: list[tuple[int, ...]],
         handle.restore()
         failing = [name for name in reversed(running) if trace.can_keep_whole(name)]
         if not failing:
-            raise ShrinkError(f"shrink: the shrunk model fails on the example inputs ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}) and no module can be kept whole to "
-                              "avoid it: exclude its layers (shrink.exclude) or register its head layout "
-                              "(surgery.register_heads); the model is restored") from err
-        log.info("shrink: %s fails when its channels shrink (%s: %s); keeping it whole", failing[0],
-                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            raise ShrinkError(
+                f"shrink: the shrunk model fails on the example inputs ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}) and no module can be kept whole to "
+                "avoid it: exclude its layers (shrink.exclude) or register its head layout "
+                "(surgery.register_heads); the model is restored"
+            ) from err
+        log.info(
+            "shrink: %s fails when its channels shrink (%s: %s); keeping it whole",
+            failing[0],
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
         return failing[0]
     finally:
         for hook in hooks:
             hook.remove()
     if shapes != expected:
         handle.restore()
-        raise ShrinkError(f"shrink: the shrunk model's output shapes {shapes} differ from the original {expected}; "
-                          "the model is restored")
+        raise ShrinkError(
+            f"shrink: the shrunk model's output shapes {shapes} differ from the original {expected}; "
+            "the model is restored"
+        )
     return None
 
 
@@ -386,8 +441,9 @@ def _producer_weight(module: nn.Module) -> Tensor:
     return weight.t() if isinstance(module, nn.Embedding) else weight.reshape(weight.shape[0], -1)
 
 
-def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, importance: Any,
-            allowed: set[str] | None) -> set[int]:
+def _choose(
+    trace: ChannelTrace, amount: float, scope: str, round_to: int, importance: Any, allowed: set[str] | None
+) -> set[int]:
     """The slot classes (channels, or whole heads/groups: *units*) to remove."""
     slots = trace.slots
     score = importance if callable(importance) else IMPORTANCE.get(importance)
@@ -412,14 +468,18 @@ def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, impor
         if root in slots.frozen or (allowed is not None and not names <= allowed):
             continue
         families[frozenset(names)].append(root)
-    quota = {key: _removable(len(roots), amount, 1 if any(width[r] > 1 for r in roots) else round_to)
-             for key, roots in families.items()}
+    quota = {
+        key: _removable(len(roots), amount, 1 if any(width[r] > 1 for r in roots) else round_to)
+        for key, roots in families.items()
+    }
     if scope == "layer":
-        return {r for key, roots in families.items() for r in sorted(roots, key=scores.__getitem__)[:quota[key]]}
+        return {r for key, roots in families.items() for r in sorted(roots, key=scores.__getitem__)[: quota[key]]}
     ranked = sorted(((scores[r], r, key) for key, roots in families.items() for r in roots), key=lambda t: t[0])
     total = sum(quota.values())
-    limit = {key: _removable(len(roots), 1.0, 1 if any(width[r] > 1 for r in roots) else round_to)
-             for key, roots in families.items()}  # the most a family may lose
+    limit = {
+        key: _removable(len(roots), 1.0, 1 if any(width[r] > 1 for r in roots) else round_to)
+        for key, roots in families.items()
+    }  # the most a family may lose
     removed: set[int] = set()
     taken: dict[frozenset, int] = defaultdict(int)
     for _, root, key in ranked:
@@ -429,8 +489,9 @@ def _choose(trace: ChannelTrace, amount: float, scope: str, round_to: int, impor
             removed.add(root)
             taken[key] += 1
     for key, roots in families.items():  # whole multiples of round_to in every family
-        extra = taken[key] - _removable(len(roots), taken[key] / len(roots), 1 if any(
-            width[r] > 1 for r in roots) else round_to)
+        extra = taken[key] - _removable(
+            len(roots), taken[key] / len(roots), 1 if any(width[r] > 1 for r in roots) else round_to
+        )
         if extra > 0:
             mine = sorted((r for r in roots if r in removed), key=scores.__getitem__, reverse=True)
             removed.difference_update(mine[:extra])
@@ -453,11 +514,18 @@ def _scores(score: Callable, weight: Tensor, name: str) -> Tensor:
     except Exception as err:  # the user's function failed or returned something unusable
         raise ConfigError("shrink.importance", label, f"failed on {name}: {type(err).__name__}: {err}") from None
     if per_row.numel() != weight.shape[0]:
-        raise ConfigError("shrink.importance", label, f"must give one finite score per output channel of {name} "
-                          f"({weight.shape[0]}); got {per_row.numel()} values")
+        raise ConfigError(
+            "shrink.importance",
+            label,
+            f"must give one finite score per output channel of {name} "
+            f"({weight.shape[0]}); got {per_row.numel()} values",
+        )
     if not torch.isfinite(per_row).all():
-        raise ConfigError("shrink.importance", label, f"must give one finite score per output channel of {name} "
-                          f"({weight.shape[0]}); got NaN/inf")
+        raise ConfigError(
+            "shrink.importance",
+            label,
+            f"must give one finite score per output channel of {name} ({weight.shape[0]}); got NaN/inf",
+        )
     return per_row
 
 
@@ -472,65 +540,122 @@ def _smaller(layer: LayerChannels, keep_in: Tensor | None, keep_out: Tensor | No
     """A new layer of the same class holding the kept slices (None: nothing changes)."""
     module = layer.module
     factory = {"device": next(module.parameters(), torch.empty(0)).device}
-    with torch.no_grad():
-        if isinstance(module, nn.Linear):
-            weight = module.weight.detach()
-            weight = weight if keep_out is None else weight[keep_out]
-            weight = weight if keep_in is None else weight[:, keep_in]
-            new = type(module)(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype,
-                               **factory)
-            new.weight.copy_(weight)
-            if module.bias is not None:
-                new.bias.copy_(module.bias if keep_out is None else module.bias[keep_out])
-            return new
-        if isinstance(module, nn.modules.conv._ConvNd):
-            weight = module.weight.detach()
-            weight = weight if keep_out is None else weight[keep_out]
-            if module.groups == 1 and keep_in is not None:
-                weight = weight[:, keep_in]
-            groups = 1 if module.groups == 1 else weight.shape[0] // (module.out_channels // module.groups)
-            channels_in = weight.shape[1] * groups
-            new = type(module)(channels_in, weight.shape[0], module.kernel_size, stride=module.stride,
-                               padding=module.padding, dilation=module.dilation,
-                               groups=groups, bias=module.bias is not None,
-                               padding_mode=module.padding_mode, dtype=weight.dtype, **factory)
-            new.weight.copy_(weight)
-            if module.bias is not None:
-                new.bias.copy_(module.bias if keep_out is None else module.bias[keep_out])
-            return new
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and keep_out is not None:
-            new = type(module)(len(keep_out), eps=module.eps, momentum=module.momentum, affine=module.affine,
-                               track_running_stats=module.track_running_stats, **factory)
-            for attr in ("weight", "bias", "running_mean", "running_var"):
-                value = getattr(module, attr)
-                if value is not None:
-                    getattr(new, attr).copy_(value[keep_out])
-            if module.num_batches_tracked is not None:
-                new.num_batches_tracked.copy_(module.num_batches_tracked)
-            return new
-        if isinstance(module, nn.Embedding) and keep_out is not None:
-            new = type(module)(module.num_embeddings, len(keep_out), padding_idx=module.padding_idx,
-                               max_norm=module.max_norm, norm_type=module.norm_type,
-                               scale_grad_by_freq=module.scale_grad_by_freq, sparse=module.sparse,
-                               dtype=module.weight.dtype, **factory)
-            new.weight.copy_(module.weight[:, keep_out])
-            return new
-        if isinstance(module, nn.GroupNorm) and keep_out is not None:
-            new = type(module)(len(keep_out) // (module.num_channels // module.num_groups), len(keep_out),
-                               eps=module.eps, affine=module.affine, **factory)
-            if module.affine:
-                new.weight.copy_(module.weight[keep_out])
-                new.bias.copy_(module.bias[keep_out])
-            return new
-        if isinstance(module, nn.LayerNorm) and keep_out is not None:
-            new = type(module)(len(keep_out), eps=module.eps, elementwise_affine=module.elementwise_affine,
-                               bias=module.bias is not None, **factory)
-            if module.weight is not None:
-                new.weight.copy_(module.weight[keep_out])
-            if module.bias is not None:
-                new.bias.copy_(module.bias[keep_out])
-            return new
+    for kinds, build, needs_outputs in _SMALLER:
+        if isinstance(module, kinds) and (keep_out is not None or not needs_outputs):
+            with torch.no_grad():
+                return build(module, keep_in, keep_out, factory)
     return None
+
+
+def _sliced_weight(module: nn.Module, keep_in: Tensor | None, keep_out: Tensor | None, inputs: bool) -> Tensor:
+    weight = module.weight.detach()
+    weight = weight if keep_out is None else weight[keep_out]
+    return weight if keep_in is None or not inputs else weight[:, keep_in]
+
+
+def _copy_bias(module: nn.Module, new: nn.Module, keep_out: Tensor | None) -> nn.Module:
+    if module.bias is not None:
+        new.bias.copy_(module.bias if keep_out is None else module.bias[keep_out])
+    return new
+
+
+def _smaller_linear(module: nn.Linear, keep_in: Tensor | None, keep_out: Tensor | None, factory: dict) -> nn.Module:
+    weight = _sliced_weight(module, keep_in, keep_out, inputs=True)
+    new = type(module)(weight.shape[1], weight.shape[0], bias=module.bias is not None, dtype=weight.dtype, **factory)
+    new.weight.copy_(weight)
+    return _copy_bias(module, new, keep_out)
+
+
+def _smaller_conv(module: nn.Module, keep_in: Tensor | None, keep_out: Tensor | None, factory: dict) -> nn.Module:
+    weight = _sliced_weight(module, keep_in, keep_out, inputs=module.groups == 1)
+    groups = 1 if module.groups == 1 else weight.shape[0] // (module.out_channels // module.groups)
+    new = type(module)(
+        weight.shape[1] * groups,
+        weight.shape[0],
+        module.kernel_size,
+        stride=module.stride,
+        padding=module.padding,
+        dilation=module.dilation,
+        groups=groups,
+        bias=module.bias is not None,
+        padding_mode=module.padding_mode,
+        dtype=weight.dtype,
+        **factory,
+    )
+    new.weight.copy_(weight)
+    return _copy_bias(module, new, keep_out)
+
+
+def _smaller_batchnorm(module: nn.Module, keep_in: Tensor | None, keep_out: Tensor, factory: dict) -> nn.Module:
+    new = type(module)(
+        len(keep_out),
+        eps=module.eps,
+        momentum=module.momentum,
+        affine=module.affine,
+        track_running_stats=module.track_running_stats,
+        **factory,
+    )
+    for attr in ("weight", "bias", "running_mean", "running_var"):
+        value = getattr(module, attr)
+        if value is not None:
+            getattr(new, attr).copy_(value[keep_out])
+    if module.num_batches_tracked is not None:
+        new.num_batches_tracked.copy_(module.num_batches_tracked)
+    return new
+
+
+def _smaller_embedding(module: nn.Embedding, keep_in: Tensor | None, keep_out: Tensor, factory: dict) -> nn.Module:
+    new = type(module)(
+        module.num_embeddings,
+        len(keep_out),
+        padding_idx=module.padding_idx,
+        max_norm=module.max_norm,
+        norm_type=module.norm_type,
+        scale_grad_by_freq=module.scale_grad_by_freq,
+        sparse=module.sparse,
+        dtype=module.weight.dtype,
+        **factory,
+    )
+    new.weight.copy_(module.weight[:, keep_out])
+    return new
+
+
+def _smaller_groupnorm(module: nn.GroupNorm, keep_in: Tensor | None, keep_out: Tensor, factory: dict) -> nn.Module:
+    new = type(module)(
+        len(keep_out) // (module.num_channels // module.num_groups),
+        len(keep_out),
+        eps=module.eps,
+        affine=module.affine,
+        **factory,
+    )
+    if module.affine:
+        new.weight.copy_(module.weight[keep_out])
+        new.bias.copy_(module.bias[keep_out])
+    return new
+
+
+def _smaller_layernorm(module: nn.LayerNorm, keep_in: Tensor | None, keep_out: Tensor, factory: dict) -> nn.Module:
+    new = type(module)(
+        len(keep_out),
+        eps=module.eps,
+        elementwise_affine=module.elementwise_affine,
+        bias=module.bias is not None,
+        **factory,
+    )
+    if module.weight is not None:
+        new.weight.copy_(module.weight[keep_out])
+    return _copy_bias(module, new, keep_out)
+
+
+# (layer types, builder of the smaller layer, whether it applies only when output channels go)
+_SMALLER = (
+    (nn.Linear, _smaller_linear, False),
+    (nn.modules.conv._ConvNd, _smaller_conv, False),
+    (nn.modules.batchnorm._BatchNorm, _smaller_batchnorm, True),
+    (nn.Embedding, _smaller_embedding, True),
+    (nn.GroupNorm, _smaller_groupnorm, True),
+    (nn.LayerNorm, _smaller_layernorm, True),
+)
 
 
 def _paths_of(model: nn.Module, module: nn.Module) -> list[str]:
@@ -547,24 +672,49 @@ def describe(module: nn.Module) -> dict[str, Any]:
     if isinstance(module, nn.Linear):
         args = {"in_features": module.in_features, "out_features": module.out_features, "bias": module.bias is not None}
     elif isinstance(module, nn.modules.conv._ConvNd):
-        args = {"in_channels": module.in_channels, "out_channels": module.out_channels,
-                "kernel_size": list(module.kernel_size), "stride": list(module.stride),
-                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
-                "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None,
-                "padding_mode": module.padding_mode}
+        args = {
+            "in_channels": module.in_channels,
+            "out_channels": module.out_channels,
+            "kernel_size": list(module.kernel_size),
+            "stride": list(module.stride),
+            "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
+            "dilation": list(module.dilation),
+            "groups": module.groups,
+            "bias": module.bias is not None,
+            "padding_mode": module.padding_mode,
+        }
     elif isinstance(module, nn.Embedding):
-        args = {"num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim,
-                "padding_idx": module.padding_idx, "max_norm": module.max_norm, "norm_type": module.norm_type,
-                "scale_grad_by_freq": module.scale_grad_by_freq, "sparse": module.sparse}
+        args = {
+            "num_embeddings": module.num_embeddings,
+            "embedding_dim": module.embedding_dim,
+            "padding_idx": module.padding_idx,
+            "max_norm": module.max_norm,
+            "norm_type": module.norm_type,
+            "scale_grad_by_freq": module.scale_grad_by_freq,
+            "sparse": module.sparse,
+        }
     elif isinstance(module, nn.GroupNorm):
-        args = {"num_groups": module.num_groups, "num_channels": module.num_channels, "eps": module.eps,
-                "affine": module.affine}
+        args = {
+            "num_groups": module.num_groups,
+            "num_channels": module.num_channels,
+            "eps": module.eps,
+            "affine": module.affine,
+        }
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
-        args = {"num_features": module.num_features, "eps": module.eps, "momentum": module.momentum,
-                "affine": module.affine, "track_running_stats": module.track_running_stats}
+        args = {
+            "num_features": module.num_features,
+            "eps": module.eps,
+            "momentum": module.momentum,
+            "affine": module.affine,
+            "track_running_stats": module.track_running_stats,
+        }
     else:
-        args = {"normalized_shape": list(module.normalized_shape), "eps": module.eps,
-                "elementwise_affine": module.elementwise_affine, "bias": module.bias is not None}
+        args = {
+            "normalized_shape": list(module.normalized_shape),
+            "eps": module.eps,
+            "elementwise_affine": module.elementwise_affine,
+            "bias": module.bias is not None,
+        }
     return {"class": f"{type(module).__module__}.{type(module).__qualname__}", "args": args}
 
 
@@ -576,8 +726,15 @@ def _families_report(trace: ChannelTrace, removed: set[int]) -> list[dict[str, A
             continue
         roots = {slots.find(s) for s in layer.outputs}
         key = frozenset(roots)
-        entry = found.setdefault(key, {"layers": [], "channels": len(roots),
-                                       "removed": len(roots & removed), "frozen": len(roots & slots.frozen)})
+        entry = found.setdefault(
+            key,
+            {
+                "layers": [],
+                "channels": len(roots),
+                "removed": len(roots & removed),
+                "frozen": len(roots & slots.frozen),
+            },
+        )
         entry["layers"].append(name)
     return list(found.values())
 
@@ -592,8 +749,12 @@ def _counts(model: nn.Module, trace: ChannelTrace) -> dict[str, int]:
         if isinstance(module, nn.Linear):
             macs += layer.positions * module.out_features * module.in_features
         elif isinstance(module, nn.modules.conv._ConvNd):
-            macs += layer.positions * module.out_channels * (module.in_channels // module.groups) * \
-                math.prod(module.kernel_size)
+            macs += (
+                layer.positions
+                * module.out_channels
+                * (module.in_channels // module.groups)
+                * math.prod(module.kernel_size)
+            )
     return {"params": sum(p.numel() for p in model.parameters()), "macs": macs}
 
 
@@ -608,13 +769,22 @@ def _layer_class(path: str) -> type:
     except ImportError:
         cls = None
     if not isinstance(cls, type) or not rebuildable(cls):
-        raise ConfigError("rebuild.plan", path, "is not a layer shrink makes (Linear, Conv1d/2d, Embedding, "
-                          "BatchNorm, LayerNorm, GroupNorm, RMSNorm, or a subclass keeping their constructor)")
+        raise ConfigError(
+            "rebuild.plan",
+            path,
+            "is not a layer shrink makes (Linear, Conv1d/2d, Embedding, "
+            "BatchNorm, LayerNorm, GroupNorm, RMSNorm, or a subclass keeping their constructor)",
+        )
     return cls
 
 
-def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *, device: str | torch.device = "cpu",
-            meta: bool = True) -> nn.Module:
+def rebuild(
+    factory: Callable[[], nn.Module],
+    plan: dict[str, dict[str, Any]],
+    *,
+    device: str | torch.device = "cpu",
+    meta: bool = True,
+) -> nn.Module:
     """The original class at the shrunk shapes, ready for ``load_state_dict(strict=True)`` of
     the baked state dict.
 
@@ -644,12 +814,16 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
         if name not in named:
             raise ConfigError("rebuild.plan", name, "is not a module of the model the factory builds")
         if not _is_planned_class(named[name], entry):
-            raise ConfigError("rebuild.plan", name, f"is a {type(named[name]).__name__} in this model; the plan has "
-                              f"a {entry['class'].rpartition('.')[2]}")
+            raise ConfigError(
+                "rebuild.plan",
+                name,
+                f"is a {type(named[name]).__name__} in this model; the plan has a {entry['class'].rpartition('.')[2]}",
+            )
         plans.check_attributes(name, named[name], entry.get("attributes", {}))
         if id(named[name]) not in order and "args" in entry:
-            raise ConfigError("rebuild.plan", name, "is not attached by the constructor; only submodules can be "
-                              "replaced")
+            raise ConfigError(
+                "rebuild.plan", name, "is not attached by the constructor; only submodules can be replaced"
+            )
     wanted = {order[id(named[name])]: (name, entry) for name, entry in plan.items() if id(named[name]) in order}
     counter = _AttachCounter()
     made: dict[str, nn.Module] = {}
@@ -660,9 +834,11 @@ def rebuild(factory: Callable[[], nn.Module], plan: dict[str, dict[str, Any]], *
     def build(child: nn.Module) -> nn.Module:
         name, entry = wanted[counter.last]
         if not _is_planned_class(child, entry):
-            raise ShrinkError(f"rebuild: {name} does not have its planned shape: the second build attached a "
-                              f"{type(child).__name__} where the first had a {entry['class'].rpartition('.')[2]}; "
-                              "the factory does not build the same model twice")
+            raise ShrinkError(
+                f"rebuild: {name} does not have its planned shape: the second build attached a "
+                f"{type(child).__name__} where the first had a {entry['class'].rpartition('.')[2]}; "
+                "the factory does not build the same model twice"
+            )
         made[name] = _planned(child, entry, meta)
         return made[name]
 
@@ -685,8 +861,9 @@ def _read_plan(plan: Any) -> dict[str, Any]:
             try:
                 text = Path(text).read_text()
             except OSError as err:
-                raise ConfigError("rebuild.plan", str(plan)[:80], f"is neither plan JSON nor a readable file "
-                                  f"({type(err).__name__})") from None
+                raise ConfigError(
+                    "rebuild.plan", str(plan)[:80], f"is neither plan JSON nor a readable file ({type(err).__name__})"
+                ) from None
         try:
             plan = json.loads(text)
         except json.JSONDecodeError as err:
@@ -694,8 +871,11 @@ def _read_plan(plan: Any) -> dict[str, Any]:
         except RecursionError:
             raise ConfigError("rebuild.plan", str(plan)[:80], "is nested too deeply to be a plan") from None
     if not isinstance(plan, dict):
-        raise ConfigTypeError("rebuild.plan", type(plan).__name__, "must be the dict ShrinkHandle.plan() returns, "
-                              "its JSON, or a model.plan.json path")
+        raise ConfigTypeError(
+            "rebuild.plan",
+            type(plan).__name__,
+            "must be the dict ShrinkHandle.plan() returns, its JSON, or a model.plan.json path",
+        )
     return plan
 
 
@@ -718,16 +898,20 @@ def _planned(module: nn.Module, entry: dict[str, Any], meta: bool) -> nn.Module:
         try:
             new = _layer_class(entry["class"])(**args)
         except (TypeError, ValueError, RuntimeError) as err:
-            raise ConfigError("rebuild.plan", entry["class"].rpartition(".")[2], f"cannot be built with {args}: "
-                              f"{type(err).__name__}: {err}") from None
+            raise ConfigError(
+                "rebuild.plan",
+                entry["class"].rpartition(".")[2],
+                f"cannot be built with {args}: {type(err).__name__}: {err}",
+            ) from None
         new.train(module.training)
         return new
     for attr, value in entry.get("attributes", {}).items():
         setattr(module, attr, tuple(value) if isinstance(getattr(module, attr, None), tuple) else value)
     for attr, shape in entry.get("parameters", {}).items():
         old = module._parameters[attr]
-        module._parameters[attr] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta" if meta else
-                                                            old.device), requires_grad=old.requires_grad)
+        module._parameters[attr] = nn.Parameter(
+            torch.empty(shape, dtype=old.dtype, device="meta" if meta else old.device), requires_grad=old.requires_grad
+        )
     for attr, shape in entry.get("buffers", {}).items():  # real storage: a buffer is not moved to meta
         old = module._buffers[attr]
         module._buffers[attr] = torch.empty(shape, dtype=old.dtype, device=old.device)
@@ -749,8 +933,9 @@ def _materialise(model: nn.Module, device: str | torch.device) -> nn.Module:
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                                   requires_grad=param.requires_grad)
+                    made[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                    )
                 module._parameters[name] = made[id(param)]
     return model.to(device)
 
@@ -799,11 +984,27 @@ def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict
     named = dict(model.named_modules())
     for name, entry in plan.items():
         module = named.get(name)
-        same = module is not None and made.get(name) is module and (describe(module)["args"] == entry["args"]
-                                                                      if "args" in entry else (
-            all(_plain(getattr(module, attr, None)) == value for attr, value in entry.get("attributes", {}).items())
-            and all(list(getattr(module, f"_{kind}")[attr].shape) == shape for kind in ("parameters", "buffers")
-                    for attr, shape in entry.get(kind, {}).items())))
+        same = (
+            module is not None
+            and made.get(name) is module
+            and (
+                describe(module)["args"] == entry["args"]
+                if "args" in entry
+                else (
+                    all(
+                        _plain(getattr(module, attr, None)) == value
+                        for attr, value in entry.get("attributes", {}).items()
+                    )
+                    and all(
+                        list(getattr(module, f"_{kind}")[attr].shape) == shape
+                        for kind in ("parameters", "buffers")
+                        for attr, shape in entry.get(kind, {}).items()
+                    )
+                )
+            )
+        )
         if not same:
-            raise ShrinkError(f"rebuild: {name} does not have its planned shape after the build; the factory does "
-                              "not build the same model twice (random architecture?)")
+            raise ShrinkError(
+                f"rebuild: {name} does not have its planned shape after the build; the factory does "
+                "not build the same model twice (random architecture?)"
+            )

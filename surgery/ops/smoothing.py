@@ -33,7 +33,6 @@ from surgery.core.sequential import materialise
 from surgery.core.targets import is_hf_conv1d
 from surgery.core.transforms import attach_all
 
-
 log = logging.getLogger("surgery")
 
 
@@ -133,6 +132,7 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             if isinstance(output, Tensor):
                 produced[id(output)] = (name, output)
+
         return hook
 
     def match_input(name: str):
@@ -140,6 +140,7 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
             found = produced.get(id(args[0])) if args else None
             if found is not None and found[1] is args[0] and name not in pairs.get(found[0], []):
                 pairs.setdefault(found[0], []).append(name)
+
         return hook
 
     try:
@@ -157,9 +158,15 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
     return pairs
 
 
-def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
-           pairs: Mapping[str, Iterable[str]] | None = None, statistic: str = "absmax",
-           progress: bool = True) -> SmoothHandle:
+def smooth(
+    model: nn.Module,
+    alpha: float = 0.5,
+    *,
+    calibration: Inputs,
+    pairs: Mapping[str, Iterable[str]] | None = None,
+    statistic: str = "absmax",
+    progress: bool = True,
+) -> SmoothHandle:
     """Migrate activation outliers into weights (SmoothQuant); return a handle that undoes it.
 
     Args:
@@ -192,22 +199,31 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
     calibration = materialise(calibration, "smooth.calibration")  # read more than once
     found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
     if not found:
-        raise ConfigError("smooth.pairs", None if pairs is None else dict(pairs), "found no normalisation layer "
-                          "(LayerNorm, RMSNorm) whose output feeds Linear or Conv1D layers directly; name the pairs "
-                          "as {norm: [layers]}")
+        raise ConfigError(
+            "smooth.pairs",
+            None if pairs is None else dict(pairs),
+            "found no normalisation layer "
+            "(LayerNorm, RMSNorm) whose output feeds Linear or Conv1D layers directly; name the pairs "
+            "as {norm: [layers]}",
+        )
     named = dict(model.named_modules())
     maxima = _input_maxima(model, named, found, calibration, reducer, progress)
     handle = SmoothHandle(model)
-    rescaled = {norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha,
-                                                             weight_factor))
-                for norm, layers in found.items()}
+    rescaled = {
+        norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha, weight_factor))
+        for norm, layers in found.items()
+    }
     for updates, _ in rescaled.values():
         _check_free(updates)
     kept = _keeping_outputs(model, calibration[0], rescaled, explicit=pairs is not None)
     if not kept:
-        raise ConfigError("smooth.pairs", sorted(found), "none of these can be smoothed without changing the model's "
-                          "outputs (their norm's output is also used elsewhere, e.g. a post-norm residual, or the norm "
-                          "does not scale by its weight)")
+        raise ConfigError(
+            "smooth.pairs",
+            sorted(found),
+            "none of these can be smoothed without changing the model's "
+            "outputs (their norm's output is also used elsewhere, e.g. a post-norm residual, or the norm "
+            "does not scale by its weight)",
+        )
     updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
     handle.skipped = [norm for norm in found if norm not in kept]
     for norm in kept:
@@ -221,8 +237,9 @@ def smooth(model: nn.Module, alpha: float = 0.5, *, calibration: Inputs,
     return handle
 
 
-def _rescaled(named: dict[str, nn.Module], norm: str, layers: list[str], scales: Tensor
-              ) -> tuple[dict[str, tuple[nn.Parameter, Rescaled]], Tensor]:
+def _rescaled(
+    named: dict[str, nn.Module], norm: str, layers: list[str], scales: Tensor
+) -> tuple[dict[str, tuple[nn.Parameter, Rescaled]], Tensor]:
     """The new values of one pair: the norm's weight and bias divided by ``scales``, the input
     columns of the layers reading it multiplied."""
     updates: dict[str, tuple[nn.Parameter, Rescaled]] = {}
@@ -243,12 +260,17 @@ def _check_free(updates: dict[str, tuple[nn.Parameter, Rescaled]]) -> None:
         if "smooth" in kinds:
             raise ConfigError("smooth.pairs", name, "is already smoothed; restore() or bake() that handle first")
         if kinds:
-            raise ConfigError("smooth.pairs", name, f"already has {', '.join(kinds)} attached; smooth first, then "
-                              "prune or quantize (SmoothQuant rescales the weights those were computed on)")
+            raise ConfigError(
+                "smooth.pairs",
+                name,
+                f"already has {', '.join(kinds)} attached; smooth first, then "
+                "prune or quantize (SmoothQuant rescales the weights those were computed on)",
+            )
 
 
-def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[dict, Tensor]], explicit: bool
-                     ) -> list[str]:
+def _keeping_outputs(
+    model: nn.Module, first: Call, rescaled: dict[str, tuple[dict, Tensor]], explicit: bool
+) -> list[str]:
     """The pairs whose smoothing leaves the model's outputs on ``first`` as they are (to float
     rounding): all at once if they do together, else one by one. A post-norm block (BERT),
     whose norm output is also the residual, or a norm computing ``x * (1 + w)`` (Gemma) is
@@ -256,13 +278,16 @@ def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[di
     reference = _flat_outputs(model, first)
     # rounding the rescaled weights to their dtype moves the outputs: 1e-3 is far above float32's
     # and float16's, and below bfloat16's (8 ulps there); a post-norm residual moves them by far more
-    lowest = max((param.dtype for updates, _ in rescaled.values() for param, _ in updates.values()),
-                 key=lambda dtype: torch.finfo(dtype).eps)
+    lowest = max(
+        (param.dtype for updates, _ in rescaled.values() for param, _ in updates.values()),
+        key=lambda dtype: torch.finfo(dtype).eps,
+    )
     tolerance = max(1e-3, 8 * torch.finfo(lowest).eps)
 
     def unchanged(norms: list[str]) -> bool:
-        originals = {name: (param, param.detach().clone()) for norm in norms
-                     for name, (param, _) in rescaled[norm][0].items()}
+        originals = {
+            name: (param, param.detach().clone()) for norm in norms for name, (param, _) in rescaled[norm][0].items()
+        }
         try:
             with torch.no_grad():
                 for norm in norms:
@@ -276,7 +301,6 @@ def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[di
         scale = reference.abs().max().clamp(min=1e-12)
         return candidate.shape == reference.shape and bool(((candidate - reference).abs().max() / scale) < tolerance)
 
-
     norms = list(rescaled)
     if unchanged(norms):
         return norms
@@ -285,11 +309,18 @@ def _keeping_outputs(model: nn.Module, first: Call, rescaled: dict[str, tuple[di
         if unchanged([norm]):
             kept.append(norm)
         elif explicit:
-            raise ConfigError("smooth.pairs", norm, "smoothing it changes the model's outputs (its output is also "
-                              "used elsewhere, e.g. a post-norm residual, or it does not scale by its weight)")
+            raise ConfigError(
+                "smooth.pairs",
+                norm,
+                "smoothing it changes the model's outputs (its output is also "
+                "used elsewhere, e.g. a post-norm residual, or it does not scale by its weight)",
+            )
         else:
-            log.warning("smooth: %s left out: smoothing it changes the model's outputs (its output is also used "
-                        "elsewhere, e.g. a post-norm residual, or it does not scale by its weight)", norm)
+            log.warning(
+                "smooth: %s left out: smoothing it changes the model's outputs (its output is also used "
+                "elsewhere, e.g. a post-norm residual, or it does not scale by its weight)",
+                norm,
+            )
     return kept
 
 
@@ -322,8 +353,14 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
     return checked
 
 
-def _input_maxima(model: nn.Module, named: dict[str, nn.Module], found: dict[str, list[str]], calibration: Inputs,
-                  reducer: type, progress: bool) -> dict[str, Tensor]:
+def _input_maxima(
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    found: dict[str, list[str]],
+    calibration: Inputs,
+    reducer: type,
+    progress: bool,
+) -> dict[str, Tensor]:
     layers = {pair[0]: named[pair[0]] for pair in found.values()}
     with Capture(model, layers, ("inputs",), reducer) as seen:
         count = run_batches(model, calibration, field="smooth.calibration", progress=progress)
@@ -336,13 +373,23 @@ def _input_maxima(model: nn.Module, named: dict[str, nn.Module], found: dict[str
     return maxima
 
 
-def _scales(named: dict[str, nn.Module], norm: str, layers: list[str], activation: Tensor, alpha: float,
-            weight_factor: float = 1.0) -> Tensor:
+def _scales(
+    named: dict[str, nn.Module],
+    norm: str,
+    layers: list[str],
+    activation: Tensor,
+    alpha: float,
+    weight_factor: float = 1.0,
+) -> Tensor:
     """``s_j = max|X_j|^α / max|W_:,j|^(1−α)`` (``activation`` is the chosen statistic,
     ``max|W|`` times ``weight_factor``), clamped away from zero; 1 for dead channels."""
     weights = [named[layer].weight.detach().float() for layer in layers]
-    columns = torch.stack([(w.abs().amax(1) if is_hf_conv1d(named[layer]) else w.abs().amax(0))
-                           for w, layer in zip(weights, layers)]).amax(0) * weight_factor
+    columns = (
+        torch.stack(
+            [(w.abs().amax(1) if is_hf_conv1d(named[layer]) else w.abs().amax(0)) for w, layer in zip(weights, layers)]
+        ).amax(0)
+        * weight_factor
+    )
     scales = activation.clamp(min=1e-5).pow(alpha) / columns.clamp(min=1e-5).pow(1 - alpha)
     scales = torch.where((activation == 0) | (columns == 0), torch.ones_like(scales), scales)
     if not torch.isfinite(scales).all():

@@ -41,9 +41,13 @@ def test_identical_models_have_no_drift(convnet, image_input):
     assert drift.sqnr_db is None
     assert drift.top1_agreement == 1.0
     assert drift.identical
-    assert drift.as_dict() == {"max_abs": 0.0, "cosine": drift.cosine, "sqnr_db": None, "top1_agreement": 1.0,
-                               "nonfinite": {"reference_nan": 0, "reference_inf": 0, "candidate_nan": 0,
-                                             "candidate_inf": 0}}
+    assert drift.as_dict() == {
+        "max_abs": 0.0,
+        "cosine": drift.cosine,
+        "sqnr_db": None,
+        "top1_agreement": 1.0,
+        "nonfinite": {"reference_nan": 0, "reference_inf": 0, "candidate_nan": 0, "candidate_inf": 0},
+    }
 
 
 def test_a_model_compared_with_itself_has_no_drift(mlp, mlp_input):
@@ -55,7 +59,7 @@ def test_halved_outputs_give_six_decibels(mlp, mlp_input):
     half = copy.deepcopy(mlp)
     with torch.no_grad():
         half[4].weight.mul_(0.5)  # scaling by a power of two is exact in floating point,
-        half[4].bias.mul_(0.5)    # so the candidate's outputs are exactly half the reference's
+        half[4].bias.mul_(0.5)  # so the candidate's outputs are exactly half the reference's
     reference = mlp(mlp_input).detach().double()
     drift = surgery.compare(mlp, half, mlp_input)
     # noise = r - r/2 = r/2  ->  SQNR = 10 log10(sum r^2 / sum (r/2)^2) = 10 log10(4)
@@ -229,8 +233,9 @@ def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
     assert "modified model's outputs hold 0 NaN and 4 Inf values" in bad.detail
     unmeasurable = check_drift(surgery.compare(Poisoned(mlp, math.nan, 1), copy.deepcopy(mlp), mlp_input), bounds)
     assert not unmeasurable.passed and "reference model's own outputs hold 1 NaN and 0 Inf" in unmeasurable.detail
-    no_bounds = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 1), mlp_input),
-                            DriftThresholds())
+    no_bounds = check_drift(
+        surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 1), mlp_input), DriftThresholds()
+    )
     assert not no_bounds.passed  # non-finite fails even when no bound is set
 
 

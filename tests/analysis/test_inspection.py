@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from surgery.testing import global_hook_counts, module_hook_counts
 from surgery.analysis.inspection import ModuleCall, calls_as_rows, format_table, inspect_model
+from surgery.testing import global_hook_counts, module_hook_counts
 
 
 class Block(nn.Module):
@@ -44,8 +44,13 @@ def _model() -> Nested:
 def test_records_every_call_with_names_shapes_dtypes_and_params():
     calls = inspect_model(_model(), torch.randn(2, 8))
     assert [(c.name, c.type, c.depth) for c in calls] == [
-        ("", "Nested", 0), ("block", "Block", 1), ("block.fc", "Linear", 2), ("block.act", "ReLU", 2),
-        ("head", "Linear", 1), ("head", "Linear", 1)]
+        ("", "Nested", 0),
+        ("block", "Block", 1),
+        ("block.fc", "Linear", 2),
+        ("block.act", "ReLU", 2),
+        ("head", "Linear", 1),
+        ("head", "Linear", 1),
+    ]
     root, block, fc, act, head, _ = calls
     assert root.input_shapes == [(2, 8)] and root.output_shapes == [(2, 6)]
     assert fc.input_shapes == [(2, 8)] and fc.output_shapes == [(2, 6)]
@@ -139,7 +144,7 @@ def test_table_lists_every_module_with_aligned_columns():
         assert any(line.split()[0] == name for line in lines[2:-2]), name
     assert lines[0].split()[:2] == ["Layer", "Type"] and "Output shape" in lines[0]
     column = lines[0].index("Type")
-    assert all(line[column - 2:column] == "  " for line in lines[2:-2])
+    assert all(line[column - 2 : column] == "  " for line in lines[2:-2])
     assert "[2, 8]" in table and "[2, 6]" in table and "54" in table
     assert lines[-1].startswith("6 calls, 96 parameters")
 

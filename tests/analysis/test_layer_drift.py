@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from surgery.analysis import layer_drift as layer_drift_module
-from surgery.testing import global_hook_counts, module_hook_counts
-from surgery.core.errors import ConfigError
 from surgery.analysis.layer_drift import LayerDrift, layer_drift
+from surgery.core.errors import ConfigError
+from surgery.testing import global_hook_counts, module_hook_counts
 
 
 class Shared(nn.Module):

@@ -22,13 +22,13 @@ import pytest
 import torch
 import torchvision
 from safetensors.torch import save_file
+from support import image_folder, local_tokenizer  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery import QuantSpec
-from surgery.core.checkpoints import load_checkpoint, save_checkpoint
-from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 from surgery.cli.config import load_config
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.errors import (
     AlreadyModifiedError,
     CheckpointError,
@@ -39,8 +39,7 @@ from surgery.core.errors import (
 )
 from surgery.ops.observers import NonFiniteError
 from surgery.ops.rewriting import Normalize, rewrite_from_config
-
-from support import image_folder, local_tokenizer  # tests/support.py
+from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -56,6 +55,7 @@ def table_ids() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- Python API
+
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
@@ -82,6 +82,7 @@ def nonfinite_weight(value: float) -> Callable[[nn.Module], nn.Module]:
         with torch.no_grad():
             model[2].weight[3, 5] = value
         return model
+
     return poison
 
 
@@ -189,8 +190,7 @@ class ApiCase:
 
 
 def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
-    return surgery.quantize(model, weights=None, activations=dict(kwargs), calibration=[batch(4, 8)],
-                            progress=False)
+    return surgery.quantize(model, weights=None, activations=dict(kwargs), calibration=[batch(4, 8)], progress=False)
 
 
 def _labelled(model: nn.Module) -> list:
@@ -198,139 +198,377 @@ def _labelled(model: nn.Module) -> list:
 
 
 API_CASES = [
-    ApiCase("calibration-dtype", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=4, method="gptq"),
-                                                               calibration=[batch(4, 8).half()], progress=False),
-            ConfigError, "quantize.calibration='batch 0'", "torch.float16"),
-    ApiCase("finetune-labels", lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.full((4,), 7))], epochs=1,
-                                                              progress=False), ConfigError, "finetune.batches", "batch 0"),
-    ApiCase("finetune-labels", lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.rand(4))], epochs=1,
-                                                              progress=False), ConfigError, "finetune.batches", "batch 0"),
-    ApiCase("rebuild-plan", lambda m, *_: surgery.rebuild(mlp, {"0": {"class": "torch.nn.modules.linear.Linear",
-                                                                      "attributes": {"forward": 1}}}),
-            ConfigError, "rebuild.plan['0'].attributes.forward", "not an attribute shrink changes"),
-    ApiCase("shrink", lambda m, *_: surgery.shrink(m, 1.5, example_inputs=batch(2, 8)), ConfigError, "shrink.amount",
-            "1.5"),
-    ApiCase("sensitivity", lambda m, *_: surgery.sensitivity(m, progress=False), ConfigError, "sensitivity.inputs",
-            "evaluate"),
-    ApiCase("sensitivity", lambda m, *_: surgery.prune(m, 0.5, amounts={"nope": 0.5}, progress=False), ConfigError,
-            "prune.amounts", "'nope'"),
-    ApiCase("calibrated", lambda m, *_: surgery.prune(m, 0.5, method="sparsegpt", progress=False), ConfigError,
-            "prune.calibration", "sparsegpt"),
-    ApiCase("calibrated", lambda m, *_: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False),
-            ConfigError, "quantize.calibration", "gptq"),
-    ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.7, pattern="2:4", progress=False), ConfigError,
-            "prune.amount", "0.7"),
-    ApiCase("pattern", lambda m, *_: surgery.prune(m, 0.5, pattern="2-4", progress=False), ConfigError,
-            "prune.pattern", "'2-4'"),
-    ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), epochs=-1, progress=False),
-            ConfigError, "finetune.epochs", "-1"),
-    ApiCase("finetune-settings", lambda m, *_: surgery.finetune(m, _labelled(m), optimizer="adamx", progress=False),
-            ConfigError, "finetune.optimizer", "'adamx'"),
-    ApiCase("finetune-data", lambda m, *_: surgery.finetune(m, [batch(4, 8)], progress=False), ConfigTypeError,
-            "finetune.batches", "'Tensor'"),
-    ApiCase("qat-settings", lambda m, *_: surgery.quantize(m, activations={"bits": 8}, calibration=[batch(4, 8)],
-                                                           train=True, freeze_observers_after=-1, progress=False),
-            ConfigError, "quantize.freeze_observers_after", "-1"),
+    ApiCase(
+        "calibration-dtype",
+        lambda m, *_: surgery.quantize(
+            m, weights=QuantSpec(bits=4, method="gptq"), calibration=[batch(4, 8).half()], progress=False
+        ),
+        ConfigError,
+        "quantize.calibration='batch 0'",
+        "torch.float16",
+    ),
+    ApiCase(
+        "finetune-labels",
+        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.full((4,), 7))], epochs=1, progress=False),
+        ConfigError,
+        "finetune.batches",
+        "batch 0",
+    ),
+    ApiCase(
+        "finetune-labels",
+        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.rand(4))], epochs=1, progress=False),
+        ConfigError,
+        "finetune.batches",
+        "batch 0",
+    ),
+    ApiCase(
+        "rebuild-plan",
+        lambda m, *_: surgery.rebuild(
+            mlp, {"0": {"class": "torch.nn.modules.linear.Linear", "attributes": {"forward": 1}}}
+        ),
+        ConfigError,
+        "rebuild.plan['0'].attributes.forward",
+        "not an attribute shrink changes",
+    ),
+    ApiCase(
+        "shrink", lambda m, *_: surgery.shrink(m, 1.5, example_inputs=batch(2, 8)), ConfigError, "shrink.amount", "1.5"
+    ),
+    ApiCase(
+        "sensitivity",
+        lambda m, *_: surgery.sensitivity(m, progress=False),
+        ConfigError,
+        "sensitivity.inputs",
+        "evaluate",
+    ),
+    ApiCase(
+        "sensitivity",
+        lambda m, *_: surgery.prune(m, 0.5, amounts={"nope": 0.5}, progress=False),
+        ConfigError,
+        "prune.amounts",
+        "'nope'",
+    ),
+    ApiCase(
+        "calibrated",
+        lambda m, *_: surgery.prune(m, 0.5, method="sparsegpt", progress=False),
+        ConfigError,
+        "prune.calibration",
+        "sparsegpt",
+    ),
+    ApiCase(
+        "calibrated",
+        lambda m, *_: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False),
+        ConfigError,
+        "quantize.calibration",
+        "gptq",
+    ),
+    ApiCase(
+        "pattern",
+        lambda m, *_: surgery.prune(m, 0.7, pattern="2:4", progress=False),
+        ConfigError,
+        "prune.amount",
+        "0.7",
+    ),
+    ApiCase(
+        "pattern",
+        lambda m, *_: surgery.prune(m, 0.5, pattern="2-4", progress=False),
+        ConfigError,
+        "prune.pattern",
+        "'2-4'",
+    ),
+    ApiCase(
+        "finetune-settings",
+        lambda m, *_: surgery.finetune(m, _labelled(m), epochs=-1, progress=False),
+        ConfigError,
+        "finetune.epochs",
+        "-1",
+    ),
+    ApiCase(
+        "finetune-settings",
+        lambda m, *_: surgery.finetune(m, _labelled(m), optimizer="adamx", progress=False),
+        ConfigError,
+        "finetune.optimizer",
+        "'adamx'",
+    ),
+    ApiCase(
+        "finetune-data",
+        lambda m, *_: surgery.finetune(m, [batch(4, 8)], progress=False),
+        ConfigTypeError,
+        "finetune.batches",
+        "'Tensor'",
+    ),
+    ApiCase(
+        "qat-settings",
+        lambda m, *_: surgery.quantize(
+            m, activations={"bits": 8}, calibration=[batch(4, 8)], train=True, freeze_observers_after=-1, progress=False
+        ),
+        ConfigError,
+        "quantize.freeze_observers_after",
+        "-1",
+    ),
     ApiCase("amount", lambda m, *_: surgery.prune(m, 1.5), ConfigError, "prune.amount", "1.5"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, -0.1), ConfigError, "prune.amount", "-0.1"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, math.nan), ConfigError, "prune.amount", "nan"),
     ApiCase("amount", lambda m, *_: surgery.prune(m, "half"), ConfigTypeError, "prune.amount", "'half'"),
     ApiCase("prune-n", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", n=0), ConfigError, "prune.n", "0"),
-    ApiCase("prune-dim", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", dim=5), ConfigError,
-            "prune.dim", "5"),
+    ApiCase(
+        "prune-dim", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", dim=5), ConfigError, "prune.dim", "5"
+    ),
     ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=9)), ConfigError, "QuantSpec.bits", "9"),
     ApiCase("bits", lambda m, *_: surgery.quantize(m, weights={"bits": 9}), ConfigError, "quantize.weights.bits", "9"),
     ApiCase("bits", lambda m, *_: _quantize_activations(m, bits=1), ConfigError, "quantize.activations.bits", "1"),
-    ApiCase("observer-settings", lambda m, *_: _quantize_activations(m, observer="percentile", percentile=40),
-            ConfigError, "quantize.activations.percentile", "40"),
-    ApiCase("observer-settings", lambda m, *_: surgery.quantize(m, weights=QuantSpec(averaging=0.0)), ConfigError,
-            "QuantSpec.averaging", "0.0"),
-    ApiCase("counts", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), calibration=[],
-                                                    progress=False), ConfigError, "quantize.calibration", "'0'"),
-    ApiCase("drift-bounds", lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"min_cosine": 2}}}),
-            ConfigError, "checks.drift.min_cosine", "2"),
-    ApiCase("drift-bounds", lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"max_abs": -1}}}),
-            ConfigError, "checks.drift.max_abs", "-1"),
-    ApiCase("rewrite-params", lambda m, *_: surgery.rewrite_inputs(m, Normalize(mean=0.0, std=0.0)), ConfigError,
-            "rewrite.std", "0.0"),
-    ApiCase("rewrite-params", lambda m, *_: rewrite_from_config("clamp", min=1.0, max=0.0), ConfigError,
-            "rewrite.kwargs.max", "0.0"),
+    ApiCase(
+        "observer-settings",
+        lambda m, *_: _quantize_activations(m, observer="percentile", percentile=40),
+        ConfigError,
+        "quantize.activations.percentile",
+        "40",
+    ),
+    ApiCase(
+        "observer-settings",
+        lambda m, *_: surgery.quantize(m, weights=QuantSpec(averaging=0.0)),
+        ConfigError,
+        "QuantSpec.averaging",
+        "0.0",
+    ),
+    ApiCase(
+        "counts",
+        lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), calibration=[], progress=False),
+        ConfigError,
+        "quantize.calibration",
+        "'0'",
+    ),
+    ApiCase(
+        "drift-bounds",
+        lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"min_cosine": 2}}}),
+        ConfigError,
+        "checks.drift.min_cosine",
+        "2",
+    ),
+    ApiCase(
+        "drift-bounds",
+        lambda m, *_: load_config({"steps": ["prune"], "checks": {"drift": {"max_abs": -1}}}),
+        ConfigError,
+        "checks.drift.max_abs",
+        "-1",
+    ),
+    ApiCase(
+        "rewrite-params",
+        lambda m, *_: surgery.rewrite_inputs(m, Normalize(mean=0.0, std=0.0)),
+        ConfigError,
+        "rewrite.std",
+        "0.0",
+    ),
+    ApiCase(
+        "rewrite-params",
+        lambda m, *_: rewrite_from_config("clamp", min=1.0, max=0.0),
+        ConfigError,
+        "rewrite.kwargs.max",
+        "0.0",
+    ),
     ApiCase("method", lambda m, *_: surgery.prune(m, 0.5, method="l7"), ConfigError, "prune.method", "'l7'"),
     ApiCase("method", lambda m, *_: surgery.prune(m, 0.5, scope="world"), ConfigError, "prune.scope", "'world'"),
     ApiCase("method", lambda m, *_: surgery.quantize(m, where="middle"), ConfigError, "quantize.where", "'middle'"),
-    ApiCase("observer", lambda m, *_: surgery.quantize(m, weights=QuantSpec(observer="median")), ConfigError,
-            "QuantSpec.observer", "'median'"),
+    ApiCase(
+        "observer",
+        lambda m, *_: surgery.quantize(m, weights=QuantSpec(observer="median")),
+        ConfigError,
+        "QuantSpec.observer",
+        "'median'",
+    ),
     ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("melt"), ConfigError, "rewrite.name", "'melt'"),
-    ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("no_such.module.fn"), ConfigError, "rewrite.name",
-            "'no_such.module.fn'"),
+    ApiCase(
+        "rewrite-name",
+        lambda m, *_: rewrite_from_config("no_such.module.fn"),
+        ConfigError,
+        "rewrite.name",
+        "'no_such.module.fn'",
+    ),
     ApiCase("rewrite-name", lambda m, *_: surgery.rewrite_inputs(m, "melt"), ConfigTypeError, "rewrite.fn", "'melt'"),
-    ApiCase("unknown-key", lambda m, *_: surgery.quantize(m, weights={"bits": 8, "colour": 1}), ConfigError,
-            "quantize.weights", "'colour'"),
+    ApiCase(
+        "unknown-key",
+        lambda m, *_: surgery.quantize(m, weights={"bits": 8, "colour": 1}),
+        ConfigError,
+        "quantize.weights",
+        "'colour'",
+    ),
     ApiCase("build-rule", lambda m, *_: surgery.rules.swap(42, nn.SiLU), ConfigTypeError, "swap.match", "42"),
-    ApiCase("build-rule", lambda m, *_: surgery.intercept(nn.ReLU).__enter__(), ConfigTypeError, "intercept.rules",
-            "ReLU"),
-    ApiCase("selection", lambda m, *_: surgery.prune(m, 0.5, select="layer9.*"), SelectionError, "prune.select",
-            "'layer9.*'"),
-    ApiCase("selection", lambda m, *_: surgery.prune(m, 0.5, exclude=["fcc"]), SelectionError, "prune.exclude",
-            "'fcc'"),
-    ApiCase("selection", lambda m, *_: surgery.quantize(m, select="nope"), SelectionError, "quantize.select",
-            "'nope'"),
-    ApiCase("selection", lambda m, *_: surgery.rewrite_inputs(m, rewrite_from_config("identity"), select="nope"),
-            SelectionError, "rewrite.select", "'nope'"),
-    ApiCase("per-channel", lambda m, *_: surgery.quantize(m, weights=None, select="1", calibration=[batch(2, 3, 6, 6)],
-                                                         activations=QuantSpec(per_channel=True), progress=False),
-            ConfigError, "quantize.activations.per_channel", "True", build=convnet),
-    ApiCase("non-floating", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "'0'",
-            prepare=int_weight),
-    ApiCase("non-floating", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "'0'",
-            prepare=int_weight),
-    ApiCase("duplicate", lambda m, *_: surgery.prune(m, 0.3), AlreadyModifiedError, "prune", "0.weight",
-            prepare=lambda m: surgery.prune(m, 0.5)),
-    ApiCase("duplicate", lambda m, *_: surgery.quantize(m), AlreadyModifiedError, "quantize", "0.weight",
-            prepare=lambda m: surgery.quantize(m)),
-    ApiCase("duplicate", lambda m, *_: _quantize_activations(m), AlreadyModifiedError, "quantize", "0",
-            prepare=lambda m: _quantize_activations(m)),
-    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, tmp / "none.pt"), CheckpointError, "checkpoint",
-            "none.pt"),
-    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated", tmp)), CheckpointError,
-            "checkpoint", "corrupted or truncated"),
-    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated_safetensors", tmp)),
-            CheckpointError, "checkpoint", "corrupted or truncated"),
-    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("wrong", tmp)), CheckpointError,
-            "checkpoint", "does not fit Sequential"),
-    ApiCase("checkpoint", lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("code", tmp)), CheckpointError,
-            "checkpoint", "weights_only=True"),
-    ApiCase("qparams", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(per_channel=True),
-                                                      select="0", qparams=qparams_for(channels=3)),
-            CheckpointError, "quantize.qparams", "length 16"),
-    ApiCase("qparams", lambda m, tmp, *_: surgery.quantize(m, weights=None, activations=QuantSpec(),
-                                                       qparams=tmp / "none.safetensors"),
-            CheckpointError, "quantize.qparams", "no such file"),
-    ApiCase("nonfinite-weights", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "'2.weight'",
-            prepare=nonfinite_weight(math.nan)),
-    ApiCase("nonfinite-weights", lambda m, *_: surgery.quantize(m), NonFiniteError, "quantize.weights", "'2.weight'",
-            prepare=nonfinite_weight(math.inf)),
-    ApiCase("nonfinite-inputs", lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(),
-                                                              calibration=[batch(4, 8, fill=math.nan)],
-                                                              progress=False),
-            NonFiniteError, "quantize.calibration", "'batch 0'"),
-    ApiCase("nonfinite-inputs", lambda m, *_: surgery.compare(m, mlp(), [batch(4, 8), batch(4, 8, fill=-math.inf)]),
-            ConfigError, "compare.inputs", "'batch 1'"),
-    *[ApiCase("checkpoint-dtype", lambda m, tmp, *_, kind=kind: load_checkpoint(m, typed_checkpoint(kind, tmp)),
-              CheckpointError, "checkpoint", f"key '0.weight' {what}")
-      for kind, what in (("int32", "has dtype torch.int32; the model expects torch.float32"),
-                         ("bool", "has dtype torch.bool"), ("quantized", "is a tensor of quantized dtype torch.qint8"),
-                         ("sparse", "is a tensor of layout torch.sparse_coo"),
-                         ("meta", "is a meta tensor and holds no values"),
-                         ("float64", "holds 1e+300, beyond the range of the model's torch.float32"))],
-    *[ApiCase("qparams-values", _quantize_from(qparams_values(*values)), CheckpointError, "quantize.qparams", what)
-      for values, what in (((math.nan,), "0.scale holds nan"), ((math.inf,), "0.scale holds inf"),
-                           ((0.0,), "0.scale holds 0.0"), ((-0.5,), "0.scale holds -0.5"),
-                           ((1e-40,), "not denormal"), ((0.1, 256), "0.zero_point holds 256; it must lie in [0, 255]"),
-                           ((torch.tensor(1e300, dtype=torch.float64),), "0.scale holds 1e+300"),
-                           ((3e38,), "representable in float32"),
-                           ((0.1, torch.tensor(1.5)), "zero_point has dtype torch.float32"),
-                           ((0.1, "0"), "0.zero_point is str; it must be a tensor"))],
+    ApiCase(
+        "build-rule", lambda m, *_: surgery.intercept(nn.ReLU).__enter__(), ConfigTypeError, "intercept.rules", "ReLU"
+    ),
+    ApiCase(
+        "selection",
+        lambda m, *_: surgery.prune(m, 0.5, select="layer9.*"),
+        SelectionError,
+        "prune.select",
+        "'layer9.*'",
+    ),
+    ApiCase(
+        "selection", lambda m, *_: surgery.prune(m, 0.5, exclude=["fcc"]), SelectionError, "prune.exclude", "'fcc'"
+    ),
+    ApiCase("selection", lambda m, *_: surgery.quantize(m, select="nope"), SelectionError, "quantize.select", "'nope'"),
+    ApiCase(
+        "selection",
+        lambda m, *_: surgery.rewrite_inputs(m, rewrite_from_config("identity"), select="nope"),
+        SelectionError,
+        "rewrite.select",
+        "'nope'",
+    ),
+    ApiCase(
+        "per-channel",
+        lambda m, *_: surgery.quantize(
+            m,
+            weights=None,
+            select="1",
+            calibration=[batch(2, 3, 6, 6)],
+            activations=QuantSpec(per_channel=True),
+            progress=False,
+        ),
+        ConfigError,
+        "quantize.activations.per_channel",
+        "True",
+        build=convnet,
+    ),
+    ApiCase(
+        "non-floating", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "'0'", prepare=int_weight
+    ),
+    ApiCase(
+        "non-floating", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "'0'", prepare=int_weight
+    ),
+    ApiCase(
+        "duplicate",
+        lambda m, *_: surgery.prune(m, 0.3),
+        AlreadyModifiedError,
+        "prune",
+        "0.weight",
+        prepare=lambda m: surgery.prune(m, 0.5),
+    ),
+    ApiCase(
+        "duplicate",
+        lambda m, *_: surgery.quantize(m),
+        AlreadyModifiedError,
+        "quantize",
+        "0.weight",
+        prepare=lambda m: surgery.quantize(m),
+    ),
+    ApiCase(
+        "duplicate",
+        lambda m, *_: _quantize_activations(m),
+        AlreadyModifiedError,
+        "quantize",
+        "0",
+        prepare=lambda m: _quantize_activations(m),
+    ),
+    ApiCase(
+        "checkpoint", lambda m, tmp, *_: load_checkpoint(m, tmp / "none.pt"), CheckpointError, "checkpoint", "none.pt"
+    ),
+    ApiCase(
+        "checkpoint",
+        lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated", tmp)),
+        CheckpointError,
+        "checkpoint",
+        "corrupted or truncated",
+    ),
+    ApiCase(
+        "checkpoint",
+        lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("truncated_safetensors", tmp)),
+        CheckpointError,
+        "checkpoint",
+        "corrupted or truncated",
+    ),
+    ApiCase(
+        "checkpoint",
+        lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("wrong", tmp)),
+        CheckpointError,
+        "checkpoint",
+        "does not fit Sequential",
+    ),
+    ApiCase(
+        "checkpoint",
+        lambda m, tmp, *_: load_checkpoint(m, write_checkpoint("code", tmp)),
+        CheckpointError,
+        "checkpoint",
+        "weights_only=True",
+    ),
+    ApiCase(
+        "qparams",
+        lambda m, *_: surgery.quantize(
+            m, weights=None, activations=QuantSpec(per_channel=True), select="0", qparams=qparams_for(channels=3)
+        ),
+        CheckpointError,
+        "quantize.qparams",
+        "length 16",
+    ),
+    ApiCase(
+        "qparams",
+        lambda m, tmp, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), qparams=tmp / "none.safetensors"),
+        CheckpointError,
+        "quantize.qparams",
+        "no such file",
+    ),
+    ApiCase(
+        "nonfinite-weights",
+        lambda m, *_: surgery.prune(m, 0.5),
+        ConfigError,
+        "prune.select",
+        "'2.weight'",
+        prepare=nonfinite_weight(math.nan),
+    ),
+    ApiCase(
+        "nonfinite-weights",
+        lambda m, *_: surgery.quantize(m),
+        NonFiniteError,
+        "quantize.weights",
+        "'2.weight'",
+        prepare=nonfinite_weight(math.inf),
+    ),
+    ApiCase(
+        "nonfinite-inputs",
+        lambda m, *_: surgery.quantize(
+            m, weights=None, activations=QuantSpec(), calibration=[batch(4, 8, fill=math.nan)], progress=False
+        ),
+        NonFiniteError,
+        "quantize.calibration",
+        "'batch 0'",
+    ),
+    ApiCase(
+        "nonfinite-inputs",
+        lambda m, *_: surgery.compare(m, mlp(), [batch(4, 8), batch(4, 8, fill=-math.inf)]),
+        ConfigError,
+        "compare.inputs",
+        "'batch 1'",
+    ),
+    *[
+        ApiCase(
+            "checkpoint-dtype",
+            lambda m, tmp, *_, kind=kind: load_checkpoint(m, typed_checkpoint(kind, tmp)),
+            CheckpointError,
+            "checkpoint",
+            f"key '0.weight' {what}",
+        )
+        for kind, what in (
+            ("int32", "has dtype torch.int32; the model expects torch.float32"),
+            ("bool", "has dtype torch.bool"),
+            ("quantized", "is a tensor of quantized dtype torch.qint8"),
+            ("sparse", "is a tensor of layout torch.sparse_coo"),
+            ("meta", "is a meta tensor and holds no values"),
+            ("float64", "holds 1e+300, beyond the range of the model's torch.float32"),
+        )
+    ],
+    *[
+        ApiCase("qparams-values", _quantize_from(qparams_values(*values)), CheckpointError, "quantize.qparams", what)
+        for values, what in (
+            ((math.nan,), "0.scale holds nan"),
+            ((math.inf,), "0.scale holds inf"),
+            ((0.0,), "0.scale holds 0.0"),
+            ((-0.5,), "0.scale holds -0.5"),
+            ((1e-40,), "not denormal"),
+            ((0.1, 256), "0.zero_point holds 256; it must lie in [0, 255]"),
+            ((torch.tensor(1e300, dtype=torch.float64),), "0.scale holds 1e+300"),
+            ((3e38,), "representable in float32"),
+            ((0.1, torch.tensor(1.5)), "zero_point has dtype torch.float32"),
+            ((0.1, "0"), "0.zero_point is str; it must be a tensor"),
+        )
+    ],
     ApiCase("huge-number", lambda m, *_: surgery.prune(m, 10**400), ConfigError, "prune.amount", "(401 characters)"),
     ApiCase("huge-number", lambda m, *_: Normalize(mean=0.0, std=[10**400]), ConfigError, "rewrite.std", "characters"),
     ApiCase("import-path", lambda m, *_: rewrite_from_config("..a.b"), ConfigError, "rewrite.name", "'..a.b'"),
@@ -340,30 +578,92 @@ API_CASES = [
     ApiCase("api-misuse", lambda m, *_: surgery.compose(), ConfigError, "compose.handles", "=0"),
     ApiCase("api-misuse", lambda m, *_: surgery.compose(None), ConfigTypeError, "compose.handles", "None"),
     ApiCase("api-misuse", lambda m, *_: surgery.select(m, m[0]), ConfigTypeError, "select", "'Linear'"),
-    ApiCase("api-misuse", lambda m, *_: surgery.compare(mlp(), m, batch(4, 8)), ConfigError, "compare.candidate",
-            "'2 output tensor(s)'", build=TwoOutputs),
-    ApiCase("meta-inference", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "meta device",
-            build=on_meta),
-    ApiCase("meta-inference", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "meta device",
-            build=on_meta),
-    ApiCase("meta-inference", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "inference_mode",
-            build=in_inference_mode),
-    ApiCase("meta-inference", lambda m, *_: surgery.quantize(m), ConfigError, "quantize.select", "inference_mode",
-            build=in_inference_mode),
-    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="re:(.*.*)*z"), SelectionError, "prune.select",
-            "exponential time"),
-    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="re:(?:.|..)*Z"), SelectionError, "prune.select",
-            "exponential time"),
-    ApiCase("regex", lambda m, *_: surgery.prune(m, 0.5, select="conv[z-a]"), SelectionError, "prune.select",
-            "not a valid glob"),
-    ApiCase("empty-selection", lambda m, *_: surgery.quantize(m, select=nn.LSTM), ConfigError, "quantize.select",
-            "selects no floating weight", build=WithLSTM),
-    ApiCase("never-fired", lambda m, *_: build_mlp_under(surgery.rules.swap(nn.GELU, lambda old: nn.SiLU())),
-            surgery.RuleNeverFiredError, "swap(GELU)", "never fired"),
-    ApiCase("output-exists", lambda m, tmp, *_: save_checkpoint(m, tmp / "model.safetensors"), OutputExistsError,
-            "output", "model.safetensors"),
-    ApiCase("output-exists", lambda m, tmp, handle: handle.save_qparams(tmp / "model.safetensors"),
-            OutputExistsError, "output", "model.safetensors", prepare=_quantize_activations),
+    ApiCase(
+        "api-misuse",
+        lambda m, *_: surgery.compare(mlp(), m, batch(4, 8)),
+        ConfigError,
+        "compare.candidate",
+        "'2 output tensor(s)'",
+        build=TwoOutputs,
+    ),
+    ApiCase(
+        "meta-inference", lambda m, *_: surgery.prune(m, 0.5), ConfigError, "prune.select", "meta device", build=on_meta
+    ),
+    ApiCase(
+        "meta-inference",
+        lambda m, *_: surgery.quantize(m),
+        ConfigError,
+        "quantize.select",
+        "meta device",
+        build=on_meta,
+    ),
+    ApiCase(
+        "meta-inference",
+        lambda m, *_: surgery.prune(m, 0.5),
+        ConfigError,
+        "prune.select",
+        "inference_mode",
+        build=in_inference_mode,
+    ),
+    ApiCase(
+        "meta-inference",
+        lambda m, *_: surgery.quantize(m),
+        ConfigError,
+        "quantize.select",
+        "inference_mode",
+        build=in_inference_mode,
+    ),
+    ApiCase(
+        "regex",
+        lambda m, *_: surgery.prune(m, 0.5, select="re:(.*.*)*z"),
+        SelectionError,
+        "prune.select",
+        "exponential time",
+    ),
+    ApiCase(
+        "regex",
+        lambda m, *_: surgery.prune(m, 0.5, select="re:(?:.|..)*Z"),
+        SelectionError,
+        "prune.select",
+        "exponential time",
+    ),
+    ApiCase(
+        "regex",
+        lambda m, *_: surgery.prune(m, 0.5, select="conv[z-a]"),
+        SelectionError,
+        "prune.select",
+        "not a valid glob",
+    ),
+    ApiCase(
+        "empty-selection",
+        lambda m, *_: surgery.quantize(m, select=nn.LSTM),
+        ConfigError,
+        "quantize.select",
+        "selects no floating weight",
+        build=WithLSTM,
+    ),
+    ApiCase(
+        "never-fired",
+        lambda m, *_: build_mlp_under(surgery.rules.swap(nn.GELU, lambda old: nn.SiLU())),
+        surgery.RuleNeverFiredError,
+        "swap(GELU)",
+        "never fired",
+    ),
+    ApiCase(
+        "output-exists",
+        lambda m, tmp, *_: save_checkpoint(m, tmp / "model.safetensors"),
+        OutputExistsError,
+        "output",
+        "model.safetensors",
+    ),
+    ApiCase(
+        "output-exists",
+        lambda m, tmp, handle: handle.save_qparams(tmp / "model.safetensors"),
+        OutputExistsError,
+        "output",
+        "model.safetensors",
+        prepare=_quantize_activations,
+    ),
 ]
 
 
@@ -399,6 +699,7 @@ def test_api_errors_are_surgery_errors_the_cli_turns_into_exit_2():
 
 # ---------------------------------------------------------------------------- command line
 
+
 @dataclass
 class CliCase:
     """``python -m surgery *args`` must exit 2 with one stderr line naming ``field``."""
@@ -414,6 +715,7 @@ class CliCase:
 
 def resnet18_checkpoint(kind: str) -> Callable[[Path], tuple[str, ...]]:
     """A ``model.weights=`` override pointing at a resnet18 checkpoint of the given ``kind``."""
+
     def write(folder: Path) -> tuple[str, ...]:
         path = folder / ("weights.safetensors" if kind in ("nan", "truncated_safetensors") else "weights.pt")
         if kind == "missing":
@@ -434,6 +736,7 @@ def resnet18_checkpoint(kind: str) -> Callable[[Path], tuple[str, ...]]:
                 torch.save(state, path)
                 path.write_bytes(path.read_bytes()[:4096])
         return (f"model.weights={path}",)
+
     return write
 
 
@@ -445,9 +748,11 @@ def int32_resnet18(folder: Path) -> tuple[str, ...]:
 
 def user_module(name: str, source: str) -> Callable[[Path], tuple[str, ...]]:
     """Write ``name.py`` into the case's folder, which the command runs with on PYTHONPATH."""
+
     def write(folder: Path) -> tuple[str, ...]:
         (folder / f"{name}.py").write_text(source)
         return ()
+
     return write
 
 
@@ -459,11 +764,13 @@ def broken_recipe(folder: Path) -> tuple[str, ...]:
 
 def run_dir_at(kind: str) -> Callable[[Path], tuple[str, ...]]:
     """``hydra.run.dir`` at an existing file, or at /dev/full."""
+
     def point(folder: Path) -> tuple[str, ...]:
         if kind == "file":
             (folder / "a_file").write_text("not a folder")
             return (f"hydra.run.dir={folder / 'a_file'}",)
         return ("hydra.run.dir=/dev/full",)
+
     return point
 
 
@@ -476,8 +783,15 @@ safetensors.torch.save_file = save_file
 HUGE = "1" + "0" * 400
 
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
-IMAGES = ("recipe=prune_resnet50", "model.name=resnet18", "model.num_classes=2", "data=imagefolder",
-          "data.image_size=32", "data.batch_size=2", "data.batches=1")
+IMAGES = (
+    "recipe=prune_resnet50",
+    "model.name=resnet18",
+    "model.num_classes=2",
+    "data=imagefolder",
+    "data.image_size=32",
+    "data.batch_size=2",
+    "data.batches=1",
+)
 GPT2 = ("recipe=quantize_gpt2_hf",)
 HELD: list = []  # claims held for the whole test session (a run elsewhere owns the folder)
 
@@ -485,6 +799,7 @@ HELD: list = []  # claims held for the whole test session (a run elsewhere owns 
 def images(kind: str) -> Callable[[Path], tuple[str, ...]]:
     """An image folder with one ``corrupt`` PNG, a decompression ``bomb`` (196 megapixels), a
     symlink ``loop``, or a ``good`` one (for the settings' cases)."""
+
     def make(folder: Path) -> tuple[str, ...]:
         from PIL import Image
 
@@ -496,12 +811,14 @@ def images(kind: str) -> Callable[[Path], tuple[str, ...]]:
         elif kind == "loop":
             (root / "a" / "loop").symlink_to(root)
         return (f"data.root={root}",)
+
     return make
 
 
 def tokens(kind: str) -> Callable[[Path], tuple[str, ...]]:
     """A local tokenizer and text for data=tokens: the text not UTF-8, the tokenizer.json cut,
     or the tokenizer asking to run its own code (auto_map)."""
+
     def make(folder: Path) -> tuple[str, ...]:
         text = "surgery puts every change back exactly. " * 40
         tokenizer = local_tokenizer(folder / "tokenizer", text, 60)
@@ -514,17 +831,20 @@ def tokens(kind: str) -> Callable[[Path], tuple[str, ...]]:
             path = tokenizer / "tokenizer_config.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
         return (f"data.text={corpus}", f"data.tokenizer={tokenizer}")
+
     return make
 
 
 def hf_folder(kind: str) -> Callable[[Path], tuple[str, ...]]:
     """A saved GPT-2 folder whose safetensors file is cut, or whose config asks for its own code."""
+
     def make(folder: Path) -> tuple[str, ...]:
         import transformers
 
         path = folder / "gpt2"
-        transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-                                     ).save_pretrained(path, safe_serialization=True)
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+        ).save_pretrained(path, safe_serialization=True)
         if kind == "cut":
             weights = path / "model.safetensors"
             weights.write_bytes(weights.read_bytes()[:300])
@@ -532,6 +852,7 @@ def hf_folder(kind: str) -> Callable[[Path], tuple[str, ...]]:
             config = json.loads((path / "config.json").read_text())
             (path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "x.Y"}}))
         return (f"model.path={path}", "model.config=null") if kind != "mismatch" else (f"model.path={path}",)
+
     return make
 
 
@@ -539,6 +860,7 @@ def plan_file(text: str) -> Callable[[Path], tuple[str, ...]]:
     def make(folder: Path) -> tuple[str, ...]:
         (folder / "plan.yaml").write_text(text)
         return (f"prune.amounts={folder / 'plan.yaml'}",)
+
     return make
 
 
@@ -575,11 +897,14 @@ CLI_CASES = [
     CliCase("checkpoint", (*FAST, "model.weights=/dev/zero"), "model.weights='/dev/zero': is not a regular file"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.amount=2"), "shrink.amount=2"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.round_to=0"), "shrink.round_to=0"),
-    CliCase("sensitivity", ("recipe=sensitivity", "sensitivity.target_sparsity=0.95"), "sensitivity.target_sparsity=0.95"),
+    CliCase(
+        "sensitivity", ("recipe=sensitivity", "sensitivity.target_sparsity=0.95"), "sensitivity.target_sparsity=0.95"
+    ),
     CliCase("sensitivity", ("recipe=prune_mnist1d", "prune.amounts=missing.yaml"), "prune.amounts='missing.yaml'"),
     CliCase("calibrated", ("recipe=prune_mnist1d", "prune.scope=global"), "prune.scope='global'"),
-    CliCase("calibrated", ("recipe=quantize_mnist1d", "quantize.weights.group_size=0"),
-            "quantize.weights.group_size=0"),
+    CliCase(
+        "calibrated", ("recipe=quantize_mnist1d", "quantize.weights.group_size=0"), "quantize.weights.group_size=0"
+    ),
     CliCase("pattern", (*FAST, "prune.pattern=2-4"), "prune.pattern"),
     CliCase("pattern", (*FAST, "prune.pattern=2:4"), "prune.pattern"),
     CliCase("pattern", (*FAST, "prune.amount=0.7", "prune.pattern=2:4"), "prune.amount"),
@@ -587,8 +912,11 @@ CLI_CASES = [
     CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.optimizer=adamx"), "finetune.optimizer"),
     CliCase("finetune-settings", (*DIGITS_FINETUNE, "finetune.lr=nan"), "finetune.lr"),
     CliCase("finetune-data", (*DIGITS_FINETUNE, "data=synthetic"), "finetune"),
-    CliCase("qat-settings", ("recipe=quantize_digits", "quantize.freeze_observers_after=3"),
-            "quantize.freeze_observers_after"),
+    CliCase(
+        "qat-settings",
+        ("recipe=quantize_digits", "quantize.freeze_observers_after=3"),
+        "quantize.freeze_observers_after",
+    ),
     CliCase("amount", (*FAST, "prune.amount=1.5"), "prune.amount"),
     CliCase("amount", (*FAST, "prune.amount=-0.1"), "prune.amount"),
     CliCase("amount", (*FAST, "prune.amount=nan"), "prune.amount"),
@@ -597,8 +925,11 @@ CLI_CASES = [
     CliCase("prune-dim", (*FAST, "prune.method=ln_structured", "prune.dim=7"), "prune.dim"),
     CliCase("bits", (*QUANTIZE, "quantize.weights.bits=9"), "quantize.weights.bits"),
     CliCase("bits", (*QUANTIZE, "quantize.activations.bits=1"), "quantize.activations.bits"),
-    CliCase("observer-settings", (*QUANTIZE, "quantize.activations.observer=percentile",
-                                  "quantize.activations.percentile=40"), "quantize.activations.percentile"),
+    CliCase(
+        "observer-settings",
+        (*QUANTIZE, "quantize.activations.observer=percentile", "quantize.activations.percentile=40"),
+        "quantize.activations.percentile",
+    ),
     CliCase("observer-settings", (*QUANTIZE, "quantize.activations.averaging=0"), "quantize.activations.averaging"),
     CliCase("counts", (*FAST, "data.batch_size=0"), "data.batch_size"),
     CliCase("counts", (*FAST, "data.batches=0"), "data.batches"),
@@ -612,10 +943,21 @@ CLI_CASES = [
     CliCase("drift-bounds", (*FAST, "checks.drift.max_accuracy_drop=-1"), "checks.drift.max_accuracy_drop"),
     CliCase("drift-bounds", (*FAST, "checks.drift.min_sqnr_db=nan"), "checks.drift.min_sqnr_db"),
     CliCase("rewrite-params", (*REWRITE, "rewrite.kwargs.std=[1,0,1]"), "rewrite.kwargs.std"),
-    CliCase("rewrite-params", (*REWRITE, "rewrite.name=clamp", "~rewrite.kwargs.mean", "~rewrite.kwargs.std",
-                               "+rewrite.kwargs.min=1", "+rewrite.kwargs.max=0"), "rewrite.kwargs.max"),
-    CliCase("input-shape", ("model.name=vit_b_16", "data.image_size=64", "data.batch_size=1", "data.batches=1"),
-            "data"),
+    CliCase(
+        "rewrite-params",
+        (
+            *REWRITE,
+            "rewrite.name=clamp",
+            "~rewrite.kwargs.mean",
+            "~rewrite.kwargs.std",
+            "+rewrite.kwargs.min=1",
+            "+rewrite.kwargs.max=0",
+        ),
+        "rewrite.kwargs.max",
+    ),
+    CliCase(
+        "input-shape", ("model.name=vit_b_16", "data.image_size=64", "data.batch_size=1", "data.batches=1"), "data"
+    ),
     CliCase("recipe", (*FAST, "recipe=nope"), "recipe"),
     CliCase("recipe", ("recipe=prune_resnet",), "prune_resnet50"),  # the list of available recipes
     CliCase("model", (*FAST, "model=nope"), "model"),
@@ -624,10 +966,14 @@ CLI_CASES = [
     CliCase("method", (*FAST, "prune.scope=world"), "prune.scope"),
     CliCase("method", (*QUANTIZE, "quantize.where=middle"), "quantize.where"),
     CliCase("observer", (*QUANTIZE, "quantize.activations.observer=median"), "quantize.activations.observer"),
-    CliCase("rewrite-name", (*REWRITE, "rewrite.name=melt", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
-            "rewrite.name"),
-    CliCase("rewrite-name", (*REWRITE, "rewrite.name=no_such.module.fn", "~rewrite.kwargs.mean",
-                             "~rewrite.kwargs.std"), "rewrite.name"),
+    CliCase(
+        "rewrite-name", (*REWRITE, "rewrite.name=melt", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"), "rewrite.name"
+    ),
+    CliCase(
+        "rewrite-name",
+        (*REWRITE, "rewrite.name=no_such.module.fn", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
+        "rewrite.name",
+    ),
     CliCase("unknown-key", (*FAST, "prune.amountt=0.3"), "prune.amountt"),
     CliCase("build-rule", ("recipe=swap_activations", *FAST, "build.0.to=torch.nn.Nope"), "build[0].to"),
     CliCase("build-rule", ("recipe=swap_activations", *FAST, "build.0.kind=melt"), "kind"),
@@ -654,11 +1000,17 @@ CLI_CASES = [
     CliCase("import-path", (*FAST, "prune.select=[type:..x.Y]"), "prune.select='type:..x.Y'"),
     CliCase("import-path", (*REWRITE, "rewrite.name=..a.b"), "rewrite.name='..a.b'"),
     CliCase("import-path", ("recipe=swap_activations", *FAST, "build.0.to=..a.b"), "build[0].to='..a.b'"),
-    CliCase("import-path", (*REWRITE, "rewrite.name=os.system", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
-            "rewrite.name='os.system'"),
-    CliCase("import-path", (*REWRITE, "rewrite.name=fails_on_import.fn", "~rewrite.kwargs.mean",
-                            "~rewrite.kwargs.std"), "rewrite.name='fails_on_import.fn'",
-            user_module("fails_on_import", "raise RuntimeError('broken at import')\n")),
+    CliCase(
+        "import-path",
+        (*REWRITE, "rewrite.name=os.system", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
+        "rewrite.name='os.system'",
+    ),
+    CliCase(
+        "import-path",
+        (*REWRITE, "rewrite.name=fails_on_import.fn", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"),
+        "rewrite.name='fails_on_import.fn'",
+        user_module("fails_on_import", "raise RuntimeError('broken at import')\n"),
+    ),
     CliCase("interpolation", (*FAST, "prune.amount=${nope}"), "prune.amount: cannot be resolved"),
     CliCase("interpolation", (*FAST, "seed=${oc.env:SURGERY_UNSET_VARIABLE}"), "seed: cannot be resolved"),
     CliCase("override-syntax", (*FAST, "=0.5"), "'=0.5'"),
@@ -669,8 +1021,9 @@ CLI_CASES = [
     CliCase("run-dir", FAST, "hydra.run.dir='/dev/full'", run_dir_at("/dev/full")),
     CliCase("run-dir", FAST, "output=", user_module("sitecustomize", DISK_FULL)),
     CliCase("regex", (*FAST, "prune.select=['re:(.*.*)*z']"), "prune.select='re:(.*.*)*z'"),
-    CliCase("empty-selection", (*QUANTIZE, "quantize.activations=null", "quantize.select=[type:ReLU]"),
-            "quantize.select="),
+    CliCase(
+        "empty-selection", (*QUANTIZE, "quantize.activations=null", "quantize.select=[type:ReLU]"), "quantize.select="
+    ),
     CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
@@ -679,8 +1032,9 @@ CLI_CASES = [
 
 def run_cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
-    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def written(folder: Path) -> list[str]:
@@ -710,8 +1064,9 @@ def test_cli_never_overwrites_an_existing_output_silently(tmp_path: Path):
     again = run_cli(*FAST, "prune.amount=0.9", f"hydra.run.dir={tmp_path}")
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
     assert "output=" in again.stderr and "output.overwrite=true" in again.stderr
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.suffix != ".log"} == \
-        {k: v for k, v in before.items() if not k.endswith(".log")}
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.suffix != ".log"} == {
+        k: v for k, v in before.items() if not k.endswith(".log")
+    }
     assert run_cli(*FAST, "prune.amount=0.9", "output.overwrite=true", f"hydra.run.dir={tmp_path}").returncode == 1
 
 
@@ -728,6 +1083,7 @@ def test_cli_sweep_rerun_into_the_same_folder_changes_nothing(tmp_path: Path):
 
 
 # ------------------------------------------------------------------------------ the table
+
 
 def test_readme_table_and_these_cases_list_the_same_rows():
     rows = table_ids()

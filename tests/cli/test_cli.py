@@ -14,13 +14,23 @@ import torchvision
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1"]
-SCHEMA = {"recipe": str, "model": str, "ok": bool, "params": dict, "sparsity": float, "checks": list,
-          "drift": dict, "layers": list, "timings_s": dict}
+SCHEMA = {
+    "recipe": str,
+    "model": str,
+    "ok": bool,
+    "params": dict,
+    "sparsity": float,
+    "checks": list,
+    "drift": dict,
+    "layers": list,
+    "timings_s": dict,
+}
 
 
 def surgery(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def report(folder: Path) -> dict:
@@ -39,7 +49,12 @@ def test_headline_recipe_passes_all_checks_and_writes_every_output(tmp_path):
     assert abs(data["sparsity"] - 0.5) < 1e-3  # round(0.5 * numel) per layer: exact up to odd sizes
     assert data["params"]["nonzero"] < 0.55 * data["params"]["total"]
     assert set(data["drift"]) == {"max_abs", "cosine", "sqnr_db", "top1_agreement", "nonfinite"}
-    assert data["drift"]["nonfinite"] == {"reference_nan": 0, "reference_inf": 0, "candidate_nan": 0, "candidate_inf": 0}
+    assert data["drift"]["nonfinite"] == {
+        "reference_nan": 0,
+        "reference_inf": 0,
+        "candidate_nan": 0,
+        "candidate_inf": 0,
+    }
     assert set(data["timings_s"]) == {"build", "surgery", "checks"}
     pruned = [row for row in data["layers"] if row["sparsity"] is not None]
     assert len(pruned) == 54 and {row["type"] for row in pruned} == {"Conv2d", "Linear"}
@@ -95,8 +110,9 @@ def test_multirun_sweep_writes_one_report_per_job(tmp_path):
 def test_console_script_equals_python_dash_m(tmp_path):
     script = Path(sys.executable).with_name("surgery")
     assert script.exists(), "the 'surgery' console script is not installed"
-    result = subprocess.run([str(script), *FAST, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [str(script), *FAST, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr
     assert report(tmp_path)["ok"] is True
 
@@ -104,17 +120,28 @@ def test_console_script_equals_python_dash_m(tmp_path):
 def test_installed_wheel_runs_outside_the_checkout(tmp_path):
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(wheels)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", str(REPO), "-w", str(wheels)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     [wheel] = wheels.glob("surgery-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=600
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
     result = surgery(*FAST, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     assert report(tmp_path / "out")["recipe"] == "prune_resnet50"
-    probe = subprocess.run([sys.executable, "-c", "import surgery; print(surgery.__file__)"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, check=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import surgery; print(surgery.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert probe.stdout.strip().startswith(str(site))
 
 
@@ -123,9 +150,11 @@ def test_swap_activations_recipe_swaps_while_building_and_reports_drift(tmp_path
     assert result.returncode == 0, result.stderr
     data = report(tmp_path)
     assert [(e["name"], e["old_type"], e["new_type"]) for e in data["build"]][:2] == [
-        ("relu", "ReLU", "SiLU"), ("layer1.0.relu", "ReLU", "SiLU")]
+        ("relu", "ReLU", "SiLU"),
+        ("layer1.0.relu", "ReLU", "SiLU"),
+    ]
     assert len(data["build"]) == 9 and all(c["passed"] for c in data["checks"])
-    assert 0 < data["drift"]["max_abs"] and data["drift"]["cosine"] < 1  # against the unswapped build
+    assert data["drift"]["max_abs"] > 0 and data["drift"]["cosine"] < 1  # against the unswapped build
     from safetensors.torch import load_file
 
     torchvision.models.resnet18().load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
@@ -147,7 +176,9 @@ def test_quantize_recipe_saves_activation_parameters_that_reproduce_the_outputs(
     model.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
     weight = model.layer1[0].conv1.weight.detach()
     assert weight.flatten(1).unique(dim=None).numel() <= 64 * 255  # on an int8 grid per channel
-    handle = api.quantize(model, weights=None, activations=api.QuantSpec(bits=8), qparams=tmp_path / "model.qparams.safetensors")
+    handle = api.quantize(
+        model, weights=None, activations=api.QuantSpec(bits=8), qparams=tmp_path / "model.qparams.safetensors"
+    )
     handle.restore()
 
 
@@ -175,8 +206,14 @@ def test_quantize_digits_reports_real_accuracy_offline(tmp_path):
 
 
 def test_accuracy_drop_bound_fails_the_drift_check(tmp_path):
-    result = surgery("recipe=prune_resnet50", "model=digits_cnn", "data=digits", "prune.amount=0.8",
-                     "checks.drift.max_accuracy_drop=0.5", f"hydra.run.dir={tmp_path}")
+    result = surgery(
+        "recipe=prune_resnet50",
+        "model=digits_cnn",
+        "data=digits",
+        "prune.amount=0.8",
+        "checks.drift.max_accuracy_drop=0.5",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert result.returncode == 1, result.stderr
     drift = next(c for c in report(tmp_path)["checks"] if c["name"] == "drift")
     assert not drift["passed"] and "accuracy drop" in drift["detail"]
@@ -216,8 +253,14 @@ def test_sweep_summary_with_a_relative_sweep_folder(tmp_path):
 
 def test_all_nan_outputs_fail_the_drift_check_with_the_count(tmp_path):
     """The issue's command: a std of 1e-45 makes every output NaN. Before: exit 0, "result: OK"."""
-    result = surgery("recipe=rewrite_inputs", *FAST, "rewrite.kwargs.std=[1e-45,1e-45,1e-45]",
-                     "checks.enabled=[drift]", "checks.drift.min_cosine=0.9", f"hydra.run.dir={tmp_path}")
+    result = surgery(
+        "recipe=rewrite_inputs",
+        *FAST,
+        "rewrite.kwargs.std=[1e-45,1e-45,1e-45]",
+        "checks.enabled=[drift]",
+        "checks.drift.min_cosine=0.9",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     data = report(tmp_path)
     [drift] = data["checks"]
@@ -241,10 +284,13 @@ def test_a_nan_in_the_reference_passes_exactness_and_is_reported_as_such(tmp_pat
     assert not checks["drift"]["passed"] and "reference model's own outputs hold" in checks["drift"]["detail"]
 
 
-@pytest.mark.parametrize("recipe,step,expected", [
-    ("shrink_resnet50", "shrink", "layer1.0.conv1"),
-    ("prune_finetune_digits", "finetune", "(model)"),
-])
+@pytest.mark.parametrize(
+    "recipe,step,expected",
+    [
+        ("shrink_resnet50", "shrink", "layer1.0.conv1"),
+        ("prune_finetune_digits", "finetune", "(model)"),
+    ],
+)
 def test_select_only_previews_every_step_kind(tmp_path, recipe, step, expected):
     """Before: a traceback and exit 1 for shrink and finetune steps (the preview knew prune,
     quantize and rewrite only)."""
@@ -267,8 +313,13 @@ def test_select_only_prints_matched_and_skipped_and_writes_nothing(tmp_path):
     lines = result.stdout.splitlines()
     assert any("what each step selects in resnet18 (nothing was changed or written)" in line for line in lines)
     matched = [line.split()[2] for line in lines if line.split()[:2] == ["prune", "matched"]]
-    assert matched == ["layer4.0.conv1.weight", "layer4.0.conv2.weight", "layer4.0.downsample.0.weight",
-                       "layer4.1.conv1.weight", "layer4.1.conv2.weight"]
+    assert matched == [
+        "layer4.0.conv1.weight",
+        "layer4.0.conv2.weight",
+        "layer4.0.downsample.0.weight",
+        "layer4.1.conv1.weight",
+        "layer4.1.conv2.weight",
+    ]
     skipped = [line for line in lines if line.split()[:2] == ["prune", "skipped"]]
     assert len(skipped) == 5 and all("BatchNorm2d" in line and "2+" in line for line in skipped)
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".log") == [".hydra"]
@@ -281,7 +332,8 @@ def test_a_run_reports_what_each_step_matched_and_skipped(tmp_path):
     assert len(data["selection"]["prune"]["matched"]) == 21 and data["selection"]["prune"]["skipped"] == []
     assert data["sparsity_over"]["parameters"] == 21
     assert data["sparsity_over"]["entries"] == sum(
-        p.numel() for n, p in torchvision.models.resnet18().named_parameters() if p.dim() > 1)
+        p.numel() for n, p in torchvision.models.resnet18().named_parameters() if p.dim() > 1
+    )
     assert "prune: 21 weight(s) matched, 0 skipped" in result.stdout
 
 
@@ -322,12 +374,19 @@ def test_inspect_reports_per_layer_gradients_against_labels(tmp_path):
     assert (tmp_path / "gradients.png").exists() and "## Gradients (inspect)" in (tmp_path / "report.md").read_text()
 
 
-@pytest.mark.parametrize("recipe,overrides,key,expected", [
-    ("prune_mnist1d", (), "sparsity", 0.7),
-    ("prune_mnist1d", ("prune.method=wanda", "prune.amount=0.5", "prune.pattern=2:4", "prune.exclude=[conv1]"),
-     "sparsity", 0.5),
-    ("quantize_mnist1d", (), None, None),
-])
+@pytest.mark.parametrize(
+    "recipe,overrides,key,expected",
+    [
+        ("prune_mnist1d", (), "sparsity", 0.7),
+        (
+            "prune_mnist1d",
+            ("prune.method=wanda", "prune.amount=0.5", "prune.pattern=2:4", "prune.exclude=[conv1]"),
+            "sparsity",
+            0.5,
+        ),
+        ("quantize_mnist1d", (), None, None),
+    ],
+)
 def test_calibrated_mnist1d_recipes_report_real_accuracy_offline(tmp_path, recipe, overrides, key, expected):
     result = surgery(f"recipe={recipe}", *overrides, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -349,10 +408,18 @@ def test_sensitivity_recipe_writes_a_table_a_heatmap_and_a_plan_the_prune_recipe
     assert (tmp_path / "sensitivity" / "sensitivity.png").stat().st_size > 10_000
     assert "## Sensitivity" in (tmp_path / "sensitivity" / "report.md").read_text()
     plan = data["sensitivity"]["plan"]["amounts"]
-    uniform = surgery("recipe=prune_mnist1d", "prune.method=l1_unstructured", f"hydra.run.dir={tmp_path / 'uniform'}",
-                      "checks.drift.max_accuracy_drop=null")
-    planned = surgery("recipe=prune_mnist1d", "prune.method=l1_unstructured",
-                      f"prune.amounts={tmp_path / 'sensitivity' / 'plan.yaml'}", f"hydra.run.dir={tmp_path / 'planned'}")
+    uniform = surgery(
+        "recipe=prune_mnist1d",
+        "prune.method=l1_unstructured",
+        f"hydra.run.dir={tmp_path / 'uniform'}",
+        "checks.drift.max_accuracy_drop=null",
+    )
+    planned = surgery(
+        "recipe=prune_mnist1d",
+        "prune.method=l1_unstructured",
+        f"prune.amounts={tmp_path / 'sensitivity' / 'plan.yaml'}",
+        f"hydra.run.dir={tmp_path / 'planned'}",
+    )
     assert uniform.returncode == 0 and planned.returncode == 0, planned.stderr[-3000:]
     by_plan, by_amount = report(tmp_path / "planned"), report(tmp_path / "uniform")
     assert by_plan["sparsity"] == pytest.approx(0.7, abs=1e-3) == by_amount["sparsity"]
@@ -372,8 +439,7 @@ def test_prune_tinylm_reports_held_out_perplexity(tmp_path):
 
 
 def test_shrink_recipe_removes_channels_for_real_and_the_checkpoint_rebuilds(tmp_path):
-    result = surgery("recipe=shrink_resnet50", "model.name=resnet18", "data.image_size=64",
-                     f"hydra.run.dir={tmp_path}")
+    result = surgery("recipe=shrink_resnet50", "model.name=resnet18", "data.image_size=64", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     data = report(tmp_path)
     assert data["ok"] and {c["name"] for c in data["checks"]} >= {"identity", "restore", "bake", "save_load"}
@@ -385,6 +451,7 @@ def test_shrink_recipe_removes_channels_for_real_and_the_checkpoint_rebuilds(tmp
     from surgery.core.checkpoints import load_checkpoint
 
     plan = json.loads((tmp_path / "model.plan.json").read_text())
-    fresh = load_checkpoint(rebuild(lambda: torchvision.models.resnet18(num_classes=1000), plan),
-                            tmp_path / "model.safetensors")  # strict
+    fresh = load_checkpoint(
+        rebuild(lambda: torchvision.models.resnet18(num_classes=1000), plan), tmp_path / "model.safetensors"
+    )  # strict
     assert fresh.layer1[0].conv1.out_channels == plan["layer1.0.conv1"]["args"]["out_channels"] < 64

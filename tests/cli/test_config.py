@@ -46,16 +46,19 @@ def test_command_line_overrides_beat_the_recipe():
     assert config.model.name == "vgg11" and config.prune.amount == 0.25
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ("prune.amount=2", "prune.amount"),
-    ("prune.method=magic", "prune.method"),
-    ("prune.scope=everything", "prune.scope"),
-    ("data.image_size=0", "data.image_size"),
-    ("output.checkpoint=onnx", "output.checkpoint"),
-    ("checks.enabled=[identity,vibes]", "checks.enabled"),
-    ("steps=[]", "steps"),
-    ("steps=[melt]", "steps"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("prune.amount=2", "prune.amount"),
+        ("prune.method=magic", "prune.method"),
+        ("prune.scope=everything", "prune.scope"),
+        ("data.image_size=0", "data.image_size"),
+        ("output.checkpoint=onnx", "output.checkpoint"),
+        ("checks.enabled=[identity,vibes]", "checks.enabled"),
+        ("steps=[]", "steps"),
+        ("steps=[melt]", "steps"),
+    ],
+)
 def test_bad_values_raise_config_error_naming_the_field(override, field):
     with pytest.raises(ConfigError) as caught:
         load_config(composed("recipe=prune_resnet50", override))

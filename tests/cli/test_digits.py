@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 import surgery
 from surgery.cli import digits
-from surgery.core.checkpoints import load_checkpoint
 from surgery.cli.digits import CHECKPOINT, DigitsCNN, accuracy, digits_batches, digits_split, train
+from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import ConfigError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_digits_cnn.py"
@@ -34,8 +34,7 @@ def shipped_accuracy(shipped: DigitsCNN) -> float:
 
 def rows(images: Tensor, labels: Tensor) -> Counter:
     """The samples as a multiset of (pixels, label)."""
-    return Counter((tuple(image.flatten().tolist()), int(label))
-                   for image, label in zip(images, labels, strict=True))
+    return Counter((tuple(image.flatten().tolist()), int(label)) for image, label in zip(images, labels, strict=True))
 
 
 @pytest.mark.parametrize("split, size", [("train", 1438), ("test", 359)])
@@ -97,10 +96,13 @@ def test_batches_are_fixed_in_order_and_limited() -> None:
     assert len(limited) == 2 and torch.equal(limited[1][0], batches[1][0])
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"batch_size": 0}, "data.batch_size"),
-    ({"batch_size": 8, "limit_batches": 0}, "data.limit_batches"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"batch_size": 0}, "data.batch_size"),
+        ({"batch_size": 8, "limit_batches": 0}, "data.limit_batches"),
+    ],
+)
 def test_bad_batching_is_a_config_error(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         digits_batches("test", **kwargs)
@@ -118,8 +120,7 @@ def test_checkpoint_ships_inside_the_package() -> None:
     assert CHECKPOINT.is_relative_to(Path(surgery.__file__).resolve().parent)
 
 
-def test_shipped_checkpoint_loads_strictly_and_is_accurate(shipped: DigitsCNN,
-                                                           shipped_accuracy: float) -> None:
+def test_shipped_checkpoint_loads_strictly_and_is_accurate(shipped: DigitsCNN, shipped_accuracy: float) -> None:
     state = shipped.state_dict()
     DigitsCNN().load_state_dict(state, strict=True)
     assert any(k.endswith("running_var") for k in state)  # batch-norm statistics were saved
@@ -162,8 +163,7 @@ def test_bad_training_arguments_are_config_errors() -> None:
         train(lr=0.0)
 
 
-def test_script_writes_a_checkpoint_that_loads_strictly(tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_script_writes_a_checkpoint_that_loads_strictly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "digits.safetensors"
     argv = [str(SCRIPT), "--out", str(out), "--epochs", "1"]
     with mock.patch.object(sys, "argv", argv):  # in-process: a subprocess re-imports torch

@@ -14,16 +14,34 @@ REPO = Path(__file__).resolve().parents[2]
 # mobilenet_v3_small does little work per input byte: a 4x3x96x96 batch is 432 KiB, so 400
 # batches kept would add 169 MiB (and calibration as much again); two output classes keep the
 # per-batch outputs small.
-RUN = ["recipe=prune_quantize_resnet50", "model.name=mobilenet_v3_small", "model.num_classes=2", "data.image_size=96",
-       "data.batch_size=4", "checks.per_layer=false", "output.plots=false"]
+RUN = [
+    "recipe=prune_quantize_resnet50",
+    "model.name=mobilenet_v3_small",
+    "model.num_classes=2",
+    "data.image_size=96",
+    "data.batch_size=4",
+    "checks.per_layer=false",
+    "output.plots=false",
+]
 
 
 def peak_rss_mib(batches: int, folder: Path) -> float:
     """Peak resident memory of one run (its own process) in MiB."""
-    process = subprocess.Popen([sys.executable, "-m", "surgery", *RUN, f"data.batches={batches}",
-                                f"quantize.calibration_batches={batches}", f"hydra.run.dir={folder}"],
-                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "surgery",
+            *RUN,
+            f"data.batches={batches}",
+            f"quantize.calibration_batches={batches}",
+            f"hydra.run.dir={folder}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     _, status, usage = os.wait4(process.pid, 0)
     assert os.waitstatus_to_exitcode(status) in (0, 1), process.stderr.read().decode()[-2000:]
     process.stderr.close()
@@ -44,10 +62,10 @@ def test_image_folder_batches_are_read_when_used_not_held(tmp_path):
     by one batch per `data.batches` (4.3 MB a batch at 224 px)."""
     from unittest import mock
 
+    from support import image_folder  # tests/support.py
+
     from surgery.cli import data as data_module
     from surgery.cli.config import DataConfig
-
-    from support import image_folder  # tests/support.py
 
     root = image_folder(tmp_path / "images", ("a", "b"), 6, (40, 48), seed=0)
     config = DataConfig(kind="imagefolder", root=str(root), batch_size=2, batches=5, image_size=32)

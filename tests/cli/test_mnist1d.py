@@ -78,8 +78,15 @@ def test_script_writes_a_checkpoint_that_loads_strictly(tmp_path, capsys, test_s
 
 def pruned_accuracy(model, test_set, calibration, method, amount, pattern=None):
     before = snapshot(model)
-    handle = surgery.prune(model, amount, method=method, pattern=pattern, calibration=calibration,
-                           exclude="conv1" if pattern else None, progress=False)
+    handle = surgery.prune(
+        model,
+        amount,
+        method=method,
+        pattern=pattern,
+        calibration=calibration,
+        exclude="conv1" if pattern else None,
+        progress=False,
+    )
     if pattern:
         for name, mask in handle.masks().items():
             per_group = mask.movedim(1, -1).reshape(-1, 4).sum(-1)

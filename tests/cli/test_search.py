@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def surgery(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
 
 
 def test_objective_is_the_metric_penalised_by_the_missed_bound():
@@ -64,11 +65,14 @@ def test_optuna_searches_prune_amount_under_a_cosine_bound(tmp_path):
     assert f"best_value: {max(row['objective'] for row in rows)}" in best
 
 
-@pytest.mark.parametrize("args,message", [
-    (["objective.maximize=sparsty"], "objective.maximize='sparsty': must be one of sparsity"),
-    (["+objective.minimize=max_abs"], "set exactly one of objective.maximize and objective.minimize"),
-    (["objective.maximize=accuracy"], "objective='accuracy': needs labelled data and data.kind is 'synthetic'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["objective.maximize=sparsty"], "objective.maximize='sparsty': must be one of sparsity"),
+        (["+objective.minimize=max_abs"], "set exactly one of objective.maximize and objective.minimize"),
+        (["objective.maximize=accuracy"], "objective='accuracy': needs labelled data and data.kind is 'synthetic'"),
+    ],
+)
 def test_bad_objectives_exit_2_in_one_line(tmp_path, args, message):
     run = surgery("recipe=search_prune", *args, f"hydra.run.dir={tmp_path}")
     assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
@@ -83,8 +87,14 @@ def test_the_shipped_slurm_launcher_config_composes():
 @pytest.mark.slow
 def test_the_same_search_runs_on_the_joblib_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    run = surgery("-m", "recipe=search_prune", "hydra/launcher=joblib", "hydra.sweeper.n_trials=2",
-                  "hydra.sweeper.n_jobs=2", f"hydra.sweep.dir={tmp_path}")
+    run = surgery(
+        "-m",
+        "recipe=search_prune",
+        "hydra/launcher=joblib",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads((tmp_path / "sweep.json").read_text())
     assert len(rows) == 2 and all(row["status"] == "ok" and row["objective"] is not None for row in rows)

@@ -11,18 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import image_folder, local_tokenizer  # tests/support.py
 
 from surgery.cli.models import _optional
 from surgery.core.errors import ConfigError
-
-from support import image_folder, local_tokenizer  # tests/support.py
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def surgery(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
 
 
 def report(folder: Path) -> dict:
@@ -32,9 +32,10 @@ def report(folder: Path) -> dict:
 def readme_command(fragment: str) -> list[str]:
     """The arguments of the README "Your model" command containing ``fragment``."""
     text = (REPO / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your model"):], flags=re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your model") :], flags=re.S).group(1)
     commands = [shlex.split(line, comments=True)[3:] for line in block.splitlines() if line.startswith("python -m")]
     return next(args for args in commands if any(fragment in arg for arg in args))
+
 
 pytest.importorskip("timm")
 pytest.importorskip("transformers")
@@ -77,8 +78,10 @@ def test_any_model_a_factory_builds(tmp_path):
 def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
     image_folder(tmp_path / "images", ("cat", "dog"), 3, (40, 48), seed=0)
     out = tmp_path / "run"
-    args = [f"data.root={tmp_path / 'images'}" if arg == "data.root=images" else arg
-            for arg in readme_command("data=imagefolder")]
+    args = [
+        f"data.root={tmp_path / 'images'}" if arg == "data.root=images" else arg
+        for arg in readme_command("data=imagefolder")
+    ]
     data = passed(surgery(*args, f"hydra.run.dir={out}"), out)
     accuracy = data["accuracy"]
     assert 0.0 <= accuracy["reference"] <= 1.0 and accuracy["reference"] in {k / 6 for k in range(7)}
@@ -101,35 +104,60 @@ def test_image_folder_evaluation_takes_every_class_in_turn(tmp_path):
 def test_hugging_face_image_classifier_on_an_image_folder_fine_tunes(tmp_path):
     image_folder(tmp_path / "images", ("a", "b"), 4, (32, 32), seed=1)
     out = tmp_path / "run"
-    result = surgery("recipe=prune_finetune_digits", "model=hf", "model.name=vit", "model.task=image_classification",
-                     "model.num_classes=2", "model.config={image_size: 32, patch_size: 8, hidden_size: 32, "
-                     "num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}", "data=imagefolder",
-                     f"data.root={tmp_path / 'images'}", "data.image_size=32", "data.batch_size=2", "data.batches=2",
-                     "finetune.epochs=1", f"hydra.run.dir={out}")
+    result = surgery(
+        "recipe=prune_finetune_digits",
+        "model=hf",
+        "model.name=vit",
+        "model.task=image_classification",
+        "model.num_classes=2",
+        "model.config={image_size: 32, patch_size: 8, hidden_size: 32, "
+        "num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}",
+        "data=imagefolder",
+        f"data.root={tmp_path / 'images'}",
+        "data.image_size=32",
+        "data.batch_size=2",
+        "data.batches=2",
+        "finetune.epochs=1",
+        f"hydra.run.dir={out}",
+    )
     data = passed(result, out)
     assert data["finetune"]["steps"] >= 1 and "accuracy" in data
 
 
-@pytest.mark.parametrize("args,message", [
-    (["model=timm", "model.name=vit_tiny_patch16_22"], "model.name='vit_tiny_patch16_22': not a timm model "
-                                                       "(closest: vit_tiny_patch16_224"),
-    (["model=hf", "model.name=gtp2"], "model.name='gtp2': not a Hugging Face model type (closest: gpt2"),
-    (["model=hf", "model.name=gpt2", "model.task=translation"], "model.task='translation': must be one of causal_lm"),
-    (["model=factory"], "model._target_=None: model=factory needs the dotted path"),
-    (["model=factory", "model._target_=torchvision.models.resnet18", "model.kwargs={colour: 3}"],
-     "model.kwargs={'colour': 3}: torchvision.models.resnet18 refused them"),
-    (["data=imagefolder"], "data.root"),
-    (["data=imagefolder", "data.root=/nonexistent/images"], "data.root='/nonexistent/images': is not a folder"),
-    (["model=hf", "model.path=/nonexistent"], "model.path='/nonexistent': is not a folder"),
-    (["model=hf", "model.name=gpt2", "model.config={n_layr: 1}", "data=tokens"],
-     "model.config.n_layr=1: is not a setting of gpt2's config (closest: n_layer)"),
-    (["model=hf", "model.name=gpt2", "model.task=image_classification"],
-     "model.task='image_classification': gpt2 has no image_classification head"),
-    (["recipe=prune_vit_timm", "+model.kwargs.img_siz=64"], "vit_tiny_patch16_224 refused them"),
-    (["model=factory", "model._target_=builtins.print"], "model._target_='builtins.print': returned a NoneType"),
-    (["recipe=quantize_gpt2_hf", "data.seq_len=10000000000"], "data.seq_len=10000000000: one batch of"),
-    (["recipe=quantize_gpt2_hf", "data.seq_len=1000"], "check data.seq_len (at most the model's positions)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["model=timm", "model.name=vit_tiny_patch16_22"],
+            "model.name='vit_tiny_patch16_22': not a timm model (closest: vit_tiny_patch16_224",
+        ),
+        (["model=hf", "model.name=gtp2"], "model.name='gtp2': not a Hugging Face model type (closest: gpt2"),
+        (
+            ["model=hf", "model.name=gpt2", "model.task=translation"],
+            "model.task='translation': must be one of causal_lm",
+        ),
+        (["model=factory"], "model._target_=None: model=factory needs the dotted path"),
+        (
+            ["model=factory", "model._target_=torchvision.models.resnet18", "model.kwargs={colour: 3}"],
+            "model.kwargs={'colour': 3}: torchvision.models.resnet18 refused them",
+        ),
+        (["data=imagefolder"], "data.root"),
+        (["data=imagefolder", "data.root=/nonexistent/images"], "data.root='/nonexistent/images': is not a folder"),
+        (["model=hf", "model.path=/nonexistent"], "model.path='/nonexistent': is not a folder"),
+        (
+            ["model=hf", "model.name=gpt2", "model.config={n_layr: 1}", "data=tokens"],
+            "model.config.n_layr=1: is not a setting of gpt2's config (closest: n_layer)",
+        ),
+        (
+            ["model=hf", "model.name=gpt2", "model.task=image_classification"],
+            "model.task='image_classification': gpt2 has no image_classification head",
+        ),
+        (["recipe=prune_vit_timm", "+model.kwargs.img_siz=64"], "vit_tiny_patch16_224 refused them"),
+        (["model=factory", "model._target_=builtins.print"], "model._target_='builtins.print': returned a NoneType"),
+        (["recipe=quantize_gpt2_hf", "data.seq_len=10000000000"], "data.seq_len=10000000000: one batch of"),
+        (["recipe=quantize_gpt2_hf", "data.seq_len=1000"], "check data.seq_len (at most the model's positions)"),
+    ],
+)
 def test_bad_model_and_data_settings_exit_2_with_one_line(tmp_path, args, message):
     result = surgery("recipe=prune_resnet50", *args, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2, result.stderr[-1500:]
@@ -146,23 +174,45 @@ def test_token_batches_from_a_local_text_file_and_tokenizer(tmp_path):
     (tmp_path / "corpus.txt").write_text(text)
     tokenizer = local_tokenizer(tmp_path / "tokenizer", text, 120)
     out = tmp_path / "run"
-    data = passed(surgery(*readme_command("recipe=quantize_gpt2_hf"), f"data.text={tmp_path / 'corpus.txt'}",
-                          f"data.tokenizer={tokenizer}", f"hydra.run.dir={out}"), out)
+    data = passed(
+        surgery(
+            *readme_command("recipe=quantize_gpt2_hf"),
+            f"data.text={tmp_path / 'corpus.txt'}",
+            f"data.tokenizer={tokenizer}",
+            f"hydra.run.dir={out}",
+        ),
+        out,
+    )
     assert data["drift"]["cosine"] > 0.99
-    tiny = surgery("recipe=quantize_gpt2_hf", "model.config.vocab_size=16", f"data.text={tmp_path / 'corpus.txt'}",
-                   f"data.tokenizer={tokenizer}", f"hydra.run.dir={tmp_path / 'tiny'}")
+    tiny = surgery(
+        "recipe=quantize_gpt2_hf",
+        "model.config.vocab_size=16",
+        f"data.text={tmp_path / 'corpus.txt'}",
+        f"data.tokenizer={tokenizer}",
+        f"hydra.run.dir={tmp_path / 'tiny'}",
+    )
     assert tiny.returncode == 2 and "beyond the model's vocabulary of 16" in tiny.stderr, tiny.stderr[-1000:]
 
 
 def test_a_local_pretrained_folder_keeps_its_own_config_and_labels(tmp_path):
     import transformers
 
-    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=64, vocab_size=100, num_labels=3)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100, num_labels=3
+    )
     transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "bert", safe_serialization=True)
     out = tmp_path / "run"
-    data = passed(surgery("recipe=prune_resnet50", "model=hf", f"model.path={tmp_path / 'bert'}",
-                          "model.task=sequence_classification", "data=tokens", f"hydra.run.dir={out}"), out)
+    data = passed(
+        surgery(
+            "recipe=prune_resnet50",
+            "model=hf",
+            f"model.path={tmp_path / 'bert'}",
+            "model.task=sequence_classification",
+            "data=tokens",
+            f"hydra.run.dir={out}",
+        ),
+        out,
+    )
     assert data["model"] == str(tmp_path / "bert")  # not the recipe's resnet50
     from safetensors.torch import load_file
 

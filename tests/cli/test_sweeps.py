@@ -19,8 +19,9 @@ LAUNCHERS = ["basic", "joblib", "submitit_local"]
 
 
 def surgery(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def summary(folder: Path) -> list[dict]:
@@ -38,15 +39,23 @@ def test_every_launcher_gives_the_same_exit_code_and_summary(tmp_path):
     results = {}
     for launcher in LAUNCHERS:
         folder = tmp_path / launcher
-        run = surgery("-m", *FAST, "prune.amount=0.2,0.99", "checks.drift.min_cosine=0.5",
-                      f"hydra/launcher={launcher}", f"hydra.sweep.dir={folder}")
+        run = surgery(
+            "-m",
+            *FAST,
+            "prune.amount=0.2,0.99",
+            "checks.drift.min_cosine=0.5",
+            f"hydra/launcher={launcher}",
+            f"hydra.sweep.dir={folder}",
+        )
         assert run.returncode == 1, (launcher, run.stderr[-3000:])
         assert "1 of 2 jobs failed" in run.stdout, launcher
         results[launcher] = summary(folder)
         assert not (folder / ".surgery-jobs").exists(), "job records are removed once summarised"
     rows = results["basic"]
-    assert [(r["job"], r["prune.amount"], r["status"], r["ok"]) for r in rows] == \
-        [("0", "0.2", "ok", True), ("1", "0.99", "check_failed", False)]
+    assert [(r["job"], r["prune.amount"], r["status"], r["ok"]) for r in rows] == [
+        ("0", "0.2", "ok", True),
+        ("1", "0.99", "check_failed", False),
+    ]
     assert results["joblib"] == rows and results["submitit_local"] == rows
 
 
@@ -55,8 +64,14 @@ def test_a_rerun_sweep_never_reports_a_failed_job_with_the_earlier_report(tmp_pa
     first = surgery("-m", *FAST, "prune.amount=0.2,0.6", "hydra/launcher=joblib", f"hydra.sweep.dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]
     assert [r["status"] for r in summary(tmp_path)] == ["ok", "ok"]
-    again = surgery("-m", *FAST, "prune.amount=0.2,1.5", "output.overwrite=true", "hydra/launcher=joblib",
-                    f"hydra.sweep.dir={tmp_path}")
+    again = surgery(
+        "-m",
+        *FAST,
+        "prune.amount=0.2,1.5",
+        "output.overwrite=true",
+        "hydra/launcher=joblib",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert again.returncode == 2, again.stderr[-3000:]
     rows = summary(tmp_path)
     assert rows[1]["prune.amount"] == "1.5" and rows[1]["status"] == "bad_input" and rows[1]["ok"] is False
@@ -72,9 +87,18 @@ def test_a_job_process_that_dies_fails_the_sweep_and_is_listed(tmp_path):
     (tmp_path / "killer.py").write_text("import os\n\ndef die(args, kwargs):\n    os._exit(3)\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     folder = tmp_path / "sweep"
-    run = surgery("-m", "recipe=rewrite_inputs", *FAST, "~rewrite.kwargs.mean", "~rewrite.kwargs.std",
-                  "rewrite.name=identity,killer.die", "hydra/launcher=joblib",
-                  "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={folder}", env=env)
+    run = surgery(
+        "-m",
+        "recipe=rewrite_inputs",
+        *FAST,
+        "~rewrite.kwargs.mean",
+        "~rewrite.kwargs.std",
+        "rewrite.name=identity,killer.die",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={folder}",
+        env=env,
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "the sweep's launcher failed" in run.stderr
     rows = summary(folder)
@@ -85,9 +109,13 @@ def test_a_job_process_that_dies_fails_the_sweep_and_is_listed(tmp_path):
 def test_sigterm_removes_the_staging_folder_and_writes_nothing(tmp_path):
     """What `timeout` and Slurm send. Before: `.staging-*` folders with full-size temporary
     checkpoints were left behind."""
-    process = subprocess.Popen([sys.executable, "-m", "surgery", *FAST, "data.batches=40",
-                                f"hydra.run.dir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "surgery", *FAST, "data.batches=40", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".staging-*")) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.05)
@@ -113,6 +141,12 @@ def test_a_dry_run_sweep_writes_no_summary_and_never_reads_earlier_reports(tmp_p
 
 
 def test_a_sweep_without_its_callback_says_so_instead_of_exiting_0(tmp_path):
-    run = surgery("-m", *FAST, "+select_only=true", "prune.amount=0.2", "~hydra.callbacks.sweep_records",
-                  f"hydra.sweep.dir={tmp_path}")
+    run = surgery(
+        "-m",
+        *FAST,
+        "+select_only=true",
+        "prune.amount=0.2",
+        "~hydra.callbacks.sweep_records",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert run.returncode == 2 and "sweep_records callback did not run" in run.stderr, run.stderr[-2000:]

@@ -71,8 +71,14 @@ def test_at_50_percent_sparsegpt_and_layer_wide_wanda_beat_magnitude_and_everyth
     before = snapshot(shipped)
     scores = {}
     for method in ("l1_unstructured", "wanda", "wanda_layer", "sparsegpt"):
-        handle = surgery.prune(shipped, 0.5, method=method, calibration=None if method == "l1_unstructured" else
-                               calibration, exclude="head", progress=False)
+        handle = surgery.prune(
+            shipped,
+            0.5,
+            method=method,
+            calibration=None if method == "l1_unstructured" else calibration,
+            exclude="head",
+            progress=False,
+        )
         scores[method] = perplexity(shipped, held_out)
         handle.restore()
         assert snapshot_differences(before, snapshot(shipped)) == []

@@ -19,15 +19,14 @@ import safetensors.torch
 import torch
 from matplotlib.figure import Figure
 
-from surgery.core import checkpoints
-
-from surgery.cli import sweeps
 from surgery.cli import run as run_module
-from surgery.core.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
+from surgery.cli import sweeps
 from surgery.cli.config import load_config
 from surgery.cli.digits import DigitsCNN
-from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.cli.reporting import write_reports
+from surgery.core import checkpoints
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
+from surgery.core.errors import ConfigError, OutputExistsError
 
 ERRORS = [OSError, KeyboardInterrupt]
 PREVIOUS = b"the previous version\n"
@@ -82,13 +81,17 @@ def failing_writer(target: str, error: type[BaseException]):
     if target.endswith(".png"):
         return mock.patch.object(Figure, "savefig", half_then_fail(target, error, _png, REAL_SAVEFIG))
     if target.endswith(".safetensors"):
+
         def render(tensors, metadata=None):
             return safetensors.torch.save(tensors, metadata=metadata)
 
         real = checkpoints.save_file
         return mock.patch.object(checkpoints, "save_file", half_then_fail(target, error, render, real))
     if target.endswith(".pt"):
-        return mock.patch.object(checkpoints.torch, "save", half_then_fail(target, error, _torch_bytes, REAL_TORCH_SAVE))
+        return mock.patch.object(
+            checkpoints.torch, "save", half_then_fail(target, error, _torch_bytes, REAL_TORCH_SAVE)
+        )
+
     def write_text(path: Path, text: str, *args, **kwargs):  # Path.write_text(self, data): the path comes first
         if not path.name.startswith(f".{target}."):
             return REAL_WRITE_TEXT(path, text, *args, **kwargs)
@@ -109,11 +112,17 @@ def listing(folder: Path) -> dict[str, bytes]:
 
 
 REPORT = {
-    "recipe": "atomic", "model": "tiny", "ok": True, "params": {"total": 10, "nonzero": 5}, "sparsity": 0.5,
+    "recipe": "atomic",
+    "model": "tiny",
+    "ok": True,
+    "params": {"total": 10, "nonzero": 5},
+    "sparsity": 0.5,
     "checks": [{"name": "drift", "passed": True, "value": 0.9, "threshold": 0.5, "detail": ""}],
     "drift": {"max_abs": 1.0, "cosine": 0.9, "sqnr_db": 10.0, "top1_agreement": 1.0},
-    "layers": [{"name": name, "type": "Conv2d", "sparsity": 0.5, "cosine": 0.9, "sqnr_db": 10.0, "max_abs": 1.0}
-               for name in ("conv1", "conv2", "fc")],
+    "layers": [
+        {"name": name, "type": "Conv2d", "sparsity": 0.5, "cosine": 0.9, "sqnr_db": 10.0, "max_abs": 1.0}
+        for name in ("conv1", "conv2", "fc")
+    ],
     "timings_s": {"build": 0.1, "surgery": 0.1, "checks": 0.1},
 }
 
@@ -141,8 +150,15 @@ def sweep_jobs(folder: Path) -> list[sweeps.JobRecord]:
     return jobs
 
 
-RUN_OUTPUTS = ["report.json", "report.md", "sparsity.png", "drift.png", "model.safetensors", "model.pt",
-               "model.qparams.safetensors"]
+RUN_OUTPUTS = [
+    "report.json",
+    "report.md",
+    "sparsity.png",
+    "drift.png",
+    "model.safetensors",
+    "model.pt",
+    "model.qparams.safetensors",
+]
 SWEEP_OUTPUTS = ["sweep.json", "sweep.md", "sweep.png"]
 
 
@@ -199,12 +215,17 @@ def test_an_interrupt_at_the_rename_keeps_the_previous_version(tmp_path, error):
 
 
 def pipeline_config(**output):
-    return load_config({
-        "recipe": "atomic", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
-        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
-        "steps": ["prune", "quantize"], "prune": {"amount": 0.5},
-        "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
-        "output": {"plots": False, **output}})
+    return load_config(
+        {
+            "recipe": "atomic",
+            "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+            "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+            "steps": ["prune", "quantize"],
+            "prune": {"amount": 0.5},
+            "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
+            "output": {"plots": False, **output},
+        }
+    )
 
 
 @pytest.mark.parametrize("checkpoint", ["safetensors", "pt"])
@@ -217,15 +238,18 @@ def test_a_run_interrupted_while_saving_the_checkpoint_leaves_nothing_and_reruns
     assert listing(tmp_path) == before  # no half-written checkpoint, no temporary, no other output
     result = run_module.run(config, tmp_path, echo=False)
     assert result.exit_code == 0
-    assert sorted(listing(tmp_path)) == sorted(["notes.txt", "report.json", "report.md", f"model.{checkpoint}",
-                                                "model.qparams.safetensors"])
+    assert sorted(listing(tmp_path)) == sorted(
+        ["notes.txt", "report.json", "report.md", f"model.{checkpoint}", "model.qparams.safetensors"]
+    )
     assert json.loads((tmp_path / "report.json").read_text())["checkpoint"] == f"model.{checkpoint}"
     load_checkpoint(DigitsCNN(), tmp_path / f"model.{checkpoint}")
 
 
 def test_a_run_into_a_new_folder_that_fails_does_not_leave_the_folder(tmp_path):
-    with mock.patch.object(run_module, "write_reports", side_effect=OSError("disk full")), \
-            pytest.raises(ConfigError, match="output=.*cannot be written \\(disk full\\); nothing was written"):
+    with (
+        mock.patch.object(run_module, "write_reports", side_effect=OSError("disk full")),
+        pytest.raises(ConfigError, match="output=.*cannot be written \\(disk full\\); nothing was written"),
+    ):
         run_module.run(pipeline_config(), tmp_path / "new" / "run", echo=False)
     assert listing(tmp_path) == {"new": b"<dir>"}
 
@@ -236,8 +260,10 @@ def test_a_run_refuses_any_existing_output_before_doing_anything(tmp_path, exist
     config = pipeline_config(plots=True, checkpoint=checkpoint)
     assert existing in run_module.OUTPUTS
     (tmp_path / existing).write_bytes(PREVIOUS)
-    with mock.patch.object(run_module, "_build", side_effect=AssertionError("the run started")), \
-            pytest.raises(OutputExistsError, match=f"{existing}.*already exists.*overwrite"):
+    with (
+        mock.patch.object(run_module, "_build", side_effect=AssertionError("the run started")),
+        pytest.raises(OutputExistsError, match=f"{existing}.*already exists.*overwrite"),
+    ):
         run_module.run(config, tmp_path, echo=False)
     assert listing(tmp_path) == {existing: PREVIOUS}
 
@@ -245,11 +271,17 @@ def test_a_run_refuses_any_existing_output_before_doing_anything(tmp_path, exist
 def test_overwrite_replaces_the_previous_outputs_and_removes_stale_ones(tmp_path):
     for name in ("report.json", "model.qparams.safetensors", "sparsity.png", "unrelated.txt"):
         (tmp_path / name).write_bytes(PREVIOUS)
-    config = load_config({
-        "recipe": "atomic", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
-        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
-        "steps": ["quantize"], "quantize": {"activations": None}, "checks": {"per_layer": False},
-        "output": {"plots": True, "overwrite": True}})
+    config = load_config(
+        {
+            "recipe": "atomic",
+            "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+            "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+            "steps": ["quantize"],
+            "quantize": {"activations": None},
+            "checks": {"per_layer": False},
+            "output": {"plots": True, "overwrite": True},
+        }
+    )
     result = run_module.run(config, tmp_path, echo=False)
     assert result.exit_code == 0
     files = listing(tmp_path)
@@ -269,8 +301,9 @@ def test_a_sweep_summary_refuses_an_existing_file_and_writes_nothing(tmp_path, e
     with pytest.raises(OutputExistsError, match=f"{existing}.*already exists"):
         sweeps.write_sweep_summary(tmp_path, jobs)
     assert listing(tmp_path) == before
-    overwriting = [sweeps.JobRecord(job.num, {**job.overrides, "output.overwrite": "true"}, job.folder, job.status)
-                   for job in jobs]
+    overwriting = [
+        sweeps.JobRecord(job.num, {**job.overrides, "output.overwrite": "true"}, job.folder, job.status) for job in jobs
+    ]
     written = sweeps.write_sweep_summary(tmp_path, overwriting)  # asked for on the command line
     assert [p.name for p in written] == SWEEP_OUTPUTS
     assert (tmp_path / existing).read_bytes() != PREVIOUS
@@ -322,8 +355,11 @@ def test_the_earlier_report_is_moved_aside_first_and_the_new_one_published_last(
         (tmp_path / name).write_bytes(PREVIOUS)
     stage = stage_set(tmp_path, ["report.json", "model.safetensors", "report.md"])
     real_replace, moves = os.replace, []
-    with mock.patch.object(checkpoints.os, "replace",
-                           lambda s, d: (moves.append((Path(s).parent == tmp_path, Path(d).name)), real_replace(s, d))):
+    with mock.patch.object(
+        checkpoints.os,
+        "replace",
+        lambda s, d: (moves.append((Path(s).parent == tmp_path, Path(d).name)), real_replace(s, d)),
+    ):
         stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
     stage.__exit__(None, None, None)
     moves = [move for move in moves if move[1] != checkpoints.MANIFEST]  # written first, into the backup
@@ -385,8 +421,9 @@ def test_a_run_killed_while_publishing_is_undone_by_the_next_one(tmp_path, die_a
     earlier = {"report.json": PREVIOUS, "model.safetensors": PREVIOUS, "drift.png": PREVIOUS}
     for name, data in earlier.items():
         (tmp_path / name).write_bytes(data)
-    died = subprocess.run([sys.executable, "-c", DIES_WHILE_PUBLISHING, str(tmp_path), str(die_at)],
-                          capture_output=True, text=True)
+    died = subprocess.run(
+        [sys.executable, "-c", DIES_WHILE_PUBLISHING, str(tmp_path), str(die_at)], capture_output=True, text=True
+    )
     assert died.returncode == 9, died.stderr
     with checkpoints.Staging(tmp_path):
         pass
@@ -415,8 +452,14 @@ def test_a_planted_manifest_entry_outside_the_folder_is_ignored_with_a_warning(t
     backup.mkdir(parents=True)
     (out / "report.json").write_bytes(b"new")
     (backup / "report.json").write_bytes(PREVIOUS)
-    (backup / "MANIFEST.json").write_text(json.dumps({"moved_aside": ["report.json", "../../victim.txt", "/etc/x"],
-                                                      "publishing": ["../../victim.txt", "report.json", 3]}))
+    (backup / "MANIFEST.json").write_text(
+        json.dumps(
+            {
+                "moved_aside": ["report.json", "../../victim.txt", "/etc/x"],
+                "publishing": ["../../victim.txt", "report.json", 3],
+            }
+        )
+    )
     with caplog.at_level("WARNING", logger="surgery"), checkpoints.Staging(out):
         pass
     assert victim.read_text() == "keep me"

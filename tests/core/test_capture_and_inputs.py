@@ -28,8 +28,9 @@ class KeywordModel(nn.Module):
 
 def keyword_batches(n: int = 3) -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, 20, (2, 5), generator=g), "attention_mask": torch.ones(2, 5)}
-            for _ in range(n)]
+    return [
+        {"input_ids": torch.randint(0, 20, (2, 5), generator=g), "attention_mask": torch.ones(2, 5)} for _ in range(n)
+    ]
 
 
 def test_dict_batches_work_in_prune_capture_and_compare():
@@ -58,12 +59,14 @@ def test_capture_reductions_match_the_tensors_they_summarise(mlp, mlp_input):
         mlp(mlp_input)
         mlp(mlp_input * 2)
     first, second = kept.outputs["0"]
-    for reduce, expected in [("sum", first.double() + second.double()),
-                             ("minmax", (min(first.min(), second.min()).item(), max(first.max(), second.max()).item()))]:
+    for reduce, expected in [
+        ("sum", first.double() + second.double()),
+        ("minmax", (min(first.min(), second.min()).item(), max(first.max(), second.max()).item())),
+    ]:
         with surgery.capture(mlp, select="0", reduce=reduce) as seen:
             mlp(mlp_input)
             mlp(mlp_input * 2)
-        assert (torch.equal(seen.outputs["0"], expected) if reduce == "sum" else seen.outputs["0"] == expected)
+        assert torch.equal(seen.outputs["0"], expected) if reduce == "sum" else seen.outputs["0"] == expected
     with surgery.capture(mlp, select="0", what="inputs", reduce="sq_norms") as seen:
         mlp(mlp_input)
     assert torch.allclose(seen.inputs["0"]["sq_norms"], (mlp_input.double() ** 2).sum(0))
@@ -72,15 +75,20 @@ def test_capture_reductions_match_the_tensors_they_summarise(mlp, mlp_input):
 
 def test_capture_removes_its_hooks_also_when_the_block_raises(mlp, mlp_input):
     before = snapshot(mlp)
-    with pytest.raises(RuntimeError, match="boom"):
-        with surgery.capture(mlp, what=("inputs", "outputs")):
-            assert sum(module_hook_counts(mlp).values()) == 3 * 5  # 5 submodules: a pre hook (with its kwargs flag), a hook
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), surgery.capture(mlp, what=("inputs", "outputs")):
+        assert sum(module_hook_counts(mlp).values()) == 3 * 5  # 5 submodules: a pre hook (with its kwargs flag), a hook
+        raise RuntimeError("boom")
     assert snapshot_differences(before, snapshot(mlp)) == []
 
 
-@pytest.mark.parametrize("kwargs,field", [({"what": "gradients"}, "capture.what"), ({"reduce": "median"}, "capture.reduce"),
-                                          ({"select": "nope"}, "capture.select")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"what": "gradients"}, "capture.what"),
+        ({"reduce": "median"}, "capture.reduce"),
+        ({"select": "nope"}, "capture.select"),
+    ],
+)
 def test_capture_bad_arguments_name_the_field(mlp, kwargs, field):
     with pytest.raises(ConfigError) as info:
         surgery.capture(mlp, **kwargs)
@@ -90,19 +98,24 @@ def test_capture_bad_arguments_name_the_field(mlp, kwargs, field):
 def test_a_callable_criterion_reproduces_l1_unstructured_exactly(convnet_factory):
     built_in, custom = convnet_factory(), convnet_factory()
     for scope in ("layer", "global"):
-        with surgery.prune(built_in, 0.6, scope=scope) as a, \
-                surgery.prune(custom, 0.6, scope=scope, method=lambda w, stats: w.abs()) as b:
+        with (
+            surgery.prune(built_in, 0.6, scope=scope) as a,
+            surgery.prune(custom, 0.6, scope=scope, method=lambda w, stats: w.abs()) as b,
+        ):
             assert a.masks().keys() == b.masks().keys()
             assert all(torch.equal(a.masks()[k], b.masks()[k]) for k in a.masks())
 
 
 GOLDEN = {  # sha256 of the packed masks made by the criteria before they became registered functions
-    ("l1_unstructured", "layer", 2.0, 0): "50e1d779e3cc4296", ("l1_unstructured", "global", 2.0, 0): "7c09bb4a695b7920",
+    ("l1_unstructured", "layer", 2.0, 0): "50e1d779e3cc4296",
+    ("l1_unstructured", "global", 2.0, 0): "7c09bb4a695b7920",
     ("random_unstructured", "layer", 2.0, 0): "62604d7ece141abb",
     ("random_unstructured", "global", 2.0, 0): "ce54499456d5a88f",
-    ("ln_structured", "layer", 1.0, 0): "a1b9d4be89c0190a", ("ln_structured", "layer", 2.0, 1): "122eda737b348f2b",
+    ("ln_structured", "layer", 1.0, 0): "a1b9d4be89c0190a",
+    ("ln_structured", "layer", 2.0, 1): "122eda737b348f2b",
     ("ln_structured", "layer", float("inf"), 1): "a76fa8a5102c48fa",
-    ("ln_structured", "global", 2.0, 0): "e0f1c748f005effb", ("ln_structured", "global", 1.0, 1): "2d4bbeb18422326a",
+    ("ln_structured", "global", 2.0, 0): "e0f1c748f005effb",
+    ("ln_structured", "global", 1.0, 1): "2d4bbeb18422326a",
 }
 
 
@@ -114,15 +127,24 @@ def test_built_in_criteria_give_the_same_masks_as_before(key):
 
     method, scope, n, dim = key
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(16, 8, 3, 3, generator=g), torch.randn(32, 16, generator=g), torch.randn(10, 32, generator=g)]
+    weights = [
+        torch.randn(16, 8, 3, 3, generator=g),
+        torch.randn(32, 16, generator=g),
+        torch.randn(10, 32, generator=g),
+    ]
     masks = compute_masks(weights, 0.37, method=method, scope=scope, n=n, dim=dim, seed=5)
     digest = hashlib.sha256(b"".join(pack(m).numpy().tobytes() for m in masks)).hexdigest()[:16]
     assert digest == GOLDEN[key]
 
 
-@pytest.mark.parametrize("score,message", [(lambda w, s: w.abs().flatten(), "returned \\(128,\\)"),
-                                           (lambda w, s: w * float("nan"), "NaN scores"),
-                                           (lambda w, s: "high", "returned str")])
+@pytest.mark.parametrize(
+    "score,message",
+    [
+        (lambda w, s: w.abs().flatten(), "returned \\(128,\\)"),
+        (lambda w, s: w * float("nan"), "NaN scores"),
+        (lambda w, s: "high", "returned str"),
+    ],
+)
 def test_a_bad_score_is_refused_and_the_model_is_unchanged(mlp, score, message):
     before = snapshot(mlp)
     with pytest.raises(ConfigError, match=message):
@@ -214,19 +236,27 @@ def test_unbatched_convolution_inputs_are_summarised_per_channel():
 def test_per_channel_activation_ranges_follow_the_feature_axis_of_every_batch():
     layer = nn.Sequential(nn.Linear(3, 3))
     batches = [torch.randn(5, 3), torch.randn(2, 3, 3) * 100]
-    with surgery.quantize(layer, weights=None, activations=surgery.QuantSpec(per_channel=True), calibration=batches,
-                          progress=False) as handle:
+    with surgery.quantize(
+        layer, weights=None, activations=surgery.QuantSpec(per_channel=True), calibration=batches, progress=False
+    ) as handle:
         scale = handle.qparams()["0.scale"]
     with torch.no_grad():
         outs = [layer(b).reshape(-1, 3) for b in batches]
-    expected = [(max(0.0, max(o[:, c].max().item() for o in outs)) - min(0.0, min(o[:, c].min().item() for o in outs))) / 255
-                for c in range(3)]
+    expected = [
+        (max(0.0, max(o[:, c].max().item() for o in outs)) - min(0.0, min(o[:, c].min().item() for o in outs))) / 255
+        for c in range(3)
+    ]
     assert scale.tolist() == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("observe,message", [(lambda x, prev, spec: (x.amin(1) * float("nan"), x.amax(1)), "not finite"),
-                                             (lambda x, prev, spec: (0.0, 1.0), "returned tuple"),
-                                             (lambda x, prev, spec: (x.amin(), x.amax()), "one per row")])
+@pytest.mark.parametrize(
+    "observe,message",
+    [
+        (lambda x, prev, spec: (x.amin(1) * float("nan"), x.amax(1)), "not finite"),
+        (lambda x, prev, spec: (0.0, 1.0), "returned tuple"),
+        (lambda x, prev, spec: (x.amin(), x.amax()), "one per row"),
+    ],
+)
 def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
     before = snapshot(mlp)
     with pytest.raises(ConfigError, match=message):
@@ -234,20 +264,26 @@ def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
     assert snapshot_differences(before, snapshot(mlp)) == []
 
 
-@pytest.mark.parametrize("call,field", [
-    (lambda m: surgery.prune(m, 0.5, method=["l1"]), "prune.method"),
-    (lambda m: surgery.QuantSpec(observer=["minmax"]), "QuantSpec.observer"),
-    (lambda m: surgery.prune(m, 0.5, calibration="abc"), "prune.calibration"),
-    (lambda m: surgery.prune(m, 0.5, calibration=5), "prune.calibration"),
-    (lambda m: surgery.prune(m, 0.5, calibration=[], progress=False), "prune.calibration"),
-    (lambda m: surgery.prune(m, 0.5, method=lambda w: w), "prune.method"),
-    (lambda m: surgery.prune(m, 0.5, method="random_unstructured", seed=2**80), "prune.seed"),
-    (lambda m: surgery.register_criterion("flagged", lambda w, s: w, structured="no"), "register_criterion.structured"),
-    (lambda m: surgery.QuantSpec(averaging=True), "QuantSpec.averaging"),
-    (lambda m: surgery.attach_transform(m, {"0.weight": torch.abs}, kind=3), "kind"),
-    (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w[0].clone()}), "transforms"),
-    (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w * 2}), "transforms['0.weight']"),
-])
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda m: surgery.prune(m, 0.5, method=["l1"]), "prune.method"),
+        (lambda m: surgery.QuantSpec(observer=["minmax"]), "QuantSpec.observer"),
+        (lambda m: surgery.prune(m, 0.5, calibration="abc"), "prune.calibration"),
+        (lambda m: surgery.prune(m, 0.5, calibration=5), "prune.calibration"),
+        (lambda m: surgery.prune(m, 0.5, calibration=[], progress=False), "prune.calibration"),
+        (lambda m: surgery.prune(m, 0.5, method=lambda w: w), "prune.method"),
+        (lambda m: surgery.prune(m, 0.5, method="random_unstructured", seed=2**80), "prune.seed"),
+        (
+            lambda m: surgery.register_criterion("flagged", lambda w, s: w, structured="no"),
+            "register_criterion.structured",
+        ),
+        (lambda m: surgery.QuantSpec(averaging=True), "QuantSpec.averaging"),
+        (lambda m: surgery.attach_transform(m, {"0.weight": torch.abs}, kind=3), "kind"),
+        (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w[0].clone()}), "transforms"),
+        (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w * 2}), "transforms['0.weight']"),
+    ],
+)
 def test_hostile_arguments_get_one_line_errors_and_change_nothing(mlp, call, field):
     before = snapshot(mlp)
     with pytest.raises(ConfigError) as info:
@@ -270,7 +306,6 @@ def test_a_transform_object_must_edit_in_place(mlp):
 def test_a_capture_is_a_context_manager_entered_once(mlp, mlp_input):
     seen = surgery.capture(mlp)
     with pytest.raises(RuntimeError, match="with surgery.capture"):
-        seen.outputs
-    with seen, pytest.raises(RuntimeError, match="already active"):
-        with seen:
-            pass
+        _ = seen.outputs
+    with seen, pytest.raises(RuntimeError, match="already active"), seen:
+        pass

@@ -39,8 +39,9 @@ def assert_load_refused(model: nn.Module, path: Path, match: str) -> None:
 
 
 @pytest.mark.parametrize("pruned", [False, True])
-def test_save_then_load_into_a_fresh_instance_reproduces_outputs(convnet, convnet_factory, image_input,
-                                                                 tmp_path, suffix, pruned):
+def test_save_then_load_into_a_fresh_instance_reproduces_outputs(
+    convnet, convnet_factory, image_input, tmp_path, suffix, pruned
+):
     handle = surgery.prune(convnet, 0.5) if pruned else None
     expected = collect(convnet, [image_input])
     path = save_checkpoint(convnet, tmp_path / f"model{suffix}")
@@ -121,8 +122,9 @@ def test_truncated_file(mlp, tmp_path, suffix, keep):
 
 def test_random_bytes(mlp, tmp_path, suffix):
     path = tmp_path / f"noise{suffix}"
-    path.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-                     .numpy().tobytes())
+    path.write_bytes(
+        torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    )
     assert_load_refused(mlp, path, "corrupted or truncated|refused by weights_only")
 
 
@@ -146,11 +148,14 @@ def test_missing_and_unexpected_keys_are_counted(mlp, tmp_path):
     assert_load_refused(mlp, tmp_path / "keys.pt", "1 unexpected key")
 
 
-@pytest.mark.parametrize("payload", [
-    pytest.param(lambda state: Payload(), id="object"),
-    pytest.param(lambda state: {"state_dict": state, "extra": Payload()}, id="object-beside-weights"),
-    pytest.param(lambda state: {**state, "0.weight": Payload()}, id="object-among-weights"),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(lambda state: Payload(), id="object"),
+        pytest.param(lambda state: {"state_dict": state, "extra": Payload()}, id="object-beside-weights"),
+        pytest.param(lambda state: {**state, "0.weight": Payload()}, id="object-among-weights"),
+    ],
+)
 def test_pickle_carrying_code_is_refused(mlp, tmp_path, payload):
     path = tmp_path / "code.pt"
     torch.save(payload(mlp.state_dict()), path)

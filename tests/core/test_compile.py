@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from support import edit_in_place  # tests/support.py
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -16,10 +17,8 @@ import surgery
 from surgery import QuantSpec
 from surgery.core import compiled
 from surgery.ops import rewriting as rw
-from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 from surgery.ops.observers import fake_quantize
-
-from support import edit_in_place  # tests/support.py
+from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 
 Attach = Callable[[nn.Module, torch.Tensor], list]
 
@@ -36,8 +35,9 @@ def fresh_dynamo() -> Iterator[None]:
 
 
 def _calibrated(spec: QuantSpec, where: str = "output", weights: QuantSpec | None = None) -> Attach:
-    return lambda m, x: [surgery.quantize(m, weights=weights, activations=spec, where=where,
-                                          calibration=[x, 0.5 * x], progress=False)]
+    return lambda m, x: [
+        surgery.quantize(m, weights=weights, activations=spec, where=where, calibration=[x, 0.5 * x], progress=False)
+    ]
 
 
 # Each case attaches surgery to a model and returns its handles (restored last-in-first-out).
@@ -69,10 +69,14 @@ def _rewrite(fn: Callable, select: object = None) -> Attach:
 
 
 CASES |= {f"rewrite-{name}-root": _rewrite(fn) for name, fn in REWRITES.items() if name != "resize"}
-CASES |= {f"rewrite-{name}-layers": _rewrite(fn, nn.Conv2d if name == "resize" else (nn.Conv2d, nn.Linear))
-          for name, fn in REWRITES.items()}
-CASES["prune-quantize-rewrite"] = lambda m, x: [*CASES["prune-then-quantize"](m, x),
-                                                surgery.rewrite_inputs(m, rw.Clamp(min=-2.0))]
+CASES |= {
+    f"rewrite-{name}-layers": _rewrite(fn, nn.Conv2d if name == "resize" else (nn.Conv2d, nn.Linear))
+    for name, fn in REWRITES.items()
+}
+CASES["prune-quantize-rewrite"] = lambda m, x: [
+    *CASES["prune-then-quantize"](m, x),
+    surgery.rewrite_inputs(m, rw.Clamp(min=-2.0)),
+]
 INPUT_SHAPES = {"convnet": (2, 3, 12, 12), "mlp": (6, 8)}
 
 
@@ -136,8 +140,11 @@ def test_add_noise_breaks_the_graph_on_a_submodule_but_draws_the_same_noise_as_e
     """Documented limitation: AddNoise draws from its own CPU torch.Generator, which dynamo
     cannot put in a graph; the values still follow the eager sequence call after call."""
     twin = copy.deepcopy(convnet)
-    with surgery.rewrite_inputs(convnet, rw.AddNoise(0.1, seed=4), select="conv2"), \
-            surgery.rewrite_inputs(twin, rw.AddNoise(0.1, seed=4), select="conv2"), torch.no_grad():
+    with (
+        surgery.rewrite_inputs(convnet, rw.AddNoise(0.1, seed=4), select="conv2"),
+        surgery.rewrite_inputs(twin, rw.AddNoise(0.1, seed=4), select="conv2"),
+        torch.no_grad(),
+    ):
         compiled_model = torch.compile(convnet, backend="aot_eager")
         for _ in range(3):
             assert torch.equal(compiled_model(image_input), twin(image_input))
@@ -153,15 +160,16 @@ def pruned_entries(model: nn.Module, masks: dict[str, torch.Tensor]) -> torch.Te
 
 def on_grid(param: torch.Tensor, quantizer) -> bool:
     value = param.detach()
-    return torch.equal(fake_quantize(value, quantizer.scale, quantizer.zero_point, quantizer.axis, quantizer.spec), value)
+    return torch.equal(
+        fake_quantize(value, quantizer.scale, quantizer.zero_point, quantizer.axis, quantizer.spec), value
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_training_the_compiled_model_keeps_masks_and_the_grid(backend, mlp_factory, mlp_input):
     model = mlp_factory().train()
     pruning = surgery.prune(model, 0.5)
-    quantizing = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
-                                  select=["0", "2"])
+    quantizing = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select=["0", "2"])
     masks = pruning.masks()
     reference = mlp_factory().train()  # a plain eager twin: masks and grid applied by hand
     compiled_model = torch.compile(model, backend=backend, fullgraph=True)
@@ -276,8 +284,14 @@ def test_surgery_on_a_compiled_wrapper_applies_to_the_model_it_compiles(convnet,
     with torch.no_grad():
         plain = compiled_model(image_input)
         pruning = surgery.prune(compiled_model, 0.5, select=["conv2", "fc"])  # the model's own names
-        quantizing = surgery.quantize(compiled_model, weights=None, activations=QuantSpec(), select="conv1",
-                                      calibration=[image_input], progress=False)
+        quantizing = surgery.quantize(
+            compiled_model,
+            weights=None,
+            activations=QuantSpec(),
+            select="conv1",
+            calibration=[image_input],
+            progress=False,
+        )
         rewriting = surgery.rewrite_inputs(compiled_model, rw.Clamp(min=-1.0, max=1.0), select="conv2")
         assert list(pruning.masks()) == ["conv2.weight", "fc.weight"]
         assert list(quantizing.qparams()) == ["conv1.scale", "conv1.zero_point"]
@@ -298,9 +312,17 @@ def test_code_compiled_for_a_plain_instance_is_not_reused_for_one_under_surgery(
     plain, hooked = convnet_factory(), convnet_factory()
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True), torch.no_grad():
         torch.compile(plain, backend="aot_eager")(image_input)  # compiled without hook guards
-        handles = [surgery.rewrite_inputs(hooked, rw.Clamp(min=0.0, max=0.1), select="conv2"),
-                   surgery.quantize(hooked, weights=None, activations=QuantSpec(bits=3), select="conv1",
-                                    calibration=[image_input], progress=False)]
+        handles = [
+            surgery.rewrite_inputs(hooked, rw.Clamp(min=0.0, max=0.1), select="conv2"),
+            surgery.quantize(
+                hooked,
+                weights=None,
+                activations=QuantSpec(bits=3),
+                select="conv1",
+                calibration=[image_input],
+                progress=False,
+            ),
+        ]
         assert torch._dynamo.config.skip_nnmodule_hook_guards is False
         assert torch.equal(torch.compile(hooked, backend="aot_eager")(image_input), hooked(image_input))
         assert torch.equal(torch.compile(plain, backend="aot_eager")(image_input), plain(image_input))
@@ -311,8 +333,10 @@ def test_surgery_after_module_compile_in_place(mlp, mlp_input):
     mlp.compile(backend="aot_eager")
     with torch.no_grad():
         plain = mlp(mlp_input)
-        with surgery.prune(mlp, 0.5, select="2") as handle, \
-                surgery.rewrite_inputs(mlp, rw.Clamp(min=-0.5, max=0.5), select="4"):
+        with (
+            surgery.prune(mlp, 0.5, select="2") as handle,
+            surgery.rewrite_inputs(mlp, rw.Clamp(min=-0.5, max=0.5), select="4"),
+        ):
             assert torch.equal(mlp(mlp_input), mlp._call_impl(mlp_input))  # compiled call == eager call
             assert (mlp[2].weight[~handle.masks()["2.weight"]] == 0).all()
             assert not torch.equal(mlp(mlp_input), plain)

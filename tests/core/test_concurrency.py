@@ -17,25 +17,23 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from support import Passthrough  # tests/support.py
 from torch import Tensor, nn
 
 import surgery
-from surgery.testing import transformed_parameters
-from surgery.core import guards
+from surgery.analysis.inspection import ModuleCall, inspect_model
+from surgery.core.errors import ConfigError
 from surgery.ops import rules
-from surgery.cli.checks import (
+from surgery.ops.observers import QuantSpec
+from surgery.ops.rewriting import Normalize
+from surgery.testing import (
     collect,
     global_hook_counts,
     module_hook_counts,
     snapshot,
     snapshot_differences,
+    transformed_parameters,
 )
-from surgery.core.errors import ConfigError
-from surgery.analysis.inspection import ModuleCall, inspect_model
-from surgery.ops.observers import QuantSpec
-from surgery.ops.rewriting import Normalize
-
-from support import Passthrough  # tests/support.py
 
 ROUNDS = 40
 
@@ -107,25 +105,29 @@ def surgery_round(model: nn.Module, inputs: list[Tensor], calibration: list[Tens
     outputs: list[Tensor] = []
     pruned = surgery.prune(model, 0.5)
     outputs += collect(model, inputs)
-    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
-                                 activations=QuantSpec(bits=6, observer="moving_average", averaging=0.5),
-                                 calibration=calibration)
+    quantized = surgery.quantize(
+        model,
+        weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
+        activations=QuantSpec(bits=6, observer="moving_average", averaging=0.5),
+        calibration=calibration,
+    )
     outputs += collect(model, inputs)
     rewritten = surgery.rewrite_inputs(model, Normalize(0.1, 2.0))
     outputs += collect(model, inputs)
     surgery.compose(pruned, quantized, rewritten).restore()
     outputs += collect(model, inputs)
     baked = copy.deepcopy(model)
-    with surgery.compose(surgery.prune(baked, 0.3, method="ln_structured"),
-                         surgery.quantize(baked, weights=QuantSpec(bits=3), calibration=calibration)) as handle:
+    with surgery.compose(
+        surgery.prune(baked, 0.3, method="ln_structured"),
+        surgery.quantize(baked, weights=QuantSpec(bits=3), calibration=calibration),
+    ) as handle:
         outputs += collect(baked, inputs)
         handle.bake()
     assert not any(module_hook_counts(baked).values()) and guarded(baked) == []
     return outputs + collect(baked, inputs)
 
 
-def surgery_worker(model: nn.Module, inputs: list[Tensor], calibration: list[Tensor],
-                   expected: list[Tensor]) -> Worker:
+def surgery_worker(model: nn.Module, inputs: list[Tensor], calibration: list[Tensor], expected: list[Tensor]) -> Worker:
     """Round after round, the outputs equal those of the same round run alone, and restore
     leaves the model bit-identical."""
     before = snapshot(model)
@@ -135,15 +137,19 @@ def surgery_worker(model: nn.Module, inputs: list[Tensor], calibration: list[Ten
             barrier.wait()
             assert same(surgery_round(model, inputs, calibration), expected), f"round {round_}: other outputs"
             assert own_differences(before, snapshot(model)) == [], f"round {round_}: not restored"
+
     return work
 
 
-def test_surgery_on_models_in_parallel_threads_matches_running_it_alone(convnet_factory, mlp_factory,
-                                                                       image_input, mlp_input):
+def test_surgery_on_models_in_parallel_threads_matches_running_it_alone(
+    convnet_factory, mlp_factory, image_input, mlp_input
+):
     generator = torch.Generator().manual_seed(3)
-    jobs = [(convnet_factory(0), [image_input], [torch.randn(4, 3, 12, 12, generator=generator) for _ in range(2)]),
-            (convnet_factory(0), [image_input], [torch.randn(4, 3, 12, 12, generator=generator) for _ in range(2)]),
-            (mlp_factory(1), [mlp_input], [torch.randn(8, 8, generator=generator) for _ in range(2)])]
+    jobs = [
+        (convnet_factory(0), [image_input], [torch.randn(4, 3, 12, 12, generator=generator) for _ in range(2)]),
+        (convnet_factory(0), [image_input], [torch.randn(4, 3, 12, 12, generator=generator) for _ in range(2)]),
+        (mlp_factory(1), [mlp_input], [torch.randn(8, 8, generator=generator) for _ in range(2)]),
+    ]
     expected = [surgery_round(copy.deepcopy(model), inputs, calibration) for model, inputs, calibration in jobs]
     assert not same(expected[0], expected[1])  # same architecture and names, different calibration
     originals = [copy.deepcopy(model) for model, _, _ in jobs]
@@ -157,8 +163,9 @@ def test_surgery_on_models_in_parallel_threads_matches_running_it_alone(convnet_
     assert not any(global_hook_counts().values())
 
 
-def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(convnet_factory, mlp_factory,
-                                                                       image_input, mlp_input):
+def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(
+    convnet_factory, mlp_factory, image_input, mlp_input
+):
     failing, busy = convnet_factory(0), mlp_factory(0)
     failing_before, busy_before = snapshot(failing), snapshot(busy)
     calibration = [torch.randn(4, 8, generator=torch.Generator().manual_seed(4))]
@@ -188,7 +195,6 @@ def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(convnet_
 # --------------------------------------------------------------------------- build-time interception
 
 
-
 def build() -> nn.Module:
     """Many registrations of every kind: modules, parameters and buffers, nested."""
     return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.BatchNorm1d(4)) for _ in range(12)))
@@ -209,8 +215,7 @@ def test_intercept_in_one_thread_never_touches_models_built_in_another():
             with surgery.intercept(swap, freeze) as log:
                 model = build()
             assert kinds(model) == [k.replace("ReLU", "SiLU") for k in plain_kinds]
-            assert not any(p.requires_grad for m in model.modules() if isinstance(m, nn.Linear)
-                           for p in m.parameters())
+            assert not any(p.requires_grad for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters())
             assert len(log) == 12 + 24  # every swap and every frozen parameter, none from the other thread
 
     def building(barrier: threading.Barrier) -> None:
@@ -258,10 +263,16 @@ def nested_worker(who: str, turns: Turns, depths: dict[str, int], seen: list) ->
     """Open an outer and an inner ``intercept`` block and close them, one action per turn;
     after each action record the number of global hooks and what a ReLU built now becomes."""
     outer_type, inner_type = SWAPS[who]
-    blocks = [surgery.intercept(rules.swap(nn.ReLU, lambda old: outer_type())),
-              surgery.intercept(rules.swap(nn.ReLU, lambda old: inner_type()))]
-    actions = [(blocks[0].__enter__, 1), (blocks[1].__enter__, 2),
-               (lambda: blocks[1].__exit__(None, None, None), 1), (lambda: blocks[0].__exit__(None, None, None), 0)]
+    blocks = [
+        surgery.intercept(rules.swap(nn.ReLU, lambda old: outer_type())),
+        surgery.intercept(rules.swap(nn.ReLU, lambda old: inner_type())),
+    ]
+    actions = [
+        (blocks[0].__enter__, 1),
+        (blocks[1].__enter__, 2),
+        (lambda: blocks[1].__exit__(None, None, None), 1),
+        (lambda: blocks[0].__exit__(None, None, None), 0),
+    ]
 
     def work() -> None:
         for action, depth in actions:
@@ -270,6 +281,7 @@ def nested_worker(who: str, turns: Turns, depths: dict[str, int], seen: list) ->
                 depths[who] = depth
                 probe = type(nn.Sequential(nn.ReLU())[0])
                 seen.append((who, dict(depths), registration_hooks(), probe))
+
     return work
 
 
@@ -299,8 +311,9 @@ def call_rows(calls: list[ModuleCall]) -> list[tuple]:
     return [(c.name, c.type, c.depth, c.batch, c.input_shapes, c.output_shapes, c.params_own) for c in calls]
 
 
-def test_inspection_in_one_thread_records_only_its_model_while_another_runs_surgery(convnet_factory, mlp_factory,
-                                                                                   image_input, mlp_input):
+def test_inspection_in_one_thread_records_only_its_model_while_another_runs_surgery(
+    convnet_factory, mlp_factory, image_input, mlp_input
+):
     inspected, other = convnet_factory(0), mlp_factory(0)
     expected_rows = call_rows(inspect_model(inspected, [image_input, image_input[:1]]))
     calibration = [torch.randn(4, 8, generator=torch.Generator().manual_seed(5))]
@@ -324,8 +337,9 @@ def test_inspection_in_one_thread_records_only_its_model_while_another_runs_surg
     assert not any(module_hook_counts(inspected).values()) and not any(module_hook_counts(other).values())
 
 
-def test_threads_inspecting_at_once_each_record_only_their_own_calls(convnet_factory, mlp_factory,
-                                                                     image_input, mlp_input):
+def test_threads_inspecting_at_once_each_record_only_their_own_calls(
+    convnet_factory, mlp_factory, image_input, mlp_input
+):
     shared = convnet_factory(0)  # inspected by two threads at once, with different batch sizes
     jobs = [(shared, image_input), (shared, image_input[:1]), (mlp_factory(0), mlp_input)]
     expected = [call_rows(inspect_model(model, x)) for model, x in jobs]
@@ -335,6 +349,7 @@ def test_threads_inspecting_at_once_each_record_only_their_own_calls(convnet_fac
             for _ in range(ROUNDS):
                 barrier.wait()
                 assert call_rows(inspect_model(model, x)) == rows
+
         return work
 
     run_in_threads(*(inspecting(model, x, rows) for (model, x), rows in zip(jobs, expected)))

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.handles import Handle
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
 
 def recording_handle(model: nn.Module, name: str, log: list[str], steps: int = 1) -> Handle:
@@ -32,9 +32,8 @@ def test_context_manager_restores_on_exit(mlp, mlp_input):
 
 def test_context_manager_restores_on_exception_and_lets_it_propagate(mlp):
     before = snapshot(mlp)
-    with pytest.raises(ZeroDivisionError):
-        with surgery.prune(mlp, 0.5) as handle:
-            1 / 0
+    with pytest.raises(ZeroDivisionError), surgery.prune(mlp, 0.5) as handle:
+        _ = 1 / 0
     assert handle.state == "restored"
     assert snapshot_differences(before, snapshot(mlp)) == []
 
@@ -101,8 +100,9 @@ def test_compose_bakes_every_handle(mlp):
 def test_composed_prune_handles_restore_exactly(mlp, mlp_input):
     before = snapshot(mlp)
     expected = collect(mlp, [mlp_input])[0]
-    with surgery.compose(surgery.prune(mlp, 0.5, select="0"),
-                         surgery.prune(mlp, 0.5, select="2", method="ln_structured")):
+    with surgery.compose(
+        surgery.prune(mlp, 0.5, select="0"), surgery.prune(mlp, 0.5, select="2", method="ln_structured")
+    ):
         assert (mlp[0].weight == 0).any() and (mlp[2].weight == 0).any()
     assert snapshot_differences(before, snapshot(mlp)) == []
     assert torch.equal(collect(mlp, [mlp_input])[0], expected)
@@ -121,6 +121,7 @@ def test_undo_error_collects_failures_and_keeps_undoing(mlp):
         def action():
             log.append(f"tried {message}")
             raise OSError(message)
+
         return action
 
     handle.add("first", lambda: log.append("undo first"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 pytest_plugins = ["pytester"]
 
-LEAKY_TESTS = '''
+LEAKY_TESTS = """
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch import nn
@@ -32,7 +32,7 @@ def test_leaks_a_global_optimizer_hook():
 def test_clean():
     with surgery.prune(nn.Linear(4, 4), 0.5):
         pass
-'''
+"""
 
 
 def test_each_kind_of_leak_fails_the_test_that_caused_it(pytester):

@@ -23,26 +23,24 @@ from unittest import mock
 
 import pytest
 import torch
+from support import Passthrough  # tests/support.py
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import surgery
 from surgery.cli import checks, steps
-from surgery.core import guards
-from surgery.ops import pruning, quantization, rules
 from surgery.cli import run as run_module
-from surgery.core.checkpoints import load_checkpoint, save_checkpoint
-from surgery.testing import MODULE_HOOK_DICTS
-from surgery.testing import collect, global_hook_counts, snapshot, snapshot_differences
 from surgery.cli.config import load_config
+from surgery.cli.steps import apply_steps
+from surgery.core import guards
+from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.handles import Handle
+from surgery.ops import pruning, quantization, rules
 from surgery.ops.observers import Observer, QuantSpec
 from surgery.ops.pruning import MaskEnforcer
 from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.ops.rewriting import Clamp
-from surgery.cli.steps import apply_steps
-
-from support import Passthrough  # tests/support.py
+from surgery.testing import MODULE_HOOK_DICTS, Snapshot, collect, global_hook_counts, snapshot, snapshot_differences
 
 intercept_module = importlib.import_module("surgery.ops.intercept")  # surgery.ops.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
@@ -77,8 +75,9 @@ class Tripwire:
     """Counts the calls to all its targets, in order, and raises ``error`` at call ``fail_at``
     (``None``: only count). ``calls`` holds ``(target name, positional arguments)``."""
 
-    def __init__(self, targets: list[Target], fail_at: int | None = None,
-                 error: type[BaseException] = RuntimeError) -> None:
+    def __init__(
+        self, targets: list[Target], fail_at: int | None = None, error: type[BaseException] = RuntimeError
+    ) -> None:
         self.targets, self.fail_at, self.error = targets, fail_at, error
         self.calls: list[tuple[str, tuple]] = []
 
@@ -118,14 +117,17 @@ def counted(targets: list[Target], action: Callable[[], object]) -> tuple[int, o
 class State:
     """Everything a failed call must leave as it was."""
 
-    snapshot: checks.Snapshot  # tensors bit for bit, state_dict keys, classes/children, hook counts
+    snapshot: Snapshot  # tensors bit for bit, state_dict keys, classes/children, hook counts
     hooks: dict[str, list]  # the entries of every per-module hook dict, in order
     identity: list  # the same Parameter/buffer objects, requires_grad and training flags
 
 
 def state_of(model: nn.Module) -> State:
-    hooks = {f"{name}:{kind}": list(getattr(module, kind).items())
-             for name, module in model.named_modules() for kind in MODULE_HOOK_DICTS}
+    hooks = {
+        f"{name}:{kind}": list(getattr(module, kind).items())
+        for name, module in model.named_modules()
+        for kind in MODULE_HOOK_DICTS
+    }
     identity = [(name, id(p), p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)]
     identity += [(name, id(b)) for name, b in model.named_buffers(remove_duplicate=False)]
     identity += [(name, m.training) for name, m in model.named_modules()]
@@ -144,8 +146,15 @@ def assert_outputs(model: nn.Module, x: torch.Tensor, expected: list[torch.Tenso
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected)), where
 
 
-def fail_at_every_call(model: nn.Module, x: torch.Tensor, apply: Callable[[], Handle], targets: list[Target],
-                       error: type[BaseException], *, minimum: int = 3) -> int:
+def fail_at_every_call(
+    model: nn.Module,
+    x: torch.Tensor,
+    apply: Callable[[], Handle],
+    targets: list[Target],
+    error: type[BaseException],
+    *,
+    minimum: int = 3,
+) -> int:
     """Fail ``apply`` at each of its internal calls in turn: each time the model must be exactly
     as before and work; then a retry succeeds, equals a clean run and restores exactly."""
     before, expected = state_of(model), collect(model, [x])
@@ -170,29 +179,44 @@ def fail_at_every_call(model: nn.Module, x: torch.Tensor, apply: Callable[[], Ha
 # --- every verb -------------------------------------------------------------------------------------
 
 
-PRUNE_CALLS = [Target(pruning, "masks_from_scores"), Target(Handle, "add", after=True),
-               Target(guards, "attach", after=True), Target(MaskEnforcer, "apply", after=True),
-               Target(nn.Module, "register_forward_pre_hook")]
-WEIGHT_CALLS = [Target(Observer, "observe"), Target(Handle, "add", after=True), Target(guards, "attach", after=True),
-                Target(WeightQuantizer, "apply", after=True), Target(nn.Module, "register_forward_pre_hook")]
-ACTIVATION_CALLS = [Target(Handle, "add", after=True), Target(nn.Module, "register_forward_pre_hook"),
-                    Target(nn.Module, "register_forward_hook"), Target(ActivationQuantizer, "__call__", after=True),
-                    Target(ActivationQuantizer, "freeze", after=True)]
+PRUNE_CALLS = [
+    Target(pruning, "masks_from_scores"),
+    Target(Handle, "add", after=True),
+    Target(guards, "attach", after=True),
+    Target(MaskEnforcer, "apply", after=True),
+    Target(nn.Module, "register_forward_pre_hook"),
+]
+WEIGHT_CALLS = [
+    Target(Observer, "observe"),
+    Target(Handle, "add", after=True),
+    Target(guards, "attach", after=True),
+    Target(WeightQuantizer, "apply", after=True),
+    Target(nn.Module, "register_forward_pre_hook"),
+]
+ACTIVATION_CALLS = [
+    Target(Handle, "add", after=True),
+    Target(nn.Module, "register_forward_pre_hook"),
+    Target(nn.Module, "register_forward_hook"),
+    Target(ActivationQuantizer, "__call__", after=True),
+    Target(ActivationQuantizer, "freeze", after=True),
+]
 
 
 @pytest.mark.parametrize("error", ERRORS)
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("method", METHODS)
 def test_prune(convnet, image_input, method, scope, error):
-    fail_at_every_call(convnet, image_input, lambda: surgery.prune(convnet, 0.5, method=method, scope=scope),
-                       PRUNE_CALLS, error)
+    fail_at_every_call(
+        convnet, image_input, lambda: surgery.prune(convnet, 0.5, method=method, scope=scope), PRUNE_CALLS, error
+    )
 
 
 @pytest.mark.parametrize("error", ERRORS)
 def test_prune_over_an_attached_quantization_refuses_without_changing_it(convnet, image_input, error):
     with surgery.quantize(convnet, select="conv2", progress=False):
-        fail_at_every_call(convnet, image_input, lambda: surgery.prune(convnet, 0.5, select=["conv1", "fc"]),
-                           PRUNE_CALLS, error)
+        fail_at_every_call(
+            convnet, image_input, lambda: surgery.prune(convnet, 0.5, select=["conv1", "fc"]), PRUNE_CALLS, error
+        )
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -204,19 +228,26 @@ def test_quantize_weights(convnet, image_input, error):
 @pytest.mark.parametrize("where", ["output", "input"])
 def test_quantize_activations_with_calibration(convnet, image_input, where, error):
     calibration = [image_input, image_input * 2]
-    fail_at_every_call(convnet, image_input,
-                       lambda: surgery.quantize(convnet, activations=A8, where=where, calibration=calibration,
-                                                progress=False),
-                       WEIGHT_CALLS + ACTIVATION_CALLS, error)
+    fail_at_every_call(
+        convnet,
+        image_input,
+        lambda: surgery.quantize(convnet, activations=A8, where=where, calibration=calibration, progress=False),
+        WEIGHT_CALLS + ACTIVATION_CALLS,
+        error,
+    )
 
 
 @pytest.mark.parametrize("error", ERRORS)
 def test_quantize_activations_from_saved_qparams(convnet, image_input, tmp_path, error):
     with surgery.quantize(convnet, weights=None, activations=A8, calibration=[image_input], progress=False) as h:
         path = h.save_qparams(tmp_path / "model.qparams.safetensors")
-    fail_at_every_call(convnet, image_input,
-                       lambda: surgery.quantize(convnet, weights=None, activations=A8, qparams=path, progress=False),
-                       [Target(quantization, "load_qparams"), *ACTIVATION_CALLS], error)
+    fail_at_every_call(
+        convnet,
+        image_input,
+        lambda: surgery.quantize(convnet, weights=None, activations=A8, qparams=path, progress=False),
+        [Target(quantization, "load_qparams"), *ACTIVATION_CALLS],
+        error,
+    )
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -224,9 +255,14 @@ def test_quantize_activations_from_saved_qparams(convnet, image_input, tmp_path,
 @pytest.mark.parametrize("select", [None, "type:Conv2d", ["conv1", "bn1", "fc"]], ids=["root", "type", "names"])
 def test_rewrite_inputs(convnet, image_input, select, recorded, error):
     targets = [Target(nn.Module, "register_forward_pre_hook"), Target(Handle, "add", after=recorded)]
-    fail_at_every_call(convnet, image_input,
-                       lambda: surgery.rewrite_inputs(convnet, Clamp(min=-1.0, max=1.0), select=select),
-                       targets, error, minimum=2)
+    fail_at_every_call(
+        convnet,
+        image_input,
+        lambda: surgery.rewrite_inputs(convnet, Clamp(min=-1.0, max=1.0), select=select),
+        targets,
+        error,
+        minimum=2,
+    )
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -261,7 +297,8 @@ def attach_side_by_side(model: nn.Module, x: torch.Tensor) -> Handle:
     return surgery.compose(
         surgery.prune(model, 0.5, select="conv1"),
         surgery.quantize(model, activations=A8, calibration=[x], select=["conv2", "fc"], progress=False),
-        surgery.rewrite_inputs(model, Clamp(min=-1.0, max=1.0), select=["bn1", "fc"]))
+        surgery.rewrite_inputs(model, Clamp(min=-1.0, max=1.0), select=["bn1", "fc"]),
+    )
 
 
 def attach_stacked(model: nn.Module, x: torch.Tensor) -> Handle:
@@ -269,7 +306,8 @@ def attach_stacked(model: nn.Module, x: torch.Tensor) -> Handle:
     return surgery.compose(
         surgery.prune(model, 0.5),
         surgery.quantize(model, activations=A8, calibration=[x], progress=False),
-        surgery.rewrite_inputs(model, Clamp(min=-1.0, max=1.0), select="type:Conv2d"))
+        surgery.rewrite_inputs(model, Clamp(min=-1.0, max=1.0), select="type:Conv2d"),
+    )
 
 
 def remove_leftover_step_hooks() -> None:
@@ -304,7 +342,9 @@ def test_restore_failing_at_any_step_still_runs_every_other_step(convnet_factory
         where = f"restore failing at call {n} of {total} ({wire.calls[n - 1][0]})"
         assert len(wire.calls) == total, where  # every other undo step ran
         if error is RuntimeError:
-            assert [str(f) for f in info.value.failures] == [f"injected failure before call {n} ({wire.calls[n - 1][0]})"]
+            assert [str(f) for f in info.value.failures] == [
+                f"injected failure before call {n} ({wire.calls[n - 1][0]})"
+            ]
         assert handle.state == "restored" and [h.state for h in handle.handles] == ["restored"] * 3, where
         diffs = snapshot_differences(before.snapshot, snapshot(model))
         allowed = leftover_of(wire.calls[n - 1])
@@ -346,8 +386,9 @@ BAKE_CALLS = [Target(guards, "detach", after=True), Target(RemovableHandle, "rem
 
 @pytest.mark.parametrize("attach", [attach_side_by_side, attach_stacked], ids=["side-by-side", "stacked"])
 @pytest.mark.parametrize("error", ERRORS)
-def test_bake_failing_at_any_step_leaves_the_model_hooked_and_correct(convnet, convnet_factory, image_input,
-                                                                     attach, error):
+def test_bake_failing_at_any_step_leaves_the_model_hooked_and_correct(
+    convnet, convnet_factory, image_input, attach, error
+):
     total, _ = counted(BAKE_CALLS, attach(convnet_factory(), image_input).bake)
     assert total >= 8
     before, expected = state_of(convnet), collect(convnet, [image_input])
@@ -430,17 +471,26 @@ def test_load_checkpoint(convnet, convnet_factory, image_input, tmp_path, suffix
 # --- a multi-step recipe: prune -> quantize -> rewrite ------------------------------------------
 
 
-STEP_CALLS = [Target(Handle, "add", after=True), Target(guards, "attach", after=True),
-              Target(nn.Module, "register_forward_pre_hook"), Target(nn.Module, "register_forward_hook"),
-              Target(ActivationQuantizer, "freeze", after=True)]
+STEP_CALLS = [
+    Target(Handle, "add", after=True),
+    Target(guards, "attach", after=True),
+    Target(nn.Module, "register_forward_pre_hook"),
+    Target(nn.Module, "register_forward_hook"),
+    Target(ActivationQuantizer, "freeze", after=True),
+]
 
 
 def three_steps():
-    return load_config({
-        "recipe": "rollback", "model": {"source": "digits_cnn", "name": "digits_cnn"},
-        "steps": ["prune", "quantize", "rewrite"], "prune": {"amount": 0.5},
-        "quantize": {"activations": {"bits": 8}},
-        "rewrite": {"name": "clamp", "kwargs": {"min": -1.0, "max": 1.0}, "select": ["conv1", "fc"]}})
+    return load_config(
+        {
+            "recipe": "rollback",
+            "model": {"source": "digits_cnn", "name": "digits_cnn"},
+            "steps": ["prune", "quantize", "rewrite"],
+            "prune": {"amount": 0.5},
+            "quantize": {"activations": {"bits": 8}},
+            "rewrite": {"name": "clamp", "kwargs": {"min": -1.0, "max": 1.0}, "select": ["conv1", "fc"]},
+        }
+    )
 
 
 @pytest.mark.parametrize("error", ERRORS)
@@ -458,6 +508,7 @@ def test_apply_steps(convnet, image_input, step, position, error):
             handle = applier(*args)
             bounds[kind] = (start, len(wire.calls))
             return handle
+
         return apply
 
     before, expected = state_of(convnet), collect(convnet, [image_input])
@@ -490,12 +541,17 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
         applied.append(len(wire.calls))
         raise RuntimeError("step failed")
 
-    with mock.patch.object(steps, "rewrite_inputs", side_effect=failing_rewrite), \
-            Tripwire([Target(RemovableHandle, "remove")]).armed() as wire, pytest.raises(RuntimeError):
+    with (
+        mock.patch.object(steps, "rewrite_inputs", side_effect=failing_rewrite),
+        Tripwire([Target(RemovableHandle, "remove")]).armed() as wire,
+        pytest.raises(RuntimeError),
+    ):
         apply_steps(copy.deepcopy(convnet), three_steps(), calibration={"quantize": [image_input]})
     first_undo = applied[0] + 1  # the first hook removal of the rollback
-    with mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")), \
-            Tripwire([Target(RemovableHandle, "remove")], first_undo).armed() as wire:
+    with (
+        mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")),
+        Tripwire([Target(RemovableHandle, "remove")], first_undo).armed() as wire,
+    ):
         with pytest.raises(RuntimeError, match="step failed") as info:
             apply_steps(convnet, three_steps(), calibration={"quantize": [image_input]})
     assert not isinstance(info.value, surgery.UndoError)
@@ -506,7 +562,6 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
 
 
 # --- intercept: a rule failing halfway through a build -------------------------------------------
-
 
 
 def build() -> nn.Module:
@@ -528,11 +583,15 @@ class Bomb:
             if self.calls == self.fail_at:
                 raise self.error("injected failure")
             return action(value)
+
         return wrapped
 
     def rules(self) -> list[rules.Rule]:
-        return [rules.swap(nn.ReLU, self(lambda old: nn.SiLU())), rules.wrap(nn.Linear, self(Passthrough)),
-                rules.on_parameter("bias", self(lambda t: t.detach() * 0.5))]
+        return [
+            rules.swap(nn.ReLU, self(lambda old: nn.SiLU())),
+            rules.wrap(nn.Linear, self(Passthrough)),
+            rules.on_parameter("bias", self(lambda t: t.detach() * 0.5)),
+        ]
 
 
 def intercept_idle() -> bool:
@@ -588,22 +647,34 @@ def test_intercept_inner_block_failing_leaves_the_outer_block_working(error):
 # --- the run pipeline -------------------------------------------------------------------------------
 
 
-RUN_CALLS = [Target(run_module, "_build", after=True), Target(run_module, "apply_steps", after=True),
-             Target(run_module, "compare", after=True), Target(checks, "check_identity", after=True),
-             Target(checks, "check_restore", after=True), Target(checks, "check_bake", after=True),
-             Target(run_module, "save_checkpoint", after=True), Target(run_module, "save_tensors", after=True),
-             Target(checks, "check_save_load", after=True), Target(checks, "check_drift", after=True),
-             Target(run_module, "write_reports", after=True)]
+RUN_CALLS = [
+    Target(run_module, "_build", after=True),
+    Target(run_module, "apply_steps", after=True),
+    Target(run_module, "compare", after=True),
+    Target(checks, "check_identity", after=True),
+    Target(checks, "check_restore", after=True),
+    Target(checks, "check_bake", after=True),
+    Target(run_module, "save_checkpoint", after=True),
+    Target(run_module, "save_tensors", after=True),
+    Target(checks, "check_save_load", after=True),
+    Target(checks, "check_drift", after=True),
+    Target(run_module, "write_reports", after=True),
+]
 
 
 def pipeline_config(**output):
-    return load_config({
-        "recipe": "rollback", "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
-        "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
-        "steps": ["prune", "quantize", "rewrite"], "prune": {"amount": 0.5},
-        "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
-        "rewrite": {"name": "clamp", "kwargs": {"min": -2.0, "max": 2.0}},
-        "output": {"plots": False, **output}})
+    return load_config(
+        {
+            "recipe": "rollback",
+            "model": {"source": "digits_cnn", "name": "digits_cnn", "weights": None, "num_classes": 10},
+            "data": {"kind": "synthetic", "batch_size": 2, "batches": 1, "channels": 1, "image_size": 8},
+            "steps": ["prune", "quantize", "rewrite"],
+            "prune": {"amount": 0.5},
+            "quantize": {"activations": {"bits": 8}, "calibration_batches": 1},
+            "rewrite": {"name": "clamp", "kwargs": {"min": -2.0, "max": 2.0}},
+            "output": {"plots": False, **output},
+        }
+    )
 
 
 def listing(folder: Path) -> dict[str, bytes]:
@@ -627,5 +698,10 @@ def test_run_failing_at_every_stage_writes_nothing_and_reruns(tmp_path):
             assert global_hook_counts() == hooks and intercept_idle(), where
     result = run_module.run(config, out, echo=False)
     assert result.exit_code == 0
-    assert sorted(listing(out)) == ["model.qparams.safetensors", "model.safetensors", "notes.txt", "report.json",
-                                    "report.md"]
+    assert sorted(listing(out)) == [
+        "model.qparams.safetensors",
+        "model.safetensors",
+        "notes.txt",
+        "report.json",
+        "report.md",
+    ]

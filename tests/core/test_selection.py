@@ -61,20 +61,23 @@ def test_glob_double_star_is_any_number_of_segments(net):
     assert list(surgery.select(net, "layer1.**.conv2")) == ["layer1.0.conv2", "layer1.1.conv2"]
 
 
-@pytest.mark.parametrize(("pattern", "name", "matches"), [
-    ("model.layers.*", "model.layers.0", True),
-    ("model.layers.*", "model.layers.0.self_attn.q_proj", False),  # the surprise the old globs gave
-    ("model.layers.**", "model.layers.0.self_attn.q_proj", True),
-    ("model.layers.*.self_attn.?_proj", "model.layers.11.self_attn.q_proj", True),
-    ("a.**.b", "a.b", True),
-    ("a.**.b", "a.x.y.b", True),
-    ("**", "anything.at.all", True),
-    ("layer[!2].0", "layer1.0", True),
-    ("layer[!2].0", "layer2.0", False),
-    ("fc[", "fc[", True),
-    ("**.**", "a.b", True),
-    ("a.**.**.b", "a.x.b", True),
-])
+@pytest.mark.parametrize(
+    ("pattern", "name", "matches"),
+    [
+        ("model.layers.*", "model.layers.0", True),
+        ("model.layers.*", "model.layers.0.self_attn.q_proj", False),  # the surprise the old globs gave
+        ("model.layers.**", "model.layers.0.self_attn.q_proj", True),
+        ("model.layers.*.self_attn.?_proj", "model.layers.11.self_attn.q_proj", True),
+        ("a.**.b", "a.b", True),
+        ("a.**.b", "a.x.y.b", True),
+        ("**", "anything.at.all", True),
+        ("layer[!2].0", "layer1.0", True),
+        ("layer[!2].0", "layer2.0", False),
+        ("fc[", "fc[", True),
+        ("**.**", "a.b", True),
+        ("a.**.**.b", "a.x.b", True),
+    ],
+)
 def test_glob_semantics_on_dotted_names(pattern, name, matches):
     from surgery.core.selection import glob_regex
 
@@ -95,7 +98,11 @@ def test_regex_needs_prefix_and_matches_the_whole_name(net):
     assert list(surgery.select(net, "re:fc")) == ["fc"]  # a search would also hit "fc2"
     assert list(surgery.select(net, r"re:fc\d*")) == ["fc", "fc2"]
     assert list(surgery.select(net, r"re:layer\d\.0\.conv\d")) == [
-        "layer1.0.conv1", "layer1.0.conv2", "layer2.0.conv1", "layer2.0.conv2"]
+        "layer1.0.conv1",
+        "layer1.0.conv2",
+        "layer2.0.conv1",
+        "layer2.0.conv2",
+    ]
 
 
 def test_regex_that_only_matches_a_substring_is_an_error(net):
@@ -150,13 +157,22 @@ def test_predicate_receives_module_and_qualified_name(net):
         return isinstance(module, nn.Conv2d) and name.startswith("layer1")
 
     assert list(surgery.select(net, wide_convs)) == [
-        "layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer1.1.conv2"]
+        "layer1.0.conv1",
+        "layer1.0.conv2",
+        "layer1.1.conv1",
+        "layer1.1.conv2",
+    ]
     assert "layer2.0.conv2" in seen and "" in seen
 
 
 def test_list_is_a_union_in_model_order(net):
     assert list(surgery.select(net, ["fc2", "stem", nn.BatchNorm2d])) == [
-        "stem", "layer1.0.bn1", "layer1.1.bn1", "layer2.0.bn1", "fc2"]
+        "stem",
+        "layer1.0.bn1",
+        "layer1.1.bn1",
+        "layer2.0.bn1",
+        "fc2",
+    ]
 
 
 def test_tuple_of_strings_is_a_list_of_patterns(net):

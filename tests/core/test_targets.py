@@ -89,8 +89,9 @@ def test_any_floating_parameter_can_be_pruned_by_qualified_name(mixed):
 
 
 def test_quantize_can_target_a_parameter_by_name_per_output_row(mixed):
-    with surgery.quantize(mixed, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
-                          select="lstm.weight_hh_l0") as handle:
+    with surgery.quantize(
+        mixed, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select="lstm.weight_hh_l0"
+    ) as handle:
         assert list(handle.weights) == ["lstm.weight_hh_l0"]
         assert handle.weights["lstm.weight_hh_l0"].axis == 0
         rows = mixed.lstm.weight_hh_l0
@@ -106,8 +107,9 @@ def test_quantize_raises_on_a_selection_without_weights_like_prune(mixed):
 def test_activation_quantization_without_weights_in_the_selection_still_works(mixed):
     """Weights skipped (ReLU-like layers have none) are reported; activations are still quantized."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    with surgery.quantize(model, activations=QuantSpec(), select="1", calibration=[torch.randn(3, 4)],
-                          progress=False) as handle:
+    with surgery.quantize(
+        model, activations=QuantSpec(), select="1", calibration=[torch.randn(3, 4)], progress=False
+    ) as handle:
         assert list(handle.activations) == ["1"] and handle.weights == {}
 
 
@@ -160,8 +162,7 @@ def test_gpt2_conv1d_is_pruned_and_quantized_as_a_linear_layer():
         assert sum("mlp.c_fc" in name for name in pruned.parameters) == 2
         assert pruned.sparsity() == pytest.approx(0.5, abs=1e-4)
         assert "lm_head.weight" not in pruned.parameters
-        assert any(s.name == "lm_head.weight" and "input embedding transformer.wte" in s.reason
-                   for s in pruned.skipped)
+        assert any(s.name == "lm_head.weight" and "input embedding transformer.wte" in s.reason for s in pruned.skipped)
     assert torch.equal(model(input_ids=ids).logits, reference)
     with surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True)) as quantized:
         c_fc = model.transformer.h[0].mlp.c_fc
@@ -183,8 +184,9 @@ def test_an_intercept_rule_that_never_fires_on_a_hugging_face_model_warns():
 
 
 def test_an_excluded_layer_is_reported_as_excluded_not_as_outside_the_default():
-    import surgery
     from torch import nn
+
+    import surgery
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     handle = surgery.prune(model, 0.5, exclude="2", progress=False)

@@ -55,6 +55,7 @@ def _factory(name: str, kwargs: dict) -> Callable[..., nn.Module]:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return _randomise_zero_weights(torchvision.models.get_model(name, weights=None, num_classes=10, **kwargs))
+
     return build
 
 
@@ -117,8 +118,9 @@ def test_bake_equals_hooked_and_loads_strictly_into_a_fresh_instance(subject):
 def _tiny_vit(seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = torchvision.models.VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2,
-                                                     hidden_dim=32, mlp_dim=64, num_classes=10)
+        model = torchvision.models.VisionTransformer(
+            image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
+        )
         return _randomise_zero_weights(model)
 
 

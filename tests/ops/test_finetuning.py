@@ -23,8 +23,16 @@ def test_finetuning_with_masks_attached_keeps_them_and_restores_exactly(mlp, mlp
     pruned = surgery.prune(mlp, 0.5, progress=False)
     masks = pruned.masks()
     scores = iter(range(100))
-    tuned = finetune(mlp, labelled(mlp_input), epochs=2, lr=0.05, optimizer=optimizer, progress=False,
-                     evaluate=lambda model: float(next(scores)), eval_every=3)
+    tuned = finetune(
+        mlp,
+        labelled(mlp_input),
+        epochs=2,
+        lr=0.05,
+        optimizer=optimizer,
+        progress=False,
+        evaluate=lambda model: float(next(scores)),
+        eval_every=3,
+    )
     assert [p.step for p in tuned.curve] == [0, 3, 6, 8] and [p.score for p in tuned.curve] == [0, 1, 2, 3]
     assert tuned.curve[0].loss is None and all(p.loss > 0 for p in tuned.curve[1:])
     assert all(not mlp.get_parameter(n).detach()[~m].any() for n, m in masks.items())
@@ -58,12 +66,18 @@ def test_a_diverging_loss_stops_with_one_line_and_the_model_put_back(mlp, mlp_in
     assert snapshot_differences(before, snapshot(mlp)) == []
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"epochs": -1}, r"finetune\.epochs=-1: must be an integer >= 0"),
-    ({"lr": float("nan")}, r"finetune\.lr=nan: must be a finite number >= 0"),
-    ({"optimizer": "adamx"}, r"finetune\.optimizer='adamx': must be one of adamw, adam, sgd, adagrad, rmsprop \(did you mean"),
-    ({"eval_every": 0}, r"finetune\.eval_every=0: must be null or an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"epochs": -1}, r"finetune\.epochs=-1: must be an integer >= 0"),
+        ({"lr": float("nan")}, r"finetune\.lr=nan: must be a finite number >= 0"),
+        (
+            {"optimizer": "adamx"},
+            r"finetune\.optimizer='adamx': must be one of adamw, adam, sgd, adagrad, rmsprop \(did you mean",
+        ),
+        ({"eval_every": 0}, r"finetune\.eval_every=0: must be null or an integer >= 1"),
+    ],
+)
 def test_bad_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         finetune(mlp, labelled(mlp_input), progress=False, **kwargs)
@@ -76,8 +90,15 @@ def test_batches_must_be_labelled_pairs(mlp, mlp_input):
 
 def test_a_hugging_face_model_with_dict_inputs_finetunes_with_its_own_loss(tmp_path):
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config).eval()
     pruned = surgery.prune(model, 0.5, select="bert.encoder.**", progress=False)

@@ -8,14 +8,12 @@ import pytest
 import timm
 import torch
 import torchvision
+from support import Passthrough  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery.ops import rules
 from surgery.testing import global_hook_counts
-
-from support import Passthrough  # tests/support.py
-
 
 
 class Tied(nn.Module):
@@ -78,8 +76,9 @@ def test_timm_models_swap_and_identity_wrap(name):
     with surgery.intercept(rules.swap((nn.ReLU, nn.GELU, nn.SiLU), lambda old: nn.Hardswish())) as log:
         swapped = seeded(build)
     assert log, "timm models use at least one of these activations"
-    assert not any(isinstance(m, (nn.ReLU, nn.GELU, nn.SiLU)) for m in swapped.modules()
-                   if not isinstance(m, nn.Hardswish))
+    assert not any(
+        isinstance(m, (nn.ReLU, nn.GELU, nn.SiLU)) for m in swapped.modules() if not isinstance(m, nn.Hardswish)
+    )
 
 
 def test_swap_events_have_qualified_names_and_types():
@@ -120,15 +119,18 @@ def test_model_init_code_runs_on_what_the_rules_put_in():
 
 
 def test_parameter_rules_cast_freeze_reinit_and_tied_weights_stay_shared():
-    with surgery.intercept(rules.on_parameter("weight", rules.cast(torch.float64)),
-                           rules.on_parameter(nn.Embedding, rules.freeze())) as log:
+    with surgery.intercept(
+        rules.on_parameter("weight", rules.cast(torch.float64)), rules.on_parameter(nn.Embedding, rules.freeze())
+    ) as log:
         model = Tied()
     assert model.head.weight is model.embed.weight  # tying survived: transformed once
     assert model.embed.weight.dtype == torch.float64 and not model.embed.weight.requires_grad
     # head's own weight, created in nn.Linear.__init__, is cast too before the tie replaces it
-    assert [(e.name, e.rule) for e in log] == [("embed.weight", "parameter('weight')"),
-                                                ("embed.weight", "parameter(Embedding)"),
-                                                ("head.weight", "parameter('weight')")]
+    assert [(e.name, e.rule) for e in log] == [
+        ("embed.weight", "parameter('weight')"),
+        ("embed.weight", "parameter(Embedding)"),
+        ("head.weight", "parameter('weight')"),
+    ]
     with surgery.intercept(rules.on_parameter("gain", rules.reinit(nn.init.zeros_))):
         zeroed = Gain()
     assert torch.count_nonzero(zeroed.gain) == 0 and isinstance(zeroed.gain, nn.Parameter)
@@ -154,10 +156,9 @@ def test_building_on_the_meta_device_plans_surgery_without_memory():
 
 def test_hooks_exist_only_inside_the_block_and_are_removed_on_exceptions():
     assert registration_hooks() == 0
-    with pytest.raises(RuntimeError, match="boom"):
-        with surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU())):
-            assert registration_hooks() == 3
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU())):
+        assert registration_hooks() == 3
+        raise RuntimeError("boom")
     assert registration_hooks() == 0
     after = nn.Sequential(nn.ReLU())
     assert isinstance(after[0], nn.ReLU)
@@ -187,8 +188,10 @@ def test_a_model_built_in_another_thread_is_untouched():
 
     worker = threading.Thread(target=other_thread)
     worker.start()
-    with pytest.warns(surgery.RuleNeverFiredWarning, match=r"wrap\(Linear\) never fired"), \
-            surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU()), rules.wrap(nn.Linear, Passthrough)):
+    with (
+        pytest.warns(surgery.RuleNeverFiredWarning, match=r"wrap\(Linear\) never fired"),
+        surgery.intercept(rules.swap(nn.ReLU, lambda old: nn.SiLU()), rules.wrap(nn.Linear, Passthrough)),
+    ):
         started.set()
         assert release.wait(10)
         mine = nn.Sequential(nn.ReLU())  # the other thread's Linear does not count as a firing
@@ -224,9 +227,8 @@ def test_casting_a_trainable_parameter_to_integers_is_refused():
 def test_rules_reject_bad_arguments():
     with pytest.raises(TypeError, match="match"):
         rules.swap(3, lambda old: old)
-    with pytest.raises(TypeError, match="not a rule"):
-        with surgery.intercept(nn.ReLU):
-            pass
+    with pytest.raises(TypeError, match="not a rule"), surgery.intercept(nn.ReLU):
+        pass
     assert registration_hooks() == 0
 
 
@@ -259,9 +261,8 @@ def test_a_failed_build_keeps_no_half_built_module_alive():
 def test_a_rule_that_never_fires_warns_and_strict_raises():
     """Before: a rule that matched nothing (swap(nn.GELU) on a model with its own GELU class) was silent."""
     never, fires = rules.swap(nn.GELU, lambda old: nn.ReLU()), rules.swap(nn.ReLU, lambda old: nn.SiLU())
-    with pytest.warns(surgery.RuleNeverFiredWarning) as caught:
-        with surgery.intercept(never, fires):
-            nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.warns(surgery.RuleNeverFiredWarning) as caught, surgery.intercept(never, fires):
+        nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     assert [str(w.message).split(":")[0] for w in caught] == ["build rule swap(GELU) never fired"]
     with pytest.raises(surgery.RuleNeverFiredError, match=r"swap\(GELU\) never fired") as raised:
         with surgery.intercept(never, strict=True):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import surgery
 from torch.ao.quantization.observer import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -13,6 +11,7 @@ from torch.ao.quantization.observer import (
     PerChannelMinMaxObserver,
 )
 
+import surgery
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, compute_qparams, fake_quantize
 
@@ -136,8 +135,11 @@ def test_minmax_per_tensor_matches_torch_ao_minmax_observer(symmetric):
     assert_same_qparams(observed(spec, None, data).qparams(), reference.calculate_qparams())
 
 
-@pytest.mark.parametrize("axis,shape", [(0, (8, 3, 3, 3)), (1, (4, 8, 5, 5)), (1, (6, 8))],
-                         ids=["conv-weight", "conv-output", "linear-output"])
+@pytest.mark.parametrize(
+    "axis,shape",
+    [(0, (8, 3, 3, 3)), (1, (4, 8, 5, 5)), (1, (6, 8))],
+    ids=["conv-weight", "conv-output", "linear-output"],
+)
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_minmax_per_channel_matches_torch_ao_per_channel_observer(axis, shape, symmetric):
     spec = QuantSpec(bits=8, symmetric=symmetric, per_channel=True)
@@ -179,8 +181,9 @@ def test_moving_average_matches_torch_ao_moving_average_observer(per_channel, sy
     ours = observed(spec, axis, data)
     assert_same_qparams(ours.qparams(), reference.calculate_qparams())
     # The average really moved: plain running extremes would give another range.
-    assert not torch.equal(ours.qparams()[0], observed(QuantSpec(symmetric=symmetric, per_channel=per_channel),
-                                                       axis, data).qparams()[0])
+    assert not torch.equal(
+        ours.qparams()[0], observed(QuantSpec(symmetric=symmetric, per_channel=per_channel), axis, data).qparams()[0]
+    )
 
 
 def test_moving_average_uses_the_averaging_constant():
@@ -321,8 +324,10 @@ def test_fake_quantize_is_torch_fused_op(bits, symmetric):
     per_channel = QuantSpec(bits=bits, symmetric=symmetric, per_channel=True)
     quant_min, quant_max = per_tensor.quant_range
     scale, zero_point = observed(per_tensor, None, [x]).qparams()
-    assert torch.equal(fake_quantize(x, scale, zero_point, None, per_tensor),
-                       torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max))
+    assert torch.equal(
+        fake_quantize(x, scale, zero_point, None, per_tensor),
+        torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max),
+    )
     scale, zero_point = observed(per_channel, 1, [x]).qparams()
     expected = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 1, quant_min, quant_max)
     got = fake_quantize(x, scale, zero_point, 1, per_channel)

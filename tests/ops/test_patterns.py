@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import tiny_gpt2  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError
 from surgery.testing import snapshot, snapshot_differences
-
-from support import tiny_gpt2  # tests/support.py
 
 
 def groups(mask: torch.Tensor, axis: int, size: int) -> torch.Tensor:
@@ -36,8 +35,9 @@ def test_every_group_of_m_inputs_keeps_exactly_n(pattern, kept, size, method):
     x = torch.randn(4, 8, 8, 8)
     before = snapshot(model)
     calibration = {"wanda": [x], "taylor": [(x, torch.tensor([0, 1, 2, 3]))]}.get(method)
-    handle = surgery.prune(model, 1 - kept / size, method=method, pattern=pattern, calibration=calibration,
-                           progress=False)
+    handle = surgery.prune(
+        model, 1 - kept / size, method=method, pattern=pattern, calibration=calibration, progress=False
+    )
     masks = handle.masks()
     for name, mask in masks.items():
         assert (groups(mask, 1, size) == kept).all(), name  # input channels / in_features, group by group
@@ -61,8 +61,15 @@ def test_hugging_face_conv1d_groups_along_its_input_axis():
     pytest.importorskip("transformers")
     model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with surgery.prune(model, 0.5, method="wanda", pattern="2:4", select="transformer.h.*.mlp.c_fc",
-                       calibration=[{"input_ids": ids}], progress=False) as handle:
+    with surgery.prune(
+        model,
+        0.5,
+        method="wanda",
+        pattern="2:4",
+        select="transformer.h.*.mlp.c_fc",
+        calibration=[{"input_ids": ids}],
+        progress=False,
+    ) as handle:
         mask = handle.masks()["transformer.h.0.mlp.c_fc.weight"]  # (in=32, out=128): inputs on axis 0
         assert (groups(mask, 0, 4) == 2).all()
 
@@ -76,14 +83,17 @@ def test_wanda_scores_weights_by_input_norms():
         assert handle.masks()["weight"].tolist() == [[True, False, False, True]]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"amount": 0.5, "pattern": "2-4"}, r"prune\.pattern='2-4': must be 'N:M'"),
-    ({"amount": 0.5, "pattern": "4:4"}, r"prune\.pattern='4:4': needs 1 <= N < M"),
-    ({"amount": 0.7, "pattern": "2:4"}, r"prune\.amount=0\.7: disagrees with pattern '2:4'.*pass amount=0\.5"),
-    ({"amount": 0.5, "pattern": "2:4", "method": "ln_structured"}, r"prune\.pattern='2:4': applies to criteria"),
-    ({"amount": 0.75, "pattern": "1:4", "select": "0"}, None),
-    ({"amount": 5 / 6, "pattern": "1:6"}, r"prune\.pattern='1:6': 0\.weight has 8 input features .* multiple of 6"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"amount": 0.5, "pattern": "2-4"}, r"prune\.pattern='2-4': must be 'N:M'"),
+        ({"amount": 0.5, "pattern": "4:4"}, r"prune\.pattern='4:4': needs 1 <= N < M"),
+        ({"amount": 0.7, "pattern": "2:4"}, r"prune\.amount=0\.7: disagrees with pattern '2:4'.*pass amount=0\.5"),
+        ({"amount": 0.5, "pattern": "2:4", "method": "ln_structured"}, r"prune\.pattern='2:4': applies to criteria"),
+        ({"amount": 0.75, "pattern": "1:4", "select": "0"}, None),
+        ({"amount": 5 / 6, "pattern": "1:6"}, r"prune\.pattern='1:6': 0\.weight has 8 input features .* multiple of 6"),
+    ],
+)
 def test_bad_patterns_are_one_line_errors_and_change_nothing(mlp, kwargs, match):
     before = snapshot(mlp)
     if match is None:

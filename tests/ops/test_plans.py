@@ -16,8 +16,12 @@ from surgery.core.errors import ConfigError
 class Block(nn.Module):
     def __init__(self, width: int = 16, depth: int = 2) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, 32), nn.LayerNorm(32), nn.ReLU(),
-                                                    nn.Linear(32, width)) for _ in range(depth)])
+        self.layers = nn.Sequential(
+            *[
+                nn.Sequential(nn.Linear(width, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, width))
+                for _ in range(depth)
+            ]
+        )
         self.head = nn.Linear(width, 3)
 
     def forward(self, x):
@@ -42,8 +46,9 @@ def test_a_sealed_plan_rebuilds_its_own_model():
     assert fresh.layers[0][0].out_features == 16 and fresh.layers[0][1].normalized_shape == (16,)
 
 
-@pytest.mark.parametrize("factory", [lambda: Block(depth=3), lambda: Block(width=16, depth=1)],
-                         ids=["deeper", "shallower"])
+@pytest.mark.parametrize(
+    "factory", [lambda: Block(depth=3), lambda: Block(width=16, depth=1)], ids=["deeper", "shallower"]
+)
 def test_a_plan_made_for_another_model_is_refused_before_building(factory):
     """Before: a resnet18 plan was accepted by resnet34 and resnet50."""
     with pytest.raises(ConfigError, match=r"rebuild.plan='\$model': was made for another model"):
@@ -54,12 +59,15 @@ def unsealed(plan: dict) -> dict:
     return {name: entry for name, entry in plan.items() if name != "$model"}
 
 
-@pytest.mark.parametrize("attribute,value,message", [
-    ("forward", 1, "is not an attribute shrink changes on a LayerNorm"),
-    ("training", "yes", "is not an attribute shrink changes"),
-    ("__class__", "x", "must be a public attribute name"),
-    ("normalized_shape", [64], "must be a list of 1 integers, each in"),
-])
+@pytest.mark.parametrize(
+    "attribute,value,message",
+    [
+        ("forward", 1, "is not an attribute shrink changes on a LayerNorm"),
+        ("training", "yes", "is not an attribute shrink changes"),
+        ("__class__", "x", "must be a public attribute name"),
+        ("normalized_shape", [64], "must be a list of 1 integers, each in"),
+    ],
+)
 def test_only_the_attributes_shrink_changes_are_set_with_their_types(attribute, value, message):
     """Before: `forward: 1` gave a model that cannot be called, `training: "yes"` was accepted
     and `__class__` gave a raw error."""

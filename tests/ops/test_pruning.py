@@ -8,15 +8,14 @@ from unittest import mock
 
 import pytest
 import torch
+from support import Attention, Tied, edit_in_place  # tests/support.py
 from torch import nn
 from torch.nn import functional as F
 
 import surgery
-from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.errors import ConfigError
 from surgery.ops.pruning import MaskEnforcer
-
-from support import Attention, Tied, edit_in_place  # tests/support.py
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]
@@ -68,8 +67,10 @@ def test_selected_modules_without_a_matrix_weight_are_skipped(convnet):
 @pytest.mark.parametrize("text,number", [("inf", math.inf), ("fro", 2.0)])
 def test_norm_order_accepts_inf_and_fro_strings(mlp_factory, text, number):
     by_text, by_number = mlp_factory(), mlp_factory()
-    with surgery.prune(by_text, 0.5, method="ln_structured", n=text) as a, \
-            surgery.prune(by_number, 0.5, method="ln_structured", n=number) as b:
+    with (
+        surgery.prune(by_text, 0.5, method="ln_structured", n=text) as a,
+        surgery.prune(by_number, 0.5, method="ln_structured", n=number) as b,
+    ):
         masks_a, masks_b = a.masks(), b.masks()
         assert all(torch.equal(masks_a[k], masks_b[k]) for k in masks_a)
 
@@ -95,7 +96,8 @@ def test_l1_unstructured_zeroes_the_smallest_magnitudes(mlp, amount):
             assert torch.equal(now[name][mask], w[mask])  # kept entries untouched
             assert w[~mask].abs().max() <= w[mask].abs().min()
         assert handle.layer_sparsity() == pytest.approx(
-            {n: round(amount * original[n].numel()) / original[n].numel() for n in names})
+            {n: round(amount * original[n].numel()) / original[n].numel() for n in names}
+        )
 
 
 def test_random_unstructured_is_seeded_and_reproducible(mlp_factory):
@@ -108,7 +110,7 @@ def test_random_unstructured_is_seeded_and_reproducible(mlp_factory):
         assert all(torch.equal(masks_a[k], masks_b[k]) for k in masks_a)
         assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
         assert not all(torch.equal(masks_a[k], masks_c[k]) for k in masks_a)
-        for name, mask in masks_a.items():
+        for _name, mask in masks_a.items():
             assert int((~mask).sum()) == round(0.5 * mask.numel())
     finally:
         for handle in (ha, hb, hc):
@@ -186,7 +188,9 @@ def test_amount_zero_is_bit_identical_to_the_untouched_model(convnet, image_inpu
     with surgery.prune(convnet, 0.0, method=method, scope=scope) as handle:
         assert handle.sparsity() == 0.0
         assert all(torch.equal(a, b) for a, b in zip(collect(convnet, [image_input]), expected))
-        assert [d for d in snapshot_differences(before, snapshot(convnet)) if not d.startswith(("hooks", "global"))] == []
+        assert [
+            d for d in snapshot_differences(before, snapshot(convnet)) if not d.startswith(("hooks", "global"))
+        ] == []
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import Attention  # tests/support.py
 from torch import nn
 
 import surgery
@@ -11,8 +12,6 @@ from surgery import QuantSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.observers import fake_quantize
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
-
-from support import Attention  # tests/support.py
 
 W3 = QuantSpec(bits=3, symmetric=True, per_channel=True)
 
@@ -113,8 +112,15 @@ def test_a_forward_that_raises_still_puts_the_parameter_back(mlp):
 @pytest.mark.parametrize("after", [0, 2, None])
 def test_activation_ranges_learn_in_training_until_frozen(mlp_factory, mlp_input, after):
     model = mlp_factory()
-    handle = surgery.quantize(model, weights=None, activations=QuantSpec(bits=8, observer="moving_average"),
-                              calibration=[mlp_input], progress=False, train=True, freeze_observers_after=after)
+    handle = surgery.quantize(
+        model,
+        weights=None,
+        activations=QuantSpec(bits=8, observer="moving_average"),
+        calibration=[mlp_input],
+        progress=False,
+        train=True,
+        freeze_observers_after=after,
+    )
     quantizer = handle.activations["0"]
     calibrated = quantizer.scale.clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -134,11 +140,17 @@ def test_activation_ranges_learn_in_training_until_frozen(mlp_factory, mlp_input
     handle.restore()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"train": "yes"}, r"quantize\.train='yes': must be true or false"),
-    ({"train": True, "freeze_observers_after": -1}, r"quantize\.freeze_observers_after=-1: must be null or an integer"),
-    ({"freeze_observers_after": 3}, r"quantize\.freeze_observers_after=3: applies to quantization-aware training"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"train": "yes"}, r"quantize\.train='yes': must be true or false"),
+        (
+            {"train": True, "freeze_observers_after": -1},
+            r"quantize\.freeze_observers_after=-1: must be null or an integer",
+        ),
+        ({"freeze_observers_after": 3}, r"quantize\.freeze_observers_after=3: applies to quantization-aware training"),
+    ],
+)
 def test_bad_training_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         surgery.quantize(mlp, activations=QuantSpec(), calibration=[mlp_input], progress=False, **kwargs)

@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 import torchvision
+from support import Attention, Tied, edit_in_place  # tests/support.py
 from torch import nn
 from torch.ao.quantization.observer import (
     MinMaxObserver,
@@ -22,13 +23,11 @@ from torch.nn import functional as F
 
 import surgery
 from surgery import QuantSpec
-from surgery.ops import quantization
-from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 from surgery.core.errors import CheckpointError, ConfigError, ConfigTypeError
+from surgery.ops import quantization
 from surgery.ops.observers import NonFiniteError
 from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
-
-from support import Attention, Tied, edit_in_place  # tests/support.py
+from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
 W8 = QuantSpec(bits=8, symmetric=True, per_channel=True)  # torch.ao's default weight scheme
 A8 = QuantSpec(bits=8)  # affine quint8 per tensor: torch.ao's default activation scheme
@@ -56,8 +55,9 @@ def image_batches(count: int = 2, seed: int = 11) -> list[torch.Tensor]:
     return [torch.randn(2, 3, 12, 12, generator=g) for _ in range(count)]
 
 
-def fused(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None,
-          spec: QuantSpec) -> torch.Tensor:
+def fused(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, spec: QuantSpec
+) -> torch.Tensor:
     """torch's own fake-quantization op, called directly."""
     quant_min, quant_max = spec.quant_range
     if axis is None:
@@ -80,9 +80,11 @@ class Recorder:
 
     def __enter__(self) -> Recorder:
         for name, module in self.modules.items():
+
             def hook(module, args, output, name=name):
                 self.inputs[name].append(args[0].detach().clone())
                 self.outputs[name].append(output.detach().clone())
+
             self.hooks.append(module.register_forward_hook(hook))
         return self
 
@@ -102,8 +104,7 @@ def raw_outputs(model: nn.Module, names: list[str], data: list[torch.Tensor]) ->
 def ao_observer(spec: QuantSpec, axis: int | None):
     """The torch.ao observer for ``spec`` (a custom quant range, so also below 8 bits)."""
     quant_min, quant_max = spec.quant_range
-    kwargs = {"dtype": torch.qint8 if spec.symmetric else torch.quint8, "quant_min": quant_min,
-              "quant_max": quant_max}
+    kwargs = {"dtype": torch.qint8 if spec.symmetric else torch.quint8, "quant_min": quant_min, "quant_max": quant_max}
     moving = spec.observer == "moving_average"
     if moving:
         kwargs["averaging_constant"] = spec.averaging
@@ -111,8 +112,9 @@ def ao_observer(spec: QuantSpec, axis: int | None):
         cls = MovingAverageMinMaxObserver if moving else MinMaxObserver
         return cls(qscheme=torch.per_tensor_symmetric if spec.symmetric else torch.per_tensor_affine, **kwargs)
     cls = MovingAveragePerChannelMinMaxObserver if moving else PerChannelMinMaxObserver
-    return cls(ch_axis=axis, qscheme=torch.per_channel_symmetric if spec.symmetric else torch.per_channel_affine,
-               **kwargs)
+    return cls(
+        ch_axis=axis, qscheme=torch.per_channel_symmetric if spec.symmetric else torch.per_channel_affine, **kwargs
+    )
 
 
 def assert_qparams_equal(quantizer, reference) -> None:
@@ -178,8 +180,9 @@ def test_transposed_convolution_weights_use_the_output_channel_axis():
         assert handle.weights["0.weight"].axis == 1 and handle.weights["0.weight"].scale.shape == (6,)
         assert handle.weights["1.weight"].axis == 0 and handle.weights["1.weight"].scale.shape == (3,)
         for name, q in handle.weights.items():
-            assert torch.equal(model.get_parameter(name).detach(),
-                               fused(before[name], q.scale, q.zero_point, q.axis, W8))
+            assert torch.equal(
+                model.get_parameter(name).detach(), fused(before[name], q.scale, q.zero_point, q.axis, W8)
+            )
 
 
 # --- numerics: activations ------------------------------------------------------------------
@@ -226,8 +229,14 @@ def test_moving_average_default_constant_is_torch_ao_default(mlp):
     reference = MovingAverageMinMaxObserver(averaging_constant=0.01, dtype=torch.quint8)
     for output in seen["2"]:
         reference(output)
-    with surgery.quantize(mlp, weights=None, activations=QuantSpec(observer="moving_average"), select="2",
-                          calibration=data, progress=False) as handle:
+    with surgery.quantize(
+        mlp,
+        weights=None,
+        activations=QuantSpec(observer="moving_average"),
+        select="2",
+        calibration=data,
+        progress=False,
+    ) as handle:
         assert_qparams_equal(handle.activations["2"], reference)
         minmax = MinMaxObserver(dtype=torch.quint8)
         for output in seen["2"]:
@@ -238,8 +247,9 @@ def test_moving_average_default_constant_is_torch_ao_default(mlp):
 def test_where_input_quantizes_the_first_input_of_the_layer(mlp, mlp_input):
     data = mlp_batches()
     seen = raw_outputs(mlp, ["1"], data)  # the ReLU output is what layer 2 receives
-    with surgery.quantize(mlp, weights=None, activations=A8, select="2", where="input", calibration=data,
-                          progress=False) as handle:
+    with surgery.quantize(
+        mlp, weights=None, activations=A8, select="2", where="input", calibration=data, progress=False
+    ) as handle:
         quantizer = handle.activations["2"]
         reference = ao_observer(A8, None)
         for output in seen["1"]:
@@ -247,8 +257,11 @@ def test_where_input_quantizes_the_first_input_of_the_layer(mlp, mlp_input):
         assert_qparams_equal(quantizer, reference)
         with torch.no_grad():
             hidden = mlp[1](mlp[0](mlp_input))
-            expected = mlp[4](mlp[3](F.linear(fused(hidden, quantizer.scale, quantizer.zero_point, None, A8),
-                                              mlp[2].weight, mlp[2].bias)))
+            expected = mlp[4](
+                mlp[3](
+                    F.linear(fused(hidden, quantizer.scale, quantizer.zero_point, None, A8), mlp[2].weight, mlp[2].bias)
+                )
+            )
         assert torch.equal(collect(mlp, [mlp_input])[0], expected)
 
 
@@ -272,7 +285,7 @@ def test_every_bit_width_quantizes_weights_and_activations(mlp, mlp_input, bits,
             assert distinct_per_channel(weight, quantizer.axis) <= 2**bits
         with Recorder(mlp, ["0", "2", "4"]) as seen, torch.no_grad():
             mlp(mlp_input)
-        for name, outputs in seen.outputs.items():
+        for outputs in seen.outputs.values():
             assert distinct_per_channel(outputs[0], -1 if per_channel else None) <= 2**bits
     assert snapshot_differences(before_all, snapshot(mlp)) == []
 
@@ -310,8 +323,9 @@ def test_percentile_observer_clips_an_activation_outlier():
     data[1][5, 5] = 1e4
     scales = {}
     for kind in ("minmax", "percentile"):
-        with surgery.quantize(model, weights=None, activations=QuantSpec(observer=kind), select="0",
-                              calibration=data, progress=False) as handle:
+        with surgery.quantize(
+            model, weights=None, activations=QuantSpec(observer=kind), select="0", calibration=data, progress=False
+        ) as handle:
             scales[kind] = handle.activations["0"].scale
     assert scales["minmax"] > 1e4 / 255
     assert scales["percentile"] < scales["minmax"] / 100
@@ -396,8 +410,7 @@ def test_calibration_accepts_a_tensor_a_generator_or_tuples(mlp_factory):
     scales = []
     for calibration in (torch.cat(data), (x for x in [torch.cat(data)]), [(torch.cat(data),)]):
         model = mlp_factory()
-        with surgery.quantize(model, weights=None, activations=A8, calibration=calibration,
-                              progress=False) as handle:
+        with surgery.quantize(model, weights=None, activations=A8, calibration=calibration, progress=False) as handle:
             scales.append(torch.stack([q.scale for q in handle.activations.values()]))
     assert torch.equal(scales[0], scales[1]) and torch.equal(scales[0], scales[2])
 
@@ -463,13 +476,24 @@ class Normed(nn.Module):
 
 
 NO_CHANNEL_AXIS = [
-    pytest.param("convnet", ["conv1", "bn1"], {"weights": W8}, "quantize.weights.per_channel",
-                 id="BatchNorm2d-weights"),
+    pytest.param(
+        "convnet", ["conv1", "bn1"], {"weights": W8}, "quantize.weights.per_channel", id="BatchNorm2d-weights"
+    ),
     pytest.param("normed", ["fc", "norm"], {"weights": W8}, "quantize.weights.per_channel", id="LayerNorm-weights"),
-    pytest.param("normed", ["fc", "norm"], {"weights": None, "activations": QuantSpec(per_channel=True)},
-                 "quantize.activations.per_channel", id="LayerNorm-activations"),
-    pytest.param("convnet", ["conv1", "bn1"], {"weights": None, "activations": QuantSpec(per_channel=True)},
-                 "quantize.activations.per_channel", id="BatchNorm2d-activations"),
+    pytest.param(
+        "normed",
+        ["fc", "norm"],
+        {"weights": None, "activations": QuantSpec(per_channel=True)},
+        "quantize.activations.per_channel",
+        id="LayerNorm-activations",
+    ),
+    pytest.param(
+        "convnet",
+        ["conv1", "bn1"],
+        {"weights": None, "activations": QuantSpec(per_channel=True)},
+        "quantize.activations.per_channel",
+        id="BatchNorm2d-activations",
+    ),
 ]
 
 
@@ -522,8 +546,7 @@ def test_a_layer_with_integer_output_is_a_config_error_and_changes_nothing():
 def test_qparams_that_do_not_fit_are_checkpoint_errors(mlp, tmp_path):
     with pytest.raises(CheckpointError, match="no such file"):
         surgery.quantize(mlp, weights=None, activations=A8, qparams=tmp_path / "missing.safetensors")
-    handle = surgery.quantize(mlp, weights=None, activations=A8, select="0", calibration=mlp_batches(),
-                              progress=False)
+    handle = surgery.quantize(mlp, weights=None, activations=A8, select="0", calibration=mlp_batches(), progress=False)
     saved = handle.qparams()
     handle.restore()
     before = snapshot(mlp)
@@ -539,8 +562,9 @@ def test_qparams_that_do_not_fit_are_checkpoint_errors(mlp, tmp_path):
 
 
 def test_per_channel_qparams_do_not_load_into_a_per_tensor_setting(mlp, mlp_input):
-    handle = surgery.quantize(mlp, weights=None, activations=QuantSpec(per_channel=True), calibration=mlp_batches(),
-                              progress=False)
+    handle = surgery.quantize(
+        mlp, weights=None, activations=QuantSpec(per_channel=True), calibration=mlp_batches(), progress=False
+    )
     saved = handle.qparams()
     handle.restore()
     before = snapshot(mlp)
@@ -555,8 +579,10 @@ SETTINGS = [
     pytest.param({"weights": W8}, id="weights"),
     pytest.param({"weights": None, "activations": A8}, id="activations"),
     pytest.param({"weights": W8, "activations": A8}, id="both"),
-    pytest.param({"weights": QuantSpec(bits=4), "activations": QuantSpec(bits=3, per_channel=True,
-                                                                          observer="percentile")}, id="low-bits"),
+    pytest.param(
+        {"weights": QuantSpec(bits=4), "activations": QuantSpec(bits=3, per_channel=True, observer="percentile")},
+        id="low-bits",
+    ),
     pytest.param({"weights": W8, "activations": A8, "where": "input"}, id="inputs"),
 ]
 
@@ -647,8 +673,9 @@ def test_bake_activations_then_reattach_from_saved_qparams(convnet, convnet_fact
 def test_saved_qparams_hold_every_layer_scale_and_zero_point(convnet, tmp_path):
     from safetensors.torch import load_file
 
-    with surgery.quantize(convnet, weights=None, activations=QuantSpec(per_channel=True),
-                          calibration=image_batches(), progress=False) as handle:
+    with surgery.quantize(
+        convnet, weights=None, activations=QuantSpec(per_channel=True), calibration=image_batches(), progress=False
+    ) as handle:
         saved = load_file(str(handle.save_qparams(tmp_path / "q.safetensors")))
         assert sorted(saved) == sorted(f"{n}.{k}" for n in ("conv1", "conv2", "fc") for k in ("scale", "zero_point"))
         for name, quantizer in handle.activations.items():
@@ -696,9 +723,8 @@ def test_context_manager_restores_on_exit_unless_baked(mlp, mlp_input):
         assert isinstance(handle, surgery.QuantizeHandle)
         assert not torch.equal(collect(mlp, [mlp_input])[0], expected)
     assert snapshot_differences(before, snapshot(mlp)) == []
-    with pytest.raises(KeyError):
-        with surgery.quantize(mlp, progress=False):
-            raise KeyError("boom")  # restored on the way out of an exception too
+    with pytest.raises(KeyError), surgery.quantize(mlp, progress=False):
+        raise KeyError("boom")  # restored on the way out of an exception too
     assert snapshot_differences(before, snapshot(mlp)) == []
     with surgery.quantize(mlp, progress=False) as handle:
         quantized = collect(mlp, [mlp_input])[0]
@@ -810,9 +836,10 @@ def test_restoring_quantize_under_prune_raises(mlp):
 def test_compose_restore_gives_back_the_original_bit_exact(convnet, image_input, spec):
     before = snapshot(convnet)
     expected = collect(convnet, [image_input])[0]
-    group = surgery.compose(surgery.prune(convnet, 0.6),
-                            surgery.quantize(convnet, weights=spec, activations=A8, calibration=image_batches(),
-                                             progress=False))
+    group = surgery.compose(
+        surgery.prune(convnet, 0.6),
+        surgery.quantize(convnet, weights=spec, activations=A8, calibration=image_batches(), progress=False),
+    )
     assert not torch.equal(collect(convnet, [image_input])[0], expected)
     group.restore()
     group.restore()
@@ -845,9 +872,20 @@ def test_a_forward_after_an_in_place_edit_reapplies_pruning_and_quantization(con
         edit_in_place(convnet, 0.003)
         weights = {name: convnet.get_parameter(name) for name in masks}
         assert all(w.detach()[~masks[n]].ne(0).any() for n, w in weights.items()), "the step revives pruned entries"
-        off_grid = [n for n, w in weights.items() if not torch.equal(
-            fused(w.detach(), quantized.weights[n].scale, quantized.weights[n].zero_point, quantized.weights[n].axis,
-                  spec), w.detach())]
+        off_grid = [
+            n
+            for n, w in weights.items()
+            if not torch.equal(
+                fused(
+                    w.detach(),
+                    quantized.weights[n].scale,
+                    quantized.weights[n].zero_point,
+                    quantized.weights[n].axis,
+                    spec,
+                ),
+                w.detach(),
+            )
+        ]
         assert off_grid
         with torch.no_grad():
             convnet(image_input)
@@ -964,8 +1002,9 @@ def test_failure_inside_a_calibration_forward_rolls_everything_back(convnet, ima
     _assert_untouched_and_usable(convnet, before, image_input, expected)
 
 
-@pytest.mark.parametrize(("method", "call"), [("__call__", 5), ("freeze", 2)],
-                         ids=["a calibration hook", "freezing the second layer"])
+@pytest.mark.parametrize(
+    ("method", "call"), [("__call__", 5), ("freeze", 2)], ids=["a calibration hook", "freezing the second layer"]
+)
 def test_failure_during_calibration_rolls_everything_back(mlp, mlp_input, method, call):
     before = snapshot(mlp)
     expected = collect(mlp, [mlp_input])[0]
@@ -1012,8 +1051,11 @@ def test_resnet18_w8a8_stays_close_to_float():
     assert hooks_on(model) == 0
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(bits=8), QuantSpec(bits=8, symmetric=True), QuantSpec(bits=3),
-                                  QuantSpec(bits=2, symmetric=True)], ids=["a8", "s8", "a3", "s2"])
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec(bits=8), QuantSpec(bits=8, symmetric=True), QuantSpec(bits=3), QuantSpec(bits=2, symmetric=True)],
+    ids=["a8", "s8", "a3", "s2"],
+)
 def test_inference_fast_path_is_bit_identical_to_the_fused_op(spec):
     from surgery.ops.quantization import ActivationQuantizer
 
@@ -1022,9 +1064,13 @@ def test_inference_fast_path_is_bit_identical_to_the_fused_op(spec):
     quantizer.observer.observe(torch.randn(64) * 3)
     quantizer.freeze()
     scale = quantizer.scale
-    x = torch.cat([torch.randn(100_000) * 5,  # inside and outside the range
-                   (torch.arange(-300, 300) + 0.5) * scale,  # exact ties, rounded half to even
-                   torch.tensor([0.0, -0.0, 1e30, -1e30])])
+    x = torch.cat(
+        [
+            torch.randn(100_000) * 5,  # inside and outside the range
+            (torch.arange(-300, 300) + 0.5) * scale,  # exact ties, rounded half to even
+            torch.tensor([0.0, -0.0, 1e30, -1e30]),
+        ]
+    )
     with torch.no_grad():
         fast = quantizer._quantize(x)
     quant_min, quant_max = spec.quant_range

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from support import tiny_gpt2  # tests/support.py
 from torch import nn
 
 import surgery
@@ -17,8 +18,6 @@ from surgery import QuantSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.observers import Grid
 from surgery.ops.reconstruction import gptq
-
-from support import tiny_gpt2  # tests/support.py
 
 
 def correlated_inputs(rows: int, features: int, seed: int = 0) -> torch.Tensor:
@@ -39,11 +38,15 @@ def reference_gptq(weight, hessian, qparams_of, fake_quantize, group_size, block
     scale = zero = None
     for start in range(0, w.shape[1], block):
         end = min(start + block, w.shape[1])
-        w1, q1, err1 = w[:, start:end].clone(), torch.zeros(w.shape[0], end - start), torch.zeros(w.shape[0], end - start)
+        w1, q1, err1 = (
+            w[:, start:end].clone(),
+            torch.zeros(w.shape[0], end - start),
+            torch.zeros(w.shape[0], end - start),
+        )
         hinv1 = hinv[start:end, start:end]
         for i in range(end - start):
             if (start + i) % group_size == 0:
-                scale, zero = qparams_of(w[:, start + i:start + i + group_size])
+                scale, zero = qparams_of(w[:, start + i : start + i + group_size])
             q = fake_quantize(w1[:, i], scale, zero)
             q1[:, i] = q
             err = (w1[:, i] - q) / hinv1[i, i]
@@ -75,7 +78,7 @@ def reference_wanda_masks(weight, inputs, sparsity):
     metric = weight.abs() * inputs.norm(dim=0).view(1, -1)
     pruned = torch.zeros_like(metric, dtype=torch.bool)
     order = torch.sort(metric, dim=-1, stable=True)[1]
-    pruned.scatter_(1, order[:, :int(metric.shape[1] * sparsity)], True)
+    pruned.scatter_(1, order[:, : int(metric.shape[1] * sparsity)], True)
     return ~pruned
 
 
@@ -110,7 +113,9 @@ def test_wanda_calibrates_each_layer_on_the_already_pruned_layers_before_it():
     pruned_hidden = torch.relu(x @ (model[0].weight.detach() * first).t() + model[0].bias.detach())
     second = reference_wanda_masks(model[2].weight.detach(), pruned_hidden, 0.5)
     dense_hidden = torch.relu(model[0](x)).detach()
-    assert not torch.equal(second, reference_wanda_masks(model[2].weight.detach(), dense_hidden, 0.5))  # 4 entries differ
+    assert not torch.equal(
+        second, reference_wanda_masks(model[2].weight.detach(), dense_hidden, 0.5)
+    )  # 4 entries differ
     handle = surgery.prune(model, 0.5, method="wanda", calibration=[x], progress=False)
     assert torch.equal(handle.masks()["0.weight"], first)
     assert torch.equal(handle.masks()["2.weight"], second)
@@ -120,8 +125,9 @@ def test_wanda_calibrates_each_layer_on_the_already_pruned_layers_before_it():
 def test_wanda_ranks_the_rows_of_a_hugging_face_conv1d_along_its_output_axis():
     model = tiny_gpt2()  # Conv1D stores (inputs, outputs): a row is a column of the weight
     tokens = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    handle = surgery.prune(model, 0.5, method="wanda", select="transformer.h.*.mlp.c_fc", calibration=tokens,
-                           progress=False)
+    handle = surgery.prune(
+        model, 0.5, method="wanda", select="transformer.h.*.mlp.c_fc", calibration=tokens, progress=False
+    )
     for name, keep in handle.masks().items():
         per_output = 1 - keep.float().mean(0)
         assert torch.equal(per_output, torch.full_like(per_output, 0.5)), name

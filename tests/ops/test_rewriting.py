@@ -7,12 +7,10 @@ import pickle
 from unittest import mock
 
 import pytest
-
-import surgery
 import torch
 from torch import nn
 
-from surgery.testing import module_hook_counts
+import surgery
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.rewriting import (
@@ -28,6 +26,7 @@ from surgery.ops.rewriting import (
     rewrite_from_config,
     rewrite_inputs,
 )
+from surgery.testing import module_hook_counts
 
 
 class Scaled(nn.Module):
@@ -92,7 +91,10 @@ def test_positional_input_rewritten_on_root(mlp: nn.Module, mlp_input: torch.Ten
     with rewrite_inputs(mlp, double) as handle:
         assert isinstance(handle, Handle) and handle.kind == "rewrite"
         assert torch.equal(mlp(mlp_input), expected)
-        assert {k: n for k, n in module_hook_counts(mlp).items() if n} == {":_forward_pre_hooks": 1, ":_forward_pre_hooks_with_kwargs": 1}
+        assert {k: n for k, n in module_hook_counts(mlp).items() if n} == {
+            ":_forward_pre_hooks": 1,
+            ":_forward_pre_hooks_with_kwargs": 1,
+        }
         assert pre_hook_count(mlp) == 1
 
 
@@ -176,12 +178,10 @@ def test_applying_is_all_or_nothing(mlp: nn.Module) -> None:
 
 
 def test_changing_positional_count_names_the_module(mlp: nn.Module, mlp_input: torch.Tensor) -> None:
-    with rewrite_inputs(mlp, drop_first, select="2"):
-        with pytest.raises(ConfigError, match=r"rewrite='2'.*from 1 to 0"):
-            mlp(mlp_input)
-    with rewrite_inputs(mlp, drop_first):
-        with pytest.raises(ConfigError, match="<root>"):
-            mlp(mlp_input)
+    with rewrite_inputs(mlp, drop_first, select="2"), pytest.raises(ConfigError, match=r"rewrite='2'.*from 1 to 0"):
+        mlp(mlp_input)
+    with rewrite_inputs(mlp, drop_first), pytest.raises(ConfigError, match="<root>"):
+        mlp(mlp_input)
 
 
 def test_rewrite_must_return_a_pair(mlp: nn.Module, mlp_input: torch.Tensor) -> None:
@@ -298,19 +298,22 @@ def test_identity_is_bit_identical(convnet: nn.Module, image_input: torch.Tensor
     assert torch.equal(hooked, plain) and torch.equal(by_function, plain)
 
 
-@pytest.mark.parametrize(("rewrite", "kwargs", "field"), [
-    (AddNoise, {"std": -0.1}, "rewrite.std"),
-    (Normalize, {"mean": 0.0, "std": (1.0, -1.0)}, "rewrite.std"),
-    (Normalize, {"mean": (0.0, 0.0), "std": (1.0, 1.0, 1.0)}, "rewrite.std"),
-    (Resize, {"size": 0}, "rewrite.size"),
-    (Resize, {"size": (4, -2)}, "rewrite.size"),
-    (Resize, {"size": 4, "mode": "cubic"}, "rewrite.mode"),
-    (Clamp, {}, "rewrite.min"),
-    (Clamp, {"min": 1.0, "max": 0.0}, "rewrite.max"),
-    (Cast, {"dtype": "float65"}, "rewrite.dtype"),
-    (AddNoise, {"seed": 1.5}, "rewrite.seed"),
-    (Identity, {"index": "0"}, "rewrite.index"),
-])
+@pytest.mark.parametrize(
+    ("rewrite", "kwargs", "field"),
+    [
+        (AddNoise, {"std": -0.1}, "rewrite.std"),
+        (Normalize, {"mean": 0.0, "std": (1.0, -1.0)}, "rewrite.std"),
+        (Normalize, {"mean": (0.0, 0.0), "std": (1.0, 1.0, 1.0)}, "rewrite.std"),
+        (Resize, {"size": 0}, "rewrite.size"),
+        (Resize, {"size": (4, -2)}, "rewrite.size"),
+        (Resize, {"size": 4, "mode": "cubic"}, "rewrite.mode"),
+        (Clamp, {}, "rewrite.min"),
+        (Clamp, {"min": 1.0, "max": 0.0}, "rewrite.max"),
+        (Cast, {"dtype": "float65"}, "rewrite.dtype"),
+        (AddNoise, {"seed": 1.5}, "rewrite.seed"),
+        (Identity, {"index": "0"}, "rewrite.index"),
+    ],
+)
 def test_builtin_validation_names_the_field(rewrite, kwargs, field) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as info:
         rewrite(**kwargs)

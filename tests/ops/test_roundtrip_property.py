@@ -24,26 +24,27 @@ from hypothesis import strategies as st
 from torch import nn
 
 import surgery
-from surgery.testing import transformed_parameters
-from surgery.core import guards
-from surgery.cli.checks import (
+from surgery.core.handles import Handle, HandleGroup
+from surgery.ops.observers import OBSERVERS, QuantSpec
+from surgery.ops.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
+from surgery.testing import (
     collect,
     global_hook_counts,
     max_difference,
     module_hook_counts,
     snapshot,
     snapshot_differences,
+    transformed_parameters,
 )
-from surgery.core.handles import Handle, HandleGroup
-from surgery.ops.observers import OBSERVERS, QuantSpec
-from surgery.ops.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
 
 CONV_KINDS = ["conv", "conv", "bn", "relu", "gelu", "tanh", "residual", "shared"]
 LINEAR_KINDS = ["linear", "linear", "bn", "relu", "tanh", "sigmoid", "shared"]
 ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-CALIBRATION = [torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(10)),
-               torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(11))]
+CALIBRATION = [
+    torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(10)),
+    torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(11)),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -186,9 +187,13 @@ def prune_settings(draw, model: nn.Module) -> dict[str, Any]:
     """Random keyword arguments for ``surgery.prune`` that are valid for ``model``."""
     names = prunable(model)
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    choices = [st.none(), st.just(nn.Linear), st.lists(st.sampled_from(names), min_size=1, unique=True),
-               st.sampled_from(names).map(lambda n: "re:" + re.escape(n)),
-               st.just(lambda module, name: isinstance(module, nn.Linear) or name.endswith("conv1"))]
+    choices = [
+        st.none(),
+        st.just(nn.Linear),
+        st.lists(st.sampled_from(names), min_size=1, unique=True),
+        st.sampled_from(names).map(lambda n: "re:" + re.escape(n)),
+        st.just(lambda module, name: isinstance(module, nn.Linear) or name.endswith("conv1")),
+    ]
     if has_conv:
         choices += [st.just("type:Conv2d"), st.just((nn.Conv2d, nn.Linear))]
     plan = {
@@ -208,8 +213,12 @@ def prune_settings(draw, model: nn.Module) -> dict[str, Any]:
 
 
 quant_specs = st.builds(
-    QuantSpec, bits=st.integers(2, 8), symmetric=st.booleans(), per_channel=st.booleans(),
-    observer=st.sampled_from(OBSERVERS.names()), percentile=st.sampled_from([90.0, 99.0, 99.99, 100.0]),
+    QuantSpec,
+    bits=st.integers(2, 8),
+    symmetric=st.booleans(),
+    per_channel=st.booleans(),
+    observer=st.sampled_from(OBSERVERS.names()),
+    percentile=st.sampled_from([90.0, 99.0, 99.99, 100.0]),
     averaging=st.sampled_from([0.01, 0.3, 1.0]),
 )
 
@@ -227,8 +236,11 @@ def quantize_settings(draw, model: nn.Module, weights_allowed: bool, taken: set[
     weights = draw(st.none() | quant_specs) if weights_allowed else None
     activations = draw(quant_specs) if weights is None else draw(st.none() | quant_specs)
     per_channel = any(s is not None and s.per_channel for s in (weights, activations))
-    kinds = (nn.Conv2d, nn.Linear) if per_channel else (nn.Conv2d, nn.Linear, nn.modules.batchnorm._BatchNorm,
-                                                        *ACTIVATIONS, nn.Sequential)  # Sequential: the root
+    kinds = (
+        (nn.Conv2d, nn.Linear)
+        if per_channel
+        else (nn.Conv2d, nn.Linear, nn.modules.batchnorm._BatchNorm, *ACTIVATIONS, nn.Sequential)
+    )  # Sequential: the root
     layers = [name for name, m in model.named_modules() if isinstance(m, kinds)]
     if activations is not None:
         free = [name for name in layers if (name, where) not in taken]
@@ -239,10 +251,13 @@ def quantize_settings(draw, model: nn.Module, weights_allowed: bool, taken: set[
         layers = [name for name in layers if model.get_submodule(name)._parameters.get("weight") is not None]
         if not layers:
             return None
-    default_free = bool(prunable(model)) and (activations is None or
-                                              not any((name, where) in taken for name in prunable(model)))
-    select = draw((st.none() if default_free else st.nothing())
-                  | st.lists(st.sampled_from(layers), min_size=1, max_size=4, unique=True))
+    default_free = bool(prunable(model)) and (
+        activations is None or not any((name, where) in taken for name in prunable(model))
+    )
+    select = draw(
+        (st.none() if default_free else st.nothing())
+        | st.lists(st.sampled_from(layers), min_size=1, max_size=4, unique=True)
+    )
     return {"weights": weights, "activations": activations, "select": select, "where": where}
 
 
@@ -254,16 +269,33 @@ def activation_sites(model: nn.Module, step: Step) -> set[tuple[str, str]]:
     return {(name, step.kwargs["where"]) for name in chosen}
 
 
-ROOT_REWRITES = st.sampled_from([
-    (Identity(),), (Normalize((0.5, -0.25, 0.0), (0.5, 2.0, 1.5)),), (Normalize(0.1, 3.0),), (Clamp(-1.0, 0.5),),
-    (Clamp(min=0.0),), (Cast(torch.float32),), (Cast(torch.float64), Cast(torch.float32)), (ChannelsLast(),),
-    (Resize(3, mode="nearest"),), (Resize((7, 4), mode="bilinear"),), (Resize(6, mode="bicubic"),),
-    (Resize(2, mode="area"),),
-])
-INNER_REWRITES = st.sampled_from([
-    (Identity(),), (Normalize(-0.2, 0.7),), (Clamp(-0.5, 0.5),), (Clamp(max=0.1),), (Cast(torch.float32),),
-    (Cast(torch.float64), Cast(torch.float32)), (ChannelsLast(),),
-])
+ROOT_REWRITES = st.sampled_from(
+    [
+        (Identity(),),
+        (Normalize((0.5, -0.25, 0.0), (0.5, 2.0, 1.5)),),
+        (Normalize(0.1, 3.0),),
+        (Clamp(-1.0, 0.5),),
+        (Clamp(min=0.0),),
+        (Cast(torch.float32),),
+        (Cast(torch.float64), Cast(torch.float32)),
+        (ChannelsLast(),),
+        (Resize(3, mode="nearest"),),
+        (Resize((7, 4), mode="bilinear"),),
+        (Resize(6, mode="bicubic"),),
+        (Resize(2, mode="area"),),
+    ]
+)
+INNER_REWRITES = st.sampled_from(
+    [
+        (Identity(),),
+        (Normalize(-0.2, 0.7),),
+        (Clamp(-0.5, 0.5),),
+        (Clamp(max=0.1),),
+        (Cast(torch.float32),),
+        (Cast(torch.float64), Cast(torch.float32)),
+        (ChannelsLast(),),
+    ]
+)
 
 
 @st.composite
@@ -306,8 +338,9 @@ def stacked_plans(draw, model: nn.Module) -> Plan:
     """A prune step and a weight-quantizing step on the same default layers, in random order,
     with an optional third step: every weight carries two transforms."""
     prune_step = Step("prune", draw(prune_settings(model)) | {"select": None, "exclude": None})
-    quantize_step = Step("quantize", {"weights": draw(quant_specs), "activations": None, "select": None,
-                                      "where": "output"})
+    quantize_step = Step(
+        "quantize", {"weights": draw(quant_specs), "activations": None, "select": None, "where": "output"}
+    )
     steps = draw(st.permutations([prune_step, quantize_step]))
     extra = draw(st.none() | rewrite_step(model))
     return tuple(steps) if extra is None else tuple(draw(st.permutations([*steps, extra])))
@@ -333,9 +366,17 @@ def reattach(model: nn.Module, plan: Plan, qparams: list[dict | Path | None]) ->
     handles: list[Handle] = []
     for step, saved in zip(plan, qparams):
         if step.kind == "quantize" and step.kwargs["activations"] is not None:
-            handles.append(surgery.quantize(model, weights=None, activations=step.kwargs["activations"],
-                                            select=step.kwargs["select"], where=step.kwargs["where"],
-                                            qparams=saved, progress=False))
+            handles.append(
+                surgery.quantize(
+                    model,
+                    weights=None,
+                    activations=step.kwargs["activations"],
+                    select=step.kwargs["select"],
+                    where=step.kwargs["where"],
+                    qparams=saved,
+                    progress=False,
+                )
+            )
         elif step.kind == "rewrite":
             handles.append(step.apply(model))
     return HandleGroup(handles, model)
@@ -406,8 +447,12 @@ def test_identity_restore_and_bake_invariants(spec, data):
     hooked = collect(model, inputs)
     qparams = [h.qparams() if isinstance(h, surgery.QuantizeHandle) else {} for h in handle.handles]
     folder = tempfile.TemporaryDirectory()
-    files = [h.save_qparams(Path(folder.name) / f"{i}.qparams.safetensors")
-             if isinstance(h, surgery.QuantizeHandle) else None for i, h in enumerate(handle.handles)]
+    files = [
+        h.save_qparams(Path(folder.name) / f"{i}.qparams.safetensors")
+        if isinstance(h, surgery.QuantizeHandle)
+        else None
+        for i, h in enumerate(handle.handles)
+    ]
     masks = {k: v for h in handle.handles if isinstance(h, surgery.PruneHandle) for k, v in h.masks().items()}
     handle.bake()
     assert hooks_on(model) == 0 and guarded(model) == []
@@ -445,7 +490,7 @@ def test_out_of_order_restore_is_refused_or_exact(spec, data):
         surgery.compose(*handles).restore()
         raise
     for i in order:
-        later = set().union(*(transformed(h) for h in handles[i + 1:] if h.state == "attached"))
+        later = set().union(*(transformed(h) for h in handles[i + 1 :] if h.state == "attached"))
         if transformed(handles[i]) & later:
             state, outputs = snapshot(model), collect(model, inputs)
             with pytest.raises(surgery.AlreadyModifiedError):

@@ -16,8 +16,6 @@ from surgery.ops.criteria import CRITERIA, register_criterion
 from surgery.ops.reconstruction import sparsegpt
 from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
 
-from support import tiny_gpt2  # tests/support.py
-
 
 class Net(nn.Module):
     """Conv1d, a grouped Conv2d and Linear layers: every layer kind the solvers take."""
@@ -48,24 +46,30 @@ def outputs(model, data):
 # ------------------------------------------------------------------ Hessian columns
 
 
-@pytest.mark.parametrize("layer", [
-    nn.Linear(6, 5),
-    nn.Conv1d(3, 4, 3, stride=2, padding=1),
-    nn.Conv2d(4, 6, 3, padding="same", groups=2),
-    nn.Conv2d(2, 3, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(1, 1), padding_mode="circular"),
-    nn.Conv1d(4, 4, 5, padding="same", dilation=2, groups=4, padding_mode="reflect"),
-])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Linear(6, 5),
+        nn.Conv1d(3, 4, 3, stride=2, padding=1),
+        nn.Conv2d(4, 6, 3, padding="same", groups=2),
+        nn.Conv2d(2, 3, (3, 2), stride=(2, 1), dilation=(1, 2), padding=(1, 1), padding_mode="circular"),
+        nn.Conv1d(4, 4, 5, padding="same", dilation=2, groups=4, padding_mode="reflect"),
+    ],
+)
 def test_input_columns_times_the_weight_matrix_is_the_layer_output(layer):
     """The columns the Hessian is built from are exactly what the weight multiplies."""
     torch.manual_seed(0)
-    x = torch.randn(2, 7, 6) if isinstance(layer, nn.Linear) else torch.randn(2, layer.in_channels,
-                                                                              *([9] * len(layer.kernel_size)))
+    x = (
+        torch.randn(2, 7, 6)
+        if isinstance(layer, nn.Linear)
+        else torch.randn(2, layer.in_channels, *([9] * len(layer.kernel_size)))
+    )
     expected = layer(x).detach()
     columns = input_columns(layer, "layer", x)  # (groups, rows, columns per group)
     matrix = weight_matrix(layer, layer.weight.detach())
     groups = columns.shape[0]
     rows = matrix.shape[0] // groups
-    got = torch.cat([columns[g] @ matrix[g * rows:(g + 1) * rows].t() for g in range(groups)], dim=1)
+    got = torch.cat([columns[g] @ matrix[g * rows : (g + 1) * rows].t() for g in range(groups)], dim=1)
     if isinstance(layer, nn.Linear):
         torch.testing.assert_close(got + layer.bias, expected.reshape(-1, 5), rtol=1e-5, atol=1e-5)
     else:
@@ -135,8 +139,12 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 6))  # 40 inputs: groups of 16, 16 and a short one of 8
     x = correlated_inputs(features=40)
-    handle = surgery.quantize(model, weights=QuantSpec(bits=2, group_size=16, method=method),
-                              calibration=[x] if method == "gptq" else None, progress=False)
+    handle = surgery.quantize(
+        model,
+        weights=QuantSpec(bits=2, group_size=16, method=method),
+        calibration=[x] if method == "gptq" else None,
+        progress=False,
+    )
     quantizer = handle.weights["0.weight"]
     assert quantizer.scale.shape == (6, 3)
     weight = model[0].weight.detach()
@@ -152,17 +160,33 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
 # ------------------------------------------------------------------ the verbs: restore, bake, hooks
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(lambda m, d: surgery.prune(m, 0.6, method="sparsegpt", calibration=d, progress=False), id="sparsegpt"),
-    pytest.param(lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", pattern="2:4", calibration=d,
-                                            exclude="conv1", progress=False), id="sparsegpt-2:4"),
-    pytest.param(lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=3, method="gptq", group_size=8),
-                                               calibration=d, progress=False), id="gptq-g8"),
-    pytest.param(lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=4, method="gptq"), calibration=d,
-                                               progress=False), id="gptq-per-tensor"),
-    pytest.param(lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=2, group_size=4), progress=False),
-                 id="rtn-g4"),
-])
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param(
+            lambda m, d: surgery.prune(m, 0.6, method="sparsegpt", calibration=d, progress=False), id="sparsegpt"
+        ),
+        pytest.param(
+            lambda m, d: surgery.prune(
+                m, 0.5, method="sparsegpt", pattern="2:4", calibration=d, exclude="conv1", progress=False
+            ),
+            id="sparsegpt-2:4",
+        ),
+        pytest.param(
+            lambda m, d: surgery.quantize(
+                m, weights=QuantSpec(bits=3, method="gptq", group_size=8), calibration=d, progress=False
+            ),
+            id="gptq-g8",
+        ),
+        pytest.param(
+            lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=4, method="gptq"), calibration=d, progress=False),
+            id="gptq-per-tensor",
+        ),
+        pytest.param(
+            lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=2, group_size=4), progress=False), id="rtn-g4"
+        ),
+    ],
+)
 def test_restore_is_bit_exact_and_bake_loads_strictly_into_a_fresh_model(run):
     model, data = net_and_data()
     before, dense = snapshot(model), outputs(model, data)
@@ -189,13 +213,16 @@ def test_sparsegpt_masks_hold_exact_amounts_and_n_m_groups_along_the_input_chann
         assert int((weight == 0).sum()) == round(0.6 * weight.numel()), name
     assert handle.sparsity() == pytest.approx(0.6, abs=1e-3)
     handle.restore()
-    handle = surgery.prune(model, 0.5, method="sparsegpt", pattern="2:4", calibration=data, exclude="conv1",
-                           progress=False)
+    handle = surgery.prune(
+        model, 0.5, method="sparsegpt", pattern="2:4", calibration=data, exclude="conv1", progress=False
+    )
     for name, mask in handle.masks().items():  # groups of 4 consecutive input channels at each kernel position
         per_group = mask.movedim(1, -1).reshape(-1, 4).sum(-1)
         assert torch.equal(per_group, torch.full_like(per_group, 2)), name
-        assert torch.equal(dict(model.named_parameters())[name] != 0, mask) or (
-            (dict(model.named_parameters())[name] != 0) <= mask).all()
+        assert (
+            torch.equal(dict(model.named_parameters())[name] != 0, mask)
+            or ((dict(model.named_parameters())[name] != 0) <= mask).all()
+        )
     handle.restore()
 
 
@@ -204,8 +231,9 @@ def test_sparsegpt_then_gptq_stack_zeros_stay_zero_and_undo_in_reverse_order():
     before = snapshot(model)
     pruned = surgery.prune(model, 0.5, method="sparsegpt", calibration=data, progress=False)
     masks = pruned.masks()
-    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq", group_size=8), calibration=data,
-                                 progress=False)
+    quantized = surgery.quantize(
+        model, weights=QuantSpec(bits=4, method="gptq", group_size=8), calibration=data, progress=False
+    )
     for name, param in model.named_parameters():
         if name in masks:
             assert torch.equal(param[~masks[name]], torch.zeros(int((~masks[name]).sum()))), name
@@ -246,16 +274,22 @@ def test_each_layer_is_calibrated_on_the_already_pruned_layers_before_it():
 def gpt2(layers: int):
     import transformers
 
-    config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
 
 
 def token_batches(count=3):
     generator = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, 64, (4, 16), generator=generator),
-             "attention_mask": torch.ones(4, 16, dtype=torch.long)} for _ in range(count)]
+    return [
+        {
+            "input_ids": torch.randint(0, 64, (4, 16), generator=generator),
+            "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        }
+        for _ in range(count)
+    ]
 
 
 def test_decoder_blocks_are_found_and_calibrated_one_after_another_on_hugging_face_gpt2():
@@ -265,12 +299,14 @@ def test_decoder_blocks_are_found_and_calibrated_one_after_another_on_hugging_fa
     handle = surgery.prune(model, 0.5, method="sparsegpt", calibration=data, exclude="lm_head", progress=False)
     stages = handle.sequential.stages
     assert [s.block for s in stages] == ["transformer.h.0", "transformer.h.1"]
-    assert sorted(stages[0].layers) == sorted(f"transformer.h.0.{n}" for n in
-                                              ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert sorted(stages[0].layers) == sorted(
+        f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     pruned = [model(**b).logits.detach() for b in data]
     layer_by_layer = gpt2(2)
-    other = surgery.prune(layer_by_layer, 0.5, method="sparsegpt", calibration=data, exclude="lm_head",
-                          blocks=False, progress=False)  # full forwards for every layer, each on the pruned ones
+    other = surgery.prune(
+        layer_by_layer, 0.5, method="sparsegpt", calibration=data, exclude="lm_head", blocks=False, progress=False
+    )  # full forwards for every layer, each on the pruned ones
     for block in ("transformer.h.0", "transformer.h.1"):  # a block's first layer sees the same inputs either way
         name = f"{block}.attn.c_attn.weight"
         agree = (handle.masks()[name] == other.masks()[name]).float().mean().item()
@@ -287,10 +323,16 @@ def test_decoder_blocks_are_found_and_calibrated_one_after_another_on_hugging_fa
 def test_restore_is_bit_exact_on_gpt2_after_sparsegpt_and_gptq():
     model, data = gpt2(2), token_batches()
     before = snapshot(model)
-    pruned = surgery.prune(model, 0.5, method="sparsegpt", pattern="2:4", calibration=data, exclude="lm_head",
-                           progress=False)
-    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq", group_size=16), calibration=data,
-                                 exclude="lm_head", progress=False)
+    pruned = surgery.prune(
+        model, 0.5, method="sparsegpt", pattern="2:4", calibration=data, exclude="lm_head", progress=False
+    )
+    quantized = surgery.quantize(
+        model,
+        weights=QuantSpec(bits=4, method="gptq", group_size=16),
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     for name, mask in pruned.masks().items():
         assert torch.equal(mask.movedim(0, -1).reshape(-1, 4).sum(-1), torch.full((mask.numel() // 4,), 2)), name
     quantized.restore()
@@ -303,8 +345,9 @@ def test_block_memory_is_one_blocks_inputs_and_outputs_whatever_the_depth():
     data = token_batches()
     peaks = {}
     for layers in (2, 4):
-        handle = surgery.prune(gpt2(layers), 0.5, method="sparsegpt", calibration=data, exclude="lm_head",
-                               progress=False)
+        handle = surgery.prune(
+            gpt2(layers), 0.5, method="sparsegpt", calibration=data, exclude="lm_head", progress=False
+        )
         peaks[layers] = handle.sequential.peak_cached_bytes
         handle.restore()
     hidden = 3 * 4 * 16 * 32 * 4  # batches x batch x tokens x width x float32
@@ -315,15 +358,26 @@ def test_block_memory_is_one_blocks_inputs_and_outputs_whatever_the_depth():
 def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_included():
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                      max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     data = token_batches()
     before = snapshot(model)
-    handle = surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq", group_size=16), calibration=data,
-                              exclude="lm_head", progress=False)
+    handle = surgery.quantize(
+        model,
+        weights=QuantSpec(bits=4, method="gptq", group_size=16),
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     assert [s.block for s in handle.sequential.stages] == ["model.layers.0", "model.layers.1"]
     assert all(torch.isfinite(model(**b).logits).all() for b in data)
     handle.restore()
@@ -333,21 +387,35 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
 # ------------------------------------------------------------------ refusals
 
 
-@pytest.mark.parametrize("call,field", [
-    (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", progress=False), "prune.calibration"),
-    (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", scope="global", calibration=d, progress=False),
-     "prune.scope"),
-    (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[d[0] * float("nan")], progress=False),
-     "prune.calibration"),
-    (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[], progress=False), "prune.calibration"),
-    (lambda m, d: surgery.prune(m, 0.5, blocks=False, progress=False), "prune.blocks"),
-    (lambda m, d: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False), "quantize.calibration"),
-    (lambda m, d: surgery.quantize(m, weights=None, activations={"method": "gptq"}, calibration=d, progress=False),
-     "quantize.activations.method"),
-    (lambda m, d: surgery.quantize(m, weights={"group_size": 0}, progress=False), "quantize.weights.group_size"),
-    (lambda m, d: surgery.quantize(m, weights={"method": "awq"}, progress=False), "quantize.weights.method"),
-    (lambda m, d: surgery.quantize(m, weights=QuantSpec(group_size=8), train=True, progress=False), "quantize.train"),
-])
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", progress=False), "prune.calibration"),
+        (
+            lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", scope="global", calibration=d, progress=False),
+            "prune.scope",
+        ),
+        (
+            lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[d[0] * float("nan")], progress=False),
+            "prune.calibration",
+        ),
+        (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[], progress=False), "prune.calibration"),
+        (lambda m, d: surgery.prune(m, 0.5, blocks=False, progress=False), "prune.blocks"),
+        (lambda m, d: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False), "quantize.calibration"),
+        (
+            lambda m, d: surgery.quantize(
+                m, weights=None, activations={"method": "gptq"}, calibration=d, progress=False
+            ),
+            "quantize.activations.method",
+        ),
+        (lambda m, d: surgery.quantize(m, weights={"group_size": 0}, progress=False), "quantize.weights.group_size"),
+        (lambda m, d: surgery.quantize(m, weights={"method": "awq"}, progress=False), "quantize.weights.method"),
+        (
+            lambda m, d: surgery.quantize(m, weights=QuantSpec(group_size=8), train=True, progress=False),
+            "quantize.train",
+        ),
+    ],
+)
 def test_bad_second_order_settings_raise_one_line_and_leave_the_model_alone(call, field):
     model, data = net_and_data()
     before = snapshot(model)
@@ -454,12 +522,15 @@ def hessians_seen_and_true(model, data, **kwargs):
     return received, {name: found["hessian"][0] for name, found in seen.inputs.items()}  # one group
 
 
-@pytest.mark.parametrize("build,kwargs", [
-    pytest.param(lambda: Parallel().eval(), {}, id="parallel-heads"),
-    pytest.param(lambda: Affine().eval(), {}, id="edited-between-blocks"),
-    pytest.param(lambda: Affine().eval(), {"blocks": ["layers.0", "layers.2"], "exclude": "layers.1.0"}, id="gap"),
-    pytest.param(lambda: ByKeyword().eval(), {}, id="keyword-call"),
-])
+@pytest.mark.parametrize(
+    "build,kwargs",
+    [
+        pytest.param(lambda: Parallel().eval(), {}, id="parallel-heads"),
+        pytest.param(lambda: Affine().eval(), {}, id="edited-between-blocks"),
+        pytest.param(lambda: Affine().eval(), {"blocks": ["layers.0", "layers.2"], "exclude": "layers.1.0"}, id="gap"),
+        pytest.param(lambda: ByKeyword().eval(), {}, id="keyword-call"),
+    ],
+)
 def test_blocks_that_do_not_chain_are_fed_their_real_inputs(build, kwargs):
     torch.manual_seed(0)
     model = build()
@@ -478,9 +549,15 @@ def test_the_key_value_cache_of_hugging_face_blocks_is_not_reused(family):
     if family == "gpt2":
         model = gpt2(2)
     else:
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                          max_position_embeddings=32)
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=32,
+        )
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).eval()
     data = [{"input_ids": batch["input_ids"]} for batch in token_batches(2)]
@@ -500,8 +577,9 @@ def test_a_short_last_group_is_observed_on_its_own_entries():
     model = nn.Sequential(nn.Linear(130, 1))
     with torch.no_grad():
         model[0].weight[0, 128:] = torch.tensor([1.0, 2.0])
-    handle = surgery.quantize(model, weights=QuantSpec(bits=8, observer="percentile", percentile=99.0, group_size=128),
-                              progress=False)
+    handle = surgery.quantize(
+        model, weights=QuantSpec(bits=8, observer="percentile", percentile=99.0, group_size=128), progress=False
+    )
     torch.testing.assert_close(model[0].weight.detach()[0, 128:], torch.tensor([1.0, 2.0]), rtol=0.01, atol=0.01)
     handle.restore()
 
@@ -529,11 +607,19 @@ def test_a_timm_vision_transformer_is_calibrated_block_by_block_and_restored_exa
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=3).eval()
     data = [torch.randn(4, 3, 32, 32) for _ in range(2)]
     before = snapshot(model)
-    pruned = surgery.prune(model, 0.5, method="sparsegpt", pattern="2:4", calibration=data,
-                           exclude=["head", "patch_embed.proj"], progress=False)  # 3 input channels: no 2:4
+    pruned = surgery.prune(
+        model,
+        0.5,
+        method="sparsegpt",
+        pattern="2:4",
+        calibration=data,
+        exclude=["head", "patch_embed.proj"],
+        progress=False,
+    )  # 3 input channels: no 2:4
     assert [stage.block for stage in pruned.sequential.stages] == ["blocks.0", "blocks.1", "blocks.2"]
-    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, group_size=32, method="gptq"), calibration=data,
-                                 exclude="head", progress=False)
+    quantized = surgery.quantize(
+        model, weights=QuantSpec(bits=4, group_size=32, method="gptq"), calibration=data, exclude="head", progress=False
+    )
     assert torch.isfinite(model(data[0])).all()
     quantized.restore()
     pruned.restore()

@@ -47,8 +47,9 @@ def synthetic(rows):
 
 
 def test_the_plan_prunes_the_robust_layer_first_and_hits_the_target_exactly():
-    table = synthetic([("fragile", 0.5, 100, 0.5), ("fragile", 0.9, 100, 0.1),
-                       ("robust", 0.5, 100, 0.99), ("robust", 0.9, 100, 0.98)])
+    table = synthetic(
+        [("fragile", 0.5, 100, 0.5), ("fragile", 0.9, 100, 0.1), ("robust", 0.5, 100, 0.99), ("robust", 0.9, 100, 0.98)]
+    )
     assert table.plan(0.45) == {"fragile": 0.0, "robust": 0.9}
     plan = table.plan(0.6)
     assert plan["robust"] == 0.9 and plan["fragile"] == pytest.approx(0.3)
@@ -61,18 +62,27 @@ def test_prune_takes_per_layer_amounts_for_every_method():
     model = mlp()
     data = [torch.randn(32, 8)]
     for method in ("l1_unstructured", "wanda", "sparsegpt"):
-        handle = surgery.prune(model, 0.5, method=method, amounts={"0": 0.25, "4": 0.0},
-                               calibration=None if method == "l1_unstructured" else data, progress=False)
+        handle = surgery.prune(
+            model,
+            0.5,
+            method=method,
+            amounts={"0": 0.25, "4": 0.0},
+            calibration=None if method == "l1_unstructured" else data,
+            progress=False,
+        )
         assert handle.layer_sparsity() == {"0.weight": 0.25, "2.weight": 0.5, "4.weight": 0.0}, method
         handle.restore()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"amounts": {"9": 0.5}}, "prune.amounts='9': is not a selected layer"),
-    ({"amounts": {"0": 1.5}}, "prune.amounts['0']=1.5"),
-    ({"amounts": {"0": 0.5}, "scope": "global"}, "prune.amounts={'0': 0.5}: sets one amount per layer"),
-    ({"amounts": [0.5]}, "prune.amounts=[0.5]: must be a dict"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"amounts": {"9": 0.5}}, "prune.amounts='9': is not a selected layer"),
+        ({"amounts": {"0": 1.5}}, "prune.amounts['0']=1.5"),
+        ({"amounts": {"0": 0.5}, "scope": "global"}, "prune.amounts={'0': 0.5}: sets one amount per layer"),
+        ({"amounts": [0.5]}, "prune.amounts=[0.5]: must be a dict"),
+    ],
+)
 def test_bad_amounts_are_refused_before_anything_changes(kwargs, message):
     model = mlp()
     before = snapshot(model)

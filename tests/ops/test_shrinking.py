@@ -45,8 +45,18 @@ def masked_like(original: nn.Module, handle) -> nn.Module:
     return masked
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "densenet121", "shufflenet_v2_x0_5",
-                                  "efficientnet_b0", "regnet_x_400mf", "resnext50_32x4d"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet18",
+        "mobilenet_v3_small",
+        "densenet121",
+        "shufflenet_v2_x0_5",
+        "efficientnet_b0",
+        "regnet_x_400mf",
+        "resnext50_32x4d",
+    ],
+)
 def test_removing_channels_computes_what_zeroing_their_readers_computes(name):
     torch.manual_seed(0)
     model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
@@ -180,39 +190,87 @@ def test_round_to_keeps_channel_counts_multiples():
 
 def _bert():
     import transformers
-    return transformers.BertModel(transformers.BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=64,
-        max_position_embeddings=32, attn_implementation="eager"))
+
+    return transformers.BertModel(
+        transformers.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=64,
+            max_position_embeddings=32,
+            attn_implementation="eager",
+        )
+    )
 
 
 def _hf_vit():
     import transformers
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, num_labels=5))
+
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=5,
+        )
+    )
 
 
 def _llama_grouped_heads():
     import transformers
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=32))
+
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _timm_vit():
     import timm
+
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, num_classes=5)
 
 
 HEAD_MODELS = {  # factory, example inputs, attention module, its head-count attributes at 0.5, heads kept
-    "bert": (_bert, lambda: {"input_ids": torch.randint(0, 64, (2, 16))}, "encoder.layer.0.attention.self",
-             {"num_attention_heads": 2, "all_head_size": 16}, 2 / 4),
-    "hf_vit": (_hf_vit, lambda: {"pixel_values": torch.randn(2, 3, 32, 32)}, "vit.layers.0.attention",
-               {"num_attention_heads": 2}, 2 / 4),
-    "llama_gqa": (_llama_grouped_heads, lambda: {"input_ids": torch.randint(0, 64, (2, 16))},
-                  "model.layers.0.self_attn", {}, 1 / 2),  # 2 key/value groups of 4 query heads: one group goes
-    "timm_vit": (_timm_vit, lambda: torch.randn(2, 3, 32, 32), "blocks.0.attn", {"num_heads": 2, "attn_dim": 128},
-                 2 / 3),  # 3 heads: floor(1.5) = 1 removed
+    "bert": (
+        _bert,
+        lambda: {"input_ids": torch.randint(0, 64, (2, 16))},
+        "encoder.layer.0.attention.self",
+        {"num_attention_heads": 2, "all_head_size": 16},
+        2 / 4,
+    ),
+    "hf_vit": (
+        _hf_vit,
+        lambda: {"pixel_values": torch.randn(2, 3, 32, 32)},
+        "vit.layers.0.attention",
+        {"num_attention_heads": 2},
+        2 / 4,
+    ),
+    "llama_gqa": (
+        _llama_grouped_heads,
+        lambda: {"input_ids": torch.randint(0, 64, (2, 16))},
+        "model.layers.0.self_attn",
+        {},
+        1 / 2,
+    ),  # 2 key/value groups of 4 query heads: one group goes
+    "timm_vit": (
+        _timm_vit,
+        lambda: torch.randn(2, 3, 32, 32),
+        "blocks.0.attn",
+        {"num_heads": 2, "attn_dim": 128},
+        2 / 3,
+    ),  # 3 heads: floor(1.5) = 1 removed
 }
 
 
@@ -268,8 +326,14 @@ def test_embeddings_and_the_pooler_slice_let_bert_lose_hidden_width_but_tied_wei
     stream, the pooler reads ``hidden[:, 0]``: the whole stream shrinks. BertForMaskedLM ties its
     decoder to the word embeddings: that stream stays, the tie survives rebuild."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, vocab_size=64, max_position_embeddings=32)
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     ids = {"input_ids": torch.randint(0, 64, (2, 16))}
     for cls, width in ((transformers.BertForSequenceClassification, 16), (transformers.BertForMaskedLM, 32)):
         torch.manual_seed(0)
@@ -282,7 +346,7 @@ def test_embeddings_and_the_pooler_slice_let_bert_lose_hidden_width_but_tied_wei
         assert model(**ids).logits.shape == reference.shape
         plan = json.loads(json.dumps(handle.plan()))
         baked = handle.bake()
-        fresh = surgery.rebuild(lambda: cls(config), plan).eval()
+        fresh = surgery.rebuild(lambda cls=cls: cls(config), plan).eval()
         fresh.load_state_dict(baked.state_dict(), strict=True)
         assert torch.equal(fresh(**ids).logits, baked(**ids).logits)
         if cls is transformers.BertForMaskedLM:
@@ -300,7 +364,7 @@ class TinyAttention(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, self.size).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = torch.softmax(q @ k.transpose(-1, -2) / self.size ** 0.5, dim=-1) @ v
+        y = torch.softmax(q @ k.transpose(-1, -2) / self.size**0.5, dim=-1) @ v
         width = self.dim if self.hard_coded else self.n_heads * self.size  # a hard-coded width breaks shrinking
         return self.out(y.transpose(1, 2).reshape(b, t, width))
 
@@ -314,8 +378,9 @@ def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered()
     assert model[1].q.out_features == 16 and model[1].n_heads == 4  # the reshapes froze the heads
     assert model[1].q.in_features == 8  # what the first layer feeds it still shrinks
     handle.restore()
-    surgery.register_heads(TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"},
-                                                             output="out"))
+    surgery.register_heads(
+        TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"}, output="out")
+    )
     try:
         handle = surgery.shrink(model, 0.5, example_inputs=x)
         assert model[1].n_heads == 2 and model[1].q.out_features == 8 and model[1].out.in_features == 8
@@ -330,12 +395,14 @@ def test_a_module_that_fails_once_shrunk_is_kept_whole_and_the_rest_still_shrink
     """A registered layout that misses a hard-coded width: the check forward fails inside the
     attention, which is then kept whole (heads and inputs); the layers after it still shrink."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), TinyAttention(hard_coded=True), nn.Linear(16, 32), nn.ReLU(),
-                          nn.Linear(32, 3)).eval()
+    model = nn.Sequential(
+        nn.Linear(8, 16), TinyAttention(hard_coded=True), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3)
+    ).eval()
     x = torch.randn(2, 5, 8)
     reference = model(x)
-    surgery.register_heads(TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"},
-                                                             output="out"))
+    surgery.register_heads(
+        TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"}, output="out")
+    )
     try:
         handle = surgery.shrink(model, 0.5, example_inputs=x)
     finally:
@@ -401,12 +468,15 @@ def test_rebuild_refuses_a_factory_that_builds_another_model_each_time():
         surgery.rebuild(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), *next(builds), nn.Linear(8, 3)), plan)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"amount": 1.5}, "shrink.amount=1.5"),
-    ({"amount": 0.5, "scope": "all"}, "shrink.scope='all'"),
-    ({"amount": 0.5, "round_to": 0}, "shrink.round_to=0"),
-    ({"amount": 0.5, "importance": "l7"}, "shrink.importance='l7'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"amount": 1.5}, "shrink.amount=1.5"),
+        ({"amount": 0.5, "scope": "all"}, "shrink.scope='all'"),
+        ({"amount": 0.5, "round_to": 0}, "shrink.round_to=0"),
+        ({"amount": 0.5, "importance": "l7"}, "shrink.importance='l7'"),
+    ],
+)
 def test_bad_settings_raise_one_line_and_change_nothing(kwargs, field):
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
     before = snapshot(model)
@@ -422,7 +492,9 @@ def test_shrinking_a_pruned_model_and_a_wrong_plan_are_refused():
     with pytest.raises(ConfigError, match="has surgery attached"):
         surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 32, 32))
     pruned.restore()
-    plan = {"layer1.0.conv1": {"class": "torch.nn.modules.linear.Linear", "args": {"in_features": 2, "out_features": 2}}}
+    plan = {
+        "layer1.0.conv1": {"class": "torch.nn.modules.linear.Linear", "args": {"in_features": 2, "out_features": 2}}
+    }
     with pytest.raises(ConfigError, match="rebuild.plan='layer1.0.conv1': is a Conv2d in this model"):
         surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), plan)
 

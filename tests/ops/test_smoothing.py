@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import edit_in_place, tiny_gpt2  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery import QuantSpec
 from surgery.core.errors import ConfigError
 from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
-
-from support import edit_in_place, tiny_gpt2  # tests/support.py
 
 
 class Outliers(nn.Module):
@@ -40,8 +39,12 @@ def run(model, data):
         return [model(x) for x in data]
 
 
-W8A8 = dict(weights=QuantSpec(bits=8, symmetric=True, per_channel=True), activations=QuantSpec(bits=8), where="input",
-            progress=False)
+W8A8 = dict(
+    weights=QuantSpec(bits=8, symmetric=True, per_channel=True),
+    activations=QuantSpec(bits=8),
+    where="input",
+    progress=False,
+)
 
 
 def test_outputs_stay_the_same_and_restore_is_bit_exact():
@@ -92,8 +95,11 @@ def test_hugging_face_gpt2_norms_and_their_conv1d_readers_are_found():
     before, dense = snapshot(model), [model(x).logits.detach() for x in data]
     handle = surgery.smooth(model, 0.8, calibration=data, progress=False)
     assert [(p.norm, p.layers) for p in handle.pairs] == [
-        ("transformer.h.0.ln_1", ["transformer.h.0.attn.c_attn"]), ("transformer.h.0.ln_2", ["transformer.h.0.mlp.c_fc"]),
-        ("transformer.h.1.ln_1", ["transformer.h.1.attn.c_attn"]), ("transformer.h.1.ln_2", ["transformer.h.1.mlp.c_fc"])]
+        ("transformer.h.0.ln_1", ["transformer.h.0.attn.c_attn"]),
+        ("transformer.h.0.ln_2", ["transformer.h.0.mlp.c_fc"]),
+        ("transformer.h.1.ln_1", ["transformer.h.1.attn.c_attn"]),
+        ("transformer.h.1.ln_2", ["transformer.h.1.mlp.c_fc"]),
+    ]
     for x, want in zip(data, dense):
         torch.testing.assert_close(model(x).logits.detach(), want, rtol=1e-4, atol=1e-4)
     handle.restore()
@@ -103,8 +109,15 @@ def test_hugging_face_gpt2_norms_and_their_conv1d_readers_are_found():
 def test_llama_rms_norms_feed_their_projections():
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     data = [torch.randint(0, 64, (2, 16))]
@@ -112,20 +125,25 @@ def test_llama_rms_norms_feed_their_projections():
     handle = surgery.smooth(model, 0.5, calibration=data, progress=False)
     found = {p.norm: sorted(p.layers) for p in handle.pairs}
     assert found["model.layers.0.input_layernorm"] == sorted(f"model.layers.0.self_attn.{n}_proj" for n in "qkv")
-    assert found["model.layers.0.post_attention_layernorm"] == ["model.layers.0.mlp.gate_proj",
-                                                                "model.layers.0.mlp.up_proj"]
+    assert found["model.layers.0.post_attention_layernorm"] == [
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
     torch.testing.assert_close(model(data[0]).logits.detach(), dense, rtol=1e-4, atol=1e-4)
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == []
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"alpha": 1.5}, "smooth.alpha=1.5"),
-    ({"pairs": {"a": ["b"]}}, "smooth.pairs='a': is not a LayerNorm"),
-    ({"pairs": {"ln": ["out"]}}, "smooth.pairs='out': reads 128 features; ln produces 64"),
-    ({"pairs": {"ln": ["nope"]}}, "smooth.pairs='nope': is not a Linear"),
-    ({"calibration": [torch.full((2, 10, 64), float("nan"))]}, "smooth.calibration"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"alpha": 1.5}, "smooth.alpha=1.5"),
+        ({"pairs": {"a": ["b"]}}, "smooth.pairs='a': is not a LayerNorm"),
+        ({"pairs": {"ln": ["out"]}}, "smooth.pairs='out': reads 128 features; ln produces 64"),
+        ({"pairs": {"ln": ["nope"]}}, "smooth.pairs='nope': is not a Linear"),
+        ({"calibration": [torch.full((2, 10, 64), float("nan"))]}, "smooth.calibration"),
+    ],
+)
 def test_bad_settings_raise_one_line_and_change_nothing(kwargs, field):
     model, data = setup()
     before = snapshot(model)
@@ -150,12 +168,27 @@ def test_a_model_without_norms_and_smoothing_after_quantizing_are_refused():
 def test_norms_whose_smoothing_would_change_outputs_are_refused_post_norm_bert_and_gemma():
     import transformers
 
-    bert = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                                          intermediate_size=64, vocab_size=64,
-                                                          max_position_embeddings=32)).eval()
-    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, head_dim=8)).eval()  # its RMSNorm computes x * (1 + w)
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            vocab_size=64,
+            max_position_embeddings=32,
+        )
+    ).eval()
+    gemma = transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            head_dim=8,
+        )
+    ).eval()  # its RMSNorm computes x * (1 + w)
     data = [torch.randint(0, 64, (2, 16))]
     for model in (bert, gemma):
         before = snapshot(model)
@@ -178,8 +211,15 @@ def test_a_generator_of_batches_is_read_whole_and_smoothing_twice_is_refused():
 def tiny_llama(dtype=torch.float32):
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval().to(dtype)
 

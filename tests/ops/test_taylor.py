@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import tiny_gpt2  # tests/support.py
 from torch import nn
 from torch.nn import functional as F
 
@@ -12,19 +13,19 @@ from surgery.analysis.inspection import BACKWARD_HOOKS, TENSOR_HOOKS, gradient_s
 from surgery.core.errors import ConfigError
 from surgery.testing import global_hook_counts, snapshot, snapshot_differences
 
-from support import tiny_gpt2  # tests/support.py
-
 
 def pairs(mlp_input: torch.Tensor, count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
-    return [(mlp_input * (i + 1), torch.randint(0, 4, (mlp_input.shape[0],), generator=generator)) for i in range(count)]
+    return [
+        (mlp_input * (i + 1), torch.randint(0, 4, (mlp_input.shape[0],), generator=generator)) for i in range(count)
+    ]
 
 
 def taylor_by_hand(model: nn.Module, batches, name: str) -> torch.Tensor:
     weight = model.get_parameter(name)
     total = torch.zeros_like(weight, dtype=torch.float32)
     for x, y in batches:
-        grad, = torch.autograd.grad(F.cross_entropy(model(x), y), weight)
+        (grad,) = torch.autograd.grad(F.cross_entropy(model(x), y), weight)
         total += (weight.detach() * grad).abs()
     return total
 
@@ -63,11 +64,23 @@ def test_a_registered_gradient_criterion_sees_fisher_information(mlp, mlp_input)
         surgery.ops.criteria.CRITERIA.unregister("obd_like")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"method": "taylor"}, r"prune\.calibration=None: method 'taylor' scores with gradients; pass calibration \(inputs, target\) pairs"),
-    ({"method": "l1_unstructured", "loss": F.mse_loss}, r"prune\.loss='mse_loss': is only used by gradient criteria"),
-    ({"method": "taylor", "calibration": "pairs-without-target"}, r"prune\.calibration='batch 0': must be an \(inputs, target\) pair"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            {"method": "taylor"},
+            r"prune\.calibration=None: method 'taylor' scores with gradients; pass calibration \(inputs, target\) pairs",
+        ),
+        (
+            {"method": "l1_unstructured", "loss": F.mse_loss},
+            r"prune\.loss='mse_loss': is only used by gradient criteria",
+        ),
+        (
+            {"method": "taylor", "calibration": "pairs-without-target"},
+            r"prune\.calibration='batch 0': must be an \(inputs, target\) pair",
+        ),
+    ],
+)
 def test_bad_gradient_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
     if kwargs.get("calibration") == "pairs-without-target":
         kwargs["calibration"] = [mlp_input]
@@ -82,8 +95,15 @@ def test_taylor_on_a_hugging_face_model_with_its_own_loss():
     model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     batches = [({"input_ids": ids, "labels": ids}, None)]
-    with surgery.prune(model, 0.5, method="taylor", select="transformer.h.*.mlp.*", calibration=batches,
-                       loss=lambda output, _: output.loss, progress=False) as handle:
+    with surgery.prune(
+        model,
+        0.5,
+        method="taylor",
+        select="transformer.h.*.mlp.*",
+        calibration=batches,
+        loss=lambda output, _: output.loss,
+        progress=False,
+    ) as handle:
         assert handle.sparsity() == pytest.approx(0.5, abs=0.01) and len(handle.parameters) == 4  # 2 blocks
 
 
@@ -106,8 +126,10 @@ def test_gradient_statistics_use_full_backward_hooks_and_stay_in_scope(mlp, mlp_
     assert set(by_name) == {"", "0", "1", "2", "3", "4"}
     assert sum(row.share for row in rows if row.share is not None) == pytest.approx(1.0)
     expected = sum(taylor_by_hand(mlp, batches, "4.weight").sum() for _ in [0]).item()
-    bias = sum((mlp[4].bias.detach() * torch.autograd.grad(F.cross_entropy(mlp(x), y), mlp[4].bias)[0]).abs().sum()
-               for x, y in batches).item()
+    bias = sum(
+        (mlp[4].bias.detach() * torch.autograd.grad(F.cross_entropy(mlp(x), y), mlp[4].bias)[0]).abs().sum()
+        for x, y in batches
+    ).item()
     assert by_name["4"].sensitivity == pytest.approx(expected + bias, rel=1e-5)
     assert by_name["1"].weight_grad_norm is None and by_name["1"].grad_output_norm > 0  # ReLU: no parameters
     assert all(p.grad is None for p in mlp.parameters())

@@ -20,8 +20,12 @@ OPTIMIZERS = [
     ("RMSprop", {"momentum": 0.5}),
 ]
 IMPLEMENTATIONS = ["fused", "foreach", "for-loop"]
-CASES = [pytest.param(name, kwargs, impl, id=f"{name}-{impl}") for name, kwargs in OPTIMIZERS
-         for impl in IMPLEMENTATIONS if not (name == "RMSprop" and impl == "fused")]  # RMSprop has no fused kernel
+CASES = [
+    pytest.param(name, kwargs, impl, id=f"{name}-{impl}")
+    for name, kwargs in OPTIMIZERS
+    for impl in IMPLEMENTATIONS
+    if not (name == "RMSprop" and impl == "fused")
+]  # RMSprop has no fused kernel
 
 
 def gradient_hooks(model: nn.Module) -> int:
@@ -47,7 +51,9 @@ def pruned_values(model: nn.Module, masks: dict[str, torch.Tensor]) -> torch.Ten
 
 
 @pytest.mark.parametrize("name,kwargs,implementation", CASES)
-def test_masks_hold_right_after_each_optimizer_step_before_any_forward(convnet, image_input, name, kwargs, implementation):
+def test_masks_hold_right_after_each_optimizer_step_before_any_forward(
+    convnet, image_input, name, kwargs, implementation
+):
     handle = surgery.prune(convnet, 0.5, progress=False)
     masks = handle.masks()
     optimizer = make_optimizer(convnet, name, kwargs, implementation)
@@ -56,8 +62,9 @@ def test_masks_hold_right_after_each_optimizer_step_before_any_forward(convnet, 
     convnet.train()(image_input).square().mean().backward()
     optimizer.step()  # no forward after this: readers outside forward see the weights as they are
     assert not pruned_values(convnet, masks).any()
-    assert any(not torch.equal(convnet.get_parameter(n).detach(), w) for n, w in weights_before.items()), \
+    assert any(not torch.equal(convnet.get_parameter(n).detach(), w) for n, w in weights_before.items()), (
         "the step must have trained the kept entries"
+    )
     for state in optimizer.state.values():  # gradients of pruned entries are masked: no momentum builds up
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() and value.shape == convnet.conv1.weight.shape:
@@ -66,9 +73,17 @@ def test_masks_hold_right_after_each_optimizer_step_before_any_forward(convnet, 
     assert not pruned_values(convnet, masks).any()
     assert handle.sparsity() == pytest.approx(0.5, abs=0.01)
     handle.bake()
-    baked_sparsity = sum(int((convnet.get_parameter(n) == 0).sum()) for n in masks) / sum(m.numel() for m in masks.values())
-    assert baked_sparsity == pytest.approx(handle_sparsity := 1 - sum(int(m.sum()) for m in masks.values()) / sum(
-        m.numel() for m in masks.values()), abs=1e-9) and handle_sparsity >= 0.5
+    baked_sparsity = sum(int((convnet.get_parameter(n) == 0).sum()) for n in masks) / sum(
+        m.numel() for m in masks.values()
+    )
+    assert (
+        baked_sparsity
+        == pytest.approx(
+            handle_sparsity := 1 - sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values()),
+            abs=1e-9,
+        )
+        and handle_sparsity >= 0.5
+    )
     assert sum(module_hook_counts(convnet).values()) == 0
 
 
@@ -152,7 +167,9 @@ def test_load_state_dict_with_assign_is_detected_and_enforce_carries_the_surgery
     assert model[0].weight.grad[pruned].eq(0).all()  # the gradient hook moved to the new parameter
     handle.restore()
     assert gradient_hooks(model) == 0
-    assert "tensor param:0.weight changed" in snapshot_differences(before, snapshot(model))  # trained, not restored to old
+    assert "tensor param:0.weight changed" in snapshot_differences(
+        before, snapshot(model)
+    )  # trained, not restored to old
 
 
 def test_enforce_refuses_a_replacement_of_another_shape(mlp, mlp_input):
@@ -171,17 +188,32 @@ def test_enforce_refuses_a_replacement_of_another_shape(mlp, mlp_input):
 def test_hugging_face_trainer_with_default_arguments_keeps_half_the_weights_zero(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=32, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config)
     handle = surgery.prune(model, 0.5, select="bert.encoder.**", progress=False)
     masks = handle.masks()
     generator = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(0, 64, (12,), generator=generator), "labels": torch.tensor(i % 2)}
-            for i in range(32)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=8,
-                                          report_to=[], save_strategy="no", learning_rate=1e-2)
+    rows = [
+        {"input_ids": torch.randint(0, 64, (12,), generator=generator), "labels": torch.tensor(i % 2)}
+        for i in range(32)
+    ]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        report_to=[],
+        save_strategy="no",
+        learning_rate=1e-2,
+    )
     assert args.optim.value == "adamw_torch_fused"  # the default optimizer on this torch: fused, no version bumps
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
     weights_before = {n: model.get_parameter(n).detach().clone() for n in masks}
@@ -202,8 +234,9 @@ def test_a_timm_vision_transformer_trains_with_masks_and_quantization_aware_trai
     x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
     before = snapshot(model)
     pruned = surgery.prune(model, 0.5, select=nn.Linear, progress=False)
-    trained = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
-                               select=nn.Linear, progress=False, train=True)
+    trained = surgery.quantize(
+        model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select=nn.Linear, progress=False, train=True
+    )
     masks = pruned.masks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     for _ in range(2):

@@ -144,8 +144,10 @@ def test_a_weight_frozen_when_pruned_has_its_gradient_masked_once_unfrozen(mlp, 
 
 
 def test_a_model_dropped_with_surgery_attached_frees_its_weights(mlp_factory):
-    for attach in (lambda m: surgery.prune(m, 0.5, progress=False),
-                   lambda m: surgery.quantize(m, weights=W4, progress=False, train=True)):
+    for attach in (
+        lambda m: surgery.prune(m, 0.5, progress=False),
+        lambda m: surgery.quantize(m, weights=W4, progress=False, train=True),
+    ):
         model = mlp_factory()
         weight = weakref.ref(model[0].weight)
         attach(model)
@@ -178,12 +180,19 @@ def test_finetune_fails_when_the_last_step_diverges_and_keeps_the_callers_gradie
 
 
 def test_finetune_restore_puts_learned_activation_ranges_back(mlp, mlp_input):
-    handle = surgery.quantize(mlp, weights=None, activations=QuantSpec(bits=8, observer="moving_average"),
-                              calibration=[mlp_input], progress=False, train=True)
+    handle = surgery.quantize(
+        mlp,
+        weights=None,
+        activations=QuantSpec(bits=8, observer="moving_average"),
+        calibration=[mlp_input],
+        progress=False,
+        train=True,
+    )
     expected = [t.clone() for t in surgery.testing.collect(mlp, [mlp_input])]
     scale = handle.activations["0"].scale.clone()
-    tuned = surgery.finetune(mlp, [(mlp_input * 5, torch.zeros(mlp_input.shape[0], dtype=torch.long))] * 3,
-                             lr=0.01, progress=False)
+    tuned = surgery.finetune(
+        mlp, [(mlp_input * 5, torch.zeros(mlp_input.shape[0], dtype=torch.long))] * 3, lr=0.01, progress=False
+    )
     assert not torch.equal(handle.activations["0"].scale, scale)
     tuned.restore()
     assert torch.equal(handle.activations["0"].scale, scale)
