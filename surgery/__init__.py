@@ -34,6 +34,7 @@ from surgery.ops.rewriting import register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity import Sensitivity, sensitivity
 from surgery.ops.shrinking import ShrinkError, ShrinkHandle, rebuild, register_importance, shrink
 from surgery.ops.smoothing import SmoothHandle, smooth
+from surgery.ops.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 
 __all__ = [
     "AlreadyModifiedError",
@@ -78,6 +79,9 @@ __all__ = [
     "register_criterion",
     "register_heads",
     "register_importance",
+    "register_weight_method",
+    "QuantizedWeight",
+    "WeightProblem",
     "register_observer",
     "register_rewrite",
     "rewrite_inputs",

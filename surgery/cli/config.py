@@ -15,6 +15,7 @@ from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.ops.criteria import as_criterion
 from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import check_pattern, validate_arguments
+from surgery.ops.weight_methods import weight_method
 
 STEPS = ("prune", "quantize", "rewrite", "finetune", "shrink")
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
@@ -376,7 +377,7 @@ class QuantizeConfig:
     def calibrated(self) -> bool:
         """Whether quantizing needs calibration batches (activations, or GPTQ weights)."""
         weights = self.weight_spec()
-        return self.activations is not None or (weights is not None and weights.method == "gptq")
+        return self.activations is not None or (weights is not None and weight_method(weights.method).needs_calibration)
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`surgery.quantize` (without calibration)."""

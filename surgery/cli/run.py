@@ -39,6 +39,7 @@ from surgery.ops.criteria import as_criterion
 from surgery.ops.finetuning import FinetuneHandle
 from surgery.ops.sensitivity import sensitivity
 from surgery.ops.shrinking import ShrinkHandle, rebuild
+from surgery.ops.weight_methods import weight_method
 from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -275,7 +276,7 @@ def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) 
     weights = settings.weight_spec()
     quantizing = settings.bits is not None
     calibrated = (
-        weights is not None and weights.method == "gptq"
+        weights is not None and weight_method(weights.method).needs_calibration
         if quantizing
         else as_criterion(settings.method).needs_calibration
     )

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
+from surgery.ops.weight_methods import WEIGHT_METHODS
 
 _QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit
 
@@ -168,15 +169,13 @@ def _check(spec: Any, field: str) -> None:
     if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
         raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
     if spec.method not in WEIGHT_METHODS:
-        raise ConfigError(f"{field}.method", spec.method, f"must be one of {', '.join(WEIGHT_METHODS)}")
+        allowed = ", ".join(WEIGHT_METHODS.names())
+        raise ConfigError(f"{field}.method", spec.method, f"must be one of {allowed} (or a registered weight method)")
     size = spec.group_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
         raise ConfigError(
             f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
         )
-
-
-WEIGHT_METHODS = ("rtn", "gptq")  # gptq needs calibration batches (its Hessians)
 
 
 class NonFiniteError(ConfigError):

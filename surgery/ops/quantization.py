@@ -16,27 +16,16 @@ from surgery.core.capture import Capture
 from surgery.core.checkpoints import save_tensors
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.handles import Handle
-from surgery.core.hessians import weight_matrix
 from surgery.core.inputs import run_batches
 from surgery.core.selection import Selection, select
 from surgery.core.sequential import SequentialReport
-from surgery.core.targets import Target, Targets, default_layer, is_hf_conv1d, select_parameters
+from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all, own_step_hook
-from surgery.ops.observers import Grid, NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
+from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
 from surgery.ops.qat import ShadowWeight, attach_shadows
-from surgery.ops.reconstruction import gptq
-from surgery.ops.second_order import check_layers, reconstruct_layers
+from surgery.ops.weight_methods import WEIGHT_METHODS, WeightProblem, layer_axis, weight_axis, weight_method
 
-WEIGHT_AXIS = (
-    (nn.ConvTranspose1d, 1),
-    (nn.ConvTranspose2d, 1),
-    (nn.ConvTranspose3d, 1),
-    (nn.Conv1d, 0),
-    (nn.Conv2d, 0),
-    (nn.Conv3d, 0),
-    (nn.Linear, 0),
-    (nn.Embedding, 0),
-)
 ACTIVATION_AXIS = (
     (nn.Conv1d, 1),
     (nn.Conv2d, 1),
@@ -380,22 +369,28 @@ def _validate_method(
             activations.group_size,
             "applies to weights; activations take per_channel or one scale",
         )
-    method = weights.method if weights is not None else "rtn"
-    if method == "gptq" and calibration is None:
+    if weights is None:
+        if blocks is not None:
+            raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
+        return
+    method = weight_method(weights.method)
+    if method.needs_calibration and calibration is None:
         raise ConfigError(
             "quantize.calibration",
             None,
-            "weights.method='gptq' solves each layer with its input Hessian; pass calibration batches",
+            f"weights.method={method.name!r} is calibrated (e.g. gptq solves each layer with its input Hessian); "
+            "pass calibration batches",
         )
-    if (train and weights is not None) and (method != "rtn" or weights.group_size is not None):
+    if train and (not method.trainable or weights.group_size is not None):
+        trainable = ", ".join(repr(n) for n in WEIGHT_METHODS.names() if weight_method(n).trainable)
         raise ConfigError(
             "quantize.train",
             True,
             "quantization-aware training rounds weights to nearest with "
-            "per-channel or per-tensor scales; set weights.method='rtn' and group_size=null",
+            f"per-channel or per-tensor scales; set weights.method to one of {trainable} and group_size=null",
         )
-    if blocks is not None and method != "gptq":
-        raise ConfigError("quantize.blocks", blocks, "applies to weights.method='gptq'")
+    if blocks is not None and not method.sequential:
+        raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
 
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:
@@ -404,18 +399,6 @@ def _as_spec(spec: Any, field: str) -> QuantSpec | None:
     if isinstance(spec, dict):
         return QuantSpec.build(spec, field)
     raise ConfigError(field, spec, "must be a QuantSpec, a dict of its fields, or None")
-
-
-def _axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
-    for kind, axis in table:
-        if isinstance(module, kind):
-            return axis
-    allowed = ", ".join(sorted({k.__name__ for k, _ in table}))
-    raise ConfigError(
-        f"{field}.per_channel",
-        True,
-        f"{name} ({type(module).__name__}) has no channel axis; per-channel works on {allowed}",
-    )
 
 
 def quantize_targets(
@@ -435,7 +418,7 @@ def quantize_targets(
         )
         if weights.per_channel:
             for name, target in weight_targets.matched.items():
-                _weight_axis(target, name)
+                weight_axis(target, name)
     layers: dict[str, nn.Module] = {}
     if activations is not None:
         layers = select(
@@ -447,22 +430,13 @@ def quantize_targets(
         )
     for name, module in layers.items():
         if activations.per_channel and not is_hf_conv1d(module):
-            _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+            layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         hooks = module._forward_hooks if where == "output" else module._forward_pre_hooks
         if any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
             raise AlreadyModifiedError(
                 f"quantize: {name} already has its {where} quantized; bake() or restore() that handle first"
             )
     return weight_targets, layers
-
-
-def _weight_axis(target: Target, name: str) -> int:
-    """The output-channel axis of a weight: 0, except transposed layouts (ConvTranspose, Conv1D)."""
-    if target.attribute != "weight":
-        return 0  # e.g. an LSTM's weight_ih_l0 or attention's in_proj_weight: rows are outputs
-    if is_hf_conv1d(target.module):
-        return 1  # (in_features, out_features)
-    return _axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
 
 
 def _attach_weights(
@@ -479,101 +453,16 @@ def _attach_weights(
             raise NonFiniteError(
                 "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
             )
-    if spec.method == "gptq":
-        quantizers = _solved_quantizers(handle, model, targets, spec, calibration, blocks, progress)
-    elif spec.group_size:
-        quantizers = _group_quantizers(targets, spec)
-    else:
-        quantizers = _nearest_quantizers(targets, spec)
+    problem = WeightProblem(model, targets, spec, calibration, blocks, progress)
+    solved = weight_method(spec.method)(problem)
+    handle.sequential = problem.sequential
+    quantizers = {}
+    for key, target in targets.matched.items():
+        found = solved[key]
+        quantizers[key] = (target.param, WeightQuantizer(spec, found.scale, found.zero_point, found.axis, found.value))
     for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
-
-
-def _group_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
-    """Round to nearest with a scale per group of ``spec.group_size`` inputs of each output."""
-    grid = Grid(spec, per_row=True)
-    quantizers = {}
-    for key, target in targets.matched.items():
-        axis = _weight_axis(target, key)
-        value = guards.current_value(target.param)
-        scale, zero_point = grid.group_qparams(value.movedim(axis, 0).reshape(value.shape[axis], -1))
-        quantizers[key] = (target.param, WeightQuantizer(spec, scale, zero_point, axis))
-    return quantizers
-
-
-def _solved_quantizers(
-    handle: QuantizeHandle,
-    model: nn.Module,
-    targets: Targets,
-    spec: QuantSpec,
-    calibration: Any,
-    blocks: Any,
-    progress: bool,
-) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
-    """GPTQ: each layer rounded column by column against its input Hessian, in sequence."""
-    check_layers(targets.matched, "quantize.select", "gptq")
-    grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
-    by_layer = {t.module_name: t for t in targets.matched.values()}
-    whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
-    for layer, target in by_layer.items():
-        if not spec.group_size:
-            whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
-    offsets: dict[str, int] = {}
-    masks = {}  # pruned layers: GPTQ keeps their zeros and compensates on the entries kept
-    for layer, target in by_layer.items():
-        mask = next((t.mask() for t in guards.transforms_of(target.param) if callable(getattr(t, "mask", None))), None)
-        if mask is not None:
-            masks[layer] = weight_matrix(target.module, mask)
-
-    def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-        rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
-        offsets[layer] = rows.stop
-        fixed = None if spec.group_size else whole[layer]
-        if fixed is not None and grid.per_row:
-            fixed = (fixed[0][rows], fixed[1][rows])
-        keep = masks.get(layer)
-        new, scale, zero_point = gptq(
-            matrix,
-            hessian,
-            grid.qparams_of if fixed is None else lambda _: fixed,
-            grid.round,
-            group_size=spec.group_size,
-            name=layer,
-            keep=None if keep is None else keep[rows],
-        )
-        return new, (
-            scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
-            zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point,
-        )
-
-    results, handle.sequential = reconstruct_layers(
-        model, targets.matched, calibration, solver, blocks=blocks, field="quantize.calibration", progress=progress
-    )
-    quantizers = {}
-    for key, target in targets.matched.items():
-        value, (scale, zero_point) = results[key]
-        axis = _weight_axis(target, key) if grid.per_row else None
-        if not grid.per_row:
-            scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
-        quantizers[key] = (target.param, WeightQuantizer(spec, scale, zero_point.to(torch.int32), axis, value))
-    return quantizers
-
-
-def _nearest_quantizers(targets: Targets, spec: QuantSpec) -> dict[str, tuple[nn.Parameter, WeightQuantizer]]:
-    quantizers: dict[str, tuple[nn.Parameter, WeightQuantizer]] = {}
-    for key, target in targets.matched.items():
-        param = target.param
-        axis = _weight_axis(target, key) if spec.per_channel else None
-        value = guards.current_value(param)  # e.g. with pruned entries zero, as enforced
-        if not torch.isfinite(value).all():
-            raise NonFiniteError(
-                "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
-            )
-        observer = Observer(spec, axis, key)
-        observer.observe(value)
-        quantizers[key] = (param, WeightQuantizer(spec, *observer.qparams(), axis))
-    return quantizers
 
 
 def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
@@ -583,7 +472,7 @@ def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Ta
             raise NonFiniteError(
                 "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
             )
-        shadows[key] = ShadowWeight(key, target, spec, _weight_axis(target, key) if spec.per_channel else None)
+        shadows[key] = ShadowWeight(key, target, spec, weight_axis(target, key) if spec.per_channel else None)
     handle.weights.update(shadows)
     attach_shadows(handle, model, shadows)
 
@@ -597,7 +486,7 @@ def _attach_activations(
             if not spec.per_channel
             else -1
             if is_hf_conv1d(module)
-            else _axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+            else layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         )
         quantizer = ActivationQuantizer(spec, axis, name, where, learning)
         hook = (

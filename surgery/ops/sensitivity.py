@@ -29,6 +29,7 @@ from surgery.core.targets import Target
 from surgery.ops.observers import QuantSpec
 from surgery.ops.pruning import prune, prune_targets
 from surgery.ops.quantization import quantize
+from surgery.ops.weight_methods import weight_method
 
 Evaluate = Callable[[nn.Module], float]
 
@@ -177,7 +178,7 @@ def sensitivity(
                 weights=spec,
                 select=[target.name],
                 progress=False,
-                calibration=calibration if spec.method == "gptq" else None,
+                calibration=calibration if weight_method(spec.method).needs_calibration else None,
             )
         return prune(model, setting, method=method, select=[target.name], calibration=calibration, progress=False)
 
