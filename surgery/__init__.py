@@ -18,7 +18,7 @@ from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
 from surgery.ops import rules
 from surgery.ops.criteria import LayerStats, register_criterion
-from surgery.ops.finetuning import FinetuneHandle, finetune
+from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 from surgery.ops.intercept import (
     Event,
     InterceptError,
@@ -29,11 +29,11 @@ from surgery.ops.intercept import (
 )
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
-from surgery.ops.quantization import QuantizeHandle, quantize
-from surgery.ops.rewriting import register_rewrite, rewrite_inputs
+from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
+from surgery.ops.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity import Sensitivity, sensitivity
-from surgery.ops.shrinking import ShrinkError, ShrinkHandle, rebuild, register_importance, shrink
-from surgery.ops.smoothing import SmoothHandle, smooth
+from surgery.ops.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
+from surgery.ops.smoothing import SmoothHandle, SmoothSpec, smooth
 from surgery.ops.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 
 __all__ = [
@@ -80,6 +80,11 @@ __all__ = [
     "register_heads",
     "register_importance",
     "register_weight_method",
+    "FinetuneSpec",
+    "QuantizeSpec",
+    "RewriteSpec",
+    "ShrinkSpec",
+    "SmoothSpec",
     "QuantizedWeight",
     "WeightProblem",
     "register_observer",

@@ -71,9 +71,41 @@ class FinetuneHandle(Handle):
         self.curve: list[Point] = []
 
 
+@dataclass(frozen=True)
+class FinetuneSpec:
+    """How to fine-tune, validated when built: ``FinetuneSpec(lr=-1)`` raises at once. The
+    fields are :func:`finetune`'s settings (see there)."""
+
+    epochs: int = 1
+    lr: float = 1e-3
+    optimizer: Any = "adamw"  # a registered name, or a factory (params, lr, weight_decay) -> optimizer
+    weight_decay: float = 0.0
+    eval_every: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        epochs, lr, weight_decay, eval_every = self.epochs, self.lr, self.weight_decay, self.eval_every
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
+        for field, value in (("finetune.lr", lr), ("finetune.weight_decay", weight_decay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(field, value, "must be a finite number >= 0")
+        if eval_every is not None and (
+            isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1
+        ):
+            raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
+        if not callable(self.optimizer):
+            OPTIMIZERS.get(self.optimizer)
+
+    @property
+    def make_optimizer(self) -> OptimizerFactory:
+        return self.optimizer if callable(self.optimizer) else OPTIMIZERS.get(self.optimizer)
+
+
 def finetune(
     model: nn.Module,
     batches: Sequence[tuple[Any, Tensor]],
+    spec: FinetuneSpec | None = None,
     *,
     epochs: int = 1,
     lr: float = 1e-3,
@@ -88,6 +120,7 @@ def finetune(
     """Train ``model`` on ``(inputs, target)`` batches with whatever surgery is attached to it.
 
     Args:
+        spec: a :class:`FinetuneSpec` holding the settings below (the keywords are a shorthand for it).
         batches: a sequence of ``(inputs, target)`` pairs; ``inputs`` is a tensor, a tuple of
             positional inputs or a dict of keyword inputs. Their order is shuffled every epoch
             (seeded by ``seed``).
@@ -106,7 +139,13 @@ def finetune(
         >>> tuned = surgery.finetune(model, train_batches, epochs=5, evaluate=accuracy_on_test)
         >>> tuned.curve[0].score, tuned.curve[-1].score   # after pruning, after fine-tuning
     """
-    make_optimizer = _validate(batches, epochs, lr, optimizer, weight_decay, eval_every)
+    if spec is None:
+        spec = FinetuneSpec(epochs, lr, optimizer, weight_decay, eval_every, seed)
+    elif not isinstance(spec, FinetuneSpec):
+        raise ConfigTypeError("finetune.spec", spec, "must be a FinetuneSpec (or pass the settings as keywords)")
+    epochs, lr, weight_decay, eval_every, seed = spec.epochs, spec.lr, spec.weight_decay, spec.eval_every, spec.seed
+    _validate(batches)
+    make_optimizer = spec.make_optimizer
     handle = FinetuneHandle(model)
     saved = {name: t.detach().clone() for name, t in _state(model).items()}
     ranges = learned_ranges(model)  # activation ranges that quantization-aware training moves
@@ -223,14 +262,7 @@ def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) 
         )
 
 
-def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> OptimizerFactory:
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
-    for field, value in (("finetune.lr", lr), ("finetune.weight_decay", weight_decay)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ConfigError(field, value, "must be a finite number >= 0")
-    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
-        raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
+def _validate(batches: Any) -> None:
     if not isinstance(batches, Sequence) or not len(batches):
         raise ConfigTypeError(
             "finetune.batches", type(batches).__name__, "must be a non-empty sequence of (inputs, target) pairs"
@@ -240,7 +272,6 @@ def _validate(batches, epochs, lr, optimizer, weight_decay, eval_every) -> Optim
         raise ConfigTypeError("finetune.batches", type(first).__name__, "each batch must be an (inputs, target) pair")
     for index, batch in enumerate(batches):
         _pair(batch, index)
-    return optimizer if callable(optimizer) else OPTIMIZERS.get(optimizer)
 
 
 def _state(model: nn.Module) -> dict[str, Tensor]:

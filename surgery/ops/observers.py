@@ -102,7 +102,7 @@ class QuantSpec:
     bits: int = 8
     symmetric: bool = False
     per_channel: bool = False
-    observer: str | ObserverFn = "minmax"
+    observer: Any = "minmax"  # a registered observer name, or an ObserverFn
     percentile: float = 99.99
     averaging: float = 0.01
     method: str = "rtn"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,113 @@ ACTIVATION_AXIS = (
 )
 WHERE = ("output", "input")
 DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """How to quantize, validated when built: ``QuantizeSpec(where="middle")`` raises at once.
+
+    The fields are the keyword arguments of :func:`quantize` (see there); ``weights`` and
+    ``activations`` are :class:`QuantSpec` (or dicts of its fields), ``None`` turns that part off.
+    """
+
+    weights: QuantSpec | None = DEFAULT_WEIGHTS
+    activations: QuantSpec | None = None
+    select: Any = None
+    exclude: Any = None
+    where: str = "output"
+    train: bool = False
+    freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
+    blocks: Any = None  # sequential methods (gptq): blocks calibrated in turn; False: layer by layer
+
+    def __post_init__(self) -> None:
+        weights = _as_spec(self.weights, "quantize.weights")
+        activations = _as_spec(self.activations, "quantize.activations")
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "activations", activations)
+        object.__setattr__(self, "exclude", self.exclude or None)
+        if weights is None and activations is None:
+            raise ConfigError("quantize", None, "set weights, activations or both")
+        if self.where not in WHERE:
+            raise ConfigError("quantize.where", self.where, f"must be one of {', '.join(WHERE)}")
+        _validate_training(self.train, self.freeze_observers_after, activations)
+        _validate_method(weights, activations, self.train, self.blocks)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration batches (activations, or a calibrated weight method)."""
+        return self.activations is not None or (
+            self.weights is not None and weight_method(self.weights.method).needs_calibration
+        )
+
+
+def _refuse_both(spec: QuantizeSpec, *values: Any) -> None:
+    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None)
+    if any(value is not default and value != default for value, default in zip(values, defaults)):
+        raise ConfigError("quantize.spec", spec, "is a QuantizeSpec: set the settings in it, not also as keywords")
+
+
+def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None:
+    """What the settings need from the call: calibration batches, or saved parameters."""
+    if spec.activations is not None and calibration is None and qparams is None:
+        raise ConfigError(
+            "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
+        )
+    method = weight_method(spec.weights.method) if spec.weights is not None else None
+    if method is not None and method.needs_calibration and calibration is None:
+        raise ConfigError(
+            "quantize.calibration",
+            None,
+            f"weights.method={method.name!r} is calibrated (gptq solves each layer with its input Hessian); "
+            "pass calibration batches",
+        )
+
+
+def _validate_training(train: object, freeze_after: object, activations: QuantSpec | None) -> None:
+    if not isinstance(train, bool):
+        raise ConfigTypeError("quantize.train", train, "must be true or false")
+    if freeze_after is None:
+        return
+    if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or not 0 <= freeze_after < 2**63:
+        raise ConfigError(
+            "quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 (optimizer steps)"
+        )
+    if not train or activations is None:
+        raise ConfigError(
+            "quantize.freeze_observers_after",
+            freeze_after,
+            "applies to quantization-aware training of activations: set train=true and activations",
+        )
+
+
+def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, train: bool, blocks: Any) -> None:
+    if activations is not None and activations.method != "rtn":
+        raise ConfigError(
+            "quantize.activations.method",
+            activations.method,
+            "applies to weights; activations are rounded to nearest ('rtn')",
+        )
+    if activations is not None and activations.group_size is not None:
+        raise ConfigError(
+            "quantize.activations.group_size",
+            activations.group_size,
+            "applies to weights; activations take per_channel or one scale",
+        )
+    if weights is None:
+        if blocks is not None:
+            raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
+        return
+    method = weight_method(weights.method)
+    if train and (not method.trainable or weights.group_size is not None):
+        trainable = ", ".join(repr(n) for n in WEIGHT_METHODS.names() if weight_method(n).trainable)
+        raise ConfigError(
+            "quantize.train",
+            True,
+            "quantization-aware training rounds weights to nearest with "
+            f"per-channel or per-tensor scales; set weights.method to one of {trainable} and group_size=null",
+        )
+    if blocks is not None and not method.sequential:
+        raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
 
 
 class WeightQuantizer:
@@ -254,6 +362,7 @@ def load_qparams(path: str | Path) -> dict[str, Tensor]:
 
 def quantize(
     model: nn.Module,
+    spec: QuantizeSpec | None = None,
     *,
     weights: QuantSpec | None = DEFAULT_WEIGHTS,
     activations: QuantSpec | None = None,
@@ -271,6 +380,8 @@ def quantize(
 
     Args:
         model: the model to modify in place.
+        spec: a :class:`QuantizeSpec` holding every setting below but ``calibration``,
+            ``qparams`` and ``progress`` (the keyword arguments are a shorthand for it).
         weights: settings for weights (default int8, symmetric, per output channel), or None.
             Weights are replaced in place by their fake-quantized values with PyTorch's fused
             ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
@@ -298,9 +409,15 @@ def quantize(
         >>> handle.save_qparams("model.qparams.safetensors")
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
-    weights, activations = _validate(weights, activations, where, calibration, qparams)
-    _validate_training(train, freeze_observers_after, activations)
-    _validate_method(weights, activations, calibration, train, blocks)
+    if spec is None:
+        spec = QuantizeSpec(weights, activations, select, exclude, where, train, freeze_observers_after, blocks)
+    elif not isinstance(spec, QuantizeSpec):
+        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
+    else:
+        _refuse_both(spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks)
+    weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
+    train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
+    _validate_inputs(spec, calibration, qparams)
     weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
@@ -321,76 +438,6 @@ def quantize(
         handle.rollback(err)
         raise
     return handle
-
-
-def _validate(weights, activations, where, calibration, qparams) -> tuple[QuantSpec | None, QuantSpec | None]:
-    weights = _as_spec(weights, "quantize.weights")
-    activations = _as_spec(activations, "quantize.activations")
-    if weights is None and activations is None:
-        raise ConfigError("quantize", None, "set weights, activations or both")
-    if where not in WHERE:
-        raise ConfigError("quantize.where", where, f"must be one of {', '.join(WHERE)}")
-    if activations is not None and calibration is None and qparams is None:
-        raise ConfigError(
-            "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
-        )
-    return weights, activations
-
-
-def _validate_training(train: object, freeze_after: object, activations: QuantSpec | None) -> None:
-    if not isinstance(train, bool):
-        raise ConfigTypeError("quantize.train", train, "must be true or false")
-    if freeze_after is None:
-        return
-    if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or not 0 <= freeze_after < 2**63:
-        raise ConfigError(
-            "quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 (optimizer steps)"
-        )
-    if not train or activations is None:
-        raise ConfigError(
-            "quantize.freeze_observers_after",
-            freeze_after,
-            "applies to quantization-aware training of activations: set train=true and activations",
-        )
-
-
-def _validate_method(
-    weights: QuantSpec | None, activations: QuantSpec | None, calibration: Any, train: bool, blocks: Any
-) -> None:
-    if activations is not None and activations.method != "rtn":
-        raise ConfigError(
-            "quantize.activations.method",
-            activations.method,
-            "applies to weights; activations are rounded to nearest ('rtn')",
-        )
-    if activations is not None and activations.group_size is not None:
-        raise ConfigError(
-            "quantize.activations.group_size",
-            activations.group_size,
-            "applies to weights; activations take per_channel or one scale",
-        )
-    if weights is None:
-        if blocks is not None:
-            raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
-        return
-    method = weight_method(weights.method)
-    if method.needs_calibration and calibration is None:
-        raise ConfigError(
-            "quantize.calibration",
-            None,
-            f"weights.method={method.name!r} is calibrated (e.g. gptq solves each layer with its input Hessian); "
-            "pass calibration batches",
-        )
-    if train and (not method.trainable or weights.group_size is not None):
-        trainable = ", ".join(repr(n) for n in WEIGHT_METHODS.names() if weight_method(n).trainable)
-        raise ConfigError(
-            "quantize.train",
-            True,
-            "quantization-aware training rounds weights to nearest with "
-            f"per-channel or per-tensor scales; set weights.method to one of {trainable} and group_size=null",
-        )
-    if blocks is not None and not method.sequential:
-        raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
 
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:

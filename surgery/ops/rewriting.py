@@ -96,9 +96,29 @@ class RewriteHandle(Handle):
         return super().bake()
 
 
+@dataclass(frozen=True)
+class RewriteSpec:
+    """An input rewrite by name, validated when built: a built-in (``cast``, ``normalize``,
+    ``resize``, ``channels_last``, ``clamp``, ``add_noise``, ``identity``) with its ``kwargs``,
+    or the dotted path of a rewrite; ``select=None`` rewrites the root model's inputs."""
+
+    name: str = "identity"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    select: Any = None
+    exclude: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kwargs", dict(self.kwargs or {}))
+        self.rewrite()
+
+    def rewrite(self) -> Rewrite:
+        """The rewrite function this spec names."""
+        return rewrite_from_config(self.name, **self.kwargs)
+
+
 def rewrite_inputs(
     model: nn.Module,
-    fn: Rewrite,
+    fn: Rewrite | RewriteSpec,
     *,
     select: Selection = None,
     exclude: Selection = None,
@@ -128,6 +148,10 @@ def rewrite_inputs(
         ...     logits = model(images)       # images are normalised on the way in
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
+    if isinstance(fn, RewriteSpec):
+        if select is not None or exclude is not None:
+            raise ConfigError("rewrite.fn", fn, "is a RewriteSpec: set select and exclude in it, not also as keywords")
+        fn, select, exclude = fn.rewrite(), fn.select, fn.exclude
     if not callable(fn):
         raise ConfigTypeError("rewrite.fn", fn, "must be a callable (args, kwargs) -> (args, kwargs)")
     check_signature(fn, "rewrite.fn", getattr(fn, "__name__", type(fn).__name__))

@@ -20,6 +20,7 @@ import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +136,31 @@ class ShrinkHandle(Handle):
         return self.counts.get("macs", {})
 
 
+@dataclass(frozen=True)
+class ShrinkSpec:
+    """How to shrink, validated when built: ``ShrinkSpec(amount=1.5)`` raises at once. The
+    fields are :func:`shrink`'s arguments but the example inputs (see there)."""
+
+    amount: float = 0.5
+    select: Any = None
+    exclude: Any = None
+    importance: Any = "l2"  # a registered name, or a function of a family's weights
+    scope: str = "layer"
+    round_to: int = 1
+    renormalise: bool = True
+
+    def __post_init__(self) -> None:
+        amount, round_to = _validate(self.amount, self.scope, self.round_to, self.importance)
+        if not isinstance(self.renormalise, bool):
+            raise ConfigTypeError("shrink.renormalise", self.renormalise, "must be true or false")
+        object.__setattr__(self, "amount", amount)
+        object.__setattr__(self, "round_to", round_to)
+        object.__setattr__(self, "exclude", self.exclude or None)
+
+
 def shrink(
     model: nn.Module,
-    amount: float,
+    amount: float | ShrinkSpec,
     *,
     example_inputs: Inputs,
     select: Selection = None,
@@ -173,7 +196,20 @@ def shrink(
         {'before': 25557032, 'after': 6563560}
     """
     model = compiled.prepare(model)
-    amount, round_to = _validate(amount, scope, round_to, importance)
+    spec = (
+        amount
+        if isinstance(amount, ShrinkSpec)
+        else ShrinkSpec(amount, select, exclude, importance, scope, round_to, renormalise)
+    )
+    amount, select, exclude, importance, scope, round_to, renormalise = (
+        spec.amount,
+        spec.select,
+        spec.exclude,
+        spec.importance,
+        spec.scope,
+        spec.round_to,
+        spec.renormalise,
+    )
     example = next(iter(batches(example_inputs, "shrink.example_inputs")), None)
     if example is None:
         raise ConfigError("shrink.example_inputs", "no batch", "must hold one batch to trace the model on")

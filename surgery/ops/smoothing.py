@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -158,9 +159,26 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
     return pairs
 
 
+@dataclass(frozen=True)
+class SmoothSpec:
+    """How to smooth, validated when built: ``SmoothSpec(alpha=2)`` raises at once. The fields
+    are :func:`smooth`'s arguments but the calibration batches (see there)."""
+
+    alpha: float = 0.5
+    pairs: Any = None  # {norm: [layers reading its output]}; None: found by a traced forward
+    statistic: str = "absmax"
+
+    def __post_init__(self) -> None:
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ConfigError("smooth.alpha", alpha, "must be a number in [0, 1] (0.5 is SmoothQuant's default)")
+        if self.statistic not in STATISTICS:
+            raise ConfigError("smooth.statistic", self.statistic, f"must be one of {', '.join(STATISTICS)}")
+
+
 def smooth(
     model: nn.Module,
-    alpha: float = 0.5,
+    alpha: float | SmoothSpec = 0.5,
     *,
     calibration: Inputs,
     pairs: Mapping[str, Iterable[str]] | None = None,
@@ -191,11 +209,9 @@ def smooth(
         >>> surgery.quantize(model, activations=QuantSpec(bits=8), where="input", calibration=batches)
     """
     model = compiled.prepare(model)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ConfigError("smooth.alpha", alpha, "must be a number in [0, 1] (0.5 is SmoothQuant's default)")
-    if statistic not in STATISTICS:
-        raise ConfigError("smooth.statistic", statistic, f"must be one of {', '.join(STATISTICS)}")
-    reducer, weight_factor = STATISTICS[statistic]
+    spec = alpha if isinstance(alpha, SmoothSpec) else SmoothSpec(alpha, pairs, statistic)
+    alpha, pairs = spec.alpha, spec.pairs
+    reducer, weight_factor = STATISTICS[spec.statistic]
     calibration = materialise(calibration, "smooth.calibration")  # read more than once
     found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
     if not found:
