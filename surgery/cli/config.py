@@ -2,37 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from surgery.cli.fields import one_of, positive_int
+from surgery.cli.steps import STEPS, step_named
+from surgery.cli.steps.finetune import FinetuneConfig
+from surgery.cli.steps.prune import PruneConfig
+from surgery.cli.steps.quantize import QuantizeConfig
+from surgery.cli.steps.sensitivity import SensitivityConfig
+from surgery.cli.steps.shrink import ShrinkConfig
+from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError
-from surgery.ops.criteria import as_criterion
-from surgery.ops.observers import QuantSpec
-from surgery.ops.pruning import check_pattern, validate_arguments
-from surgery.ops.weight_methods import weight_method
+from surgery.core.importing import import_module_named
+from surgery.ops.rewriting import RewriteSpec
 
-STEPS = ("prune", "quantize", "rewrite", "finetune", "shrink")
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
 HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
 DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm", "imagefolder", "tokens")
 LABELLED_KINDS = ("digits", "mnist1d", "tinylm", "imagefolder")  # real data with labels: accuracy, fine-tuning
 CHECKPOINT_FORMATS = ("safetensors", "pt")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if value < 1:
-        raise ConfigError(name, value, "must be an integer >= 1")
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(name, value, f"must be one of {', '.join(allowed)}")
 
 
 @dataclass
@@ -55,11 +50,11 @@ class ModelConfig:
     _target_: str | None = None  # factory: the dotted path of a callable returning the model
 
     def __post_init__(self) -> None:
-        _one_of("model.source", self.source, MODEL_SOURCES)
-        _positive_int("model.num_classes", self.num_classes)
+        one_of("model.source", self.source, MODEL_SOURCES)
+        positive_int("model.num_classes", self.num_classes)
         self.config, self.kwargs = dict(self.config or {}), dict(self.kwargs or {})
         if self.source == "hf":
-            _one_of("model.task", self.task, HF_TASKS)
+            one_of("model.task", self.task, HF_TASKS)
         if self.source == "factory":
             if not self._target_:
                 raise ConfigError(
@@ -102,9 +97,9 @@ class DataConfig:
     tokenizer: str | None = None  # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
 
     def __post_init__(self) -> None:
-        _one_of("data.kind", self.kind, DATA_KINDS)
+        one_of("data.kind", self.kind, DATA_KINDS)
         for name in ("batch_size", "batches", "channels", "image_size", "seq_len"):
-            _positive_int(f"data.{name}", getattr(self, name))
+            positive_int(f"data.{name}", getattr(self, name))
         if self.kind == "imagefolder" and not self.root:
             raise ConfigError(
                 "data.root",
@@ -112,9 +107,9 @@ class DataConfig:
                 "data=imagefolder needs data.root=PATH (a folder of class sub-folders of images)",
             )
         if self.vocab_size is not None:
-            _positive_int("data.vocab_size", self.vocab_size)
+            positive_int("data.vocab_size", self.vocab_size)
         if self.resize is not None:
-            _positive_int("data.resize", self.resize)
+            positive_int("data.resize", self.resize)
             if self.resize < self.image_size:
                 raise ConfigError(
                     "data.resize",
@@ -155,281 +150,6 @@ class DataConfig:
                 None,
                 "data.text and data.tokenizer go together (a text file and a local tokenizer folder)",
             )
-
-
-class _PlainYaml(yaml.SafeLoader):
-    """Safe YAML without anchors and aliases: a plan is a flat mapping, and nested aliases
-    (a "billion laughs" file of 1 kB) would expand for minutes."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.events.AliasEvent) or getattr(self.peek_event(), "anchor", None):
-            raise yaml.composer.ComposerError(
-                None, None, "anchors and aliases are not allowed in a plan", self.peek_event().start_mark
-            )
-        return super().compose_node(parent, index)
-
-
-PLAN_BYTES = 10 * 2**20
-
-
-def read_plan_yaml(path: str, field: str) -> Any:
-    """A plan file (``{layer: amount}``) read as plain YAML: at most 10 MiB, no tags beyond
-    the safe ones, no aliases."""
-    try:
-        if os.path.getsize(path) > PLAN_BYTES:
-            raise ConfigError(
-                field, path, f"is larger than {PLAN_BYTES // 2**20} MiB; a plan lists one amount per layer"
-            )
-        with open(path, encoding="utf-8") as handle:
-            return yaml.load(handle, Loader=_PlainYaml)  # noqa: S506 - a SafeLoader subclass
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(field, path, f"cannot be read as a plan YAML file ({type(err).__name__})") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise ConfigError(
-            field, path, f"is not a plain YAML plan{where} ({' '.join(str(problem).split())[:120]})"
-        ) from None
-
-
-@dataclass
-class PruneConfig:
-    """Arguments of :func:`surgery.prune` (see its docstring)."""
-
-    amount: float = 0.5
-    method: str = "l1_unstructured"
-    scope: str = "layer"
-    select: Any = None
-    exclude: Any = None
-    n: Any = 2.0
-    dim: int = 0
-    seed: int = 0
-    pattern: str | None = None  # "N:M" semi-structured sparsity, e.g. "2:4" (with amount 0.5)
-    calibration_batches: int = 8  # batches of the data's calibration split, for calibrated methods
-    blocks: Any = None  # sparsegpt: blocks calibrated in sequence (null: found automatically; false: layer by layer)
-    amounts: Any = None  # {layer: amount} overriding amount, or the path of a plan.yaml from recipe=sensitivity
-
-    def __post_init__(self) -> None:
-        validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
-        if self.pattern is not None:
-            check_pattern(self.pattern, float(self.amount), as_criterion(self.method))
-        _positive_int("prune.calibration_batches", self.calibration_batches)
-        self.layer_amounts()  # a missing or malformed plan file is refused before any work
-
-    def layer_amounts(self) -> dict[str, float] | None:
-        """``amounts`` as a dict: given inline, or read from a plan YAML file."""
-        if self.amounts is None or isinstance(self.amounts, dict):
-            return self.amounts
-        if not isinstance(self.amounts, str):
-            raise ConfigError("prune.amounts", self.amounts, "must be {layer: amount} or the path of a plan.yaml")
-        loaded = read_plan_yaml(self.amounts, "prune.amounts")
-        if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
-            raise ConfigError("prune.amounts", self.amounts, "must hold a mapping {layer: amount}")
-        return loaded
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether the method needs calibration batches (wanda, sparsegpt, taylor)."""
-        return as_criterion(self.method).needs_calibration
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`surgery.prune` (without calibration)."""
-        blocks = {} if self.blocks is None else {"blocks": self.blocks}
-        return {
-            "method": self.method,
-            "scope": self.scope,
-            "select": self.select,
-            "exclude": self.exclude or None,
-            "n": self.n,
-            "dim": self.dim,
-            "seed": self.seed,
-            "pattern": self.pattern,
-            "amounts": self.layer_amounts(),
-        } | blocks
-
-
-@dataclass
-class ShrinkConfig:
-    """Arguments of :func:`surgery.shrink`: coupled channels removed for real, traced on one
-    batch of the data's calibration split; ``latency_batches`` are the batch sizes timed dense
-    against shrunk (one thread)."""
-
-    amount: float = 0.5
-    select: Any = None
-    exclude: Any = None
-    scope: str = "layer"
-    round_to: int = 1
-    latency_batches: list[int] = field(default_factory=lambda: [1, 8])
-
-    def __post_init__(self) -> None:
-        if isinstance(self.amount, bool) or not isinstance(self.amount, (int, float)) or not 0 <= self.amount <= 1:
-            raise ConfigError("shrink.amount", self.amount, "must be a number in [0, 1]")
-        _one_of("shrink.scope", self.scope, ("layer", "global"))
-        _positive_int("shrink.round_to", self.round_to)
-        for size in self.latency_batches:
-            _positive_int("shrink.latency_batches", size)
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`surgery.shrink` (without the amount and example inputs)."""
-        return {"select": self.select, "exclude": self.exclude or None, "scope": self.scope, "round_to": self.round_to}
-
-
-@dataclass
-class SensitivityConfig:
-    """Arguments of :func:`surgery.sensitivity`: each selected layer pruned alone at each of
-    ``amounts`` and measured (accuracy with labelled data, perplexity for ``data=tinylm``, else
-    output drift); with ``target_sparsity``, a per-layer plan written to ``plan.yaml``."""
-
-    amounts: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
-    method: str = "l1_unstructured"
-    select: Any = None
-    exclude: Any = None
-    target_sparsity: float | None = None
-    calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
-    bits: list[int] | None = None  # quantize each layer's weight alone at these widths instead of pruning
-    weights: QuantSettings | None = None  # with bits: the other weight settings (default int per channel)
-
-    def __post_init__(self) -> None:
-        validate_arguments(0.5, self.method, "layer", 2.0, 0)
-        _positive_int("sensitivity.calibration_batches", self.calibration_batches)
-        if self.bits is not None and self.target_sparsity is not None:
-            raise ConfigError(
-                "sensitivity.target_sparsity",
-                self.target_sparsity,
-                "plans pruning amounts, and "
-                "sensitivity.bits measures quantization; pass sensitivity.target_sparsity=null with it",
-            )
-        if self.bits is not None:
-            for width in self.bits:
-                if not 2 <= width <= 8:
-                    raise ConfigError("sensitivity.bits", width, "each bit width must be an integer in [2, 8]")
-        self.weight_spec()
-        for amount in self.amounts:
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 < amount <= 1.0:
-                raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")
-        target = self.target_sparsity
-        if target is not None and not 0.0 <= target <= max(self.amounts, default=0.0):
-            raise ConfigError(
-                "sensitivity.target_sparsity",
-                target,
-                f"must be null or a number in [0, {max(self.amounts, default=0.0):g}] (the largest amount tried)",
-            )
-
-    def weight_spec(self) -> QuantSpec | None:
-        return _spec(self.weights, "sensitivity.weights")
-
-
-@dataclass
-class QuantSettings:
-    """The YAML schema of ``quantize.weights`` / ``quantize.activations``: the fields of
-    :class:`~surgery.ops.observers.QuantSpec` (which is frozen, so OmegaConf cannot merge into it)."""
-
-    bits: int = 8
-    symmetric: bool = False
-    per_channel: bool = False
-    observer: str = "minmax"
-    percentile: float = 99.99
-    averaging: float = 0.01
-    method: str = "rtn"  # weights: rtn (round to nearest) or gptq (calibrated)
-    group_size: int | None = None  # weights: one scale per this many consecutive inputs of each output
-
-
-def _spec(settings: QuantSettings | QuantSpec | None, field_name: str) -> QuantSpec | None:
-    if settings is None or isinstance(settings, QuantSpec):
-        return settings
-    return QuantSpec.build(dict(vars(settings)), field_name)
-
-
-@dataclass
-class QuantizeConfig:
-    """Arguments of :func:`surgery.quantize`; ``null`` weights or activations turn that part off.
-
-    Activations are calibrated on ``calibration_batches`` batches of the data's calibration
-    split (training images for ``digits``, differently seeded noise for ``synthetic``).
-    """
-
-    weights: QuantSettings | None = field(
-        default_factory=lambda: QuantSettings(bits=8, symmetric=True, per_channel=True)
-    )
-    activations: QuantSettings | None = None
-    select: Any = None
-    exclude: Any = None
-    where: str = "output"
-    calibration_batches: int = 4
-    train: bool = False  # quantization-aware training: float shadows, fake-quantized in the forward
-    freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
-
-    def __post_init__(self) -> None:
-        if self.weights is None and self.activations is None:
-            raise ConfigError("quantize", None, "set quantize.weights, quantize.activations or both")
-        self.weight_spec(), self.activation_spec()  # validated now: errors name quantize.weights.<key>
-        _one_of("quantize.where", self.where, ("output", "input"))
-        _positive_int("quantize.calibration_batches", self.calibration_batches)
-
-    def weight_spec(self) -> QuantSpec | None:
-        return _spec(self.weights, "quantize.weights")
-
-    def activation_spec(self) -> QuantSpec | None:
-        return _spec(self.activations, "quantize.activations")
-
-    @property
-    def calibrated(self) -> bool:
-        """Whether quantizing needs calibration batches (activations, or GPTQ weights)."""
-        weights = self.weight_spec()
-        return self.activations is not None or (weights is not None and weight_method(weights.method).needs_calibration)
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`surgery.quantize` (without calibration)."""
-        return {
-            "weights": self.weight_spec(),
-            "activations": self.activation_spec(),
-            "select": self.select,
-            "exclude": self.exclude or None,
-            "where": self.where,
-            "train": self.train,
-            "freeze_observers_after": self.freeze_observers_after,
-        }
-
-
-@dataclass
-class FinetuneConfig:
-    """Arguments of :func:`surgery.finetune`: training on the data's training split (labelled
-    data only: ``data=digits``) with every earlier step attached, in ``batch_size`` batches."""
-
-    epochs: int = 3
-    lr: float = 1e-3
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    eval_every: int | None = None  # steps between accuracy points of the curve (default: each epoch)
-
-    def __post_init__(self) -> None:
-        from surgery.ops.finetuning import OPTIMIZERS
-
-        if self.epochs < 0:
-            raise ConfigError("finetune.epochs", self.epochs, "must be an integer >= 0")
-        for name in ("lr", "weight_decay"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"finetune.{name}", value, "must be a finite number >= 0")
-        _one_of("finetune.optimizer", self.optimizer, tuple(OPTIMIZERS.names()))
-        _positive_int("finetune.batch_size", self.batch_size)
-        if self.eval_every is not None:
-            _positive_int("finetune.eval_every", self.eval_every)
-
-
-@dataclass
-class RewriteConfig:
-    """Arguments of :func:`surgery.rewrite_inputs`: a built-in rewrite by ``name`` (cast,
-    normalize, resize, channels_last, clamp, add_noise, identity) with its ``kwargs``, or an
-    importable ``pkg.module.callable`` taking ``(args, kwargs)``; ``select`` = null rewrites the
-    root model's inputs."""
-
-    name: str = "identity"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    select: Any = None
-    exclude: Any = None
 
 
 DRIFT_RANGES = {
@@ -474,7 +194,7 @@ class ChecksConfig:
 
     def __post_init__(self) -> None:
         for name in self.enabled:
-            _one_of("checks.enabled", name, ("identity", "restore", "bake", "save_load", "drift"))
+            one_of("checks.enabled", name, ("identity", "restore", "bake", "save_load", "drift"))
 
 
 @dataclass
@@ -486,7 +206,7 @@ class OutputConfig:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("output.checkpoint", self.checkpoint, CHECKPOINT_FORMATS)
+        one_of("output.checkpoint", self.checkpoint, CHECKPOINT_FORMATS)
 
 
 BUILD_KINDS = ("swap", "wrap", "parameter", "buffer")
@@ -513,7 +233,7 @@ class BuildRuleConfig:
     init: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("build[].kind", self.kind, BUILD_KINDS)
+        one_of("build[].kind", self.kind, BUILD_KINDS)
         if self.match is None:
             raise ConfigError("build[].match", None, "is required: 'type:ReLU', a name glob, or a list of them")
 
@@ -556,7 +276,7 @@ class ObjectiveConfig:
             *((f"subject_to.{bound}", bound) for bound in self.subject_to),
         ):
             if name is not None:
-                _one_of(f"objective.{key}", name, tuple(OBJECTIVE_METRICS))
+                one_of(f"objective.{key}", name, tuple(OBJECTIVE_METRICS))
         if not math.isfinite(self.penalty) or self.penalty <= 0:
             raise ConfigError("objective.penalty", self.penalty, "must be a positive number")
 
@@ -564,67 +284,83 @@ class ObjectiveConfig:
 @dataclass
 class RunConfig:
     """One run of a recipe: build ``model`` (with ``build`` rules), apply ``steps`` in order,
-    check, report, export."""
+    check, report, export. Each built-in step's settings are the field of its name; a step a
+    ``plugins`` module registers keeps its settings in ``step_settings``."""
 
     recipe: str = "custom"
     seed: int = 0
+    plugins: list[str] = field(default_factory=list)  # modules imported first: they register steps, methods...
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     build: list[BuildRuleConfig] = field(default_factory=list)
     steps: list[str] = field(default_factory=list)
     prune: PruneConfig | None = None
     quantize: QuantizeConfig | None = None
-    rewrite: RewriteConfig | None = None
+    rewrite: RewriteSpec | None = None
+    smooth: SmoothConfig | None = None
     finetune: FinetuneConfig | None = None
     shrink: ShrinkConfig | None = None
-    inspect: bool = False
     sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and plan (recipe=sensitivity)
+    step_settings: dict[str, Any] = field(default_factory=dict)  # settings of plugin steps, by step name
+    inspect: bool = False
     objective: ObjectiveConfig | None = None  # what a search (hydra/sweeper=optuna) optimises
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self) -> None:
-        if not self.steps and not self.build and not self.inspect and self.sensitivity is None:
+        if not self.steps and not self.build and not self.inspect:
             raise ConfigError(
                 "steps",
                 self.steps,
-                f"must list at least one of {', '.join(STEPS)} (or the recipe must have build: rules)",
+                f"must list at least one of {', '.join(STEPS.names())} (or the recipe must have build: rules)",
             )
-        for index, step in enumerate(self.steps):
-            _one_of("steps", step, STEPS)
-            if step in self.steps[:index]:
+        for index, name in enumerate(self.steps):
+            step = step_named(name)
+            if name in self.steps[:index]:
                 raise ConfigError(
-                    "steps", self.steps, f"lists '{step}' twice; each step runs once, with its '{step}:' settings"
+                    "steps", self.steps, f"lists '{name}' twice; each step runs once, with its '{name}:' settings"
                 )
-            if getattr(self, step) is None:
-                raise ConfigError(step, None, f"step '{step}' is listed in steps but has no '{step}:' settings")
+            if self.settings(name) is None:
+                raise ConfigError(name, None, f"step '{name}' is listed in steps but has no '{name}:' settings")
+            if step.needs_labels and self.data.kind not in LABELLED_KINDS:
+                raise ConfigError(
+                    name,
+                    NO_VALUE,
+                    f"needs labelled training data and data.kind is "
+                    f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder",
+                )
+        if self.sensitivity is not None and "sensitivity" not in self.steps:
+            raise ConfigError("sensitivity", NO_VALUE, "has settings but is not in steps; add it: steps=[sensitivity]")
         if self.objective is not None:
-            needs = {
-                name: OBJECTIVE_METRICS[name][0].split(".")[0]
-                for name in [self.objective.maximize, self.objective.minimize, *self.objective.subject_to]
-                if name
-            }
-            for name, part in needs.items():
-                if (
-                    part == "accuracy"
-                    and self.data.kind not in LABELLED_KINDS
-                    or part == "perplexity"
-                    and self.data.kind != "tinylm"
-                ):
-                    raise ConfigError(
-                        "objective",
-                        name,
-                        f"needs {'labelled' if part == 'accuracy' else 'tinylm'} "
-                        f"data and data.kind is {self.data.kind!r}",
-                    )
-        if "finetune" in self.steps and self.data.kind not in LABELLED_KINDS:
-            raise ConfigError(
-                "finetune",
-                NO_VALUE,
-                f"needs labelled training data and data.kind is "
-                f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder",
-            )
+            self._check_objective()
+
+    def settings(self, step: str) -> Any:
+        """The settings of ``step``: its field for a built-in step, else from ``step_settings``."""
+        if step in BUILT_IN_STEPS:
+            return getattr(self, step)
+        return self.step_settings.get(step)
+
+    def _check_objective(self) -> None:
+        needs = {
+            name: OBJECTIVE_METRICS[name][0].split(".")[0]
+            for name in [self.objective.maximize, self.objective.minimize, *self.objective.subject_to]
+            if name
+        }
+        for name, part in needs.items():
+            if (
+                part == "accuracy"
+                and self.data.kind not in LABELLED_KINDS
+                or (part == "perplexity" and self.data.kind != "tinylm")
+            ):
+                raise ConfigError(
+                    "objective",
+                    name,
+                    f"needs {'labelled' if part == 'accuracy' else 'tinylm'} data and data.kind is {self.data.kind!r}",
+                )
+
+
+BUILT_IN_STEPS = ("prune", "quantize", "rewrite", "smooth", "finetune", "shrink", "sensitivity")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -643,20 +379,19 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             cfg = OmegaConf.to_container(cfg, resolve=True)
         _check_integers(cfg, "")
         cfg = {"sensitivity": None, "objective": None, **cfg}  # typed by the schema; absent = not used
+        plugin_steps = {name: _load_settings(name, section) for name, section in _plugin_sections(cfg).items()}
+        cfg["step_settings"] = {name: {} for name in plugin_steps}  # present while RunConfig validates
         schema = OmegaConf.structured(
             RunConfig(
-                steps=["prune"],
-                prune=PruneConfig(),
-                quantize=QuantizeConfig(activations=QuantSettings()),
-                rewrite=RewriteConfig(),
-                finetune=FinetuneConfig(),
-                shrink=ShrinkConfig(),
-                sensitivity=SensitivityConfig(),
+                steps=["sensitivity"],
                 objective=ObjectiveConfig(maximize="sparsity"),
+                **{name: _schema_of(STEPS.get(name).settings, cfg.get(name)) for name in BUILT_IN_STEPS},
             )
         )
-        merged = OmegaConf.merge(schema, cfg)
-        return OmegaConf.to_object(merged)
+        _writable(schema)
+        config = OmegaConf.to_object(OmegaConf.merge(schema, cfg))
+        config.step_settings = plugin_steps
+        return config
     except OmegaConfBaseException as err:
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else None
         if cause is not None:
@@ -668,6 +403,57 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
         if isinstance(err, InterpolationResolutionError):
             raise ConfigError(key, NO_VALUE, f"cannot be resolved: {message}") from None
         raise ConfigError(key, _value_of(err), message) from None
+
+
+def _plugin_sections(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Import ``cfg["plugins"]`` and take out the sections of the steps they registered."""
+    plugins = cfg.get("plugins") or []
+    if not isinstance(plugins, list):
+        raise ConfigError("plugins", plugins, "must be a list of module names, e.g. [mypackage.steps]")
+    for index, module in enumerate(plugins):
+        import_module_named(module, f"plugins[{index}]")
+    names = [name for name in STEPS.names() if name not in BUILT_IN_STEPS]
+    return {name: cfg.pop(name) for name in names if cfg.get(name) is not None}
+
+
+def _load_settings(step: str, section: Any) -> Any:
+    """A plugin step's ``section``, validated by its settings class."""
+    settings = STEPS.get(step).settings
+    if not isinstance(section, dict):
+        raise ConfigError(step, section, f"must be a mapping of {settings.__name__}'s fields")
+    schema = OmegaConf.structured(_schema_of(settings, section))
+    _writable(schema)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, section))
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        key = f"{step}.{getattr(err, 'full_key', '') or ''}".rstrip(".")
+        raise ConfigError(key, NO_VALUE, " ".join(str(err).splitlines()[0].split())) from None
+
+
+def _schema_of(settings: type, section: Any) -> Any:
+    """An instance of ``settings`` at its defaults to merge ``section`` into; a nested
+    dataclass field that defaults to None but is given in ``section`` starts at its class's
+    defaults, so the merge fills a writable node (a frozen dataclass's node is read-only)."""
+    hints, defaults = typing.get_type_hints(settings), settings()
+    nested = {}
+    for item in dataclasses.fields(settings):
+        value = section.get(item.name) if isinstance(section, dict) else None
+        kind = next((t for t in typing.get_args(hints[item.name]) if dataclasses.is_dataclass(t)), None)
+        if kind is not None and isinstance(value, dict) and getattr(defaults, item.name) is None:
+            nested[item.name] = _schema_of(kind, value)
+    return dataclasses.replace(defaults, **nested) if nested else defaults
+
+
+def _writable(config: Any) -> None:
+    """Clear the read-only flag a frozen dataclass sets on its structured config (and its
+    nested ones), so a recipe's values can be merged in; the dataclass stays frozen."""
+    OmegaConf.set_readonly(config, None)
+    for key in config if isinstance(config, DictConfig) else range(len(config)):
+        child = config[key]  # a None or missing node reads as None or raises; neither needs the flag
+        if isinstance(child, (DictConfig, ListConfig)):
+            _writable(child)
 
 
 def _check_integers(value: Any, key: str) -> None:

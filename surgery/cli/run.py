@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -23,23 +22,27 @@ from surgery.analysis.inspection import (
     inspect_model,
 )
 from surgery.cli import checks
+from surgery.cli.applying import apply_steps, reattach, saved_qparams
 from surgery.cli.build import neutral, rules_from_config
 from surgery.cli.config import RunConfig
-from surgery.cli.data import Data, calibration_batches, calibration_pairs, load_data, with_model_defaults
+from surgery.cli.data import (
+    Data,
+    calibration_batches,
+    calibration_pairs,
+    load_data,
+    training_data,
+    with_model_defaults,
+)
 from surgery.cli.models import ModelBuilder, check_runs
-from surgery.cli.outputs import batch_of, classification_loss, first_sample, logits_of
+from surgery.cli.outputs import classification_loss, logits_of
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
-from surgery.cli.steps import apply_steps, find, reattach, saved_qparams
+from surgery.cli.steps import Calibration, StepRun, step_named
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
-from surgery.core.inputs import as_call
-from surgery.ops.criteria import as_criterion
-from surgery.ops.finetuning import FinetuneHandle
-from surgery.ops.sensitivity import sensitivity
+from surgery.ops.pruning import PruneHandle
 from surgery.ops.shrinking import ShrinkHandle, rebuild
-from surgery.ops.weight_methods import weight_method
 from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -132,18 +135,18 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     started = time.perf_counter()
     models = _build(config)
     config.data = with_model_defaults(config.data, models.reference)  # e.g. the vocabulary of data=tokens
-    data, calibration = load_data(config.data), _calibration(config)
+    data = load_data(config.data)
     inputs = data.inputs
     check_runs(models.reference, inputs, config.model.name)
+    runs = _step_runs(config, models, data, stage.path)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     gradients = _gradients(models.model, data) if config.inspect else None
-    layer_sensitivity = _sensitivity(config, models.model, data, stage.path) if config.sensitivity else None
     built = time.perf_counter()
     with restored_on_error():  # no optimizer step hook outlives a failure
-        handle = apply_steps(models.model, config, calibration=calibration)
+        handle = apply_steps(models.model, config, runs=runs)
         operated = time.perf_counter()
         sparsity = _sparsity(handle)
-        files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, calibration)
+        files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, runs)
         accuracy = _accuracy(models, data)
         results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
         finished = time.perf_counter()
@@ -164,15 +167,6 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
             "qparams": files.qparams.name if files.qparams.exists() else None,
         }
-        tuned = find(handle, "finetune")
-        if isinstance(tuned, FinetuneHandle) and tuned.curve:
-            report["finetune"] = {
-                **vars(config.finetune),
-                "steps": tuned.curve[-1].step,
-                "curve": [vars(point) for point in tuned.curve],
-            }
-            if accuracy is not None:  # before fine-tuning = after the surgery steps before it
-                accuracy["before_finetune"] = tuned.curve[0].score
         if accuracy is not None:
             report["accuracy"] = accuracy
         perplexities = _perplexity(models, config, data)
@@ -182,11 +176,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
         if gradients is not None:
             report["gradients"] = gradients
-        if layer_sensitivity is not None:
-            report["sensitivity"] = layer_sensitivity
-        shrunk = find(handle, "shrink")
-        if isinstance(shrunk, ShrinkHandle):
-            report["shrink"] = _shrink_report(shrunk, models, inputs, config.shrink.latency_batches)
+        for name, part in zip(config.steps, handle.handles):
+            step_named(name).report(part, config.settings(name), runs[name], report)
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 
@@ -195,40 +186,57 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
 class _Files:
     checkpoint: Path
     qparams: Path
-    calibration: dict[str, Any]
+    runs: dict[str, StepRun]
 
 
-def _calibration(config: RunConfig) -> dict[str, Any]:
-    """Calibration batches by step, for the steps whose settings need them (a warning when the
-    data holds fewer batches than asked)."""
-    found = _calibration_by_step(config)
-    for step, batches in found.items():
-        asked = getattr(getattr(config, step), "calibration_batches", 1)
-        if len(batches) < asked:
-            log.warning(
-                "%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
-                step,
-                asked,
-                config.data.kind,
-                len(batches),
-                config.data.batch_size,
-            )
-    return found
+def _step_runs(config: RunConfig, models: _Models, data: Data, folder: Path) -> dict[str, StepRun]:
+    """What each step is given: its calibration batches (a warning when the data holds fewer
+    than asked), the training data, the reference model and the task's metric."""
+    runs = {}
+    for name in config.steps:
+        need = step_named(name).calibration(config.settings(name))
+        runs[name] = StepRun(
+            config,
+            calibration=None if need is None else _calibration(config, name, need),
+            training=lambda batch_size: training_data(config.data, batch_size),
+            folder=folder,
+            reference=models.reference,
+            inputs=data.inputs,
+            data=data,
+            extras={"metric": _metric(config, data)},
+        )
+    return runs
 
 
-def _calibration_by_step(config: RunConfig) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    if "shrink" in config.steps:  # the batch the coupling is traced on
-        found["shrink"] = list(calibration_batches(config.data, 1))
-    if "quantize" in config.steps and config.quantize.calibrated:
-        found["quantize"] = calibration_batches(config.data, config.quantize.calibration_batches)
-    prune = config.prune
-    if "prune" in config.steps and prune.calibrated:
-        if as_criterion(prune.method).needs_gradients:
-            found["prune"] = calibration_pairs(config.data, prune.calibration_batches, "prune.method")
-        else:
-            found["prune"] = calibration_batches(config.data, prune.calibration_batches)
-    return found
+def _calibration(config: RunConfig, step: str, need: Calibration) -> Any:
+    if need.labelled:
+        batches = calibration_pairs(config.data, need.batches, need.field)
+    else:
+        batches = calibration_batches(config.data, need.batches)
+        batches = list(batches) if need.batches == 1 else batches
+    if len(batches) < need.batches:
+        log.warning(
+            "%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
+            step,
+            need.batches,
+            config.data.kind,
+            len(batches),
+            config.data.batch_size,
+        )
+    return batches
+
+
+def _metric(config: RunConfig, data: Data) -> tuple[str, Any, bool] | None:
+    """The task's metric (name, evaluate(model), higher is better); None: output drift."""
+    if config.data.kind == "tinylm":
+        from surgery.cli.tinylm import perplexity
+
+        return "perplexity", lambda m: perplexity(m, list(data.labelled())), False
+    if data.labels is not None:
+        from surgery.cli.digits import accuracy
+
+        return "accuracy", lambda m: accuracy(m, data.labelled()), True
+    return None
 
 
 def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
@@ -258,110 +266,6 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
 
 
-def _sensitivity(config: RunConfig, model: nn.Module, data: Data, folder: Path) -> dict[str, Any]:
-    """Each selected layer pruned alone at each amount (``recipe=sensitivity``), measured by
-    perplexity (``data=tinylm``), accuracy (labelled data) or output drift; with a target
-    sparsity, the per-layer plan, also written as ``plan.yaml`` for ``prune.amounts``."""
-    settings = config.sensitivity
-    if config.data.kind == "tinylm":
-        from surgery.cli.tinylm import perplexity
-
-        measure = {"evaluate": lambda m: perplexity(m, list(data.labelled())), "higher_is_better": False}
-    elif data.labels is not None:
-        from surgery.cli.digits import accuracy
-
-        measure = {"evaluate": lambda m: accuracy(m, data.labelled()), "higher_is_better": True}
-    else:
-        measure = {"inputs": data.inputs}
-    weights = settings.weight_spec()
-    quantizing = settings.bits is not None
-    calibrated = (
-        weights is not None and weight_method(weights.method).needs_calibration
-        if quantizing
-        else as_criterion(settings.method).needs_calibration
-    )
-    table = sensitivity(
-        model,
-        settings.amounts,
-        method=settings.method,
-        select=settings.select,
-        exclude=settings.exclude or None,
-        progress=True,
-        bits=settings.bits,
-        weights=weights,
-        calibration=calibration_batches(config.data, settings.calibration_batches) if calibrated else None,
-        **measure,
-    )
-    method = (weights.method if weights else "rtn") if quantizing else settings.method
-    result = {
-        "metric": "perplexity"
-        if config.data.kind == "tinylm"
-        else "accuracy"
-        if data.labels is not None
-        else "drift (1 - cosine)",
-        "kind": table.kind,
-        "baseline": table.baseline,
-        "higher_is_better": table.higher_is_better,
-        "method": method,
-        "rows": table.as_rows(),
-    }
-    if settings.target_sparsity is not None:
-        plan = table.plan(settings.target_sparsity)
-        result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}
-        lines = [
-            f"# per-layer amounts from recipe={config.recipe} ({result['metric']}, target sparsity "
-            f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"
-        ]
-        lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in plan.items()]
-        write_atomically(folder / PLAN, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
-    return result
-
-
-def _shrink_report(handle: ShrinkHandle, models: _Models, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:
-    """Parameters, MACs, measured latency dense vs shrunk (one thread, interleaved rounds,
-    median), the coupled families and each changed layer's width before and after."""
-    sample = first_sample(inputs[0])
-    latency = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for size in batch_sizes:
-            x = as_call(batch_of(sample, size), "data")
-            times: dict[str, list[float]] = {"dense": [], "shrunk": []}
-            with torch.no_grad():
-                for round_ in range(7):
-                    for name, model in (("dense", models.reference), ("shrunk", models.model))[
-                        :: 1 if round_ % 2 else -1
-                    ]:
-                        start = time.perf_counter()
-                        x(model)
-                        times[name].append(time.perf_counter() - start)
-            dense, shrunk = (sorted(times[k][1:])[len(times[k][1:]) // 2] for k in ("dense", "shrunk"))
-            latency[str(size)] = {"dense_ms": 1000 * dense, "shrunk_ms": 1000 * shrunk, "ratio": shrunk / dense}
-    finally:
-        torch.set_num_threads(threads)
-    widths = {name: [_width(old), _width(new)] for name, (old, new) in handle.replaced.items()}
-    heads = {name: {attr: list(pair) for attr, pair in changes.items()} for name, changes in handle.attributes.items()}
-    return {
-        "params": handle.params(),
-        "macs": handle.macs(),
-        "latency": latency,
-        "families": handle.families,
-        "frozen_ops": handle.frozen_ops,
-        "widths": widths,
-        "heads": heads,
-    }
-
-
-def _width(layer: nn.Module) -> int | None:
-    """A layer's output width (channels, features)."""
-    for attr in ("out_channels", "out_features", "num_features", "num_channels"):
-        if isinstance(getattr(layer, attr, None), int):
-            return getattr(layer, attr)
-    shape = getattr(layer, "normalized_shape", None)
-    return shape[-1] if shape else None
-
-
 def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:
     """Held-out perplexity of the unmodified and the modified language model (``data=tinylm``)."""
     if config.data.kind != "tinylm":
@@ -383,7 +287,7 @@ def _build(config: RunConfig) -> _Models:
 
 
 def _sparsity(handle: HandleGroup) -> dict[str, Any]:
-    pruning = find(handle, "prune")
+    pruning = next((h for h in handle.handles if isinstance(h, PruneHandle)), None)
     if pruning is None:
         return {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
     over = {"parameters": len(pruning.parameters), "entries": sum(m.numel() for m in pruning.masks().values())}
@@ -403,14 +307,15 @@ def _run_checks(
     files: _Files,
     accuracy: dict[str, float] | None,
 ):
-    enabled, rules, steps = set(config.checks.enabled), models.builder.rules, bool(config.steps)
+    enabled, rules = set(config.checks.enabled), models.builder.rules
+    steps = any(step_named(name).changes_model for name in config.steps)
     drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
 
     def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
-        return apply_steps(subject, config, neutral=neutral_settings, calibration=files.calibration)
+        return apply_steps(subject, config, neutral=neutral_settings, checking=True, runs=files.runs)
 
     qparams = saved_qparams(handle)
-    shrinking = find(handle, "shrink")
+    shrinking = next((h for h in handle.handles if isinstance(h, ShrinkHandle)), None)
     factory = models.builder
     if isinstance(shrinking, ShrinkHandle):  # the smaller shapes
         plan = shrinking.plan()

@@ -41,3 +41,15 @@ def import_object(path: object, field: str, *, default_module: str | None = None
         return getattr(module, parts[-1])
     except AttributeError:
         raise ConfigError(field, path, f"could not be imported (module {module_name!r} has no {parts[-1]!r})") from None
+
+
+def import_module_named(name: object, field: str) -> Any:
+    """Import the module ``package.module`` (a plugin that registers steps, methods, tasks...);
+    a one-line :class:`ConfigError` naming ``field`` when it cannot be."""
+    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+        raise ConfigError(field, name, "must be a dotted module name such as 'package.module'")
+    try:
+        return importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - a user module may raise anything while importing
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(field, name, f"could not be imported ({type(err).__name__}: {first})") from None

@@ -46,13 +46,17 @@ class PruneSpec:
     function ``score(weight, stats) -> Tensor``; see :func:`prune` for the other fields.
     """
 
-    amount: float
-    method: str | Score | Criterion = "l1_unstructured"
+    amount: float = 0.5
+    method: Any = "l1_unstructured"  # a registered criterion name, a Criterion or a Score function
     scope: str = "layer"
     n: float = 2.0
     dim: int = 0
     seed: int = 0
     pattern: str | None = None
+    select: Any = None
+    exclude: Any = None
+    blocks: Any = None  # layer-by-layer methods: blocks calibrated in turn (None: found; False: layers)
+    amounts: Any = None  # {layer: amount} overriding amount (scope="layer")
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
@@ -71,6 +75,9 @@ class PruneSpec:
             )
         object.__setattr__(self, "amount", amount)
         object.__setattr__(self, "n", n)
+        object.__setattr__(self, "exclude", self.exclude or None)
+        if self.amounts is not None and not isinstance(self.amounts, Mapping):
+            raise ConfigTypeError("prune.amounts", self.amounts, "must be a mapping {layer: amount}")
 
     @property
     def criterion(self) -> Criterion:
@@ -203,7 +210,7 @@ def prune(
         model: the model to modify in place.
         amount: fraction in [0, 1] of weight entries (or of slices, for a structured
             criterion) to set to zero; or a :class:`PruneSpec` holding every setting below
-            except the selection.
+            but ``calibration``, ``loss`` and ``progress``.
         method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
             ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
             along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters),
@@ -251,14 +258,17 @@ def prune(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if isinstance(amount, PruneSpec):
         spec = amount
-        if (method, scope, n, dim, seed, pattern) != ("l1_unstructured", "layer", 2.0, 0, 0, None):
+        given = (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts)
+        if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None):
             raise ConfigError(
                 "prune.amount",
                 spec,
-                "is a PruneSpec: set method, scope, n, dim, seed and pattern in it, not as arguments too",
+                "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks and amounts "
+                "in it, not as arguments too",
             )
     else:
-        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern)
+        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts)
+    select, exclude, blocks, amounts = spec.select, spec.exclude, spec.blocks, spec.amounts
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
         raise ConfigError(

@@ -75,4 +75,6 @@ def test_a_config_without_sensitivity_runs_none():
     (every run would then prune every layer at four amounts)."""
     config = load_config({"steps": ["prune"], "prune": {"amount": 0.5}})
     assert config.sensitivity is None
-    assert load_config({"steps": [], "sensitivity": {"amounts": [0.5]}}).sensitivity.amounts == [0.5]
+    assert load_config({"steps": ["sensitivity"], "sensitivity": {"amounts": [0.5]}}).sensitivity.amounts == [0.5]
+    with pytest.raises(ConfigError, match=r"not in steps; add it: steps=\[sensitivity\]"):
+        load_config({"steps": ["prune"], "prune": {}, "sensitivity": {"amounts": [0.5]}})

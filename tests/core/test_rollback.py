@@ -28,10 +28,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import surgery
-from surgery.cli import checks, steps
+from surgery.cli import checks
 from surgery.cli import run as run_module
+from surgery.cli.applying import apply_steps
 from surgery.cli.config import load_config
-from surgery.cli.steps import apply_steps
+from surgery.cli.steps import STEPS, StepRun
+from surgery.cli.steps import rewrite as rewrite_step
 from surgery.core import guards
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.handles import Handle
@@ -480,6 +482,10 @@ STEP_CALLS = [
 ]
 
 
+def quantize_batches(config, batches):
+    return {"quantize": StepRun(config, calibration=batches)}
+
+
 def three_steps():
     return load_config(
         {
@@ -502,7 +508,7 @@ def test_apply_steps(convnet, image_input, step, position, error):
     bounds: dict[str, tuple[int, int]] = {}
     wire = Tripwire(STEP_CALLS)
 
-    def marking(kind: str, applier: steps.Applier) -> steps.Applier:
+    def marking(kind: str, applier: Callable) -> Callable:
         def apply(*args):
             start = len(wire.calls) + 1
             handle = applier(*args)
@@ -511,20 +517,24 @@ def test_apply_steps(convnet, image_input, step, position, error):
 
         return apply
 
+    marked = [mock.patch.object(STEPS.get(k), "apply", marking(k, STEPS.get(k).apply)) for k in config.steps]
+
     before, expected = state_of(convnet), collect(convnet, [image_input])
-    with mock.patch.dict(steps.APPLIERS, {k: marking(k, v) for k, v in steps.APPLIERS.items()}), wire.armed():
-        handle = apply_steps(convnet, config, calibration={"quantize": calibration})
+    with contextlib.ExitStack() as patches, wire.armed():
+        for patch in marked:
+            patches.enter_context(patch)
+        handle = apply_steps(convnet, config, runs=quantize_batches(config, calibration))
     applied = collect(convnet, [image_input])
     handle.restore()
     first, last = bounds[step]
     assert last > first, bounds
     fail_at = {"first": first, "middle": (first + last) // 2, "last": last}[position]
     with Tripwire(STEP_CALLS, fail_at, error).armed() as failing, pytest.raises(error, match="injected failure"):
-        apply_steps(convnet, config, calibration={"quantize": calibration})
+        apply_steps(convnet, config, runs=quantize_batches(config, calibration))
     where = f"{step} failing at call {fail_at} ({failing.calls[fail_at - 1][0]}), steps at {bounds}"
     assert_unchanged(convnet, before, where)
     assert_outputs(convnet, image_input, expected, where)
-    retried = apply_steps(convnet, config, calibration={"quantize": calibration})
+    retried = apply_steps(convnet, config, runs=quantize_batches(config, calibration))
     assert_outputs(convnet, image_input, applied, "the retry")
     retried.restore()
     assert_unchanged(convnet, before, "the retry, restored")
@@ -542,18 +552,18 @@ def test_apply_steps_rollback_keeps_going_past_an_undo_failure(convnet, image_in
         raise RuntimeError("step failed")
 
     with (
-        mock.patch.object(steps, "rewrite_inputs", side_effect=failing_rewrite),
+        mock.patch.object(rewrite_step, "rewrite_inputs", side_effect=failing_rewrite),
         Tripwire([Target(RemovableHandle, "remove")]).armed() as wire,
         pytest.raises(RuntimeError),
     ):
-        apply_steps(copy.deepcopy(convnet), three_steps(), calibration={"quantize": [image_input]})
+        apply_steps(copy.deepcopy(convnet), three_steps(), runs=quantize_batches(three_steps(), [image_input]))
     first_undo = applied[0] + 1  # the first hook removal of the rollback
     with (
-        mock.patch.object(steps, "rewrite_inputs", side_effect=RuntimeError("step failed")),
+        mock.patch.object(rewrite_step, "rewrite_inputs", side_effect=RuntimeError("step failed")),
         Tripwire([Target(RemovableHandle, "remove")], first_undo).armed() as wire,
     ):
         with pytest.raises(RuntimeError, match="step failed") as info:
-            apply_steps(convnet, three_steps(), calibration={"quantize": [image_input]})
+            apply_steps(convnet, three_steps(), runs=quantize_batches(three_steps(), [image_input]))
     assert not isinstance(info.value, surgery.UndoError)
     assert len(info.value.__notes__) == 1 and "undoing the partial change also failed" in info.value.__notes__[0]
     stuck = wire.calls[first_undo - 1][1][0]

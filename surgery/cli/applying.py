@@ -1,0 +1,74 @@
+"""Apply a recipe's steps to a model, in order, as one all-or-nothing handle, through the
+registered :class:`~surgery.cli.steps.Step` of each name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from surgery.cli.config import RunConfig
+from surgery.cli.steps import StepRun, step_named
+from surgery.core.handles import Handle, HandleGroup
+from surgery.ops.quantization import QuantizeHandle
+
+
+def apply_steps(
+    model: nn.Module,
+    config: RunConfig,
+    *,
+    neutral: bool = False,
+    checking: bool = False,
+    runs: dict[str, StepRun] | None = None,
+) -> HandleGroup:
+    """Apply ``config.steps`` in order; if one fails, undo those already applied and re-raise.
+
+    ``neutral=True`` applies each step in its neutral form, which must not change any output
+    (prune amount 0, quantization off, identity rewrite): the ``identity`` check.
+    ``checking=True`` leaves out steps that change nothing (sensitivity): the checks apply the
+    steps again on copies. ``runs`` holds what each step is given (its calibration batches...).
+    """
+    handles: list[Handle] = []
+    try:
+        for name in config.steps:
+            step = step_named(name)
+            if checking and not step.changes_model:
+                continue
+            run = (runs or {}).get(name) or StepRun(config)
+            settings = config.settings(name)
+            handles.append(step.neutral(model, settings, run) if neutral else step(model, settings, run))
+    except BaseException as err:
+        _undo(handles, model, err)
+        raise
+    return HandleGroup(handles, model)
+
+
+def _undo(handles: list[Handle], model: nn.Module, error: BaseException) -> None:
+    """Restore the steps applied so far, last first; one failing does not stop the others, and
+    ``error`` stays the one raised (an undo failure is added to it as a note)."""
+    if handles:
+        HandleGroup(handles, model).rollback(error)
+
+
+def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
+    """Re-attach what baking cannot fold into weights — activation quantization (from saved
+    parameters, without calibration) and input rewriting — in step order; None if nothing."""
+    handles: list[Handle] = []
+    try:
+        for name in config.steps:
+            handle = step_named(name).reattach(model, config.settings(name), qparams)
+            if handle is not None:
+                handles.append(handle)
+    except BaseException as err:
+        _undo(handles, model, err)
+        raise
+    return HandleGroup(handles, model) if handles else None
+
+
+def saved_qparams(handle: HandleGroup) -> dict[str, Tensor]:
+    """Activation quantization parameters of a composed handle (empty without any)."""
+    found: dict[str, Tensor] = {}
+    for part in handle.handles:
+        if isinstance(part, QuantizeHandle):
+            found.update(part.qparams())
+    return found

@@ -1,0 +1,128 @@
+"""The command line's steps: the ``Step`` protocol, its registry, and what a step is given.
+
+A recipe's ``steps: [prune, quantize]`` names registered steps; each reads its settings from
+the recipe's section of the same name (``prune:``), a frozen dataclass the step declares.
+Built-in steps register here the same way a user's step does, from a module a recipe names
+in ``plugins:``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.registry import Registry
+
+Row = tuple[str, str, str, str, str]  # a dry-run row: (step, matched/skipped, name, type, detail)
+
+
+class Calibration(NamedTuple):
+    """The calibration data a step asks for: ``batches`` batches of the data's calibration
+    split, as ``(inputs, labels)`` pairs when ``labelled``."""
+
+    batches: int
+    labelled: bool = False
+    field: str = "calibration_batches"
+
+
+@dataclass
+class StepRun:
+    """What a step is given besides its settings, for one run of a recipe."""
+
+    config: Any  # the whole RunConfig: seed, data, every step's settings
+    calibration: Any = None  # the batches this step asked for with Step.calibration
+    training: Callable[[int], tuple[Sequence, Callable[[nn.Module], float] | None]] | None = None
+    folder: Path | None = None  # where the run stages its outputs (a step may write files there)
+    reference: nn.Module | None = None  # the unmodified model (for reports)
+    inputs: Sequence | None = None  # the evaluation batches
+    data: Any = None  # the evaluation Data (inputs, labels)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Step:
+    """One step of a recipe. Subclass, set ``name`` and ``settings`` (a dataclass, frozen or
+    not, whose ``__post_init__`` validates), override what applies, and register an instance
+    with :func:`register_step`.
+
+    Example:
+        >>> @dataclass(frozen=True)
+        ... class ScaleSettings:
+        ...     factor: float = 1.0
+        >>> class Scale(Step):
+        ...     name, settings = "scale", ScaleSettings
+        ...     def apply(self, model, settings, run):
+        ...         return surgery.rewrite_inputs(model, lambda args, kwargs: (
+        ...             (args[0] * settings.factor, *args[1:]), kwargs))
+        >>> register_step(Scale())
+    """
+
+    name: ClassVar[str] = ""
+    settings: ClassVar[type] = object
+    changes_model: ClassVar[bool] = True  # False: it measures (sensitivity); the checks do not run it again
+    needs_labels: ClassVar[bool] = False  # it trains on labelled data (finetune)
+
+    def __call__(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
+        return self.apply(model, settings, run)
+
+    def apply(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
+        """Change ``model`` in place and return the handle that undoes it."""
+        raise NotImplementedError(f"step {self.name!r} does not implement apply()")
+
+    def neutral(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
+        """The same step with settings that change no output (the ``identity`` check):
+        by default nothing at all."""
+        return Handle(self.name, model)
+
+    def calibration(self, settings: Any) -> Calibration | None:
+        """The calibration batches the step needs (None: none)."""
+        return None
+
+    def preview(self, model: nn.Module, settings: Any) -> list[Row]:
+        """The dry run's rows: what the step would select and skip, and why."""
+        return [(self.name, "matched", "(model)", type(model).__name__, "the whole model")]
+
+    def report(self, handle: Handle, settings: Any, run: StepRun, report: dict[str, Any]) -> None:
+        """Add the step's section to ``report`` (``report.json``); by default none."""
+
+    def reattach(self, model: nn.Module, settings: Any, qparams: dict[str, Tensor] | Path) -> Handle | None:
+        """Attach again, to a baked or reloaded model, what baking cannot fold into weights
+        (activation quantization, input rewriting); None when baking keeps everything."""
+        return None
+
+
+STEPS: Registry[Step] = Registry("steps")
+
+
+def register_step(step: Step, *, replace: bool = False) -> Step:
+    """Make ``step`` available to recipes as ``steps: [<step.name>]`` with a ``<step.name>:`` section."""
+    if not isinstance(step, Step):
+        raise ConfigTypeError("steps entry", step, "must be an instance of a surgery.cli.steps.Step subclass")
+    if not dataclasses.is_dataclass(step.settings):
+        raise ConfigTypeError(f"step {step.name!r} settings", step.settings, "must be a dataclass")
+    return STEPS.register(step.name, step, replace=replace)
+
+
+def step_named(name: object) -> Step:
+    """The step registered as ``name``; a one-line error listing the registered ones otherwise."""
+    if not isinstance(name, str):
+        raise ConfigError("steps", name, f"must be one of {', '.join(STEPS.names())}")
+    return STEPS.get(name)
+
+
+def target_rows(step: str, targets: Any, layers: dict[str, nn.Module], where: str) -> list[Row]:
+    """Dry-run rows of a verb's selection: each weight matched or skipped, and activation layers."""
+    rows = [
+        (step, "matched", name, type(t.module).__name__, f"{t.attribute} {tuple(t.param.shape)}")
+        for name, t in targets.matched.items()
+    ]
+    rows += [(step, "skipped", s.name, s.type, s.reason) for s in targets.skipped]
+    return rows + [
+        (step, "matched", name or "(root)", type(m).__name__, f"{where} activations") for name, m in layers.items()
+    ]

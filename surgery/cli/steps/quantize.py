@@ -1,0 +1,61 @@
+"""The ``quantize`` step: :func:`surgery.quantize` with a recipe's ``quantize:`` settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor, nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.core.handles import Handle
+from surgery.ops.observers import QuantSpec
+from surgery.ops.quantization import QuantizeSpec, quantize, quantize_targets
+
+
+@dataclass(frozen=True)
+class QuantizeConfig(QuantizeSpec):
+    """``quantize:``: the fields of :class:`~surgery.QuantizeSpec` (``weights`` and
+    ``activations`` hold :class:`~surgery.QuantSpec` fields; ``null`` turns that part off),
+    and the calibration batches activations and calibrated weight methods get."""
+
+    weights: QuantSpec | None = QuantSpec(bits=8, symmetric=True, per_channel=True)
+    calibration_batches: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive_int("quantize.calibration_batches", self.calibration_batches)
+
+    def spec(self) -> QuantizeSpec:
+        """The library spec these settings hold."""
+        return QuantizeSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QuantizeSpec)})
+
+
+class QuantizeStep(Step):
+    """Fake-quantized weights (in place, guarded) and activations (hooks)."""
+
+    name, settings = "quantize", QuantizeConfig
+
+    def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
+        return quantize(model, settings.spec(), calibration=run.calibration)
+
+    def calibration(self, settings: QuantizeConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None
+
+    def preview(self, model: nn.Module, settings: QuantizeConfig) -> list[Row]:
+        targets, layers = quantize_targets(
+            model, settings.select, settings.exclude, settings.weights, settings.activations, settings.where
+        )
+        return target_rows("quantize", targets, layers, settings.where)
+
+    def reattach(self, model: nn.Module, settings: QuantizeConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
+        """Activation quantization from the saved parameters, without calibration."""
+        if settings.activations is None:
+            return None
+        spec = dataclasses.replace(settings.spec(), weights=None, train=False, freeze_observers_after=None, blocks=None)
+        return quantize(model, spec, qparams=qparams, progress=False)
+
+
+register_step(QuantizeStep())

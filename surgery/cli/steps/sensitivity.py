@@ -1,0 +1,133 @@
+"""The ``sensitivity`` step: each selected layer pruned (or quantized) alone at each setting
+and measured; with a target sparsity, the per-layer plan, written as ``plan.yaml``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.core.checkpoints import write_atomically
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.ops.criteria import as_criterion
+from surgery.ops.observers import QuantSpec
+from surgery.ops.pruning import prune_targets, validate_arguments
+from surgery.ops.sensitivity import sensitivity
+from surgery.ops.weight_methods import weight_method
+
+PLAN = "plan.yaml"  # per-layer amounts, for prune.amounts
+
+
+@dataclass(frozen=True)
+class SensitivityConfig:
+    """``sensitivity:``: the arguments of :func:`surgery.sensitivity`, measured by the task's
+    metric (accuracy with labelled data, perplexity for ``data=tinylm``, else output drift);
+    with ``target_sparsity``, a per-layer plan written to ``plan.yaml``."""
+
+    amounts: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
+    method: str = "l1_unstructured"
+    select: Any = None
+    exclude: Any = None
+    target_sparsity: float | None = None
+    calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
+    bits: list[int] | None = None  # quantize each layer's weight alone at these widths instead of pruning
+    weights: QuantSpec | None = None  # with bits: the other weight settings (default int8 per channel)
+
+    def __post_init__(self) -> None:
+        validate_arguments(0.5, self.method, "layer", 2.0, 0)
+        positive_int("sensitivity.calibration_batches", self.calibration_batches)
+        if isinstance(self.weights, dict):
+            object.__setattr__(self, "weights", QuantSpec.build(self.weights, "sensitivity.weights"))
+        if self.bits is not None and self.target_sparsity is not None:
+            raise ConfigError(
+                "sensitivity.target_sparsity",
+                self.target_sparsity,
+                "plans pruning amounts, and sensitivity.bits measures quantization; "
+                "pass sensitivity.target_sparsity=null with it",
+            )
+        for width in self.bits or []:
+            if not 2 <= width <= 8:
+                raise ConfigError("sensitivity.bits", width, "each bit width must be an integer in [2, 8]")
+        for amount in self.amounts:
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 < amount <= 1.0:
+                raise ConfigError("sensitivity.amounts", amount, "each amount must be a number in (0, 1]")
+        target, largest = self.target_sparsity, max(self.amounts, default=0.0)
+        if target is not None and not 0.0 <= target <= largest:
+            raise ConfigError(
+                "sensitivity.target_sparsity",
+                target,
+                f"must be null or a number in [0, {largest:g}] (the largest amount tried)",
+            )
+
+    @property
+    def calibrated(self) -> bool:
+        if self.bits is not None:
+            return self.weights is not None and weight_method(self.weights.method).needs_calibration
+        return as_criterion(self.method).needs_calibration
+
+
+class SensitivityStep(Step):
+    """Measures and changes nothing: every trial is restored."""
+
+    name, settings, changes_model = "sensitivity", SensitivityConfig, False
+
+    def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
+        handle = Handle(self.name, model)
+        handle.result = _measure(model, settings, run)
+        return handle
+
+    def calibration(self, settings: SensitivityConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="sensitivity") if settings.calibrated else None
+
+    def preview(self, model: nn.Module, settings: SensitivityConfig) -> list[Row]:
+        return target_rows("sensitivity", prune_targets(model, settings.select, settings.exclude), {}, "")
+
+    def report(self, handle: Handle, settings: SensitivityConfig, run: StepRun, report: dict[str, Any]) -> None:
+        report["sensitivity"] = handle.result
+
+
+def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dict[str, Any]:
+    metric = run.extras["metric"]  # the task's: (name, evaluate, higher_is_better), or None for drift
+    measure: dict[str, Any] = (
+        {"inputs": run.inputs} if metric is None else {"evaluate": metric[1], "higher_is_better": metric[2]}
+    )
+    quantizing = settings.bits is not None
+    table = sensitivity(
+        model,
+        settings.amounts,
+        method=settings.method,
+        select=settings.select,
+        exclude=settings.exclude or None,
+        progress=True,
+        bits=settings.bits,
+        weights=settings.weights,
+        calibration=run.calibration,
+        **measure,
+    )
+    method = (settings.weights.method if settings.weights else "rtn") if quantizing else settings.method
+    result = {
+        "metric": "drift (1 - cosine)" if metric is None else metric[0],
+        "kind": table.kind,
+        "baseline": table.baseline,
+        "higher_is_better": table.higher_is_better,
+        "method": method,
+        "rows": table.as_rows(),
+    }
+    if settings.target_sparsity is not None:
+        plan = table.plan(settings.target_sparsity)
+        result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}
+        lines = [
+            f"# per-layer amounts from recipe={run.config.recipe} ({result['metric']}, target sparsity "
+            f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"
+        ]
+        lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in plan.items()]
+        write_atomically(run.folder / PLAN, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    return result
+
+
+register_step(SensitivityStep())

@@ -1,0 +1,134 @@
+"""The ``shrink`` step: :func:`surgery.shrink` with a recipe's ``shrink:`` settings, and its
+report: parameters, MACs, measured latency and each changed layer's width."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.outputs import batch_of, first_sample
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.core.handles import Handle
+from surgery.core.inputs import as_call
+from surgery.core.selection import select
+from surgery.ops.shrinking import ShrinkHandle, ShrinkSpec, shrink
+
+PRODUCERS = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Embedding,
+)
+
+
+@dataclass(frozen=True)
+class ShrinkConfig(ShrinkSpec):
+    """``shrink:``: the fields of :class:`~surgery.ShrinkSpec` (traced on one batch of the
+    data's calibration split), and ``latency_batches``, the batch sizes timed dense against
+    shrunk (one thread)."""
+
+    latency_batches: list[int] = field(default_factory=lambda: [1, 8])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for size in self.latency_batches:
+            positive_int("shrink.latency_batches", size)
+
+    def spec(self, amount: float | None = None) -> ShrinkSpec:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ShrinkSpec)}
+        return ShrinkSpec(**(values if amount is None else values | {"amount": amount}))
+
+
+class ShrinkStep(Step):
+    """Coupled channels removed for real: smaller layers of the same classes."""
+
+    name, settings = "shrink", ShrinkConfig
+
+    def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
+        return shrink(model, settings.spec(), example_inputs=run.calibration[0])
+
+    def neutral(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
+        return shrink(model, settings.spec(amount=0.0), example_inputs=run.calibration[0])
+
+    def calibration(self, settings: ShrinkConfig) -> Calibration | None:
+        return Calibration(1, field="shrink")  # the batch the coupling is traced on
+
+    def preview(self, model: nn.Module, settings: ShrinkConfig) -> list[Row]:
+        """The layers whose output channels shrink may remove (which go is known only after the trace)."""
+        if settings.select is None:
+            layers = dict(model.named_modules())
+            if settings.exclude:
+                excluded = select(model, settings.exclude, field="shrink.exclude")
+                layers = {n: m for n, m in layers.items() if n not in excluded}
+        else:
+            layers = select(
+                model, settings.select, exclude=settings.exclude, field="shrink.select", exclude_field="shrink.exclude"
+            )
+        return [
+            ("shrink", "matched", name or "(root)", type(m).__name__, "output channels may go")
+            for name, m in layers.items()
+            if isinstance(m, PRODUCERS)
+        ]
+
+    def report(self, handle: Handle, settings: ShrinkConfig, run: StepRun, report: dict[str, Any]) -> None:
+        if isinstance(handle, ShrinkHandle):
+            report["shrink"] = shrink_report(handle, run.reference, run.inputs, settings.latency_batches)
+
+
+def shrink_report(handle: ShrinkHandle, reference: nn.Module, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:
+    """Parameters, MACs, measured latency dense vs shrunk (one thread, interleaved rounds,
+    median), the coupled families and each changed layer's width before and after."""
+    sample = first_sample(inputs[0])
+    latency = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for size in batch_sizes:
+            latency[str(size)] = _latency(as_call(batch_of(sample, size), "data"), reference, handle.model)
+    finally:
+        torch.set_num_threads(threads)
+    widths = {name: [_width(old), _width(new)] for name, (old, new) in handle.replaced.items()}
+    heads = {name: {attr: list(pair) for attr, pair in changes.items()} for name, changes in handle.attributes.items()}
+    return {
+        "params": handle.params(),
+        "macs": handle.macs(),
+        "latency": latency,
+        "families": handle.families,
+        "frozen_ops": handle.frozen_ops,
+        "widths": widths,
+        "heads": heads,
+    }
+
+
+def _latency(call: Any, dense_model: nn.Module, shrunk_model: nn.Module) -> dict[str, float]:
+    times: dict[str, list[float]] = {"dense": [], "shrunk": []}
+    with torch.no_grad():
+        for round_ in range(7):
+            for name, model in (("dense", dense_model), ("shrunk", shrunk_model))[:: 1 if round_ % 2 else -1]:
+                start = time.perf_counter()
+                call(model)
+                times[name].append(time.perf_counter() - start)
+    dense, shrunk = (sorted(times[k][1:])[len(times[k][1:]) // 2] for k in ("dense", "shrunk"))
+    return {"dense_ms": 1000 * dense, "shrunk_ms": 1000 * shrunk, "ratio": shrunk / dense}
+
+
+def _width(layer: nn.Module) -> int | None:
+    """A layer's output width (channels, features)."""
+    for attr in ("out_channels", "out_features", "num_features", "num_channels"):
+        if isinstance(getattr(layer, attr, None), int):
+            return getattr(layer, attr)
+    shape = getattr(layer, "normalized_shape", None)
+    return shape[-1] if shape else None
+
+
+register_step(ShrinkStep())
