@@ -33,8 +33,9 @@ from torch.nn.utils import prune as torch_prune
 
 import surgery
 from surgery import QuantSpec
-from surgery.cli import mnist1d, tinylm
+from surgery.analysis import metrics
 from surgery.core.checkpoints import load_checkpoint
+from surgery.tasks import mnist1d, tinylm
 from surgery.testing import snapshot, snapshot_differences
 
 PRUNING = [
@@ -154,13 +155,13 @@ def main() -> None:
     cnn = load_checkpoint(mnist1d.MNIST1DCNN(), mnist1d.CHECKPOINT).eval()
     test = mnist1d.mnist1d_batches("test", 500)
     calibration = [x for x, _ in mnist1d.mnist1d_batches("train", 100, limit_batches=8)]
-    cnn_rows = measure("MNIST-1D CNN", cnn, lambda m: mnist1d.accuracy(m, test), calibration, None, "conv1")
+    cnn_rows = measure("MNIST-1D CNN", cnn, lambda m: metrics.accuracy(m, test), calibration, None, "conv1")
     print_table(cnn_rows, "accuracy")
 
     lm = load_checkpoint(tinylm.TinyLM(), tinylm.CHECKPOINT).eval()
     held_out = tinylm.token_batches("test", 16)
     lm_calibration = [x for x, _ in tinylm.token_batches("train", 16, limit_batches=8)]
-    lm_rows = measure("tiny LM", lm, lambda m: tinylm.perplexity(m, held_out), lm_calibration, "head", None)
+    lm_rows = measure("tiny LM", lm, lambda m: metrics.perplexity(m, held_out), lm_calibration, "head", None)
     print_table(lm_rows, "perplexity")
     memory = block_memory(lm, lm_calibration)
     print(

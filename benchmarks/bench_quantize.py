@@ -16,7 +16,7 @@ W8 weights baked. Before timing it checks that surgery's quantized outputs are e
 point, that both methods found the same scales and zero points, and how far their model
 outputs are apart. It then splits the activation overhead into the fake-quant kernel and the
 hook's Python path (each called directly, best of several: robust to load), and, if
-``surgery.cli.digits`` is present, measures accuracy on the offline digits test split.
+``surgery.tasks.digits`` is present, measures accuracy on the offline digits test split.
 
 Timing follows ``bench_prune.py`` (whose helpers it imports): several copies per variant,
 round-robin in a shuffled order each round, a variant's ratio is the median over rounds of
@@ -377,12 +377,13 @@ def overhead_costs(
 def digits_accuracy() -> tuple[dict[str, float], str]:
     """Test accuracy of the shipped digits CNN, float and quantized; ({}, reason) when unavailable."""
     try:
-        from surgery.cli import digits
+        from surgery.analysis import metrics
         from surgery.core.checkpoints import load_checkpoint
+        from surgery.tasks import digits
 
-        needed = [digits.DigitsCNN, digits.CHECKPOINT, digits.digits_batches, digits.accuracy]
+        needed = [digits.DigitsCNN, digits.CHECKPOINT, digits.digits_batches, metrics.accuracy]
     except (ImportError, AttributeError) as err:
-        return {}, f"surgery.cli.digits is not usable yet ({type(err).__name__}: {err})"
+        return {}, f"surgery.tasks.digits is not usable yet ({type(err).__name__}: {err})"
     model_class, checkpoint, make_batches, accuracy = needed
     if not Path(checkpoint).is_file():
         return {}, f"no digits checkpoint at {checkpoint}"

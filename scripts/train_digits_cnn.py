@@ -1,4 +1,4 @@
-"""Train :class:`surgery.cli.digits.DigitsCNN` and write its weights as a safetensors checkpoint."""
+"""Train :class:`surgery.tasks.digits.DigitsCNN` and write its weights as a safetensors checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from surgery.cli.digits import CHECKPOINT, accuracy, digits_batches, train
+from surgery.analysis.metrics import accuracy
 from surgery.core.checkpoints import write_atomically
+from surgery.tasks.digits import CHECKPOINT, digits_batches, train
 
 
 def main(argv: list[str] | None = None) -> None:

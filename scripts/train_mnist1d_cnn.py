@@ -1,4 +1,4 @@
-"""Train :class:`surgery.cli.mnist1d.MNIST1DCNN` on MNIST-1D and write its weights as safetensors."""
+"""Train :class:`surgery.tasks.mnist1d.MNIST1DCNN` on MNIST-1D and write its weights as safetensors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from surgery.cli.mnist1d import CHECKPOINT, accuracy, mnist1d_batches, train
 from surgery.core.checkpoints import write_atomically
+from surgery.tasks.mnist1d import CHECKPOINT, accuracy, mnist1d_batches, train
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Train :class:`surgery.cli.tinylm.TinyLM` on the shipped corpus and write its weights as safetensors."""
+"""Train :class:`surgery.tasks.tinylm.TinyLM` on the shipped corpus and write its weights as safetensors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from surgery.cli.tinylm import CHECKPOINT, perplexity, token_batches, train
+from surgery.analysis.metrics import perplexity
 from surgery.core.checkpoints import write_atomically
+from surgery.tasks.tinylm import CHECKPOINT, token_batches, train
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from surgery.analysis.comparison import same_bits
+from surgery.analysis.metrics import same_bits
 from surgery.core import guards
 from surgery.core._compat import MODULE_HOOK_DICTS, global_hook_counts, module_hook_counts
 from surgery.core.inputs import Inputs, batches, evaluating, outputs

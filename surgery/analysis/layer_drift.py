@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from surgery.analysis.comparison import StreamingError
+from surgery.analysis.metrics import StreamingError
 from surgery.core import compiled
 from surgery.core.capture import Capture, Keep
 from surgery.core.errors import ConfigError

@@ -22,11 +22,10 @@ from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_module_named
 from surgery.ops.rewriting import RewriteSpec
+from surgery.tasks import task_named
 
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
 HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
-DATA_KINDS = ("synthetic", "digits", "mnist1d", "tinylm", "imagefolder", "tokens")
-LABELLED_KINDS = ("digits", "mnist1d", "tinylm", "imagefolder")  # real data with labels: accuracy, fine-tuning
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 
@@ -97,7 +96,7 @@ class DataConfig:
     tokenizer: str | None = None  # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
 
     def __post_init__(self) -> None:
-        one_of("data.kind", self.kind, DATA_KINDS)
+        task_named(self.kind)
         for name in ("batch_size", "batches", "channels", "image_size", "seq_len"):
             positive_int(f"data.{name}", getattr(self, name))
         if self.kind == "imagefolder" and not self.root:
@@ -323,7 +322,7 @@ class RunConfig:
                 )
             if self.settings(name) is None:
                 raise ConfigError(name, None, f"step '{name}' is listed in steps but has no '{name}:' settings")
-            if step.needs_labels and self.data.kind not in LABELLED_KINDS:
+            if step.needs_labels and not task_named(self.data.kind).labelled:
                 raise ConfigError(
                     name,
                     NO_VALUE,
@@ -350,8 +349,8 @@ class RunConfig:
         for name, part in needs.items():
             if (
                 part == "accuracy"
-                and self.data.kind not in LABELLED_KINDS
-                or (part == "perplexity" and self.data.kind != "tinylm")
+                and not task_named(self.data.kind).labelled
+                or (part == "perplexity" and getattr(task_named(self.data.kind).metric, "name", None) != "perplexity")
             ):
                 raise ConfigError(
                     "objective",

@@ -13,9 +13,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from surgery.cli import digits, mnist1d, tinylm
 from surgery.cli.config import ModelConfig
-from surgery.cli.hf_folders import read_config, refuse_custom_code
 from surgery.cli.outputs import describe_batch, first_sample
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import NO_VALUE, ConfigError
@@ -24,6 +22,8 @@ from surgery.core.inputs import as_call
 from surgery.core.selection import describe
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.ops.rules import Rule
+from surgery.tasks import digits, mnist1d, tinylm
+from surgery.tasks.hf_folders import read_config, refuse_custom_code
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
 SHIPPED_DATA = {"digits_cnn": "digits", "mnist1d_cnn": "mnist1d", "tinylm": "tinylm"}  # the data each was trained on

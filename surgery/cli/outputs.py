@@ -9,19 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-
-def logits_of(output: Any) -> Tensor:
-    """The prediction tensor of an output: itself, ``.logits``, ``["logits"]``, or the first
-    tensor of a tuple."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(getattr(output, "logits", None), Tensor):
-        return output.logits
-    if isinstance(output, Mapping) and isinstance(output.get("logits"), Tensor):
-        return output["logits"]
-    if isinstance(output, (tuple, list)) and output:
-        return logits_of(output[0])
-    raise TypeError(f"cannot find the logits in a {type(output).__name__} output")
+from surgery.analysis.metrics import logits_of
 
 
 def classification_loss(output: Any, target: Tensor) -> Tensor:

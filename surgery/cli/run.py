@@ -43,6 +43,7 @@ from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.ops.pruning import PruneHandle
 from surgery.ops.shrinking import ShrinkHandle, rebuild
+from surgery.tasks import task_named
 from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -228,15 +229,10 @@ def _calibration(config: RunConfig, step: str, need: Calibration) -> Any:
 
 def _metric(config: RunConfig, data: Data) -> tuple[str, Any, bool] | None:
     """The task's metric (name, evaluate(model), higher is better); None: output drift."""
-    if config.data.kind == "tinylm":
-        from surgery.cli.tinylm import perplexity
-
-        return "perplexity", lambda m: perplexity(m, list(data.labelled())), False
-    if data.labels is not None:
-        from surgery.cli.digits import accuracy
-
-        return "accuracy", lambda m: accuracy(m, data.labelled()), True
-    return None
+    metric = task_named(config.data.kind).metric
+    if metric is None or data.labels is None:
+        return None
+    return metric.name, lambda m: metric.evaluate(m, list(data.labelled())), metric.higher_is_better
 
 
 def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
@@ -260,20 +256,19 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
     """Top-1 accuracy of the unmodified and the modified model, when the data has labels."""
     if data.labels is None:
         return None
-    from surgery.cli.digits import accuracy
+    from surgery.analysis.metrics import accuracy
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
 
 
 def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:
-    """Held-out perplexity of the unmodified and the modified language model (``data=tinylm``)."""
-    if config.data.kind != "tinylm":
+    """Held-out perplexity of the unmodified and the modified language model (a task whose metric it is)."""
+    metric = task_named(config.data.kind).metric
+    if metric is None or metric.name != "perplexity":
         return None
-    from surgery.cli.tinylm import perplexity
-
     pairs = list(data.labelled())
-    return {"reference": perplexity(models.reference, pairs), "candidate": perplexity(models.model, pairs)}
+    return {"reference": metric.evaluate(models.reference, pairs), "candidate": metric.evaluate(models.model, pairs)}
 
 
 def _build(config: RunConfig) -> _Models:

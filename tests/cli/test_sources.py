@@ -91,7 +91,7 @@ def test_image_folder_of_generated_pngs_reports_accuracy(tmp_path):
 
 def test_image_folder_evaluation_takes_every_class_in_turn(tmp_path):
     from surgery.cli.config import DataConfig
-    from surgery.cli.data import image_folder_batches
+    from surgery.tasks.image_folders import image_folder_batches
 
     root = image_folder(tmp_path / "images", ("a", "b", "c"), 4, (8, 8), seed=2)
     config = DataConfig(kind="imagefolder", root=str(root), image_size=8, batch_size=3, batches=2)

@@ -22,11 +22,11 @@ from matplotlib.figure import Figure
 from surgery.cli import run as run_module
 from surgery.cli import sweeps
 from surgery.cli.config import load_config
-from surgery.cli.digits import DigitsCNN
 from surgery.cli.reporting import write_reports
 from surgery.core import checkpoints
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.tasks.digits import DigitsCNN
 
 ERRORS = [OSError, KeyboardInterrupt]
 PREVIOUS = b"the previous version\n"

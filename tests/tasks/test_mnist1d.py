@@ -12,9 +12,9 @@ import torch
 
 import surgery
 from surgery import QuantSpec
-from surgery.cli.mnist1d import CHECKPOINT, MNIST1DCNN, accuracy, mnist1d_batches, mnist1d_split, train
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import ConfigError
+from surgery.tasks.mnist1d import CHECKPOINT, MNIST1DCNN, accuracy, mnist1d_batches, mnist1d_split, train
 from surgery.testing import snapshot, snapshot_differences
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_mnist1d_cnn.py"
@@ -47,7 +47,7 @@ def test_splits_are_generated_offline_with_fixed_shapes_and_ten_classes():
 
 
 def test_missing_mnist1d_package_says_how_to_install_it():
-    from surgery.cli import mnist1d
+    from surgery.tasks import mnist1d
 
     mnist1d._generate.cache_clear()
     try:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import surgery
-from surgery.cli.tinylm import CHECKPOINT, CONTEXT, TinyLM, perplexity, token_batches, tokens
+from surgery.analysis.metrics import perplexity
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import ConfigError
 from surgery.core.sequential import find_blocks
+from surgery.tasks.tinylm import CHECKPOINT, CONTEXT, TinyLM, token_batches, tokens
 from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tinylm.py"

@@ -17,13 +17,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.cli.digits import SPLITS, accuracy
+from surgery.analysis.metrics import accuracy
 from surgery.core.errors import ConfigError
+from surgery.tasks.base import Metric, Task, register_task
+from surgery.tasks.digits import SPLITS
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "mnist1d_cnn.safetensors"
 LENGTH = 40
 
-__all__ = ["CHECKPOINT", "MNIST1DCNN", "accuracy", "mnist1d_batches", "mnist1d_split", "train"]
+__all__ = ["CHECKPOINT", "MNIST1DCNN", "mnist1d_batches", "mnist1d_split", "train"]
 
 
 class MNIST1DCNN(nn.Module):
@@ -145,3 +147,12 @@ def _generate() -> dict[str, Tensor]:
         "x_test": torch.from_numpy(np.asarray(data["x_test"], dtype=np.float32)),
         "y_test": torch.from_numpy(np.asarray(data["y_test"], dtype=np.int64)),
     }
+
+
+register_task(
+    Task(
+        "mnist1d",
+        pairs=lambda data, split, batch_size, limit: mnist1d_batches(split, batch_size, limit_batches=limit),
+        metric=Metric("accuracy", accuracy, higher_is_better=True),
+    )
+)

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.cli.outputs import logits_of
+from surgery.analysis.metrics import accuracy
 from surgery.core.errors import ConfigError
-from surgery.core.inputs import as_call, evaluating
+from surgery.tasks.base import Metric, Task, register_task
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"
 SPLITS = ("train", "test")
@@ -121,39 +121,6 @@ def digits_batches(
     return batches if limit_batches is None else batches[:limit_batches]
 
 
-def accuracy(model: nn.Module, batches: Batches) -> float:
-    """Top-1 accuracy in [0, 1] of ``model`` over (inputs, labels) batches.
-
-    The model runs in eval mode under ``torch.no_grad()``; every module's training flag is put
-    back afterwards.
-
-    Raises:
-        ValueError: ``batches`` holds no sample.
-
-    Example:
-        >>> model = load_checkpoint(DigitsCNN(), CHECKPOINT)  # from surgery.core.checkpoints
-        >>> accuracy(model, digits_batches("test", 256)) >= 0.95
-        True
-    """
-    correct = total = 0
-    with evaluating(model), torch.no_grad():
-        for inputs, labels in batches:
-            logits = logits_of(as_call(inputs, "data")(model))
-            if labels.numel() and int(labels.max()) >= logits.shape[-1]:
-                raise ConfigError(
-                    "model.num_classes",
-                    logits.shape[-1],
-                    f"the data has labels up to "
-                    f"{int(labels.max())}: the model must score at least {int(labels.max()) + 1} "
-                    "classes",
-                )
-            correct += int((logits.argmax(-1) == labels).sum())
-            total += labels.numel()
-    if total == 0:
-        raise ValueError("accuracy: batches holds no sample; pass at least one non-empty batch")
-    return correct / total
-
-
 def train(seed: int = 0, epochs: int = 8, *, batch_size: int = 32, lr: float = 3e-3) -> DigitsCNN:
     """Train a fresh :class:`DigitsCNN` on the train split with Adam, deterministically.
 
@@ -230,3 +197,12 @@ def _load_digits() -> tuple[Tensor, Tensor]:
     bunch = load_digits()
     images = torch.from_numpy(np.asarray(bunch.images, dtype=np.float32) / 16.0).unsqueeze(1)
     return images.contiguous(), torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
+
+
+register_task(
+    Task(
+        "digits",
+        pairs=lambda data, split, batch_size, limit: digits_batches(split, batch_size, limit_batches=limit),
+        metric=Metric("accuracy", accuracy, higher_is_better=True),
+    )
+)

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import functools
 import gzip
-import math
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.cli.digits import SPLITS
+from surgery.analysis.metrics import perplexity
 from surgery.core.errors import ConfigError
-from surgery.core.inputs import evaluating
+from surgery.tasks.base import Metric, Task, register_task
+from surgery.tasks.digits import SPLITS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 CHECKPOINT: Path = ASSETS / "tinylm.safetensors"
@@ -110,22 +110,6 @@ def token_batches(
     return batches if limit_batches is None else batches[:limit_batches]
 
 
-def perplexity(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
-    """exp(mean next-byte cross-entropy) over ``(inputs, targets)`` batches, in eval mode
-    without gradients (training flags put back); NaN or Inf logits give ``inf``."""
-    total, count = 0.0, 0
-    with evaluating(model), torch.no_grad():
-        for inputs, targets in batches:
-            logits = model(inputs)
-            if not torch.isfinite(logits).all():
-                return math.inf
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
-            count += targets.numel()
-    if count == 0:
-        raise ValueError("perplexity: batches holds no token; pass at least one non-empty batch")
-    return math.exp(total / count)
-
-
 def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float = 2e-3) -> TinyLM:
     """Train a fresh :class:`TinyLM` on random windows of the training bytes with AdamW and a
     one-cycle schedule, seeded, on the caller's threads; torch's global random state is left
@@ -152,3 +136,12 @@ def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float =
             optimizer.step()
             schedule.step()
     return model.eval()
+
+
+register_task(
+    Task(
+        "tinylm",
+        pairs=lambda data, split, batch_size, limit: token_batches(split, batch_size, limit_batches=limit),
+        metric=Metric("perplexity", perplexity, higher_is_better=False),
+    )
+)

@@ -1,4 +1,4 @@
-"""Tests of surgery.cli.digits: the seeded digits split, accuracy, training and the shipped CNN."""
+"""Tests of surgery.tasks.digits: the seeded digits split, accuracy, training and the shipped CNN."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 from torch import Tensor, nn
 
 import surgery
-from surgery.cli import digits
-from surgery.cli.digits import CHECKPOINT, DigitsCNN, accuracy, digits_batches, digits_split, train
+from surgery.analysis.metrics import accuracy
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import ConfigError
+from surgery.tasks import digits
+from surgery.tasks.digits import CHECKPOINT, DigitsCNN, digits_batches, digits_split, train
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_digits_cnn.py"
 MIN_ACCURACY = 0.95
