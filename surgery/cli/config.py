@@ -384,7 +384,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             RunConfig(
                 steps=["sensitivity"],
                 objective=ObjectiveConfig(maximize="sparsity"),
-                **{name: _schema_of(STEPS.get(name).settings, cfg.get(name)) for name in BUILT_IN_STEPS},
+                **{name: _schema_of(STEPS.get(name).settings, cfg.get(name), name) for name in BUILT_IN_STEPS},
             )
         )
         _writable(schema)
@@ -420,7 +420,7 @@ def _load_settings(step: str, section: Any) -> Any:
     settings = STEPS.get(step).settings
     if not isinstance(section, dict):
         raise ConfigError(step, section, f"must be a mapping of {settings.__name__}'s fields")
-    schema = OmegaConf.structured(_schema_of(settings, section))
+    schema = OmegaConf.structured(_schema_of(settings, section, step))
     _writable(schema)
     try:
         return OmegaConf.to_object(OmegaConf.merge(schema, section))
@@ -431,17 +431,25 @@ def _load_settings(step: str, section: Any) -> Any:
         raise ConfigError(key, NO_VALUE, " ".join(str(err).splitlines()[0].split())) from None
 
 
-def _schema_of(settings: type, section: Any) -> Any:
+def _schema_of(settings: type, section: Any, prefix: str) -> Any:
     """An instance of ``settings`` at its defaults to merge ``section`` into; a nested
     dataclass field that defaults to None but is given in ``section`` starts at its class's
-    defaults, so the merge fills a writable node (a frozen dataclass's node is read-only)."""
+    defaults, so the merge fills a writable node (a frozen dataclass's node is read-only).
+    A nested spec with a ``build(values, field)`` validates its values first, so its errors
+    name the field as the config spells it (``quantize.weights.bits``)."""
     hints, defaults = typing.get_type_hints(settings), settings()
     nested = {}
     for item in dataclasses.fields(settings):
         value = section.get(item.name) if isinstance(section, dict) else None
         kind = next((t for t in typing.get_args(hints[item.name]) if dataclasses.is_dataclass(t)), None)
-        if kind is not None and isinstance(value, dict) and getattr(defaults, item.name) is None:
-            nested[item.name] = _schema_of(kind, value)
+        if kind is None or not isinstance(value, dict):
+            continue
+        current = getattr(defaults, item.name)
+        if callable(getattr(kind, "build", None)):
+            base = {} if current is None else {f.name: getattr(current, f.name) for f in dataclasses.fields(kind)}
+            kind.build(base | value, f"{prefix}.{item.name}")
+        if current is None:
+            nested[item.name] = _schema_of(kind, value, f"{prefix}.{item.name}")
     return dataclasses.replace(defaults, **nested) if nested else defaults
 
 
