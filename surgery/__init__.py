@@ -18,6 +18,7 @@ from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
 from surgery.ops import rules
 from surgery.ops.criteria import LayerStats, register_criterion
+from surgery.ops.exporting import ExportRecord, export, register_export_format
 from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 from surgery.ops.intercept import (
     Event,
@@ -80,6 +81,9 @@ __all__ = [
     "register_heads",
     "register_importance",
     "register_weight_method",
+    "export",
+    "ExportRecord",
+    "register_export_format",
     "FinetuneSpec",
     "QuantizeSpec",
     "RewriteSpec",

@@ -21,6 +21,7 @@ from surgery.cli.steps.shrink import ShrinkConfig
 from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.importing import import_module_named
+from surgery.ops.exporting import EXPORT_FORMATS
 from surgery.ops.rewriting import RewriteSpec
 from surgery.tasks import task_named
 
@@ -208,6 +209,23 @@ class OutputConfig:
         one_of("output.checkpoint", self.checkpoint, CHECKPOINT_FORMATS)
 
 
+@dataclass
+class ExportConfig:
+    """``export:``: write the model under surgery in a registered format (``null``: none) as
+    ``export.<suffix>`` beside the report, with the format's ``options``."""
+
+    format: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.format is not None:
+            EXPORT_FORMATS.get(self.format)
+
+    @property
+    def file_name(self) -> str | None:
+        return None if self.format is None else f"export.{EXPORT_FORMATS.get(self.format).suffix}"
+
+
 BUILD_KINDS = ("swap", "wrap", "parameter", "buffer")
 
 
@@ -306,6 +324,7 @@ class RunConfig:
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         if not self.steps and not self.build and not self.inspect:

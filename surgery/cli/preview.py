@@ -31,6 +31,10 @@ def preview(config: RunConfig) -> str:
         "  " + "  ".join(str(cell).ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
         for row in [header, *rows]
     ]
+    if not rows:
+        lines.append(
+            "  no runtime steps: the recipe changes the model with build: rules while it is built, or only inspects it"
+        )
     counts = {(step, kind): sum(1 for r in rows if r[:2] == (step, kind)) for step, kind, *_ in rows}
     lines.append("  " + "; ".join(f"{step}: {n} {kind}" for (step, kind), n in counts.items()))
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
+from surgery.ops.exporting import export
 from surgery.ops.pruning import PruneHandle
 from surgery.ops.shrinking import ShrinkHandle, rebuild
 from surgery.tasks import task_named
@@ -109,10 +110,11 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     stage = Staging(out_dir)
     try:
         with claimed(out_dir):  # from the existence check through publishing: a second run is refused
-            refuse_existing([out_dir / name for name in OUTPUTS], config.output.overwrite)
+            outputs = (*OUTPUTS, *([config.export.file_name] if config.export.format else []))
+            refuse_existing([out_dir / name for name in outputs], config.output.overwrite)
             with stage:
                 report = _execute(config, stage)
-                files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=OUTPUTS)
+                files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=outputs)
     except OutputExistsError:  # a FileExistsError, but no failure to write
         raise
     except KeyboardInterrupt as err:  # the CLI says whether the outputs were published
@@ -179,6 +181,11 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["gradients"] = gradients
         for name, part in zip(config.steps, handle.handles):
             step_named(name).report(part, config.settings(name), runs[name], report)
+        if config.export.format is not None:
+            record = export(
+                handle, stage / config.export.file_name, format=config.export.format, **config.export.options
+            )
+            report["export"] = record.as_dict()
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 

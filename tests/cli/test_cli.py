@@ -284,20 +284,25 @@ def test_a_nan_in_the_reference_passes_exactness_and_is_reported_as_such(tmp_pat
     assert not checks["drift"]["passed"] and "reference model's own outputs hold" in checks["drift"]["detail"]
 
 
-@pytest.mark.parametrize(
-    "recipe,step,expected",
-    [
-        ("shrink_resnet50", "shrink", "layer1.0.conv1"),
-        ("prune_finetune_digits", "finetune", "(model)"),
-    ],
-)
-def test_select_only_previews_every_step_kind(tmp_path, recipe, step, expected):
-    """Before: a traceback and exit 1 for shrink and finetune steps (the preview knew prune,
-    quantize and rewrite only)."""
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_select_only_previews_every_step_of_every_shipped_recipe(tmp_path, recipe):
+    """Before: a traceback and exit 1 for shrink and finetune steps (the preview branched on
+    step names); now every step previews itself through its Step."""
+    import yaml
+
+    steps = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text()).get("steps") or []
     fast = FAST if recipe.endswith("resnet50") else []
     result = surgery(f"recipe={recipe}", *fast, "+select_only=true", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert any(line.split()[:3] == [step, "matched", expected] for line in result.stdout.splitlines()), result.stdout
+    lines = [line.split() for line in result.stdout.splitlines()]
+    for step in steps:
+        assert any(line[:2] in ([step, "matched"], [step, "skipped"]) for line in lines), (step, result.stdout)
+    if not steps:
+        assert "no runtime steps" in result.stdout
+    assert not (tmp_path / "report.json").exists()
 
 
 def test_every_built_in_step_has_its_own_preview():

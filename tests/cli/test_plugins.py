@@ -1,0 +1,103 @@
+"""One file plus one registration: a user's step, weight method, task and export format, each
+written in tests/cli/plugins/, run from a user's recipe through the command line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import surgery
+from surgery.cli.steps import STEPS
+from surgery.ops.exporting import EXPORT_FORMATS
+from surgery.ops.weight_methods import WEIGHT_METHODS
+from surgery.tasks import TASKS
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+REPO = PLUGINS.parents[2]
+
+
+def run_toy(*overrides: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "surgery", f"hydra.searchpath=[file://{PLUGINS}]", "recipe=toy", *overrides,
+         f"hydra.run.dir={out}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def toy_plugins(monkeypatch):
+    """The four plugin modules imported in this process; their registrations undone afterwards."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    modules = [importlib.import_module(name) for name in ("toy_step", "toy_method", "toy_task", "toy_format")]
+    yield modules
+    STEPS.unregister("random_prune")
+    WEIGHT_METHODS.unregister("absmax")
+    TASKS.unregister("blobs")
+    EXPORT_FORMATS.unregister("npz")
+    for name in ("toy_step", "toy_method", "toy_task", "toy_format"):
+        sys.modules.pop(name, None)
+
+
+def test_a_recipe_runs_a_plugin_step_weight_method_task_and_export_format(tmp_path):
+    result = run_toy(out=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == ["random_prune", "quantize"] and report["ok"] is True
+    assert all(check["passed"] for check in report["checks"]), report["checks"]
+    assert "accuracy" in report  # the task's metric, on its labelled test split
+    assert report["export"] == {
+        "path": "export.npz",
+        "format": "npz",
+        "bytes": (tmp_path / "export.npz").stat().st_size,
+    }
+    weights = dict(np.load(tmp_path / "export.npz"))
+    first = weights["0.weight"]
+    assert (first == 0).mean() >= 0.25  # random_prune's quarter, then quantized (zero stays zero)
+    assert len(np.unique(first)) <= 16  # absmax: one 4-bit grid for the tensor
+
+
+def test_the_dry_run_lists_a_plugin_step(tmp_path):
+    result = run_toy("+select_only=true", out=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert any(line.split()[:2] == ["random_prune", "matched"] for line in result.stdout.splitlines()), result.stdout
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_plugin_steps_settings_are_validated_by_its_own_class(tmp_path):
+    result = run_toy("random_prune.amount=1.5", out=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["surgery: error: random_prune.amount=1.5: must be a number in [0, 1]"]
+
+
+def test_a_misspelt_plugin_module_is_one_line(tmp_path):
+    result = run_toy("plugins=[toy_stepp]", out=tmp_path)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("surgery: error: plugins[0]='toy_stepp': could not be imported (ModuleNotFoundError")
+
+
+def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
+    model = toy_plugins[2].blob_mlp()
+    pairs = TASKS.get("blobs")(None, "test", 8, 2)
+    assert len(pairs) == 2 and pairs[0][0].shape == (8, 2)
+    handle = surgery.quantize(model, weights=surgery.QuantSpec(bits=4, method="absmax"))
+    assert len(torch.unique(model[0].weight)) <= 16
+    record = surgery.export(handle, tmp_path / "model.npz", format="npz")
+    assert record.bytes == (tmp_path / "model.npz").stat().st_size
+    assert np.array_equal(record.load()["0.weight"], model[0].weight.detach().numpy())
+    handle.restore()
+    assert len(torch.unique(model[0].weight)) > 16
+
+
+def test_a_weight_method_that_is_not_registered_names_the_registered_ones():
+    with pytest.raises(surgery.ConfigError, match=r"QuantSpec.method='absmaxx': must be one of gptq, rtn \(or a"):
+        surgery.QuantSpec(method="absmaxx")
