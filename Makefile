@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
 # The first use creates .venv and installs surgery into it (editable) with its cli, test, sweeps, search,
-# hf and timm extras.
+# hf, timm and dev extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,12 +8,12 @@ STAMP := $(VENV)/.installed
 # The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test bench tour clean
+.PHONY: run test lint docs bench tour clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[cli,test,sweeps,search,hf,timm]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[cli,test,sweeps,search,hf,timm,dev]' $(TORCH_PIN)
 	touch $@
 
 run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"
@@ -22,7 +22,14 @@ run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amo
 test: $(STAMP)  ## the whole test suite
 	$(PY) -m pytest -q $(ARGS)
 
-bench: $(STAMP)  ## performance figures quoted in the README
+lint: $(STAMP)  ## ruff: lint and formatting (what the pre-commit hooks check)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+docs: $(STAMP)  ## the documentation site, built strictly into build/site (never with -q: it hides warnings)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+bench: $(STAMP)  ## performance figures quoted in the docs
 	$(PY) -m pip install --quiet -e '.[bench]' $(TORCH_PIN)
 	$(PY) benchmarks/bench_prune.py $(ARGS)
 	$(PY) benchmarks/bench_quantize.py $(ARGS)
@@ -31,7 +38,7 @@ bench: $(STAMP)  ## performance figures quoted in the README
 	$(PY) benchmarks/bench_calibrated.py
 	$(PY) benchmarks/bench_shrink.py
 
-tour: $(STAMP)  ## regenerate the README's images (docs/images/) from real runs
+tour: $(STAMP)  ## regenerate the docs' images (docs/images/) from real runs
 	rm -rf build/tour
 	$(PY) -m surgery recipe=prune_resnet50 model.name=resnet18 data.image_size=64 hydra.run.dir=build/tour/prune
 	-$(PY) -m surgery -m recipe=prune_resnet50 model.name=resnet18 data.image_size=64 \

@@ -156,7 +156,7 @@ def _guard_hook_dicts(model: nn.Module) -> None:
     if _compat.hook_guards_skipped():  # building a torchvision model loads dynamo: say it only at INFO
         _log.info(
             "surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
-            "that compiled code notices surgery's hooks (once; see README, torch.compile)"
+            "that compiled code notices surgery's hooks (once; see docs/compile.md)"
         )
         _unguarded.update(_compat.guard_hook_dicts())
         _unguarded_scanned.append(True)
@@ -168,7 +168,7 @@ def _guard_hook_dicts(model: nn.Module) -> None:
     if stale:  # compiled code exists for this model: a user with torch.compile should know it recompiles
         _log.warning(
             "surgery: dropped %d piece(s) of code torch.compile made for %s's classes without guards on "
-            "their hooks; they recompile on the next call (see README, torch.compile)",
+            "their hooks; they recompile on the next call (see docs/compile.md)",
             len(stale),
             type(model).__name__,
         )

@@ -1,7 +1,7 @@
-"""Every row of the README's bad-input table: the CLI exits 2 with one line naming the field,
+"""Every row of the bad-input table (docs/errors.md): the CLI exits 2 with one line naming the field,
 the Python API raises a specific exception, and nothing is lost or half-modified.
 
-Each case id below is a row id of the table ("## Bad input" in README.md); a test checks the
+Each case id below is a row id of the table ("## Bad input" in docs/errors.md); a test checks the
 table and these cases list the same ids, so neither can drift from the other.
 """
 
@@ -42,15 +42,15 @@ from surgery.ops.rewriting import Normalize, rewrite_from_config
 from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+TABLE = REPO / "docs" / "errors.md"
 FAST = ("model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1")
 QUANTIZE = ("recipe=quantize_resnet50", *FAST)
 REWRITE = ("recipe=rewrite_inputs", *FAST)
 
 
 def table_ids() -> list[str]:
-    """The row ids (first column) of the README's bad-input table."""
-    section = README.read_text().split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    """The row ids (first column) of the documentation's bad-input table."""
+    section = TABLE.read_text().split("## Bad input", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([a-z0-9-]+)` \|", section, flags=re.MULTILINE)
 
 
@@ -1087,6 +1087,6 @@ def test_cli_sweep_rerun_into_the_same_folder_changes_nothing(tmp_path: Path):
 
 def test_readme_table_and_these_cases_list_the_same_rows():
     rows = table_ids()
-    assert len(rows) == len(set(rows)), "a row id appears twice in the README table"
+    assert len(rows) == len(set(rows)), "a row id appears twice in the table"
     tested = {case.row for case in API_CASES} | {case.row for case in CLI_CASES}
     assert set(rows) == tested

@@ -51,7 +51,7 @@ def test_outputs_identical_to_the_reference_are_the_best_sqnr_not_a_missing_one(
 @pytest.mark.slow
 def test_optuna_searches_prune_amount_under_a_cosine_bound(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    from test_sources import readme_command  # the README's command, as written
+    from test_sources import readme_command  # the documented command, as written
 
     run = surgery(*readme_command("recipe=search_prune"), "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={tmp_path}")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,5 +1,5 @@
 """The command line on models nobody here wrote: timm, Hugging Face (from a config), any factory,
-with image-folder and token data. The commands are the README's "Your model" section, as written."""
+with image-folder and token data. The commands are the documentation's "Your model" page, as written."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def report(folder: Path) -> dict:
 
 
 def readme_command(fragment: str) -> list[str]:
-    """The arguments of the README "Your model" command containing ``fragment``."""
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"```bash\n(.*?)```", text[text.index("### Your model") :], flags=re.S).group(1)
+    """The arguments of the documentation's "Your model" command containing ``fragment``."""
+    text = (REPO / "docs" / "models.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("# Your model") :], flags=re.S).group(1)
     commands = [shlex.split(line, comments=True)[3:] for line in block.splitlines() if line.startswith("python -m")]
     return next(args for args in commands if any(fragment in arg for arg in args))
 
