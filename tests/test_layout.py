@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,28 @@ print("ok")
 """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+PRIVATE_TORCH = re.compile(
+    r"\._(parameters|buffers|modules|forward_hooks|forward_pre_hooks|backward_hooks|backward_pre_hooks|version"
+    r"|orig_mod|reversed_padding_repeated_twice|state_dict_hooks|load_state_dict_pre_hooks|global_\w+)\b"
+    r"|_ConvNd|_BatchNorm|_NormBase|torch\.utils\._pytree|torch\._C\b|hooks_dict_ref|extra_dict_ref"
+    r"|\"_forward(_pre)?_hooks\""
+)
+
+
+def private_torch_accesses() -> list[str]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE_TORCH.search(code) and not code.lstrip().startswith(('"', "'")):
+                found.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    return found
+
+
+def test_every_private_pytorch_access_goes_through_compat():
+    """torch's private API changes between releases: one file, surgery/core/_compat.py, holds it."""
+    assert private_torch_accesses() == []

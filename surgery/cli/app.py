@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import traceback
+from contextvars import ContextVar
 from pathlib import Path
 
 import hydra
@@ -27,7 +28,9 @@ from surgery.core.errors import SurgeryError
 PACKAGE = Path(__file__).resolve().parents[1]  # surgery/
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
 GROUPS = ("recipe", "model", "data")
-_exit_codes: list[int] = []
+# The exit codes of the jobs of one command line (a run: one; a sweep: one per job in this
+# process), set by run_command_line for the Hydra task it calls.
+_JOB_CODES: ContextVar[list[int]] = ContextVar("surgery_job_codes")
 
 
 def available(group: str, roots: list[Path]) -> list[str]:
@@ -95,11 +98,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _task(cfg: DictConfig) -> float | None:
     """One job; returns its ``objective`` score (for a search sweeper) when the config has one."""
-    _exit_codes.append(-1)  # marks that composition succeeded and the job started
+    codes = _JOB_CODES.get()
+    codes.append(-1)  # marks that composition succeeded and the job started
     hydra_config = HydraConfig.get()
     out_dir = Path(hydra_config.runtime.output_dir)
     if hydra_config.mode != RunMode.MULTIRUN:
-        _exit_codes[-1], _, score = _run_job(cfg, out_dir)
+        codes[-1], _, score = _run_job(cfg, out_dir)
         return score
     sweep_dir = Path(hydra_config.sweep.dir)
     overrides = dict(o.split("=", 1) for o in hydra_config.overrides.task if "=" in o)
@@ -115,7 +119,7 @@ def _task(cfg: DictConfig) -> float | None:
         score = _worst_score(cfg)
     record.objective = score
     record_job(sweep_dir, record)
-    _exit_codes[-1] = code
+    codes[-1] = code
     return score
 
 
@@ -150,50 +154,65 @@ def _worst_score(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """Entry point of ``python -m surgery`` and the ``surgery`` console script."""
-    code = preflight(sys.argv[1:])
+    sys.exit(run_command_line(sys.argv[1:]))
+
+
+def run_command_line(arguments: list[str]) -> int:
+    """Run ``python -m surgery ARGUMENTS`` (Hydra reads them from ``sys.argv``); return the exit
+    code: 0 ok, 1 a check failed, 2 bad input, 128 + signal when interrupted."""
+    code = preflight(arguments)
     if code:
-        sys.exit(code)
+        return code
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
-    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    multirun = any(a in ("-m", "--multirun") for a in arguments)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    launcher_error = None
+    codes: list[int] = []
+    token = _JOB_CODES.set(codes)
     try:
         _task()
-    except Terminated as err:
-        sys.exit(_interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM, err))
-    except KeyboardInterrupt as err:
-        sys.exit(_interrupted("interrupted", 128 + signal.SIGINT, err))
-    except (HydraException, OmegaConfBaseException) as err:
-        if _exit_codes:
-            raise
+    except BaseException as err:  # noqa: BLE001 - each kind is answered in _exit_code below, or re-raised
+        return _exit_code(err, started=bool(codes), multirun=multirun, codes=codes)
+    finally:
+        _JOB_CODES.reset(token)
+    return _final_code(codes, multirun, launcher_error=None)
+
+
+def _exit_code(err: BaseException, *, started: bool, multirun: bool, codes: list[int]) -> int:
+    """The exit code for what stopped the Hydra task: one line each, decided here and only here.
+    An error after a job started that is not ours is re-raised with its traceback."""
+    if isinstance(err, Terminated):
+        return _interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM, err)
+    if isinstance(err, KeyboardInterrupt):
+        return _interrupted("interrupted", 128 + signal.SIGINT, err)
+    if isinstance(err, (HydraException, OmegaConfBaseException)) and not started:
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(" ")]
-        sys.exit(fail(" ".join(lines[:3]) or type(err).__name__))
-    except yaml.YAMLError as err:  # a user's config file that is not valid YAML
-        if _exit_codes:
-            raise
+        return fail(" ".join(lines[:3]) or type(err).__name__)
+    if isinstance(err, yaml.YAMLError) and not started:  # a user's config file that is not valid YAML
         mark = getattr(err, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a config file"
-        sys.exit(fail(f"{where}: not valid YAML ({getattr(err, 'problem', None) or type(err).__name__})"))
-    except OSError as err:
-        if _exit_codes:
-            raise
+        return fail(f"{where}: not valid YAML ({getattr(err, 'problem', None) or type(err).__name__})")
+    if isinstance(err, OSError) and not started:
         field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-        sys.exit(fail(f"{field}={str(err.filename or '')!r}: cannot hold the run's outputs ({err.strerror or err})"))
-    except Exception as err:  # noqa: BLE001 - a launcher process that died (joblib, submitit)
-        if not multirun or current_sweep() is None:
-            raise
+        return fail(f"{field}={str(err.filename or '')!r}: cannot hold the run's outputs ({err.strerror or err})")
+    if isinstance(err, Exception) and multirun and current_sweep() is not None:  # a launcher process died
         launcher_error = " ".join(f"{type(err).__name__}: {err}".split())[:500]
         print(f"surgery: error: the sweep's launcher failed: {launcher_error}", file=sys.stderr)
+        return _final_code(codes, multirun, launcher_error)
+    raise err
+
+
+def _final_code(codes: list[int], multirun: bool, launcher_error: str | None) -> int:
+    """The worst of the jobs' codes; for a sweep, with the summary's."""
     if multirun and current_sweep() is None:
-        _exit_codes.append(
+        codes.append(
             fail(
                 "hydra.callbacks: surgery's sweep_records callback did not run, so the outcome of "
                 "jobs in other processes is unknown; keep it in hydra.callbacks"
             )
         )
     elif multirun:
-        _exit_codes.append(_finish_sweep(launcher_error))
-    sys.exit(max(_exit_codes, default=0))
+        codes.append(_finish_sweep(launcher_error))
+    return max(codes, default=0)
 
 
 def _finish_sweep(launcher_error: str | None) -> int:

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules import module as _module_globals
 
 _log = logging.getLogger("surgery")
@@ -185,3 +185,67 @@ def functionalize_hiding_mutation(mode: Any, func: Any, args: tuple, kwargs: dic
     for tensor in mutated:
         torch._functionalize_mark_mutation_hidden_from_autograd(tensor.elem)
     return result
+
+
+# Public stand-ins for torch's private base classes (every concrete torch subclass of
+# _ConvNd, _BatchNorm and _NormBase is a subclass of one of these).
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+CHANNEL_NORMS = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+def get_slot(module: nn.Module, name: str, kind: str = "parameters") -> Tensor | None:
+    """The raw entry ``name`` of a module's own parameters (or buffers): during a
+    quantization-aware forward it may hold a plain tensor lent in place of the Parameter."""
+    return getattr(module, f"_{kind}").get(name)
+
+
+def set_slot(module: nn.Module, name: str, value: Tensor | None, kind: str = "parameters") -> None:
+    """Put ``value`` in a module's own parameter (or buffer) entry without ``setattr``: no
+    Parameter check and no global registration hook (a plain tensor may be lent for one
+    forward; a rebuilt layer inside ``intercept`` must not fire its rules)."""
+    getattr(module, f"_{kind}")[name] = value
+
+
+def tree_leaves(value: Any) -> list[Any]:
+    """The leaves of nested tuples, lists, dicts and registered containers (torch's pytree)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(value)[0]
+
+
+def tensor_stamp(tensor: Tensor) -> tuple[int, int]:
+    """(version counter, data pointer): changes whenever the tensor is written in place or replaced."""
+    return tensor._version, tensor.data_ptr()
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiles (the model itself when it is not one)."""
+    wrapper = compiled_wrapper_type()
+    while wrapper is not None and isinstance(model, wrapper):
+        model = model._orig_mod
+    return model
+
+
+def forward_hook_functions(module: nn.Module) -> list[Callable[..., Any]]:
+    """Every forward and forward-pre hook function on ``module`` (ours and others')."""
+    return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+
+
+def module_has_hooks(module: nn.Module) -> bool:
+    """Whether a forward, backward, state-dict or load hook is registered on ``module`` itself
+    (what a replacement layer would silently lose)."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+             "_load_state_dict_pre_hooks")  # fmt: skip
+    return any(getattr(module, name, None) for name in names)
+
+
+def hook_dicts(handle: Any) -> list[dict]:
+    """The dicts a ``RemovableHandle`` removes its hook from (to snapshot and restore their order)."""
+    found = [handle.hooks_dict_ref()] + [ref() for ref in getattr(handle, "extra_dict_ref", ())]
+    return [d for d in found if d is not None]
+
+
+def conv_padding(module: nn.Module) -> tuple[int, ...]:
+    """The explicit padding ``F.pad`` takes for a convolution whose ``padding_mode`` is not zeros."""
+    return module._reversed_padding_repeated_twice

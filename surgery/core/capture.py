@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from surgery.core import compiled
+from surgery.core._compat import CHANNEL_NORMS, CONVOLUTIONS
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import flatten_tensors
 from surgery.core.registry import Registry
@@ -42,9 +43,9 @@ REDUCTIONS: Registry[ReducerFactory] = Registry("capture.reduce")
 def feature_axis(module: nn.Module, tensor: Tensor) -> int:
     """The feature (channel) axis of a layer's activation: 1 for convolutions and batch norms,
     else the last axis (Linear, Hugging Face Conv1D, attention, LayerNorm)."""
-    if isinstance(module, nn.modules.conv._ConvNd):  # (N, C, *spatial), or unbatched (C, *spatial)
+    if isinstance(module, CONVOLUTIONS):  # (N, C, *spatial), or unbatched (C, *spatial)
         return 0 if tensor.dim() == len(module.kernel_size) + 1 else 1
-    channel_first = (nn.modules.batchnorm._NormBase, nn.GroupNorm)
+    channel_first = (*CHANNEL_NORMS, nn.GroupNorm)
     return 1 if isinstance(module, channel_first) and tensor.dim() >= 2 else tensor.dim() - 1
 
 

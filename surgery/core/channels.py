@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
+from surgery.core._compat import CONVOLUTIONS, module_has_hooks, tree_leaves
 from surgery.core.heads import HeadLayout, head_counts, layout_of
 from surgery.core.inputs import Call, evaluating, flatten_tensors
 
@@ -229,7 +229,7 @@ class ChannelTrace:
 
 def _is_depthwise(module: nn.Module) -> bool:
     return (
-        isinstance(module, nn.modules.conv._ConvNd)
+        isinstance(module, CONVOLUTIONS)
         and module.groups > 1
         and module.groups == module.in_channels == module.out_channels
     )
@@ -274,7 +274,7 @@ class _Tracer(TorchFunctionMode):
         return result
 
     def _follow(self, name: str, args: tuple, kwargs: dict, result: Any) -> None:
-        flat, _ = tree_flatten((args, kwargs))
+        flat = tree_leaves((args, kwargs))
         if name not in ELEMENTWISE | IGNORED:  # a parameter used other than element-wise cannot be sliced
             self.trace.unsliceable.update(self.parameters[id(t)] for t in flat if id(t) in self.parameters)
         tracked = [(t, self.known[id(t)]) for t in flat if isinstance(t, Tensor) and id(t) in self.known]
@@ -548,7 +548,7 @@ class _LayerHooks:
         layer.positions += output.numel() // max(channels, 1)
         if layer.outputs is None:
             layer.outputs = trace.slots.new(channels)
-        if isinstance(module, nn.modules.conv._ConvNd) and module.groups > 1:
+        if isinstance(module, CONVOLUTIONS) and module.groups > 1:
             if layer.inputs is None:  # whole groups must go, with their inputs: unknown inputs freeze
                 trace.slots.freeze(layer.outputs)
             else:  # a group's inputs and outputs are one unit: removed together, groups shrink
@@ -685,7 +685,7 @@ def _couple_heads(
             for a, b in zip(reader.inputs, merged):
                 slots.union(a, b)
         return
-    for tensor in tree_flatten(output)[0]:
+    for tensor in tree_leaves(output):
         if isinstance(tensor, Tensor) and tensor.dim() > 1 and tensor.shape[-1] == len(merged):
             keep_alive.append(tensor)
             known[id(tensor)] = Channels(list(merged), tensor.dim() - 1)
@@ -698,17 +698,7 @@ LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding) + NORMS
 def replaceable(module: nn.Module) -> bool:
     """A layer shrink may replace by a smaller one: a rebuildable class, with no hooks (a user's
     forward hook, legacy ``weight_norm``) and no parametrizations, which a new layer would lose."""
-    hooked = any(
-        getattr(module, attr, None)
-        for attr in (
-            "_forward_hooks",
-            "_forward_pre_hooks",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_state_dict_hooks",
-            "_load_state_dict_pre_hooks",
-        )
-    )
+    hooked = module_has_hooks(module)
     if hooked or hasattr(module, "parametrizations"):
         return False
     return rebuildable(type(module)) or isinstance(module, NORMS)  # a norm of another constructor: resized in place

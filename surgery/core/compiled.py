@@ -144,9 +144,7 @@ def prepare(model: nn.Module) -> nn.Module:
         >>> prepare(torch.compile(model)) is model
         True
     """
-    wrapper = _compat.compiled_wrapper_type()
-    while wrapper is not None and isinstance(model, wrapper):
-        model = model._orig_mod
+    model = _compat.unwrap_compiled(model)
     if _compat.dynamo_loaded():  # nothing can have been compiled otherwise: dynamo stays untouched
         _guard_hook_dicts(model)
     return model

@@ -30,6 +30,7 @@ from torch.compiler import is_compiling
 from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery.core import compiled
+from surgery.core._compat import get_slot, tensor_stamp
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
 
 
@@ -89,12 +90,12 @@ class TensorGuard:
 
     def mark_clean(self) -> None:
         """Record that the parameter currently satisfies every transform."""
-        self.seen = (self.param._version, self.param.data_ptr())
+        self.seen = tensor_stamp(self.param)
 
     def enforce(self, force: bool = False) -> None:
         """Re-apply every transform if the parameter changed since it was last consistent (or
         ``force``: whatever its version counter says, after a fused step or a ``.data`` edit)."""
-        if force or (self.param._version, self.param.data_ptr()) != self.seen:
+        if force or tensor_stamp(self.param) != self.seen:
             with torch.no_grad():
                 for transform in self.transforms:
                     transform.apply(self.param)
@@ -103,7 +104,7 @@ class TensorGuard:
     def refresh(self, target: torch.Tensor) -> None:
         """:meth:`enforce` from inside a compiled graph, writing to ``target``: the parameter
         itself, or the copy of it the compiler threads through the graph."""
-        if (self.param._version, self.param.data_ptr()) != self.seen:
+        if tensor_stamp(self.param) != self.seen:
             with torch.no_grad():
                 for transform in self.transforms:
                     transform.apply(target)
@@ -140,7 +141,7 @@ class SubtreeEnforcer:
 def check_owned(owned: list[tuple[nn.Module, str, str, TensorGuard]]) -> None:
     """Raise :class:`ParameterReplacedError` if a guarded parameter is no longer where it was."""
     for owner, attribute, name, guard in owned:
-        current = owner._parameters.get(attribute)
+        current = get_slot(owner, attribute)
         if current is not guard.param and getattr(current, "_surgery_source", None) is not guard.param:
             kinds = ", ".join(t.kind for t in guard.transforms)
             raise ParameterReplacedError(
@@ -280,7 +281,7 @@ def current_value(param: nn.Parameter) -> torch.Tensor:
     optimizer step after the last forward): then a corrected copy, else a detached view.
     ``param`` itself is never written to."""
     guard = _guards.get(param)
-    if guard is None or (param._version, param.data_ptr()) == guard.seen:
+    if guard is None or tensor_stamp(param) == guard.seen:
         return param.detach()
     value = param.detach().clone()
     with torch.no_grad():
@@ -310,7 +311,11 @@ def paths_to_owners(
     named = dict(model.named_modules(remove_duplicate=False))
     below: dict[int, tuple[nn.Module, dict[int, None], dict[tuple[int, str], tuple]]] = {}
     for name, module in named.items():
-        owned = {attr: id(p) for attr, p in module._parameters.items() if p is not None and id(p) in wanted}
+        owned = {
+            attr: id(p)
+            for attr, p in module.named_parameters(recurse=False, remove_duplicate=False)
+            if p is not None and id(p) in wanted
+        }
         if not owned:
             continue
         slots = {(id(module), attr): (module, attr, f"{name}.{attr}" if name else attr, i) for attr, i in owned.items()}

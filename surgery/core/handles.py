@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from surgery.core import guards
+from surgery.core._compat import hook_dicts
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, ParameterReplacedError, UndoError
 
 State = Literal["attached", "restored", "baked"]
@@ -193,12 +194,7 @@ class Handle:
     def _savepoint(self) -> Revert:
         """What baking changes — the dicts holding this handle's hooks and the tensor guards of
         the model's parameters — as a callable that puts it back exactly."""
-        dicts = {
-            id(d): d
-            for hook in self._hooks
-            for d in (ref() for ref in (hook.hooks_dict_ref, *hook.extra_dict_ref))
-            if d is not None
-        }
+        dicts = {id(d): d for hook in self._hooks for d in hook_dicts(hook)}
         saved = [(d, list(d.items())) for d in dicts.values()]
         model = self.model
         put_back_guards = guards.savepoint(model.parameters() if model is not None else [])

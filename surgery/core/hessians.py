@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery.core._compat import CONVOLUTIONS, conv_padding
 from surgery.core.capture import register_reduction
 from surgery.core.errors import ConfigError
 from surgery.core.targets import is_hf_conv1d
@@ -43,7 +44,7 @@ def from_matrix(module: nn.Module, matrix: Tensor, like: Tensor) -> Tensor:
 
 def groups_of(module: nn.Module) -> int:
     """How many independent Hessians a layer has: a convolution's ``groups``, else 1."""
-    return module.groups if isinstance(module, nn.modules.conv._ConvNd) else 1
+    return module.groups if isinstance(module, CONVOLUTIONS) else 1
 
 
 def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
@@ -56,7 +57,7 @@ def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
             "nn.Conv1d, nn.Conv2d or Hugging Face Conv1D (exclude the layer)",
         )
     x = x.detach().float()
-    if not isinstance(module, nn.modules.conv._ConvNd):
+    if not isinstance(module, CONVOLUTIONS):
         return x.reshape(1, -1, x.shape[-1])
     dims = len(module.kernel_size)
     if x.dim() == dims + 1:  # unbatched
@@ -75,10 +76,10 @@ def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
     )
 
 
-def _pad(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
+def _pad(module: nn.Module, x: Tensor) -> Tensor:
     """``x`` padded as the convolution pads it, so that unfolding needs no padding."""
     if module.padding_mode != "zeros":
-        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        return F.pad(x, conv_padding(module), mode=module.padding_mode)
     if module.padding == "valid":
         return x
     if module.padding == "same":

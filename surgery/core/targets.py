@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from surgery.core._compat import get_slot
 from surgery.core.errors import ConfigError, SelectionError
 from surgery.core.selection import Selection, as_patterns, closest, describe, matches
 
@@ -50,7 +51,7 @@ class Target:
 
     @property
     def param(self) -> nn.Parameter:
-        return self.module._parameters[self.attribute]
+        return get_slot(self.module, self.attribute)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def select_parameters(
     embeddings = _input_embeddings(model, modules) if include is None else {}
     tied_heads: list[str] = []
     for name, module in modules.items():
-        own = {attr: p for attr, p in module._parameters.items() if p is not None}
+        own = {attr: p for attr, p in module.named_parameters(recurse=False, remove_duplicate=False) if p is not None}
         for attr, param in own.items():
             qualified = f"{name}.{attr}" if name else attr
             wanted = qualified not in excluded_params and (
@@ -207,7 +208,7 @@ def _named_parameters(model: nn.Module) -> dict[str, nn.Module]:
     return {
         f"{name}.{attr}" if name else attr: module
         for name, module in model.named_modules()
-        for attr, p in module._parameters.items()
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False)
         if p is not None
     }
 
@@ -241,7 +242,7 @@ def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb
             continue
         heavy = {
             attr: p
-            for attr, p in module._parameters.items()
+            for attr, p in module.named_parameters(recurse=False, remove_duplicate=False)
             if p is not None and p.dim() >= 2 and p.is_floating_point()
         }
         own = [attr for attr, p in heavy.items() if id(p) not in seen]

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core import compiled, guards
+from surgery.core._compat import CONVOLUTIONS
 from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
@@ -529,7 +530,7 @@ def _share(amount: float, size: int, group: int, groups: int) -> float:
 def _input_major(module: nn.Module, columns: int) -> Tensor | None:
     """For a convolution, the column order that puts the input channels of each kernel position
     next to each other (``N:M`` groups run along input channels); ``None`` for linear layers."""
-    if not isinstance(module, nn.modules.conv._ConvNd):
+    if not isinstance(module, CONVOLUTIONS):
         return None
     positions = math.prod(module.kernel_size)
     return torch.arange(columns).view(columns // positions, positions).t().flatten()
@@ -611,7 +612,7 @@ def calibrate_with_gradients(
 
 
 def _has_input_features(target: Target) -> bool:
-    return isinstance(target.module, (nn.Linear, nn.modules.conv._ConvNd)) or is_hf_conv1d(target.module)
+    return isinstance(target.module, (nn.Linear, *CONVOLUTIONS)) or is_hf_conv1d(target.module)
 
 
 def check_pattern(pattern: object, amount: float, criterion: Criterion) -> None:

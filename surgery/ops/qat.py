@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import guards
+from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ParameterReplacedError
 from surgery.core.handles import Handle
 from surgery.core.targets import Target
@@ -63,7 +64,7 @@ class ShadowWeight:
 
     def swap(self) -> None:
         for owner, attribute in self.owners:
-            if owner._parameters.get(attribute) is not self.param:
+            if get_slot(owner, attribute) is not self.param:
                 raise ParameterReplacedError(
                     f"{self.name} was replaced by a new object after quantize(train=True) was attached (load_state_dict("
                     "assign=True) or assignment); call enforce() on the handle to carry it over, or restore() it first"
@@ -72,13 +73,13 @@ class ShadowWeight:
         weight = self.quantized(self.param)
         weight._surgery_source = self.param  # lets surgery's own checks know the slot is on loan
         for owner, attribute in self.owners:
-            owner._parameters[attribute] = weight
+            set_slot(owner, attribute, weight)
         self.active = True
 
     def put_back(self) -> None:
         for owner, attribute in self.owners:
-            if getattr(owner._parameters.get(attribute), "_surgery_source", None) is self.param:
-                owner._parameters[attribute] = self.param
+            if getattr(get_slot(owner, attribute), "_surgery_source", None) is self.param:
+                set_slot(owner, attribute, self.param)
         self.active = False
 
     def fold(self) -> None:
@@ -128,10 +129,10 @@ class SwapHooks:
 def return_loans(model: nn.Module) -> None:
     """Put back every parameter on loan to a forward (after an interrupted one)."""
     for module in model.modules():
-        for attribute, value in list(module._parameters.items()):
+        for attribute, value in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             source = getattr(value, "_surgery_source", None)
             if source is not None:
-                module._parameters[attribute] = source
+                set_slot(module, attribute, source)
 
 
 class ShadowRecord:
@@ -187,7 +188,7 @@ def owners_of(model: nn.Module, param: nn.Parameter) -> list[tuple[nn.Module, st
     return [
         (module, attribute)
         for module in model.modules()
-        for attribute, value in module._parameters.items()
+        for attribute, value in module.named_parameters(recurse=False, remove_duplicate=False)
         if value is param
     ]
 

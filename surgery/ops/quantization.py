@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
+from surgery.core._compat import forward_hook_functions
 from surgery.core.capture import Capture
 from surgery.core.checkpoints import save_tensors
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
@@ -284,8 +285,7 @@ def learned_ranges(model: nn.Module) -> list[tuple[ActivationQuantizer, tuple]]:
     found = {
         id(h): h
         for m in model.modules()
-        for hooks in (m._forward_hooks, m._forward_pre_hooks)
-        for h in hooks.values()
+        for h in forward_hook_functions(m)
         if isinstance(h, ActivationQuantizer) and h.tracker is not None
     }
     return [(quantizer, quantizer.range_state()) for quantizer in found.values()]
@@ -478,8 +478,7 @@ def quantize_targets(
     for name, module in layers.items():
         if activations.per_channel and not is_hf_conv1d(module):
             layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
-        hooks = module._forward_hooks if where == "output" else module._forward_pre_hooks
-        if any(isinstance(h, ActivationQuantizer) for h in hooks.values()):
+        if any(isinstance(h, ActivationQuantizer) and h.where == where for h in forward_hook_functions(module)):
             raise AlreadyModifiedError(
                 f"quantize: {name} already has its {where} quantized; bake() or restore() that handle first"
             )

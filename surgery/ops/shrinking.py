@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
+from surgery.core._compat import BATCH_NORMS, CONVOLUTIONS, forward_hook_functions, get_slot, set_slot
 from surgery.core.channels import (
     RENORMALISING,
     AttentionHeads,
@@ -97,10 +98,8 @@ class ShrinkHandle(Handle):
         """
         if self.state == "attached":
             for name, (_, new) in self.replaced.items():
-                hooked = (
-                    any(guards.transforms_of(p) for p in new.parameters(recurse=False))
-                    or new._forward_hooks
-                    or new._forward_pre_hooks
+                hooked = any(guards.transforms_of(p) for p in new.parameters(recurse=False)) or forward_hook_functions(
+                    new
                 )
                 if hooked:
                     raise AlreadyModifiedError(
@@ -341,15 +340,17 @@ def _resize_norm(handle: ShrinkHandle, name: str, module: nn.Module, keep: Tenso
         setattr(module, attr, new)
     handle.attributes[name] = changes
     handle.add(f"put back the width of {name}", lambda: [setattr(module, a, old) for a, (old, _) in changes.items()])
-    for store, kind in ((module._parameters, "parameters"), (module._buffers, "buffers")):
-        for attr, tensor in list(store.items()):
+    for kind in ("parameters", "buffers"):
+        own = getattr(module, f"named_{kind}")(recurse=False, remove_duplicate=False)
+        for attr, tensor in list(own):
             if tensor is None or tensor.dim() == 0 or tensor.shape[0] != width:
                 continue
             with torch.no_grad():
                 sliced = tensor.detach().index_select(0, keep.to(tensor.device)).clone()
-            store[attr] = nn.Parameter(sliced, requires_grad=tensor.requires_grad) if kind == "parameters" else sliced
-            getattr(handle, kind).setdefault(name, {})[attr] = (tensor, store[attr])
-            handle.add(f"put back {name}.{attr}", lambda st=store, a=attr, t=tensor: st.__setitem__(a, t))
+            value = nn.Parameter(sliced, requires_grad=tensor.requires_grad) if kind == "parameters" else sliced
+            set_slot(module, attr, value, kind)
+            getattr(handle, kind).setdefault(name, {})[attr] = (tensor, value)
+            handle.add(f"put back {name}.{attr}", lambda a=attr, t=tensor, k=kind: set_slot(module, a, t, k))
 
 
 def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor | None, dim: int) -> None:
@@ -358,14 +359,14 @@ def _slice_parameter(handle: ShrinkHandle, owner: str, attr: str, keep: Tensor |
     if keep is None:
         return
     module = handle.model.get_submodule(owner)
-    original = module._parameters[attr]
+    original = get_slot(module, attr)
     with torch.no_grad():
         smaller = nn.Parameter(
             original.detach().index_select(dim, keep.to(original.device)).clone(), requires_grad=original.requires_grad
         )
-    module._parameters[attr] = smaller
+    set_slot(module, attr, smaller)
     handle.parameters.setdefault(owner, {})[attr] = (original, smaller)
-    handle.add(f"put back {owner}.{attr}", lambda: module._parameters.__setitem__(attr, original))
+    handle.add(f"put back {owner}.{attr}", lambda: set_slot(module, attr, original))
 
 
 def _like(new: nn.Module, old: nn.Module) -> None:
@@ -686,8 +687,8 @@ def _smaller_layernorm(module: nn.LayerNorm, keep_in: Tensor | None, keep_out: T
 # (layer types, builder of the smaller layer, whether it applies only when output channels go)
 _SMALLER = (
     (nn.Linear, _smaller_linear, False),
-    (nn.modules.conv._ConvNd, _smaller_conv, False),
-    (nn.modules.batchnorm._BatchNorm, _smaller_batchnorm, True),
+    (CONVOLUTIONS, _smaller_conv, False),
+    (BATCH_NORMS, _smaller_batchnorm, True),
     (nn.Embedding, _smaller_embedding, True),
     (nn.GroupNorm, _smaller_groupnorm, True),
     (nn.LayerNorm, _smaller_layernorm, True),
@@ -707,7 +708,7 @@ def describe(module: nn.Module) -> dict[str, Any]:
     """A layer's class and the constructor arguments that rebuild it at its shape."""
     if isinstance(module, nn.Linear):
         args = {"in_features": module.in_features, "out_features": module.out_features, "bias": module.bias is not None}
-    elif isinstance(module, nn.modules.conv._ConvNd):
+    elif isinstance(module, CONVOLUTIONS):
         args = {
             "in_channels": module.in_channels,
             "out_channels": module.out_channels,
@@ -736,7 +737,7 @@ def describe(module: nn.Module) -> dict[str, Any]:
             "eps": module.eps,
             "affine": module.affine,
         }
-    elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+    elif isinstance(module, BATCH_NORMS):
         args = {
             "num_features": module.num_features,
             "eps": module.eps,
@@ -784,7 +785,7 @@ def _counts(model: nn.Module, trace: ChannelTrace) -> dict[str, int]:
         module = named.get(name)
         if isinstance(module, nn.Linear):
             macs += layer.positions * module.out_features * module.in_features
-        elif isinstance(module, nn.modules.conv._ConvNd):
+        elif isinstance(module, CONVOLUTIONS):
             macs += (
                 layer.positions
                 * module.out_channels
@@ -944,13 +945,12 @@ def _planned(module: nn.Module, entry: dict[str, Any], meta: bool) -> nn.Module:
     for attr, value in entry.get("attributes", {}).items():
         setattr(module, attr, tuple(value) if isinstance(getattr(module, attr, None), tuple) else value)
     for attr, shape in entry.get("parameters", {}).items():
-        old = module._parameters[attr]
-        module._parameters[attr] = nn.Parameter(
-            torch.empty(shape, dtype=old.dtype, device="meta" if meta else old.device), requires_grad=old.requires_grad
-        )
+        old = get_slot(module, attr)
+        device = "meta" if meta else old.device
+        set_slot(module, attr, nn.Parameter(torch.empty(shape, dtype=old.dtype, device=device), old.requires_grad))
     for attr, shape in entry.get("buffers", {}).items():  # real storage: a buffer is not moved to meta
-        old = module._buffers[attr]
-        module._buffers[attr] = torch.empty(shape, dtype=old.dtype, device=old.device)
+        old = get_slot(module, attr, "buffers")
+        set_slot(module, attr, torch.empty(shape, dtype=old.dtype, device=old.device), "buffers")
     return module
 
 
@@ -966,13 +966,13 @@ def _materialise(model: nn.Module, device: str | torch.device) -> nn.Module:
     """Uninitialised storage on ``device`` for every ``meta`` parameter (tied ones stay tied)."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if param is not None and param.is_meta:
                 if id(param) not in made:
                     made[id(param)] = nn.Parameter(
                         torch.empty_like(param, device=device), requires_grad=param.requires_grad
                     )
-                module._parameters[name] = made[id(param)]
+                set_slot(module, name, made[id(param)])
     return model.to(device)
 
 
@@ -1032,7 +1032,7 @@ def _check_rebuilt(model: nn.Module, plan: dict[str, dict[str, Any]], made: dict
                         for attr, value in entry.get("attributes", {}).items()
                     )
                     and all(
-                        list(getattr(module, f"_{kind}")[attr].shape) == shape
+                        list(get_slot(module, attr, kind).shape) == shape
                         for kind in ("parameters", "buffers")
                         for attr, shape in entry.get(kind, {}).items()
                     )

@@ -66,12 +66,13 @@ def test_image_folder_batches_are_read_when_used_not_held(tmp_path):
 
     from surgery.cli import data as data_module
     from surgery.cli.config import DataConfig
+    from surgery.tasks import image_folders
 
     root = image_folder(tmp_path / "images", ("a", "b"), 6, (40, 48), seed=0)
     config = DataConfig(kind="imagefolder", root=str(root), batch_size=2, batches=5, image_size=32)
     reads = []
-    real = data_module._image
-    with mock.patch.object(data_module, "_image", lambda folder, i: reads.append(i) or real(folder, i)):
+    real = image_folders._image
+    with mock.patch.object(image_folders, "_image", lambda folder, i: reads.append(i) or real(folder, i)):
         loaded = data_module.load_data(config)
         assert reads == []  # nothing decoded yet
         pairs = list(loaded.labelled())
