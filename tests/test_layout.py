@@ -156,3 +156,16 @@ def private_torch_accesses() -> list[str]:
 def test_every_private_pytorch_access_goes_through_compat():
     """torch's private API changes between releases: one file, surgery/core/_compat.py, holds it."""
     assert private_torch_accesses() == []
+
+
+def test_tests_of_the_lower_layers_do_not_import_the_app():
+    """tests/core, tests/ops, tests/analysis and tests/tasks test the library without the CLI."""
+    tests = Path(__file__).resolve().parent
+    offenders = [
+        f"{path.relative_to(tests)} imports {module}"
+        for layer in ("core", "ops", "analysis", "tasks")
+        for path in sorted((tests / layer).glob("*.py"))
+        for module in imported_modules(path)
+        if module == "surgery.cli" or module.startswith("surgery.cli.")
+    ]
+    assert offenders == []

@@ -223,22 +223,6 @@ def test_the_same_nan_in_both_models_is_identical_and_reported_as_a_non_finite_r
     assert drift.nonfinite.reference_nan == 2 and drift.nonfinite.candidate_nan == 2
 
 
-def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
-    from surgery.cli.checks import check_drift
-    from surgery.cli.config import DriftThresholds
-
-    bounds = DriftThresholds(min_cosine=0.9)
-    bad = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.inf, 4), mlp_input), bounds)
-    assert not bad.passed and bad.value is None
-    assert "modified model's outputs hold 0 NaN and 4 Inf values" in bad.detail
-    unmeasurable = check_drift(surgery.compare(Poisoned(mlp, math.nan, 1), copy.deepcopy(mlp), mlp_input), bounds)
-    assert not unmeasurable.passed and "reference model's own outputs hold 1 NaN and 0 Inf" in unmeasurable.detail
-    no_bounds = check_drift(
-        surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 1), mlp_input), DriftThresholds()
-    )
-    assert not no_bounds.passed  # non-finite fails even when no bound is set
-
-
 def test_huge_finite_outputs_give_numbers_not_a_math_domain_error(mlp, mlp_input):
     class Huge(nn.Module):
         def forward(self, x):
@@ -279,26 +263,6 @@ def test_inputs_are_streamed_one_batch_at_a_time(mlp):
     with pytest.raises(surgery.ConfigError, match="batch 2"):
         surgery.compare(mlp, copy.deepcopy(mlp), stream())
     assert made == [0, 1, 2]
-
-
-def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp_input):
-    """Finite float64 outputs near 1e200 overflow the float64 sums: the cosine is NaN, and
-    `NaN < bound` is False, so the bound used to pass."""
-    from surgery.cli.checks import check_drift
-    from surgery.cli.config import DriftThresholds
-
-    class Huge(nn.Module):
-        def __init__(self, scale: float) -> None:
-            super().__init__()
-            self.scale = scale
-
-        def forward(self, x):
-            return torch.full((2, 3), 1e200, dtype=torch.float64) * self.scale
-
-    drift = surgery.compare(Huge(1.0), Huge(0.5), mlp_input)
-    assert drift.finite and math.isnan(drift.cosine)
-    result = check_drift(drift, DriftThresholds(min_cosine=0.5))
-    assert not result.passed and "cosine nan < 0.5" in result.detail
 
 
 def test_top1_agreement_reads_the_logits_of_a_dict_output_whatever_their_position():

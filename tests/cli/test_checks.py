@@ -1,0 +1,59 @@
+"""The drift check of a run: bounds on comparison metrics, and what it says when a metric
+cannot be measured."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+import surgery
+from surgery.cli.checks import check_drift
+from surgery.cli.config import DriftThresholds
+
+
+class Poisoned(nn.Module):
+    """The wrapped model's output with some entries replaced by ``value`` (NaN or Inf)."""
+
+    def __init__(self, inner: nn.Module, value: float, count: int) -> None:
+        super().__init__()
+        self.inner, self.value, self.count = inner, value, count
+
+    def forward(self, x):
+        y = self.inner(x).clone()
+        y.view(-1)[: self.count] = self.value
+        return y
+
+
+def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
+
+    bounds = DriftThresholds(min_cosine=0.9)
+    bad = check_drift(surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.inf, 4), mlp_input), bounds)
+    assert not bad.passed and bad.value is None
+    assert "modified model's outputs hold 0 NaN and 4 Inf values" in bad.detail
+    unmeasurable = check_drift(surgery.compare(Poisoned(mlp, math.nan, 1), copy.deepcopy(mlp), mlp_input), bounds)
+    assert not unmeasurable.passed and "reference model's own outputs hold 1 NaN and 0 Inf" in unmeasurable.detail
+    no_bounds = check_drift(
+        surgery.compare(mlp, Poisoned(copy.deepcopy(mlp), math.nan, 1), mlp_input), DriftThresholds()
+    )
+    assert not no_bounds.passed  # non-finite fails even when no bound is set
+
+
+def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp_input):
+    """Finite float64 outputs near 1e200 overflow the float64 sums: the cosine is NaN, and
+    `NaN < bound` is False, so the bound used to pass."""
+
+    class Huge(nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x):
+            return torch.full((2, 3), 1e200, dtype=torch.float64) * self.scale
+
+    drift = surgery.compare(Huge(1.0), Huge(0.5), mlp_input)
+    assert drift.finite and math.isnan(drift.cosine)
+    result = check_drift(drift, DriftThresholds(min_cosine=0.5))
+    assert not result.passed and "cosine nan < 0.5" in result.detail
