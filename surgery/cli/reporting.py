@@ -315,8 +315,16 @@ def _over(over: dict[str, int] | None) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """The human-readable report: outcome, checks, drift, timings and per-layer table."""
-    drift = report["drift"]
-    lines = [
+    lines: list[str] = []
+    for section in MARKDOWN_SECTIONS:
+        lines += section(report)
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_header(report: dict[str, Any]) -> list[str]:
+    """Outcome, parameters and the checks."""
+    lines: list[str] = []
+    lines += [
         f"# surgery report: {report['recipe']}",
         "",
         f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.",
@@ -334,7 +342,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
         for c in report["checks"]
     ]
-    sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
+    return lines
+
+
+def _markdown_accuracy(report: dict[str, Any]) -> list[str]:
+    """Accuracy on labelled data (before and after fine-tuning when there was some)."""
+    lines: list[str] = []
     if "accuracy" in report:
         acc = report["accuracy"]
         if "before_finetune" in acc:
@@ -356,8 +369,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                 "| --- | --- | --- |",
                 f"| {acc['reference']:.4f} | {acc['candidate']:.4f} | {acc['drop_points']:.2f} |",
             ]
-    if "sensitivity" in report:
-        lines += ["", *sensitivity_markdown(report)]
+    return lines
+
+
+def _markdown_sensitivity(report: dict[str, Any]) -> list[str]:
+    return ["", *sensitivity_markdown(report)] if "sensitivity" in report else []
+
+
+def _markdown_shrink(report: dict[str, Any]) -> list[str]:
+    """Parameters, MACs, latency, families and heads of a shrink step."""
+    lines: list[str] = []
     if "shrink" in report:
         shrunk = report["shrink"]
         lines += ["", "## Shrink", "", "| | before | after | ratio |", "| --- | --- | --- | --- |"]
@@ -398,6 +419,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             ]
         if shrunk.get("frozen_ops"):
             lines += ["", f"Channels kept by: {', '.join(shrunk['frozen_ops'])}."]
+    return lines
+
+
+def _markdown_perplexity(report: dict[str, Any]) -> list[str]:
+    """Held-out perplexity of a language model."""
+    lines: list[str] = []
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines += [
@@ -408,6 +435,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             "| --- | --- |",
             f"| {ppl['reference']:.3f} | {ppl['candidate']:.3f} |",
         ]
+    return lines
+
+
+def _markdown_finetune(report: dict[str, Any]) -> list[str]:
+    """The fine-tuning curve."""
+    lines: list[str] = []
     if "finetune" in report:
         tuned = report["finetune"]
         lines += [
@@ -421,6 +454,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             "| --- | --- | --- |",
         ]
         lines += [f"| {p['step']} | {_fmt(p['loss'])} | {_fmt(p['score'])} |" for p in tuned["curve"]]
+    return lines
+
+
+def _markdown_drift(report: dict[str, Any]) -> list[str]:
+    """Drift, timings and the per-layer table."""
+    lines: list[str] = []
+    drift = report["drift"]
+    sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
     lines += [
         "",
         "## Drift (original vs modified)",
@@ -445,6 +486,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |"
         for row in report["layers"]
     ]
+    return lines
+
+
+def _markdown_selection_and_inspection(report: dict[str, Any]) -> list[str]:
+    """What each step selected and skipped; module calls and gradients."""
+    lines: list[str] = []
     for kind, selection in report.get("selection", {}).items():
         lines += ["", f"## Selection: {kind}", "", f"{len(selection['matched'])} weight(s) matched.", ""]
         if selection["skipped"]:
@@ -470,7 +517,19 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |"
             for r in top
         ]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+MARKDOWN_SECTIONS = (
+    _markdown_header,
+    _markdown_accuracy,
+    _markdown_sensitivity,
+    _markdown_shrink,
+    _markdown_perplexity,
+    _markdown_finetune,
+    _markdown_drift,
+    _markdown_selection_and_inspection,
+)
 
 
 def selection_lines(report: dict[str, Any]) -> list[str]:
