@@ -86,3 +86,16 @@ def local_tokenizer(folder: Path, text: str, vocab: int) -> Path:
     tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]"]))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(str(folder))
     return folder
+
+
+class Poisoned(nn.Module):
+    """The wrapped model's output with some entries replaced by ``value`` (NaN or Inf)."""
+
+    def __init__(self, inner: nn.Module, value: float, count: int) -> None:
+        super().__init__()
+        self.inner, self.value, self.count = inner, value, count
+
+    def forward(self, x):
+        y = self.inner(x).clone()
+        y.view(-1)[: self.count] = self.value
+        return y

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from support import Poisoned  # tests/support.py
 from torch import nn
 
 import surgery
@@ -183,19 +184,6 @@ def test_compare_restores_flags_even_when_the_candidate_fails(mlp, mlp_input):
 
 
 # --- non-finite outputs: never "identical", never a passing bound -------------------------------
-
-
-class Poisoned(nn.Module):
-    """The wrapped model's output with some entries replaced by ``value`` (NaN or Inf)."""
-
-    def __init__(self, inner: nn.Module, value: float, count: int) -> None:
-        super().__init__()
-        self.inner, self.value, self.count = inner, value, count
-
-    def forward(self, x):
-        y = self.inner(x).clone()
-        y.view(-1)[: self.count] = self.value
-        return y
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

@@ -7,24 +7,12 @@ import copy
 import math
 
 import torch
+from support import Poisoned  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery.cli.checks import check_drift
 from surgery.cli.config import DriftThresholds
-
-
-class Poisoned(nn.Module):
-    """The wrapped model's output with some entries replaced by ``value`` (NaN or Inf)."""
-
-    def __init__(self, inner: nn.Module, value: float, count: int) -> None:
-        super().__init__()
-        self.inner, self.value, self.count = inner, value, count
-
-    def forward(self, x):
-        y = self.inner(x).clone()
-        y.view(-1)[: self.count] = self.value
-        return y
 
 
 def test_check_drift_names_how_many_values_are_non_finite(mlp, mlp_input):
