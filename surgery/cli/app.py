@@ -95,10 +95,19 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _job_codes() -> list[int]:
+    """The job codes of this command line; in a launcher's worker process (joblib, submitit),
+    which reports through its sweep record instead, a list nobody reads. The task reaches the
+    context variable through this module-level function: a launcher pickles the task by value,
+    and a ContextVar cannot be pickled."""
+    codes = _JOB_CODES.get(None)
+    return [] if codes is None else codes
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def _task(cfg: DictConfig) -> float | None:
     """One job; returns its ``objective`` score (for a search sweeper) when the config has one."""
-    codes = _JOB_CODES.get()
+    codes = _job_codes()
     codes.append(-1)  # marks that composition succeeded and the job started
     hydra_config = HydraConfig.get()
     out_dir = Path(hydra_config.runtime.output_dir)

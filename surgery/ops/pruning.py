@@ -78,7 +78,9 @@ class PruneSpec:
         object.__setattr__(self, "n", n)
         object.__setattr__(self, "exclude", self.exclude or None)
         if self.amounts is not None and not isinstance(self.amounts, Mapping):
-            raise ConfigTypeError("prune.amounts", self.amounts, "must be a mapping {layer: amount}")
+            raise ConfigTypeError(
+                "prune.amounts", self.amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)"
+            )
 
     @property
     def criterion(self) -> Criterion:
