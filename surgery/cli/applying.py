@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from surgery.cli.config import RunConfig
 from surgery.cli.steps import StepRun, step_named
+from surgery.core.errors import ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.ops.quantization import QuantizeHandle
 
@@ -36,7 +37,12 @@ def apply_steps(
                 continue
             run = (runs or {}).get(name) or StepRun(config)
             settings = config.settings(name)
-            handles.append(step.neutral(model, settings, run) if neutral else step(model, settings, run))
+            handle = step.neutral(model, settings, run) if neutral else step(model, settings, run)
+            if not isinstance(handle, Handle):  # nothing could undo it: the checks would pass on no work
+                raise ConfigTypeError(
+                    f"steps.{name}", type(handle).__name__, "a step's apply() must return the handle of what it did"
+                )
+            handles.append(handle)
     except BaseException as err:
         _undo(handles, model, err)
         raise

@@ -141,7 +141,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     data = load_data(config.data)
     inputs = data.inputs
     check_runs(models.reference, inputs, config.model.name)
-    runs = _step_runs(config, models, data, stage.path)
+    metric = _metric(config, data)
+    runs = _step_runs(config, models, data, stage.path, metric)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     gradients = _gradients(models.model, data) if config.inspect else None
     built = time.perf_counter()
@@ -172,9 +173,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         }
         if accuracy is not None:
             report["accuracy"] = accuracy
-        perplexities = _perplexity(models, config, data)
-        if perplexities is not None:
-            report["perplexity"] = perplexities
+        if metric is not None and metric[0] == "perplexity":  # accuracy has its own section, from the labels
+            report["perplexity"] = {"reference": metric[1](models.reference), "candidate": metric[1](models.model)}
         if calls is not None:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
         if gradients is not None:
@@ -197,7 +197,9 @@ class _Files:
     runs: dict[str, StepRun]
 
 
-def _step_runs(config: RunConfig, models: _Models, data: Data, folder: Path) -> dict[str, StepRun]:
+def _step_runs(
+    config: RunConfig, models: _Models, data: Data, folder: Path, metric: tuple | None
+) -> dict[str, StepRun]:
     """What each step is given: its calibration batches (a warning when the data holds fewer
     than asked), the training data, the reference model and the task's metric."""
     runs = {}
@@ -211,7 +213,7 @@ def _step_runs(config: RunConfig, models: _Models, data: Data, folder: Path) -> 
             reference=models.reference,
             inputs=data.inputs,
             data=data,
-            extras={"metric": _metric(config, data)},
+            metric=metric,
         )
     return runs
 
@@ -221,7 +223,6 @@ def _calibration(config: RunConfig, step: str, need: Calibration) -> Any:
         batches = calibration_pairs(config.data, need.batches, need.field)
     else:
         batches = calibration_batches(config.data, need.batches)
-        batches = list(batches) if need.batches == 1 else batches
     if len(batches) < need.batches:
         log.warning(
             "%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
@@ -267,15 +268,6 @@ def _accuracy(models: _Models, data: Data) -> dict[str, float] | None:
 
     reference, candidate = accuracy(models.reference, data.labelled()), accuracy(models.model, data.labelled())
     return {"reference": reference, "candidate": candidate, "drop_points": 100.0 * (reference - candidate)}
-
-
-def _perplexity(models: _Models, config: RunConfig, data: Data) -> dict[str, float] | None:
-    """Held-out perplexity of the unmodified and the modified language model (a task whose metric it is)."""
-    metric = task_named(config.data.kind).metric
-    if metric is None or metric.name != "perplexity":
-        return None
-    pairs = list(data.labelled())
-    return {"reference": metric.evaluate(models.reference, pairs), "candidate": metric.evaluate(models.model, pairs)}
 
 
 def _build(config: RunConfig) -> _Models:

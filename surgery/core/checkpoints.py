@@ -176,12 +176,17 @@ def save_checkpoint(model: nn.Module, path: str | Path, *, overwrite: bool = Fal
     """
     path = Path(path)
     refuse_existing([path], overwrite)
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    state = cpu_state(model)
     if path.suffix == ".safetensors":
         write_atomically(path, lambda tmp: save_file(state, str(tmp)))
     else:
         write_atomically(path, lambda tmp: torch.save(state, tmp))
     return path
+
+
+def cpu_state(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` as contiguous CPU copies, every tensor under each of its keys."""
+    return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:

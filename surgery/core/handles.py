@@ -121,6 +121,11 @@ class Handle:
         self._forget()
         _raise(failures)
 
+    def outside_weights(self) -> list[str]:
+        """What this change keeps outside the weights, so that baking or saving the weights
+        drops it (activation quantization, input rewrites); empty for changes the weights hold."""
+        return []
+
     def bake(self) -> nn.Module | None:
         """Keep the change in the weights, remove every hook, and return the now plain model.
 
@@ -264,6 +269,9 @@ class HandleGroup(Handle):
     def enforce(self) -> None:
         for handle in self.handles:
             handle.enforce()
+
+    def outside_weights(self) -> list[str]:
+        return [item for handle in self.handles for item in handle.outside_weights()]
 
     def _savepoint(self) -> Revert:
         reverts = [h._savepoint() for h in self.handles if h.state == "attached"]

@@ -5,6 +5,7 @@ register the same way a user's format does.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,12 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from surgery.core.checkpoints import refuse_existing, write_atomically
+from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.core.registry import Registry
 
+log = logging.getLogger("surgery")
 Write = Callable[[nn.Module, Path, dict[str, Any]], None]  # (model, path, options) writes path
 Load = Callable[[Path], Any]  # path -> the deployable object
 
@@ -32,6 +34,7 @@ class ExportFormat:
     write: Write
     load: Load
     suffix: str
+    holds_hooks: bool = False  # the file keeps what hooks do (activation quantization, rewrites)
 
     def __call__(self, model: nn.Module, path: Path, options: dict[str, Any]) -> None:
         self.write(model, path, options)
@@ -46,18 +49,22 @@ class ExportRecord:
     format: str
     bytes: int
     options: dict[str, Any] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)  # what the model under surgery does that the file does not
 
     def load(self) -> Any:
         return EXPORT_FORMATS.get(self.format).load(self.path)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path.name, "format": self.format, "bytes": self.bytes}
+        found = {"path": self.path.name, "format": self.format, "bytes": self.bytes}
+        return found | ({"left_out": self.left_out} if self.left_out else {})
 
 
 EXPORT_FORMATS: Registry[ExportFormat] = Registry("export.format")
 
 
-def register_export_format(name: str, write: Write, *, load: Load, suffix: str, replace: bool = False) -> ExportFormat:
+def register_export_format(
+    name: str, write: Write, *, load: Load, suffix: str, holds_hooks: bool = False, replace: bool = False
+) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``.
 
     Example:
@@ -66,7 +73,7 @@ def register_export_format(name: str, write: Write, *, load: Load, suffix: str, 
     """
     if not isinstance(suffix, str) or not suffix.isidentifier():
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
-    return EXPORT_FORMATS.register(name, ExportFormat(name, write, load, suffix), replace=replace)
+    return EXPORT_FORMATS.register(name, ExportFormat(name, write, load, suffix, holds_hooks), replace=replace)
 
 
 def export(
@@ -81,7 +88,9 @@ def export(
 
     Args:
         handle: what a verb returned (or a group of them), or the model itself.
-        path: the file to write; an existing file is refused unless ``overwrite``.
+        path: the file to write; an existing file is refused unless ``overwrite``. What the
+            model does outside its weights (activation quantization, input rewrites) and the
+            format cannot hold is logged and listed in ``record.left_out``.
         format: a registered format (:func:`register_export_format`); ``"safetensors"``
             writes the weights as they compute now (pruned zeros, quantized values).
         **options: passed to the format's writer.
@@ -98,15 +107,17 @@ def export(
     if path.suffix != f".{chosen.suffix}":
         raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={format!r}")
     refuse_existing([path], overwrite)
+    left_out = [] if chosen.holds_hooks or not isinstance(handle, Handle) else handle.outside_weights()
     write_atomically(path, lambda tmp: chosen(model, tmp, options))
-    return ExportRecord(path, format, path.stat().st_size, dict(options))
+    if left_out:
+        log.warning("export: format=%r holds the weights only; not in %s: %s", format, path.name, "; ".join(left_out))
+    return ExportRecord(path, format, path.stat().st_size, dict(options), left_out)
 
 
 def _write_safetensors(model: nn.Module, path: Path, options: dict[str, Any]) -> None:
     if options:
         raise ConfigError("export.options", sorted(options), "format='safetensors' takes no options")
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(path))
+    save_file(cpu_state(model), str(path))
 
 
 register_export_format("safetensors", _write_safetensors, load=lambda path: load_file(str(path)), suffix="safetensors")

@@ -26,7 +26,14 @@ from surgery.core.transforms import attach_all, own_step_hook
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
 from surgery.ops.qat import ShadowWeight, attach_shadows
-from surgery.ops.weight_methods import WEIGHT_METHODS, WeightProblem, layer_axis, weight_axis, weight_method
+from surgery.ops.weight_methods import (
+    WEIGHT_METHODS,
+    QuantizedWeight,
+    WeightProblem,
+    layer_axis,
+    weight_axis,
+    weight_method,
+)
 
 ACTIVATION_AXIS = (
     (nn.Conv1d, 1),
@@ -326,6 +333,11 @@ class QuantizeHandle(Handle):
         """Weights selected (or, by default, not selected) but left unquantized, with why."""
         return list(self.selection.skipped)
 
+    def outside_weights(self) -> list[str]:
+        if self.state != "attached" or not self.activations:
+            return []
+        return [f"activation quantization of {len(self.activations)} layer(s) (save_qparams keeps its parameters)"]
+
     def qparams(self) -> dict[str, Tensor]:
         """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
         out: dict[str, Tensor] = {}
@@ -504,11 +516,28 @@ def _attach_weights(
     handle.sequential = problem.sequential
     quantizers = {}
     for key, target in targets.matched.items():
-        found = solved[key]
+        found = _checked_answer(spec, key, solved)
         quantizers[key] = (target.param, WeightQuantizer(spec, found.scale, found.zero_point, found.axis, found.value))
     for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
+
+
+def _checked_answer(spec: QuantSpec, key: str, solved: Any) -> QuantizedWeight:
+    """A weight method's grid for ``key``, checked as saved parameters are: a missing weight,
+    or a scale that is not positive and finite, would quantize silently to garbage."""
+    found = solved.get(key) if isinstance(solved, dict) else None
+    if not isinstance(found, QuantizedWeight):
+        raise ConfigError(
+            "quantize.weights.method",
+            spec.method,
+            f"returned no QuantizedWeight for {key} (got {type(found).__name__})",
+        )
+    try:
+        _check_qparam_values(key, found.scale, found.zero_point, spec)
+    except CheckpointError as err:
+        raise ConfigError("quantize.weights.method", spec.method, str(err).removeprefix("quantize.qparams: ")) from None
+    return found
 
 
 def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:

@@ -86,6 +86,9 @@ class RewriteHandle(Handle):
     def __init__(self, model: nn.Module) -> None:
         super().__init__("rewrite", model)
 
+    def outside_weights(self) -> list[str]:
+        return ["input rewrites"] if self.state == "attached" else []
+
     def bake(self) -> nn.Module | None:
         """Remove every rewrite hook and return the plain model, **without** the rewrite.
 

@@ -101,3 +101,32 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
 def test_a_weight_method_that_is_not_registered_names_the_registered_ones():
     with pytest.raises(surgery.ConfigError, match=r"QuantSpec.method='absmaxx': must be one of gptq, rtn \(or a"):
         surgery.QuantSpec(method="absmaxx")
+
+
+def test_a_step_that_returns_no_handle_is_refused_in_one_line():
+    """A step whose apply() returns None could not be undone, and the checks would pass on it."""
+    from dataclasses import dataclass
+
+    from surgery.cli.applying import apply_steps
+    from surgery.cli.config import load_config
+    from surgery.cli.steps import Step, register_step
+    from surgery.core.errors import ConfigTypeError
+
+    @dataclass(frozen=True)
+    class Nothing:
+        pass
+
+    class Forgetful(Step):
+        name, settings = "forgetful", Nothing
+
+        def apply(self, model, settings, run):
+            return None
+
+    register_step(Forgetful())
+    try:
+        config = load_config({"steps": ["forgetful"], "plugins": [], "forgetful": {}})
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        with pytest.raises(ConfigTypeError, match=r"^steps.forgetful='NoneType': a step's apply\(\) must return"):
+            apply_steps(model, config)
+    finally:
+        STEPS.unregister("forgetful")

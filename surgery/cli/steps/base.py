@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -43,7 +43,8 @@ class StepRun:
     reference: nn.Module | None = None  # the unmodified model (for reports)
     inputs: Sequence | None = None  # the evaluation batches
     data: Any = None  # the evaluation Data (inputs, labels)
-    extras: dict[str, Any] = field(default_factory=dict)
+    metric: tuple[str, Callable[[nn.Module], float], bool] | None = None  # the task's (name, evaluate, higher
+    # is better) on the evaluation batches; None: the task has no metric (output drift measures)
 
 
 class Step:

@@ -29,10 +29,6 @@ class FinetuneConfig(FinetuneSpec):
         super().__post_init__()
         positive_int("finetune.batch_size", self.batch_size)
 
-    def spec(self, seed: int) -> FinetuneSpec:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(FinetuneSpec)}
-        return FinetuneSpec(**values | {"seed": seed if self.seed is None else self.seed})
-
 
 class FinetuneStep(Step):
     """Training with the earlier steps attached (masks hold, quantizers learn)."""
@@ -41,7 +37,7 @@ class FinetuneStep(Step):
 
     def apply(self, model: nn.Module, settings: FinetuneConfig, run: StepRun) -> Handle:
         batches, evaluate = run.training(settings.batch_size)
-        spec = settings.spec(run.config.seed)
+        spec = settings if settings.seed is not None else dataclasses.replace(settings, seed=run.config.seed)
         return finetune(model, batches, spec, evaluate=evaluate, loss=classification_loss)
 
     def preview(self, model: nn.Module, settings: FinetuneConfig) -> list[Row]:

@@ -30,10 +30,6 @@ class PruneConfig(PruneSpec):
         super().__post_init__()
         positive_int("prune.calibration_batches", self.calibration_batches)
 
-    def spec(self) -> PruneSpec:
-        """The library spec these settings hold."""
-        return PruneSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PruneSpec)})
-
 
 def _read_plan(path: Any) -> dict[str, float]:
     if not isinstance(path, str):
@@ -51,14 +47,12 @@ class PruneStep(Step):
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         gradients = settings.criterion.needs_gradients
-        return prune(
-            model, settings.spec(), calibration=run.calibration, loss=classification_loss if gradients else None
-        )
+        return prune(model, settings, calibration=run.calibration, loss=classification_loss if gradients else None)
 
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""
-        spec = dataclasses.replace(settings.spec(), amount=0.0, method="l1_unstructured", pattern=None, amounts=None)
-        return prune(model, dataclasses.replace(spec, blocks=None))
+        neutral = {"amount": 0.0, "method": "l1_unstructured", "pattern": None, "amounts": None, "blocks": None}
+        return prune(model, dataclasses.replace(settings, **neutral))
 
     def calibration(self, settings: PruneConfig) -> Calibration | None:
         criterion = settings.criterion

@@ -28,10 +28,6 @@ class QuantizeConfig(QuantizeSpec):
         super().__post_init__()
         positive_int("quantize.calibration_batches", self.calibration_batches)
 
-    def spec(self) -> QuantizeSpec:
-        """The library spec these settings hold."""
-        return QuantizeSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QuantizeSpec)})
-
 
 class QuantizeStep(Step):
     """Fake-quantized weights (in place, guarded) and activations (hooks)."""
@@ -39,7 +35,7 @@ class QuantizeStep(Step):
     name, settings = "quantize", QuantizeConfig
 
     def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
-        return quantize(model, settings.spec(), calibration=run.calibration)
+        return quantize(model, settings, calibration=run.calibration)
 
     def calibration(self, settings: QuantizeConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None
@@ -54,7 +50,7 @@ class QuantizeStep(Step):
         """Activation quantization from the saved parameters, without calibration."""
         if settings.activations is None:
             return None
-        spec = dataclasses.replace(settings.spec(), weights=None, train=False, freeze_observers_after=None, blocks=None)
+        spec = dataclasses.replace(settings, weights=None, train=False, freeze_observers_after=None, blocks=None)
         return quantize(model, spec, qparams=qparams, progress=False)
 
 

@@ -92,7 +92,7 @@ class SensitivityStep(Step):
 
 
 def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dict[str, Any]:
-    metric = run.extras["metric"]  # the task's: (name, evaluate, higher_is_better), or None for drift
+    metric = run.metric
     measure: dict[str, Any] = (
         {"inputs": run.inputs} if metric is None else {"evaluate": metric[1], "higher_is_better": metric[2]}
     )

@@ -44,10 +44,6 @@ class ShrinkConfig(ShrinkSpec):
         for size in self.latency_batches:
             positive_int("shrink.latency_batches", size)
 
-    def spec(self, amount: float | None = None) -> ShrinkSpec:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ShrinkSpec)}
-        return ShrinkSpec(**(values if amount is None else values | {"amount": amount}))
-
 
 class ShrinkStep(Step):
     """Coupled channels removed for real: smaller layers of the same classes."""
@@ -55,10 +51,10 @@ class ShrinkStep(Step):
     name, settings = "shrink", ShrinkConfig
 
     def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, settings.spec(), example_inputs=run.calibration[0])
+        return shrink(model, settings, example_inputs=run.calibration[0])
 
     def neutral(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, settings.spec(amount=0.0), example_inputs=run.calibration[0])
+        return shrink(model, dataclasses.replace(settings, amount=0.0), example_inputs=run.calibration[0])
 
     def calibration(self, settings: ShrinkConfig) -> Calibration | None:
         return Calibration(1, field="shrink")  # the batch the coupling is traced on

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,9 +23,6 @@ class SmoothConfig(SmoothSpec):
         super().__post_init__()
         positive_int("smooth.calibration_batches", self.calibration_batches)
 
-    def spec(self) -> SmoothSpec:
-        return SmoothSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SmoothSpec)})
-
 
 class SmoothStep(Step):
     """Activation outliers moved into the following weights; the outputs stay the same (up to
@@ -35,7 +31,7 @@ class SmoothStep(Step):
     name, settings = "smooth", SmoothConfig
 
     def apply(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
-        return smooth(model, settings.spec(), calibration=run.calibration)
+        return smooth(model, settings, calibration=run.calibration)
 
     def neutral(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
         """Smoothing keeps outputs only up to float rounding, and the identity check asks for
