@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make run` and `make test`.
 # The first use creates .venv and installs surgery into it (editable) with its cli, test, sweeps, search,
-# hf, timm and dev extras.
+# hf, timm, deploy and dev extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[cli,test,sweeps,search,hf,timm,dev]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[cli,test,sweeps,search,hf,timm,deploy,dev]' $(TORCH_PIN)
 	touch $@
 
 run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"

@@ -229,6 +229,43 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_folder_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """:func:`write_atomically` for a folder: ``write`` fills a hidden temporary folder beside
+    ``path``, which is then renamed into place (an earlier ``path`` is moved aside first and
+    removed once the new one is in). On any failure the temporary folder is removed and
+    ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    aside = path.parent / f"{tmp.name}.previous"
+    try:
+        write(tmp)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        with deferred_interrupts():
+            if os.path.lexists(path):
+                os.replace(path, aside)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.lexists(aside):
+                    os.replace(aside, path)
+                raise
+            fsync_folder(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(aside)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a link or a whole folder; nothing if it is not there."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        Path(path).unlink(missing_ok=True)
+
+
 STAGING_PREFIX, BACKUP_PREFIX, MANIFEST = ".staging-", ".previous-", "MANIFEST.json"
 
 
@@ -283,7 +320,7 @@ class Staging:
         while files move takes effect once they have all moved and the aside folder is gone;
         :attr:`published` then says the new set is in place.
         """
-        staged = sorted((p for p in self.path.iterdir() if p.is_file()), key=lambda p: p.name == last)
+        staged = sorted((p for p in self.path.iterdir() if p.is_file() or p.is_dir()), key=lambda p: p.name == last)
         targets = [self.folder / p.name for p in staged]
         refuse_existing(targets, overwrite)
         names = dict.fromkeys([*(p.name for p in staged), *(replaces if overwrite else ())])
@@ -304,7 +341,7 @@ class Staging:
                     published.append(target)
             except BaseException:
                 for target in reversed(published):
-                    target.unlink(missing_ok=True)
+                    remove_path(target)
                 for name in reversed(moved_aside):
                     os.replace(backup / name, self.folder / name)
                 raise
@@ -351,7 +388,7 @@ def _put_back(folder: Path, backup: Path) -> None:
     )
     for name in publishing:
         if (backup / name).exists() or name not in moved_aside:
-            (folder / name).unlink(missing_ok=True)  # a new file, or one whose earlier version is kept aside
+            remove_path(folder / name)  # a new file, or one whose earlier version is kept aside
     for name in moved_aside:
         if (backup / name).exists():
             os.replace(backup / name, folder / name)

@@ -126,6 +126,11 @@ class Handle:
         drops it (activation quantization, input rewrites); empty for changes the weights hold."""
         return []
 
+    def export_parts(self) -> list:
+        """What a deployment format may hold of this change (integer grids, activation scales,
+        sparsity masks; see :mod:`surgery.ops.deployment`); empty for changes it cannot."""
+        return []
+
     def bake(self) -> nn.Module | None:
         """Keep the change in the weights, remove every hook, and return the now plain model.
 

@@ -31,8 +31,10 @@ class Registry(Generic[T]):
         """Add ``entry`` under ``name``; a taken name raises unless ``replace``. Returns ``entry``."""
         if not callable(entry) and not callable(getattr(entry, "score", None)):
             raise ConfigTypeError(f"{self.field} entry", entry, "must be callable")
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ConfigTypeError(f"{self.field} name", name, "must be a Python identifier such as 'my_criterion'")
+        if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
+            raise ConfigTypeError(
+                f"{self.field} name", name, "must be a Python identifier (or hyphenated) such as 'my_criterion'"
+            )
         with self._lock:
             if name in self._entries and not replace and self._entries[name] is not entry:
                 raise ConfigError(f"{self.field} name", name, "is already registered; pass replace=True to replace it")

@@ -37,6 +37,7 @@ from surgery.ops.criteria import (
     unpack,
 )
 from surgery.ops.second_order import check_layers, reconstruct_layers
+from surgery.ops.deployment import SparsityMask
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,11 @@ class PruneHandle(Handle):
     def skipped(self) -> list[Skipped]:
         """Selected (or, by default, unselected) layers and parameters left unpruned, with why."""
         return list(self.selection.skipped)
+
+    def export_parts(self) -> list:
+        if self.state != "attached":
+            return []
+        return [SparsityMask(name, mask) for name, mask in self.masks().items()]
 
     def masks(self) -> dict[str, Tensor]:
         """Boolean keep-masks by qualified parameter name (``"layer1.0.conv1.weight"``)."""

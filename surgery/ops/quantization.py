@@ -24,6 +24,7 @@ from surgery.core.sequential import SequentialReport
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all, own_step_hook
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
+from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.weight_methods import (
@@ -338,6 +339,33 @@ class QuantizeHandle(Handle):
             return []
         return [f"activation quantization of {len(self.activations)} layer(s) (save_qparams keeps its parameters)"]
 
+    def weight_qparams(self) -> dict[str, Tensor]:
+        """Weight scales and zero points by ``"<parameter>.scale"`` / ``"<parameter>.zero_point"``
+        (``"fc.weight.scale"``): scalars, one per output channel, or (outputs, groups) with
+        ``group_size``; quantization-aware training gives those of the weights as they are now."""
+        out: dict[str, Tensor] = {}
+        for key, grid in self._weight_grids().items():
+            out[f"{key}.scale"] = grid.scale.detach().cpu().contiguous()
+            out[f"{key}.zero_point"] = grid.zero_point.detach().cpu().contiguous()
+        return out
+
+    def _weight_grids(self) -> dict[str, WeightGrid]:
+        grids = {}
+        for key, quantizer in self.weights.items():
+            scale, zero_point = quantizer.scale, quantizer.zero_point  # a shadow observes its current values
+            grids[key] = WeightGrid(key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis)
+        return grids
+
+    def export_parts(self) -> list:
+        if self.state != "attached":
+            return []
+        activations = [
+            ActivationGrid(name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis)
+            for name, q in self.activations.items()
+            if q.scale is not None
+        ]
+        return [*self._weight_grids().values(), *activations]
+
     def qparams(self) -> dict[str, Tensor]:
         """Activation scales and zero points by ``"<layer>.scale"`` / ``"<layer>.zero_point"``."""
         out: dict[str, Tensor] = {}
@@ -348,17 +376,23 @@ class QuantizeHandle(Handle):
         return out
 
     def save_qparams(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write activation quantization parameters (safetensors, settings as metadata), atomically;
-        an existing file raises :class:`~surgery.core.errors.OutputExistsError` unless ``overwrite``."""
+        """Write the activation (:meth:`qparams`) and weight (:meth:`weight_qparams`) quantization
+        parameters to one safetensors file, settings as metadata, atomically; an existing file
+        raises :class:`~surgery.core.errors.OutputExistsError` unless ``overwrite``.
+        ``quantize(..., qparams=path)`` reads the activation parameters back."""
         if Path(path).exists() and not overwrite:
             raise OutputExistsError(str(path))
         first = next(iter(self.activations.values()), None)
+        weight_spec = next(iter(self.weights.values())).spec if self.weights else None
         meta = {
             "where": first.where if first else "output",
             "spec": json.dumps(first.spec.as_dict() if first else {}),
             "layers": json.dumps(list(self.activations)),
+            "weights": json.dumps(list(self.weights)),
+            "weight_spec": json.dumps(weight_spec.as_dict() if weight_spec else {}),
+            "weight_axes": json.dumps({key: q.axis for key, q in self.weights.items()}),
         }
-        return save_tensors(self.qparams(), path, metadata=meta)
+        return save_tensors(self.qparams() | self.weight_qparams(), path, metadata=meta)
 
 
 def load_qparams(path: str | Path) -> dict[str, Tensor]:

@@ -1,0 +1,131 @@
+"""What a model under surgery hands to a deployment format: each quantized weight's integer grid,
+each quantized activation's scale, each pruning mask, gathered from the handles that made them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle, HandleGroup
+from surgery.core.inputs import Call
+from surgery.ops.observers import QuantSpec
+
+
+@dataclass(frozen=True)
+class WeightGrid:
+    """The integer grid of one quantized weight (``key``: its qualified name): ``scale`` and
+    ``zero_point`` are scalars (``axis=None``), one per output channel along ``axis``, or
+    (outputs, groups) for ``spec.group_size``."""
+
+    key: str
+    spec: QuantSpec
+    scale: Tensor
+    zero_point: Tensor
+    axis: int | None
+
+    @property
+    def group_size(self) -> int | None:
+        return self.spec.group_size
+
+    def rows(self, value: Tensor) -> Tensor:
+        """``value`` as an (outputs, inputs) matrix: the weight axis first, the rest flattened."""
+        moved = value if self.axis is None else value.movedim(self.axis, 0)
+        return moved.reshape(moved.shape[0], -1)
+
+    def row_scales(self, columns: int) -> tuple[Tensor, Tensor]:
+        """Scale and zero point for every entry of an (outputs, ``columns``) matrix, broadcastable."""
+        scale, zero_point = self.scale.float(), self.zero_point.to(torch.int32)
+        if self.group_size:
+            index = torch.arange(columns) // self.group_size
+            return scale[:, index], zero_point[:, index]
+        if self.axis is None:
+            return scale.reshape(1, 1), zero_point.reshape(1, 1)
+        return scale.reshape(-1, 1), zero_point.reshape(-1, 1)
+
+    def integers(self, value: Tensor) -> Tensor:
+        """The grid's integers (int32) of ``value`` as an (outputs, inputs) matrix. ``value`` is
+        the weight as the simulation computes it, already on the grid, so this is exact."""
+        rows = self.rows(value.detach().float().cpu())
+        scale, zero_point = self.row_scales(rows.shape[1])
+        low, high = self.spec.quant_range
+        return torch.clamp(torch.round(rows / scale) + zero_point, low, high).to(torch.int32)
+
+    def dequantized(self, integers: Tensor) -> Tensor:
+        """(integers - zero point) × scale, as the simulation computes it (float32 matrix)."""
+        scale, zero_point = self.row_scales(integers.shape[1])
+        return (integers - zero_point).float() * scale
+
+
+@dataclass(frozen=True)
+class ActivationGrid:
+    """The frozen grid of one quantized activation: the ``where`` (``"input"`` or
+    ``"output"``) of ``layer``, one scale (``axis=None``) or one per channel."""
+
+    layer: str
+    where: str
+    spec: QuantSpec
+    scale: Tensor
+    zero_point: Tensor
+    axis: int | None
+
+
+@dataclass(frozen=True)
+class SparsityMask:
+    """A pruning keep-mask on the weight ``key``."""
+
+    key: str
+    mask: Tensor
+
+
+@dataclass
+class DeployPlan:
+    """Everything the handles put on ``model`` that a deployment format may hold."""
+
+    model: nn.Module
+    weights: dict[str, WeightGrid] = field(default_factory=dict)
+    activations: dict[tuple[str, str], ActivationGrid] = field(default_factory=dict)  # (layer, where)
+    masks: dict[str, Tensor] = field(default_factory=dict)
+    unexpressed: list[str] = field(default_factory=list)  # changes no format holds (input rewrites)
+    inputs: list[Call] | None = None  # example batches, for formats that trace the model
+
+    def layer_weight(self, layer: str) -> WeightGrid | None:
+        """The grid of ``layer``'s ``weight``, if quantized."""
+        return self.weights.get(f"{layer}.weight" if layer else "weight")
+
+    def activation(self, layer: str, where: str) -> ActivationGrid | None:
+        return self.activations.get((layer, where))
+
+
+def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan:
+    """Gather what ``handle`` (or each handle of a group) contributes to a deployed model.
+
+    Raises:
+        ConfigError: the handle is no longer attached (restored or baked: its grids are gone).
+    """
+    model = handle.model
+    plan = DeployPlan(model)
+    for each in _members(handle):
+        if each.state != "attached":
+            raise ConfigError(
+                field_name, repr(each), f"is {each.state}; export a handle while its surgery is attached"
+            )
+        parts = each.export_parts()
+        for part in parts:
+            if isinstance(part, WeightGrid):
+                plan.weights[part.key] = part
+            elif isinstance(part, ActivationGrid):
+                plan.activations[(part.layer, part.where)] = part
+            elif isinstance(part, SparsityMask):
+                plan.masks[part.key] = part.mask
+        if not parts:
+            plan.unexpressed.extend(each.outside_weights())
+    return plan
+
+
+def _members(handle: Handle) -> list[Handle]:
+    if isinstance(handle, HandleGroup):
+        return [inner for each in handle.handles for inner in _members(each)]
+    return [handle]

@@ -1,0 +1,98 @@
+"""Fold each BatchNorm into the convolution that feeds it, restorably, as deployment runtimes do
+before they quantize: the convolution's weight and bias absorb the normalisation and the
+BatchNorm becomes an identity."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core import guards
+from surgery.core._compat import BATCH_NORMS, get_slot, set_slot
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.core.inputs import Call
+
+FOLDABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # a transposed convolution's weight holds outputs on axis 1
+
+
+def batchnorm_pairs(model: nn.Module, call: Call) -> list[tuple[str, str]]:
+    """(convolution, BatchNorm) names where the BatchNorm's input is the convolution's output
+    in one eval-mode forward of ``call``: what :func:`fold_batchnorms` folds."""
+    produced: dict[int, str] = {}
+    pairs: list[tuple[str, str]] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    hooks = []
+
+    def conv_output(module: nn.Module, args: tuple, output: Tensor) -> None:
+        produced[id(output)] = names[id(module)]
+        keep.append(output)  # alive until the forward ends, so ids stay unique
+
+    def norm_input(module: nn.Module, args: tuple) -> None:
+        source = produced.get(id(args[0])) if args else None
+        if source is not None:
+            pairs.append((source, names[id(module)]))
+
+    keep: list[Tensor] = []
+    for module in model.modules():
+        if isinstance(module, FOLDABLE):
+            hooks.append(module.register_forward_hook(conv_output))
+        elif isinstance(module, BATCH_NORMS) and module.track_running_stats and module.running_var is not None:
+            hooks.append(module.register_forward_pre_hook(norm_input))
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            call(model)
+    finally:
+        model.train(training)
+        for hook in hooks:
+            hook.remove()
+    used = [norm for _, norm in pairs]
+    return [(conv, norm) for conv, norm in pairs if used.count(norm) == 1 and _feeds_once(pairs, conv)]
+
+
+def _feeds_once(pairs: list[tuple[str, str]], conv: str) -> bool:
+    return sum(1 for c, _ in pairs if c == conv) == 1
+
+
+def fold_batchnorms(handle: Handle, model: nn.Module, call: Call) -> list[tuple[str, str]]:
+    """Fold every BatchNorm fed by a convolution (found by :func:`batchnorm_pairs`) into it, each
+    fold recorded on ``handle`` so that ``restore()`` puts weights, biases and BatchNorms back
+    and ``bake()`` keeps them folded. Returns the folded pairs."""
+    pairs = batchnorm_pairs(model, call)
+    for conv_name, norm_name in pairs:
+        conv, norm = model.get_submodule(conv_name), model.get_submodule(norm_name)
+        guards.check_editable({f"{conv_name}.weight": conv.weight}, "quantize.target")
+        _fold_one(handle, model, conv_name, conv, norm_name, norm)
+    return pairs
+
+
+def _fold_one(handle: Handle, model: nn.Module, conv_name: str, conv: nn.Module, norm_name: str, norm: nn.Module) -> None:
+    with torch.no_grad():
+        std = torch.sqrt(norm.running_var.double() + norm.eps)
+        gamma = norm.weight.double() if norm.weight is not None else torch.ones_like(std)
+        beta = norm.bias.double() if norm.bias is not None else torch.zeros_like(std)
+        factor = gamma / std
+        weight = conv.weight
+        if not torch.isfinite(factor).all():
+            raise ConfigError("quantize.target", norm_name, "has a non-finite scale (running_var + eps <= 0)")
+        original_weight = weight.detach().clone()
+        shape = (-1,) + (1,) * (weight.dim() - 1)
+        folded = weight.double() * factor.reshape(shape)
+        old_bias = get_slot(conv, "bias")
+        bias = old_bias.double() if old_bias is not None else torch.zeros_like(std)
+        new_bias = ((bias - norm.running_mean.double()) * factor + beta).to(weight.dtype)
+        weight.copy_(folded.to(weight.dtype))
+    parent_name, _, child = norm_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    set_slot(conv, "bias", nn.Parameter(new_bias, requires_grad=weight.requires_grad))
+    setattr(parent, child, nn.Identity())
+
+    def undo() -> None:
+        setattr(parent, child, norm)
+        set_slot(conv, "bias", old_bias)
+        with torch.no_grad():
+            conv.weight.copy_(original_weight)
+
+    handle.add(f"BatchNorm {norm_name} folded into {conv_name}", undo)

@@ -1,0 +1,230 @@
+"""``format="compressed-tensors"``: a Hugging Face folder (config.json with its
+``quantization_config``, safetensors shards, the tokenizer when given) that transformers and vLLM
+load, its integer weights packed by compressed-tensors' own compressors from surgery's grids."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError
+from surgery.core.targets import is_hf_conv1d
+from surgery.ops.deployment import DeployPlan, WeightGrid
+from surgery.ops.exporting import register_export_format
+from surgery.ops.formats.requirements import required
+
+log = logging.getLogger("surgery")
+OPTIONS = ("tokenizer", "max_shard_size")
+
+
+def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write ``plan.model`` as a compressed-tensors folder at ``path`` (see the module doc)."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError("export.options", unknown, f"format='compressed-tensors' takes {', '.join(OPTIONS)}")
+    model = plan.model
+    if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"writes a Hugging Face folder; {type(model).__name__} is not a transformers model "
+            "(use format='torchao', 'onnx' or 'safetensors')",
+        )
+    ct = required("compressed_tensors", "compressed-tensors")
+    scheme, layers, dense = _scheme(plan, ct)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    compressor = _compressor(ct, scheme.format)
+    for layer in layers:
+        grid = plan.layer_weight(layer)
+        local = _local_state(grid, model.get_submodule(layer).weight)
+        del state[f"{layer}.weight"]
+        for key, value in compressor.compress(local, scheme).items():
+            state[f"{layer}.{key}"] = value.contiguous()
+        activation = plan.activation(layer, "input")
+        if activation is not None:
+            state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
+            if not activation.spec.symmetric:
+                offset = 1 << (activation.spec.bits - 1)
+                state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state, max_shard_size=options.get("max_shard_size", "5GB"))
+    tokenizer = options.get("tokenizer")
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = _quantization_config(ct, scheme, model, layers)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if dense:
+        log.warning(
+            "export: compressed-tensors %s compresses Linear layers only; %d layer(s) stored dense "
+            "(quantized values, full size), e.g. %s",
+            ct.__version__,
+            len(dense),
+            dense[0],
+        )
+    return {"exact": scheme.input_activations is None}  # int8 inputs round as x / scale, ours as x * (1 / scale)
+
+
+def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
+    """One compressed-tensors scheme for every quantized Linear (the layers, and those stored dense)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if plan.masks and not plan.weights:
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"compressed-tensors {ct.__version__} has no sparse compressor (bitmask, 2:4); "
+            "pruned weights are held only as zeros of quantized weights, or use format='safetensors'",
+        )
+    if not plan.weights:
+        raise ConfigError("export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights")
+    layers, dense = [], []
+    for key in plan.weights:
+        layer, _, attribute = key.rpartition(".")
+        module = plan.model.get_submodule(layer)
+        if attribute == "weight" and isinstance(module, nn.Linear):
+            layers.append(layer)
+        elif attribute == "weight" and is_hf_conv1d(module):
+            dense.append(layer)
+        else:
+            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear weights only")
+    if not layers:
+        raise ConfigError(
+            "export.handle",
+            f"{len(dense)} quantized layer(s), none nn.Linear (e.g. {dense[0]})",
+            f"compressed-tensors {ct.__version__} compresses Linear layers only",
+        )
+    specs = {plan.weights[f"{layer}.weight"].spec for layer in layers}
+    if len(specs) > 1:
+        raise ConfigError("export.handle", len(specs), "weight settings differ between layers; one scheme is held")
+    spec = specs.pop()
+    strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
+    for layer in layers:
+        columns = plan.model.get_submodule(layer).in_features
+        if spec.group_size and columns % spec.group_size:
+            raise ConfigError(
+                "quantize.weights.group_size",
+                spec.group_size,
+                f"does not divide {layer}'s {columns} inputs; compressed-tensors needs whole groups",
+            )
+    weights = QuantizationArgs(
+        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
+    )
+    inputs = _input_args(plan, layers, QuantizationArgs)
+    scheme_format = "int-quantized" if inputs is not None else "pack-quantized"
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs, format=scheme_format)
+    return scheme, layers, dense
+
+
+def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+    if any(where == "output" for _, where in plan.activations):
+        raise ConfigError(
+            "quantize.where",
+            "output",
+            "compressed-tensors quantizes the inputs of Linear layers; quantize with where='input' "
+            "(or target='compressed-tensors')",
+        )
+    grids = [plan.activation(layer, "input") for layer in layers]
+    if all(g is None for g in grids):
+        return None
+    missing = [layer for layer, g in zip(layers, grids) if g is None]
+    if missing:
+        raise ConfigError("export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held")
+    spec = grids[0].spec
+    if spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
+        raise ConfigError(
+            "quantize.activations",
+            spec.as_dict(),
+            "compressed-tensors holds 8-bit per-tensor input scales, the same for every layer",
+        )
+    return arguments(num_bits=8, type="int", symmetric=spec.symmetric, strategy="tensor", dynamic=False)
+
+
+def _local_state(grid: WeightGrid, weight: Tensor) -> dict[str, Tensor]:
+    """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
+    so that its re-quantization gives back our integers), scales and signed zero points."""
+    integers = grid.integers(weight)
+    exact = _exact(grid, integers)
+    scale = grid.scale.float()
+    scale = scale.reshape(-1, 1) if grid.axis is not None and not grid.group_size else scale
+    scale = scale.reshape(1) if grid.axis is None else scale
+    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
+    if not grid.spec.symmetric:  # compressed-tensors' integers are signed: shift ours by 2^(bits-1)
+        offset = 1 << (grid.spec.bits - 1)
+        zero_point = grid.zero_point.reshape(scale.shape) - offset
+        local["weight_zero_point"] = zero_point.to(torch.int8)
+    return local
+
+
+def _exact(grid: WeightGrid, integers: Tensor) -> Tensor:
+    scale, zero_point = grid.row_scales(integers.shape[1])
+    return (integers - zero_point).double() * scale.double()
+
+
+def _compressor(ct: Any, name: str) -> Any:
+    from compressed_tensors.compressors import BaseCompressor
+
+    try:
+        return BaseCompressor.get_value_from_registry(name)
+    except Exception:
+        raise ConfigError(
+            "export.format", "compressed-tensors", f"compressed-tensors {ct.__version__} has no {name!r} compressor"
+        ) from None
+
+
+def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    quantized = set(layers)
+    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
+    )
+    found = {"quant_method": "compressed-tensors", "version": ct.__version__}
+    found |= config.model_dump(exclude=["quant_method"])
+    if scheme.format == "pack-quantized" and not scheme.weights.symmetric:
+        # compressed-tensors 0.20 builds the model on meta without packing the zero point, so a
+        # plain from_pretrained of an asymmetric packed folder fails; dequantizing on load works.
+        found["dequantize"] = True
+    return found
+
+
+def _save_tokenizer(tokenizer: Any, path: Path) -> None:
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    tokenizer.save_pretrained(path)
+
+
+def load_compressed_tensors(path: Path) -> nn.Module:
+    """The folder loaded by transformers (its architecture from config.json), in eval mode."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    architecture = (config.architectures or ["AutoModel"])[0]
+    model_class = getattr(transformers, architecture, transformers.AutoModel)
+    model, info = model_class.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    wrong = [k for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])]
+    if wrong:
+        raise ConfigError("export.load", str(path), f"transformers loaded it with {len(wrong)} wrong key(s): {wrong[0]}")
+    return model.eval()
+
+
+register_export_format(
+    "compressed-tensors",
+    write_compressed_tensors,
+    load=load_compressed_tensors,
+    suffix="",
+    takes_plan=True,
+    folder=True,
+    holds_hooks=True,
+    exact=False,
+    bound=0.9999,
+)
