@@ -16,9 +16,11 @@ from surgery.core.handles import Handle, HandleGroup, compose
 from surgery.core.heads import HeadLayout, register_heads
 from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
-from surgery.ops import rules
+from surgery.ops import (
+    formats,  # noqa: F401 - the built-in deployment formats register themselves
+    rules,
+)
 from surgery.ops.criteria import LayerStats, register_criterion
-from surgery.ops import formats  # noqa: F401 - the built-in deployment formats register themselves
 from surgery.ops.exporting import ExportRecord, export, register_export_format
 from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 from surgery.ops.intercept import (

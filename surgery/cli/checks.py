@@ -15,6 +15,7 @@ from surgery.cli.config import DriftThresholds
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
 from surgery.core.inputs import batches, evaluating, outputs
+from surgery.ops.exporting import ExportRecord
 from surgery.testing import (
     max_difference,
     module_hook_counts,
@@ -182,3 +183,17 @@ def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float
     if bounds.max_abs is not None and not drift.max_abs <= bounds.max_abs:
         failures.append(f"max abs {drift.max_abs:.4g} > {bounds.max_abs}")
     return CheckResult("drift", not failures, drift.cosine, bounds.min_cosine, "; ".join(failures))
+
+
+def check_deploy(record: ExportRecord) -> CheckResult:
+    """The exported artifact, reloaded in its runtime, against the model under surgery: equal
+    for formats that dequantize exactly, else at least the format's cosine similarity."""
+    parity = record.parity
+    if parity is None:
+        return CheckResult("deploy", False, detail="no inputs to compare the export on")
+    if parity.expected == "exact":
+        detail = "bit-identical outputs" if parity.equal else f"outputs differ by up to {parity.max_abs:.3g}"
+        return CheckResult("deploy", parity.holds, parity.max_abs, 0.0, f"{record.format}: {detail}")
+    bound = float(parity.expected.removeprefix("cosine>="))
+    detail = f"{record.format}: cosine {parity.cosine:.6f} (bound {bound}), max |diff| {parity.max_abs:.3g}"
+    return CheckResult("deploy", parity.holds, parity.cosine, bound, detail)

@@ -188,13 +188,13 @@ def _describe_range(low: float, high: float) -> str:
 class ChecksConfig:
     """Round-trip checks: which run (all five by default) and the drift bounds."""
 
-    enabled: list[str] = field(default_factory=lambda: ["identity", "restore", "bake", "save_load", "drift"])
+    enabled: list[str] = field(default_factory=lambda: list(CHECK_NAMES))
     drift: DriftThresholds = field(default_factory=DriftThresholds)
     per_layer: bool = True
 
     def __post_init__(self) -> None:
         for name in self.enabled:
-            one_of("checks.enabled", name, ("identity", "restore", "bake", "save_load", "drift"))
+            one_of("checks.enabled", name, CHECK_NAMES)
 
 
 @dataclass
@@ -223,9 +223,13 @@ class ExportConfig:
 
     @property
     def file_name(self) -> str | None:
-        return None if self.format is None else f"export.{EXPORT_FORMATS.get(self.format).suffix}"
+        if self.format is None:
+            return None
+        suffix = EXPORT_FORMATS.get(self.format).suffix
+        return f"export.{suffix}" if suffix else "export"
 
 
+CHECK_NAMES = ("identity", "restore", "bake", "save_load", "drift", "deploy")  # deploy: when exporting
 BUILD_KINDS = ("swap", "wrap", "parameter", "buffer")
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from surgery.analysis.comparison import compare
+from surgery.analysis.deployed import deploy_summary
 from surgery.analysis.inspection import (
     calls_as_rows,
     format_table,
@@ -41,7 +42,7 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
-from surgery.ops.exporting import export
+from surgery.ops.exporting import EXPORT_FORMATS, export
 from surgery.ops.pruning import PruneHandle
 from surgery.ops.shrinking import ShrinkHandle, rebuild
 from surgery.tasks import task_named
@@ -182,12 +183,35 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         for name, part in zip(config.steps, handle.handles):
             step_named(name).report(part, config.settings(name), runs[name], report)
         if config.export.format is not None:
-            record = export(
-                handle, stage / config.export.file_name, format=config.export.format, **config.export.options
-            )
-            report["export"] = record.as_dict()
+            _export(config, stage, handle, models.reference, inputs, metric, report)
     write_reports(report, stage.path, plots=config.output.plots)
     return report
+
+
+def _export(
+    config: RunConfig,
+    stage: Staging,
+    handle: HandleGroup,
+    reference: nn.Module,
+    inputs: list,
+    metric: tuple | None,
+    report: dict[str, Any],
+) -> None:
+    """Write the export; with the ``deploy`` check, reload it in its runtime and compare."""
+    deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
+    record = export(
+        handle,
+        stage / config.export.file_name,
+        format=config.export.format,
+        inputs=inputs if deploying else None,
+        **config.export.options,
+    )
+    report["export"] = record.as_dict()
+    if deploying:
+        report["deploy"] = deploy_summary(record, reference, inputs, metric)
+        result = checks.check_deploy(record)
+        report["checks"].append(checks_rows([result])[0])
+        report["ok"] = report["ok"] and result.passed
 
 
 @dataclass

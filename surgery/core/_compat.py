@@ -249,3 +249,15 @@ def hook_dicts(handle: Any) -> list[dict]:
 def conv_padding(module: nn.Module) -> tuple[int, ...]:
     """The explicit padding ``F.pad`` takes for a convolution whose ``padding_mode`` is not zeros."""
     return module._reversed_padding_repeated_twice
+
+
+def drop_forward_hooks(model: nn.Module, dropped: Callable[[Callable[..., Any]], bool]) -> int:
+    """Remove, from every module of ``model`` (a copy: the handles of the original still own
+    theirs), the forward and forward-pre hooks for which ``dropped(hook)`` holds; return how many."""
+    count = 0
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for key in [k for k, hook in hooks.items() if dropped(hook)]:
+                del hooks[key]
+                count += 1
+    return count

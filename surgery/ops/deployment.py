@@ -109,9 +109,7 @@ def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan
     plan = DeployPlan(model)
     for each in _members(handle):
         if each.state != "attached":
-            raise ConfigError(
-                field_name, repr(each), f"is {each.state}; export a handle while its surgery is attached"
-            )
+            raise ConfigError(field_name, repr(each), f"is {each.state}; export a handle while its surgery is attached")
         parts = each.export_parts()
         for part in parts:
             if isinstance(part, WeightGrid):

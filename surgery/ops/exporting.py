@@ -6,8 +6,8 @@ register the same way a user's format does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_field
 from pathlib import Path
@@ -37,6 +37,20 @@ def run_module(deployable: Any, call: Call) -> list[Tensor]:
 
 
 @dataclass(frozen=True)
+class DeployTarget:
+    """How ``quantize(..., target=FORMAT)`` simulates what that format's runtime computes:
+    BatchNorm folded first (``fold_batchnorm``), only ``layers`` of these types quantized,
+    activations at their ``where``, and the QuantSpec fields its kernels fix (``weights``,
+    ``activations``: field -> value)."""
+
+    fold_batchnorm: bool = False
+    layers: tuple[type, ...] = (nn.Linear,)
+    where: str = "input"
+    weights: dict[str, Any] = field(default_factory=dict)
+    activations: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ExportFormat:
     """A registered export format: ``write(model, path, options)`` writes ``path`` (a file, or
     with ``folder`` a folder; written atomically around it) and may return notes
@@ -59,6 +73,12 @@ class ExportFormat:
     run: Run = run_module
     exact: bool = True
     bound: float = 0.999
+    target: DeployTarget | None = None
+
+    @property
+    def runnable(self) -> bool:
+        """Whether what ``load`` gives back runs (a deployment format), so parity can be measured."""
+        return self.takes_plan or self.run is not run_module
 
     def __call__(self, source: Any, path: Path, options: dict[str, Any]) -> dict[str, Any] | None:
         return self.write(source, path, options)
@@ -133,6 +153,7 @@ def register_export_format(
     run: Run = run_module,
     exact: bool = True,
     bound: float = 0.999,
+    target: DeployTarget | None = None,
     replace: bool = False,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
@@ -144,7 +165,7 @@ def register_export_format(
     """
     if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
-    chosen = ExportFormat(name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound)
+    chosen = ExportFormat(name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target)
     return EXPORT_FORMATS.register(name, chosen, replace=replace)
 
 
@@ -209,7 +230,7 @@ def export(
         log.warning("export: format=%r holds the weights only; not in %s: %s", format, path.name, "; ".join(left_out))
     left_out += notes.get("left_out", [])
     record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact))
-    if calls:
+    if calls and chosen.runnable:
         record = replace_field(record, parity=parity(record, model, calls))
     return record
 

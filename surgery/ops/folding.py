@@ -68,7 +68,9 @@ def fold_batchnorms(handle: Handle, model: nn.Module, call: Call) -> list[tuple[
     return pairs
 
 
-def _fold_one(handle: Handle, model: nn.Module, conv_name: str, conv: nn.Module, norm_name: str, norm: nn.Module) -> None:
+def _fold_one(
+    handle: Handle, model: nn.Module, conv_name: str, conv: nn.Module, norm_name: str, norm: nn.Module
+) -> None:
     with torch.no_grad():
         std = torch.sqrt(norm.running_var.double() + norm.eps)
         gamma = norm.weight.double() if norm.weight is not None else torch.ones_like(std)

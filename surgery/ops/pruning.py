@@ -36,8 +36,8 @@ from surgery.ops.criteria import (
     parse_pattern,
     unpack,
 )
-from surgery.ops.second_order import check_layers, reconstruct_layers
 from surgery.ops.deployment import SparsityMask
+from surgery.ops.second_order import check_layers, reconstruct_layers
 
 
 @dataclass(frozen=True)

@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core._compat import forward_hook_functions
+from surgery.core._compat import BATCH_NORMS, forward_hook_functions
 from surgery.core.capture import Capture
 from surgery.core.checkpoints import save_tensors
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.handles import Handle
-from surgery.core.inputs import run_batches
+from surgery.core.inputs import batches, run_batches
 from surgery.core.selection import Selection, select
 from surgery.core.sequential import SequentialReport
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all, own_step_hook
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.deployment import ActivationGrid, WeightGrid
+from surgery.ops.folding import fold_batchnorms
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.weight_methods import (
@@ -36,6 +39,10 @@ from surgery.ops.weight_methods import (
     weight_method,
 )
 
+if TYPE_CHECKING:
+    from surgery.ops.exporting import DeployTarget
+
+log = logging.getLogger("surgery")
 ACTIVATION_AXIS = (
     (nn.Conv1d, 1),
     (nn.Conv2d, 1),
@@ -65,10 +72,13 @@ class QuantizeSpec:
     train: bool = False
     freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
     blocks: Any = None  # sequential methods (gptq): blocks calibrated in turn; False: layer by layer
+    target: str | None = None  # a deployment format whose runtime the simulation then equals
 
     def __post_init__(self) -> None:
         weights = _as_spec(self.weights, "quantize.weights")
         activations = _as_spec(self.activations, "quantize.activations")
+        if self.target is not None:
+            weights, activations = _for_target(self, weights, activations)
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "activations", activations)
         object.__setattr__(self, "exclude", self.exclude or None)
@@ -82,13 +92,46 @@ class QuantizeSpec:
     @property
     def calibrated(self) -> bool:
         """Whether quantizing needs calibration batches (activations, or a calibrated weight method)."""
-        return self.activations is not None or (
-            self.weights is not None and weight_method(self.weights.method).needs_calibration
+        folds = self.target is not None and deploy_target(self.target).fold_batchnorm
+        return (
+            folds
+            or self.activations is not None
+            or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
         )
 
 
+def deploy_target(name: str) -> DeployTarget:
+    """The simulation rules of the export format ``name`` (``quantize.target``)."""
+    from surgery.ops.exporting import EXPORT_FORMATS
+
+    chosen = EXPORT_FORMATS.get(name).target
+    if chosen is None:
+        with_rules = [n for n in EXPORT_FORMATS.names() if EXPORT_FORMATS.get(n).target is not None]
+        raise ConfigError("quantize.target", name, f"has no deployment rules; one of {', '.join(with_rules)}")
+    return chosen
+
+
+def _for_target(spec: QuantizeSpec, weights: QuantSpec | None, activations: QuantSpec | None) -> tuple:
+    """The settings the target's kernels fix, put over the given ones (each change logged)."""
+    target = deploy_target(spec.target)
+    if spec.train:
+        raise ConfigError("quantize.target", spec.target, "applies to post-training quantization; train=false")
+    if spec.where != target.where and activations is not None:
+        log.info("quantize.target=%s: activations quantized at layer %ss", spec.target, target.where)
+    object.__setattr__(spec, "where", target.where)
+    found = []
+    for part, fixed, name in ((weights, target.weights, "weights"), (activations, target.activations, "activations")):
+        if part is not None:
+            changed = {k: v for k, v in fixed.items() if getattr(part, k) != v}
+            if changed:
+                log.info("quantize.target=%s sets %s %s", spec.target, name, changed)
+            part = dataclasses.replace(part, **changed)
+        found.append(part)
+    return found[0], found[1]
+
+
 def _refuse_both(spec: QuantizeSpec, *values: Any) -> None:
-    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None)
+    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None, None)
     if any(value is not default and value != default for value, default in zip(values, defaults)):
         raise ConfigError("quantize.spec", spec, "is a QuantizeSpec: set the settings in it, not also as keywords")
 
@@ -421,6 +464,7 @@ def quantize(
     train: bool = False,
     freeze_observers_after: int | None = None,
     blocks: Selection | bool | None = None,
+    target: str | None = None,
 ) -> QuantizeHandle:
     """Fake-quantize the weights and/or activations of the selected layers.
 
@@ -449,6 +493,10 @@ def quantize(
             many optimizer steps over the model's parameters (``None``: never).
         blocks: for GPTQ, the repeated blocks calibrated one after another (default: found
             automatically; a selection; ``False`` for layer-by-layer full forwards).
+        target: an export format (``"onnx"``, ``"torchao"``, ``"compressed-tensors"``) whose
+            runtime the simulation then equals: BatchNorm folded into convolutions (restorably,
+            with the first calibration batch), only the layer types it quantizes selected by
+            default, activations where it quantizes them, with its bit widths and signedness.
 
     Example:
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
@@ -456,18 +504,25 @@ def quantize(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if spec is None:
-        spec = QuantizeSpec(weights, activations, select, exclude, where, train, freeze_observers_after, blocks)
+        spec = QuantizeSpec(weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target)
     elif not isinstance(spec, QuantizeSpec):
         raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
     else:
-        _refuse_both(spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks)
+        _refuse_both(spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target)
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)
+    rules = deploy_target(spec.target) if spec.target is not None else None
+    select = rules.layers if rules is not None and select is None else select
+    folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())
+    if folding and calibration is None:
+        raise ConfigError("quantize.calibration", None, f"target={spec.target!r} folds BatchNorm; pass calibration")
     weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     try:
+        if folding:
+            fold_batchnorms(handle, model, next(batches(calibration, "quantize.calibration")))
         if weights is not None and train:
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:

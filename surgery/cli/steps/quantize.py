@@ -50,7 +50,9 @@ class QuantizeStep(Step):
         """Activation quantization from the saved parameters, without calibration."""
         if settings.activations is None:
             return None
-        spec = dataclasses.replace(settings, weights=None, train=False, freeze_observers_after=None, blocks=None)
+        spec = dataclasses.replace(
+            settings, weights=None, train=False, freeze_observers_after=None, blocks=None, target=None
+        )
         return quantize(model, spec, qparams=qparams, progress=False)
 
 

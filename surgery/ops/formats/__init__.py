@@ -1,4 +1,8 @@
 """The built-in deployment formats, each registered through :func:`surgery.register_export_format`
 as a user's format is; their runtimes (the ``deploy`` extra) are imported only when used."""
 
-from surgery.ops.formats import compressed_tensors_folder  # noqa: F401
+from surgery.ops.formats import (
+    compressed_tensors_folder,  # noqa: F401
+    onnx_qdq,  # noqa: F401
+    torchao_tensors,  # noqa: F401
+)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.targets import is_hf_conv1d
 from surgery.ops.deployment import DeployPlan, WeightGrid
-from surgery.ops.exporting import register_export_format
+from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
 
 log = logging.getLogger("surgery")
@@ -83,7 +83,9 @@ def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
             "pruned weights are held only as zeros of quantized weights, or use format='safetensors'",
         )
     if not plan.weights:
-        raise ConfigError("export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights")
+        raise ConfigError(
+            "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
+        )
     layers, dense = [], []
     for key in plan.weights:
         layer, _, attribute = key.rpartition(".")
@@ -135,7 +137,9 @@ def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
         return None
     missing = [layer for layer, g in zip(layers, grids) if g is None]
     if missing:
-        raise ConfigError("export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held")
+        raise ConfigError(
+            "export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held"
+        )
     spec = grids[0].spec
     if spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
         raise ConfigError(
@@ -213,7 +217,9 @@ def load_compressed_tensors(path: Path) -> nn.Module:
     model, info = model_class.from_pretrained(path, local_files_only=True, output_loading_info=True)
     wrong = [k for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])]
     if wrong:
-        raise ConfigError("export.load", str(path), f"transformers loaded it with {len(wrong)} wrong key(s): {wrong[0]}")
+        raise ConfigError(
+            "export.load", str(path), f"transformers loaded it with {len(wrong)} wrong key(s): {wrong[0]}"
+        )
     return model.eval()
 
 
@@ -227,4 +233,5 @@ register_export_format(
     holds_hooks=True,
     exact=False,
     bound=0.9999,
+    target=DeployTarget(layers=(nn.Linear,), activations={"bits": 8, "per_channel": False}),
 )

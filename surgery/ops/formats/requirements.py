@@ -13,6 +13,4 @@ def required(module: str, package: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ConfigError(
-            "export.format", package, f"needs {package}: pip install 'surgery[deploy]' ({err})"
-        ) from None
+        raise ConfigError("export.format", package, f"needs {package}: pip install 'surgery[deploy]' ({err})") from None

@@ -1,0 +1,251 @@
+"""``format="onnx"``: a QDQ model placed so that ONNX Runtime forms int8 kernels (QLinearConv,
+QGemm, MatMulIntegerToFloat): each quantized weight becomes int8 integers with a
+DequantizeLinear, each quantized activation a QuantizeLinear/DequantizeLinear pair with surgery's
+own scale, and biases int32 at scale (input scale × weight scale)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from surgery.core._compat import drop_forward_hooks
+from surgery.core.errors import ConfigError
+from surgery.core.inputs import Call
+from surgery.ops.deployment import ActivationGrid, DeployPlan, WeightGrid
+from surgery.ops.exporting import DeployTarget, register_export_format
+from surgery.ops.folding import batchnorm_pairs
+from surgery.ops.formats.requirements import required
+
+OPTIONS = ("opset",)
+WEIGHT_LAYOUT = {"Conv": 0, "Gemm": 0, "MatMul": 1}  # the output-channel axis of each op's weight initializer
+
+
+def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Trace ``plan.model`` without surgery's hooks, then put surgery's grids into the graph."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError("export.options", unknown, f"format='onnx' takes {', '.join(OPTIONS)}")
+    onnx = required("onnx", "onnx")
+    required("onnxscript", "onnxscript")
+    if not plan.inputs:
+        raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
+    _check_grids(plan)
+    plain = copy.deepcopy(plan.model).eval()
+    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    _refuse_unfolded(plain, plan)
+    call = plan.inputs[0]
+    with torch.no_grad():
+        program = torch.onnx.export(
+            plain, call.args, kwargs=dict(call.kwargs), dynamo=True, opset_version=options.get("opset", 18)
+        )
+    program.save(str(path))
+    model = onnx.load(str(path))
+    _QDQ(model, plan).insert()
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return {"exact": False}
+
+
+def _check_grids(plan: DeployPlan) -> None:
+    if not plan.weights and not plan.activations:
+        raise ConfigError("export.handle", "nothing quantized", "format='onnx' holds quantized weights and activations")
+    for key, grid in plan.weights.items():
+        if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
+            raise ConfigError(
+                "quantize.weights",
+                f"{key}: {grid.spec.bits}-bit {'symmetric' if grid.spec.symmetric else 'affine'}"
+                f"{f' group {grid.group_size}' if grid.group_size else ''}",
+                "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
+            )
+    for (layer, where), grid in plan.activations.items():
+        if grid.spec.bits != 8 or grid.axis is not None:
+            raise ConfigError(
+                "quantize.activations",
+                f"{layer} {where}",
+                "ONNX Runtime quantizes activations with one 8-bit scale per tensor",
+            )
+
+
+def _refuse_unfolded(plain: nn.Module, plan: DeployPlan) -> None:
+    for conv, norm in batchnorm_pairs(plain, plan.inputs[0]):
+        if plan.layer_weight(conv) is not None:
+            raise ConfigError(
+                "export.handle",
+                f"{conv} feeds BatchNorm {norm}",
+                "the ONNX exporter folds it and the weights leave their grid; quantize with target='onnx'",
+            )
+
+
+class _QDQ:
+    """Surgery's grids put into a traced float graph, node by node."""
+
+    def __init__(self, model: Any, plan: DeployPlan) -> None:
+        from onnx import numpy_helper
+
+        self.model, self.plan, self.graph = model, plan, model.graph
+        self.numpy = numpy_helper
+        self.initializers = {i.name: i for i in self.graph.initializer}
+        self.count = 0
+
+    def insert(self) -> None:
+        layers = {layer for layer, _ in self.plan.activations} | {k.rpartition(".")[0] for k in self.plan.weights}
+        found: set[str] = set()
+        for node in list(self.graph.node):
+            layer = self._layer(node, layers)
+            if layer is None or node.op_type not in WEIGHT_LAYOUT:
+                continue
+            found.add(layer)
+            inputs = self.plan.activation(layer, "input")
+            weight = self.plan.layer_weight(layer)
+            if weight is not None:
+                self._weight(node, weight)
+            if inputs is not None:
+                self._activation(node.input[0], inputs, consumer=node)
+                if weight is not None and len(node.input) > 2 and node.input[2] in self.initializers:
+                    self._bias(node, inputs, weight)
+            outputs = self.plan.activation(layer, "output")
+            if outputs is not None:
+                self._activation(node.output[0], outputs)
+        missing = sorted(layers - found)
+        if missing:
+            raise ConfigError(
+                "export.handle", missing[0], "is quantized but no Conv, Gemm or MatMul of the traced graph computes it"
+            )
+        used = {name for node in self.graph.node for name in node.input}
+        kept = [i for i in self.graph.initializer if i.name in used]  # the float weights now held as int8
+        del self.graph.initializer[:]
+        self.graph.initializer.extend(kept)
+        _sort(self.graph)
+
+    def _layer(self, node: Any, layers: set[str]) -> str | None:
+        for prop in node.metadata_props:
+            if prop.key == "pkg.torch.onnx.name_scopes":
+                scopes = ast.literal_eval(prop.value)
+                return next((s for s in reversed(scopes) if s in layers), None)
+        return None
+
+    def _constant(self, base: str, value: np.ndarray) -> str:
+        self.count += 1
+        name = f"{base}__surgery{self.count}"
+        self.graph.initializer.append(self.numpy.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def _weight(self, node: Any, grid: WeightGrid) -> None:
+        from onnx import helper
+
+        name = node.input[1]
+        if name not in self.initializers:
+            raise ConfigError("export.handle", grid.key, f"is not a constant of its {node.op_type} in the traced graph")
+        value = torch.from_numpy(self.numpy.to_array(self.initializers[name]).copy())
+        axis = WEIGHT_LAYOUT[node.op_type]
+        if node.op_type == "Gemm" and not any(a.name == "transB" and a.i == 1 for a in node.attribute):
+            axis = 1
+        integers = grid.integers(value.movedim(axis, 0)).reshape(value.movedim(axis, 0).shape).movedim(0, axis)
+        scale = grid.scale.float().reshape(-1).numpy()
+        scale = scale.reshape(()) if grid.axis is None else scale
+        zero = np.zeros(scale.shape, np.int8)
+        q = self._constant(f"{name}_int8", integers.numpy().astype(np.int8))
+        s, z = self._constant(f"{name}_scale", scale), self._constant(f"{name}_zero_point", zero)
+        out = f"{name}_dequantized{self.count}"
+        extra = {"axis": axis} if scale.size > 1 else {}
+        self.graph.node.append(helper.make_node("DequantizeLinear", [q, s, z], [out], **extra))
+        node.input[1] = out
+        self._weight_scale = scale
+
+    def _bias(self, node: Any, inputs: ActivationGrid, weight: WeightGrid) -> None:
+        from onnx import helper
+
+        name = node.input[2]
+        bias = self.numpy.to_array(self.initializers[name]).astype(np.float64)
+        scale = (np.float32(inputs.scale.item()) * self._weight_scale.astype(np.float32)).astype(np.float32)
+        scale = np.broadcast_to(scale, bias.shape).copy()
+        q = self._constant(f"{name}_int32", np.rint(bias / scale).astype(np.int32))
+        s, z = (
+            self._constant(f"{name}_scale", scale),
+            self._constant(f"{name}_zero_point", np.zeros(scale.shape, np.int32)),
+        )
+        out = f"{name}_dequantized{self.count}"
+        self.graph.node.append(helper.make_node("DequantizeLinear", [q, s, z], [out], axis=0))
+        node.input[2] = out
+
+    def _activation(self, tensor: str, grid: ActivationGrid, consumer: Any = None) -> None:
+        from onnx import helper
+
+        dtype = np.uint8 if not grid.spec.symmetric else np.int8
+        scale = self._constant(f"{tensor}_scale", np.array(grid.scale.item(), np.float32))
+        zero = self._constant(f"{tensor}_zero_point", np.array(int(grid.zero_point), dtype))
+        quantized, restored = f"{tensor}_q{self.count}", f"{tensor}_dq{self.count}"
+        consumers = [consumer] if consumer is not None else [n for n in self.graph.node if tensor in n.input]
+        for node in consumers:
+            for index, name in enumerate(node.input):
+                if name == tensor:
+                    node.input[index] = restored
+        if consumer is None:
+            for output in self.graph.output:
+                if output.name == tensor:  # a graph output keeps its name: quantize into it
+                    raise ConfigError(
+                        "quantize.where", "output", f"{tensor} is the model's output; ONNX keeps outputs float"
+                    )
+        self.graph.node.append(helper.make_node("QuantizeLinear", [tensor, scale, zero], [quantized]))
+        self.graph.node.append(helper.make_node("DequantizeLinear", [quantized, scale, zero], [restored]))
+
+
+def _sort(graph: Any) -> None:
+    """Order the nodes topologically (the inserted ones were appended)."""
+    ready = {i.name for i in graph.initializer} | {i.name for i in graph.input} | {""}
+    waiting, ordered = list(graph.node), []
+    while waiting:
+        left = []
+        for node in waiting:
+            if all(x in ready for x in node.input):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                left.append(node)
+        if len(left) == len(waiting):
+            raise ConfigError("export.format", "onnx", "the quantized graph has a cycle (a bug: please report it)")
+        waiting = left
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def load_onnx(path: Path) -> Any:
+    """An ONNX Runtime CPU session of the file, all graph optimizations on (int8 kernels fused)."""
+    ort = required("onnxruntime", "onnxruntime")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.log_severity_level = 3  # errors only
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_onnx(session: Any, call: Call) -> list[Tensor]:
+    """The session's outputs on one batch, its positional then keyword tensors fed in order."""
+    values = [*call.args, *call.kwargs.values()]
+    names = [i.name for i in session.get_inputs()]
+    feeds = {name: v.detach().cpu().numpy() for name, v in zip(names, values) if isinstance(v, Tensor)}
+    return [torch.from_numpy(o) for o in session.run(None, feeds) if np.issubdtype(o.dtype, np.floating)]
+
+
+register_export_format(
+    "onnx",
+    write_onnx,
+    load=load_onnx,
+    suffix="onnx",
+    takes_plan=True,
+    holds_hooks=True,
+    run=run_onnx,
+    exact=False,
+    target=DeployTarget(
+        fold_batchnorm=True,
+        layers=(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear),
+        weights={"bits": 8, "symmetric": True, "group_size": None},
+        activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
+    ),
+)

@@ -1,0 +1,116 @@
+"""``format="torchao"``: the model with each quantized Linear weight a torchao ``Int8Tensor`` built
+from surgery's own integers and scales (weight-only, dynamic per-token activations, or static
+activations with surgery's calibrated scale), pickled whole so ``torch.load`` gives it back."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from surgery.core._compat import drop_forward_hooks
+from surgery.core.errors import ConfigError
+from surgery.ops.deployment import DeployPlan
+from surgery.ops.exporting import DeployTarget, register_export_format
+from surgery.ops.formats.requirements import required
+
+ACTIVATIONS = ("static", "dynamic", "none")
+
+
+def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Swap each quantized Linear weight of a copy of ``plan.model`` for an ``Int8Tensor``."""
+    unknown = sorted(set(options) - {"activations"})
+    if unknown:
+        raise ConfigError("export.options", unknown, "format='torchao' takes activations")
+    torchao = required("torchao", "torchao")
+    mode = options.get("activations", "static" if plan.activations else "none")
+    if mode not in ACTIVATIONS:
+        raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
+    if mode == "static" and not plan.activations:
+        raise ConfigError("export.options.activations", mode, "needs activations quantized (where='input')")
+    layers = _layers(plan, torchao.__version__)
+    plain = copy.deepcopy(plan.model).eval()
+    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    for layer in layers:
+        module = plain.get_submodule(layer)
+        tensor = _int8_tensor(plan, layer, module.weight, mode)
+        module.weight = nn.Parameter(tensor, requires_grad=False)
+    torch.save(plain, str(path))
+    return {"exact": False}
+
+
+def _layers(plan: DeployPlan, version: str) -> list[str]:
+    if not plan.weights:
+        raise ConfigError("export.handle", "no quantized weights", "format='torchao' holds quantized Linear weights")
+    layers = []
+    for key, grid in plan.weights.items():
+        layer, _, attribute = key.rpartition(".")
+        if attribute != "weight" or not isinstance(plan.model.get_submodule(layer), nn.Linear):
+            raise ConfigError("export.handle", key, "torchao's int8 tensors replace nn.Linear weights only")
+        if grid.spec.bits == 4 and not torch.cuda.is_available():
+            raise ConfigError(
+                "quantize.weights.bits", 4, f"torchao {version} has no int4 kernel on CPU; export 8-bit weights"
+            )
+        if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
+            raise ConfigError(
+                "quantize.weights",
+                f"{key}: {grid.spec.bits}-bit {'symmetric' if grid.spec.symmetric else 'affine'}",
+                "torchao's Int8Tensor holds 8-bit symmetric weights, per channel or per tensor",
+            )
+        if plan.activation(layer, "output") is not None:
+            raise ConfigError(
+                "quantize.where", "output", "torchao quantizes Linear inputs; quantize with where='input'"
+            )
+        layers.append(layer)
+    return layers
+
+
+def _int8_tensor(plan: DeployPlan, layer: str, weight: torch.Tensor, mode: str) -> Any:
+    from torchao.quantization import Int8Tensor, MappingType, PerRow, PerTensor
+    from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
+
+    grid = plan.layer_weight(layer)
+    integers = grid.integers(weight).to(torch.int8)
+    rows, columns = integers.shape
+    scale = grid.scale.float().reshape(-1, 1).expand(rows, 1).contiguous()
+    extra: dict[str, Any] = {}
+    if mode == "dynamic":
+        extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=MappingType.SYMMETRIC)
+    elif mode == "static":
+        activation = plan.activation(layer, "input")
+        if activation is None or activation.axis is not None or activation.spec.bits != 8:
+            raise ConfigError("quantize.activations", layer, "static torchao activations need one 8-bit input scale")
+        symmetric = activation.spec.symmetric
+        extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(
+            granularity=PerTensor(), mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC
+        )
+        extra["act_quant_scale"] = activation.scale.float().reshape(1, 1)
+        if not symmetric:  # torchao's integers are signed: shift ours by 128
+            extra["act_quant_zero_point"] = (activation.zero_point.reshape(1, 1) - 128).to(torch.int8)
+    return Int8Tensor(integers.contiguous(), scale, [1, columns], weight.dtype, zero_point=None, **extra)
+
+
+def load_torchao(path: Path) -> nn.Module:
+    """The pickled model (its classes must be importable), in eval mode."""
+    required("torchao", "torchao")
+    return torch.load(str(path), weights_only=False).eval()
+
+
+register_export_format(
+    "torchao",
+    write_torchao,
+    load=load_torchao,
+    suffix="pt",
+    takes_plan=True,
+    holds_hooks=True,
+    exact=False,
+    bound=0.9999,
+    target=DeployTarget(
+        layers=(nn.Linear,),
+        weights={"bits": 8, "symmetric": True, "group_size": None},
+        activations={"bits": 8, "symmetric": True, "per_channel": False},
+    ),
+)
