@@ -42,8 +42,10 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
-from surgery.ops.exporting import EXPORT_FORMATS, export
+from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord, export
+from surgery.ops.folding import folded_structure
 from surgery.ops.pruning import PruneHandle
+from surgery.ops.quantization import QuantizeHandle
 from surgery.ops.shrinking import ShrinkHandle, rebuild
 from surgery.tasks import task_named
 from surgery.testing import global_hook_counts
@@ -153,6 +155,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         sparsity = _sparsity(handle)
         files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, runs)
         accuracy = _accuracy(models, data)
+        record = _export(config, stage, handle, inputs) if config.export.format is not None else None
         results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
         finished = time.perf_counter()
         report = {
@@ -182,32 +185,36 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             report["gradients"] = gradients
         for name, part in zip(config.steps, handle.handles):
             step_named(name).report(part, config.settings(name), runs[name], report)
-        if config.export.format is not None:
-            _export(config, stage, handle, models.reference, inputs, metric, report)
+        if record is not None:
+            _report_export(config, record, models.reference, inputs, metric, report)
     write_reports(report, stage.path, plots=config.output.plots)
     return report
 
 
-def _export(
-    config: RunConfig,
-    stage: Staging,
-    handle: HandleGroup,
-    reference: nn.Module,
-    inputs: list,
-    metric: tuple | None,
-    report: dict[str, Any],
-) -> None:
-    """Write the export; with the ``deploy`` check, reload it in its runtime and compare."""
+def _export(config: RunConfig, stage: Staging, handle: HandleGroup, inputs: list) -> ExportRecord:
+    """Write the export while the surgery is attached (deployment formats read its grids); with
+    the ``deploy`` check, its parity with the model under surgery is measured on ``inputs``."""
     deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
-    record = export(
+    return export(
         handle,
         stage / config.export.file_name,
         format=config.export.format,
         inputs=inputs if deploying else None,
         **config.export.options,
     )
+
+
+def _report_export(
+    config: RunConfig,
+    record: ExportRecord,
+    reference: nn.Module,
+    inputs: list,
+    metric: tuple | None,
+    report: dict[str, Any],
+) -> None:
+    """``report.json`` ``export``, and for a deployment format ``deploy`` and its check row."""
     report["export"] = record.as_dict()
-    if deploying:
+    if record.parity is not None:
         report["deploy"] = deploy_summary(record, reference, inputs, metric)
         result = checks.check_deploy(record)
         report["checks"].append(checks_rows([result])[0])
@@ -340,6 +347,13 @@ def _run_checks(
 
         def factory() -> nn.Module:
             return rebuild(models.builder.architecture, plan)
+
+    folded = [pair for h in handle.handles if isinstance(h, QuantizeHandle) for pair in h.folded]
+    if folded:  # quantize.target folded BatchNorms: fresh models take the folded shape
+        unfolded = factory
+
+        def factory() -> nn.Module:
+            return folded_structure(unfolded(), folded)
 
     results: list[checks.CheckResult] = []
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it

@@ -98,3 +98,15 @@ def _fold_one(
             conv.weight.copy_(original_weight)
 
     handle.add(f"BatchNorm {norm_name} folded into {conv_name}", undo)
+
+
+def folded_structure(model: nn.Module, pairs: list[tuple[str, str]]) -> nn.Module:
+    """``model`` shaped as after :func:`fold_batchnorms` of ``pairs`` (each BatchNorm an identity,
+    each convolution with a bias), so that a folded model's state dict loads into it."""
+    for conv_name, norm_name in pairs:
+        conv = model.get_submodule(conv_name)
+        if get_slot(conv, "bias") is None:
+            set_slot(conv, "bias", nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype)))
+        parent_name, _, child = norm_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, nn.Identity())
+    return model

@@ -371,6 +371,7 @@ class QuantizeHandle(Handle):
         self.weights: dict[str, WeightQuantizer | ShadowWeight] = {}
         self.activations: dict[str, ActivationQuantizer] = {}
         self.sequential: SequentialReport | None = None  # GPTQ's calibration pass
+        self.folded: list[tuple[str, str]] = []  # (convolution, BatchNorm) pairs folded for a target
 
     @property
     def skipped(self) -> list:
@@ -522,7 +523,7 @@ def quantize(
     handle = QuantizeHandle(model, weight_targets)
     try:
         if folding:
-            fold_batchnorms(handle, model, next(batches(calibration, "quantize.calibration")))
+            handle.folded = fold_batchnorms(handle, model, next(batches(calibration, "quantize.calibration")))
         if weights is not None and train:
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:

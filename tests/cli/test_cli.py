@@ -205,6 +205,22 @@ def test_quantize_digits_reports_real_accuracy_offline(tmp_path):
     assert "Accuracy" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.parametrize("target", ["onnx", "torchao"])
+def test_an_exporting_run_reloads_the_export_in_its_runtime_and_reports_deploy(tmp_path, target):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torchao")
+    result = surgery(
+        "recipe=quantize_digits", f"export.format={target}", f"+quantize.target={target}", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    deploy = data["deploy"]
+    assert deploy["format"] == target and deploy["bytes"] == (tmp_path / deploy["path"]).stat().st_size
+    assert deploy["bytes_vs_fp32"] < 0.6 and deploy["cosine"] >= 0.999 and deploy["latency_vs_fp32"] > 0
+    assert abs(deploy["accuracy"] - data["accuracy"]["candidate"]) <= 0.002  # the simulation's accuracy holds
+    assert {c["name"]: c["passed"] for c in data["checks"]}["deploy"] is True
+
+
 def test_accuracy_drop_bound_fails_the_drift_check(tmp_path):
     result = surgery(
         "recipe=prune_resnet50",

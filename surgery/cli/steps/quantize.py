@@ -12,7 +12,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
 from surgery.ops.observers import QuantSpec
-from surgery.ops.quantization import QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization import QuantizeSpec, deploy_target, quantize, quantize_targets
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,11 @@ class QuantizeStep(Step):
         """Activation quantization from the saved parameters, without calibration."""
         if settings.activations is None:
             return None
+        select = settings.select
+        if select is None and settings.target is not None:  # the layers the target selected
+            select = deploy_target(settings.target).layers
         spec = dataclasses.replace(
-            settings, weights=None, train=False, freeze_observers_after=None, blocks=None, target=None
+            settings, weights=None, train=False, freeze_observers_after=None, blocks=None, target=None, select=select
         )
         return quantize(model, spec, qparams=qparams, progress=False)
 

@@ -100,7 +100,8 @@ def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
         raise ConfigError(
             "export.handle",
             f"{len(dense)} quantized layer(s), none nn.Linear (e.g. {dense[0]})",
-            f"compressed-tensors {ct.__version__} compresses Linear layers only",
+            f"compressed-tensors {ct.__version__} compresses nn.Linear only (transformers' Conv1D, as in GPT-2, "
+            "is not held); use format='safetensors' for the quantized values",
         )
     specs = {plan.weights[f"{layer}.weight"].spec for layer in layers}
     if len(specs) > 1:

@@ -41,8 +41,23 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
     _refuse_unfolded(plain, plan)
     call = plan.inputs[0]
     with torch.no_grad():
+        batch = torch.export.Dim.DYNAMIC  # any batch size, as the model under surgery takes
+
+        def dims(value: Any) -> Any:
+            return {0: batch} if isinstance(value, Tensor) and value.dim() > 0 else None
+
         program = torch.onnx.export(
-            plain, call.args, kwargs=dict(call.kwargs), dynamo=True, opset_version=options.get("opset", 18)
+            plain,
+            call.args,
+            kwargs=dict(call.kwargs),
+            dynamo=True,
+            opset_version=options.get("opset", 18),
+            dynamic_shapes=(*[dims(v) for v in call.args], *[dims(v) for v in call.kwargs.values()])
+            if not call.kwargs
+            else {
+                **{f"arg{i}": dims(v) for i, v in enumerate(call.args)},
+                **{k: dims(v) for k, v in call.kwargs.items()},
+            },
         )
     program.save(str(path))
     model = onnx.load(str(path))

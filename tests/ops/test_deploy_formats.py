@@ -1,0 +1,220 @@
+"""Deployment formats: each export is loaded by its own runtime (transformers with
+compressed-tensors, ONNX Runtime, torchao) and compared with the model under surgery."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import surgery
+from surgery.core.errors import ConfigError, OutputExistsError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("torchao")
+
+
+def tiny_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def mlp(width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)]
+    return nn.Sequential(*layers).eval()
+
+
+def fp32_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * 4 for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"bits": 4, "symmetric": True, "per_channel": True, "group_size": 32},
+        {"bits": 4, "symmetric": False, "per_channel": True, "group_size": 32},
+        {"bits": 8, "symmetric": True, "per_channel": True},
+    ],
+    ids=["w4_g32_sym", "w4_g32_asym", "w8_channel"],
+)
+def test_compressed_tensors_folders_load_in_transformers_with_logits_equal_to_the_simulation(tmp_path, weights):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(**weights), select="**.*_proj")
+    with surgery.quantize(model, spec) as handle:
+        expected = model(ids).logits
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal and record.parity.expected == "exact" and record.parity.holds
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", local_files_only=True).eval()
+    assert torch.equal(loaded(ids).logits, expected)
+    assert record.bytes < 0.7 * fp32_bytes(model)  # the embeddings and lm_head stay float
+    with safe_open(str(tmp_path / "llama" / "model.safetensors"), "pt") as file:
+        packed = [k for k in list(file.keys()) if k.endswith("weight_packed")]
+    assert len(packed) == 14  # 7 projections in each of 2 layers
+
+
+def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
+    model = tiny_llama()
+    calibration = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8, symmetric=True), target="compressed-tensors")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "w8a8", format="compressed-tensors", inputs=calibration[:1])
+    assert record.parity.expected == "cosine>=0.9999" and record.parity.holds, record.parity
+    with safe_open(str(tmp_path / "w8a8" / "model.safetensors"), "pt") as file:
+        assert "model.layers.0.self_attn.q_proj.input_scale" in list(file.keys())
+
+
+def test_gpt2_whose_layers_are_all_conv1d_is_refused_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
+    with surgery.quantize(model, spec) as handle:
+        with pytest.raises(ConfigError, match=r"none nn.Linear \(e.g. transformer.h.0.attn.c_attn\)': compressed"):
+            surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_export_forms_int8_kernels_and_keeps_the_simulated_outputs(tmp_path):
+    model = mlp(256)
+    calibration = [torch.randn(16, 64) for _ in range(4)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "mlp.onnx", format="onnx", inputs=calibration[:2])
+    assert record.parity.expected == "cosine>=0.999" and record.parity.holds, record.parity
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
+    import onnx
+
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    assert kinds["QGemm"] == 3 and kinds["Gemm"] == 0, kinds  # every Linear runs as an int8 kernel
+    assert record.bytes < 0.35 * fp32_bytes(model)
+
+
+def test_target_onnx_folds_batchnorm_restorably_and_the_export_matches(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.LazyLinear(4)
+    )
+    calibration = [torch.randn(2, 3, 12, 12) for _ in range(3)]
+    model(calibration[0])
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = model(calibration[0])
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        assert isinstance(model[1], nn.Identity) and model[0].bias is not None
+        record = surgery.export(handle, tmp_path / "cnn.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity
+    assert isinstance(model[1], nn.BatchNorm2d)
+    assert (
+        all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        and before.keys() == model.state_dict().keys()
+    )
+    assert torch.equal(model(calibration[0]), expected)
+
+
+def test_onnx_refuses_weights_left_before_an_unfolded_batchnorm(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with surgery.quantize(model) as handle:
+        with pytest.raises(ConfigError, match=r"^export.handle='0 feeds BatchNorm 1': .*quantize with target='onnx'$"):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=x)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic", "static"])
+def test_torchao_int8_tensors_are_built_from_our_scales(tmp_path, activations):
+    model = mlp()
+    calibration = [torch.randn(16, 64) for _ in range(3)]
+    quantized = surgery.QuantSpec(bits=8) if activations == "static" else None
+    spec = surgery.QuantizeSpec(activations=quantized, target="torchao")
+    with surgery.quantize(model, spec, calibration=calibration if quantized else None) as handle:
+        scales = handle.weight_qparams()
+        record = surgery.export(
+            handle, tmp_path / "m.pt", format="torchao", inputs=calibration[:2], activations=activations
+        )
+    assert record.parity.holds, record.parity
+    loaded = record.load()
+    from torchao.quantization import Int8Tensor
+
+    assert isinstance(loaded[0].weight, Int8Tensor)
+    assert torch.equal(loaded[0].weight.scale.reshape(-1), scales["0.weight.scale"])
+
+
+def test_torchao_int4_on_cpu_is_one_line(tmp_path):
+    model = mlp()
+    with surgery.quantize(model, weights=surgery.QuantSpec(bits=4, symmetric=True, per_channel=True)) as handle:
+        with pytest.raises(ConfigError, match=r"^quantize.weights.bits=4: torchao .* has no int4 kernel on CPU"):
+            surgery.export(handle, tmp_path / "m.pt", format="torchao")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_weight_qparams_are_public_and_saved_with_the_activation_parameters(tmp_path):
+    model = mlp()
+    calibration = [torch.randn(8, 64)]
+    with surgery.quantize(
+        model, weights=surgery.QuantSpec(bits=4, symmetric=True, group_size=16), activations=surgery.QuantSpec(bits=8),
+        calibration=calibration,
+    ) as handle:  # fmt: skip
+        weights = handle.weight_qparams()
+        assert weights["0.weight.scale"].shape == (64, 4)
+        path = handle.save_qparams(tmp_path / "q.safetensors")
+    with safe_open(str(path), "pt") as file:
+        keys = set(file.keys())
+    assert {"0.weight.scale", "0.weight.zero_point", "0.scale", "0.zero_point"} <= keys
+
+
+def test_bad_deployment_exports_are_one_line_and_write_nothing(tmp_path):
+    model = mlp()
+    x = torch.randn(4, 64)
+    with surgery.prune(model, 0.5) as pruned:
+        with pytest.raises(ConfigError, match=r"^export.handle='nothing quantized': format='onnx' holds"):
+            surgery.export(pruned, tmp_path / "m.onnx", format="onnx", inputs=x)
+    with surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs)) as rewritten:
+        with pytest.raises(ConfigError, match=r"cannot be expressed in format='torchao'$"):
+            surgery.export(rewritten, tmp_path / "m.pt", format="torchao")
+    with surgery.quantize(model) as handle:
+        with pytest.raises(ConfigError, match=r"^export.format='compressed-tensors': writes a Hugging Face folder"):
+            surgery.export(handle, tmp_path / "ct", format="compressed-tensors")
+        with pytest.raises(ConfigError, match=r"^export.inputs=None: format='onnx' traces the model"):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx")
+    with surgery.quantize(model, weights=surgery.QuantSpec(bits=4, symmetric=True)) as handle:
+        with pytest.raises(ConfigError, match=r"^quantize.weights='0.weight: 4-bit symmetric': ONNX Runtime"):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=x)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"^quantize.target='safetensors': has no deployment rules; one of"):
+        surgery.QuantizeSpec(target="safetensors")
+    with pytest.raises(ConfigError, match=r"^export.format='onnxx': must be one of"):
+        surgery.QuantizeSpec(target="onnxx")
+
+
+def test_a_failed_folder_export_leaves_the_earlier_folder_as_it_was(tmp_path):
+    model = tiny_llama()
+    target = tmp_path / "llama"
+    target.mkdir()
+    (target / "keep.txt").write_text("earlier")
+    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, symmetric=True, group_size=48)) as handle:
+        with pytest.raises(ConfigError, match=r"^quantize.weights.group_size=48: does not divide"):
+            surgery.export(handle, target, format="compressed-tensors", overwrite=True)
+        with pytest.raises(OutputExistsError):
+            surgery.export(handle, target, format="compressed-tensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["llama"] and (target / "keep.txt").read_text() == "earlier"
