@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -172,6 +173,9 @@ def run_command_line(arguments: list[str]) -> int:
     code = preflight(arguments)
     if code:
         return code
+    # torchao (imported by transformers when installed) registers enums the way torch 2.14
+    # deprecates: one warning per enum on every run, which the user cannot act on.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
     multirun = any(a in ("-m", "--multirun") for a in arguments)
     signal.signal(signal.SIGTERM, _on_sigterm)
