@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from surgery.cli.objective import WORST, objective_value
 from surgery.cli.preview import preview
 from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
 from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
+from surgery.core._compat import quiet_pytree_deprecations
 from surgery.core.errors import SurgeryError
 
 PACKAGE = Path(__file__).resolve().parents[1]  # surgery/
@@ -173,9 +173,7 @@ def run_command_line(arguments: list[str]) -> int:
     code = preflight(arguments)
     if code:
         return code
-    # torchao (imported by transformers when installed) registers enums the way torch 2.14
-    # deprecates: one warning per enum on every run, which the user cannot act on.
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    quiet_pytree_deprecations()
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
     multirun = any(a in ("-m", "--multirun") for a in arguments)
     signal.signal(signal.SIGTERM, _on_sigterm)

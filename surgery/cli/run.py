@@ -14,7 +14,6 @@ from torch import nn
 from tqdm import tqdm
 
 from surgery.analysis.comparison import compare
-from surgery.analysis.deployed import deploy_summary
 from surgery.analysis.inspection import (
     calls_as_rows,
     format_table,
@@ -42,6 +41,7 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
+from surgery.ops.deploy_summary import deploy_summary
 from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord, export
 from surgery.ops.folding import folded_structure
 from surgery.ops.pruning import PruneHandle

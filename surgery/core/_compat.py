@@ -261,3 +261,9 @@ def drop_forward_hooks(model: nn.Module, dropped: Callable[[Callable[..., Any]],
                 del hooks[key]
                 count += 1
     return count
+
+
+def quiet_pytree_deprecations() -> None:
+    """torchao (imported by transformers when installed) registers enums as pytree constants,
+    which torch 2.14 deprecates with one warning per enum on every run; the user cannot act on it."""
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
