@@ -53,10 +53,11 @@ class WeightGrid:
         low, high = self.spec.quant_range
         return torch.clamp(torch.round(rows / scale) + zero_point, low, high).to(torch.int32)
 
-    def dequantized(self, integers: Tensor) -> Tensor:
-        """(integers - zero point) × scale, as the simulation computes it (float32 matrix)."""
+    def dequantized(self, integers: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """(integers - zero point) × scale, as the simulation computes it (float32 matrix; in
+        float64, exact, so that rounding it back gives the same integers)."""
         scale, zero_point = self.row_scales(integers.shape[1])
-        return (integers - zero_point).float() * scale
+        return (integers - zero_point).to(dtype) * scale.to(dtype)
 
 
 @dataclass(frozen=True)

@@ -154,22 +154,15 @@ def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
 def _local_state(grid: WeightGrid, weight: Tensor) -> dict[str, Tensor]:
     """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
     so that its re-quantization gives back our integers), scales and signed zero points."""
-    integers = grid.integers(weight)
-    exact = _exact(grid, integers)
+    exact = grid.dequantized(grid.integers(weight), torch.float64)
     scale = grid.scale.float()
-    scale = scale.reshape(-1, 1) if grid.axis is not None and not grid.group_size else scale
-    scale = scale.reshape(1) if grid.axis is None else scale
+    scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
     local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
     if not grid.spec.symmetric:  # compressed-tensors' integers are signed: shift ours by 2^(bits-1)
         offset = 1 << (grid.spec.bits - 1)
         zero_point = grid.zero_point.reshape(scale.shape) - offset
         local["weight_zero_point"] = zero_point.to(torch.int8)
     return local
-
-
-def _exact(grid: WeightGrid, integers: Tensor) -> Tensor:
-    scale, zero_point = grid.row_scales(integers.shape[1])
-    return (integers - zero_point).double() * scale.double()
 
 
 def _compressor(ct: Any, name: str) -> Any:

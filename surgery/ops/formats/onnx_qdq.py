@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -41,23 +42,13 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
     _refuse_unfolded(plain, plan)
     call = plan.inputs[0]
     with torch.no_grad():
-        batch = torch.export.Dim.DYNAMIC  # any batch size, as the model under surgery takes
-
-        def dims(value: Any) -> Any:
-            return {0: batch} if isinstance(value, Tensor) and value.dim() > 0 else None
-
         program = torch.onnx.export(
             plain,
             call.args,
             kwargs=dict(call.kwargs),
             dynamo=True,
             opset_version=options.get("opset", 18),
-            dynamic_shapes=(*[dims(v) for v in call.args], *[dims(v) for v in call.kwargs.values()])
-            if not call.kwargs
-            else {
-                **{f"arg{i}": dims(v) for i, v in enumerate(call.args)},
-                **{k: dims(v) for k, v in call.kwargs.items()},
-            },
+            dynamic_shapes=_any_batch(plain, call),
         )
     program.save(str(path))
     model = onnx.load(str(path))
@@ -65,6 +56,16 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return {"exact": False}
+
+
+def _any_batch(model: nn.Module, call: Call) -> dict[str, Any]:
+    """Dim 0 of every tensor argument dynamic, by the name ``forward`` gives it: the exported
+    graph then takes any batch size, as the model under surgery does."""
+    bound = inspect.signature(model.forward).bind(*call.args, **call.kwargs)
+    return {
+        name: {0: torch.export.Dim.DYNAMIC} if isinstance(value, Tensor) and value.dim() > 0 else None
+        for name, value in bound.arguments.items()
+    }
 
 
 def _check_grids(plan: DeployPlan) -> None:
