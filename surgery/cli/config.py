@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from surgery.core.importing import import_module_named
 from surgery.ops.exporting import EXPORT_FORMATS
 from surgery.ops.rewriting import RewriteSpec
 from surgery.tasks import task_named
+
+log = logging.getLogger("surgery")
 
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
 HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -356,6 +359,19 @@ class RunConfig:
             raise ConfigError("sensitivity", NO_VALUE, "has settings but is not in steps; add it: steps=[sensitivity]")
         if self.objective is not None:
             self._check_objective()
+        self._target_export()
+
+    def _target_export(self) -> None:
+        """``export.format=F`` on a recipe that quantizes without a ``quantize.target``: the
+        simulation takes F's deployment rules, so the accuracy reported is the export's."""
+        if self.export.format is None or self.quantize is None or "quantize" not in self.steps:
+            return
+        if self.quantize.target is not None or EXPORT_FORMATS.get(self.export.format).target is None:
+            return
+        if self.quantize.train:
+            return  # deployment rules apply to post-training quantization
+        log.info("quantize.target=%s, from export.format", self.export.format)
+        self.quantize = dataclasses.replace(self.quantize, target=self.export.format)
 
     def settings(self, step: str) -> Any:
         """The settings of ``step``: its field for a built-in step, else from ``step_settings``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,7 +53,20 @@ ACTIVATION_AXIS = (
     (nn.ConvTranspose3d, 1),
     (nn.Linear, -1),
 )
-WHERE = ("output", "input")
+WHERE = ("output", "input", "both")  # both: each layer's input and its output
+OUTPUT_KEY = "@output"  # with where="both": the key of a layer's output quantizer is "<layer>@output"
+
+
+def activation_sides(where: str) -> tuple[str, ...]:
+    """The hook sides ``where`` quantizes: ``("input",)``, ``("output",)`` or both."""
+    return ("input", "output") if where == "both" else (where,)
+
+
+def activation_key(layer: str, side: str, where: str) -> str:
+    """The key of a layer's quantizer in :attr:`QuantizeHandle.activations` and in saved qparams."""
+    return f"{layer}{OUTPUT_KEY}" if where == "both" and side == "output" else layer
+
+
 DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
 
 
@@ -117,7 +131,8 @@ def _for_target(spec: QuantizeSpec, weights: QuantSpec | None, activations: Quan
     if spec.train:
         raise ConfigError("quantize.target", spec.target, "applies to post-training quantization; train=false")
     if spec.where != target.where and activations is not None:
-        log.info("quantize.target=%s: activations quantized at layer %ss", spec.target, target.where)
+        places = "inputs and outputs" if target.where == "both" else f"{target.where}s"
+        log.info("quantize.target=%s: activations quantized at layer %s", spec.target, places)
     object.__setattr__(spec, "where", target.where)
     found = []
     for part, fixed, name in ((weights, target.weights, "weights"), (activations, target.activations, "activations")):
@@ -404,8 +419,8 @@ class QuantizeHandle(Handle):
         if self.state != "attached":
             return []
         activations = [
-            ActivationGrid(name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis)
-            for name, q in self.activations.items()
+            ActivationGrid(q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis)
+            for q in self.activations.values()
             if q.scale is not None
         ]
         return [*self._weight_grids().values(), *activations]
@@ -477,7 +492,8 @@ def quantize(
             Weights are replaced in place by their fake-quantized values with PyTorch's fused
             ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
         activations: settings for activations, or None. Forward hooks fake-quantize each
-            selected layer's output (``where="input"``: forward-pre hooks, its first input).
+            selected layer's output (``where="input"``: forward-pre hooks, its first input;
+            ``where="both"``: both, the output's parameters saved as ``"<layer>@output"``).
         select, exclude: layers (see :func:`surgery.select`), or weights by qualified parameter
             name (``"**.weight_ih_l0"``); default every Conv*d, Linear and Hugging Face Conv1D
             (weight axis 1). Weights matched and skipped are in ``handle.selection``.
@@ -580,7 +596,8 @@ def quantize_targets(
     for name, module in layers.items():
         if activations.per_channel and not is_hf_conv1d(module):
             layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
-        if any(isinstance(h, ActivationQuantizer) and h.where == where for h in forward_hook_functions(module)):
+        sides = activation_sides(where)
+        if any(isinstance(h, ActivationQuantizer) and h.where in sides for h in forward_hook_functions(module)):
             raise AlreadyModifiedError(
                 f"quantize: {name} already has its {where} quantized; bake() or restore() that handle first"
             )
@@ -653,14 +670,15 @@ def _attach_activations(
             if is_hf_conv1d(module)
             else layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
         )
-        quantizer = ActivationQuantizer(spec, axis, name, where, learning)
-        hook = (
-            module.register_forward_hook(quantizer)
-            if where == "output"
-            else module.register_forward_pre_hook(quantizer)
-        )
-        handle.add_hook("activation quantization hook", hook)
-        handle.activations[name] = quantizer
+        for side in activation_sides(where):
+            quantizer = ActivationQuantizer(spec, axis, name, side, learning)
+            hook = (
+                module.register_forward_hook(quantizer)
+                if side == "output"
+                else module.register_forward_pre_hook(quantizer)
+            )
+            handle.add_hook("activation quantization hook", hook)
+            handle.activations[activation_key(name, side, where)] = quantizer
 
 
 def _channels(module: nn.Module, where: str) -> int | None:
@@ -717,7 +735,7 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
         for name, quantizer in handle.activations.items():
             scale, zero_point = saved[f"{name}.scale"], saved[f"{name}.zero_point"]
             _check_qparam_values(name, scale, zero_point, quantizer.spec)
-            channels = _channels(model.get_submodule(name), quantizer.where)
+            channels = _channels(model.get_submodule(quantizer.name), quantizer.where)
             fits = (
                 scale.numel() == 1
                 if quantizer.axis is None
@@ -735,10 +753,13 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
                 )
             quantizer.freeze(scale, zero_point)
         return
-    observers = {name: quantizer.observer for name, quantizer in handle.activations.items()}
-    side = "outputs" if next(iter(handle.activations.values())).where == "output" else "inputs"
-    layers = {name: model.get_submodule(name) for name in observers}
-    with Capture(model, layers, (side,), lambda name, module: observers[name]):  # the observers are the reducers
+    with contextlib.ExitStack() as captures:  # the observers are the reducers, one capture per side
+        for side in ("input", "output"):
+            observers = {k: q.observer for k, q in handle.activations.items() if q.where == side}
+            if observers:
+                layers = {k: model.get_submodule(handle.activations[k].name) for k in observers}
+                capture = Capture(model, layers, (f"{side}s",), lambda key, module, seen=observers: seen[key])
+                captures.enter_context(capture)
         run_batches(model, calibration, field="quantize.calibration", progress=progress, error=NonFiniteError)
     for quantizer in handle.activations.values():
         quantizer.freeze()

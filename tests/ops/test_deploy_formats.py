@@ -132,6 +132,60 @@ def test_target_onnx_folds_batchnorm_restorably_and_the_export_matches(tmp_path)
     assert torch.equal(model(calibration[0]), expected)
 
 
+class Residual(nn.Module):
+    """A ResNet basic block's shape: the second convolution's output meets the skip in an Add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        return self.head(x.mean((2, 3)))
+
+
+def test_target_onnx_puts_every_convolution_of_a_residual_block_on_an_int8_kernel(tmp_path):
+    torch.manual_seed(0)
+    model = Residual().eval()
+    calibration = [torch.randn(2, 3, 10, 10) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        assert set(handle.qparams()) >= {"conv2.scale", "conv2@output.scale", "head@output.scale"}
+        record = surgery.export(handle, tmp_path / "block.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
+    import onnx
+
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    # conv2 feeds the residual Add: without its own output quantizer it stayed a float Conv
+    assert kinds["QLinearConv"] == 3 and kinds["Conv"] == 0 and kinds["QGemm"] == 1, kinds
+    assert [o.name for o in session.get_outputs()] == [o.name for o in onnx.load(str(record.path)).graph.output]
+
+
+def test_where_both_quantizes_inputs_and_outputs_and_reloads_from_saved_parameters(tmp_path):
+    model = mlp()
+    calibration = [torch.randn(8, 64) for _ in range(3)]
+    x = torch.randn(4, 64)
+    with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), where="both", calibration=calibration) as h:
+        assert set(h.activations) == {"0", "0@output", "2", "2@output", "4", "4@output"}
+        expected = model(x)
+        h.save_qparams(tmp_path / "q.safetensors")
+        h.bake()
+    with surgery.quantize(
+        model, weights=None, activations=surgery.QuantSpec(bits=8), where="both", qparams=tmp_path / "q.safetensors"
+    ):
+        assert torch.equal(model(x), expected)
+    outputs_only = mlp()
+    with surgery.quantize(outputs_only, activations=surgery.QuantSpec(bits=8), calibration=calibration):
+        assert not torch.equal(outputs_only(x), expected)  # the inputs' quantizers change the result
+
+
 def test_onnx_refuses_weights_left_before_an_unfolded_batchnorm(tmp_path):
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
     x = torch.randn(1, 3, 8, 8)
@@ -160,10 +214,22 @@ def test_torchao_int8_tensors_are_built_from_our_scales(tmp_path, activations):
     assert torch.equal(loaded[0].weight.scale.reshape(-1), scales["0.weight.scale"])
 
 
+def test_torchao_static_activations_take_inputs_of_any_rank(tmp_path):
+    model = mlp()
+    calibration = [torch.randn(2, 5, 64) for _ in range(3)]  # (batch, tokens, features), as a decoder's
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="torchao")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=calibration[:2])
+    assert record.parity.holds, record.parity
+    assert record.load()(calibration[0]).shape == (2, 5, 10)
+
+
 def test_torchao_int4_on_cpu_is_one_line(tmp_path):
     model = mlp()
     with surgery.quantize(model, weights=surgery.QuantSpec(bits=4, symmetric=True, per_channel=True)) as handle:
-        with pytest.raises(ConfigError, match=r"^quantize.weights.bits=4: torchao .* has no int4 kernel on CPU"):
+        with pytest.raises(
+            ConfigError, match=r"^quantize.weights.bits=4: torchao .* has no int4 CPU kernel for float32 models"
+        ):
             surgery.export(handle, tmp_path / "m.pt", format="torchao")
     assert list(tmp_path.iterdir()) == []
 

@@ -196,19 +196,19 @@ class _QDQ:
         dtype = np.uint8 if not grid.spec.symmetric else np.int8
         scale = self._constant(f"{tensor}_scale", np.array(grid.scale.item(), np.float32))
         zero = self._constant(f"{tensor}_zero_point", np.array(int(grid.zero_point), dtype))
-        quantized, restored = f"{tensor}_q{self.count}", f"{tensor}_dq{self.count}"
+        quantized, restored, source = f"{tensor}_q{self.count}", f"{tensor}_dq{self.count}", tensor
+        if consumer is None and any(output.name == tensor for output in self.graph.output):
+            source, restored = f"{tensor}_float{self.count}", tensor  # a graph output keeps its name: DQ writes it
+            for node in self.graph.node:
+                for index, name in enumerate(node.output):
+                    if name == tensor:
+                        node.output[index] = source
         consumers = [consumer] if consumer is not None else [n for n in self.graph.node if tensor in n.input]
         for node in consumers:
             for index, name in enumerate(node.input):
                 if name == tensor:
                     node.input[index] = restored
-        if consumer is None:
-            for output in self.graph.output:
-                if output.name == tensor:  # a graph output keeps its name: quantize into it
-                    raise ConfigError(
-                        "quantize.where", "output", f"{tensor} is the model's output; ONNX keeps outputs float"
-                    )
-        self.graph.node.append(helper.make_node("QuantizeLinear", [tensor, scale, zero], [quantized]))
+        self.graph.node.append(helper.make_node("QuantizeLinear", [source, scale, zero], [quantized]))
         self.graph.node.append(helper.make_node("DequantizeLinear", [quantized, scale, zero], [restored]))
 
 
@@ -263,5 +263,6 @@ register_export_format(
         layers=(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear),
         weights={"bits": 8, "symmetric": True, "group_size": None},
         activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
+        where="both",  # every int8 kernel has a quantized output, as ONNX Runtime fuses DQ -> op -> Q
     ),
 )

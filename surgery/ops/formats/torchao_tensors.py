@@ -38,8 +38,19 @@ def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict
         module = plain.get_submodule(layer)
         tensor = _int8_tensor(plan, layer, module.weight, mode)
         module.weight = nn.Parameter(tensor, requires_grad=False)
+        if mode == "static":
+            module.__class__ = StaticInt8Linear  # same parameters; inputs of any rank
     torch.save(plain, str(path))
     return {"exact": False}
+
+
+class StaticInt8Linear(nn.Linear):
+    """A Linear whose weight is a static-activation ``Int8Tensor``: inputs of any rank are
+    flattened to 2-d around it, the rank torchao's per-tensor static scale takes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x.reshape(-1, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _layers(plan: DeployPlan, version: str) -> list[str]:
@@ -52,7 +63,9 @@ def _layers(plan: DeployPlan, version: str) -> list[str]:
             raise ConfigError("export.handle", key, "torchao's int8 tensors replace nn.Linear weights only")
         if grid.spec.bits == 4 and not torch.cuda.is_available():
             raise ConfigError(
-                "quantize.weights.bits", 4, f"torchao {version} has no int4 kernel on CPU; export 8-bit weights"
+                "quantize.weights.bits",
+                4,
+                f"torchao {version} has no int4 CPU kernel for float32 models; export 8-bit weights",
             )
         if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
             raise ConfigError(
