@@ -44,7 +44,7 @@ class DeployTarget:
     ``activations``: field -> value)."""
 
     fold_batchnorm: bool = False
-    layers: tuple[type, ...] = (nn.Linear,)
+    layers: Any = (nn.Linear,)  # a selection (layer types, or a predicate(module, name))
     where: str = "input"
     weights: dict[str, Any] = field(default_factory=dict)
     activations: dict[str, Any] = field(default_factory=dict)

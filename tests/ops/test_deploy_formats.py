@@ -78,14 +78,46 @@ def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
         assert "model.layers.0.self_attn.q_proj.input_scale" in list(file.keys())
 
 
-def test_gpt2_whose_layers_are_all_conv1d_is_refused_in_one_line(tmp_path):
+def gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
-    with surgery.quantize(model, spec) as handle:
-        with pytest.raises(ConfigError, match=r"none nn.Linear \(e.g. transformer.h.0.attn.c_attn\)': compressed"):
-            surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors")
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gpt2_conv1d_weights_keep_their_layout_and_load_with_equal_logits(tmp_path, bits):
+    model = gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=bits, symmetric=True, per_channel=True))
+    with surgery.quantize(model, spec) as handle:  # lm_head is tied to the embedding: left out
+        expected = model(ids).logits
+        record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal, record.parity
+    with safe_open(str(tmp_path / "gpt2" / "model.safetensors"), "pt") as f:
+        # c_attn is (64 inputs, 192 outputs): one scale per output column, its packed rows the inputs
+        assert f.get_tensor("transformer.h.0.attn.c_attn.weight_scale").shape == (1, 192)
+        assert f.get_tensor("transformer.h.0.attn.c_attn.weight_shape").tolist() == [64, 192]
+    loaded = record.load()
+    assert torch.equal(loaded(ids).logits, expected)
+    assert type(loaded.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+
+
+def test_gpt2_conv1d_settings_compressed_tensors_cannot_hold_are_one_line(tmp_path):
+    model = gpt2()
+    ids = torch.randint(0, 128, (2, 16))
+    for weights, activations, message in (
+        ({"group_size": 32}, None, r"^quantize.weights='group_size=32': transformer.h.0.attn.c_attn is a Conv1D"),
+        ({"symmetric": False}, None, r"^quantize.weights='symmetric=False': .* quantize Conv1D layers symmetric"),
+        ({}, surgery.QuantSpec(bits=8), r"^quantize.activations='.*': transformers loads compressed-tensors"),
+    ):
+        spec = surgery.QuantizeSpec(
+            weights=surgery.QuantSpec(**{"bits": 4, "symmetric": True, "per_channel": True, **weights}),
+            activations=activations,
+            where="input",
+        )
+        with surgery.quantize(model, spec, calibration=[ids] if activations else None) as handle:
+            with pytest.raises(ConfigError, match=message):
+                surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -22,6 +22,14 @@ log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size")
 
 
+def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
+    """The layers compressed-tensors holds: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+
+
+linear_or_conv1d.__name__ = "Linear|Conv1D"
+
+
 def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Write ``plan.model`` as a compressed-tensors folder at ``path`` (see the module doc)."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -36,12 +44,12 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
             "(use format='torchao', 'onnx' or 'safetensors')",
         )
     ct = required("compressed_tensors", "compressed-tensors")
-    scheme, layers, dense = _scheme(plan, ct)
+    scheme, layers = _scheme(plan, ct)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     compressor = _compressor(ct, scheme.format)
     for layer in layers:
         grid = plan.layer_weight(layer)
-        local = _local_state(grid, model.get_submodule(layer).weight)
+        local = _local_state(grid, model.get_submodule(layer).weight, is_hf_conv1d(model.get_submodule(layer)))
         del state[f"{layer}.weight"]
         for key, value in compressor.compress(local, scheme).items():
             state[f"{layer}.{key}"] = value.contiguous()
@@ -58,21 +66,14 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
         _save_tokenizer(tokenizer, path)
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
-    config["quantization_config"] = _quantization_config(ct, scheme, model, layers)
+    conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
+    config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if dense:
-        log.warning(
-            "export: compressed-tensors %s compresses Linear layers only; %d layer(s) stored dense "
-            "(quantized values, full size), e.g. %s",
-            ct.__version__,
-            len(dense),
-            dense[0],
-        )
     return {"exact": scheme.input_activations is None}  # int8 inputs round as x / scale, ours as x * (1 / scale)
 
 
-def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
-    """One compressed-tensors scheme for every quantized Linear (the layers, and those stored dense)."""
+def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str]]:
+    """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     if plan.masks and not plan.weights:
@@ -86,30 +87,29 @@ def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
         raise ConfigError(
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
-    layers, dense = [], []
+    layers = []
     for key in plan.weights:
         layer, _, attribute = key.rpartition(".")
         module = plan.model.get_submodule(layer)
-        if attribute == "weight" and isinstance(module, nn.Linear):
-            layers.append(layer)
-        elif attribute == "weight" and is_hf_conv1d(module):
-            dense.append(layer)
-        else:
-            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear weights only")
-    if not layers:
-        raise ConfigError(
-            "export.handle",
-            f"{len(dense)} quantized layer(s), none nn.Linear (e.g. {dense[0]})",
-            f"compressed-tensors {ct.__version__} compresses nn.Linear only (transformers' Conv1D, as in GPT-2, "
-            "is not held); use format='safetensors' for the quantized values",
-        )
+        if attribute != "weight" or not (isinstance(module, nn.Linear) or is_hf_conv1d(module)):
+            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
+        grid = plan.weights[key]
+        if is_hf_conv1d(module) and (grid.group_size or not grid.spec.symmetric):
+            setting = f"group_size={grid.group_size}" if grid.group_size else "symmetric=False"
+            raise ConfigError(
+                "quantize.weights",
+                setting,
+                f"{layer} is a Conv1D (its weight stored inputs x outputs), whose groups and zero points "
+                "compressed-tensors cannot lay out; quantize Conv1D layers symmetric, per channel",
+            )
+        layers.append(layer)
     specs = {plan.weights[f"{layer}.weight"].spec for layer in layers}
     if len(specs) > 1:
         raise ConfigError("export.handle", len(specs), "weight settings differ between layers; one scheme is held")
     spec = specs.pop()
     strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
     for layer in layers:
-        columns = plan.model.get_submodule(layer).in_features
+        columns = plan.model.get_submodule(layer).weight.shape[1]
         if spec.group_size and columns % spec.group_size:
             raise ConfigError(
                 "quantize.weights.group_size",
@@ -120,9 +120,18 @@ def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str], list[str]]:
         num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
     )
     inputs = _input_args(plan, layers, QuantizationArgs)
+    conv1d = [layer for layer in layers if is_hf_conv1d(plan.model.get_submodule(layer))]
+    if inputs is not None and conv1d:
+        raise ConfigError(
+            "quantize.activations",
+            f"{len(conv1d)} Conv1D layer(s) (e.g. {conv1d[0]})",
+            f"transformers loads compressed-tensors {ct.__version__} Conv1D models dequantized, without input "
+            "scales; export their weights only (quantize.activations=null) or use format='onnx'",
+        )
     scheme_format = "int-quantized" if inputs is not None else "pack-quantized"
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs, format=scheme_format)
-    return scheme, layers, dense
+    kinds = sorted({type(plan.model.get_submodule(layer)).__name__ for layer in layers})
+    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
+    return scheme, layers
 
 
 def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
@@ -151,17 +160,21 @@ def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
     return arguments(num_bits=8, type="int", symmetric=spec.symmetric, strategy="tensor", dynamic=False)
 
 
-def _local_state(grid: WeightGrid, weight: Tensor) -> dict[str, Tensor]:
+def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict[str, Tensor]:
     """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
-    so that its re-quantization gives back our integers), scales and signed zero points."""
+    so that its re-quantization gives back our integers), scales and signed zero points. A
+    Conv1D keeps its (inputs, outputs) layout, with one scale per column: (1, outputs)."""
     exact = grid.dequantized(grid.integers(weight), torch.float64)
     scale = grid.scale.float()
     scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
-    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
+    if conv1d:
+        exact, scale = exact.t(), scale.t() if scale.dim() == 2 else scale
+    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype).contiguous()}
     if not grid.spec.symmetric:  # compressed-tensors' integers are signed: shift ours by 2^(bits-1)
         offset = 1 << (grid.spec.bits - 1)
-        zero_point = grid.zero_point.reshape(scale.shape) - offset
-        local["weight_zero_point"] = zero_point.to(torch.int8)
+        zero_point = grid.zero_point.reshape(scale.t().shape if conv1d and scale.dim() == 2 else scale.shape)
+        zero_point = (zero_point.t() if conv1d and zero_point.dim() == 2 else zero_point) - offset
+        local["weight_zero_point"] = zero_point.to(torch.int8).contiguous()
     return local
 
 
@@ -176,19 +189,24 @@ def _compressor(ct: Any, name: str) -> Any:
         ) from None
 
 
-def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> dict[str, Any]:
+def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str], conv1d: bool) -> dict[str, Any]:
     from compressed_tensors.quantization import QuantizationConfig
 
     quantized = set(layers)
-    ignore = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in quantized]
+    ignore = [
+        name
+        for name, m in model.named_modules()
+        if (isinstance(m, nn.Linear) or is_hf_conv1d(m)) and name not in quantized
+    ]
     config = QuantizationConfig(
         config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
     )
     found = {"quant_method": "compressed-tensors", "version": ct.__version__}
     found |= config.model_dump(exclude=["quant_method"])
-    if scheme.format == "pack-quantized" and not scheme.weights.symmetric:
+    if conv1d or (scheme.format == "pack-quantized" and not scheme.weights.symmetric):
         # compressed-tensors 0.20 builds the model on meta without packing the zero point, so a
-        # plain from_pretrained of an asymmetric packed folder fails; dequantizing on load works.
+        # plain from_pretrained of an asymmetric packed folder fails; and its compressed modules
+        # are Linear-shaped, where a Conv1D is (inputs, outputs). Dequantizing on load serves both.
         found["dequantize"] = True
     return found
 
@@ -227,5 +245,5 @@ register_export_format(
     holds_hooks=True,
     exact=False,
     bound=0.9999,
-    target=DeployTarget(layers=(nn.Linear,), activations={"bits": 8, "per_channel": False}),
+    target=DeployTarget(layers=linear_or_conv1d, activations={"bits": 8, "per_channel": False}),
 )
