@@ -30,13 +30,14 @@ docs: $(STAMP)  ## the documentation site, built strictly into build/site (never
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 bench: $(STAMP)  ## performance figures quoted in the docs
-	$(PY) -m pip install --quiet -e '.[bench]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[bench,deploy,hf]' $(TORCH_PIN)
 	$(PY) benchmarks/bench_prune.py $(ARGS)
 	$(PY) benchmarks/bench_quantize.py $(ARGS)
 	$(PY) benchmarks/bench_intercept.py
 	$(PY) benchmarks/bench_compile.py
 	$(PY) benchmarks/bench_calibrated.py
 	$(PY) benchmarks/bench_shrink.py
+	$(PY) benchmarks/bench_deploy.py
 
 tour: $(STAMP)  ## regenerate the docs' images (docs/images/) from real runs
 	rm -rf build/tour

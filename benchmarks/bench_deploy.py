@@ -197,13 +197,12 @@ def peer_torchao(case: Case, tmp: Path, rows: dict[str, Callable], sizes: dict[s
 
 
 def peer_pt2e(model: nn.Module, example: tuple[Tensor, ...], calibration: list[tuple[Tensor, ...]]) -> nn.Module:
+    from torchao.quantization.pt2e import allow_exported_model_train_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
         X86InductorQuantizer,
         get_default_x86_inductor_quantization_config,
     )
-
-    from torchao.quantization.pt2e import allow_exported_model_train_eval
 
     batch = ({0: torch.export.Dim.AUTO},) + (None,) * (len(example) - 1)
     exported = torch.export.export(copy.deepcopy(model), example, dynamic_shapes=batch).module()

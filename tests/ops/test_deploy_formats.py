@@ -316,3 +316,22 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_as_it_was(tmp_path):
         with pytest.raises(OutputExistsError):
             surgery.export(handle, target, format="compressed-tensors")
     assert [p.name for p in tmp_path.iterdir()] == ["llama"] and (target / "keep.txt").read_text() == "earlier"
+
+
+def test_a_timm_resnet_exports_to_onnx_with_every_convolution_on_an_int8_kernel(tmp_path):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("resnet10t").eval()  # a stem of three convolutions, then basic blocks
+    calibration = [torch.randn(2, 3, 64, 64) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "resnet10t.onnx", format="onnx", inputs=calibration[:1])
+    assert record.parity.holds, record.parity
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
+    import onnx
+
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert kinds["QLinearConv"] == convolutions and kinds["Conv"] == 0, kinds
