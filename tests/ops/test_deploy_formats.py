@@ -78,6 +78,26 @@ def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
         assert "model.layers.0.self_attn.q_proj.input_scale" in list(file.keys())
 
 
+def test_compressed_tensors_w8a8_dynamic_quantizes_each_token_at_load(tmp_path):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True), select="**.*_proj")
+    with surgery.quantize(model, spec) as handle:
+        record = surgery.export(
+            handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids], activations="dynamic"
+        )
+        with pytest.raises(ConfigError, match=r"^export.options.activations='per-layer': must be one of static, dyn"):
+            surgery.export(handle, tmp_path / "bad", format="compressed-tensors", activations="per-layer")
+        with pytest.raises(ConfigError, match=r"^export.options.activations='static': needs activations quantized"):
+            surgery.export(handle, tmp_path / "bad", format="compressed-tensors", activations="static")
+    assert record.parity.holds and not record.parity.equal, record.parity  # within 0.9999: tokens rounded
+    scheme = record.load().model.layers[0].self_attn.q_proj.quantization_scheme.input_activations
+    assert scheme.dynamic is True and scheme.strategy == "token"
+    with safe_open(str(tmp_path / "llama" / "model.safetensors"), "pt") as f:
+        assert not any(key.endswith("input_scale") for key in f.keys())  # noqa: SIM118 - safe_open is not iterable
+    assert not (tmp_path / "bad").exists()
+
+
 def gpt2() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)

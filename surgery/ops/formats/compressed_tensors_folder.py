@@ -19,7 +19,8 @@ from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
 
 log = logging.getLogger("surgery")
-OPTIONS = ("tokenizer", "max_shard_size")
+OPTIONS = ("tokenizer", "max_shard_size", "activations")
+ACTIVATIONS = ("static", "dynamic", "none")  # input scales: surgery's calibrated ones, per token at run time, none
 
 
 def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
@@ -44,7 +45,10 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
             "(use format='torchao', 'onnx' or 'safetensors')",
         )
     ct = required("compressed_tensors", "compressed-tensors")
-    scheme, layers = _scheme(plan, ct)
+    mode = options.get("activations", "static" if plan.activations else "none")
+    if mode not in ACTIVATIONS:
+        raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
+    scheme, layers = _scheme(plan, ct, mode)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     compressor = _compressor(ct, scheme.format)
     for layer in layers:
@@ -54,7 +58,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
         for key, value in compressor.compress(local, scheme).items():
             state[f"{layer}.{key}"] = value.contiguous()
         activation = plan.activation(layer, "input")
-        if activation is not None:
+        if activation is not None and mode == "static":
             state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
             if not activation.spec.symmetric:
                 offset = 1 << (activation.spec.bits - 1)
@@ -69,10 +73,13 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
     config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return {"exact": scheme.input_activations is None}  # int8 inputs round as x / scale, ours as x * (1 / scale)
+    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if mode == "none" else []
+    left_out = left_out if plan.activations else []
+    # int8 inputs round as x / scale, ours as x * (1 / scale); dynamic ones per token at run time
+    return {"exact": scheme.input_activations is None and not left_out, "left_out": left_out}
 
 
-def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str]]:
+def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -119,7 +126,15 @@ def _scheme(plan: DeployPlan, ct: Any) -> tuple[Any, list[str]]:
     weights = QuantizationArgs(
         num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
     )
-    inputs = _input_args(plan, layers, QuantizationArgs)
+    inputs = None
+    if mode == "static":
+        inputs = _input_args(plan, layers, QuantizationArgs)
+        if inputs is None:
+            raise ConfigError(
+                "export.options.activations", mode, "needs activations quantized at layer inputs (where='input')"
+            )
+    elif mode == "dynamic":
+        inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     conv1d = [layer for layer in layers if is_hf_conv1d(plan.model.get_submodule(layer))]
     if inputs is not None and conv1d:
         raise ConfigError(
