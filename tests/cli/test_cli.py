@@ -209,10 +209,12 @@ def test_quantize_digits_reports_real_accuracy_offline(tmp_path):
 def test_an_exporting_run_reloads_the_export_in_its_runtime_and_reports_deploy(tmp_path, target):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("torchao")
-    result = surgery(
-        "recipe=quantize_digits", f"export.format={target}", f"+quantize.target={target}", f"hydra.run.dir={tmp_path}"
-    )
+    result = surgery("recipe=quantize_digits", f"export.format={target}", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
+    logged = (
+        result.stdout + result.stderr + (tmp_path / "main.log").read_text() if (tmp_path / "main.log").exists() else ""
+    )
+    assert f"quantize.target={target}, from export.format" in logged + result.stdout + result.stderr
     data = report(tmp_path)
     deploy = data["deploy"]
     assert deploy["format"] == target and deploy["bytes"] == (tmp_path / deploy["path"]).stat().st_size
