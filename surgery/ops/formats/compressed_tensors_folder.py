@@ -73,8 +73,8 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
     config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if mode == "none" else []
-    left_out = left_out if plan.activations else []
+    dropped = mode == "none" and plan.activations
+    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
     # int8 inputs round as x / scale, ours as x * (1 / scale); dynamic ones per token at run time
     return {"exact": scheme.input_activations is None and not left_out, "left_out": left_out}
 
@@ -98,7 +98,7 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     for key in plan.weights:
         layer, _, attribute = key.rpartition(".")
         module = plan.model.get_submodule(layer)
-        if attribute != "weight" or not (isinstance(module, nn.Linear) or is_hf_conv1d(module)):
+        if attribute != "weight" or not linear_or_conv1d(module):
             raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
         grid = plan.weights[key]
         if is_hf_conv1d(module) and (grid.group_size or not grid.spec.symmetric):
@@ -182,14 +182,13 @@ def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict
     exact = grid.dequantized(grid.integers(weight), torch.float64)
     scale = grid.scale.float()
     scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
-    if conv1d:
-        exact, scale = exact.t(), scale.t() if scale.dim() == 2 else scale
-    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype).contiguous()}
+    if conv1d:  # symmetric and per channel or tensor only (_scheme refuses the rest)
+        exact, scale = exact.t(), scale.t().contiguous() if scale.dim() == 2 else scale
+    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
     if not grid.spec.symmetric:  # compressed-tensors' integers are signed: shift ours by 2^(bits-1)
         offset = 1 << (grid.spec.bits - 1)
-        zero_point = grid.zero_point.reshape(scale.t().shape if conv1d and scale.dim() == 2 else scale.shape)
-        zero_point = (zero_point.t() if conv1d and zero_point.dim() == 2 else zero_point) - offset
-        local["weight_zero_point"] = zero_point.to(torch.int8).contiguous()
+        zero_point = grid.zero_point.reshape(scale.shape) - offset
+        local["weight_zero_point"] = zero_point.to(torch.int8)
     return local
 
 
@@ -208,11 +207,7 @@ def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[st
     from compressed_tensors.quantization import QuantizationConfig
 
     quantized = set(layers)
-    ignore = [
-        name
-        for name, m in model.named_modules()
-        if (isinstance(m, nn.Linear) or is_hf_conv1d(m)) and name not in quantized
-    ]
+    ignore = [name for name, m in model.named_modules() if linear_or_conv1d(m) and name not in quantized]
     config = QuantizationConfig(
         config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
     )

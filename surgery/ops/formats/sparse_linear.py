@@ -48,8 +48,8 @@ class SparseLinear(nn.Module):
     @property
     def sparsity(self) -> float:
         """The fraction of zero weights."""
-        stored = self.weight.values() if self.weight.layout == torch.sparse_csr else self.weight.ne(0)
-        kept = stored.numel() if self.weight.layout == torch.sparse_csr else int(stored.sum())
+        csr = self.weight.layout == torch.sparse_csr
+        kept = self.weight.values().numel() if csr else int(self.weight.ne(0).sum())
         return 1.0 - kept / (self.in_features * self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -106,20 +106,20 @@ def write_sparse(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[
             weight.mul_(mask.to(weight.device, weight.dtype))  # the masked values, whatever the enforcer keeps
     for layer in layers:
         module = plain.get_submodule(layer)
-        _replace(plain, layer, SparseLinear(module.weight, module.bias, layout))
+        plain.set_submodule(layer, SparseLinear(module.weight, module.bias, layout))
     torch.save(plain, str(path))
     left_out = sorted({name.rpartition(".")[0] for name in plan.masks} - set(layers))
     return {"exact": False, "left_out": [f"{layer} (dense: below min_sparsity or not 2:4)" for layer in left_out]}
 
 
 def _sparse_layers(plan: DeployPlan, layout: str, threshold: float) -> list[str]:
+    """The pruned ``nn.Linear`` layers sparse enough (``csr``) or 2:4 (``2:4``) to become sparse."""
     if not plan.masks:
         raise ConfigError("export.handle", "no pruning masks", "format='sparse' holds pruned Linear weights")
     layers = []
     for key, mask in plan.masks.items():
         layer, _, attribute = key.rpartition(".")
-        module = plan.model.get_submodule(layer)
-        if attribute != "weight" or type(module) is not nn.Linear:
+        if attribute != "weight" or type(plan.model.get_submodule(layer)) is not nn.Linear:
             continue
         sparsity = 1.0 - mask.float().mean().item()
         if (layout == "csr" and sparsity >= threshold) or (layout == "2:4" and is_two_four(mask)):
@@ -132,11 +132,6 @@ def _sparse_layers(plan: DeployPlan, layout: str, threshold: float) -> list[str]
             f"no nn.Linear weight has {need}; sparse kernels would be slower than dense here",
         )
     return layers
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def load_sparse(path: Path) -> nn.Module:
