@@ -147,24 +147,14 @@ def head_counts(module: nn.Module, layout: HeadLayout) -> dict[str, int] | None:
     return counts
 
 
-register_heads(
-    "transformers.models.bert.modeling_bert.BertSelfAttention",
-    HeadLayout(
-        ("query", "key", "value"),
-        "attention_head_size",
-        heads={"num_attention_heads": "query"},
-        derived={"all_head_size": "query"},
-    ),
+BERT_SELF_ATTENTION = HeadLayout(
+    ("query", "key", "value"),
+    "attention_head_size",
+    heads={"num_attention_heads": "query"},
+    derived={"all_head_size": "query"},
 )
-register_heads(
-    "transformers.models.roberta.modeling_roberta.RobertaSelfAttention",
-    HeadLayout(
-        ("query", "key", "value"),
-        "attention_head_size",
-        heads={"num_attention_heads": "query"},
-        derived={"all_head_size": "query"},
-    ),
-)
+register_heads("transformers.models.bert.modeling_bert.BertSelfAttention", BERT_SELF_ATTENTION)
+register_heads("transformers.models.roberta.modeling_roberta.RobertaSelfAttention", BERT_SELF_ATTENTION)
 register_heads(
     "transformers.models.vit.modeling_vit.ViTAttention",
     HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", heads={"num_attention_heads": "q_proj"}, output="o_proj"),
