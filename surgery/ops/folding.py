@@ -1,8 +1,11 @@
 """Fold each BatchNorm into the convolution that feeds it, restorably, as deployment runtimes do
 before they quantize: the convolution's weight and bias absorb the normalisation and the
-BatchNorm becomes an identity."""
+BatchNorm becomes an identity (a subclass that does more, as timm's BatchNormAct2d with its
+activation inside, keeps its forward with the normalisation made exactly neutral)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -89,9 +92,13 @@ def _fold_one(
     parent_name, _, child = norm_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     set_slot(conv, "bias", nn.Parameter(new_bias, requires_grad=weight.requires_grad))
-    setattr(parent, child, nn.Identity())
+    kept = _neutralize(norm) if type(norm) not in BATCH_NORMS else None
+    if kept is None:
+        setattr(parent, child, nn.Identity())
 
     def undo() -> None:
+        if kept is not None:
+            kept()
         setattr(parent, child, norm)
         set_slot(conv, "bias", old_bias)
         with torch.no_grad():
@@ -100,13 +107,49 @@ def _fold_one(
     handle.add(f"BatchNorm {norm_name} folded into {conv_name}", undo)
 
 
+def _neutralize(norm: nn.Module) -> Callable[[], None]:
+    """Make ``norm``'s normalisation the identity, bit for bit (mean 0, variance 1, eps 0, weight
+    1, bias 0), leaving the rest of its forward; returns what puts it back."""
+    saved = {
+        n: t.detach().clone() for n, t in (*norm.named_buffers(recurse=False), *norm.named_parameters(recurse=False))
+    }
+    eps = norm.eps
+    with torch.no_grad():
+        norm.running_mean.zero_()
+        norm.running_var.fill_(1.0)
+        if norm.weight is not None:
+            norm.weight.fill_(1.0)
+            norm.bias.zero_()
+    norm.eps = 0.0
+
+    def put_back() -> None:
+        norm.eps = eps
+        with torch.no_grad():
+            for name, value in saved.items():
+                getattr(norm, name).copy_(value)
+
+    return put_back
+
+
+def is_neutral(norm: nn.Module) -> bool:
+    """Whether a BatchNorm was folded by :func:`_neutralize` (it computes the identity)."""
+    affine = norm.weight is None or (bool((norm.weight == 1).all()) and bool((norm.bias == 0).all()))
+    stats = bool((norm.running_mean == 0).all()) and bool((norm.running_var == 1).all())
+    return norm.eps == 0 and stats and affine
+
+
 def folded_structure(model: nn.Module, pairs: list[tuple[str, str]]) -> nn.Module:
     """``model`` shaped as after :func:`fold_batchnorms` of ``pairs`` (each BatchNorm an identity,
-    each convolution with a bias), so that a folded model's state dict loads into it."""
+    or a subclass with eps 0 for its neutral statistics; each convolution with a bias), so that a
+    folded model's state dict loads into it."""
     for conv_name, norm_name in pairs:
         conv = model.get_submodule(conv_name)
         if get_slot(conv, "bias") is None:
             set_slot(conv, "bias", nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype)))
         parent_name, _, child = norm_name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, nn.Identity())
+        norm = model.get_submodule(norm_name)
+        if type(norm) in BATCH_NORMS:
+            setattr(model.get_submodule(parent_name), child, nn.Identity())
+        else:
+            norm.eps = 0.0
     return model
