@@ -63,7 +63,9 @@ class WeightGrid:
 @dataclass(frozen=True)
 class ActivationGrid:
     """The frozen grid of one quantized activation: the ``where`` (``"input"`` or
-    ``"output"``) of ``layer``, one scale (``axis=None``) or one per channel."""
+    ``"output"``) of ``layer`` at its ``call``-th run in a forward (0 unless quantized per
+    call), one scale (``axis=None``) or one per channel; ``follows``: the key of the quantizer
+    that wrote the tensor it reads (through max-pooling), whose grid it shares."""
 
     layer: str
     where: str
@@ -71,6 +73,8 @@ class ActivationGrid:
     scale: Tensor
     zero_point: Tensor
     axis: int | None
+    call: int = 0
+    follows: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class DeployPlan:
 
     model: nn.Module
     weights: dict[str, WeightGrid] = field(default_factory=dict)
-    activations: dict[tuple[str, str], ActivationGrid] = field(default_factory=dict)  # (layer, where)
+    activations: dict[tuple[str, str, int], ActivationGrid] = field(default_factory=dict)  # (layer, where, call)
     masks: dict[str, Tensor] = field(default_factory=dict)
     unexpressed: list[str] = field(default_factory=list)  # changes no format holds (input rewrites)
     inputs: list[Call] | None = None  # example batches, for formats that trace the model
@@ -96,8 +100,8 @@ class DeployPlan:
         """The grid of ``layer``'s ``weight``, if quantized."""
         return self.weights.get(f"{layer}.weight" if layer else "weight")
 
-    def activation(self, layer: str, where: str) -> ActivationGrid | None:
-        return self.activations.get((layer, where))
+    def activation(self, layer: str, where: str, call: int = 0) -> ActivationGrid | None:
+        return self.activations.get((layer, where, call))
 
 
 def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan:
@@ -116,7 +120,7 @@ def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan
             if isinstance(part, WeightGrid):
                 plan.weights[part.key] = part
             elif isinstance(part, ActivationGrid):
-                plan.activations[(part.layer, part.where)] = part
+                plan.activations[(part.layer, part.where, part.call)] = part
             elif isinstance(part, SparsityMask):
                 plan.masks[part.key] = part.mask
         if not parts:

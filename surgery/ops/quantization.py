@@ -30,6 +30,7 @@ from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods re
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.placement import ACTIVATIONS, Site, site_key, tensor_sites
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.weight_methods import (
     WEIGHT_METHODS,
@@ -53,18 +54,19 @@ ACTIVATION_AXIS = (
     (nn.ConvTranspose3d, 1),
     (nn.Linear, -1),
 )
-WHERE = ("output", "input", "both")  # both: each layer's input and its output
-OUTPUT_KEY = "@output"  # with where="both": the key of a layer's output quantizer is "<layer>@output"
+WHERE = ("output", "input", "both", "tensors")  # both: each layer's input and output; tensors: see placement
 
 
 def activation_sides(where: str) -> tuple[str, ...]:
     """The hook sides ``where`` quantizes: ``("input",)``, ``("output",)`` or both."""
-    return ("input", "output") if where == "both" else (where,)
+    return ("input", "output") if where in ("both", "tensors") else (where,)
 
 
-def activation_key(layer: str, side: str, where: str) -> str:
-    """The key of a layer's quantizer in :attr:`QuantizeHandle.activations` and in saved qparams."""
-    return f"{layer}{OUTPUT_KEY}" if where == "both" and side == "output" else layer
+def activation_key(layer: str, side: str, where: str, call: int = 0) -> str:
+    """The key of a layer's quantizer in :attr:`QuantizeHandle.activations` and in saved qparams:
+    the layer's name, ``"<layer>@output"`` for outputs when both sides are quantized, ``"#k"``
+    after it for the k-th call of a module quantized per call."""
+    return site_key(layer, side, call) if where in ("both", "tensors") else layer
 
 
 DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
@@ -101,6 +103,13 @@ class QuantizeSpec:
         if self.where not in WHERE:
             raise ConfigError("quantize.where", self.where, f"must be one of {', '.join(WHERE)}")
         _validate_training(self.train, self.freeze_observers_after, activations)
+        if self.where == "tensors" and (self.train or (activations is not None and activations.per_channel)):
+            raise ConfigError(
+                "quantize.where",
+                "tensors",
+                "quantizes each tensor once, with one scale, after training: "
+                "set train=false and per-tensor activations",
+            )
         _validate_method(weights, activations, self.train, self.blocks)
 
     @property
@@ -244,8 +253,20 @@ class WeightQuantizer:
 class ActivationQuantizer:
     """Forward hook (outputs) or forward-pre hook (first input) that observes, then fake-quantizes."""
 
-    def __init__(self, spec: QuantSpec, axis: int | None, name: str, where: str, learning: bool = False) -> None:
+    def __init__(
+        self,
+        spec: QuantSpec,
+        axis: int | None,
+        name: str,
+        where: str,
+        learning: bool = False,
+        call: int = 0,
+        follows: str | None = None,
+    ) -> None:
         self.spec, self.axis, self.name, self.where = spec, axis, name, where
+        self.call = call  # which run of the module in a forward (a PerCallQuantizer's k-th quantizer)
+        self.follows = follows  # the key of the quantizer whose grid this one takes after calibration
+        self.per_call = False  # observed by its PerCallQuantizer rather than by a capture
         self.observer: Observer | None = Observer(spec, axis, name)
         self.scale: Tensor | None = None
         self.zero_point: Tensor | None = None
@@ -339,6 +360,45 @@ class ActivationQuantizer:
         return None if quantized is None else (quantized, *args[1:])
 
 
+class PerCallQuantizer:
+    """Forward hook of a module quantized per call (a ReLU, shared in a block): of the ``count``
+    runs a forward makes, run k uses ``quantizers[k]`` (none: left as it is), which observes
+    itself while calibrating. :meth:`start` (a forward-pre hook of the root model) begins each
+    forward at run 0."""
+
+    def __init__(self, quantizers: dict[int, ActivationQuantizer], count: int) -> None:
+        self.quantizers, self.count = quantizers, count
+        self.runs = 0
+        self.in_forward = False
+        for quantizer in quantizers.values():
+            quantizer.per_call = True
+
+    def start(self, *_: Any) -> None:
+        self.runs, self.in_forward = 0, True
+
+    def end(self, *_: Any) -> None:
+        self.in_forward = False
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.in_forward and self.runs >= self.count:
+            name = next(iter(self.quantizers.values())).name
+            raise ConfigError(
+                "quantize.where",
+                "tensors",
+                f"{name} ran {self.runs + 1} times in one forward where calibration saw {self.count}; "
+                "quantize again with batches that take this path",
+            )
+        quantizer = self.quantizers.get(self.runs % self.count)
+        self.runs += 1
+        if quantizer is None:
+            return None
+        if quantizer.observer is not None:
+            if isinstance(output, Tensor) and output.is_floating_point():
+                quantizer.observer.update(output)
+            return None
+        return quantizer._quantize(output, module.training)
+
+
 def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """The float range a scale and zero point cover (the inverse of ``compute_qparams``)."""
     quant_min, quant_max = spec.quant_range
@@ -419,7 +479,7 @@ class QuantizeHandle(Handle):
         if self.state != "attached":
             return []
         activations = [
-            ActivationGrid(q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis)
+            ActivationGrid(q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis, q.call, q.follows)
             for q in self.activations.values()
             if q.scale is not None
         ]
@@ -493,7 +553,11 @@ def quantize(
             ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
         activations: settings for activations, or None. Forward hooks fake-quantize each
             selected layer's output (``where="input"``: forward-pre hooks, its first input;
-            ``where="both"``: both, the output's parameters saved as ``"<layer>@output"``).
+            ``where="both"``: both, the output's parameters saved as ``"<layer>@output"``;
+            ``where="tensors"``: each tensor once, as graph runtimes quantize: a layer's output,
+            or the ReLU after it, per call (``"<relu>@output#1"``: its second call), and a
+            layer's input only where no quantizer wrote it; found in one forward of the first
+            calibration batch).
         select, exclude: layers (see :func:`surgery.select`), or weights by qualified parameter
             name (``"**.weight_ih_l0"``); default every Conv*d, Linear and Hugging Face Conv1D
             (weight axis 1). Weights matched and skipped are in ``handle.selection``.
@@ -544,8 +608,19 @@ def quantize(
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:
             _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress)
-        if activations is not None:
+        if activations is not None and where == "tensors":
+            if calibration is None:
+                raise ConfigError(
+                    "quantize.calibration",
+                    None,
+                    "where='tensors' finds who writes each tensor in one forward: "
+                    "pass calibration batches (with qparams, one is enough)",
+                )
+            sites = tensor_sites(model, layers, next(batches(calibration, "quantize.calibration")))
+            _attach_sites(handle, model, sites, activations)
+        elif activations is not None:
             _attach_activations(handle, layers, activations, where, learning=train)
+        if activations is not None:
             _calibrate_or_load(handle, model, calibration, qparams, progress)
             if train and freeze_observers_after is not None:
                 schedule = ObserverSchedule(
@@ -681,6 +756,29 @@ def _attach_activations(
             handle.activations[activation_key(name, side, where)] = quantizer
 
 
+def _attach_sites(handle: QuantizeHandle, model: nn.Module, sites: list[Site], spec: QuantSpec) -> None:
+    """One per-tensor quantizer per :class:`~surgery.ops.placement.Site`; each ReLU a
+    :class:`PerCallQuantizer` (one quantizer per call), restarted by a forward-pre hook of ``model``."""
+    calls: dict[str, dict[int, ActivationQuantizer]] = {}
+    runs: dict[str, int] = {}
+    for site in sites:
+        quantizer = ActivationQuantizer(spec, None, site.layer, site.side, call=site.call, follows=site.follows)
+        handle.activations[site.key] = quantizer
+        module = model.get_submodule(site.layer)
+        if site.side == "input":
+            handle.add_hook("activation quantization hook", module.register_forward_pre_hook(quantizer))
+        elif isinstance(module, ACTIVATIONS):  # quantized per call, each call as calibration saw it
+            calls.setdefault(site.layer, {})[site.call] = quantizer
+            runs[site.layer] = site.runs
+        else:
+            handle.add_hook("activation quantization hook", module.register_forward_hook(quantizer))
+    for layer, quantizers in calls.items():
+        split = PerCallQuantizer(quantizers, runs[layer])
+        handle.add_hook("activation quantization hook", model.get_submodule(layer).register_forward_hook(split))
+        handle.add_hook("activation quantization hook", model.register_forward_pre_hook(split.start))
+        handle.add_hook("activation quantization hook", model.register_forward_hook(split.end))
+
+
 def _channels(module: nn.Module, where: str) -> int | None:
     """Channels of a layer's output (``where="output"``) or input, when the layer declares them."""
     for attribute in ("out_channels", "out_features") if where == "output" else ("in_channels", "in_features"):
@@ -755,11 +853,19 @@ def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qp
         return
     with contextlib.ExitStack() as captures:  # the observers are the reducers, one capture per side
         for side in ("input", "output"):
-            observers = {k: q.observer for k, q in handle.activations.items() if q.where == side}
+            observers = {k: q.observer for k, q in handle.activations.items() if q.where == side and not q.per_call}
             if observers:
                 layers = {k: model.get_submodule(handle.activations[k].name) for k in observers}
                 capture = Capture(model, layers, (f"{side}s",), lambda key, module, seen=observers: seen[key])
                 captures.enter_context(capture)
         run_batches(model, calibration, field="quantize.calibration", progress=progress, error=NonFiniteError)
     for quantizer in handle.activations.values():
+        if quantizer.per_call and quantizer.observer.low is None:
+            raise ConfigError(
+                "quantize.calibration", quantizer.name, f"ran fewer than {quantizer.call + 1} times in a forward"
+            )
         quantizer.freeze()
+    for quantizer in handle.activations.values():
+        if quantizer.follows is not None:  # its input is a quantized tensor, max-pooled: one grid for both
+            source = handle.activations[quantizer.follows]
+            quantizer.freeze(source.scale.clone(), source.zero_point.clone())

@@ -7,7 +7,9 @@ import collections
 
 import pytest
 import torch
+import torchvision
 from safetensors import safe_open
+from support import NormAct, trained_stats  # tests/support.py
 from torch import nn
 
 import surgery
@@ -355,3 +357,57 @@ def test_a_timm_resnet_exports_to_onnx_with_every_convolution_on_an_int8_kernel(
     kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
     convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     assert kinds["QLinearConv"] == convolutions and kinds["Conv"] == 0, kinds
+
+
+def test_a_torchvision_resnet_runs_on_int8_kernels_end_to_end_as_onnx_runtime_quantizes_it(tmp_path):
+    import onnx
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10).eval()
+    generator = torch.Generator().manual_seed(1)
+    calibration = [torch.randn(2, 3, 32, 32, generator=generator) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "resnet.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert kinds["QLinearConv"] == convolutions and kinds["Conv"] == 0 and kinds["QGemm"] == 1, kinds
+    # each ReLU folds into the quantizer after it; the residual additions of the first three
+    # blocks run as int8 (the last block's feeds the float average pool, as in ONNX Runtime's own flow)
+    assert kinds["QLinearAdd"] == 3 and kinds["Add"] == 1 and kinds["Relu"] <= 1, kinds
+
+
+def test_a_functional_relu_between_layers_folds_into_the_next_layers_input_quantizer(tmp_path):
+    import onnx
+
+    from surgery.tasks.mnist1d import MNIST1DCNN  # conv -> F.relu -> conv: no module to hook at the ReLU
+
+    torch.manual_seed(0)
+    model = MNIST1DCNN().eval()
+    calibration = [torch.randn(8, 40) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        # rounded once, after the ReLU (by the reader's input quantizer), as ONNX Runtime rounds
+        assert not {"conv1@output", "conv2@output", "fc1@output"} & set(handle.activations)
+        assert "conv3@output" in handle.activations  # its ReLU feeds a flatten, not a layer: no fusion there
+        record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    assert kinds["QLinearConv"] == 3 and kinds["QGemm"] == 2 and kinds["Conv"] == 0 and kinds["Relu"] == 0, kinds
+
+
+def test_a_batchnorm_subclass_folded_exports_with_its_activation(tmp_path):
+    torch.manual_seed(0)
+    model = trained_stats(nn.Sequential(nn.Conv2d(3, 8, 3), NormAct(8), nn.Conv2d(8, 4, 3)))
+    calibration = [torch.randn(2, 3, 12, 12) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity

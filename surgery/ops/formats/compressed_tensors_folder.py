@@ -150,7 +150,7 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
 
 
 def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
-    if any(where == "output" for _, where in plan.activations):
+    if any(where == "output" for _, where, _ in plan.activations):
         raise ConfigError(
             "quantize.where",
             "output",

@@ -15,16 +15,17 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from surgery.core._compat import drop_forward_hooks
+from surgery.core._compat import BATCH_NORMS, drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call
 from surgery.ops.deployment import ActivationGrid, DeployPlan, WeightGrid
 from surgery.ops.exporting import DeployTarget, register_export_format
-from surgery.ops.folding import batchnorm_pairs
+from surgery.ops.folding import batchnorm_pairs, is_neutral
 from surgery.ops.formats.requirements import required
 
 OPTIONS = ("opset",)
 WEIGHT_LAYOUT = {"Conv": 0, "Gemm": 0, "MatMul": 1}  # the output-channel axis of each op's weight initializer
+ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors"): a runtime fuses them into Q
 
 
 def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -41,12 +42,16 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
     drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
     _refuse_unfolded(plain, plan)
     call = plan.inputs[0]
+    # the exporter's optimizer would fuse a neutral BatchNorm subclass into the convolution
+    # before it as a new node, losing the module name that finds the convolution's grids
+    neutral = any(isinstance(m, BATCH_NORMS) and is_neutral(m) for m in plain.modules())
     with torch.no_grad():
         program = torch.onnx.export(
             plain,
             call.args,
             kwargs=dict(call.kwargs),
             dynamo=True,
+            optimize=not neutral,
             opset_version=options.get("opset", 18),
             dynamic_shapes=_any_batch(plain, call),
         )
@@ -79,7 +84,7 @@ def _check_grids(plan: DeployPlan) -> None:
                 f"{f' group {grid.group_size}' if grid.group_size else ''}",
                 "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
             )
-    for (layer, where), grid in plan.activations.items():
+    for (layer, where, _), grid in plan.activations.items():
         if grid.spec.bits != 8 or grid.axis is not None:
             raise ConfigError(
                 "quantize.activations",
@@ -90,7 +95,7 @@ def _check_grids(plan: DeployPlan) -> None:
 
 def _refuse_unfolded(plain: nn.Module, plan: DeployPlan) -> None:
     for conv, norm in batchnorm_pairs(plain, plan.inputs[0]):
-        if plan.layer_weight(conv) is not None:
+        if plan.layer_weight(conv) is not None and not is_neutral(plain.get_submodule(norm)):
             raise ConfigError(
                 "export.handle",
                 f"{conv} feeds BatchNorm {norm}",
@@ -108,30 +113,44 @@ class _QDQ:
         self.numpy = numpy_helper
         self.initializers = {i.name: i for i in self.graph.initializer}
         self.count = 0
+        self.grids: dict[str, ActivationGrid] = {}  # each DequantizeLinear output -> its grid
 
     def insert(self) -> None:
-        layers = {layer for layer, _ in self.plan.activations} | {k.rpartition(".")[0] for k in self.plan.weights}
-        found: set[str] = set()
+        layers = {layer for layer, _, _ in self.plan.activations} | {k.rpartition(".")[0] for k in self.plan.weights}
+        found: set[tuple[str, int]] = set()
+        runs: dict[str, int] = {}
         for node in list(self.graph.node):
             layer = self._layer(node, layers)
+            if layer is not None and node.op_type in ACTIVATION_OPS:
+                call = runs[layer] = runs.get(layer, -1) + 1  # the graph lists a module's runs in order
+                found.add((layer, call))
+                outputs = self.plan.activation(layer, "output", call)
+                if outputs is not None:
+                    self._activation(node.output[0], outputs)
             if layer is None or node.op_type not in WEIGHT_LAYOUT:
                 continue
-            found.add(layer)
+            found.add((layer, 0))
             inputs = self.plan.activation(layer, "input")
             weight = self.plan.layer_weight(layer)
             if weight is not None:
                 self._weight(node, weight)
-            if inputs is not None:
-                self._activation(node.input[0], inputs, consumer=node)
-                if weight is not None and len(node.input) > 2 and node.input[2] in self.initializers:
-                    self._bias(node, inputs, weight)
+            if inputs is not None:  # a follower (a max-pooled quantized tensor) is on its grid for every reader
+                self._activation(node.input[0], inputs, consumer=None if inputs.follows else node)
+            read = self.grids.get(node.input[0])  # its own quantizer, or the one that wrote the tensor
+            if read is not None and weight is not None and len(node.input) > 2 and node.input[2] in self.initializers:
+                self._bias(node, read, weight)
             outputs = self.plan.activation(layer, "output")
             if outputs is not None:
                 self._activation(node.output[0], outputs)
-        missing = sorted(layers - found)
+        wanted = {(layer, call) for layer, _, call in self.plan.activations}
+        wanted |= {(k.rpartition(".")[0], 0) for k in self.plan.weights}
+        missing = sorted(wanted - found)
         if missing:
+            layer, call = missing[0]
             raise ConfigError(
-                "export.handle", missing[0], "is quantized but no Conv, Gemm or MatMul of the traced graph computes it"
+                "export.handle",
+                f"{layer}{f' (run {call + 1})' if call else ''}",
+                f"is quantized but no {', '.join([*WEIGHT_LAYOUT, *ACTIVATION_OPS])} of the traced graph computes it",
             )
         used = {name for node in self.graph.node for name in node.input}
         kept = [i for i in self.graph.initializer if i.name in used]  # the float weights now held as int8
@@ -149,7 +168,7 @@ class _QDQ:
     def _constant(self, base: str, value: np.ndarray) -> str:
         self.count += 1
         name = f"{base}__surgery{self.count}"
-        self.graph.initializer.append(self.numpy.from_array(np.ascontiguousarray(value), name))
+        self.graph.initializer.append(self.numpy.from_array(np.array(value, order="C"), name))  # 0-d stays 0-d
         return name
 
     def _weight(self, node: Any, grid: WeightGrid) -> None:
@@ -210,6 +229,7 @@ class _QDQ:
                     node.input[index] = restored
         self.graph.node.append(helper.make_node("QuantizeLinear", [source, scale, zero], [quantized]))
         self.graph.node.append(helper.make_node("DequantizeLinear", [quantized, scale, zero], [restored]))
+        self.grids[restored] = grid
 
 
 def _sort(graph: Any) -> None:
@@ -263,6 +283,6 @@ register_export_format(
         layers=(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear),
         weights={"bits": 8, "symmetric": True, "group_size": None},
         activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
-        where="both",  # every int8 kernel has a quantized output, as ONNX Runtime fuses DQ -> op -> Q
+        where="tensors",  # each tensor quantized once, where ONNX Runtime fuses DQ -> op (-> Relu) -> Q
     ),
 )
