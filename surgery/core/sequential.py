@@ -10,8 +10,9 @@ selected layers are taken in the order they first run and grouped into *stages*:
   modules ``blocks=`` selects) form one stage. The block's inputs (positional and keyword,
   e.g. attention masks; a key/value cache is dropped) are caught by a forward stopped at the
   block; the block then runs alone on them, and its outputs become the next block's inputs
-  once a forward on the first batch confirms that they are what the next block receives
-  (otherwise its inputs are caught again). Peak memory holds one block's inputs and outputs
+  where the planning forward on the first batch saw that they are what the next block receives
+  (otherwise its inputs are caught again). That check is one forward for all blocks: the work
+  grows linearly with depth. Peak memory holds one block's inputs and outputs
   for the calibration batches, not the model's activations. A block called other than once
   per forward is not treated as one;
 - any other layer is a stage of its own, fed by full forwards of the model.
@@ -62,6 +63,7 @@ class SequentialReport:
     stages: list[Stage] = field(default_factory=list)
     peak_cached_bytes: int = 0
     blocks: list[str] = field(default_factory=list)
+    chained: set[str] = field(default_factory=set)  # blocks whose output is the next block's input
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -103,12 +105,19 @@ def materialise(calibration: Any, field_name: str) -> list[Call]:
 
 
 def plan_stages(
-    model: nn.Module, layers: dict[str, nn.Module], block_names: list[str], first: Call, field: str = "calibration"
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    block_names: list[str],
+    first: Call,
+    field: str = "calibration",
+    chained: set[str] | None = None,
 ) -> list[Stage]:
-    """The stages, in the order the layers first run on the batch ``first``."""
+    """The stages, in the order the layers first run on the batch ``first``; ``chained`` gets
+    the blocks whose output (in place of the hidden states) is what the next block received."""
     order: list[str] = []
     calls = {name: 0 for name in block_names}
     hooks = []
+    watch = _ChainWatch(block_names, chained if chained is not None else set())
 
     def seen(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -127,7 +136,10 @@ def plan_stages(
         for name, module in layers.items():
             hooks.append(module.register_forward_pre_hook(seen(name)))
         for name in block_names:
-            hooks.append(model.get_submodule(name).register_forward_pre_hook(called(name)))
+            block = model.get_submodule(name)
+            hooks.append(block.register_forward_pre_hook(called(name)))
+            hooks.append(block.register_forward_pre_hook(watch.receives(name), with_kwargs=True))
+            hooks.append(block.register_forward_hook(watch.finished(name), with_kwargs=True))
         try:
             first(model)
         except (RuntimeError, TypeError) as err:
@@ -145,6 +157,7 @@ def plan_stages(
             "give batches that run through it, or exclude it",
         )
     once = [name for name in block_names if calls[name] == 1]  # a block run twice (shared weights) is no block
+    watch.chained.intersection_update(once)
     stages: list[Stage] = []
     for name in order:
         block = next((b for b in once if name == b or name.startswith(b + ".")), None)
@@ -153,6 +166,36 @@ def plan_stages(
         else:
             stages.append(Stage([name], block))
     return stages
+
+
+class _ChainWatch:
+    """Hooks of the planning forward that find, for every block at once, whether the next block
+    receives its output in place of its hidden states (the other inputs shared)."""
+
+    def __init__(self, block_names: list[str], chained: set[str]) -> None:
+        self.block_names, self.chained = block_names, chained
+        self.predicted: dict[str, tuple[tuple, dict] | None] = {}  # block -> the next block's predicted call
+
+    def finished(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self.predicted[name] = _next_inputs(output, *_clean(args, kwargs))
+
+        return hook
+
+    def receives(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            index = self.block_names.index(name)
+            before = self.block_names[index - 1] if index else None
+            guess = self.predicted.pop(before, None) if before is not None else None
+            if guess is not None and _same_call(_clean(args, kwargs), guess):
+                self.chained.add(before)
+
+        return hook
+
+
+def _clean(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block's call without a key/value cache (as :func:`_catch` keeps it)."""
+    return tuple(None if _is_cache(value) else value for value in args), _without_cache(kwargs)
 
 
 def _explain_dtype(model: nn.Module, first: Call, err: BaseException, field: str) -> None:
@@ -194,7 +237,7 @@ def run_sequential(
     originals: dict[str, tuple[nn.Parameter, Tensor]] = {}
     try:
         with evaluating(model), torch.no_grad():
-            report.stages = plan_stages(model, layers, report.blocks, calls[0], field)
+            report.stages = plan_stages(model, layers, report.blocks, calls[0], field, report.chained)
             cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
             for stage in tqdm(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
@@ -215,7 +258,7 @@ def run_sequential(
                     )
                 _write(solve(reduced), stage, params, originals)
                 if stage.block is not None:
-                    cache = _outputs_for_next(model, report, stage.block, block, inputs, calls[0])
+                    cache = _outputs_for_next(report, stage.block, block, inputs)
     finally:
         with torch.no_grad():
             for param, original in originals.values():
@@ -224,21 +267,13 @@ def run_sequential(
 
 
 def _outputs_for_next(
-    model: nn.Module,
-    report: SequentialReport,
-    name: str,
-    block: nn.Module,
-    inputs: list[tuple[tuple, dict]],
-    first: Call,
+    report: SequentialReport, name: str, block: nn.Module, inputs: list[tuple[tuple, dict]]
 ) -> tuple[str, list[tuple[tuple, dict]]] | None:
     """The (pruned) block's outputs as the following block's inputs, if the two chain."""
     following = _following(report.blocks, name)
-    if following is None:
+    if following is None or name not in report.chained:
         return None
-    first_output = _next_inputs(block(*inputs[0][0], **inputs[0][1]), *inputs[0])
-    if not _chains(model, model.get_submodule(following), first_output, first):
-        return None
-    outputs = [first_output] + [_next_inputs(block(*a, **k), a, k) for a, k in inputs[1:]]
+    outputs = [_next_inputs(block(*a, **k), a, k) for a, k in inputs]
     if any(output is None for output in outputs):
         return None
     report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
@@ -268,7 +303,7 @@ def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[
     caught: list[tuple[tuple, dict]] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        caught.append((tuple(None if _is_cache(value) else value for value in args), _without_cache(kwargs)))
+        caught.append(_clean(args, kwargs))
         raise _Stop
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
@@ -320,12 +355,9 @@ def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] |
     return None
 
 
-def _chains(model: nn.Module, block: nn.Module, predicted: tuple[tuple, dict] | None, first: Call) -> bool:
-    """Whether ``block`` receives ``predicted`` (the previous block's output in place of its
-    hidden states) on the first batch: checked once by a forward stopped at ``block``."""
-    if predicted is None:
-        return False
-    actual = _catch(model, block, [first])[0]
+def _same_call(actual: tuple[tuple, dict], predicted: tuple[tuple, dict]) -> bool:
+    """Whether a block received ``predicted`` (the previous block's output in place of its
+    hidden states, the other inputs shared)."""
     if len(actual[0]) != len(predicted[0]) or set(actual[1]) != set(predicted[1]):
         return False
     pairs = list(zip(actual[0], predicted[0])) + [(actual[1][k], predicted[1][k]) for k in actual[1]]

@@ -355,6 +355,24 @@ def test_block_memory_is_one_blocks_inputs_and_outputs_whatever_the_depth():
     assert 2 * hidden <= peaks[2] <= 2 * hidden + 3 * 4 * 16 * 16 * 8  # in + out hidden states, plus the masks
 
 
+def test_block_runs_grow_linearly_with_depth():
+    """Each block runs once to plan (which also checks that it chains to the next), once per
+    batch to be calibrated and once per batch to feed the next: never again for a later block."""
+    data = token_batches()
+    runs = {}
+    for layers in (2, 6):
+        model = gpt2(layers)
+        finished = []
+        for block in model.transformer.h:
+            block.register_forward_hook(lambda *_, seen=finished: seen.append(1))  # runs that finished
+        handle = surgery.prune(model, 0.5, method="sparsegpt", calibration=data, exclude="lm_head", progress=False)
+        assert set(handle.sequential.chained) == {f"transformer.h.{i}" for i in range(layers - 1)}
+        runs[layers] = len(finished)
+        handle.restore()
+    assert runs[2] == 2 * (1 + 2 * len(data)) - len(data)  # the last block feeds no one
+    assert runs[6] == 6 * (1 + 2 * len(data)) - len(data)
+
+
 def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_included():
     import transformers
 
