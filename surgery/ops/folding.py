@@ -108,22 +108,20 @@ def _fold_one(
 
 
 def _neutralize(norm: nn.Module) -> Callable[[], None]:
-    """Make ``norm``'s normalisation the identity, bit for bit (mean 0, variance 1, eps 0, weight
-    1, bias 0), leaving the rest of its forward; returns what puts it back."""
+    """Make ``norm``'s normalisation the identity, bit for bit (mean 0, weight 1, bias 0, and a
+    variance that with its eps makes 1 exactly), leaving the rest of its forward; returns what
+    puts it back."""
     saved = {
         n: t.detach().clone() for n, t in (*norm.named_buffers(recurse=False), *norm.named_parameters(recurse=False))
     }
-    eps = norm.eps
     with torch.no_grad():
         norm.running_mean.zero_()
-        norm.running_var.fill_(1.0)
+        norm.running_var.fill_(_unit_variance(norm.eps, norm.running_var.dtype))
         if norm.weight is not None:
             norm.weight.fill_(1.0)
             norm.bias.zero_()
-    norm.eps = 0.0
 
     def put_back() -> None:
-        norm.eps = eps
         with torch.no_grad():
             for name, value in saved.items():
                 getattr(norm, name).copy_(value)
@@ -131,25 +129,33 @@ def _neutralize(norm: nn.Module) -> Callable[[], None]:
     return put_back
 
 
+def _unit_variance(eps: float, dtype: torch.dtype) -> float:
+    """The variance nearest ``1 - eps`` whose sum with ``eps`` is exactly 1 in ``dtype``."""
+    value = torch.tensor(1 - eps, dtype=dtype)
+    for _ in range(64):
+        total = value + eps
+        if total == 1:
+            return value.item()
+        value = torch.nextafter(value, torch.tensor(2.0 if total < 1 else 0.0, dtype=dtype))
+    raise ConfigError("quantize.target", eps, "no BatchNorm variance makes this eps neutral; fold it by hand")
+
+
 def is_neutral(norm: nn.Module) -> bool:
     """Whether a BatchNorm was folded by :func:`_neutralize` (it computes the identity)."""
     affine = norm.weight is None or (bool((norm.weight == 1).all()) and bool((norm.bias == 0).all()))
-    stats = bool((norm.running_mean == 0).all()) and bool((norm.running_var == 1).all())
-    return norm.eps == 0 and stats and affine
+    unit = _unit_variance(norm.eps, norm.running_var.dtype)
+    return bool((norm.running_mean == 0).all()) and bool((norm.running_var == unit).all()) and affine
 
 
 def folded_structure(model: nn.Module, pairs: list[tuple[str, str]]) -> nn.Module:
     """``model`` shaped as after :func:`fold_batchnorms` of ``pairs`` (each BatchNorm an identity,
-    or a subclass with eps 0 for its neutral statistics; each convolution with a bias), so that a
-    folded model's state dict loads into it."""
+    a subclass kept for its neutral statistics; each convolution with a bias), so that a folded
+    model's state dict loads into it."""
     for conv_name, norm_name in pairs:
         conv = model.get_submodule(conv_name)
         if get_slot(conv, "bias") is None:
             set_slot(conv, "bias", nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype)))
         parent_name, _, child = norm_name.rpartition(".")
-        norm = model.get_submodule(norm_name)
-        if type(norm) in BATCH_NORMS:
+        if type(model.get_submodule(norm_name)) in BATCH_NORMS:  # a subclass keeps its neutral statistics
             setattr(model.get_submodule(parent_name), child, nn.Identity())
-        else:
-            norm.eps = 0.0
     return model

@@ -5,13 +5,16 @@ where no quantized module wrote it. One forward finds who writes what."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from surgery.core._compat import tensor_stamp
+from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call
 
 ACTIVATIONS = (nn.ReLU,)  # each call quantized at its output: a runtime fuses it into that quantizer
@@ -37,6 +40,23 @@ class Site:
         return site_key(self.layer, self.side, self.call)
 
 
+def saved_sites(saved: dict[str, Tensor], modules: set[str]) -> list[Site]:
+    """The sites a ``where="tensors"`` handle's :meth:`qparams` hold: ``"<key>.scale"`` of each
+    quantizer of a module of ``modules``, ``"<key>.runs"`` for those quantized per call."""
+    sites = []
+    for name in saved:
+        key = name.removesuffix(".scale")
+        if key == name:
+            continue
+        base, _, call = key.partition("#")
+        layer = base.removesuffix(OUTPUT_KEY)
+        if layer in modules:
+            runs = saved.get(f"{key}.runs")
+            side = "input" if layer == base else "output"
+            sites.append(Site(layer, side, int(call or 0), 1 if runs is None else int(runs)))
+    return sites
+
+
 def site_key(layer: str, side: str, call: int = 0) -> str:
     """``"<layer>"`` (input), ``"<layer>@output"``, and ``"#k"`` after it for the k-th call."""
     base = f"{layer}{OUTPUT_KEY}" if side == "output" else layer
@@ -55,6 +75,7 @@ def tensor_sites(model: nn.Module, layers: dict[str, nn.Module], call: Call) -> 
     once in eval mode. Autograd's record links a layer to one reading it through a functional
     ``relu``, which then has no output quantizer of its own: the reader's input quantizer is the
     one after the ReLU."""
+    layers = {n: m for n, m in layers.items() if not isinstance(m, ACTIVATIONS)}  # a selected ReLU: per call
     names = {id(m): n for n, m in model.named_modules()}
     origin: dict[int, tuple[_Origin, tuple[int, int]]] = {}  # id -> (writer, stamp when written)
     keep: list[Tensor] = []  # alive until the forward ends, so ids stay unique
@@ -101,16 +122,31 @@ def tensor_sites(model: nn.Module, layers: dict[str, nn.Module], call: Call) -> 
     for module in model.modules():
         if isinstance(module, SAME_VALUES + KEEPS_GRID) and names[id(module)] not in layers:
             hooks.append(module.register_forward_hook(passes))
-    training = model.training
     try:
-        model.eval()
-        with torch.enable_grad():
+        with _probing(model, layers):
             call(model)
     finally:
-        model.train(training)
         for hook in hooks:
             hook.remove()
     return _sites(layers, relus, runs, reads, through_relu)
+
+
+@contextlib.contextmanager
+def _probing(model: nn.Module, layers: dict[str, nn.Module]) -> Iterator[None]:
+    """Eval mode with autograd recording (frozen layer weights set to require gradients, so that
+    a layer's output, and a functional relu after it, are recorded), all put back after."""
+    training = model.training
+    frozen = [p for m in layers.values() for p in m.parameters(recurse=False) if p.is_leaf and not p.requires_grad]
+    try:
+        model.eval()
+        for param in frozen:
+            param.requires_grad_(True)
+        with torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        model.train(training)
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 def _sites(layers: dict, relus: dict, runs: Counter, reads: dict, through_relu: set) -> list[Site]:
@@ -130,7 +166,15 @@ def _sites(layers: dict, relus: dict, runs: Counter, reads: dict, through_relu: 
     sites += [Site(relu, "output", call, runs[relu]) for relu, call in relu_calls]
     for name in layers:
         sources = [reads.get((name, c)) for c in range(runs[name])]
-        known = bool(sources) and all(s is not None and (s.layer, s.call) in written for s in sources)
+        quantized = [s is not None and (s.layer, s.call) in written for s in sources]
+        if any(quantized) and not all(quantized):
+            raise ConfigError(
+                "quantize.where",
+                "tensors",
+                f"{name} reads a quantized tensor on some calls and not on others, so one input quantizer "
+                "cannot round each tensor once; exclude it",
+            )
+        known = bool(sources) and all(quantized)
         if known and all(s.direct for s in sources):
             continue  # it reads what a quantizer wrote
         first = sources[0] if known and len({(s.layer, s.call) for s in sources}) == 1 else None

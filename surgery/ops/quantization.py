@@ -30,7 +30,7 @@ from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods re
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
-from surgery.ops.placement import ACTIVATIONS, Site, site_key, tensor_sites
+from surgery.ops.placement import ACTIVATIONS, Site, saved_sites, site_key, tensor_sites
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.weight_methods import (
     WEIGHT_METHODS,
@@ -266,7 +266,7 @@ class ActivationQuantizer:
         self.spec, self.axis, self.name, self.where = spec, axis, name, where
         self.call = call  # which run of the module in a forward (a PerCallQuantizer's k-th quantizer)
         self.follows = follows  # the key of the quantizer whose grid this one takes after calibration
-        self.per_call = False  # observed by its PerCallQuantizer rather than by a capture
+        self.per_call = 0  # quantized per call: the module's runs per forward (observed by its PerCallQuantizer)
         self.observer: Observer | None = Observer(spec, axis, name)
         self.scale: Tensor | None = None
         self.zero_point: Tensor | None = None
@@ -363,15 +363,16 @@ class ActivationQuantizer:
 class PerCallQuantizer:
     """Forward hook of a module quantized per call (a ReLU, shared in a block): of the ``count``
     runs a forward makes, run k uses ``quantizers[k]`` (none: left as it is), which observes
-    itself while calibrating. :meth:`start` (a forward-pre hook of the root model) begins each
-    forward at run 0."""
+    itself while calibrating. :meth:`start` and :meth:`end` (hooks of the root model, the end
+    one run on errors too) bound each forward; a run outside one cannot say which call it is and
+    is refused. An in-place ReLU is quantized in place, for callers that drop its return value."""
 
     def __init__(self, quantizers: dict[int, ActivationQuantizer], count: int) -> None:
         self.quantizers, self.count = quantizers, count
         self.runs = 0
         self.in_forward = False
         for quantizer in quantizers.values():
-            quantizer.per_call = True
+            quantizer.per_call = count
 
     def start(self, *_: Any) -> None:
         self.runs, self.in_forward = 0, True
@@ -380,15 +381,21 @@ class PerCallQuantizer:
         self.in_forward = False
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.in_forward and self.runs >= self.count:
-            name = next(iter(self.quantizers.values())).name
+        name = next(iter(self.quantizers.values())).name
+        if not self.in_forward:
+            raise ConfigError(
+                "quantize.where",
+                "tensors",
+                f"{name} ran outside a forward of the whole model; its quantizers are per call of that forward",
+            )
+        if self.runs >= self.count:
             raise ConfigError(
                 "quantize.where",
                 "tensors",
                 f"{name} ran {self.runs + 1} times in one forward where calibration saw {self.count}; "
                 "quantize again with batches that take this path",
             )
-        quantizer = self.quantizers.get(self.runs % self.count)
+        quantizer = self.quantizers.get(self.runs)
         self.runs += 1
         if quantizer is None:
             return None
@@ -396,7 +403,10 @@ class PerCallQuantizer:
             if isinstance(output, Tensor) and output.is_floating_point():
                 quantizer.observer.update(output)
             return None
-        return quantizer._quantize(output, module.training)
+        quantized = quantizer._quantize(output, module.training)
+        if getattr(module, "inplace", False) and not torch.is_grad_enabled():
+            return output.copy_(quantized)  # callers of an in-place ReLU may read its input instead
+        return quantized
 
 
 def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
@@ -492,6 +502,8 @@ class QuantizeHandle(Handle):
             if quantizer.scale is not None:
                 out[f"{name}.scale"] = quantizer.scale.detach().cpu().contiguous()
                 out[f"{name}.zero_point"] = quantizer.zero_point.detach().cpu().contiguous()
+            if quantizer.per_call:  # where="tensors": the module's runs per forward, to reattach without one
+                out[f"{name}.runs"] = torch.tensor(quantizer.per_call)
         return out
 
     def save_qparams(self, path: str | Path, *, overwrite: bool = False) -> Path:
@@ -593,6 +605,8 @@ def quantize(
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)
+    if calibration is not None and iter(calibration) is calibration:  # one pass only: a probe takes the first
+        calibration = list(calibration)
     rules = deploy_target(spec.target) if spec.target is not None else None
     select = rules.layers if rules is not None and select is None else select
     folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())
@@ -609,15 +623,7 @@ def quantize(
         elif weights is not None:
             _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress)
         if activations is not None and where == "tensors":
-            if calibration is None:
-                raise ConfigError(
-                    "quantize.calibration",
-                    None,
-                    "where='tensors' finds who writes each tensor in one forward: "
-                    "pass calibration batches (with qparams, one is enough)",
-                )
-            sites = tensor_sites(model, layers, next(batches(calibration, "quantize.calibration")))
-            _attach_sites(handle, model, sites, activations)
+            _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)
         elif activations is not None:
             _attach_activations(handle, layers, activations, where, learning=train)
         if activations is not None:
@@ -756,6 +762,20 @@ def _attach_activations(
             handle.activations[activation_key(name, side, where)] = quantizer
 
 
+def _sites_of(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, qparams: Any) -> list[Site]:
+    """``where="tensors"``: the quantizers one forward of the first calibration batch finds, or
+    those saved parameters hold."""
+    if calibration is not None:
+        return tensor_sites(model, layers, next(batches(calibration, "quantize.calibration")))
+    saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"quantize.qparams: got {type(saved).__name__}; pass a path or a dict of tensors")
+    sites = saved_sites(saved, {name for name, _ in model.named_modules()})
+    if not sites:
+        raise CheckpointError("quantize.qparams: holds no activation parameters for this model's modules")
+    return sites
+
+
 def _attach_sites(handle: QuantizeHandle, model: nn.Module, sites: list[Site], spec: QuantSpec) -> None:
     """One per-tensor quantizer per :class:`~surgery.ops.placement.Site`; each ReLU a
     :class:`PerCallQuantizer` (one quantizer per call), restarted by a forward-pre hook of ``model``."""
@@ -776,7 +796,7 @@ def _attach_sites(handle: QuantizeHandle, model: nn.Module, sites: list[Site], s
         split = PerCallQuantizer(quantizers, runs[layer])
         handle.add_hook("activation quantization hook", model.get_submodule(layer).register_forward_hook(split))
         handle.add_hook("activation quantization hook", model.register_forward_pre_hook(split.start))
-        handle.add_hook("activation quantization hook", model.register_forward_hook(split.end))
+        handle.add_hook("activation quantization hook", model.register_forward_hook(split.end, always_call=True))
 
 
 def _channels(module: nn.Module, where: str) -> int | None:
