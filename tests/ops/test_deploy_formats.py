@@ -34,6 +34,16 @@ def tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
+def kernels_formed(path, folder) -> collections.Counter:
+    """The op types of the graph ONNX Runtime runs, after its fusions (int8 kernels formed)."""
+    import onnx
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return collections.Counter(n.op_type for n in onnx.load(str(folder / "optimized.onnx")).graph.node)
+
+
 def mlp(width: int = 64) -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)]
@@ -360,8 +370,6 @@ def test_a_timm_resnet_exports_to_onnx_with_every_convolution_on_an_int8_kernel(
 
 
 def test_a_torchvision_resnet_runs_on_int8_kernels_end_to_end_as_onnx_runtime_quantizes_it(tmp_path):
-    import onnx
-
     torch.manual_seed(0)
     model = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10).eval()
     generator = torch.Generator().manual_seed(1)
@@ -370,10 +378,7 @@ def test_a_torchvision_resnet_runs_on_int8_kernels_end_to_end_as_onnx_runtime_qu
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "resnet.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
-    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    kinds = kernels_formed(record.path, tmp_path)
     convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     assert kinds["QLinearConv"] == convolutions and kinds["Conv"] == 0 and kinds["QGemm"] == 1, kinds
     # each ReLU folds into the quantizer after it; the residual additions of the first three
@@ -382,8 +387,6 @@ def test_a_torchvision_resnet_runs_on_int8_kernels_end_to_end_as_onnx_runtime_qu
 
 
 def test_a_functional_relu_between_layers_folds_into_the_next_layers_input_quantizer(tmp_path):
-    import onnx
-
     from surgery.tasks.mnist1d import MNIST1DCNN  # conv -> F.relu -> conv: no module to hook at the ReLU
 
     torch.manual_seed(0)
@@ -396,10 +399,7 @@ def test_a_functional_relu_between_layers_folds_into_the_next_layers_input_quant
         assert "conv3@output" in handle.activations  # its ReLU feeds a flatten, not a layer: no fusion there
         record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
-    options = ort.SessionOptions()
-    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(record.path), options, providers=["CPUExecutionProvider"])
-    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    kinds = kernels_formed(record.path, tmp_path)
     assert kinds["QLinearConv"] == 3 and kinds["QGemm"] == 2 and kinds["Conv"] == 0 and kinds["Relu"] == 0, kinds
 
 
