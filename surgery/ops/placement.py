@@ -167,15 +167,16 @@ def _sites(layers: dict, relus: dict, runs: Counter, reads: dict, through_relu: 
     for name in layers:
         sources = [reads.get((name, c)) for c in range(runs[name])]
         quantized = [s is not None and (s.layer, s.call) in written for s in sources]
-        if any(quantized) and not all(quantized):
+        direct = [q and s.direct for q, s in zip(quantized, sources)]
+        if (any(direct) and not all(direct)) or (any(quantized) and not all(quantized)):
             raise ConfigError(
                 "quantize.where",
                 "tensors",
-                f"{name} reads a quantized tensor on some calls and not on others, so one input quantizer "
+                f"{name} reads a quantized tensor as it is on some calls and not on others, so one input quantizer "
                 "cannot round each tensor once; exclude it",
             )
         known = bool(sources) and all(quantized)
-        if known and all(s.direct for s in sources):
+        if known and all(direct):
             continue  # it reads what a quantizer wrote
         first = sources[0] if known and len({(s.layer, s.call) for s in sources}) == 1 else None
         follows = None if first is None else site_key(first.layer, "output", first.call if first.layer in relus else 0)

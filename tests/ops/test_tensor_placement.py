@@ -150,7 +150,7 @@ def test_a_functional_relu_is_found_in_frozen_models_and_under_inference_mode():
 def test_a_layer_reading_quantized_and_unquantized_tensors_is_one_line():
     model = Repeated().eval()
     calibration = [{"x": torch.randn(4, 8), "times": 3} for _ in range(2)]
-    with pytest.raises(ConfigError, match="linear reads a quantized tensor on some calls and not on others"):
+    with pytest.raises(ConfigError, match="linear reads a quantized tensor as it is on some calls and not on others"):
         surgery.quantize(model, weights=None, activations=A8, where="tensors", calibration=calibration)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
