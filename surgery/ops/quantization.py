@@ -607,6 +607,8 @@ def quantize(
     _validate_inputs(spec, calibration, qparams)
     if calibration is not None and iter(calibration) is calibration:  # one pass only: a probe takes the first
         calibration = list(calibration)
+    if isinstance(qparams, (str, Path)):  # read once, before anything changes
+        qparams = load_qparams(qparams)
     rules = deploy_target(spec.target) if spec.target is not None else None
     select = rules.layers if rules is not None and select is None else select
     folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())
@@ -767,10 +769,9 @@ def _sites_of(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, 
     those saved parameters hold."""
     if calibration is not None:
         return tensor_sites(model, layers, next(batches(calibration, "quantize.calibration")))
-    saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"quantize.qparams: got {type(saved).__name__}; pass a path or a dict of tensors")
-    sites = saved_sites(saved, {name for name, _ in model.named_modules()})
+    if not isinstance(qparams, dict):
+        raise CheckpointError(f"quantize.qparams: got {type(qparams).__name__}; pass a path or a dict of tensors")
+    sites = saved_sites(qparams, {name for name, _ in model.named_modules()})
     if not sites:
         raise CheckpointError("quantize.qparams: holds no activation parameters for this model's modules")
     return sites
