@@ -120,3 +120,26 @@ def trained_stats(model: nn.Module) -> nn.Module:
             module.weight.data.uniform_(0.5, 1.5)
             module.bias.data.uniform_(-0.5, 0.5)
     return model.eval()
+
+
+def gpt2(layers: int) -> nn.Module:
+    """A two-head, 32-wide GPT-2 language model of ``layers`` blocks (seeded)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def token_batches(count: int = 3) -> list[dict]:
+    """``count`` batches of 4 x 16 token ids (vocabulary 64) with their attention masks."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        {
+            "input_ids": torch.randint(0, 64, (4, 16), generator=generator),
+            "attention_mask": torch.ones(4, 16, dtype=torch.long),
+        }
+        for _ in range(count)
+    ]

@@ -18,8 +18,10 @@ selected layers are taken in the order they first run and grouped into *stages*:
 - any other layer is a stage of its own, fed by full forwards of the model.
 
 After each stage the caller's ``solve`` returns new values for its weights; they are written
-in (so later stages see them) and the originals are put back at the end, or on any error:
-the caller attaches the results as guarded transforms afterwards.
+in (so later stages see them), each weight's original values kept once in an
+:class:`~surgery.core.originals.Originals` store. Without a store from the caller they are put
+back at the end; with one, the new values stay and the caller attaches them as guarded
+transforms whose undo records are the store's. On any error they are put back.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from surgery.core.capture import Capture, ReducerFactory
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import HessianReducer
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
+from surgery.core.originals import Originals
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
@@ -224,17 +227,20 @@ def run_sequential(
     field: str = "calibration",
     progress: bool = True,
     reduce: ReducerFactory = HessianReducer,
+    originals: Originals | None = None,
 ) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
     ``solve`` receives each stage layer's inputs reduced by ``reduce`` (default their Hessian,
     ``{"hessian", "rows"}``; Wanda uses per-feature squared norms). ``params(layer)`` names
     the parameter ``solve``'s values replace for that layer (``(qualified name, parameter)``).
-    Every parameter written is put back as it was before returning (or raising).
+    Every parameter written is put back as it was before returning, unless the caller passes
+    the ``originals`` store to keep them in (then the new values stay); always on an error.
     """
     calls = materialise(calibration, f"{field}")
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
-    originals: dict[str, tuple[nn.Parameter, Tensor]] = {}
+    keep = originals is not None
+    store = originals if originals is not None else Originals()
     try:
         with evaluating(model), torch.no_grad():
             report.stages = plan_stages(model, layers, report.blocks, calls[0], field, report.chained)
@@ -256,13 +262,14 @@ def run_sequential(
                         reduce,
                         lambda block=block, inputs=inputs: [block(*a, **k) for a, k in inputs],
                     )
-                _write(solve(reduced), stage, params, originals)
+                _write(solve(reduced), stage, params, store)
                 if stage.block is not None:
                     cache = _outputs_for_next(report, stage.block, block, inputs)
-    finally:
-        with torch.no_grad():
-            for param, original in originals.values():
-                param.copy_(original)
+    except BaseException:
+        store.put_back()
+        raise
+    if not keep:
+        store.put_back()
     return report
 
 
@@ -382,15 +389,14 @@ def _write(
     values: Mapping[str, Tensor],
     stage: Stage,
     params: Callable[[str], tuple[str, nn.Parameter]],
-    originals: dict[str, tuple[nn.Parameter, Tensor]],
+    originals: Originals,
 ) -> None:
     for layer in stage.layers:
         name, param = params(layer)
         value = values.get(name)
         if value is None:
             continue
-        if name not in originals:
-            originals[name] = (param, param.detach().clone())
+        originals.keep(name, param)
         param.copy_(value.to(param.dtype))
 
 

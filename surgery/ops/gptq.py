@@ -57,17 +57,18 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         targets.matched,
         problem.calibration,
         solver,
+        problem.originals,
         blocks=problem.blocks,
         field="quantize.calibration",
         progress=problem.progress,
     )
     found = {}
-    for key in targets.matched:
-        value, (scale, zero_point) = results[key]
+    for key in targets.matched:  # the rounded weights are in the model already
+        scale, zero_point = results[key]
         axis = problem.axis(key) if grid.per_row else None
         if not grid.per_row:
             scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
-        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis, value)
+        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis)
     return found
 
 

@@ -18,10 +18,11 @@ from surgery.core.capture import SquaredNorms, gradient_statistics, input_statis
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
+from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, run_sequential
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
-from surgery.core.transforms import SavedEntries, SavedTensor, attach_all
+from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
 from surgery.ops.criteria import (
     CRITERIA,
     SCOPES,
@@ -59,9 +60,11 @@ class PruneSpec:
     exclude: Any = None
     blocks: Any = None  # layer-by-layer methods: blocks calibrated in turn (None: found; False: layers)
     amounts: Any = None  # {layer: amount} overriding amount (scope="layer")
+    originals: str = "memory"  # where weights a method rewrites (sparsegpt) wait for restore(): memory or disk
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
+        check_place(self.originals, "prune.originals")
         if self.pattern is not None:
             check_pattern(self.pattern, amount, self.criterion)
         if self.criterion.per_output and self.scope != "layer":
@@ -103,12 +106,13 @@ class MaskEnforcer:
 
     kind = "prune"
 
-    def __init__(self, mask: Tensor, update: Tensor | None = None) -> None:
+    def __init__(self, mask: Tensor, update: Tensor | None = None, saved: Saved | None = None) -> None:
         self.shape = mask.shape
         self.packed = pack(mask)
         self._indices: Tensor | None = None  # flat indices of the pruned entries, while training
-        self.pending = update  # SparseGPT's updated weights, written once when attached
-        self.rewrites = update is not None
+        self.pending = update  # updated weights, written once when attached
+        self.rewrites = update is not None or saved is not None
+        self.saved = saved  # the originals, kept before a method wrote its values into the weight
 
     def mask(self) -> Tensor:
         """The boolean keep-mask (``True`` keeps the entry)."""
@@ -116,7 +120,9 @@ class MaskEnforcer:
 
     def save(self, param: Tensor) -> SavedEntries | SavedTensor:
         """The original values of the entries about to be zeroed (all of them when the kept
-        weights are updated too)."""
+        weights are updated too, as kept before they were)."""
+        if self.saved is not None:
+            return self.saved
         if self.rewrites:
             return SavedTensor(param)
         return SavedEntries(param, ~self.mask(), lambda: ~self.mask())
@@ -212,6 +218,7 @@ def prune(
     blocks: Selection | bool | None = None,
     amounts: Mapping[str, float] | None = None,
     progress: bool = True,
+    originals: str = "memory",
 ) -> PruneHandle:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
 
@@ -254,6 +261,9 @@ def prune(
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
             listed (e.g. a plan from :meth:`surgery.Sensitivity.plan`); ``scope="layer"`` only.
         progress: a progress bar over calibration batches (on a terminal).
+        originals: where the original values of weights a calibrated method changes wait for
+            ``restore()``: ``"memory"``, or ``"disk"`` (a temporary file each, read back on
+            restore): the model then needs about one copy of its weights in memory.
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
@@ -267,16 +277,16 @@ def prune(
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if isinstance(amount, PruneSpec):
         spec = amount
-        given = (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts)
-        if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None):
+        given = (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals)
+        if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None, "memory"):
             raise ConfigError(
                 "prune.amount",
                 spec,
-                "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks and amounts "
-                "in it, not as arguments too",
+                "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts "
+                "and originals in it, not as arguments too",
             )
     else:
-        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts)
+        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals)
     select, exclude, blocks, amounts = spec.select, spec.exclude, spec.blocks, spec.amounts
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
@@ -391,6 +401,7 @@ def _prune_sequentially(
             )
     by_layer = {target.module_name: name for name, target in chosen.items()}
     masks: dict[str, Tensor] = {}
+    spilled = Originals("disk") if spec.originals == "disk" else None  # in memory: only the zeroed entries kept
 
     def solve(reduced: dict[str, Any]) -> dict[str, Tensor]:
         names = [by_layer[layer] for layer in reduced]
@@ -414,24 +425,37 @@ def _prune_sequentially(
         field="prune.calibration",
         progress=progress,
         reduce=SquaredNorms,
+        originals=spilled,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
     return _attach_masks(
-        handle, model, lambda: {name: (target.param, MaskEnforcer(masks[name])) for name, target in chosen.items()}
+        handle,
+        model,
+        lambda: {
+            name: (target.param, MaskEnforcer(masks[name], saved=None if spilled is None else spilled.saved(name)))
+            for name, target in chosen.items()
+        },
+        spilled,
     )
 
 
 def _attach_masks(
-    handle: PruneHandle, model: nn.Module, enforcers: Callable[[], dict[str, tuple[nn.Parameter, MaskEnforcer]]]
+    handle: PruneHandle,
+    model: nn.Module,
+    enforcers: Callable[[], dict[str, tuple[nn.Parameter, MaskEnforcer]]],
+    written: Originals | None = None,
 ) -> PruneHandle:
-    """Attach the masks ``enforcers()`` makes to ``handle``, all or nothing."""
+    """Attach the masks ``enforcers()`` makes to ``handle``, all or nothing (weights a method
+    already ``written`` into are put back from there on failure)."""
     try:
         made = enforcers()
         handle.enforcers.update({name: enforcer for name, (_, enforcer) in made.items()})
         attach_all(handle, model, made, "mask hook")
     except BaseException as err:
         handle.rollback(err)
+        if written is not None:
+            written.put_back()
         raise
     return handle
 
@@ -480,21 +504,30 @@ def _prune_reconstructing(
             [0 if is_hf_conv1d(t.module) else 1 for t in selection.matched.values()],
             *pattern,
         )
+    originals = Originals(spec.originals)
     results, report = reconstruct_layers(
-        model, selection.matched, calibration, solver, blocks=blocks, field="prune.calibration", progress=progress
+        model,
+        selection.matched,
+        calibration,
+        solver,
+        originals,
+        blocks=blocks,
+        field="prune.calibration",
+        progress=progress,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
 
     def enforcers() -> dict[str, tuple[nn.Parameter, MaskEnforcer]]:
         made = {}
-        for name, target in selection.matched.items():
-            value, (keep,) = results[name]
+        for name, target in selection.matched.items():  # the updated weights are in the model already
+            (keep,) = results[name]
             keep = keep if not is_hf_conv1d(target.module) else keep.t()
-            made[name] = (target.param, MaskEnforcer(keep.reshape(value.shape).contiguous(), value))
+            mask = keep.reshape(target.param.shape).contiguous()
+            made[name] = (target.param, MaskEnforcer(mask, saved=originals.saved(name)))
         return made
 
-    return _attach_masks(handle, model, enforcers)
+    return _attach_masks(handle, model, enforcers, originals)
 
 
 def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, float] | None) -> dict[str, float]:

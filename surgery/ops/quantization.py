@@ -22,10 +22,11 @@ from surgery.core.checkpoints import save_tensors
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
 from surgery.core.handles import Handle
 from surgery.core.inputs import batches, run_batches
+from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection, select
 from surgery.core.sequential import SequentialReport
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
-from surgery.core.transforms import attach_all, own_step_hook
+from surgery.core.transforms import Saved, SavedTensor, attach_all, own_step_hook
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
@@ -89,6 +90,7 @@ class QuantizeSpec:
     freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
     blocks: Any = None  # sequential methods (gptq): blocks calibrated in turn; False: layer by layer
     target: str | None = None  # a deployment format whose runtime the simulation then equals
+    originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
 
     def __post_init__(self) -> None:
         weights = _as_spec(self.weights, "quantize.weights")
@@ -111,6 +113,7 @@ class QuantizeSpec:
                 "set train=false and per-tensor activations",
             )
         _validate_method(weights, activations, self.train, self.blocks)
+        check_place(self.originals, "quantize.originals")
 
     @property
     def calibrated(self) -> bool:
@@ -155,7 +158,7 @@ def _for_target(spec: QuantizeSpec, weights: QuantSpec | None, activations: Quan
 
 
 def _refuse_both(spec: QuantizeSpec, *values: Any) -> None:
-    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None, None)
+    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None, None, "memory")
     if any(value is not default and value != default for value, default in zip(values, defaults)):
         raise ConfigError("quantize.spec", spec, "is a QuantizeSpec: set the settings in it, not also as keywords")
 
@@ -229,11 +232,22 @@ class WeightQuantizer:
     kind = "quantize"
 
     def __init__(
-        self, spec: QuantSpec, scale: Tensor, zero_point: Tensor, axis: int | None, update: Tensor | None = None
+        self,
+        spec: QuantSpec,
+        scale: Tensor,
+        zero_point: Tensor,
+        axis: int | None,
+        update: Tensor | None = None,
+        saved: Saved | None = None,
     ) -> None:
         self.spec, self.scale, self.zero_point, self.axis = spec, scale, zero_point, axis
-        self.pending = update  # GPTQ's rounded weights, written once when attached
+        self.pending = update  # a method's new weights, written once when attached
         self.rewrites = update is not None
+        self.saved = saved  # the original values, kept before the method wrote into the weight
+
+    def save(self, param: Tensor) -> Saved:
+        """The undo record: the originals kept when the method wrote its values, else a copy."""
+        return self.saved if self.saved is not None else SavedTensor(param)
 
     def apply(self, param: Tensor) -> None:
         """Replace ``param`` in place by its fake-quantized values (idempotent); first, once,
@@ -553,6 +567,7 @@ def quantize(
     freeze_observers_after: int | None = None,
     blocks: Selection | bool | None = None,
     target: str | None = None,
+    originals: str = "memory",
 ) -> QuantizeHandle:
     """Fake-quantize the weights and/or activations of the selected layers.
 
@@ -590,6 +605,9 @@ def quantize(
             runtime the simulation then equals: BatchNorm folded into convolutions (restorably,
             with the first calibration batch), only the layer types it quantizes selected by
             default, activations where it quantizes them, with its bit widths and signedness.
+        originals: where the weights' original values wait for ``restore()``: ``"memory"``
+            (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
+            with the handle): the model then needs about one copy of its weights in memory.
 
     Example:
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
@@ -597,11 +615,15 @@ def quantize(
     """
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
     if spec is None:
-        spec = QuantizeSpec(weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target)
+        spec = QuantizeSpec(
+            weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals
+        )
     elif not isinstance(spec, QuantizeSpec):
         raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
     else:
-        _refuse_both(spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target)
+        _refuse_both(
+            spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals
+        )
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)
@@ -623,7 +645,7 @@ def quantize(
         if weights is not None and train:
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:
-            _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress)
+            _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals)
         if activations is not None and where == "tensors":
             _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)
         elif activations is not None:
@@ -695,22 +717,32 @@ def _attach_weights(
     calibration: Any = None,
     blocks: Any = None,
     progress: bool = True,
+    originals: str = "memory",
 ) -> None:
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
             raise NonFiniteError(
                 "quantize.weights", key, "has NaN or Inf entries; only finite weights can be quantized"
             )
-    problem = WeightProblem(model, targets, spec, calibration, blocks, progress)
+    store = Originals(originals)
+    attached: set[str] = set()  # until attached, a weight the method wrote into is put back by the handle
+    handle.add("put back weights a method wrote but never attached", lambda: store.put_back(skip=attached))
+    problem = WeightProblem(model, targets, spec, calibration, blocks, progress, originals=store)
     solved = weight_method(spec.method)(problem)
     handle.sequential = problem.sequential
     quantizers = {}
     for key, target in targets.matched.items():
         found = _checked_answer(spec, key, solved)
-        quantizers[key] = (target.param, WeightQuantizer(spec, found.scale, found.zero_point, found.axis, found.value))
+        store.keep(key, target.param)  # unless the method kept it before writing
+        saved = store.saved(key)
+        quantizers[key] = (
+            target.param,
+            WeightQuantizer(spec, found.scale, found.zero_point, found.axis, found.value, saved),
+        )
     for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
+    attached.update(quantizers)
 
 
 def _checked_answer(spec: QuantSpec, key: str, solved: Any) -> QuantizedWeight:

@@ -25,14 +25,19 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
     calibration input reached (zero diagonal) get a unit diagonal. The damping grows tenfold
     (up to three times) if ``H`` is not positive definite."""
     h = hessian.float().clone()  # float32, as the reference code: float64 factors move GPTQ's walk off theirs
-    dead = torch.diagonal(h) == 0
+    diagonal = torch.diagonal(h)
+    dead = diagonal == 0
     h[dead, dead] = 1.0
-    mean = torch.diagonal(h).mean()
-    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    for attempt in range(4):
-        factor, info = torch.linalg.cholesky_ex(h + identity * (damping * 10**attempt * mean))
+    mean = diagonal.mean()
+    added = 0.0
+    for attempt in range(4):  # the damping added in place, as the reference code: no n-by-n identity
+        step = damping * 10**attempt * mean - added
+        diagonal.add_(step)
+        added = added + step
+        factor, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
+            del factor  # one n-by-n matrix fewer at the peak (a 5632-wide Hessian is 127 MB)
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper

@@ -3,8 +3,9 @@
 :func:`reconstruct_layers` runs a sequential calibration pass (:mod:`surgery.core.sequential`)
 and hands each layer's weight, as an (outputs, input columns) matrix, with the Hessian of its
 inputs to a per-matrix solver (SparseGPT, GPTQ); a grouped convolution is solved group by
-group. The new weights are only written for the pass; the caller attaches them as guarded,
-restorable transforms.
+group. The new weights stay written in the model, their originals kept once in the caller's
+:class:`~surgery.core.originals.Originals` store; the caller attaches guarded transforms whose
+undo records are the store's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from surgery.core import guards
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import from_matrix, groups_of, supports_hessian, weight_matrix
+from surgery.core.originals import Originals
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, run_sequential
 from surgery.core.targets import Target
@@ -44,16 +46,17 @@ def reconstruct_layers(
     targets: dict[str, Target],
     calibration: Any,
     solver: MatrixSolver,
+    originals: Originals,
     *,
     blocks: Selection | bool | None = None,
     field: str = "calibration",
     progress: bool = True,
-) -> tuple[dict[str, tuple[Tensor, tuple[Tensor, ...]]], SequentialReport]:
-    """Solve every target's weight in sequence; returns, by parameter name, the new weight (in
-    its own shape) and the solver's extras (concatenated over a grouped convolution's groups),
-    and the pass's report. The model's weights are as before when this returns."""
+) -> tuple[dict[str, tuple[Tensor, ...]], SequentialReport]:
+    """Solve every target's weight in sequence, writing the new values in (the originals kept in
+    ``originals``; all put back on an error); returns, by parameter name, the solver's extras
+    (concatenated over a grouped convolution's groups), and the pass's report."""
     by_layer = {target.module_name: (name, target) for name, target in targets.items()}
-    results: dict[str, tuple[Tensor, tuple[Tensor, ...]]] = {}
+    results: dict[str, tuple[Tensor, ...]] = {}
 
     def solve(hessians: dict[str, dict[str, Any]]) -> dict[str, Tensor]:
         written = {}
@@ -64,7 +67,7 @@ def reconstruct_layers(
                 layer, target.module, weight_matrix(target.module, value), found["hessian"], solver
             )
             written[name] = from_matrix(target.module, matrix, value)
-            results[name] = (written[name], extras)
+            results[name] = extras
         return written
 
     report = run_sequential(
@@ -76,6 +79,7 @@ def reconstruct_layers(
         blocks=blocks,
         field=field,
         progress=progress,
+        originals=originals,
     )
     return results, report
 

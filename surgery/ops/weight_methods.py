@@ -8,13 +8,14 @@ and GPTQ (:mod:`surgery.ops.gptq`) register here the same way a user's method do
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor, nn
 
 from surgery.core import guards
 from surgery.core.errors import ConfigError
+from surgery.core.originals import Originals
 from surgery.core.registry import Registry
 from surgery.core.targets import Target, Targets, is_hf_conv1d
 
@@ -48,7 +49,11 @@ class QuantizedWeight(NamedTuple):
 @dataclass
 class WeightProblem:
     """What a weight method is given: the model, the selected weights (``targets.matched``, by
-    qualified parameter name) and the spec; calibration batches for calibrated methods."""
+    qualified parameter name) and the spec; calibration batches for calibrated methods.
+
+    A method that writes its new values into the weights itself (GPTQ, in sequence) keeps each
+    weight's original in ``originals`` first and answers ``value=None``: the values are then
+    held once, in the model."""
 
     model: nn.Module
     targets: Targets
@@ -57,6 +62,7 @@ class WeightProblem:
     blocks: Any = None  # the repeated blocks a sequential method calibrates one after another
     progress: bool = True
     sequential: SequentialReport | None = None  # set by a method that runs a sequential pass
+    originals: Originals = field(default_factory=Originals)  # weights' values before the method wrote them
 
     def value(self, key: str) -> Tensor:
         """The weight's current value (with earlier steps applied, e.g. pruned entries zero)."""

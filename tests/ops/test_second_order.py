@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import gpt2, token_batches  # tests/support.py
 from torch import nn
 from torch.nn import functional as F
 
@@ -269,27 +270,6 @@ def test_each_layer_is_calibrated_on_the_already_pruned_layers_before_it():
         handle.restore()
     finally:
         CRITERIA.unregister("recording_obs")
-
-
-def gpt2(layers: int):
-    import transformers
-
-    config = transformers.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
-    )
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def token_batches(count=3):
-    generator = torch.Generator().manual_seed(0)
-    return [
-        {
-            "input_ids": torch.randint(0, 64, (4, 16), generator=generator),
-            "attention_mask": torch.ones(4, 16, dtype=torch.long),
-        }
-        for _ in range(count)
-    ]
 
 
 def test_decoder_blocks_are_found_and_calibrated_one_after_another_on_hugging_face_gpt2():

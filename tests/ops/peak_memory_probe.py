@@ -1,0 +1,58 @@
+"""Peak resident memory of a calibrated verb beyond the built model, as a multiple of the
+weights it rewrites (run in a child process by ``test_originals.py``).
+
+Usage: ``python tests/ops/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch
+from torch import nn
+
+import surgery
+from surgery import QuantSpec
+
+
+class Wide(nn.Module):
+    """Blocks whose one layer is wide and short (64 inputs, 32768 outputs: 8 MB of weights,
+    a 64 x 64 Hessian), so that the weights dominate the memory a run needs."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(64, 32768)}) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block["up"](x).view(*x.shape[:-1], 512, 64).mean(-2)
+        return x
+
+
+def probe(method: str, where: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Wide(24).eval()
+    data = [torch.randn(8, 64) for _ in range(2)]
+    weights = sum(block["up"].weight.nbytes for block in model.blocks)
+    gc.collect()
+    base = memory("VmRSS")
+    if method == "gptq":
+        spec = QuantSpec(bits=4, method="gptq", group_size=16)
+        surgery.quantize(model, weights=spec, calibration=data, progress=False, originals=where)
+    else:
+        surgery.prune(model, 0.5, method=method, calibration=data, progress=False, originals=where)
+    print((memory("VmHWM") - base) / weights)
+
+
+def memory(field: str) -> int:
+    """Bytes of this process's resident memory now (``VmRSS``) or at its peak (``VmHWM``: since
+    exec, unlike ``ru_maxrss``, which keeps the peak of the forking parent)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+if __name__ == "__main__":
+    probe(*sys.argv[1:])
