@@ -32,6 +32,7 @@ from surgery.ops.intercept import (
     intercept,
 )
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
+from surgery.ops.offloading import Offloaded, offloaded
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
@@ -56,6 +57,8 @@ __all__ = [
     "LayerStats",
     "NonFiniteError",
     "ObservedRange",
+    "Offloaded",
+    "offloaded",
     "OutputExistsError",
     "ParameterReplacedError",
     "PruneHandle",

@@ -108,7 +108,9 @@ class _Session:
         self.by_kind = {kind: [r for r in rules if r.kind == kind] for kind in ("swap", "wrap", "parameter", "buffer")}
         self.module_rules = [r for r in rules if r.kind in ("swap", "wrap")]
         self.log = InterceptLog()
-        self.tensors: dict[int, tuple[Tensor, Tensor]] = {}  # id(original) -> (original, result)
+        # id(original) -> (a weak reference to it, result): an original the constructor drops is
+        # freed at once (a model built with its weights set aside never holds them all)
+        self.tensors: dict[int, tuple[weakref.ref, Tensor]] = {}
         self.results: dict[int, Tensor] = {}  # id(result) -> result: never transformed again
         self.fired: set[int] = set()  # ids of the rules whose action ran at least once
         self.closed = False
@@ -307,8 +309,9 @@ def _on_tensor(kind: str, module: nn.Module, name: str, tensor: Tensor | None) -
 def _apply_tensor_rules(session: _Session, kind: str, module: nn.Module, name: str, tensor: Tensor) -> Tensor:
     if id(tensor) in session.results:
         return tensor  # already a rule's result (e.g. a tied weight registered again)
-    if id(tensor) in session.tensors:
-        return session.tensors[id(tensor)][1]  # the same tensor registered again: tied
+    seen = session.tensors.get(id(tensor))
+    if seen is not None and seen[0]() is tensor:
+        return seen[1]  # the same tensor registered again: tied
     result = tensor
     for rule in session.by_kind[kind]:
         if not _call(rule, module, name, result, action=False):
@@ -320,7 +323,7 @@ def _apply_tensor_rules(session: _Session, kind: str, module: nn.Module, name: s
             continue
         result = _checked_tensor(rule, kind, module, name, result, new)
         session.log.record(kind, module, name, before, _describe(result), rule.label)
-    session.tensors[id(tensor)] = (tensor, result)
+    session.tensors[id(tensor)] = (weakref.ref(tensor), result)
     session.results[id(result)] = result
     return result
 

@@ -1,15 +1,19 @@
 """Peak resident memory of a calibrated verb beyond the built model, as a multiple of the
 weights it rewrites (run in a child process by ``test_originals.py``).
 
-Usage: ``python tests/ops/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``
+Usage: ``python tests/ops/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``, or
+``... write FILE`` then ``... offloaded FILE`` (a forward of the model offloaded to FILE, beyond
+the process before it, as a multiple of the weights in FILE).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 import surgery
@@ -32,6 +36,8 @@ class Wide(nn.Module):
 
 def probe(method: str, where: str) -> None:
     torch.set_num_threads(1)
+    if method in ("write", "offloaded"):
+        return (write if method == "write" else forward_offloaded)(where)
     torch.manual_seed(0)
     model = Wide(24).eval()
     data = [torch.randn(8, 64) for _ in range(2)]
@@ -43,6 +49,20 @@ def probe(method: str, where: str) -> None:
         surgery.quantize(model, weights=spec, calibration=data, progress=False, originals=where)
     else:
         surgery.prune(model, 0.5, method=method, calibration=data, progress=False, originals=where)
+    print((memory("VmHWM") - base) / weights)
+
+
+def write(path: str) -> None:
+    torch.manual_seed(0)
+    save_file(Wide(24).state_dict(), path)
+
+
+def forward_offloaded(path: str) -> None:
+    weights = os.path.getsize(path)
+    base = memory("VmRSS")
+    handle = surgery.offloaded(path, factory=lambda: Wide(24))
+    with torch.no_grad():
+        handle.model(torch.randn(8, 64))
     print((memory("VmHWM") - base) / weights)
 
 

@@ -1,0 +1,354 @@
+"""``surgery.offloaded``: a model whose weights stay on disk, brought in block by block.
+
+The model is built through :func:`surgery.intercept` with one parameter rule: every parameter
+the constructor registers is set aside on the ``meta`` device (shape and dtype, no memory), and
+the constructor's own initialisation runs on nothing. Its weights are then found in
+safetensors files, opened with ``safetensors.safe_open`` (memory-mapped: nothing is read until
+a tensor is asked for) and checked against the model: every parameter present, with the shape
+and dtype the model was built with.
+
+A forward-pre hook brings a group's weights in just before it runs and a forward hook releases
+them after (also when the forward raises): the group is a repeated block (a decoder layer,
+found as sequential calibration finds them), or for weights outside blocks the module owning
+them. Resident memory is then the model's buffers, one group's weights and the activations.
+
+We read the files ourselves rather than through accelerate's offload hooks or
+compressed-tensors' offloading: the format is the one Hugging Face folders ship, and the hooks
+are ours, so they are owned by a handle like every other hook the toolkit installs
+(``restore()`` removes them and leaves the model on ``meta``). ``safetensors.safe_open``
+checks each file; each tensor's bytes are then read with one positioned read, because pages
+read through its memory map stay in the process's resident memory while the file is open.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.sequential import find_blocks
+from surgery.ops.intercept import RuleNeverFiredWarning, intercept
+from surgery.ops.rules import on_parameter
+
+log = logging.getLogger("surgery")
+FIELD = "offloaded.source"
+INDEX = "model.safetensors.index.json"
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class WeightFiles:
+    """The tensors of safetensors files (a checkpoint's shards), by name, each read from disk
+    when asked for. ``safe_open`` checks each file's header; the bytes are then read with a
+    positioned read, not through its memory map: mapped pages would count as the process's
+    resident memory until the file is closed, a whole shard of it."""
+
+    def __init__(self, paths: Iterable[Path]) -> None:
+        self._where: dict[
+            str, tuple[Path, int, int, str, tuple[int, ...]]
+        ] = {}  # name -> file, start, end, dtype, shape
+        self.paths: list[Path] = []
+        for path in paths:
+            self._open(Path(path))
+
+    def _open(self, path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(FIELD, str(path), "is missing (a weights file the model needs)")
+        try:
+            with safe_open(str(path), framework="pt"):  # the header checked by safetensors itself
+                pass
+            with path.open("rb") as file:
+                size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(size))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ConfigError(
+                FIELD, str(path), f"is not a safetensors file ({' '.join(str(err).split())[:80]})"
+            ) from None
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            if key in self._where:
+                raise ConfigError(FIELD, key, f"is in two files: {self._where[key][0].name} and {path.name}")
+            begin, end = entry["data_offsets"]
+            self._where[key] = (path, 8 + size + begin, 8 + size + end, entry["dtype"], tuple(entry["shape"]))
+        self.paths.append(path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def describe(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str, str]:
+        """(shape, dtype, file name) of ``name``, from the file's header."""
+        path, _, _, kind, shape = self._where[name]
+        return shape, DTYPES.get(kind, kind), path.name
+
+    def load(self, name: str) -> Tensor:
+        """The tensor ``name``, read from its file now."""
+        path, begin, end, kind, shape = self._where[name]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with path.open("rb") as file:
+            file.seek(begin)
+            if file.readinto(data.numpy()) != end - begin:
+                raise ConfigError(FIELD, name, f"is cut short in {path.name} (the file changed or was truncated)")
+        return data.view(DTYPES[kind]).reshape(shape)
+
+
+class Offloaded(Handle):
+    """The hooks that bring an offloaded model's weights in group by group (see the module
+    docstring). ``model`` is the model; ``groups`` the modules whose forward loads weights;
+    ``files`` where they are read from. ``restore()`` removes the hooks (the model stays on
+    ``meta``); :meth:`materialise` loads every weight and removes them."""
+
+    def __init__(self, model: nn.Module, files: WeightFiles, names: dict[int, str]) -> None:
+        super().__init__("offload", model)
+        self._owned = model  # the handle owns the model it built (other handles only watch theirs)
+        self.files = files
+        self.names = names  # id(placeholder parameter) -> its name in the files
+        self.groups: list[str] = []
+
+    def materialise(self) -> nn.Module:
+        """Load every weight into memory for good and remove the hooks: a plain model."""
+        model = self._owned
+        self.restore()
+        for owner, attr, placeholder in _placeholders(model):
+            owner._parameters[attr] = _loaded(self.files, self.names[id(placeholder)], placeholder)
+        return model
+
+
+def offloaded(
+    source: str | Path | Iterable[str | Path], *, factory: Callable[[], nn.Module] | None = None
+) -> Offloaded:
+    """Build a model without its weights and read them from disk as each part of it runs.
+
+    Args:
+        source: a Hugging Face folder (``config.json`` and ``model.safetensors`` or the shards
+            ``model.safetensors.index.json`` lists), built from its config; or, with
+            ``factory``, safetensors files (a folder of them, one file, or a list).
+        factory: builds the model (``lambda: torchvision.models.resnet50()``); its weights,
+            by their ``state_dict`` names, are those in the files.
+
+    Returns:
+        An :class:`Offloaded` handle: ``handle.model`` runs like the model in memory, to the
+        bit, holding one block's weights at a time.
+
+    Example:
+        >>> handle = surgery.offloaded("TinyLlama-folder")
+        >>> logits = handle.model(input_ids).logits
+    """
+    paths, build = _source(source, factory)
+    files = WeightFiles(paths)
+    model = _build_on_meta(build)
+    names = _check_against(model, files)
+    _load_buffers(model, files)
+    handle = Offloaded(model, files, names)
+    _attach_onload(handle, model)
+    log.info("offloaded: %d weights in %d file(s), %d groups", len(names), len(files.paths), len(handle.groups))
+    return handle
+
+
+def _source(source: Any, factory: Callable[[], nn.Module] | None) -> tuple[list[Path], Callable[[], nn.Module]]:
+    """The weights files and the builder of ``source`` (one-line errors for what is not a model)."""
+    if factory is not None and not callable(factory):
+        raise ConfigTypeError("offloaded.factory", factory, "must be a callable that builds the model")
+    if isinstance(source, (str, Path)):
+        folder = Path(source)
+        if not folder.exists():
+            raise ConfigError(FIELD, str(source), "does not exist")
+        if folder.is_file():
+            if factory is None:
+                raise ConfigError(
+                    FIELD, str(source), "is one file: pass factory= to build the model it holds weights of"
+                )
+            return [folder], factory
+        if factory is None:
+            return _hugging_face(folder)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(FIELD, str(source), "holds no .safetensors files")
+        return _shards(folder) if (folder / INDEX).is_file() else files, factory
+    if factory is None:
+        raise ConfigError(FIELD, "a list of files", "needs factory= to build the model they hold weights of")
+    return [Path(p) for p in source], factory
+
+
+def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            FIELD,
+            str(folder),
+            "is not a model: no config.json (a Hugging Face folder); for other models pass factory= with the files",
+        )
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise ConfigError(FIELD, str(folder / "config.json"), f"is not a model config ({str(err)[:80]})") from None
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None:
+        raise ConfigError(
+            FIELD, str(folder / "config.json"), f"names no transformers model class (architectures: {architecture!r})"
+        )
+    if (folder / INDEX).is_file():
+        paths = _shards(folder)
+    elif (folder / "model.safetensors").is_file():
+        paths = [folder / "model.safetensors"]
+    else:
+        raise ConfigError(FIELD, str(folder), "holds no model.safetensors (nor model.safetensors.index.json)")
+    dtype = getattr(config, "dtype", None)
+
+    def build() -> nn.Module:
+        model = model_class(config)
+        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+
+    return paths, build
+
+
+def _shards(folder: Path) -> list[Path]:
+    """The shard files ``model.safetensors.index.json`` lists, each checked to exist."""
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(FIELD, str(folder / INDEX), f"is not a safetensors index ({type(err).__name__})") from None
+    shards = list(dict.fromkeys(weight_map.values()))
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise ConfigError(FIELD, str(folder / shard), f"is listed in {INDEX} but missing")
+    return [folder / shard for shard in shards]
+
+
+def _build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``build()`` makes, with every parameter set aside on ``meta`` as it is registered."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuleNeverFiredWarning)  # a model without parameters is no mistake here
+        with intercept(on_parameter(lambda parent, name, value: True, _to_meta)):
+            model = build()
+    if not isinstance(model, nn.Module):
+        raise ConfigTypeError("offloaded.factory", model, "must build an nn.Module")
+    return model.eval()
+
+
+def _to_meta(param: nn.Parameter) -> Tensor:
+    return torch.empty_like(param, device="meta")
+
+
+def _check_against(model: nn.Module, files: WeightFiles) -> dict[int, str]:
+    """Every parameter's name in the files, checked for presence, shape and dtype."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        if name not in files:
+            raise ConfigError(FIELD, name, f"is a parameter of the model but in none of {_listed(files)}")
+        shape, dtype, file = files.describe(name)
+        if shape != tuple(param.shape) or dtype != param.dtype:
+            raise ConfigError(
+                FIELD,
+                name,
+                f"is {list(shape)} {dtype} in {file}, but the model built from the config has "
+                f"{list(param.shape)} {param.dtype}",
+            )
+        names[id(param)] = name
+    unused = len(set(files.names()) - set(dict(model.state_dict(keep_vars=True))))
+    if unused:
+        log.warning("offloaded: %d tensors in the files are not the model's (ignored)", unused)
+    return names
+
+
+def _listed(files: WeightFiles) -> str:
+    shown = ", ".join(p.name for p in files.paths[:3])
+    return shown + (f" and {len(files.paths) - 3} more" if len(files.paths) > 3 else "")
+
+
+def _load_buffers(model: nn.Module, files: WeightFiles) -> None:
+    """Persistent buffers (running statistics) are small: read once, checked like weights."""
+    buffers = dict(model.named_buffers())
+    for name in model.state_dict(keep_vars=True):
+        if name not in buffers or name not in files:
+            continue
+        value = files.load(name)
+        if value.shape != buffers[name].shape:
+            raise ConfigError(
+                FIELD, name, f"is {list(value.shape)} in the files, the model has {list(buffers[name].shape)}"
+            )
+        with torch.no_grad():
+            buffers[name].copy_(value)
+
+
+def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                yield module, attr, param
+
+
+def _loaded(files: WeightFiles, name: str, placeholder: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(files.load(name), requires_grad=placeholder.requires_grad)
+
+
+class _Onload:
+    """The pre-hook and hook of one group: bring in its weights not already in (a block being
+    run brings its layers' in), then put back the placeholders of those it brought."""
+
+    def __init__(self, handle: Offloaded, slots: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        self.handle, self.slots = handle, slots
+        self.brought: list[list[tuple[nn.Module, str, nn.Parameter]]] = []  # a stack: calls may nest
+
+    def bring_in(self, module: nn.Module, args: Any) -> None:
+        brought = []
+        for owner, attr, placeholder in self.slots:
+            if owner._parameters[attr] is placeholder:
+                owner._parameters[attr] = _loaded(self.handle.files, self.handle.names[id(placeholder)], placeholder)
+                brought.append((owner, attr, placeholder))
+        self.brought.append(brought)
+
+    def release(self, module: nn.Module, args: Any, output: Any) -> None:
+        for owner, attr, placeholder in self.brought.pop() if self.brought else []:
+            owner._parameters[attr] = placeholder
+
+
+def _attach_onload(handle: Offloaded, model: nn.Module) -> None:
+    """A group per block (its weights brought in together, for code that reads a layer's
+    weight from the block), and one per module owning weights (for a block that is never
+    called itself, and weights outside blocks)."""
+    blocks = find_blocks(model)
+    inside: set[int] = set()
+    groups: list[tuple[str, nn.Module, list]] = []
+    for name in blocks:
+        block = model.get_submodule(name)
+        groups.append((name, block, [slot for sub in block.modules() for slot in _own(sub)]))
+        inside.update(id(sub) for sub in block.modules())
+    for name, module in model.named_modules():
+        if _own(module):
+            groups.append((name, module, _own(module)))
+    for _, module, slots in groups:
+        onload = _Onload(handle, slots)
+        handle.add_hook("bring weights in", module.register_forward_pre_hook(onload.bring_in))
+        handle.add_hook("release weights", module.register_forward_hook(onload.release, always_call=True))
+    handle.groups = blocks + [name for name, module, _ in groups[len(blocks) :] if id(module) not in inside]
+
+
+def _own(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    return [(module, attr, p) for attr, p in module._parameters.items() if p is not None and p.is_meta]
