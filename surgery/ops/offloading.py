@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
+from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.sequential import find_blocks
@@ -134,7 +135,7 @@ class Offloaded(Handle):
         model = self._owned
         self.restore()
         for owner, attr, placeholder in _placeholders(model):
-            owner._parameters[attr] = _loaded(self.files, self.names[id(placeholder)], placeholder)
+            set_slot(owner, attr, _loaded(self.files, self.names[id(placeholder)], placeholder))
         return model
 
 
@@ -299,8 +300,8 @@ def _load_buffers(model: nn.Module, files: WeightFiles) -> None:
 
 def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
     for module in model.modules():
-        for attr, param in module._parameters.items():
-            if param is not None and param.is_meta:
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if param.is_meta:
                 yield module, attr, param
 
 
@@ -319,14 +320,14 @@ class _Onload:
     def bring_in(self, module: nn.Module, args: Any) -> None:
         brought = []
         for owner, attr, placeholder in self.slots:
-            if owner._parameters[attr] is placeholder:
-                owner._parameters[attr] = _loaded(self.handle.files, self.handle.names[id(placeholder)], placeholder)
+            if get_slot(owner, attr) is placeholder:
+                set_slot(owner, attr, _loaded(self.handle.files, self.handle.names[id(placeholder)], placeholder))
                 brought.append((owner, attr, placeholder))
         self.brought.append(brought)
 
     def release(self, module: nn.Module, args: Any, output: Any) -> None:
         for owner, attr, placeholder in self.brought.pop() if self.brought else []:
-            owner._parameters[attr] = placeholder
+            set_slot(owner, attr, placeholder)
 
 
 def _attach_onload(handle: Offloaded, model: nn.Module) -> None:
@@ -351,4 +352,6 @@ def _attach_onload(handle: Offloaded, model: nn.Module) -> None:
 
 
 def _own(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    return [(module, attr, p) for attr, p in module._parameters.items() if p is not None and p.is_meta]
+    return [
+        (module, attr, p) for attr, p in module.named_parameters(recurse=False, remove_duplicate=False) if p.is_meta
+    ]
