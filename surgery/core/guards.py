@@ -213,6 +213,13 @@ def check_editable(named: dict[str, torch.Tensor], field: str) -> None:
     """Raise :class:`~surgery.core.errors.ConfigError` naming the first tensor that surgery cannot
     edit in place: one on the ``meta`` device (no values) or created under ``inference_mode``."""
     for name, tensor in named.items():
+        if tensor.is_meta and getattr(tensor, "offloaded_to", None) is not None:
+            raise ConfigError(
+                field,
+                name,
+                f"is offloaded to {tensor.offloaded_to} (surgery.offloaded), and this verb does not "
+                "run block by block on an offloaded model yet; handle.materialise() loads it into memory",
+            )
         if tensor.is_meta:
             raise ConfigError(
                 field,

@@ -272,6 +272,7 @@ def _check_against(model: nn.Module, files: WeightFiles) -> dict[int, str]:
                 f"{list(param.shape)} {param.dtype}",
             )
         names[id(param)] = name
+        param.offloaded_to = file  # said by a verb that cannot run on it
     unused = len(set(files.names()) - set(dict(model.state_dict(keep_vars=True))))
     if unused:
         log.warning("offloaded: %d tensors in the files are not the model's (ignored)", unused)

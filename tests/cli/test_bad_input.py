@@ -1026,6 +1026,7 @@ CLI_CASES = [
     ),
     CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
+    CliCase("originals-place", (*FAST, "+prune.originals=tape"), "prune.originals='tape': must be one of memory, disk"),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
 ]
 

@@ -203,3 +203,22 @@ def test_a_source_or_factory_that_is_no_model_is_named(tmp_path, source, factory
     with pytest.raises(error, match=message) as err:
         surgery.offloaded(source, factory=factory)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [
+        lambda m: surgery.quantize(
+            m, weights=surgery.QuantSpec(bits=4, method="gptq"), calibration=[torch.randint(0, 100, (1, 8))]
+        ),
+        lambda m: surgery.prune(m, 0.5),
+    ],
+    ids=["gptq", "prune"],
+)
+def test_a_verb_on_an_offloaded_model_says_it_cannot_yet_and_how_to_load_it(tmp_path, verb):
+    llama_folder(tmp_path)
+    handle = surgery.offloaded(tmp_path)
+    with pytest.raises(ConfigError, match=r"is offloaded to model\.safetensors .*handle\.materialise\(\)") as err:
+        verb(handle.model)
+    assert "\n" not in str(err.value)
+    assert all(p.is_meta for p in handle.model.parameters())

@@ -1,0 +1,189 @@
+"""Peak memory and time of GPTQ W4 g128 on a random Llama at TinyLlama width, against llm-compressor.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_scale.py             # 2 and 6 layers, about 10 minutes
+    .venv/bin/python benchmarks/bench_scale.py --full      # and 22 layers (the 1.1B model)
+    .venv/bin/python benchmarks/bench_scale.py --json /tmp/scale.json
+
+Every row runs in a fresh child process on one torch thread, with the same seeded model (hidden
+2048, MLP 5632, 32 heads, 4 key/value heads, vocabulary 32000, float32) and the same 4
+calibration sequences of 64 tokens. Peak memory is the child's resident high-water mark
+(``VmHWM``) beyond its resident memory once the model is built, shown as a multiple of the
+model's bytes and, between two depths, per layer as a multiple of one layer's bytes. Rows:
+
+- surgery, in memory: ``quantize(weights=QuantSpec(bits=4, group_size=128, method="gptq"))``,
+  its originals for ``restore()`` kept in memory (the default) or spilled to disk
+  (``originals="disk"``);
+- llm-compressor's ``oneshot`` with ``GPTQModifier(scheme="W4A16")`` and its sequential
+  pipeline. llm-compressor pins torch <= 2.14.0, so it runs in its own virtual environment,
+  made on first use in ``benchmarks/.venv-llmcompressor`` (torch 2.13.0+cpu from the PyTorch
+  CPU index).
+
+A script, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEER_VENV = HERE / ".venv-llmcompressor"
+PEER_PACKAGES = (
+    ["torch==2.13.0+cpu", "--index-url", "https://download.pytorch.org/whl/cpu"],
+    ["llmcompressor==0.14.0.1"],
+)
+WIDTH = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
+ROWS = {
+    "surgery, originals in memory": "memory",
+    "surgery, originals on disk": "disk",
+    "llm-compressor 0.14 (sequential)": "llmcompressor",
+}
+
+
+def memory(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def build(layers: int):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**WIDTH, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def token_ids():
+    import torch
+
+    return torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(1))
+
+
+def run_row(kind: str, layers: int) -> dict:
+    """One row, in this (child) process."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = build(layers)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    ids = token_ids()
+    base = memory("VmRSS")
+    start = time.perf_counter()
+    if kind == "llmcompressor":
+        _llm_compressor(model, ids)
+    else:
+        _surgery(model, ids, kind)
+    seconds = time.perf_counter() - start
+    peak = memory("VmHWM") - base
+    return {"peak": peak, "model": model_bytes, "layer": layer_bytes, "seconds": seconds, "layers": layers}
+
+
+def _surgery(model, ids, originals: str) -> None:
+    import surgery
+    from surgery import QuantSpec
+
+    calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
+    spec = QuantSpec(bits=4, group_size=128, symmetric=True, method="gptq")
+    surgery.quantize(
+        model, weights=spec, calibration=calibration, exclude="lm_head", originals=originals, progress=False
+    )
+
+
+def _llm_compressor(model, ids) -> None:
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from tokenizers import Tokenizer, models
+
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * len(ids)})
+    words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))  # the batches come tokenized
+    folder = tempfile.mkdtemp()  # oneshot reads the model's config back from its name_or_path
+    model.config.save_pretrained(folder)
+    model.config.name_or_path = folder
+    oneshot(
+        model=model,
+        processor=transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<unk>"),
+        dataset=data,
+        recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+        num_calibration_samples=len(ids),
+        max_seq_length=ids.shape[1],
+        pipeline="sequential",
+    )
+
+
+def peer_python() -> Path:
+    """The llm-compressor environment's interpreter, made on first use."""
+    python = PEER_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"making {PEER_VENV} (torch 2.13.0+cpu, llmcompressor 0.14.0.1) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+        for packages in PEER_PACKAGES:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    return python
+
+
+def measure(kind: str, layers: int) -> dict:
+    python = peer_python() if kind == "llmcompressor" else Path(sys.executable)
+    found = subprocess.run(
+        [str(python), __file__, "--row", kind, "--layers", str(layers)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(HERE.parent), "MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    if found.returncode != 0:
+        raise RuntimeError(f"{kind} at {layers} layers failed:\n{found.stderr[-2000:]}")
+    return json.loads(found.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
+    head = "| | " + " | ".join(f"{d} layers: peak ÷ model | s per block" for d in depths)
+    head += f" | added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes |"
+    lines = [head, "|" + " --- |" * (2 * len(depths) + 2)]
+    for name, rows in results.items():
+        cells = [f"{rows[d]['peak'] / rows[d]['model']:.2f}× | {rows[d]['seconds'] / d:.1f}" for d in depths]
+        first, last = rows[depths[0]], rows[depths[-1]]
+        per_layer = (last["peak"] - first["peak"]) / (depths[-1] - depths[0]) / first["layer"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_layer:.2f}× |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="also 22 layers (the 1.1B model)")
+    parser.add_argument("--json", type=Path, help="write the measurements here")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS.values()), help="memory, disk, llmcompressor")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:
+        print(json.dumps(run_row(args.row, args.layers)))
+        return
+    depths = [2, 6, 22] if args.full else [2, 6]
+    results: dict[str, dict[int, dict]] = {}
+    for name, kind in ROWS.items():
+        if kind not in args.rows:
+            continue
+        results[name] = {}
+        for layers in depths:
+            results[name][layers] = measure(kind, layers)
+            row = results[name][layers]
+            print(f"{name}, {layers} layers: peak {row['peak'] / 1e9:.2f} GB, {row['seconds']:.0f} s", flush=True)
+    print(table(results, depths))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
