@@ -60,7 +60,7 @@ class PruneSpec:
     exclude: Any = None
     blocks: Any = None  # layer-by-layer methods: blocks calibrated in turn (None: found; False: layers)
     amounts: Any = None  # {layer: amount} overriding amount (scope="layer")
-    originals: str = "memory"  # where weights a method rewrites (sparsegpt) wait for restore(): memory or disk
+    originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
@@ -261,9 +261,10 @@ def prune(
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
             listed (e.g. a plan from :meth:`surgery.Sensitivity.plan`); ``scope="layer"`` only.
         progress: a progress bar over calibration batches (on a terminal).
-        originals: where the original values of weights a calibrated method changes wait for
-            ``restore()``: ``"memory"``, or ``"disk"`` (a temporary file each, read back on
-            restore): the model then needs about one copy of its weights in memory.
+        originals: where the weights' original values wait for ``restore()``: ``"memory"`` (only
+            the entries zeroed, or the whole weight when a method such as SparseGPT updates the
+            weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
+            with the handle): the model then needs about one copy of its weights in memory.
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
@@ -340,11 +341,8 @@ def prune(
     else:
         stats = calibrate(model, selection, calibration, progress)
     masks = _masks(spec, selection.matched, current, stats, per_layer)
-    return _attach_masks(
-        PruneHandle(model, selection, spec),
-        model,
-        lambda: {name: (param, MaskEnforcer(masks[name])) for name, param in targets.items()},
-    )
+    spilled = Originals("disk") if spec.originals == "disk" else None  # in memory: only the zeroed entries kept
+    return _attach_masks(PruneHandle(model, selection, spec), model, lambda: _enforcers(targets, masks, spilled))
 
 
 def _sequential(criterion: Criterion, spec: PruneSpec) -> bool:
@@ -429,15 +427,20 @@ def _prune_sequentially(
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
-    return _attach_masks(
-        handle,
-        model,
-        lambda: {
-            name: (target.param, MaskEnforcer(masks[name], saved=None if spilled is None else spilled.saved(name)))
-            for name, target in chosen.items()
-        },
-        spilled,
-    )
+    params = {name: target.param for name, target in chosen.items()}
+    return _attach_masks(handle, model, lambda: _enforcers(params, masks, spilled), spilled)
+
+
+def _enforcers(
+    params: dict[str, nn.Parameter], masks: dict[str, Tensor], spilled: Originals | None
+) -> dict[str, tuple[nn.Parameter, MaskEnforcer]]:
+    """The mask of each parameter; with ``spilled``, its original kept there first (on disk)."""
+    made = {}
+    for name, param in params.items():
+        if spilled is not None:
+            spilled.keep(name, param)  # unless a calibration pass kept it before writing
+        made[name] = (param, MaskEnforcer(masks[name], saved=None if spilled is None else spilled.saved(name)))
+    return made
 
 
 def _attach_masks(

@@ -114,6 +114,13 @@ class QuantizeSpec:
             )
         _validate_method(weights, activations, self.train, self.blocks)
         check_place(self.originals, "quantize.originals")
+        if self.originals == "disk" and self.train:
+            raise ConfigError(
+                "quantize.originals",
+                "disk",
+                "spills the originals of weights rounded once; quantization-aware training "
+                "keeps its float weights in memory to train them (set originals=memory)",
+            )
 
     @property
     def calibrated(self) -> bool:
