@@ -148,14 +148,19 @@ def measure(kind: str, layers: int) -> dict:
 
 
 def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
-    head = "| | " + " | ".join(f"{d} layers: peak ÷ model | s per block" for d in depths)
-    head += f" | added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes |"
+    """Per depth: the peak beyond the built model ÷ the model's bytes, and seconds per block; then
+    what each added layer adds to the whole peak (its weights included) ÷ one layer's bytes."""
+    head = "| | " + " | ".join(f"{d} layers: peak beyond the model ÷ model | s per block" for d in depths)
+    head += f" | peak added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes |"
     lines = [head, "|" + " --- |" * (2 * len(depths) + 2)]
     for name, rows in results.items():
+        rows = {int(depth): row for depth, row in rows.items()}  # keys are strings once read back from JSON
         cells = [f"{rows[d]['peak'] / rows[d]['model']:.2f}× | {rows[d]['seconds'] / d:.1f}" for d in depths]
         first, last = rows[depths[0]], rows[depths[-1]]
-        per_layer = (last["peak"] - first["peak"]) / (depths[-1] - depths[0]) / first["layer"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {per_layer:.2f}× |")
+        whole = (last["peak"] + last["model"]) - (first["peak"] + first["model"])  # the model grows with it
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {whole / (depths[-1] - depths[0]) / first['layer']:.2f}× |"
+        )
     return "\n".join(lines)
 
 
@@ -164,11 +169,16 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also 22 layers (the 1.1B model)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--rows", nargs="*", default=list(ROWS.values()), help="memory, disk, llmcompressor")
+    parser.add_argument("--table", type=Path, help="print the table of a --json file and stop")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.row:
         print(json.dumps(run_row(args.row, args.layers)))
+        return
+    if args.table:
+        results = json.loads(args.table.read_text())
+        print(table(results, sorted({int(d) for rows in results.values() for d in rows})))
         return
     depths = [2, 6, 22] if args.full else [2, 6]
     results: dict[str, dict[int, dict]] = {}
