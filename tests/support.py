@@ -143,3 +143,21 @@ def token_batches(count: int = 3) -> list[dict]:
         }
         for _ in range(count)
     ]
+
+
+def tiny_llama(layers: int = 2, vocab: int = 128, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A random Llama, 64 wide with 4 heads and 2 key/value heads (seeded), in ``dtype``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        architectures=["LlamaForCausalLM"],
+        dtype=dtype,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchvision
 from safetensors import safe_open
-from support import NormAct, trained_stats  # tests/support.py
+from support import NormAct, tiny_llama, trained_stats  # tests/support.py
 from torch import nn
 
 import surgery
@@ -19,19 +19,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("torchao")
-
-
-def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def kernels_formed(path, folder) -> collections.Counter:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 from safetensors.torch import load_file, save_file
+from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
@@ -25,20 +26,7 @@ PROBE = Path(__file__).with_name("peak_memory_probe.py")
 
 def llama_folder(folder: Path, shard: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """A random 3-layer Llama saved as Hugging Face saves it (sharded when ``shard`` is a size)."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=3,
-        vocab_size=100,
-        architectures=["LlamaForCausalLM"],
-        dtype=dtype,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model = tiny_llama(layers=3, vocab=100, dtype=dtype)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
 
