@@ -217,8 +217,8 @@ def check_editable(named: dict[str, torch.Tensor], field: str) -> None:
             raise ConfigError(
                 field,
                 name,
-                f"is offloaded to {tensor.offloaded_to} (surgery.offloaded), and this verb does not "
-                "run block by block on an offloaded model yet; handle.materialise() loads it into memory",
+                f"is offloaded to {tensor.offloaded_to} (surgery.offloaded): give quantize, prune, smooth "
+                "or sensitivity the handle itself to work block by block, or handle.materialise() to load it",
             )
         if tensor.is_meta:
             raise ConfigError(

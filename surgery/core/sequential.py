@@ -181,7 +181,7 @@ class _ChainWatch:
 
     def finished(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self.predicted[name] = _next_inputs(output, *_clean(args, kwargs))
+            self.predicted[name] = next_inputs(output, *_clean(args, kwargs))
 
         return hook
 
@@ -197,7 +197,7 @@ class _ChainWatch:
 
 
 def _clean(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A block's call without a key/value cache (as :func:`_catch` keeps it)."""
+    """A block's call without a key/value cache (as :func:`catch_inputs` keeps it)."""
     return tuple(None if _is_cache(value) else value for value in args), _without_cache(kwargs)
 
 
@@ -254,7 +254,9 @@ def run_sequential(
                     reduced = _reduced(model, stage_layers, reduce, lambda calls=calls: [call(model) for call in calls])
                 else:
                     block = model.get_submodule(stage.block)
-                    inputs = cache[1] if cache is not None and cache[0] == stage.block else _catch(model, block, calls)
+                    inputs = (
+                        cache[1] if cache is not None and cache[0] == stage.block else catch_inputs(model, block, calls)
+                    )
                     report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs))
                     reduced = _reduced(
                         model,
@@ -280,7 +282,7 @@ def _outputs_for_next(
     following = _following(report.blocks, name)
     if following is None or name not in report.chained:
         return None
-    outputs = [_next_inputs(block(*a, **k), a, k) for a, k in inputs]
+    outputs = [next_inputs(block(*a, **k), a, k) for a, k in inputs]
     if any(output is None for output in outputs):
         return None
     report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
@@ -304,7 +306,7 @@ def _reduced(
     return found
 
 
-def _catch(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[tuple, dict]]:
+def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[tuple, dict]]:
     """The block's inputs for each batch, caught by a forward stopped at the block (a key/value
     cache among them is dropped: running the block again must not attend to its own past)."""
     caught: list[tuple[tuple, dict]] = []
@@ -346,7 +348,7 @@ def _without_cache(kwargs: dict) -> dict:
     return clean
 
 
-def _next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The next block's call: this block's output in place of its hidden states (the first
     positional input, or ``hidden_states``); other inputs (masks, positions) are shared.
     ``None`` if the output or the call has no such place."""

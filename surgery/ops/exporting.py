@@ -22,6 +22,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
+from surgery.core.safetensors_streams import write_streamed
 from surgery.ops.deployment import deploy_plan
 
 log = logging.getLogger("surgery")
@@ -61,7 +62,9 @@ class ExportFormat:
     with each quantized weight's integer grid, activation scales and masks) instead of the
     model. ``exact``: the loaded artifact computes what the model under surgery computes, bit
     for bit (a weights file, weight-only formats that dequantize); otherwise ``bound`` is the
-    smallest cosine similarity its outputs keep (int8 kernels round differently)."""
+    smallest cosine similarity its outputs keep (int8 kernels round differently). ``stream``
+    writes the same from an offloaded model (:func:`surgery.offloaded`, or what a verb made of
+    it), given the handle, reading each tensor as it is written."""
 
     name: str
     write: Write
@@ -74,6 +77,7 @@ class ExportFormat:
     exact: bool = True
     bound: float = 0.999
     target: DeployTarget | None = None
+    stream: Write | None = None  # writes an offloaded model's result reading one tensor at a time
 
     @property
     def runnable(self) -> bool:
@@ -154,6 +158,7 @@ def register_export_format(
     exact: bool = True,
     bound: float = 0.999,
     target: DeployTarget | None = None,
+    stream: Write | None = None,
     replace: bool = False,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
@@ -165,7 +170,7 @@ def register_export_format(
     """
     if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
-    chosen = ExportFormat(name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target)
+    chosen = ExportFormat(name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target, stream)
     return EXPORT_FORMATS.register(name, chosen, replace=replace)
 
 
@@ -191,6 +196,9 @@ def export(
             the weights as they compute now (pruned zeros, quantized values);
             ``"compressed-tensors"``, ``"torchao"`` and ``"onnx"`` write integer weights for
             their runtimes (the ``deploy`` extra).
+            An offloaded model's handle (:func:`surgery.offloaded`), or what a verb made of
+            it, is streamed: one tensor read at a time, in the formats that stream
+            (``"safetensors"``, ``"compressed-tensors"``).
         inputs: batches (or one) to compare the artifact, loaded in its runtime, with the model
             under surgery: ``record.parity``. Formats that trace the model (``"onnx"``) need them.
         **options: passed to the format's writer.
@@ -200,6 +208,8 @@ def export(
         >>> record.bytes, sorted(record.load())[:1]
     """
     chosen = EXPORT_FORMATS.get(format)
+    if getattr(handle, "streams", False):
+        return _export_streamed(handle, chosen, Path(path), overwrite, inputs, options)
     model = handle if isinstance(handle, nn.Module) else getattr(handle, "model", None)
     if not isinstance(model, nn.Module):
         raise ConfigTypeError("export.handle", type(handle).__name__, "must be a handle, a handle group or a model")
@@ -232,6 +242,33 @@ def export(
     record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact))
     if calls and chosen.runnable:
         record = replace_field(record, parity=parity(record, model, calls))
+    return record
+
+
+def _export_streamed(
+    handle: Any, chosen: ExportFormat, path: Path, overwrite: bool, inputs: Inputs | None, options: dict[str, Any]
+) -> ExportRecord:
+    """Write an offloaded model's result with the format's ``stream`` writer (atomically)."""
+    if chosen.stream is None:
+        streaming = [name for name in EXPORT_FORMATS.names() if EXPORT_FORMATS.get(name).stream is not None]
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"cannot be written from an offloaded model without loading it; formats that stream: {', '.join(streaming)}",
+        )
+    if chosen.suffix and path.suffix != f".{chosen.suffix}":
+        raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={chosen.name!r}")
+    refuse_existing([path], overwrite)
+    calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
+    writer = write_folder_atomically if chosen.folder else write_atomically
+    notes: dict[str, Any] = {}
+    writer(path, lambda tmp: notes.update(chosen.stream(handle, tmp, options) or {}))
+    left_out = notes.get("left_out", [])
+    record = ExportRecord(
+        path, chosen.name, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact)
+    )
+    if calls and chosen.runnable:
+        record = replace_field(record, parity=parity(record, handle.model, calls))
     return record
 
 
@@ -276,4 +313,19 @@ def _write_safetensors(model: nn.Module, path: Path, options: dict[str, Any]) ->
     save_file(cpu_state(model), str(path))
 
 
-register_export_format("safetensors", _write_safetensors, load=lambda path: load_file(str(path)), suffix="safetensors")
+def _stream_safetensors(handle: Any, path: Path, options: dict[str, Any]) -> None:
+    """The offloaded model's state, as it computes now, one tensor read at a time."""
+    if options:
+        raise ConfigError("export.options", sorted(options), "format='safetensors' takes no options")
+    state = handle.model.state_dict(keep_vars=True)
+    entries = [(name, tuple(value.shape), value.dtype) for name, value in state.items()]
+    write_streamed(path, entries, lambda name: handle.value_of(state[name]))
+
+
+register_export_format(
+    "safetensors",
+    _write_safetensors,
+    load=lambda path: load_file(str(path)),
+    suffix="safetensors",
+    stream=_stream_safetensors,
+)

@@ -26,6 +26,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.intercept import RuleNeverFiredWarning, intercept
 from surgery.ops.rules import on_parameter
@@ -43,20 +45,6 @@ from surgery.ops.rules import on_parameter
 log = logging.getLogger("surgery")
 FIELD = "offloaded.source"
 INDEX = "model.safetensors.index.json"
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class WeightFiles:
@@ -129,13 +117,60 @@ class Offloaded(Handle):
         self.files = files
         self.names = names  # id(placeholder parameter) -> its name in the files
         self.groups: list[str] = []
+        self.overlay: dict[str, WeightFiles] = {}  # name -> the file of its compressed values
+
+    streams = True  # surgery.export writes it one tensor at a time
+    spec = None  # no quantized weights (see OffloadedCompression)
+
+    @property
+    def grids(self) -> dict:
+        """Quantized weights' grids: none (the model as its files hold it)."""
+        return {}
+
+    def value_of(self, tensor: Tensor) -> Tensor:
+        """A tensor of the model's state with its values: a placeholder's read from disk."""
+        return self.load(self.names[id(tensor)]) if tensor.is_meta and id(tensor) in self.names else tensor
+
+    def load(self, name: str) -> Tensor:
+        """The tensor ``name`` as the model now computes with it: compressed, if a verb wrote
+        it to its overlay, else from the source files."""
+        return self.overlay.get(name, self.files).load(name)
+
+    @contextmanager
+    def reading_source(self, active: bool = True) -> Iterator[None]:
+        """Within the block (when ``active``) the model computes with the source files' weights,
+        as it was before any verb wrote its overlay."""
+        kept = self.overlay
+        if active:
+            self.overlay = {}
+        try:
+            yield
+        finally:
+            self.overlay = kept
+
+    @contextmanager
+    def resident(self, module: nn.Module) -> Iterator[dict[str, nn.Parameter]]:
+        """Hold ``module``'s weights in memory for the block (a verb edits them in place);
+        yields them by name, and puts the placeholders back on exit."""
+        slots = [slot for sub in module.modules() for slot in _own(sub)]
+        loaded: dict[str, nn.Parameter] = {}
+        try:
+            for owner, attr, placeholder in slots:
+                name = self.names[id(placeholder)]
+                if name not in loaded:  # a weight two modules share is loaded once, still shared
+                    loaded[name] = _loaded(self, name, placeholder)
+                set_slot(owner, attr, loaded[name])
+            yield loaded
+        finally:
+            for owner, attr, placeholder in slots:
+                set_slot(owner, attr, placeholder)
 
     def materialise(self) -> nn.Module:
         """Load every weight into memory for good and remove the hooks: a plain model."""
         model = self._owned
         self.restore()
         for owner, attr, placeholder in _placeholders(model):
-            set_slot(owner, attr, _loaded(self.files, self.names[id(placeholder)], placeholder))
+            set_slot(owner, attr, _loaded(self, self.names[id(placeholder)], placeholder))
         return model
 
 
@@ -306,8 +341,8 @@ def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
                 yield module, attr, param
 
 
-def _loaded(files: WeightFiles, name: str, placeholder: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(files.load(name), requires_grad=placeholder.requires_grad)
+def _loaded(handle: Offloaded, name: str, placeholder: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(handle.load(name), requires_grad=placeholder.requires_grad)
 
 
 class _Onload:
@@ -322,7 +357,7 @@ class _Onload:
         brought = []
         for owner, attr, placeholder in self.slots:
             if get_slot(owner, attr) is placeholder:
-                set_slot(owner, attr, _loaded(self.handle.files, self.handle.names[id(placeholder)], placeholder))
+                set_slot(owner, attr, _loaded(self.handle, self.handle.names[id(placeholder)], placeholder))
                 brought.append((owner, attr, placeholder))
         self.brought.append(brought)
 

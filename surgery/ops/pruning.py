@@ -6,6 +6,8 @@ import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from dataclasses import replace as replace_fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
-from surgery.core.sequential import SequentialReport, run_sequential
+from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks, run_sequential
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
 from surgery.ops.criteria import (
@@ -38,6 +40,8 @@ from surgery.ops.criteria import (
     unpack,
 )
 from surgery.ops.deployment import SparsityMask
+from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offloading import Offloaded
 from surgery.ops.second_order import check_layers, reconstruct_layers
 
 
@@ -219,11 +223,15 @@ def prune(
     amounts: Mapping[str, float] | None = None,
     progress: bool = True,
     originals: str = "memory",
-) -> PruneHandle:
+    work: str | Path | None = None,
+) -> PruneHandle | OffloadedCompression:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
 
     Args:
-        model: the model to modify in place.
+        model: the model to modify in place; or an offloaded model's handle
+            (:func:`surgery.offloaded`), pruned block by block without loading it whole
+            (``scope="layer"``): the result an :class:`OffloadedCompression` that
+            ``surgery.export`` streams and whose ``restore()`` reads the source files again.
         amount: fraction in [0, 1] of weight entries (or of slices, for a structured
             criterion) to set to zero; or a :class:`PruneSpec` holding every setting below
             but ``calibration``, ``loss`` and ``progress``.
@@ -265,6 +273,9 @@ def prune(
             the entries zeroed, or the whole weight when a method such as SparseGPT updates the
             weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
+        work: for an offloaded model, the folder finished blocks are written to (kept; a run
+            that died part-way, started again with the same settings and calibration, goes on
+            after the last finished block); default a temporary folder.
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
@@ -275,19 +286,12 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
+    spec = _spec_of(amount, (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals))
+    if isinstance(model, Offloaded):
+        return _prune_offloaded(model, spec, calibration, loss, work, progress)
+    if work is not None:
+        raise ConfigError("prune.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
-    if isinstance(amount, PruneSpec):
-        spec = amount
-        given = (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals)
-        if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None, "memory"):
-            raise ConfigError(
-                "prune.amount",
-                spec,
-                "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts "
-                "and originals in it, not as arguments too",
-            )
-    else:
-        spec = PruneSpec(amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals)
     select, exclude, blocks, amounts = spec.select, spec.exclude, spec.blocks, spec.amounts
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
@@ -343,6 +347,62 @@ def prune(
     masks = _masks(spec, selection.matched, current, stats, per_layer)
     spilled = Originals("disk") if spec.originals == "disk" else None  # in memory: only the zeroed entries kept
     return _attach_masks(PruneHandle(model, selection, spec), model, lambda: _enforcers(targets, masks, spilled))
+
+
+def _spec_of(amount: Any, given: tuple) -> PruneSpec:
+    """The spec :func:`prune` was given as ``amount``, or the one its arguments make (not both)."""
+    if not isinstance(amount, PruneSpec):
+        return PruneSpec(amount, *given)
+    if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None, "memory"):
+        raise ConfigError(
+            "prune.amount",
+            amount,
+            "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts "
+            "and originals in it, not as arguments too",
+        )
+    return amount
+
+
+def _prune_offloaded(
+    source: Offloaded, spec: PruneSpec, calibration: Any, loss: Any, work: Any, progress: bool
+) -> OffloadedCompression:
+    """Layer-wise methods, stage by stage (:mod:`surgery.ops.offloaded_compression`)."""
+    criterion = spec.criterion
+    if spec.scope != "layer" or criterion.needs_gradients:
+        why = f"scope={spec.scope!r}" if spec.scope != "layer" else f"method={criterion.name!r} (gradients)"
+        raise ConfigError(
+            "prune.scope" if spec.scope != "layer" else "prune.method",
+            why,
+            "ranks across the whole model at once; an offloaded model is pruned block by block "
+            "with scope='layer' (or handle.materialise() it first)",
+        )
+    if criterion.needs_calibration and calibration is None:
+        raise ConfigError("prune.calibration", None, f"method {criterion.name!r} needs calibration batches")
+    model = source.model
+    selection = prune_targets(model, spec.select, spec.exclude, spec.dim)
+    layer_amounts(selection, spec, spec.amounts)  # checked once, against the whole model
+    keys: dict[str, list[str]] = {}
+    for key, target in selection.matched.items():
+        keys.setdefault(target.module_name, []).append(key)
+    layered = criterion.reconstruct is not None or _sequential(criterion, spec)
+
+    def run(skeleton: nn.Module, layers: list[str], block: str | None, calls: Any) -> PruneHandle:
+        amounts = None if spec.amounts is None else {k: v for k, v in spec.amounts.items() if k in layers}
+        staged = replace_fields(
+            spec,
+            select=[key for layer in layers for key in keys[layer]],
+            exclude=None,
+            blocks=([block] if block else False) if layered else None,
+            amounts=amounts or None,
+            originals="memory",
+        )
+        return prune(skeleton, staged, calibration=calls, progress=False)
+
+    verb = OffloadedVerb("prune", run, repr(spec))
+    blocks = resolve_blocks(model, spec.blocks, "prune.blocks") if layered else find_blocks(model)
+    layers = {name: model.get_submodule(name) for name in keys}
+    calibration = calibration if criterion.needs_calibration else None
+    return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)
 
 
 def _sequential(criterion: Criterion, spec: PruneSpec) -> bool:

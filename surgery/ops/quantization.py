@@ -24,13 +24,15 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import batches, run_batches
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection, select
-from surgery.core.sequential import SequentialReport
+from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedTensor, attach_all, own_step_hook
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offloading import Offloaded
 from surgery.ops.placement import ACTIVATIONS, Site, saved_sites, site_key, tensor_sites
 from surgery.ops.qat import ShadowWeight, attach_shadows
 from surgery.ops.weight_methods import (
@@ -575,11 +577,15 @@ def quantize(
     blocks: Selection | bool | None = None,
     target: str | None = None,
     originals: str = "memory",
-) -> QuantizeHandle:
+    work: str | Path | None = None,
+) -> QuantizeHandle | OffloadedCompression:
     """Fake-quantize the weights and/or activations of the selected layers.
 
     Args:
-        model: the model to modify in place.
+        model: the model to modify in place; or an offloaded model's handle
+            (:func:`surgery.offloaded`), quantized block by block without loading it whole:
+            weights only, the result an :class:`OffloadedCompression` that ``surgery.export``
+            streams and whose ``restore()`` reads the untouched source files again.
         spec: a :class:`QuantizeSpec` holding every setting below but ``calibration``,
             ``qparams`` and ``progress`` (the keyword arguments are a shorthand for it).
         weights: settings for weights (default int8, symmetric, per output channel), or None.
@@ -615,22 +621,21 @@ def quantize(
         originals: where the weights' original values wait for ``restore()``: ``"memory"``
             (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
+        work: for an offloaded model, the folder finished blocks are written to (kept; a run
+            that died part-way, started again with the same settings and calibration, goes on
+            after the last finished block); default a temporary folder.
 
     Example:
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
         >>> handle.save_qparams("model.qparams.safetensors")
     """
+    given = (weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals)
+    spec = _spec_of(spec, given)
+    if isinstance(model, Offloaded):
+        return _quantize_offloaded(model, spec, calibration, work, progress)
+    if work is not None:
+        raise ConfigError("quantize.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
     model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
-    if spec is None:
-        spec = QuantizeSpec(
-            weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals
-        )
-    elif not isinstance(spec, QuantizeSpec):
-        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
-    else:
-        _refuse_both(
-            spec, weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals
-        )
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)
@@ -668,6 +673,64 @@ def quantize(
         handle.rollback(err)
         raise
     return handle
+
+
+def _spec_of(spec: Any, given: tuple) -> QuantizeSpec:
+    """The spec :func:`quantize` was given, or the one its keyword settings make (not both)."""
+    if spec is None:
+        return QuantizeSpec(*given)
+    if not isinstance(spec, QuantizeSpec):
+        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
+    _refuse_both(spec, *given)
+    return spec
+
+
+def _quantize_offloaded(
+    source: Offloaded, spec: Any, calibration: Any, work: Any, progress: bool
+) -> OffloadedCompression:
+    """Weights only, stage by stage (:mod:`surgery.ops.offloaded_compression`)."""
+    if not isinstance(spec, QuantizeSpec):
+        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
+    unsupported = [
+        ("activations", spec.activations is not None),
+        ("train", spec.train),
+        ("target", spec.target is not None),
+        ("weights", spec.weights is None),
+    ]
+    refused = next((name for name, bad in unsupported if bad), None)
+    if refused is not None:
+        raise ConfigError(
+            f"quantize.{refused}",
+            getattr(spec, refused) if refused != "weights" else None,
+            "an offloaded model is quantized weights only, block by block: set weights, "
+            "and no activations, train or target (or handle.materialise() it first)",
+        )
+    _validate_inputs(spec, calibration, None)
+    method = weight_method(spec.weights.method)
+    model = source.model
+    targets, _ = quantize_targets(model, spec.select, spec.exclude, spec.weights, None, spec.where)
+    keys: dict[str, list[str]] = {}
+    for key, target in targets.matched.items():
+        keys.setdefault(target.module_name, []).append(key)
+
+    def run(skeleton: nn.Module, layers: list[str], block: str | None, calls: Any) -> QuantizeHandle:
+        staged = dataclasses.replace(
+            spec,
+            select=[key for layer in layers for key in keys[layer]],
+            exclude=None,
+            blocks=([block] if block else False) if method.sequential else None,
+            originals="memory",
+        )
+        return quantize(skeleton, staged, calibration=calls, progress=False)
+
+    def grids(handle: QuantizeHandle) -> dict[str, tuple[Tensor, Tensor, int | None]]:
+        return {key: (q.scale, q.zero_point, q.axis) for key, q in handle.weights.items()}
+
+    verb = OffloadedVerb("quantize", run, repr(spec), spec.weights, grids)
+    blocks = resolve_blocks(model, spec.blocks, "quantize.blocks") if method.sequential else find_blocks(model)
+    layers = {name: model.get_submodule(name) for name in keys}
+    calibration = calibration if method.needs_calibration else None
+    return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)
 
 
 def _as_spec(spec: Any, field: str) -> QuantSpec | None:

@@ -27,6 +27,7 @@ from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.selection import Selection
 from surgery.core.targets import Target
 from surgery.ops.observers import QuantSpec
+from surgery.ops.offloading import Offloaded
 from surgery.ops.pruning import prune, prune_targets
 from surgery.ops.quantization import quantize
 from surgery.ops.weight_methods import weight_method
@@ -143,7 +144,9 @@ def sensitivity(
     """Prune (or quantize) each selected layer alone at each setting, measure, restore.
 
     Args:
-        model: the model; it is left exactly as it was (every change is restored).
+        model: the model; it is left exactly as it was (every change is restored). An
+            offloaded model's handle (:func:`surgery.offloaded`) works too: each trial
+            compresses the block holding the layer and the metric runs offloaded.
         amounts: the pruning amounts to try on each layer, each in (0, 1].
         inputs: batches for the default metric, the drift 1 − cosine(outputs, unchanged outputs).
         evaluate: ``evaluate(model) -> float`` instead (accuracy, perplexity...), with
@@ -158,6 +161,8 @@ def sensitivity(
         >>> table = surgery.sensitivity(model, inputs=batches)
         >>> surgery.prune(model, 0.5, amounts=table.plan(0.5))
     """
+    source = model  # an offloaded model's handle: each trial compresses one block of it
+    model = model.model if isinstance(model, Offloaded) else model
     settings = _check_bits(bits) if bits is not None else _check_amounts(amounts)
     if evaluate is None and inputs is None:
         raise ConfigError("sensitivity.inputs", None, "pass inputs (for output drift) or evaluate=fn(model) -> float")
@@ -174,13 +179,13 @@ def sensitivity(
         if bits is not None:
             spec = replace(template, bits=int(setting))
             return quantize(
-                model,
+                source,
                 weights=spec,
                 select=[target.name],
                 progress=False,
                 calibration=calibration if weight_method(spec.method).needs_calibration else None,
             )
-        return prune(model, setting, method=method, select=[target.name], calibration=calibration, progress=False)
+        return prune(source, setting, method=method, select=[target.name], calibration=calibration, progress=False)
 
     targets = prune_targets(model, select, exclude).matched
     baseline = _score(evaluate, model, "baseline")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,9 +32,11 @@ from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_batches
-from surgery.core.sequential import materialise
+from surgery.core.sequential import find_blocks, materialise
 from surgery.core.targets import is_hf_conv1d
 from surgery.core.transforms import attach_all
+from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offloading import Offloaded
 
 log = logging.getLogger("surgery")
 
@@ -184,11 +188,15 @@ def smooth(
     pairs: Mapping[str, Iterable[str]] | None = None,
     statistic: str = "absmax",
     progress: bool = True,
-) -> SmoothHandle:
+    work: str | Path | None = None,
+) -> SmoothHandle | OffloadedCompression:
     """Migrate activation outliers into weights (SmoothQuant); return a handle that undoes it.
 
     Args:
-        model: the model to modify in place (outputs stay the same up to float rounding).
+        model: the model to modify in place (outputs stay the same up to float rounding); or
+            an offloaded model's handle (:func:`surgery.offloaded`), smoothed block by block
+            (each block's pairs given explicitly to it), the result an
+            :class:`OffloadedCompression`.
         alpha: migration strength in [0, 1]: 0 leaves activations as they are, 1 moves all of
             their range into the weights; 0.5 is the paper's default, 0.75-0.85 for models with
             strong outliers.
@@ -198,6 +206,8 @@ def smooth(
         statistic: ``"absmax"`` (``max|X_j|``, the paper's) or ``"range"`` (``max − min``
             against ``2·max|W|``, llm-compressor's); see the module docstring.
         progress: a progress bar over calibration batches (on a terminal).
+        work: for an offloaded model, the folder finished blocks are written to (as for
+            :func:`surgery.quantize`).
 
     Returns:
         A :class:`SmoothHandle`: ``restore()`` gives back every original value bit for bit;
@@ -208,8 +218,12 @@ def smooth(
         >>> handle = surgery.smooth(model, 0.8, calibration=batches)
         >>> surgery.quantize(model, activations=QuantSpec(bits=8), where="input", calibration=batches)
     """
-    model = compiled.prepare(model)
     spec = alpha if isinstance(alpha, SmoothSpec) else SmoothSpec(alpha, pairs, statistic)
+    if isinstance(model, Offloaded):
+        return _smooth_offloaded(model, spec, calibration, work, progress)
+    if work is not None:
+        raise ConfigError("smooth.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
+    model = compiled.prepare(model)
     alpha, pairs = spec.alpha, spec.pairs
     reducer, weight_factor = STATISTICS[spec.statistic]
     calibration = materialise(calibration, "smooth.calibration")  # read more than once
@@ -251,6 +265,29 @@ def smooth(
         handle.rollback(err)
         raise
     return handle
+
+
+def _smooth_offloaded(
+    source: Offloaded, spec: SmoothSpec, calibration: Inputs, work: Any, progress: bool
+) -> OffloadedCompression:
+    """Each block's pairs smoothed on the block alone, fed by the unchanged blocks before it (the
+    maxima are those of the unchanged model, as in memory)."""
+    model = source.model
+    calls = materialise(calibration, "smooth.calibration")
+    found = find_pairs(model, calls) if spec.pairs is None else _check_pairs(model, spec.pairs)
+    if not found:
+        raise ConfigError(
+            "smooth.pairs", None, "found no normalisation layer whose output feeds Linear or Conv1D layers"
+        )
+    named = dict(model.named_modules())
+    layers = {name: named[name] for norm, readers in found.items() for name in (norm, *readers)}
+
+    def run(skeleton: nn.Module, staged: list[str], block: str | None, calls: Any) -> SmoothHandle:
+        pairs = {norm: found[norm] for norm in found if norm in staged}
+        return smooth(skeleton, replace_fields(spec, pairs=pairs), calibration=calls, progress=False)
+
+    verb = OffloadedVerb("smooth", run, repr(spec), sequential=False)
+    return compress_offloaded(source, verb, layers, calls, blocks=find_blocks(model), work=work, progress=progress)
 
 
 def _rescaled(

@@ -3,7 +3,8 @@ weights it rewrites (run in a child process by ``test_originals.py``).
 
 Usage: ``python tests/ops/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``, or
 ``... write FILE`` then ``... offloaded FILE`` (a forward of the model offloaded to FILE, beyond
-the process before it, as a multiple of the weights in FILE).
+the process before it, as a multiple of the weights in FILE) or ``... gptq-offloaded FILE``
+(GPTQ on it, block by block, likewise).
 """
 
 from __future__ import annotations
@@ -34,10 +35,32 @@ class Wide(nn.Module):
         return x
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 32768)
+
+    def forward(self, x):
+        return x + self.up(x).view(*x.shape[:-1], 512, 64).mean(-2)
+
+
+class WideBlocks(nn.Module):
+    """``Wide`` whose blocks are modules called in turn (a decoder's layers)."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def probe(method: str, where: str) -> None:
     torch.set_num_threads(1)
-    if method in ("write", "offloaded"):
-        return (write if method == "write" else forward_offloaded)(where)
+    if method in ("write", "offloaded", "gptq-offloaded"):
+        return {"write": write, "offloaded": forward_offloaded, "gptq-offloaded": gptq_offloaded}[method](where)
     torch.manual_seed(0)
     model = Wide(24).eval()
     data = [torch.randn(8, 64) for _ in range(2)]
@@ -63,6 +86,17 @@ def forward_offloaded(path: str) -> None:
     handle = surgery.offloaded(path, factory=lambda: Wide(24))
     with torch.no_grad():
         handle.model(torch.randn(8, 64))
+    print((memory("VmHWM") - base) / weights)
+
+
+def gptq_offloaded(path: str) -> None:
+    weights = os.path.getsize(path)
+    data = [torch.randn(8, 64) for _ in range(2)]
+    base = memory("VmRSS")
+    handle = surgery.offloaded(path, factory=lambda: WideBlocks(24))
+    spec = QuantSpec(bits=4, method="gptq", group_size=16)
+    done = surgery.quantize(handle, weights=spec, calibration=data, progress=False)
+    assert done.blocks == 24
     print((memory("VmHWM") - base) / weights)
 
 

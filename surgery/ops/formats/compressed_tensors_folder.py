@@ -13,10 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
+from surgery.core.sequential import find_blocks
 from surgery.core.targets import is_hf_conv1d
 from surgery.ops.deployment import DeployPlan, WeightGrid
 from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
+from surgery.ops.observers import QuantSpec
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
@@ -68,15 +70,98 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     tokenizer = options.get("tokenizer")
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)
+    _add_quantization_config(path, ct, scheme, model, layers)
+    dropped = mode == "none" and plan.activations
+    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
+    # int8 inputs round as x / scale, ours as x * (1 / scale); dynamic ones per token at run time
+    return {"exact": scheme.input_activations is None and not left_out, "left_out": left_out}
+
+
+def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write an offloaded model's quantized result (:func:`surgery.quantize` given
+    :func:`surgery.offloaded`'s handle) as a compressed-tensors folder, a shard per block, each
+    tensor read from disk as its shard is written: memory holds one block."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import save_file
+
+    if set(options) - {"tokenizer"}:
+        raise ConfigError(
+            "export.options", sorted(options), "an offloaded model streams to compressed-tensors with tokenizer= only"
+        )
+    model = handle.model
+    if not hasattr(model, "config"):
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"writes a Hugging Face folder; {type(model).__name__} is not a transformers model",
+        )
+    ct = required("compressed_tensors", "compressed-tensors")
+    if not handle.grids:
+        raise ConfigError(
+            "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
+        )
+    spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
+    kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
+    scheme = QuantizationScheme(
+        targets=kinds, weights=_weight_args(spec, QuantizationArgs), input_activations=None, format="pack-quantized"
+    )
+    compressor = _compressor(ct, scheme.format)
+    state = model.state_dict(keep_vars=True)
+    shards = _shards_by_block(model, state)
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, names in enumerate(shards):
+        tensors: dict[str, Tensor] = {}
+        for name in names:
+            value = handle.value_of(state[name])
+            if name not in handle.grids:
+                tensors[name] = value.contiguous()
+                continue
+            layer = name.rpartition(".")[0]
+            scale, zero_point, axis = handle.grids[name]
+            grid = WeightGrid(name, spec, scale, zero_point, axis)
+            local = _local_state(grid, value, is_hf_conv1d(model.get_submodule(layer)))
+            tensors.update({f"{layer}.{key}": v.contiguous() for key, v in compressor.compress(local, scheme).items()})
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(path)
+    _add_quantization_config(path, ct, scheme, model, layers)
+    if options.get("tokenizer") is not None:
+        _save_tokenizer(options["tokenizer"], path)
+    return {"exact": True, "left_out": []}
+
+
+def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[str]]:
+    """The state's names in order, a shard per block (and one per run of names outside blocks);
+    a tensor shared under two names (tied embeddings) is written once, as transformers does."""
+    blocks = find_blocks(model)
+    shards: list[list[str]] = []
+    current, seen = None, set()
+    for name, value in state.items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        group = next((block for block in blocks if name.startswith(block + ".")), "")
+        if not shards or group != current:
+            shards.append([])
+            current = group
+        shards[-1].append(name)
+    return shards
+
+
+def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> None:
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
     config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    dropped = mode == "none" and plan.activations
-    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
-    # int8 inputs round as x / scale, ours as x * (1 / scale); dynamic ones per token at run time
-    return {"exact": scheme.input_activations is None and not left_out, "left_out": left_out}
 
 
 def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
@@ -94,38 +179,8 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
         raise ConfigError(
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
-    layers = []
-    for key in plan.weights:
-        layer, _, attribute = key.rpartition(".")
-        module = plan.model.get_submodule(layer)
-        if attribute != "weight" or not linear_or_conv1d(module):
-            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
-        grid = plan.weights[key]
-        if is_hf_conv1d(module) and (grid.group_size or not grid.spec.symmetric):
-            setting = f"group_size={grid.group_size}" if grid.group_size else "symmetric=False"
-            raise ConfigError(
-                "quantize.weights",
-                setting,
-                f"{layer} is a Conv1D (its weight stored inputs x outputs), whose groups and zero points "
-                "compressed-tensors cannot lay out; quantize Conv1D layers symmetric, per channel",
-            )
-        layers.append(layer)
-    specs = {plan.weights[f"{layer}.weight"].spec for layer in layers}
-    if len(specs) > 1:
-        raise ConfigError("export.handle", len(specs), "weight settings differ between layers; one scheme is held")
-    spec = specs.pop()
-    strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
-    for layer in layers:
-        columns = plan.model.get_submodule(layer).weight.shape[1]
-        if spec.group_size and columns % spec.group_size:
-            raise ConfigError(
-                "quantize.weights.group_size",
-                spec.group_size,
-                f"does not divide {layer}'s {columns} inputs; compressed-tensors needs whole groups",
-            )
-    weights = QuantizationArgs(
-        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
-    )
+    spec, layers = _weight_layers(plan.model, {key: grid.spec for key, grid in plan.weights.items()})
+    weights = _weight_args(spec, QuantizationArgs)
     inputs = None
     if mode == "static":
         inputs = _input_args(plan, layers, QuantizationArgs)
@@ -147,6 +202,47 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     kinds = sorted({type(plan.model.get_submodule(layer)).__name__ for layer in layers})
     scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
     return scheme, layers
+
+
+def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[QuantSpec, list[str]]:
+    """The one weight setting of the quantized layers, and those layers (each checked to be a
+    Linear or Conv1D weight compressed-tensors can lay out, in whole groups)."""
+    layers = []
+    for key, spec in specs.items():
+        layer, _, attribute = key.rpartition(".")
+        module = model.get_submodule(layer)
+        if attribute != "weight" or not linear_or_conv1d(module):
+            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
+        if is_hf_conv1d(module) and (spec.group_size or not spec.symmetric):
+            setting = f"group_size={spec.group_size}" if spec.group_size else "symmetric=False"
+            raise ConfigError(
+                "quantize.weights",
+                setting,
+                f"{layer} is a Conv1D (its weight stored inputs x outputs), whose groups and zero points "
+                "compressed-tensors cannot lay out; quantize Conv1D layers symmetric, per channel",
+            )
+        layers.append(layer)
+    if len(set(specs.values())) > 1:
+        raise ConfigError(
+            "export.handle", len(set(specs.values())), "weight settings differ between layers; one scheme is held"
+        )
+    spec = next(iter(specs.values()))
+    for layer in layers:
+        columns = model.get_submodule(layer).weight.shape[1]
+        if spec.group_size and columns % spec.group_size:
+            raise ConfigError(
+                "quantize.weights.group_size",
+                spec.group_size,
+                f"does not divide {layer}'s {columns} inputs; compressed-tensors needs whole groups",
+            )
+    return spec, layers
+
+
+def _weight_args(spec: QuantSpec, arguments: type) -> Any:
+    strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
+    return arguments(
+        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
+    )
 
 
 def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
@@ -256,4 +352,5 @@ register_export_format(
     exact=False,
     bound=0.9999,
     target=DeployTarget(layers=linear_or_conv1d, activations={"bits": 8, "per_channel": False}),
+    stream=stream_compressed_tensors,
 )
