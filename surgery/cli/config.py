@@ -51,9 +51,19 @@ class ModelConfig:
     path: str | None = None  # hf: a local pretrained folder (local_files_only, safetensors)
     kwargs: dict[str, Any] | None = None  # timm.create_model / the factory's arguments
     _target_: str | None = None  # factory: the dotted path of a callable returning the model
+    offload: bool = False  # hf with path: weights stay in the folder's files, read block by block
+    offload_folder: str | None = None  # offload: where finished blocks go (a run restarts from it); None: temporary
 
     def __post_init__(self) -> None:
         one_of("model.source", self.source, MODEL_SOURCES)
+        if not isinstance(self.offload, bool):
+            raise ConfigError("model.offload", self.offload, "must be true or false")
+        if self.offload and (self.source != "hf" or self.path is None):
+            raise ConfigError(
+                "model.offload", True, "needs model=hf with model.path=FOLDER (a Hugging Face folder of safetensors)"
+            )
+        if self.offload_folder is not None and not self.offload:
+            raise ConfigError("model.offload_folder", self.offload_folder, "applies with model.offload=true only")
         positive_int("model.num_classes", self.num_classes)
         self.config, self.kwargs = dict(self.config or {}), dict(self.kwargs or {})
         if self.source == "hf":

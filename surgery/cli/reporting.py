@@ -520,8 +520,15 @@ def _markdown_selection_and_inspection(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _markdown_offloaded(report: dict[str, Any]) -> list[str]:
+    """Memory and seconds per block of a run on an offloaded model."""
+    lines = offloaded_lines(report)
+    return ["", "## Offloaded", "", *[f"- {line.strip()}" for line in lines]] if lines else []
+
+
 MARKDOWN_SECTIONS = (
     _markdown_header,
+    _markdown_offloaded,
     _markdown_accuracy,
     _markdown_sensitivity,
     _markdown_shrink,
@@ -542,6 +549,27 @@ def selection_lines(report: dict[str, Any]) -> list[str]:
             f"{kind}: {len(selection['matched'])} weight(s) matched, {len(skipped)} skipped"
             f"{': ' + names if skipped else ''}"
         )
+    return lines
+
+
+def _bytes(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def offloaded_lines(report: dict[str, Any]) -> list[str]:
+    """Memory and time of a run on an offloaded model (``model.offload=true``)."""
+    if "offloaded" not in report:
+        return []
+    found = report["offloaded"]
+    lines = [
+        f"  offloaded: peak memory {_bytes(found['peak_memory_bytes'])}, of which the run added "
+        f"{_bytes(found['added_memory_bytes'])} ({found['added_over_model']:.2f}x the model's "
+        f"{_bytes(found['model_bytes'])})"
+    ]
+    for step, row in found["steps"].items():
+        per_block = "n/a" if row["seconds_per_block"] is None else f"{row['seconds_per_block']:.2f} s"
+        resumed = f", {row['resumed']} resumed from {row['work']}" if row["resumed"] else ""
+        lines.append(f"  {step}: {row['blocks']} blocks, {per_block} per block{resumed}")
     return lines
 
 
@@ -602,5 +630,6 @@ def summary_table(report: dict[str, Any]) -> str:
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")
+    lines += offloaded_lines(report)
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from surgery.cli.data import (
     with_model_defaults,
 )
 from surgery.cli.models import ModelBuilder, check_runs
+from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import Calibration, StepRun, step_named
@@ -138,6 +139,15 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
 
 def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     """Build, operate, check; write every output into ``stage``; return the report."""
+    if config.model.offload:
+        report = execute_offloaded(
+            config,
+            stage.path,
+            lambda name: _calibration_of(config, name),
+            lambda data: _metric(config, data),
+        )
+        write_reports(report, stage.path, plots=config.output.plots)
+        return report
     started = time.perf_counter()
     models = _build(config)
     config.data = with_model_defaults(config.data, models.reference)  # e.g. the vocabulary of data=tokens
@@ -247,6 +257,11 @@ def _step_runs(
             metric=metric,
         )
     return runs
+
+
+def _calibration_of(config: RunConfig, step: str) -> Any:
+    need = step_named(step).calibration(config.settings(step))
+    return None if need is None else _calibration(config, step, need)
 
 
 def _calibration(config: RunConfig, step: str, need: Calibration) -> Any:

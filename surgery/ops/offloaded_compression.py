@@ -387,10 +387,19 @@ def _all_tensors(value: Any) -> Iterator[Tensor]:
 
 def peak_resident_bytes() -> int:
     """The process's peak resident memory so far (``VmHWM``; ``ru_maxrss`` where there is no /proc)."""
+    return _status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (``VmRSS``; 0 where there is no /proc)."""
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0

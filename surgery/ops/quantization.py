@@ -691,10 +691,13 @@ def _quantize_offloaded(
     """Weights only, stage by stage (:mod:`surgery.ops.offloaded_compression`)."""
     if not isinstance(spec, QuantizeSpec):
         raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
+    rules = deploy_target(spec.target) if spec.target is not None else None
+    model = source.model
+    folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())
     unsupported = [
         ("activations", spec.activations is not None),
         ("train", spec.train),
-        ("target", spec.target is not None),
+        ("target", folding),
         ("weights", spec.weights is None),
     ]
     refused = next((name for name, bad in unsupported if bad), None)
@@ -702,13 +705,13 @@ def _quantize_offloaded(
         raise ConfigError(
             f"quantize.{refused}",
             getattr(spec, refused) if refused != "weights" else None,
-            "an offloaded model is quantized weights only, block by block: set weights, "
-            "and no activations, train or target (or handle.materialise() it first)",
+            "an offloaded model is quantized weights only, block by block: set weights, and no "
+            "activations, train or target that folds BatchNorm (or handle.materialise() it first)",
         )
     _validate_inputs(spec, calibration, None)
     method = weight_method(spec.weights.method)
-    model = source.model
-    targets, _ = quantize_targets(model, spec.select, spec.exclude, spec.weights, None, spec.where)
+    select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
+    targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)
     keys: dict[str, list[str]] = {}
     for key, target in targets.matched.items():
         keys.setdefault(target.module_name, []).append(key)
@@ -720,6 +723,7 @@ def _quantize_offloaded(
             exclude=None,
             blocks=([block] if block else False) if method.sequential else None,
             originals="memory",
+            target=None,  # its selection made above; an offloaded model folds no BatchNorm
         )
         return quantize(skeleton, staged, calibration=calls, progress=False)
 

@@ -1028,7 +1028,22 @@ CLI_CASES = [
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("originals-place", (*FAST, "+prune.originals=tape"), "prune.originals='tape': must be one of memory, disk"),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
+    CliCase("offload", ("recipe=quantize_gptq_llama", "model.offload=true"), "model.offload=True: needs model=hf"),
+    CliCase(
+        "offload",
+        ("recipe=quantize_gptq_llama", "model.offload=true", "steps=[shrink]", "+shrink={}"),
+        "steps='shrink': does not run on an offloaded model",
+        lambda folder: (f"model.path={llama_folder(folder)}",),
+    ),
 ]
+
+
+def llama_folder(folder: Path) -> Path:
+    """A small random Llama saved as Hugging Face saves it."""
+    from support import tiny_llama  # tests/support.py
+
+    tiny_llama(layers=2).save_pretrained(folder / "llama")
+    return folder / "llama"
 
 
 def run_cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:

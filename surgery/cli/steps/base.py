@@ -68,6 +68,7 @@ class Step:
     settings: ClassVar[type] = object
     changes_model: ClassVar[bool] = True  # False: it measures (sensitivity); the checks do not run it again
     needs_labels: ClassVar[bool] = False  # it trains on labelled data (finetune)
+    offloadable: ClassVar[bool] = False  # apply_offloaded runs it on an offloaded model (model.offload=true)
 
     def __call__(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         return self.apply(model, settings, run)
@@ -75,6 +76,12 @@ class Step:
     def apply(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         """Change ``model`` in place and return the handle that undoes it."""
         raise NotImplementedError(f"step {self.name!r} does not implement apply()")
+
+    def apply_offloaded(self, source: Any, settings: Any, run: StepRun, work: Path | None) -> Handle:
+        """Apply the step to an offloaded model (:func:`surgery.offloaded`'s handle) block by
+        block, finished blocks written to ``work`` (None: a temporary folder); set
+        ``offloadable`` when overriding."""
+        raise ConfigError("steps", self.name, "does not run on an offloaded model (model.offload=true)")
 
     def neutral(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         """The same step with settings that change no output (the ``identity`` check):

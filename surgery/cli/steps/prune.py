@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -13,6 +14,7 @@ from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
+from surgery.ops.offloading import Offloaded
 from surgery.ops.pruning import PruneSpec, prune, prune_targets
 
 
@@ -43,11 +45,14 @@ def _read_plan(path: Any) -> dict[str, float]:
 class PruneStep(Step):
     """Masks on the selected weights, scored by the settings' criterion."""
 
-    name, settings = "prune", PruneConfig
+    name, settings, offloadable = "prune", PruneConfig, True
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         gradients = settings.criterion.needs_gradients
         return prune(model, settings, calibration=run.calibration, loss=classification_loss if gradients else None)
+
+    def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
+        return prune(source, settings, calibration=run.calibration, work=work)
 
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""

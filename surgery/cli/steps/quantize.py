@@ -12,6 +12,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
 from surgery.ops.observers import QuantSpec
+from surgery.ops.offloading import Offloaded
 from surgery.ops.quantization import QuantizeSpec, deploy_target, quantize, quantize_targets
 
 
@@ -32,10 +33,13 @@ class QuantizeConfig(QuantizeSpec):
 class QuantizeStep(Step):
     """Fake-quantized weights (in place, guarded) and activations (hooks)."""
 
-    name, settings = "quantize", QuantizeConfig
+    name, settings, offloadable = "quantize", QuantizeConfig, True
 
     def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
         return quantize(model, settings, calibration=run.calibration)
+
+    def apply_offloaded(self, source: Offloaded, settings: QuantizeConfig, run: StepRun, work: Path | None) -> Handle:
+        return quantize(source, settings, calibration=run.calibration, work=work)
 
     def calibration(self, settings: QuantizeConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -16,6 +17,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.criteria import as_criterion
 from surgery.ops.observers import QuantSpec
+from surgery.ops.offloading import Offloaded
 from surgery.ops.pruning import prune_targets, validate_arguments
 from surgery.ops.sensitivity import sensitivity
 from surgery.ops.weight_methods import weight_method
@@ -74,11 +76,18 @@ class SensitivityConfig:
 class SensitivityStep(Step):
     """Measures and changes nothing: every trial is restored."""
 
-    name, settings, changes_model = "sensitivity", SensitivityConfig, False
+    name, settings, changes_model, offloadable = "sensitivity", SensitivityConfig, False, True
 
     def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
         handle = Handle(self.name, model)
         handle.result = _measure(model, settings, run)
+        return handle
+
+    def apply_offloaded(
+        self, source: Offloaded, settings: SensitivityConfig, run: StepRun, work: Path | None
+    ) -> Handle:
+        handle = Handle(self.name, source.model)
+        handle.result = _measure(source, settings, run)  # each trial compresses one block, then restores it
         return handle
 
     def calibration(self, settings: SensitivityConfig) -> Calibration | None:

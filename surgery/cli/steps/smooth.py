@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
+from surgery.ops.offloading import Offloaded
 from surgery.ops.smoothing import SmoothSpec, smooth
 
 
@@ -28,10 +30,13 @@ class SmoothStep(Step):
     """Activation outliers moved into the following weights; the outputs stay the same (up to
     float rounding), so a later ``quantize`` step loses less."""
 
-    name, settings = "smooth", SmoothConfig
+    name, settings, offloadable = "smooth", SmoothConfig, True
 
     def apply(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
         return smooth(model, settings, calibration=run.calibration)
+
+    def apply_offloaded(self, source: Offloaded, settings: SmoothConfig, run: StepRun, work: Path | None) -> Handle:
+        return smooth(source, settings, calibration=run.calibration, work=work)
 
     def neutral(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
         """Smoothing keeps outputs only up to float rounding, and the identity check asks for

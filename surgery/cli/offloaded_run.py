@@ -1,0 +1,196 @@
+"""A recipe run on an offloaded model (``model.offload=true``): the weights stay in the
+folder's files and every step works block by block, in bounded memory.
+
+The reference outputs (and perplexity, for a language model's data) are measured offloaded
+before any step; the steps (quantize, prune, smooth, sensitivity) take the offloaded handle;
+the export streams the result; then drift is measured and ``restore()`` is checked to give the
+reference outputs back bit for bit. The report's ``offloaded`` section says the peak memory,
+the model's bytes and the seconds per block. There is no ``model.safetensors``: the export is
+the artifact (an in-memory checkpoint would need the model in memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from surgery.analysis.comparison import compare
+from surgery.cli import checks
+from surgery.cli.config import RunConfig
+from surgery.cli.data import Data, load_data, with_model_defaults
+from surgery.cli.reporting import checks_rows
+from surgery.cli.steps import StepRun, step_named
+from surgery.cli.steps.base import STEPS
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.core.inputs import batches, evaluating, flatten_tensors
+from surgery.ops.exporting import EXPORT_FORMATS, export
+from surgery.ops.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
+from surgery.ops.offloading import Offloaded, offloaded
+
+log = logging.getLogger("surgery")
+CalibrationOf = Callable[[str], Any]  # step name -> its calibration batches (None if it needs none)
+
+
+def execute_offloaded(
+    config: RunConfig, folder: Path, calibration_of: CalibrationOf, metric_of: Callable[[Data], tuple | None]
+) -> dict[str, Any]:
+    """Run ``config`` on ``model.path`` offloaded; write the export into ``folder``; the report."""
+    started, resident = time.perf_counter(), resident_bytes()
+    for name in config.steps:
+        if not step_named(name).offloadable:
+            usable = [step for step in STEPS.names() if STEPS.get(step).offloadable]
+            raise ConfigError(
+                "steps", name, f"does not run on an offloaded model (model.offload=true); use {', '.join(usable)}"
+            )
+    if config.model.config:
+        log.info("model.offload: %s/config.json builds the model; model.config is not used", config.model.path)
+    source = offloaded(config.model.path)
+    config.data = with_model_defaults(config.data, source.model)  # the vocabulary of data=tokens, for calibration too
+    data = load_data(config.data)
+    inputs = list(data.inputs)
+    metric = metric_of(data)
+    expected = _outputs(source, inputs)
+    perplexity = {"reference": metric[1](source.model)} if metric is not None and metric[0] == "perplexity" else None
+    built = time.perf_counter()
+    handles = _apply(config, source, folder, calibration_of, data, inputs, metric)
+    operated = time.perf_counter()
+    last = next((h for h in reversed(handles) if isinstance(h, OffloadedCompression)), None)
+    record = None
+    if config.export.format is not None:
+        deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
+        record = export(
+            last or source,
+            folder / config.export.file_name,
+            format=config.export.format,
+            inputs=inputs if deploying else None,
+            **config.export.options,
+        )
+    drift = compare(_Outputs(expected), source.model, inputs)
+    results = [checks.check_drift(drift, config.checks.drift)] if "drift" in config.checks.enabled else []
+    if perplexity is not None:
+        perplexity["candidate"] = metric[1](source.model)
+    if "restore" in config.checks.enabled:
+        results.append(_check_restore(handles, source, inputs, expected))
+    report = {
+        "recipe": config.recipe,
+        "model": config.model.name,
+        "ok": all(c.passed for c in results),
+        "params": _parameter_counts(source),
+        "sparsity": 0.0,
+        "sparsity_over": {"parameters": 0, "entries": 0},
+        "selection": {},
+        "checks": checks_rows(results),
+        "drift": drift.as_dict(),
+        "layers": [],
+        "timings_s": {"build": built - started, "surgery": operated - built, "checks": time.perf_counter() - operated},
+        "build": [],
+        "steps": list(config.steps),
+        "checkpoint": None,
+        "qparams": None,
+        "offloaded": _offloaded_section(source, handles, resident),
+    }
+    skipped = sorted(set(config.checks.enabled) - {"drift", "restore", "deploy"})
+    if skipped:
+        log.info("model.offload: checks %s need the model in memory; drift and restore ran", ", ".join(skipped))
+    if perplexity is not None:
+        report["perplexity"] = perplexity
+    for name, handle in zip(config.steps, handles):
+        step_named(name).report(handle, config.settings(name), StepRun(config), report)
+    if record is not None:
+        report["export"] = record.as_dict()
+        if record.parity is not None:
+            result = checks.check_deploy(record)
+            report["checks"].append(checks_rows([result])[0])
+            report["ok"] = report["ok"] and result.passed
+    return report
+
+
+def _apply(
+    config: RunConfig,
+    source: Offloaded,
+    folder: Path,
+    calibration_of: CalibrationOf,
+    data: Data,
+    inputs: list,
+    metric: tuple | None,
+) -> list[Handle]:
+    handles: list[Handle] = []
+    try:
+        for name in config.steps:
+            run = StepRun(config, calibration_of(name), None, folder, None, inputs, data, metric)
+            work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
+            handles.append(step_named(name).apply_offloaded(source, config.settings(name), run, work))
+    except BaseException:
+        for handle in reversed(handles):
+            handle.restore()
+        raise
+    return handles
+
+
+def _outputs(source: Offloaded, inputs: list) -> list[list[torch.Tensor]]:
+    with evaluating(source.model), torch.no_grad():
+        return [flatten_tensors(call(source.model)) for call in batches(inputs, "data")]
+
+
+class _Outputs(torch.nn.Module):
+    """The reference's outputs, measured before the steps, replayed batch by batch to ``compare``."""
+
+    def __init__(self, outputs: list[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self.outputs, self.index = outputs, 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        found = self.outputs[self.index % len(self.outputs)]
+        self.index += 1
+        return tuple(found)
+
+
+def _check_restore(
+    handles: list[Handle], source: Offloaded, inputs: list, expected: list[list[torch.Tensor]]
+) -> checks.CheckResult:
+    for handle in reversed(handles):
+        handle.restore()
+    found = _outputs(source, inputs)
+    equal = all(torch.equal(a, b) for want, got in zip(expected, found) for a, b in zip(want, got))
+    detail = "" if equal else "restore() gives other outputs than the source files"
+    return checks.CheckResult("restore", equal, None if equal else 0.0, 0.0, detail)
+
+
+def _parameter_counts(source: Offloaded) -> dict[str, int]:
+    """Parameters of the offloaded model, and those non-zero now (each tensor read once)."""
+    params = list(source.model.parameters())
+    total = sum(p.numel() for p in params)
+    nonzero = sum(int(torch.count_nonzero(source.value_of(p))) for p in params)
+    return {"total": total, "nonzero": nonzero}
+
+
+def _offloaded_section(source: Offloaded, handles: list[Handle], resident: int) -> dict[str, Any]:
+    """Peak resident memory (and what the run added to the process it started in) against the
+    model's bytes, and the seconds per block of each step."""
+    model_bytes = sum(p.numel() * p.element_size() for p in source.model.parameters())
+    peak = peak_resident_bytes()
+    steps = {}
+    for handle in handles:
+        if isinstance(handle, OffloadedCompression):
+            blocks = [s for stage, s in zip(handle.stages[handle.resumed :], handle.seconds) if stage.block]
+            steps[handle.kind.split()[-1]] = {
+                "stages": len(handle.stages),
+                "blocks": handle.blocks,
+                "resumed": handle.resumed,
+                "seconds_per_block": sum(blocks) / len(blocks) if blocks else None,
+                "work": str(handle.work),
+            }
+    return {
+        "files": sorted(str(p) for p in source.files.paths),
+        "model_bytes": model_bytes,
+        "peak_memory_bytes": peak,
+        "added_memory_bytes": peak - resident,
+        "added_over_model": (peak - resident) / model_bytes if model_bytes else None,
+        "steps": steps,
+    }
