@@ -15,6 +15,9 @@ model's bytes and, between two depths, per layer as a multiple of one layer's by
 - surgery, in memory: ``quantize(weights=QuantSpec(bits=4, group_size=128, method="gptq"))``,
   its originals for ``restore()`` kept in memory (the default) or spilled to disk
   (``originals="disk"``);
+- surgery, offloaded: the model saved as a Hugging Face folder first (by another process), then
+  ``surgery.offloaded(folder)`` and the same ``quantize``, block by block, the model never in
+  memory: its peak is beyond the process before it, and per layer it is the peak's growth alone;
 - llm-compressor's ``oneshot`` with ``GPTQModifier(scheme="W4A16")`` and its sequential
   pipeline. llm-compressor pins torch <= 2.14.0, so it runs in its own virtual environment,
   made on first use in ``benchmarks/.venv-llmcompressor`` (torch 2.13.0+cpu from the PyTorch
@@ -43,6 +46,7 @@ WIDTH = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 
 ROWS = {
     "surgery, originals in memory": "memory",
     "surgery, originals on disk": "disk",
+    "surgery, offloaded": "offloaded",
     "llm-compressor 0.14 (sequential)": "llmcompressor",
 }
 
@@ -73,6 +77,8 @@ def run_row(kind: str, layers: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    if kind == "offloaded":
+        return _offloaded_row(layers)
     model = build(layers)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
@@ -85,6 +91,29 @@ def run_row(kind: str, layers: int) -> dict:
         _surgery(model, ids, kind)
     seconds = time.perf_counter() - start
     peak = memory("VmHWM") - base
+    return {"peak": peak, "model": model_bytes, "layer": layer_bytes, "seconds": seconds, "layers": layers}
+
+
+def _offloaded_row(layers: int) -> dict:
+    import surgery
+    from surgery import QuantSpec
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_scale; "
+        script += f"bench_scale.build({layers}).save_pretrained({folder!r})"
+        subprocess.run([sys.executable, "-c", script], check=True)
+        ids = token_ids()
+        calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
+        base = memory("VmRSS")
+        start = time.perf_counter()
+        handle = surgery.offloaded(folder)
+        spec = QuantSpec(bits=4, group_size=128, symmetric=True, method="gptq")
+        surgery.quantize(handle, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+        seconds = time.perf_counter() - start
+        peak = memory("VmHWM") - base
+        model = handle.model
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     return {"peak": peak, "model": model_bytes, "layer": layer_bytes, "seconds": seconds, "layers": layers}
 
 
@@ -149,7 +178,8 @@ def measure(kind: str, layers: int) -> dict:
 
 def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
     """Per depth: the peak beyond the built model ÷ the model's bytes, and seconds per block; then
-    what each added layer adds to the whole peak (its weights included) ÷ one layer's bytes."""
+    what each added layer adds to the whole peak (its weights included, where the model is in
+    memory) ÷ one layer's bytes."""
     head = "| | " + " | ".join(f"{d} layers: peak beyond the model ÷ model | s per block" for d in depths)
     head += f" | peak added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes |"
     lines = [head, "|" + " --- |" * (2 * len(depths) + 2)]
@@ -157,7 +187,9 @@ def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
         rows = {int(depth): row for depth, row in rows.items()}  # keys are strings once read back from JSON
         cells = [f"{rows[d]['peak'] / rows[d]['model']:.2f}× | {rows[d]['seconds'] / d:.1f}" for d in depths]
         first, last = rows[depths[0]], rows[depths[-1]]
-        whole = (last["peak"] + last["model"]) - (first["peak"] + first["model"])  # the model grows with it
+        whole = last["peak"] - first["peak"]
+        if "offloaded" not in name:
+            whole += last["model"] - first["model"]  # the model in memory grows with it
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {whole / (depths[-1] - depths[0]) / first['layer']:.2f}× |"
         )
@@ -168,7 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="also 22 layers (the 1.1B model)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
-    parser.add_argument("--rows", nargs="*", default=list(ROWS.values()), help="memory, disk, llmcompressor")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS.values()), help="memory, disk, offloaded, llmcompressor")
     parser.add_argument("--table", type=Path, help="print the table of a --json file and stop")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 
 from surgery.analysis.comparison import Drift, compare
 from surgery.core.capture import Capture, capture
+from surgery.core.distributed import distributed_calibration
 from surgery.core.errors import (
     AlreadyModifiedError,
     CheckpointError,
@@ -32,6 +33,7 @@ from surgery.ops.intercept import (
     intercept,
 )
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
+from surgery.ops.offloaded_compression import OffloadedCompression
 from surgery.ops.offloading import Offloaded, offloaded
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
@@ -58,7 +60,9 @@ __all__ = [
     "NonFiniteError",
     "ObservedRange",
     "Offloaded",
+    "OffloadedCompression",
     "offloaded",
+    "distributed_calibration",
     "OutputExistsError",
     "ParameterReplacedError",
     "PruneHandle",

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from surgery.core import compiled
+from surgery.core import compiled, distributed
 from surgery.core._compat import CHANNEL_NORMS, CONVOLUTIONS
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import flatten_tensors
@@ -107,7 +107,9 @@ class SquaredNorms:
         self.rows += flat.shape[0]
 
     def result(self) -> dict[str, Any] | None:
-        return None if self.sq_norms is None else {"sq_norms": self.sq_norms, "rows": self.rows}
+        if self.sq_norms is None:
+            return None
+        return {"sq_norms": distributed.summed(self.sq_norms), "rows": distributed.summed_count(self.rows)}
 
 
 class MinMax:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery.core import distributed
 from surgery.core._compat import CONVOLUTIONS, conv_padding
 from surgery.core.capture import register_reduction
 from surgery.core.errors import ConfigError
@@ -110,7 +111,8 @@ class HessianReducer:
     def result(self) -> dict[str, Any] | None:
         if self.sum is None:
             return None
-        return {"hessian": self.sum * (2.0 / self.rows), "rows": self.rows}
+        rows = distributed.summed_count(self.rows)  # over the processes calibrating together, if any
+        return {"hessian": distributed.summed(self.sum) * (2.0 / rows), "rows": rows}
 
 
 register_reduction("hessian", HessianReducer)

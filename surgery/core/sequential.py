@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from surgery.core import distributed
 from surgery.core.capture import Capture, ReducerFactory
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import HessianReducer
@@ -98,13 +99,14 @@ def resolve_blocks(model: nn.Module, blocks: Selection | bool | None, field: str
 
 
 def materialise(calibration: Any, field_name: str) -> list[Call]:
-    """Calibration batches as a list of calls (a sequential pass reads them many times)."""
+    """Calibration batches as a list of calls (a sequential pass reads them many times); inside
+    :func:`~surgery.core.distributed.distributed_calibration`, this process's share of them."""
     calls = list(batches(calibration, field_name))
     if not calls:
         raise ConfigError(field_name, "0 batches", "must hold at least one batch")
     for index, call in enumerate(calls):
         check_batch_finite(call, index, field_name)
-    return calls
+    return distributed.share(calls, field_name)  # this process's share, calibrating across processes
 
 
 def plan_stages(

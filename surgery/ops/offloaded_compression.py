@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from surgery.core import distributed
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.folders import claimed
 from surgery.core.handles import Handle
@@ -135,7 +136,8 @@ def compress_offloaded(
         handle.temporary = folder.temporary
         handle.stages = stages
         try:
-            _run_stages(handle, verb, folder, stages, calls, chained & set(blocks), progress, blocks)
+            with distributed.batches_shared():  # each stage's inputs come from this rank's share
+                _run_stages(handle, verb, folder, stages, calls, chained & set(blocks), progress, blocks)
         except BaseException as err:
             handle.rollback(err)
             folder.abandon()
@@ -292,6 +294,8 @@ class WorkFolder:
             return
         if not isinstance(work, (str, Path)):
             raise ConfigTypeError("work", work, "must be a folder path (or None for a temporary folder)")
+        rank, size = distributed.world()
+        work = Path(work) / f"rank-{rank}" if size > 1 else work  # each process calibrating together its own
         self.path = stack.enter_context(claimed(work))
         self.manifest = self._read()
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from surgery.core import compiled, guards
+from surgery.core import compiled, distributed, guards
 from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
@@ -88,7 +88,7 @@ class AbsMax:
         self.value = found if self.value is None else torch.maximum(self.value, found)
 
     def result(self) -> Tensor | None:
-        return self.value
+        return None if self.value is None else distributed.maximum(self.value)
 
 
 class Spread:
@@ -105,7 +105,7 @@ class Spread:
         self.high = high if self.high is None else torch.maximum(self.high, high)
 
     def result(self) -> Tensor | None:
-        return None if self.low is None else self.high - self.low
+        return None if self.low is None else distributed.maximum(self.high) - distributed.minimum(self.low)
 
 
 # statistic -> (activation reducer, factor on max|W| per column)

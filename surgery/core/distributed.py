@@ -1,0 +1,122 @@
+"""Calibration across processes on ``torch.distributed`` (gloo on CPU, NCCL on GPUs).
+
+Inside :func:`distributed_calibration`, every rank holds the model and runs the same verb;
+each takes its share of the calibration batches (batch ``i`` goes to rank ``i mod world``),
+and the statistics a layer's solution is computed from — Hessians (GPTQ, SparseGPT), squared
+input norms (Wanda), per-channel maxima (SmoothQuant) — are summed (or maxed) across ranks
+before any rank solves. Every rank then computes the same result, equal to one process's up to
+the order of summation. Launch with ``torchrun --nproc-per-node N script.py`` and call
+``torch.distributed.init_process_group()`` first.
+
+Statistics computed outside the sequential passes (activation observers, gradient criteria)
+see every batch on every rank, so they agree across ranks without being shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from surgery.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Sharing:
+    group: Any
+    share_batches: bool = True  # False once the batches were shared out (a verb run stage by stage)
+
+
+_active: ContextVar[_Sharing | None] = ContextVar("surgery_distributed_calibration", default=None)
+
+
+@contextmanager
+def distributed_calibration(group: Any = None) -> Iterator[None]:
+    """Share calibration out across the processes of ``group`` (default: the whole world) for the
+    verbs called in the block (see the module docstring).
+
+    Example:
+        >>> torch.distributed.init_process_group("gloo")
+        >>> with surgery.distributed_calibration():
+        ...     surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq"), calibration=batches)
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ConfigError(
+            "distributed",
+            "no process group",
+            "call torch.distributed.init_process_group() first (torchrun sets its environment)",
+        )
+    token = _active.set(_Sharing(group))
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+@contextmanager
+def batches_shared() -> Iterator[None]:
+    """Within the block the batches are already each rank's share: statistics are still
+    reduced across ranks, the batches not shared out again."""
+    sharing = _active.get()
+    token = _active.set(None if sharing is None else _Sharing(sharing.group, share_batches=False))
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def world() -> tuple[int, int]:
+    """(this rank, number of ranks) calibrating together; (0, 1) outside :func:`distributed_calibration`."""
+    sharing = _active.get()
+    if sharing is None:
+        return 0, 1
+    return torch.distributed.get_rank(sharing.group), torch.distributed.get_world_size(sharing.group)
+
+
+def share(calls: list[T], field: str) -> list[T]:
+    """This rank's share of ``calls``: every ``world``-th, from its rank."""
+    sharing = _active.get()
+    if sharing is None or not sharing.share_batches:
+        return calls
+    rank, size = world()
+    if len(calls) < size:
+        raise ConfigError(
+            field, f"{len(calls)} batches", f"are fewer than the {size} processes calibrating; give each one a batch"
+        )
+    return calls[rank::size]
+
+
+def summed(tensor: Tensor) -> Tensor:
+    """``tensor`` summed over the ranks calibrating together (itself outside them)."""
+    return _reduced(tensor, torch.distributed.ReduceOp.SUM)
+
+
+def maximum(tensor: Tensor) -> Tensor:
+    """The elementwise maximum of ``tensor`` over the ranks calibrating together."""
+    return _reduced(tensor, torch.distributed.ReduceOp.MAX)
+
+
+def minimum(tensor: Tensor) -> Tensor:
+    """The elementwise minimum of ``tensor`` over the ranks calibrating together."""
+    return _reduced(tensor, torch.distributed.ReduceOp.MIN)
+
+
+def summed_count(count: int) -> int:
+    """An integer count summed over the ranks calibrating together."""
+    return int(summed(torch.tensor([count], dtype=torch.int64)).item())
+
+
+def _reduced(tensor: Tensor, op: Any) -> Tensor:
+    sharing = _active.get()
+    if sharing is None:
+        return tensor
+    reduced = tensor.contiguous().clone()
+    torch.distributed.all_reduce(reduced, op=op, group=sharing.group)
+    return reduced
