@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from surgery.core import distributed
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
 from surgery.core.folders import claimed
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating
@@ -90,7 +90,8 @@ class OffloadedCompression(Handle):
         self.resumed = 0
         self.peak_bytes = 0
         self.temporary = False
-        self._written: set[str] = set()
+        self._before: dict[str, WeightFiles | None] = {}  # name -> where it was read from before
+        self._mine: dict[str, WeightFiles] = {}  # name -> the file this verb wrote it to
         self.add("read the weights from the source files again", self._drop, lambda: None)
 
     @property
@@ -102,10 +103,24 @@ class OffloadedCompression(Handle):
         """A tensor of the model's state with the values the compressed model computes with."""
         return self.source.value_of(tensor)
 
+    def check_undo(self) -> None:
+        """Refuse, before anything changes, to undo under a later verb that rewrote the same weights."""
+        super().check_undo()
+        for name, files in self._mine.items():
+            if self.source.overlay.get(name) is not files:
+                raise AlreadyModifiedError(
+                    f"{self.kind}: {name} was rewritten by a later verb on the offloaded model; restore that one first"
+                )
+
     def _drop(self) -> None:
-        for name in self._written:
-            self.source.overlay.pop(name, None)
-        self._written.clear()
+        """Each name read from where it was read before this verb (the source, or an earlier verb's file)."""
+        for name, before in self._before.items():
+            if before is None:
+                self.source.overlay.pop(name, None)
+            else:
+                self.source.overlay[name] = before
+        self._before.clear()
+        self._mine.clear()
         if self.temporary:  # a work folder the caller gave keeps its stages
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -227,8 +242,8 @@ def _after(blocks: list[str], block: str | None) -> str | None:
 def _adopt(handle: OffloadedCompression, finished: StageFiles) -> None:
     """The model reads the stage's tensors from its file from now on."""
     for name in finished.names:
-        handle.source.overlay[name] = finished.files
-        handle._written.add(name)
+        handle._before.setdefault(name, handle.source.overlay.get(name))
+        handle.source.overlay[name] = handle._mine[name] = finished.files
     handle.grids.update(finished.grids)
 
 

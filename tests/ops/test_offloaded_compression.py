@@ -20,7 +20,7 @@ from torch import nn
 import surgery
 from surgery import QuantSpec
 from surgery.core._compat import global_hook_counts
-from surgery.core.errors import ConfigError
+from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.ops.formats.compressed_tensors_folder import load_compressed_tensors
 
 PROBE = Path(__file__).with_name("peak_memory_probe.py")
@@ -234,3 +234,21 @@ def test_what_cannot_run_offloaded_is_one_line_and_changes_nothing(tmp_path, cal
         call(source)
     assert err.value.field == field and "\n" not in str(err.value)
     assert source.overlay == {} and all(p.is_meta for p in source.model.parameters())
+
+
+def test_a_second_verb_restored_leaves_the_first_verbs_result(tmp_path):
+    reference = llama_folder(tmp_path)
+    source = surgery.offloaded(tmp_path)
+    smoothed = VERBS["smoothquant"](source, batches())
+    after_smoothing = logits(source.model)
+    quantized = VERBS["gptq"](source, batches())
+    VERBS["smoothquant"](reference, batches()).bake()
+    VERBS["gptq"](reference, batches()).bake()
+    assert torch.equal(logits(source.model), logits(reference))  # the second verb read the first's weights
+    with pytest.raises(AlreadyModifiedError, match="restore that one first"):
+        smoothed.restore()  # out of order: the first would put back weights the second rewrote
+    assert torch.equal(logits(source.model), logits(reference))
+    quantized.restore()
+    assert torch.equal(logits(source.model), after_smoothing)
+    smoothed.restore()
+    assert source.overlay == {}
