@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -44,6 +43,7 @@ from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeErr
 from surgery.core.folders import claimed
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating
+from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, next_inputs, plan_stages
 from surgery.ops.offloading import Offloaded, WeightFiles
 
@@ -359,7 +359,8 @@ class WorkFolder:
             state[f"{key}::scale"] = scale.detach().contiguous()
             state[f"{key}::zero_point"] = zero_point.detach().contiguous()
         part = self.path / f".{name}.part"
-        save_file(state, str(part), metadata={"stage": where})
+        entries = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
+        write_streamed(part, entries, state.__getitem__, metadata={"stage": where})  # no copy of the whole stage
         os.replace(part, self.path / name)
         self.manifest["stages"][str(index)] = {
             "file": name,
