@@ -28,7 +28,7 @@ from surgery.cli.steps import StepRun, step_named
 from surgery.cli.steps.base import STEPS
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.core.inputs import batches, evaluating, flatten_tensors
+from surgery.core.inputs import batches, evaluating, outputs
 from surgery.ops.exporting import EXPORT_FORMATS, export
 from surgery.ops.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
 from surgery.ops.offloading import Offloaded, offloaded
@@ -135,7 +135,7 @@ def _apply(
 
 def _outputs(source: Offloaded, inputs: list) -> list[list[torch.Tensor]]:
     with evaluating(source.model), torch.no_grad():
-        return [flatten_tensors(call(source.model)) for call in batches(inputs, "data")]
+        return [outputs(source.model, call) for call in batches(inputs, "data")]
 
 
 class _Outputs(torch.nn.Module):

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 from surgery.core import distributed
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
-from surgery.core.folders import claimed
+from surgery.core.folders import LOCK, claimed
 from surgery.core.handles import Handle
-from surgery.core.inputs import Call, evaluating
+from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, next_inputs, plan_stages
 from surgery.ops.offloading import Offloaded, WeightFiles
@@ -320,7 +320,7 @@ class WorkFolder:
     def _read(self) -> dict[str, Any]:
         file = self.path / MANIFEST
         if not file.exists():
-            if any(p.name != ".surgery.lock" for p in self.path.iterdir()):
+            if any(p.name != LOCK for p in self.path.iterdir()):
                 raise ConfigError("work", str(self.path), "is a folder of other files; give an empty or new folder")
             return self._fresh()
         try:
@@ -388,21 +388,10 @@ def _digest(calls: list[Call] | None) -> str:
         return "none"
     digest = hashlib.sha256()
     for call in calls:
-        for tensor in _all_tensors([list(call.args), dict(call.kwargs)]):
+        for tensor in flatten_tensors([list(call.args), dict(call.kwargs)], floating_only=False):
             digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _all_tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _all_tensors(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _all_tensors(item)
 
 
 def peak_resident_bytes() -> int:
