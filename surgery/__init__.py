@@ -1,6 +1,7 @@
 """surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
 
 from surgery.analysis.comparison import Drift, compare
+from surgery.core.activations import activation_budget
 from surgery.core.capture import Capture, capture
 from surgery.core.distributed import distributed_calibration
 from surgery.core.errors import (
@@ -63,6 +64,7 @@ __all__ = [
     "OffloadedCompression",
     "offloaded",
     "distributed_calibration",
+    "activation_budget",
     "OutputExistsError",
     "ParameterReplacedError",
     "PruneHandle",

@@ -7,6 +7,7 @@ import logging
 import math
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -108,6 +109,8 @@ class DataConfig:
     vocab_size: int | None = None  # tokens: random ids below it (default: the model's config.vocab_size)
     text: str | None = None  # tokens: a local text file, tokenised by `tokenizer`
     tokenizer: str | None = None  # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
+    activation_budget: int | None = None  # bytes of calibration activations held in memory (null: 1/4 of free)
+    activation_folder: str | None = None  # where activations beyond the budget are spilled (null: the temp folder)
 
     def __post_init__(self) -> None:
         task_named(self.kind)
@@ -121,6 +124,16 @@ class DataConfig:
             )
         if self.vocab_size is not None:
             positive_int("data.vocab_size", self.vocab_size)
+        if self.activation_budget is not None and (
+            isinstance(self.activation_budget, bool)
+            or not isinstance(self.activation_budget, int)
+            or self.activation_budget < 0
+        ):
+            raise ConfigError(
+                "data.activation_budget", self.activation_budget, "must be null or a number of bytes >= 0"
+            )
+        if self.activation_folder is not None and not Path(self.activation_folder).is_dir():
+            raise ConfigError("data.activation_folder", self.activation_folder, "must be an existing folder")
         if self.resize is not None:
             positive_int("data.resize", self.resize)
             if self.resize < self.image_size:

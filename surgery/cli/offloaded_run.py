@@ -26,6 +26,7 @@ from surgery.cli.data import Data, load_data, with_model_defaults
 from surgery.cli.reporting import checks_rows
 from surgery.cli.steps import StepRun, step_named
 from surgery.cli.steps.base import STEPS
+from surgery.core.activations import activation_budget
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.inputs import batches, evaluating, outputs
@@ -122,10 +123,11 @@ def _apply(
 ) -> list[Handle]:
     handles: list[Handle] = []
     try:
-        for name in config.steps:
-            run = StepRun(config, calibration_of(name), None, folder, None, inputs, data, metric)
-            work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
-            handles.append(step_named(name).apply_offloaded(source, config.settings(name), run, work))
+        with activation_budget(config.data.activation_budget, folder=config.data.activation_folder):
+            for name in config.steps:
+                run = StepRun(config, calibration_of(name), None, folder, None, inputs, data, metric)
+                work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
+                handles.append(step_named(name).apply_offloaded(source, config.settings(name), run, work))
     except BaseException:
         for handle in reversed(handles):
             handle.restore()
@@ -184,6 +186,7 @@ def _offloaded_section(source: Offloaded, handles: list[Handle], resident: int) 
                 "blocks": handle.blocks,
                 "resumed": handle.resumed,
                 "seconds_per_block": sum(blocks) / len(blocks) if blocks else None,
+                "spilled_bytes": handle.spilled_bytes,
                 "work": str(handle.work),
             }
     return {

@@ -569,7 +569,8 @@ def offloaded_lines(report: dict[str, Any]) -> list[str]:
     for step, row in found["steps"].items():
         per_block = "n/a" if row["seconds_per_block"] is None else f"{row['seconds_per_block']:.2f} s"
         resumed = f", {row['resumed']} resumed from {row['work']}" if row["resumed"] else ""
-        lines.append(f"  {step}: {row['blocks']} blocks, {per_block} per block{resumed}")
+        spilled = f", {_bytes(row['spilled_bytes'])} of activations spilled to disk" if row.get("spilled_bytes") else ""
+        lines.append(f"  {step}: {row['blocks']} blocks, {per_block} per block{resumed}{spilled}")
     return lines
 
 

@@ -38,6 +38,7 @@ from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
 from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
 from surgery.cli.steps import Calibration, StepRun, step_named
+from surgery.core.activations import activation_budget
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
@@ -160,7 +161,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     gradients = _gradients(models.model, data) if config.inspect else None
     built = time.perf_counter()
     with restored_on_error():  # no optimizer step hook outlives a failure
-        handle = apply_steps(models.model, config, runs=runs)
+        with activation_budget(config.data.activation_budget, folder=config.data.activation_folder):
+            handle = apply_steps(models.model, config, runs=runs)
         operated = time.perf_counter()
         sparsity = _sparsity(handle)
         files = _Files(stage / f"model.{config.output.checkpoint}", stage / QPARAMS, runs)

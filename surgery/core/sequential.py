@@ -26,8 +26,9 @@ transforms whose undo records are the store's. On any error they are put back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from surgery.core import distributed
+from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, ReducerFactory
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import HessianReducer
@@ -65,7 +67,8 @@ class SequentialReport:
     outputs held at once (the pass's activation memory)."""
 
     stages: list[Stage] = field(default_factory=list)
-    peak_cached_bytes: int = 0
+    peak_cached_bytes: int = 0  # in memory; beyond the activation budget they went to disk
+    spilled_bytes: int = 0  # cached activations written to disk (see :mod:`surgery.core.activations`)
     blocks: list[str] = field(default_factory=list)
     chained: set[str] = field(default_factory=set)  # blocks whose output is the next block's input
 
@@ -105,7 +108,8 @@ def materialise(calibration: Any, field_name: str) -> list[Call]:
     if not calls:
         raise ConfigError(field_name, "0 batches", "must hold at least one batch")
     for index, call in enumerate(calls):
-        check_batch_finite(call, index, field_name)
+        if not isinstance(call, SpilledCall):  # made by the model's blocks from batches checked here
+            check_batch_finite(call, index, field_name)
     return distributed.share(calls, field_name)  # this process's share, calibrating across processes
 
 
@@ -244,9 +248,10 @@ def run_sequential(
     keep = originals is not None
     store = originals if originals is not None else Originals()
     try:
-        with evaluating(model), torch.no_grad():
+        with evaluating(model), torch.no_grad(), pass_ledger() as ledger:
+            spilled_before = ledger.spilled
             report.stages = plan_stages(model, layers, report.blocks, calls[0], field, report.chained)
-            cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
+            cache: tuple[str, BlockCalls] | None = None  # (block, its inputs per batch)
             for stage in tqdm(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
             ):
@@ -259,16 +264,20 @@ def run_sequential(
                     inputs = (
                         cache[1] if cache is not None and cache[0] == stage.block else catch_inputs(model, block, calls)
                     )
-                    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs))
                     reduced = _reduced(
-                        model,
-                        stage_layers,
-                        reduce,
-                        lambda block=block, inputs=inputs: [block(*a, **k) for a, k in inputs],
+                        model, stage_layers, reduce, lambda block=block, inputs=inputs: run_each(block, inputs)
                     )
                 _write(solve(reduced), stage, params, store)
                 if stage.block is not None:
                     cache = _outputs_for_next(report, stage.block, block, inputs)
+                    del inputs
+            report.peak_cached_bytes, report.spilled_bytes = ledger.peak_held, ledger.spilled - spilled_before
+            if report.spilled_bytes:
+                log.info(
+                    "calibration: %.0f MB of block activations went to disk (%.0f MB were allowed in memory)",
+                    report.spilled_bytes / 1e6,
+                    ledger.limit / 1e6,
+                )
     except BaseException:
         store.put_back()
         raise
@@ -278,17 +287,33 @@ def run_sequential(
 
 
 def _outputs_for_next(
-    report: SequentialReport, name: str, block: nn.Module, inputs: list[tuple[tuple, dict]]
-) -> tuple[str, list[tuple[tuple, dict]]] | None:
+    report: SequentialReport, name: str, block: nn.Module, inputs: BlockCalls
+) -> tuple[str, BlockCalls] | None:
     """The (pruned) block's outputs as the following block's inputs, if the two chain."""
     following = _following(report.blocks, name)
     if following is None or name not in report.chained:
         return None
-    outputs = [next_inputs(block(*a, **k), a, k) for a, k in inputs]
-    if any(output is None for output in outputs):
-        return None
-    report.peak_cached_bytes = max(report.peak_cached_bytes, _bytes(inputs) + _bytes(outputs))
-    return following, outputs
+    outputs = outputs_as_next_inputs(block, inputs)
+    return None if outputs is None else (following, outputs)
+
+
+def outputs_as_next_inputs(block: nn.Module, inputs: BlockCalls) -> BlockCalls | None:
+    """The block's outputs on each of its cached calls, as the next block's calls (its output
+    in place of the hidden states); ``None`` where an output has no such place."""
+    outputs = BlockCalls(current_ledger())
+    for args, kwargs in inputs:
+        following = next_inputs(block(*args, **kwargs), args, kwargs)
+        if following is None:
+            outputs.close()
+            return None
+        outputs.add(*following)
+    return outputs
+
+
+def run_each(block: nn.Module, inputs: BlockCalls) -> None:
+    """Run the block on each cached call, keeping none of its outputs."""
+    for args, kwargs in inputs:
+        block(*args, **kwargs)
 
 
 def _reduced(
@@ -308,22 +333,32 @@ def _reduced(
     return found
 
 
-def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[tuple[tuple, dict]]:
+def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call] | list[Call | SpilledCall]) -> BlockCalls:
     """The block's inputs for each batch, caught by a forward stopped at the block (a key/value
-    cache among them is dropped: running the block again must not attend to its own past)."""
-    caught: list[tuple[tuple, dict]] = []
+    cache among them is dropped: running the block again must not attend to its own past),
+    held within the pass's activation budget. A batch the block receives unchanged (a model
+    that is the block's wrapper) is kept as the call it was, in memory or in its file."""
+    caught = BlockCalls(current_ledger())
+    seen: list[tuple[tuple, dict]] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        caught.append(_clean(args, kwargs))
+        seen.append(_clean(args, kwargs))
         raise _Stop
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for call in calls:
-            try:
-                call(model)
-            except _Stop:
-                continue
+            run = loaded(call)
+            with contextlib.suppress(_Stop):
+                run(model)
+            if seen:
+                args, kwargs = seen.pop()
+                if _unchanged(args, kwargs, run):
+                    caught.adopt(call)
+                else:
+                    caught.add(args, kwargs)
+                del args, kwargs
+            del run
     finally:
         handle.remove()
     if len(caught) != len(calls):
@@ -334,6 +369,16 @@ def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call]) -> list[
             "pass blocks=False to compress layer by layer with full forwards",
         )
     return caught
+
+
+def _unchanged(args: tuple, kwargs: dict, call: Call) -> bool:
+    """Whether the block received exactly the call's own objects."""
+    return (
+        len(args) == len(call.args)
+        and all(a is b for a, b in zip(args, call.args))
+        and kwargs.keys() == call.kwargs.keys()
+        and all(kwargs[key] is call.kwargs[key] for key in kwargs)
+    )
 
 
 def _is_cache(value: Any) -> bool:
@@ -402,20 +447,3 @@ def _write(
             continue
         originals.keep(name, param)
         param.copy_(value.to(param.dtype))
-
-
-def _bytes(calls: Iterable[tuple[tuple, dict]]) -> int:
-    seen: dict[int, int] = {}
-    for args, kwargs in calls:
-        for value in [*args, *kwargs.values()]:
-            for tensor in _tensors(value):
-                seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    return sum(seen.values())
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []

@@ -39,12 +39,13 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from surgery.core import distributed
+from surgery.core.activations import BlockCalls, pass_ledger
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
 from surgery.core.folders import LOCK, claimed
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.safetensors_streams import write_streamed
-from surgery.core.sequential import Stage, catch_inputs, materialise, next_inputs, plan_stages
+from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, plan_stages
 from surgery.ops.offloading import Offloaded, WeightFiles
 
 log = logging.getLogger("surgery")
@@ -77,7 +78,9 @@ class OffloadedCompression(Handle):
     read stage by stage from ``work``; ``grids`` holds each quantized weight's
     ``(scale, zero_point, axis)``. ``restore()`` reads the source files again (they never
     changed); ``surgery.export`` streams the result. ``seconds`` (per stage, run or skipped as
-    done), ``blocks`` and ``peak_bytes`` (the process's peak resident memory) say what it cost."""
+    done), ``blocks``, ``peak_bytes`` (the process's peak resident memory) and
+    ``spilled_bytes`` (calibration activations written to disk beyond the activation budget,
+    see :func:`surgery.activation_budget`) say what it cost."""
 
     streams = True  # export writes it tensor by tensor (see ExportFormat.stream)
 
@@ -89,6 +92,7 @@ class OffloadedCompression(Handle):
         self.seconds: list[float] = []
         self.resumed = 0
         self.peak_bytes = 0
+        self.spilled_bytes = 0
         self.temporary = False
         self._before: dict[str, WeightFiles | None] = {}  # name -> where it was read from before
         self._mine: dict[str, WeightFiles] = {}  # name -> the file this verb wrote it to
@@ -172,9 +176,10 @@ def _run_stages(
     blocks: list[str],
 ) -> None:
     source, model = handle.source, handle.source.model
-    cache: tuple[str, list[tuple[tuple, dict]]] | None = None  # (block, its inputs per batch)
+    cache: tuple[str, BlockCalls] | None = None  # (block, its inputs per batch)
     bar = tqdm(stages, unit="stage", desc=f"{verb.name} (offloaded)", leave=False, disable=None if progress else True)
-    with evaluating(model), torch.no_grad():
+    with evaluating(model), torch.no_grad(), pass_ledger() as ledger:
+        spilled_before = ledger.spilled
         for index, stage in enumerate(bar):
             where = stage.block or stage.layers[0]
             bar.set_postfix_str(where, refresh=False)
@@ -192,9 +197,12 @@ def _run_stages(
                 with source.reading_source(not verb.sequential):
                     inputs = catch_inputs(model, module, calls)
             following = _after(blocks, stage.block) if inputs is not None and stage.block in chained else None
+            cache = None  # the previous block's outputs are this block's inputs now
             written, cache = _compress_stage(source, verb, folder, index, stage, module, inputs, following)
+            del inputs
             _adopt(handle, written)
             handle.seconds.append(time.perf_counter() - started)
+        handle.spilled_bytes = ledger.spilled - spilled_before
 
 
 def _compress_stage(
@@ -204,9 +212,9 @@ def _compress_stage(
     index: int,
     stage: Stage,
     module: nn.Module,
-    inputs: list[tuple[tuple, dict]] | None,
+    inputs: BlockCalls | None,
     following: str | None,
-) -> tuple[StageFiles, tuple[str, list[tuple[tuple, dict]]] | None]:
+) -> tuple[StageFiles, tuple[str, BlockCalls] | None]:
     """One stage: its weights brought in, the verb applied to it alone and baked, the result
     written; returns the stage's file and the next block's inputs where they chain."""
     where = stage.block or stage.layers[0]
@@ -214,7 +222,9 @@ def _compress_stage(
     with source.resident(module) as weights:
         if not verb.sequential:  # the next block's inputs as the unchanged block gives them
             cache = _outputs_for_next(following, module, inputs)
-        applied = verb.run(_skeleton(where, module), stage.layers, stage.block, _as_calls(inputs))
+        applied = verb.run(
+            _skeleton(where, module), stage.layers, stage.block, None if inputs is None else inputs.calls()
+        )
         grids = verb.grids(applied) if verb.grids is not None else {}
         applied.bake()
         del applied  # and with it the originals it kept (the source files hold them)
@@ -225,13 +235,13 @@ def _compress_stage(
 
 
 def _outputs_for_next(
-    following: str | None, block: nn.Module, inputs: list[tuple[tuple, dict]] | None
-) -> tuple[str, list[tuple[tuple, dict]]] | None:
+    following: str | None, block: nn.Module, inputs: BlockCalls | None
+) -> tuple[str, BlockCalls] | None:
     """The block's outputs as the following block's inputs (where the two chain)."""
     if following is None or inputs is None:
         return None
-    outputs = [next_inputs(block(*a, **k), a, k) for a, k in inputs]
-    return None if any(o is None for o in outputs) else (following, outputs)
+    outputs = outputs_as_next_inputs(block, inputs)
+    return None if outputs is None else (following, outputs)
 
 
 def _after(blocks: list[str], block: str | None) -> str | None:
@@ -245,10 +255,6 @@ def _adopt(handle: OffloadedCompression, finished: StageFiles) -> None:
         handle._before.setdefault(name, handle.source.overlay.get(name))
         handle.source.overlay[name] = handle._mine[name] = finished.files
     handle.grids.update(finished.grids)
-
-
-def _as_calls(inputs: list[tuple[tuple, dict]] | None) -> list[Call] | None:
-    return None if inputs is None else [Call(args, kwargs) for args, kwargs in inputs]
 
 
 class _Skeleton(nn.Module):

@@ -91,7 +91,8 @@ def sparsegpt(
             column = part[:, i]
             kept = torch.where(pruned[:, i], torch.zeros_like(column), column)
             error = (column - kept) / diagonal[i]
-            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))  # an outer product: BLAS, 3x the broadcast
+            # an outer product by matmul, as the reference code: the same bits as a broadcast, 3x faster
+            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))
             part[:, i] = kept
             errors[:, i] = error
         w[:, start:end] = part
@@ -145,7 +146,8 @@ def gptq(
             if keep is not None:
                 rounded = torch.where(keep[:, column_index], rounded, torch.zeros_like(rounded))
             error = (column - rounded) / local[i, i]
-            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))  # an outer product: BLAS, 3x the broadcast
+            # an outer product by matmul, as the reference code: the same bits as a broadcast, 3x faster
+            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))
             part[:, i] = rounded
             errors[:, i] = error
         w[:, start:end] = part

@@ -193,6 +193,11 @@ def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
     return surgery.quantize(model, weights=None, activations=dict(kwargs), calibration=[batch(4, 8)], progress=False)
 
 
+def _gptq_within_budget(model: nn.Module, **budget: Any) -> Any:
+    with surgery.activation_budget(**budget):
+        return surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq"), calibration=[batch(4, 8)])
+
+
 def _labelled(model: nn.Module) -> list:
     return [(batch(4, 8), torch.zeros(4, dtype=torch.long))]
 
@@ -650,6 +655,20 @@ API_CASES = [
         "never fired",
     ),
     ApiCase(
+        "activation-budget",
+        lambda m, *_: _gptq_within_budget(m, max_bytes=-1),
+        ConfigError,
+        "activation_budget.max_bytes",
+        "must be null or an integer number of bytes >= 0",
+    ),
+    ApiCase(
+        "activation-budget",
+        lambda m, *_: _gptq_within_budget(m, max_bytes=0, folder="/no/such/folder"),
+        ConfigError,
+        "activation_budget.folder",
+        "must be an existing folder",
+    ),
+    ApiCase(
         "output-exists",
         lambda m, tmp, *_: save_checkpoint(m, tmp / "model.safetensors"),
         OutputExistsError,
@@ -1027,6 +1046,10 @@ CLI_CASES = [
     CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("originals-place", (*FAST, "+prune.originals=tape"), "prune.originals='tape': must be one of memory, disk"),
+    CliCase("activation-budget", (*FAST, "data.activation_budget=-1"), "data.activation_budget=-1: must be null"),
+    CliCase(
+        "activation-budget", (*FAST, "data.activation_folder=/no/such"), "data.activation_folder='/no/such': must be"
+    ),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
     CliCase("offload", ("recipe=quantize_gptq_llama", "model.offload=true"), "model.offload=True: needs model=hf"),
     CliCase(

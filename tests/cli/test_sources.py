@@ -235,14 +235,15 @@ def test_an_offloaded_llama_folder_is_quantized_block_by_block_and_streamed_as_t
     memory = surgery(*common, "~model.config", f"hydra.run.dir={tmp_path / 'memory'}")
     assert memory.returncode == 0, memory.stderr[-2000:]
     work = tmp_path / "blocks"
-    run = surgery(*common, "model.offload=true", f"model.offload_folder={work}", f"hydra.run.dir={tmp_path / 'off'}")
+    offload = ("model.offload=true", f"model.offload_folder={work}", "data.activation_budget=0")  # all to disk
+    run = surgery(*common, *offload, f"hydra.run.dir={tmp_path / 'off'}")
     assert run.returncode == 0, run.stderr[-2000:]
     found = report(tmp_path / "off")
     assert {c["name"]: c["passed"] for c in found["checks"]} == {"drift": True, "restore": True, "deploy": True}
     step = found["offloaded"]["steps"]["quantize"]
-    assert step["blocks"] == 3 and step["seconds_per_block"] > 0
+    assert step["blocks"] == 3 and step["seconds_per_block"] > 0 and step["spilled_bytes"] > 0
     assert found["offloaded"]["peak_memory_bytes"] >= found["offloaded"]["added_memory_bytes"] > 0
-    assert "quantize: 3 blocks" in run.stdout and "offloaded: peak memory" in run.stdout
+    assert "quantize: 3 blocks" in run.stdout and "offloaded: peak memory" in run.stdout and "spilled" in run.stdout
     assert (work / "quantize" / "manifest.json").is_file()  # kept: a run that dies starts again from it
 
     def tensors(export: Path) -> dict:

@@ -4,7 +4,9 @@ weights it rewrites (run in a child process by ``test_originals.py``).
 Usage: ``python tests/ops/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``, or
 ``... write FILE`` then ``... offloaded FILE`` (a forward of the model offloaded to FILE, beyond
 the process before it, as a multiple of the weights in FILE) or ``... gptq-offloaded FILE``
-(GPTQ on it, block by block, likewise).
+(GPTQ on it, block by block, likewise), or ``... activations memory|disk`` (GPTQ whose block
+activations dwarf its weights, held in memory or spilled: the peak as a multiple of one
+block's inputs for all batches).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class WideBlocks(nn.Module):
 
 def probe(method: str, where: str) -> None:
     torch.set_num_threads(1)
-    if method in ("write", "offloaded", "gptq-offloaded"):
-        return {"write": write, "offloaded": forward_offloaded, "gptq-offloaded": gptq_offloaded}[method](where)
+    if method in ("write", "offloaded", "gptq-offloaded", "activations"):
+        probes = {"write": write, "offloaded": forward_offloaded, "gptq-offloaded": gptq_offloaded}
+        return {**probes, "activations": activations}[method](where)
     torch.manual_seed(0)
     model = Wide(24).eval()
     data = [torch.randn(8, 64) for _ in range(2)]
@@ -98,6 +101,33 @@ def gptq_offloaded(path: str) -> None:
     done = surgery.quantize(handle, weights=spec, calibration=data, progress=False)
     assert done.blocks == 24
     print((memory("VmHWM") - base) / weights)
+
+
+class Narrow(nn.Module):
+    """Blocks of one 256-wide layer: 256 KB of weights, against 2 MB of activations per batch."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def activations(where: str) -> None:
+    torch.manual_seed(0)
+    model = Narrow(4).eval()
+    data = [torch.randn(4, 512, 256) for _ in range(48)]  # 96 MB: a block's inputs for all batches
+    cached = sum(x.nbytes for x in data)
+    gc.collect()
+    base = memory("VmRSS")
+    with surgery.activation_budget(None if where == "memory" else 0):
+        spec = QuantSpec(bits=4, method="gptq", group_size=16)
+        handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
+    assert (handle.sequential.spilled_bytes > 0) == (where == "disk")
+    print((memory("VmHWM") - base) / cached)
 
 
 def memory(field: str) -> int:
