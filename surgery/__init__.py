@@ -36,6 +36,7 @@ from surgery.ops.intercept import (
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
 from surgery.ops.offloaded_compression import OffloadedCompression
 from surgery.ops.offloading import Offloaded, offloaded
+from surgery.ops.owl import OwlPlan, owl_amounts
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
@@ -63,6 +64,8 @@ __all__ = [
     "Offloaded",
     "OffloadedCompression",
     "offloaded",
+    "OwlPlan",
+    "owl_amounts",
     "distributed_calibration",
     "activation_budget",
     "OutputExistsError",

@@ -655,6 +655,20 @@ API_CASES = [
         "never fired",
     ),
     ApiCase(
+        "owl",
+        lambda m, *_: surgery.owl_amounts(m, [batch(4, 8)], 0.05),
+        ConfigError,
+        "owl.lam",
+        "moves a block's sparsity outside [0, 1] around 0.05",
+    ),
+    ApiCase(
+        "owl",
+        lambda m, *_: surgery.owl_amounts(m, [batch(4, 8)], 0.5),
+        ConfigError,
+        "owl.blocks",
+        "has no repeated blocks",
+    ),
+    ApiCase(
         "activation-budget",
         lambda m, *_: _gptq_within_budget(m, max_bytes=-1),
         ConfigError,
@@ -1046,6 +1060,10 @@ CLI_CASES = [
     CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("originals-place", (*FAST, "+prune.originals=tape"), "prune.originals='tape': must be one of memory, disk"),
+    CliCase("owl", (*FAST, "+prune.owl={lam: 0.6}"), "prune.owl.lam=0.6: moves a block's sparsity outside [0, 1]"),
+    CliCase(
+        "owl", (*FAST, "+prune.owl={}", "prune.scope=global"), "prune.owl={'lam': 0.08, 'm': 5.0}: plans each block"
+    ),
     CliCase("activation-budget", (*FAST, "data.activation_budget=-1"), "data.activation_budget=-1: must be null"),
     CliCase(
         "activation-budget", (*FAST, "data.activation_folder=/no/such"), "data.activation_folder='/no/such': must be"

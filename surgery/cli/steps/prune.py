@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from torch import nn
 
 from surgery.cli.fields import positive_int, read_plan_yaml
@@ -15,22 +17,47 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.offloading import Offloaded
+from surgery.ops.owl import check_settings, owl_amounts
 from surgery.ops.pruning import PruneSpec, prune, prune_targets
+
+log = logging.getLogger("surgery")
+OWL_PLAN = "owl_plan.yaml"  # with prune.owl: each block's sparsity and outlier ratio, each layer's amount
+
+
+@dataclass(frozen=True)
+class OwlSettings:
+    """``prune.owl``: OWL's λ (the most a block's sparsity moves from ``prune.amount``) and M
+    (the multiple of the mean Wanda score above which a score is an outlier)."""
+
+    lam: float = 0.08
+    m: float = 5.0
 
 
 @dataclass(frozen=True)
 class PruneConfig(PruneSpec):
     """``prune:``: the fields of :class:`~surgery.PruneSpec` (``amounts`` may also be the path
-    of a ``plan.yaml`` from ``recipe=sensitivity``), and the calibration batches calibrated
-    methods (wanda, sparsegpt, taylor) get."""
+    of a ``plan.yaml`` from ``recipe=sensitivity``), the calibration batches calibrated
+    methods (wanda, sparsegpt, taylor) get, and ``owl``: each block's amount planned by OWL
+    around ``amount`` (the plan is written as ``owl_plan.yaml``)."""
 
     calibration_batches: int = 8
+    owl: OwlSettings | None = None
 
     def __post_init__(self) -> None:
         if self.amounts is not None and not isinstance(self.amounts, dict):
             object.__setattr__(self, "amounts", _read_plan(self.amounts))
+        if isinstance(self.owl, dict):
+            object.__setattr__(self, "owl", OwlSettings(**self.owl))
         super().__post_init__()
         positive_int("prune.calibration_batches", self.calibration_batches)
+        if self.owl is not None:
+            check_settings(self.amount, self.owl.lam, self.owl.m, field="prune.owl", sparsity_field="prune.amount")
+            if self.amounts is not None or self.scope != "layer" or self.pattern is not None:
+                raise ConfigError(
+                    "prune.owl",
+                    dataclasses.asdict(self.owl),
+                    "plans each block's amount itself: use prune.scope=layer, no prune.pattern and no prune.amounts",
+                )
 
 
 def _read_plan(path: Any) -> dict[str, float]:
@@ -49,24 +76,47 @@ class PruneStep(Step):
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         gradients = settings.criterion.needs_gradients
+        settings = _planned(model, settings, run)
         return prune(model, settings, calibration=run.calibration, loss=classification_loss if gradients else None)
 
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
-        return prune(source, settings, calibration=run.calibration, work=work)
+        return prune(source, _planned(source, settings, run), calibration=run.calibration, work=work)
 
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""
         neutral = {"amount": 0.0, "method": "l1_unstructured", "pattern": None, "amounts": None, "blocks": None}
+        neutral["owl"] = None
         return prune(model, dataclasses.replace(settings, **neutral))
 
     def calibration(self, settings: PruneConfig) -> Calibration | None:
         criterion = settings.criterion
-        if not criterion.needs_calibration:
+        if not criterion.needs_calibration and settings.owl is None:
             return None
         return Calibration(settings.calibration_batches, labelled=criterion.needs_gradients, field="prune.method")
 
     def preview(self, model: nn.Module, settings: PruneConfig) -> list[Row]:
         return target_rows("prune", prune_targets(model, settings.select, settings.exclude, settings.dim), {}, "")
+
+
+def _planned(model: nn.Module | Offloaded, settings: PruneConfig, run: StepRun) -> PruneConfig:
+    """With ``prune.owl``: the settings with OWL's amounts (written to ``owl_plan.yaml``)."""
+    if settings.owl is None:
+        return settings
+    plan = owl_amounts(
+        model,
+        run.calibration,
+        settings.amount,
+        lam=settings.owl.lam,
+        m=settings.owl.m,
+        select=settings.select,
+        exclude=settings.exclude,
+        blocks=settings.blocks,
+    )
+    if run.folder is not None:
+        found = {"blocks": plan.blocks, "outlier_ratios": plan.outlier_ratios, "amounts": dict(plan)}
+        (run.folder / OWL_PLAN).write_text(yaml.safe_dump(found, sort_keys=False))
+    log.info("prune.owl: block sparsities %s", ", ".join(f"{v:.3f}" for v in plan.blocks.values()))
+    return dataclasses.replace(settings, amounts=dict(plan), owl=None)
 
 
 register_step(PruneStep())
