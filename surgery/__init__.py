@@ -33,6 +33,7 @@ from surgery.ops.intercept import (
     RuleNeverFiredWarning,
     intercept,
 )
+from surgery.ops.number_formats import NumberFormat, register_number_format
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
 from surgery.ops.offloaded_compression import OffloadedCompression
 from surgery.ops.offloading import Offloaded, offloaded
@@ -65,6 +66,8 @@ __all__ = [
     "OffloadedCompression",
     "offloaded",
     "OwlPlan",
+    "NumberFormat",
+    "register_number_format",
     "owl_amounts",
     "distributed_calibration",
     "activation_budget",

@@ -21,7 +21,9 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
     by_layer = {t.module_name: t for t in targets.matched.values()}
     whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
+    amax = {}  # each weight's largest magnitude, before GPTQ moves it
     for layer, target in by_layer.items():
+        amax[layer] = guards.current_value(target.param).detach().abs().amax().float()
         if not spec.group_size:
             whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
     offsets: dict[str, int] = {}
@@ -38,11 +40,12 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         if fixed is not None and grid.per_row:
             fixed = (fixed[0][rows], fixed[1][rows])
         keep = masks.get(layer)
+        layer_grid = Grid(spec, grid.per_row, amax[layer]) if spec.is_float else grid  # nvfp4: the tensor's scale
         new, scale, zero_point = gptq(
             matrix,
             hessian,
-            grid.qparams_of if fixed is None else lambda _: fixed,
-            grid.round,
+            layer_grid.qparams_of if fixed is None else lambda _: fixed,
+            layer_grid.round,
             group_size=spec.group_size,
             name=layer,
             keep=None if keep is None else keep[rows],

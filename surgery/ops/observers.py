@@ -13,6 +13,7 @@ from torch import Tensor
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
+from surgery.ops.number_formats import FORMATS, NumberFormat
 from surgery.ops.weight_methods import WEIGHT_METHODS
 
 _QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit
@@ -107,9 +108,13 @@ class QuantSpec:
     averaging: float = 0.01
     method: str = "rtn"
     group_size: int | None = None
+    format: str = "int"  # or a floating-point grid: fp8_e4m3, fp8_e5m2, mxfp4, nvfp4 (surgery.ops.number_formats)
 
     def __post_init__(self) -> None:
         _check(self, "QuantSpec")
+        block = self.number_format.block_size
+        if block is not None and self.group_size is None:  # a micro-scaled format's blocks are its groups
+            object.__setattr__(self, "group_size", block)
 
     @classmethod
     def build(cls, values: Mapping[str, Any], field: str) -> QuantSpec:
@@ -140,8 +145,19 @@ class QuantSpec:
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "observer": self.observer_name}
 
     @property
+    def number_format(self) -> NumberFormat:
+        return FORMATS.get(self.format)
+
+    @property
+    def is_float(self) -> bool:
+        """Rounded onto a floating-point grid (scale only, zero point 0)."""
+        return self.number_format.is_float
+
+    @property
     def quant_range(self) -> tuple[int, int]:
         """(quant_min, quant_max) of the integer grid."""
+        if self.is_float:
+            raise ConfigError("quantize.format", self.format, "has no integer range (a floating-point grid)")
         if self.symmetric:
             return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
         return 0, (1 << self.bits) - 1
@@ -175,6 +191,25 @@ def _check(spec: Any, field: str) -> None:
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
         raise ConfigError(
             f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
+        )
+    _check_format(spec, field)
+
+
+def _check_format(spec: Any, field: str) -> None:
+    if not isinstance(spec.format, str) or spec.format not in FORMATS:
+        raise ConfigError(f"{field}.format", spec.format, f"must be one of {', '.join(FORMATS.names())}")
+    fmt = FORMATS.get(spec.format)
+    if not fmt.is_float:
+        return
+    if spec.bits not in (8, fmt.bits):
+        raise ConfigError(
+            f"{field}.bits", spec.bits, f"does not apply to format {fmt.name!r} ({fmt.bits} bits): leave it at 8"
+        )
+    if fmt.block_size is not None and spec.group_size not in (None, fmt.block_size):
+        raise ConfigError(
+            f"{field}.group_size",
+            spec.group_size,
+            f"is fixed by format {fmt.name!r}: blocks of {fmt.block_size} (leave it null)",
         )
 
 
@@ -249,8 +284,16 @@ class Observer:
         return (scale.reshape(()), zero_point.reshape(())) if self.axis is None else (scale, zero_point)
 
 
-def compute_qparams(low: Tensor, high: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
-    """Scale and zero point for the range [low, high], with torch.ao's formulas."""
+def compute_qparams(
+    low: Tensor, high: Tensor, spec: QuantSpec, tensor_amax: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Scale and zero point for the range [low, high], with torch.ao's formulas; on a
+    floating-point grid, the format's scale of ``max(|low|, |high|)`` and a zero point of 0
+    (``tensor_amax``: the whole tensor's, for formats with a per-tensor scale above the blocks')."""
+    if spec.is_float:
+        amax = torch.maximum(-low.float(), high.float()).clamp(min=0)
+        scale = spec.number_format.scale_of(amax, tensor_amax)
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
     quant_min, quant_max = spec.quant_range
     low = torch.minimum(low.float(), torch.zeros_like(low, dtype=torch.float32))
     high = torch.maximum(high.float(), torch.zeros_like(high, dtype=torch.float32))
@@ -273,10 +316,13 @@ def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int
     size = spec.group_size
     columns = rows.shape[1]
     padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
-    quant_min, quant_max = spec.quant_range
-    rounded = torch.fake_quantize_per_channel_affine(
-        padded, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min, quant_max
-    )
+    if spec.is_float:
+        rounded = spec.number_format.fake_quantize(padded, scale.reshape(-1, 1).to(padded.device))
+    else:
+        quant_min, quant_max = spec.quant_range
+        rounded = torch.fake_quantize_per_channel_affine(
+            padded, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min, quant_max
+        )
     return rounded.reshape(rows.shape[0], -1)[:, :columns].reshape(moved.shape).movedim(0, axis)
 
 
@@ -284,14 +330,14 @@ class Grid:
     """A weight's quantization grid seen as an (outputs, columns) matrix, for solvers that
     round it a slice at a time (GPTQ): scales per row (per channel or per group) or one."""
 
-    def __init__(self, spec: QuantSpec, per_row: bool) -> None:
-        self.spec, self.per_row = spec, per_row
+    def __init__(self, spec: QuantSpec, per_row: bool, tensor_amax: Tensor | None = None) -> None:
+        self.spec, self.per_row, self.tensor_amax = spec, per_row, tensor_amax
 
     def qparams_of(self, columns: Tensor) -> tuple[Tensor, Tensor]:
         """Scale and zero point of an (outputs, k) slice: one per row, or one for all."""
         flat = columns.float() if self.per_row else columns.float().reshape(1, -1)
         low, high = self.spec.observe(flat, None)
-        scale, zero_point = compute_qparams(low, high, self.spec)
+        scale, zero_point = compute_qparams(low, high, self.spec, self.tensor_amax)
         return (scale, zero_point) if self.per_row else (scale.reshape(()), zero_point.reshape(()))
 
     def group_qparams(self, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -300,6 +346,8 @@ class Grid:
         size = self.spec.group_size
         whole = rows.shape[1] // size * size
         parts = []
+        if self.spec.is_float and self.tensor_amax is None:  # a per-tensor scale over the blocks' (nvfp4)
+            return Grid(self.spec, self.per_row, rows.detach().abs().amax().float()).group_qparams(rows)
         if whole:
             scale, zero_point = self.qparams_of(rows[:, :whole].float().reshape(-1, size))
             parts.append((scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)))
@@ -310,6 +358,8 @@ class Grid:
 
     def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
         """One column rounded onto the grid (``scale``: one per row, or one)."""
+        if self.spec.is_float:
+            return self.spec.number_format.fake_quantize(column, scale)
         quant_min, quant_max = self.spec.quant_range
         rows = column.shape[0]
         return torch.fake_quantize_per_channel_affine(
@@ -323,7 +373,13 @@ class Grid:
 
 
 def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: QuantSpec) -> Tensor:
-    """PyTorch's fused fake-quantization op for the given parameters."""
+    """PyTorch's fused fake-quantization op for the given parameters (on a floating-point grid,
+    the format's rounding of ``x / scale``)."""
+    if spec.is_float:
+        shape = [1] * x.dim()
+        if axis is not None:
+            shape[axis] = -1
+        return spec.number_format.fake_quantize(x, scale.reshape(shape) if axis is not None else scale)
     quant_min, quant_max = spec.quant_range
     if axis is None:
         return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max)

@@ -30,6 +30,7 @@ from surgery.core.transforms import Saved, SavedTensor, attach_all, own_step_hoo
 from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
+from surgery.ops.number_formats import FORMATS
 from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
 from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offloading import Offloaded
@@ -206,6 +207,16 @@ def _validate_training(train: object, freeze_after: object, activations: QuantSp
 
 
 def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, train: bool, blocks: Any) -> None:
+    for field, spec in (("quantize.weights", weights), ("quantize.activations", activations)):
+        if spec is not None and spec.is_float and train:
+            raise ConfigError(f"{field}.format", spec.format, "quantization-aware training takes the integer format")
+    if activations is not None and not activations.number_format.activations:
+        usable = ", ".join(n for n in FORMATS.names() if FORMATS.get(n).activations)
+        raise ConfigError(
+            "quantize.activations.format",
+            activations.format,
+            f"scales per block of each tensor as it runs; activations take one static scale here: use {usable}",
+        )
     if activations is not None and activations.method != "rtn":
         raise ConfigError(
             "quantize.activations.method",
@@ -330,7 +341,7 @@ class ActivationQuantizer:
 
     def _use(self, scale: Tensor, zero_point: Tensor) -> None:
         self.scale, self.zero_point = scale, zero_point
-        if self.axis is None:
+        if self.axis is None and not self.spec.is_float:
             scale32 = scale.detach().float().reshape(())
             inverse = float(torch.ones((), dtype=torch.float32) / scale32)  # as the fused kernel: 1.0f / scale
             quant_min, quant_max = self.spec.quant_range
@@ -802,6 +813,7 @@ def _attach_weights(
     attached: set[str] = set()  # until attached, a weight the method wrote into is put back by the handle
     handle.add("put back weights a method wrote but never attached", lambda: store.put_back(skip=attached))
     problem = WeightProblem(model, targets, spec, calibration, blocks, progress, originals=store)
+    _check_whole_blocks(problem, spec)
     solved = weight_method(spec.method)(problem)
     handle.sequential = problem.sequential
     quantizers = {}
@@ -817,6 +829,23 @@ def _attach_weights(
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
     attached.update(quantizers)
+
+
+def _check_whole_blocks(problem: WeightProblem, spec: QuantSpec) -> None:
+    """A floating-point grid's blocks must tile each weight's inputs (an integer grid's last
+    group may be shorter)."""
+    if not spec.is_float or not spec.group_size:
+        return
+    for key, target in problem.targets.matched.items():
+        value = target.param
+        inputs = value.numel() // value.shape[problem.axis(key)]
+        if inputs % spec.group_size:
+            raise ConfigError(
+                "quantize.weights.group_size",
+                spec.group_size,
+                f"does not divide the {inputs} inputs of {key}: {spec.format} blocks must be whole; "
+                "pick a divisor or exclude the layer",
+            )
 
 
 def _checked_answer(spec: QuantSpec, key: str, solved: Any) -> QuantizedWeight:
@@ -922,8 +951,9 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec
             raise CheckpointError(f"quantize.qparams: {name}.{key} is {type(value).__name__}; it must be a tensor")
     if not scale.is_floating_point():
         raise CheckpointError(f"quantize.qparams: {name}.scale has dtype {scale.dtype}; it must be floating")
-    low, high = spec.quant_range
-    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max / (high - low)
+    low, high = (0, 0) if spec.is_float else spec.quant_range  # a floating-point grid's zero point is 0
+    span = 2 * spec.number_format.largest if spec.is_float else high - low
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max / span
     scale64 = scale.detach().double()
     bad = ~(torch.isfinite(scale64) & (scale64 >= tiny) & (scale64 <= huge))
     if bad.any():
@@ -940,9 +970,9 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec
     outside = (zero_point < low) | (zero_point > high)
     if outside.any():
         value = int(zero_point.flatten()[outside.flatten()][0])
+        kind = spec.format if spec.is_float else f"{spec.bits}-bit {'symmetric' if spec.symmetric else 'affine'}"
         raise CheckpointError(
-            f"quantize.qparams: {name}.zero_point holds {value}; it must lie in [{low}, {high}] "
-            f"for {spec.bits}-bit {'symmetric' if spec.symmetric else 'affine'} quantization"
+            f"quantize.qparams: {name}.zero_point holds {value}; it must lie in [{low}, {high}] for {kind} quantization"
         )
 
 

@@ -655,6 +655,22 @@ API_CASES = [
         "never fired",
     ),
     ApiCase(
+        "float-format",
+        lambda m, *_: surgery.quantize(m, weights=QuantSpec(format="fp8_e4m3", group_size=3)),
+        ConfigError,
+        "quantize.weights.group_size",
+        "does not divide the 8 inputs of 0.weight",
+    ),
+    ApiCase(
+        "float-format",
+        lambda m, *_: surgery.quantize(
+            m, weights=None, activations=QuantSpec(format="mxfp4"), calibration=[batch(4, 8)]
+        ),
+        ConfigError,
+        "quantize.activations.format",
+        "activations take one static scale here",
+    ),
+    ApiCase(
         "owl",
         lambda m, *_: surgery.owl_amounts(m, [batch(4, 8)], 0.05),
         ConfigError,
@@ -1060,6 +1076,14 @@ CLI_CASES = [
     CliCase("never-fired", ("recipe=swap_activations", *FAST, "build.0.match=type:GELU"), "build[0].match="),
     CliCase("unknown-key", (*FAST, "+prune.amountt=0.3"), "prune.amountt: not a setting here"),
     CliCase("originals-place", (*FAST, "+prune.originals=tape"), "prune.originals='tape': must be one of memory, disk"),
+    CliCase(
+        "float-format",
+        (*QUANTIZE, "quantize.weights.format=fp8_e4m3", "+quantize.weights.group_size=7"),
+        "quantize.weights.group_size=7: does not divide the",
+    ),
+    CliCase(
+        "float-format", (*QUANTIZE, "quantize.weights.format=fp7"), "quantize.weights.format='fp7': must be one of"
+    ),
     CliCase("owl", (*FAST, "+prune.owl={lam: 0.6}"), "prune.owl.lam=0.6: moves a block's sparsity outside [0, 1]"),
     CliCase(
         "owl", (*FAST, "+prune.owl={}", "prune.scope=global"), "prune.owl={'lam': 0.08, 'm': 5.0}: plans each block"

@@ -66,6 +66,45 @@ def test_compressed_tensors_folders_load_in_transformers_with_logits_equal_to_th
     assert len(packed) == 14  # 7 projections in each of 2 layers
 
 
+@pytest.mark.parametrize(
+    ("weights", "inputs"),
+    [({"per_channel": True}, False), ({"group_size": 32}, False), ({}, True)],
+    ids=["fp8_channel", "fp8_block32", "fp8_w8a8_static"],
+)
+def test_fp8_compressed_tensors_folders_hold_float8_weights_with_logits_equal_to_the_simulation(
+    tmp_path, weights, inputs
+):
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 16))
+    activations = surgery.QuantSpec(format="fp8_e4m3") if inputs else None
+    spec = surgery.QuantizeSpec(
+        weights=surgery.QuantSpec(format="fp8_e4m3", **weights),
+        activations=activations,
+        where="input",
+        select="**.*_proj",
+    )
+    with surgery.quantize(model, spec, calibration=[ids] if inputs else None) as handle:
+        expected = model(ids).logits
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal and record.parity.expected == "exact" and record.parity.holds
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", local_files_only=True).eval()
+    assert torch.equal(loaded(ids).logits, expected)
+    with safe_open(str(tmp_path / "llama" / "model.safetensors"), "pt") as file:
+        weight = file.get_tensor("model.layers.0.mlp.up_proj.weight")
+        names = set(file.keys())
+    assert weight.dtype == torch.float8_e4m3fn and ("model.layers.0.mlp.up_proj.input_scale" in names) == inputs
+
+
+def test_float_formats_compressed_tensors_does_not_hold_are_one_line(tmp_path):
+    model = tiny_llama()
+    with surgery.quantize(model, weights=surgery.QuantSpec(format="fp8_e5m2"), select="**.*_proj") as handle:
+        with pytest.raises(
+            ConfigError, match=r"quantize.weights.format='fp8_e5m2': surgery writes these floating-point weights"
+        ):
+            surgery.export(handle, tmp_path / "llama", format="compressed-tensors")
+    assert not (tmp_path / "llama").exists()
+
+
 def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
     model = tiny_llama()
     calibration = [torch.randint(0, 128, (2, 16)) for _ in range(3)]

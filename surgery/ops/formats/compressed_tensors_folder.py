@@ -22,6 +22,7 @@ from surgery.ops.observers import QuantSpec
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
+_FLOAT_FORMATS = {"fp8_e4m3": "float-quantized"}  # surgery's floating-point grid -> compressed-tensors' format
 ACTIVATIONS = ("static", "dynamic", "none")  # input scales: surgery's calibrated ones, per token at run time, none
 
 
@@ -62,7 +63,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
         activation = plan.activation(layer, "input")
         if activation is not None and mode == "static":
             state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
-            if not activation.spec.symmetric:
+            if not activation.spec.symmetric and not activation.spec.is_float:
                 offset = 1 << (activation.spec.bits - 1)
                 state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
     path.mkdir(parents=True, exist_ok=True)
@@ -73,8 +74,11 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     _add_quantization_config(path, ct, scheme, model, layers)
     dropped = mode == "none" and plan.activations
     left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
-    # int8 inputs round as x / scale, ours as x * (1 / scale); dynamic ones per token at run time
-    return {"exact": scheme.input_activations is None and not left_out, "left_out": left_out}
+    # int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours); dynamic
+    # ones per token at run time
+    inputs = scheme.input_activations
+    exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
+    return {"exact": exact and not left_out, "left_out": left_out}
 
 
 def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -102,9 +106,9 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
         )
     spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
     kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
-    scheme = QuantizationScheme(
-        targets=kinds, weights=_weight_args(spec, QuantizationArgs), input_activations=None, format="pack-quantized"
-    )
+    weights = _weight_args(spec, QuantizationArgs)
+    scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
+    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=None, format=scheme_format)
     compressor = _compressor(ct, scheme.format)
     state = model.state_dict(keep_vars=True)
     shards = _shards_by_block(model, state)
@@ -198,7 +202,9 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
             f"transformers loads compressed-tensors {ct.__version__} Conv1D models dequantized, without input "
             "scales; export their weights only (quantize.activations=null) or use format='onnx'",
         )
-    scheme_format = "int-quantized" if inputs is not None else "pack-quantized"
+    scheme_format = (
+        _FLOAT_FORMATS[spec.format] if spec.is_float else "int-quantized" if inputs is not None else "pack-quantized"
+    )
     kinds = sorted({type(plan.model.get_submodule(layer)).__name__ for layer in layers})
     scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
     return scheme, layers
@@ -240,6 +246,15 @@ def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[Quant
 
 def _weight_args(spec: QuantSpec, arguments: type) -> Any:
     strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
+    if spec.is_float:
+        if spec.format not in _FLOAT_FORMATS:
+            raise ConfigError(
+                "quantize.weights.format",
+                spec.format,
+                f"surgery writes these floating-point weights to compressed-tensors: {', '.join(_FLOAT_FORMATS)} "
+                "(its nvfp4 and mxfp4 layouts are not written yet)",
+            )
+        return arguments(num_bits=8, type="float", symmetric=True, strategy=strategy, group_size=spec.group_size)
     return arguments(
         num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
     )
@@ -262,7 +277,9 @@ def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
             "export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held"
         )
     spec = grids[0].spec
-    if spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
+    if spec.is_float and spec.format in _FLOAT_FORMATS and not spec.per_channel and all(g.spec == spec for g in grids):
+        return arguments(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+    if spec.is_float or spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
         raise ConfigError(
             "quantize.activations",
             spec.as_dict(),
@@ -275,13 +292,13 @@ def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict
     """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
     so that its re-quantization gives back our integers), scales and signed zero points. A
     Conv1D keeps its (inputs, outputs) layout, with one scale per column: (1, outputs)."""
-    exact = grid.dequantized(grid.integers(weight), torch.float64)
+    exact = weight.detach().float() if grid.spec.is_float else grid.dequantized(grid.integers(weight), torch.float64)
     scale = grid.scale.float()
     scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
     if conv1d:  # symmetric and per channel or tensor only (_scheme refuses the rest)
         exact, scale = exact.t(), scale.t().contiguous() if scale.dim() == 2 else scale
     local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
-    if not grid.spec.symmetric:  # compressed-tensors' integers are signed: shift ours by 2^(bits-1)
+    if not grid.spec.symmetric and not grid.spec.is_float:  # compressed-tensors' integers are signed: shift ours
         offset = 1 << (grid.spec.bits - 1)
         zero_point = grid.zero_point.reshape(scale.shape) - offset
         local["weight_zero_point"] = zero_point.to(torch.int8)

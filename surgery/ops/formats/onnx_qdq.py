@@ -28,6 +28,9 @@ WEIGHT_LAYOUT = {"Conv": 0, "Gemm": 0, "MatMul": 1}  # the output-channel axis o
 ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors"): a runtime fuses them into Q
 
 
+FLOAT_REFUSAL = "ONNX Runtime's int8 kernels take integer weights; export it with format='compressed-tensors' (fp8_e4m3) or 'safetensors'"
+
+
 def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Trace ``plan.model`` without surgery's hooks, then put surgery's grids into the graph."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -77,6 +80,12 @@ def _check_grids(plan: DeployPlan) -> None:
     if not plan.weights and not plan.activations:
         raise ConfigError("export.handle", "nothing quantized", "format='onnx' holds quantized weights and activations")
     for key, grid in plan.weights.items():
+        if grid.spec.is_float:
+            raise ConfigError(
+                "quantize.weights.format",
+                grid.spec.format,
+                f"is a floating-point grid; {FLOAT_REFUSAL}",
+            )
         if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
             raise ConfigError(
                 "quantize.weights",
@@ -85,7 +94,7 @@ def _check_grids(plan: DeployPlan) -> None:
                 "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
             )
     for (layer, where, _), grid in plan.activations.items():
-        if grid.spec.bits != 8 or grid.axis is not None:
+        if grid.spec.is_float or grid.spec.bits != 8 or grid.axis is not None:
             raise ConfigError(
                 "quantize.activations",
                 f"{layer} {where}",

@@ -20,6 +20,11 @@ from surgery.ops.formats.requirements import required
 ACTIVATIONS = ("static", "dynamic", "none")
 
 
+FLOAT_REFUSAL = (
+    "torchao's Int8Tensor holds integer weights; export it with format='compressed-tensors' (fp8_e4m3) or 'safetensors'"
+)
+
+
 def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Swap each quantized Linear weight of a copy of ``plan.model`` for an ``Int8Tensor``."""
     unknown = sorted(set(options) - {"activations"})
@@ -67,6 +72,12 @@ def _layers(plan: DeployPlan, version: str) -> list[str]:
                 4,
                 f"torchao {version} has no int4 CPU kernel for float32 models; export 8-bit weights",
             )
+        if grid.spec.is_float:
+            raise ConfigError(
+                "quantize.weights.format",
+                grid.spec.format,
+                f"is a floating-point grid; {FLOAT_REFUSAL}",
+            )
         if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
             raise ConfigError(
                 "quantize.weights",
@@ -94,7 +105,7 @@ def _int8_tensor(plan: DeployPlan, layer: str, weight: torch.Tensor, mode: str) 
         extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=MappingType.SYMMETRIC)
     elif mode == "static":
         activation = plan.activation(layer, "input")
-        if activation is None or activation.axis is not None or activation.spec.bits != 8:
+        if activation is None or activation.axis is not None or activation.spec.is_float or activation.spec.bits != 8:
             raise ConfigError("quantize.activations", layer, "static torchao activations need one 8-bit input scale")
         symmetric = activation.spec.symmetric
         extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(
