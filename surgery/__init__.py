@@ -33,6 +33,7 @@ from surgery.ops.intercept import (
     RuleNeverFiredWarning,
     intercept,
 )
+from surgery.ops.kv_cache import kv_cache_bytes, quantize_kv_cache
 from surgery.ops.number_formats import NumberFormat, register_number_format
 from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
 from surgery.ops.offloaded_compression import OffloadedCompression
@@ -66,6 +67,8 @@ __all__ = [
     "OffloadedCompression",
     "offloaded",
     "OwlPlan",
+    "quantize_kv_cache",
+    "kv_cache_bytes",
     "NumberFormat",
     "register_number_format",
     "owl_amounts",

@@ -671,6 +671,13 @@ API_CASES = [
         "activations take one static scale here",
     ),
     ApiCase(
+        "kv-cache",
+        lambda m, *_: surgery.quantize_kv_cache(m, calibration=[batch(4, 8)]),
+        ConfigError,
+        "kv_cache",
+        "has no attention module with k_proj and v_proj",
+    ),
+    ApiCase(
         "owl",
         lambda m, *_: surgery.owl_amounts(m, [batch(4, 8)], 0.05),
         ConfigError,
