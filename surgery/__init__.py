@@ -22,6 +22,7 @@ from surgery.ops import (
     formats,  # noqa: F401 - the built-in deployment formats register themselves
     rules,
 )
+from surgery.ops.awq import AwqHandle, AwqSpec, awq
 from surgery.ops.criteria import LayerStats, register_criterion
 from surgery.ops.exporting import ExportRecord, export, register_export_format
 from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
@@ -67,6 +68,9 @@ __all__ = [
     "OffloadedCompression",
     "offloaded",
     "OwlPlan",
+    "awq",
+    "AwqSpec",
+    "AwqHandle",
     "quantize_kv_cache",
     "kv_cache_bytes",
     "NumberFormat",

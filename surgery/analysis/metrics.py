@@ -168,6 +168,7 @@ def perplexity(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
     with evaluating(model), torch.no_grad():
         for inputs, targets in batches:
             logits = model(inputs)
+            logits = getattr(logits, "logits", logits)  # a Hugging Face causal LM's output
             if not torch.isfinite(logits).all():
                 return math.inf
             total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
