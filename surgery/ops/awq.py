@@ -36,6 +36,8 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +51,8 @@ from surgery.core.inputs import Inputs, evaluating
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, plan_stages, resolve_blocks
 from surgery.core.transforms import attach_all
 from surgery.ops.observers import Grid, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offloading import Offloaded
 from surgery.ops.smoothing import Rescaled, is_norm
 
 log = logging.getLogger("surgery")
@@ -123,7 +127,8 @@ def awq(
     clip_tokens: int = 512,
     blocks: Any = None,
     progress: bool = True,
-) -> AwqHandle:
+    work: str | Path | None = None,
+) -> AwqHandle | OffloadedCompression:
     """Scale (and clip) the model's weights for ``weights``'s grid, AWQ's way (see the module
     docstring); return a handle whose ``restore()`` gives back every original value.
 
@@ -137,12 +142,19 @@ def awq(
         clip: search each layer's clipping range too.
         max_shrink: the most of a group's range clipping may cut.
         clip_tokens: inputs sampled per layer for the clipping search.
+        work: for an offloaded model (:func:`surgery.offloaded`'s handle, scaled block by
+            block, the result an :class:`~surgery.OffloadedCompression`), the folder finished
+            blocks are written to (as for :func:`surgery.quantize`).
     """
     if spec is None:
         defaults = AwqSpec()
         spec = AwqSpec(weights or defaults.weights, n_grid, clip, max_shrink, clip_tokens, blocks)
     if calibration is None:
         raise ConfigError("awq.calibration", None, "AWQ chooses its scales from activations; pass calibration batches")
+    if isinstance(model, Offloaded):
+        return _awq_offloaded(model, spec, calibration, work, progress)
+    if work is not None:
+        raise ConfigError("awq.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
     calls = materialise(calibration, "awq.calibration")
     block_names = resolve_blocks(model, spec.blocks, "awq.blocks")
     if not block_names:
@@ -171,6 +183,26 @@ def awq(
         handle.rollback(err)
         raise
     return handle
+
+
+def _awq_offloaded(source: Offloaded, spec: AwqSpec, calibration: Inputs, work: Any, progress: bool) -> Any:
+    """Each block scaled on the block alone, fed by the unchanged blocks before it (as in memory)."""
+    model = source.model
+    calls = materialise(calibration, "awq.calibration")
+    blocks = resolve_blocks(model, spec.blocks, "awq.blocks")
+    if not blocks:
+        raise ConfigError("awq.blocks", type(model).__name__, "has no repeated blocks to scale; name them with blocks=")
+    layers = {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and any(name.startswith(b + ".") for b in blocks)
+    }
+
+    def run(skeleton: nn.Module, staged: list[str], block: str | None, calls: Any) -> AwqHandle:
+        return awq(skeleton, replace_fields(spec, blocks=[block]), calibration=calls, progress=False)
+
+    verb = OffloadedVerb("awq", run, repr(spec), sequential=False)
+    return compress_offloaded(source, verb, layers, calls, blocks=blocks, work=work, progress=progress)
 
 
 def _block(

@@ -187,3 +187,17 @@ def test_bad_awq_settings_are_one_line_and_change_nothing(call, field):
         call(model)
     assert caught.value.field == field and "\n" not in str(caught.value)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_an_offloaded_model_gets_the_same_weights_block_by_block(tmp_path):
+    model = tiny_llama(layers=2)
+    small = [torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(2))]
+    model.save_pretrained(tmp_path / "model")
+    surgery.awq(model, weights=SPEC, calibration=small, progress=False).bake()
+    source = surgery.offloaded(tmp_path / "model")
+    done = surgery.awq(source, weights=SPEC, calibration=small, progress=False)
+    assert done.blocks == 2
+    tokens = small[0][:, :16]
+    with torch.no_grad():
+        assert torch.equal(source.model(tokens).logits, model(tokens).logits)
+    done.restore()
