@@ -671,6 +671,13 @@ API_CASES = [
         "activations take one static scale here",
     ),
     ApiCase(
+        "awq",
+        lambda m, *_: surgery.awq(m, weights=QuantSpec(bits=4, group_size=8)),
+        ConfigError,
+        "awq.calibration",
+        "AWQ chooses its scales from activations; pass calibration batches",
+    ),
+    ApiCase(
         "kv-cache",
         lambda m, *_: surgery.quantize_kv_cache(m, calibration=[batch(4, 8)]),
         ConfigError,
