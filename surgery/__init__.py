@@ -43,6 +43,7 @@ from surgery.ops.owl import OwlPlan, owl_amounts
 from surgery.ops.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
+from surgery.ops.rotation import RotateHandle, rotate
 from surgery.ops.sensitivity import Sensitivity, sensitivity
 from surgery.ops.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
 from surgery.ops.smoothing import SmoothHandle, SmoothSpec, smooth
@@ -68,6 +69,8 @@ __all__ = [
     "OffloadedCompression",
     "offloaded",
     "OwlPlan",
+    "rotate",
+    "RotateHandle",
     "awq",
     "AwqSpec",
     "AwqHandle",

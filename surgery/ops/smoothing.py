@@ -125,9 +125,11 @@ def _reads_last_axis(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_hf_conv1d(module)
 
 
-def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
+def find_pairs(model: nn.Module, sample: Inputs, *, views: bool = False) -> dict[str, list[str]]:
     """``{norm: [layers]}``: each normalisation layer whose output tensor itself is the input
-    of Linear / Conv1D layers, seen in one forward on the first batch of ``sample``."""
+    of Linear / Conv1D layers, seen in one forward on the first batch of ``sample``; with
+    ``views``, also a view of it that keeps every channel (a language model's head reading
+    the last positions)."""
     named = dict(model.named_modules())
     produced: dict[int, tuple[str, Tensor]] = {}  # id(output) -> (norm, output): kept alive, so ids stay unique
     pairs: dict[str, list[str]] = {}
@@ -142,8 +144,13 @@ def find_pairs(model: nn.Module, sample: Inputs) -> dict[str, list[str]]:
 
     def match_input(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            found = produced.get(id(args[0])) if args else None
-            if found is not None and found[1] is args[0] and name not in pairs.get(found[0], []):
+            arg = args[0] if args and isinstance(args[0], Tensor) else None
+            found = None if arg is None else produced.get(id(arg))
+            if found is None and views and arg is not None and arg._base is not None:
+                base = produced.get(id(arg._base))
+                keeps = base is not None and arg.shape[-1] == base[1].shape[-1] and arg.stride(-1) == base[1].stride(-1)
+                found = (base[0], arg) if keeps else None
+            if found is not None and found[1] is arg and name not in pairs.get(found[0], []):
                 pairs.setdefault(found[0], []).append(name)
 
         return hook

@@ -678,6 +678,13 @@ API_CASES = [
         "AWQ chooses its scales from activations; pass calibration batches",
     ),
     ApiCase(
+        "rotate",
+        lambda m, *_: surgery.rotate(m, calibration=[batch(4, 8)]),
+        ConfigError,
+        "rotate",
+        "has no embedding writing a residual stream to rotate",
+    ),
+    ApiCase(
         "kv-cache",
         lambda m, *_: surgery.quantize_kv_cache(m, calibration=[batch(4, 8)]),
         ConfigError,

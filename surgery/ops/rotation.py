@@ -1,0 +1,240 @@
+"""``surgery.rotate``: QuaRot-style random Hadamard rotations fused into a residual-stream model,
+restorably. The rotated model computes the same function; its activations lose their outlier
+channels, so W4A8 and W4A4 quantization lose much less.
+
+A Llama-style model adds every block's output to a residual stream that RMSNorm normalises
+before each block reads it. RMSNorm without its weight is rotation invariant, so with an
+orthogonal ``Q`` (a random Hadamard matrix: ``H / sqrt(n)`` with random signs on its columns):
+
+1. each RMSNorm's weight is folded into the layers reading its output (their input columns
+   scaled), and the norm's weight set to one;
+2. the embeddings write ``x Q`` instead of ``x``; every layer reading the stream (after a norm)
+   takes ``W Q``; every layer writing to it (attention and MLP outputs) gives ``Qᵀ W`` (and
+   ``Qᵀ b``), so the stream carries ``x Q`` throughout and the head reads it back;
+3. with ``online=True``, a forward-pre hook rotates the inputs of each layer that writes to the
+   stream from another width (``down_proj``: ``x H``, its weight ``W H``), so its inputs lose
+   their outliers too. ``H`` is block-diagonal with Hadamard blocks of the largest power of two
+   dividing the width (QuaRot uses a full Hadamard of that order).
+
+The model is checked to compute what it did (float32 rounding) on a sample batch; a model this
+cannot rotate (a LayerNorm, which subtracts the mean; a stream layer the trace cannot place) is
+refused in one line naming the layer, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core import guards
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.core.inputs import Inputs, batches, evaluating
+from surgery.core.sequential import find_blocks
+from surgery.core.transforms import attach_all
+from surgery.ops.smoothing import Rescaled, find_pairs
+
+log = logging.getLogger("surgery")
+
+
+class Rotated(Rescaled):
+    """A one-time rewrite of a parameter to its rotated values."""
+
+    kind = "rotate"
+
+
+class RotateHandle(Handle):
+    """Handle returned by :func:`rotate`: ``width`` of the stream, ``readers``, ``writers``,
+    ``embeddings`` and ``online`` (layers whose inputs a hook rotates)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("rotate", model)
+        self.width = 0
+        self.readers: list[str] = []
+        self.writers: list[str] = []
+        self.embeddings: list[str] = []
+        self.online: list[str] = []
+
+    def bake(self) -> nn.Module | None:
+        if self.online and self.state == "attached":
+            raise ConfigError(
+                "rotate.online",
+                self.online[0],
+                "its inputs are rotated by a hook that no weight can absorb (the product of two "
+                "layers' outputs feeds it); keep the handle attached, or rotate with online=False to bake",
+            )
+        return super().bake()
+
+
+def hadamard(n: int, seed: int = 0) -> Tensor:
+    """An orthogonal n×n matrix: Sylvester Hadamard blocks of the largest power of two dividing
+    ``n``, on the diagonal, scaled to unit norm, with random signs on the columns (seeded)."""
+    block = n & -n  # the largest power of two dividing n
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.block_diag(*[h] * (n // block)) / block**0.5
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return h * signs.to(h.dtype)
+
+
+def rotate(model: nn.Module, *, calibration: Inputs, seed: int = 0, online: bool = True) -> RotateHandle:
+    """Rotate the residual stream of ``model`` (see the module docstring); return a handle whose
+    ``restore()`` gives back every original value and removes the hooks.
+
+    Args:
+        model: a residual-stream model with RMSNorm (Llama, Mistral, Qwen2 built by transformers).
+        calibration: batches; the first traces which layers read the stream and checks the
+            rotated model's outputs.
+        seed: of the random signs.
+        online: also rotate the inputs of layers writing to the stream from another width
+            (``down_proj``) with a hook; such a handle cannot be baked.
+    """
+    if not isinstance(online, bool):
+        raise ConfigError("rotate.online", online, "must be true or false")
+    first = next(iter(batches(calibration, "rotate.calibration")), None)
+    if first is None:
+        raise ConfigError("rotate.calibration", "0 batches", "must hold at least one batch")
+    named = dict(model.named_modules())
+    pairs = find_pairs(model, [first], views=True)
+    width, embeddings = _stream(model, named)
+    readers = {layer: norm for norm, layers in pairs.items() for layer in layers}
+    for norm in pairs:
+        _check_norm(norm, named[norm])
+    blocks = find_blocks(model)
+    writers = [
+        name
+        for name, m in named.items()
+        if isinstance(m, nn.Linear) and m.out_features == width and name not in readers
+        and any(name.startswith(b + ".") for b in blocks)
+    ]  # fmt: skip
+    _check_untied(model, readers, embeddings)
+    handle = RotateHandle(model)
+    handle.width, handle.embeddings, handle.readers, handle.writers = width, embeddings, sorted(readers), writers
+    q = hadamard(width, seed)
+    values = _rotated_values(named, pairs, readers, writers, embeddings, q)
+    inner = {name: hadamard(named[name].in_features, seed + 1) for name in writers if named[name].in_features != width}
+    if online:
+        for name, h in inner.items():
+            values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"].dtype)
+    params = dict(model.named_parameters())
+    guards.check_editable({n: params[n] for n in values}, "rotate")
+    reference = _outputs(model, first)
+    try:
+        attach_all(handle, model, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
+        if online:
+            for name, h in inner.items():
+                handle.add_hook(f"online Hadamard before {name}", named[name].register_forward_pre_hook(_rotating(h)))
+                handle.online.append(name)
+        _check_same_function(model, first, reference)
+    except BaseException as err:
+        handle.rollback(err)
+        raise
+    return handle
+
+
+def _stream(model: nn.Module, named: dict[str, nn.Module]) -> tuple[int, list[str]]:
+    """The residual stream's width and the embeddings writing it."""
+    embeddings = [name for name, m in named.items() if isinstance(m, nn.Embedding)]
+    get = getattr(model, "get_input_embeddings", None)
+    token = get() if callable(get) else None
+    width = token.embedding_dim if isinstance(token, nn.Embedding) else None
+    if width is None and embeddings:
+        width = named[embeddings[0]].embedding_dim
+    if width is None:
+        raise ConfigError("rotate", type(model).__name__, "has no embedding writing a residual stream to rotate")
+    return width, [name for name in embeddings if named[name].embedding_dim == width]
+
+
+def _check_untied(model: nn.Module, readers: dict[str, str], embeddings: list[str]) -> None:
+    """A head sharing its weight with the embeddings would need two rotations of one tensor."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name.rpartition(".")[0])
+    for shared in names.values():
+        if len(shared) > 1 and any(n in readers for n in shared) and any(n in embeddings for n in shared):
+            raise ConfigError(
+                "rotate",
+                next(n for n in shared if n in readers),
+                "shares its weight with the embeddings (tied): the head reads the stream after a norm "
+                "and the embeddings write it, so one tensor would need two rotations; untie them first",
+            )
+
+
+def _check_norm(name: str, module: nn.Module) -> None:
+    if not type(module).__name__.endswith("RMSNorm"):
+        raise ConfigError(
+            "rotate",
+            name,
+            f"is a {type(module).__name__}, which subtracts the mean (a rotation does not commute with "
+            "it); only RMSNorm models rotate",
+        )
+    if getattr(module, "bias", None) is not None:
+        raise ConfigError("rotate", name, "has a bias, which a rotation cannot fold")
+
+
+def _rotated_values(
+    named: dict[str, nn.Module],
+    pairs: dict[str, list[str]],
+    readers: dict[str, str],
+    writers: list[str],
+    embeddings: list[str],
+    q: Tensor,
+) -> dict[str, Tensor]:
+    """Every changed parameter's new value (float64 products, cast back)."""
+    values: dict[str, Tensor] = {}
+    q64 = q.double()
+
+    def put(name: str, value: Tensor, like: Tensor) -> None:
+        values[name] = value.to(like.dtype)
+
+    for name in embeddings:
+        weight = guards.current_value(named[name].weight).detach()
+        put(f"{name}.weight", weight.double() @ q64, weight)
+    for norm in pairs:
+        weight = guards.current_value(named[norm].weight).detach()
+        put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
+    for layer, norm in readers.items():
+        gain = guards.current_value(named[norm].weight).detach().double()
+        weight = guards.current_value(named[layer].weight).detach()
+        put(f"{layer}.weight", (weight.double() * gain) @ q64, weight)
+    for layer in writers:
+        module = named[layer]
+        weight = guards.current_value(module.weight).detach()
+        put(f"{layer}.weight", q64.t() @ weight.double(), weight)
+        if module.bias is not None:
+            bias = guards.current_value(module.bias).detach()
+            put(f"{layer}.bias", bias.double() @ q64, bias)
+    return values
+
+
+def _rotating(h: Tensor) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (x @ h.to(x.dtype).to(x.device), *args[1:])
+
+    return hook
+
+
+def _outputs(model: nn.Module, call: Any) -> Tensor:
+    with evaluating(model), torch.no_grad():
+        out = call(model)
+    out = getattr(out, "logits", out)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.detach().float()
+
+
+def _check_same_function(model: nn.Module, call: Any, reference: Tensor) -> None:
+    rotated = _outputs(model, call)
+    error = ((rotated - reference).abs().max() / reference.abs().max().clamp(min=1e-12)).item()
+    if not error < 1e-3:  # float32 rounding of the products moves outputs by ~1e-6 of their range
+        raise ConfigError(
+            "rotate",
+            f"relative error {error:.2g}",
+            "the rotated model computes another function: a layer reads or writes the residual stream "
+            "in a way this rotation does not cover (a learned position embedding, a norm with a bias)",
+        )

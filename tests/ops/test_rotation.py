@@ -1,0 +1,110 @@
+"""Hadamard rotations fused into a Llama: the same function before quantization, restorable,
+online rotations that refuse to bake, and models the rotation cannot cover refused by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_llama  # tests/support.py
+
+import surgery
+from surgery.core.errors import ConfigError
+from surgery.ops.rotation import hadamard
+
+transformers = pytest.importorskip("transformers")
+
+
+def batches() -> list[torch.Tensor]:
+    return [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batches()[1]).logits
+
+
+@pytest.mark.parametrize("n", [64, 384, 5632])
+def test_hadamard_matrices_are_orthogonal(n):
+    q = hadamard(n, seed=3).double()
+    assert torch.allclose(q @ q.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+    assert q.abs().max() <= 1 / (n & -n) ** 0.5 + 1e-12  # every entry ±1/sqrt(block) or 0: outliers spread
+
+
+@pytest.mark.parametrize("online", [True, False])
+def test_the_rotated_model_computes_the_same_function_and_restores_bit_for_bit(online):
+    model = tiny_llama(layers=2)
+    before = logits(model)
+    handle = surgery.rotate(model, calibration=batches(), online=online)
+    assert handle.writers == [f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")]
+    assert "lm_head" in handle.readers and handle.embeddings == ["model.embed_tokens"]
+    rotated = logits(model)
+    assert not torch.equal(
+        model.model.layers[0].self_attn.q_proj.weight, tiny_llama(layers=2).model.layers[0].self_attn.q_proj.weight
+    )
+    # float32 products of rotated weights: measured 4e-7 of the logits' range
+    assert ((rotated - before).abs().max() / before.abs().max()) < 1e-5
+    assert all(
+        torch.equal(n.weight, torch.ones_like(n.weight)) for name, n in model.named_modules() if name.endswith("norm")
+    )
+    handle.restore()
+    assert torch.equal(logits(model), before)
+
+
+def test_online_rotations_refuse_to_bake_and_offline_ones_bake():
+    model = tiny_llama(layers=2)
+    before = logits(model)
+    handle = surgery.rotate(model, calibration=batches())
+    with pytest.raises(ConfigError, match="rotate.online='model.layers.0.mlp.down_proj'"):
+        handle.bake()
+    assert handle.state == "attached"
+    handle.restore()
+    baked = surgery.rotate(model, calibration=batches(), online=False).bake()
+    assert ((logits(baked) - before).abs().max() / before.abs().max()) < 1e-5
+
+
+def test_rotation_lets_int4_activations_lose_less():
+    model = tiny_llama(layers=2)
+    before = logits(model)
+    spec = dict(weights=None, activations=surgery.QuantSpec(bits=4, symmetric=True), where="input", exclude="lm_head")
+
+    def error() -> float:
+        handle = surgery.quantize(model, calibration=batches(), progress=False, **spec)
+        found = (logits(model) - before).pow(2).mean().item()
+        handle.restore()
+        return found
+
+    plain = error()
+    rotated = surgery.rotate(model, calibration=batches())
+    with_rotation = error()
+    rotated.restore()
+    assert with_rotation < plain  # on a random model the activations have few outliers: a modest gain
+
+
+@pytest.mark.parametrize(
+    ("build", "layer"),
+    [
+        (
+            lambda: transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128)
+            ),
+            "transformer.h.0.ln_1",
+        ),
+        (lambda: tiny_llama_tied(), "lm_head"),
+    ],
+)
+def test_models_the_rotation_cannot_cover_are_refused_naming_the_layer(build, layer):
+    model = build().eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError) as caught:
+        surgery.rotate(model, calibration=[torch.randint(0, 128, (1, 8))])
+    assert f"'{layer}'" in str(caught.value) and "\n" not in str(caught.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def tiny_llama_tied():
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
