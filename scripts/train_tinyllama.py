@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     staging = Path(tempfile.mkdtemp(dir=args.out.parent))
     model.save_pretrained(staging, safe_serialization=True)
+    staging.chmod(0o755)  # mkdtemp's folder is private; the shipped one is read by everyone
+    for file in staging.iterdir():
+        file.chmod(0o644)
     if args.out.exists():
         shutil.rmtree(args.out)
     staging.rename(args.out)
