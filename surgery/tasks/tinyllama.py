@@ -10,10 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
-from surgery.core.errors import ConfigError
-from surgery.tasks.tinylm import ASSETS, CONTEXT, tokens
+from surgery.tasks.tinylm import ASSETS, CONTEXT, train_on_corpus
 
 FOLDER: Path = ASSETS / "tinyllama"
 SHAPE = {
@@ -39,30 +37,9 @@ def build_llama(seed: int = 0) -> Any:
 
 
 def train_llama(seed: int = 0, steps: int = 2000, *, batch_size: int = 32, lr: float = 3e-3) -> Any:
-    """Train :func:`build_llama` on random windows of the training bytes with AdamW and a
-    one-cycle schedule, seeded; torch's global random state is left as it was."""
-    for field, value in (("train.steps", steps), ("train.batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(field, value, "must be an integer >= 1")
-    data = tokens("train")
-    model = build_llama(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        sampler = torch.Generator().manual_seed(seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
-        model.train()
-        for _ in range(steps):
-            starts = torch.randint(0, len(data) - CONTEXT - 1, (batch_size,), generator=sampler)
-            window = torch.stack([data[s : s + CONTEXT + 1] for s in starts.tolist()])
-            logits = model(window[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-    return model.eval()
+    """Train :func:`build_llama` on random windows of the training bytes (see
+    :func:`~surgery.tasks.tinylm.train_on_corpus`)."""
+    return train_on_corpus(lambda: build_llama(seed), seed, steps, batch_size=batch_size, lr=lr)
 
 
 def load_llama() -> Any:

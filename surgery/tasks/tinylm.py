@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import gzip
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -111,16 +113,22 @@ def token_batches(
 
 
 def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float = 2e-3) -> TinyLM:
-    """Train a fresh :class:`TinyLM` on random windows of the training bytes with AdamW and a
-    one-cycle schedule, seeded, on the caller's threads; torch's global random state is left
-    as it was."""
+    """Train a fresh :class:`TinyLM` on random windows of the training bytes (see
+    :func:`train_on_corpus`)."""
+    return train_on_corpus(TinyLM, seed, steps, batch_size=batch_size, lr=lr)
+
+
+def train_on_corpus(build: Callable[[], nn.Module], seed: int, steps: int, *, batch_size: int, lr: float) -> Any:
+    """Train ``build()`` (a next-byte model: logits, or an output with ``.logits``) on random
+    windows of the training bytes with AdamW and a one-cycle schedule, seeded, on the caller's
+    threads; torch's global random state is left as it was."""
     for field, value in (("train.steps", steps), ("train.batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(field, value, "must be an integer >= 1")
     data = tokens("train")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = TinyLM()
+        model = build()
         sampler = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
@@ -129,6 +137,7 @@ def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float =
             starts = torch.randint(0, len(data) - CONTEXT - 1, (batch_size,), generator=sampler)
             window = torch.stack([data[s : s + CONTEXT + 1] for s in starts.tolist()])
             logits = model(window[:, :-1])
+            logits = getattr(logits, "logits", logits)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
             optimizer.zero_grad()
             loss.backward()
