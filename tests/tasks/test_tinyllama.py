@@ -3,6 +3,11 @@ ship measured on it, ranked as in their papers (AWQ, rotations, OWL; held-out pe
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+from unittest import mock
+
 import pytest
 import torch
 
@@ -80,3 +85,15 @@ def test_owl_plans_beat_uniform_wanda_at_70_percent(model, held_out, calibration
 def test_restores_leave_the_shipped_model_as_loaded(model):
     fresh = load_llama()
     assert all(torch.equal(p, dict(fresh.named_parameters())[n]) for n, p in model.named_parameters())
+
+
+def test_the_training_script_writes_a_folder_transformers_loads(tmp_path, capsys):
+    import transformers
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_tinyllama.py"
+    out = tmp_path / "llama"
+    with mock.patch.object(sys, "argv", ["train_tinyllama.py", "--out", str(out), "--steps", "2"]):
+        runpy.run_path(str(script), run_name="__main__")
+    assert "held-out perplexity" in capsys.readouterr().out
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out, local_files_only=True)
+    assert loaded.config.hidden_size == SHAPE["hidden_size"] and oct(out.stat().st_mode)[-3:] == "755"
