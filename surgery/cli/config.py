@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from surgery.cli.fields import one_of, positive_int
 from surgery.cli.steps import STEPS, step_named
+from surgery.cli.steps.awq import AwqConfig
 from surgery.cli.steps.finetune import FinetuneConfig
 from surgery.cli.steps.prune import PruneConfig
 from surgery.cli.steps.quantize import QuantizeConfig
@@ -345,6 +346,7 @@ class RunConfig:
     quantize: QuantizeConfig | None = None
     rewrite: RewriteSpec | None = None
     smooth: SmoothConfig | None = None
+    awq: AwqConfig | None = None  # AWQ scales (and clipping) before a quantize step
     finetune: FinetuneConfig | None = None
     shrink: ShrinkConfig | None = None
     sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and plan (recipe=sensitivity)
@@ -421,7 +423,7 @@ class RunConfig:
                 )
 
 
-BUILT_IN_STEPS = ("prune", "quantize", "rewrite", "smooth", "finetune", "shrink", "sensitivity")
+BUILT_IN_STEPS = ("prune", "quantize", "rewrite", "smooth", "awq", "finetune", "shrink", "sensitivity")
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
