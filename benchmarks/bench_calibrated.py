@@ -4,6 +4,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_calibrated.py              # about 2 minutes
     .venv/bin/python benchmarks/bench_calibrated.py --json /tmp/calibrated.json
+    .venv/bin/python benchmarks/bench_calibrated.py --llama   # the tiny Llama beside llm-compressor
 
 For the shipped MNIST-1D CNN (1000 test signals) and the shipped tiny byte-level language model
 (the held-out 10 % of its corpus), every method is applied to the dense model, measured and
@@ -149,8 +150,20 @@ def block_memory(model: tinylm.TinyLM, calibration: list) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--llama", action="store_true", help="the shipped tiny Llama beside llm-compressor instead")
+    parser.add_argument("--no-peer", action="store_true", help="with --llama: our rows only")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.llama:
+        from bench_scale import peer_python
+        from llama_quality import run, table
+
+        rows = run(None if args.no_peer else peer_python())
+        print(table(rows))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"rows": rows, "torch": torch.__version__}, handle, indent=2)
+        return
 
     cnn = load_checkpoint(mnist1d.MNIST1DCNN(), mnist1d.CHECKPOINT).eval()
     test = mnist1d.mnist1d_batches("test", 500)

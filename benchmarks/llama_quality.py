@@ -1,0 +1,171 @@
+"""The methods the peers ship, on the shipped tiny Llama, beside llm-compressor's implementation of
+each: held-out perplexity over every window of the tiny-LM corpus's held-out 10 %.
+
+Run by ``bench_calibrated.py --llama`` (about 5 minutes). Each of our rows is applied to the
+shipped model, measured and restored (bit-exact, checked); each of llm-compressor's runs
+``benchmarks/llmcompressor_quality.py`` in its own virtual environment (llm-compressor pins torch
+<= 2.14.0; made on first use, as ``bench_scale.py`` makes it) on the same model, calibration
+windows and held-out windows. A script, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import surgery
+from surgery import QuantSpec
+from surgery.analysis.metrics import perplexity
+from surgery.tasks.tinyllama import FOLDER, load_llama
+from surgery.tasks.tinylm import token_batches
+from surgery.testing import snapshot, snapshot_differences
+
+HERE = Path(__file__).resolve().parent
+HEAD = "lm_head"
+
+# (row, our recipe, llm-compressor's method name for llmcompressor_quality.py, note)
+Recipe = Callable[[torch.nn.Module, list], list]
+
+
+def _quantize(bits: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
+    spec = QuantSpec(bits=bits, group_size=128, symmetric=symmetric, method=method)
+    return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
+
+
+def _awq(bits: int, method: str = "rtn") -> Recipe:
+    grid = QuantSpec(bits=bits, group_size=128)
+    spec = QuantSpec(bits=bits, group_size=128, method=method)
+    return lambda m, cal: [
+        surgery.awq(m, weights=grid, calibration=cal, progress=False),
+        surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False),
+    ]
+
+
+def _activations(bits: int, rotated: bool) -> Recipe:
+    def run(m: torch.nn.Module, cal: list) -> list:
+        handles = [surgery.rotate(m, calibration=cal)] if rotated else []
+        weights = QuantSpec(bits=4, group_size=128, symmetric=True)
+        activations = QuantSpec(bits=bits, symmetric=True)
+        spec = dict(weights=weights, activations=activations, where="input", exclude=HEAD, progress=False)
+        return [*handles, surgery.quantize(m, calibration=cal, **spec)]
+
+    return run
+
+
+def _prune(method: str, amount: float, pattern: str | None = None, owl: bool = False) -> Recipe:
+    def run(m: torch.nn.Module, cal: list) -> list:
+        plan = surgery.owl_amounts(m, cal, amount, exclude=HEAD, progress=False) if owl else None
+        kwargs = dict(pattern=pattern, amounts=plan, exclude=HEAD, progress=False)
+        return [surgery.prune(m, amount, method=method, calibration=cal, **kwargs)]
+
+    return run
+
+
+FP8 = QuantSpec(format="fp8_e4m3")
+ROWS: list[tuple[str, Recipe, str, str]] = [
+    ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
+    ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4", ""),
+    ("AWQ + RTN W4 g128 (affine)", _awq(4), "awq:w4", "llm-compressor: paper scales (duo_scaling=False)"),
+    ("RTN W3 g128", _quantize(3), "rtn:w3", ""),
+    ("GPTQ W3 g128", _quantize(3, "gptq"), "gptq:w3", ""),
+    ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
+    ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3", ""),
+    ("W4A8", _activations(8, False), "w4a8", "ours: static per-tensor inputs; theirs: dynamic per token"),
+    ("W4A8, rotated", _activations(8, True), "w4a8-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
+    ("W4A4", _activations(4, False), "w4a4", "ours: static per-tensor inputs; theirs: dynamic per token"),
+    ("W4A4, rotated", _activations(4, True), "w4a4-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
+    (
+        "FP8 E4M3 (per-tensor weights, static inputs)",
+        lambda m, cal: [
+            surgery.quantize(
+                m, weights=FP8, activations=FP8, where="input", calibration=cal, exclude=HEAD, progress=False
+            )
+        ],
+        "fp8",
+        "",
+    ),
+    ("SparseGPT 50 %", _prune("sparsegpt", 0.5), "sparsegpt:50", ""),
+    ("SparseGPT 70 %", _prune("sparsegpt", 0.7), "sparsegpt:70", ""),
+    ("SparseGPT 2:4", _prune("sparsegpt", 0.5, "2:4"), "sparsegpt:2:4", ""),
+    ("Wanda 50 %", _prune("wanda", 0.5), "wanda:50", ""),
+    ("Wanda 70 %", _prune("wanda", 0.7), "wanda:70", ""),
+    ("Wanda 2:4", _prune("wanda", 0.5, "2:4"), "wanda:2:4", ""),
+    ("OWL + Wanda 50 %", _prune("wanda", 0.5, owl=True), "owl-wanda:50", ""),
+    ("OWL + Wanda 70 %", _prune("wanda", 0.7, owl=True), "owl-wanda:70", ""),
+]
+
+
+def ours(name: str, recipe: Recipe, model: torch.nn.Module, calibration: list, held_out: list) -> dict:
+    before = snapshot(model)
+    start = time.perf_counter()
+    handles = recipe(model, calibration)
+    seconds = time.perf_counter() - start
+    found = perplexity(model, held_out)
+    for handle in reversed(handles):
+        handle.restore()
+    if snapshot_differences(before, snapshot(model)):
+        raise RuntimeError(f"{name}: restore() did not give the model back")
+    return {"perplexity": found, "seconds": seconds}
+
+
+def theirs(python: Path, method: str, data: Path) -> dict:
+    found = subprocess.run(
+        [str(python), str(HERE / "llmcompressor_quality.py"), str(FOLDER), str(data), method],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    last = (found.stdout.strip().splitlines() or [""])[-1]
+    if found.returncode != 0 or not last.startswith("{"):
+        error = [line for line in found.stderr.strip().splitlines() if line and not line.startswith(" ")]
+        return {"error": error[-1][:160] if error else f"exit {found.returncode}"}
+    return json.loads(last)
+
+
+def run(peer_python: Path | None) -> list[dict]:
+    """Every row, ours then llm-compressor's; ``peer_python`` None: ours only."""
+    torch.set_num_threads(1)
+    model = load_llama()
+    held_out = token_batches("test", 16)
+    calibration = [x for x, _ in token_batches("train", 8, limit_batches=4)]  # 32 windows of 128 bytes
+    rows = [{"row": "dense", "ours": {"perplexity": perplexity(model, held_out)}}]
+    with tempfile.TemporaryDirectory() as folder:
+        data = Path(folder) / "data.pt"
+        torch.save(
+            {
+                "calibration": torch.cat(calibration),
+                "inputs": [x for x, _ in held_out],
+                "targets": [y for _, y in held_out],
+            },
+            data,
+        )
+        for name, recipe, method, note in ROWS:
+            row = {"row": name, "ours": ours(name, recipe, model, calibration, held_out), "note": note}
+            if peer_python is not None:
+                row["llm-compressor"] = theirs(peer_python, method, data)
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
+def _cell(found: dict | None) -> str:
+    if found is None:
+        return ""
+    if "error" in found:
+        return f"fails: {found['error']}"
+    return f"{found['perplexity']:.3f}"
+
+
+def _line(row: dict) -> str:
+    return f"| {row['row']} | {_cell(row['ours'])} | {_cell(row.get('llm-compressor'))} | {row.get('note', '')} |"
+
+
+def table(rows: list[dict]) -> str:
+    head = "| tiny Llama, held-out perplexity | surgery | llm-compressor 0.14 | note |\n| --- | --- | --- | --- |"
+    return "\n".join([head, *(_line(row) for row in rows)])
