@@ -61,7 +61,10 @@ def moving_average(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -
     if previous is None:
         return low, high
     c = spec.averaging
-    return previous.low + c * (low - previous.low), previous.high + c * (high - previous.high)
+    low, high = previous.low + c * (low - previous.low), previous.high + c * (high - previous.high)
+    # a channel whose every value is the same can come out of the two averages one ulp apart,
+    # the wrong way round (c = 1: a + (b - a) need not be b); its range is that one value
+    return low, torch.maximum(high, low)
 
 
 def percentile(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:

@@ -334,3 +334,15 @@ def test_fake_quantize_is_torch_fused_op(bits, symmetric):
     assert torch.equal(got, expected)
     assert all(got[:, c].unique().numel() <= 2**bits for c in range(7))
     assert torch.equal(fake_quantize(got, scale, zero_point, 1, per_channel), got)  # on the grid
+
+
+def test_moving_average_of_a_constant_channel_keeps_low_at_most_high():
+    """Found by the round-trip property test: with averaging 1, ``a + (b - a)`` can round the
+    two extremes of a channel whose values are all 0.1 one ulp the wrong way round."""
+    from surgery.ops.observers import ObservedRange, moving_average
+
+    spec = QuantSpec(observer="moving_average", averaging=1.0)
+    x = torch.full((3, 5), 0.1)
+    previous = ObservedRange(torch.tensor([-0.007486820220947266, -0.7420351505279541, -0.781231164932251]), torch.tensor([0.514417290687561, -0.3851543664932251, 0.26815736293792725]), 1)  # fmt: skip
+    low, high = moving_average(x, previous, spec)
+    assert (low <= high).all() and torch.allclose(low, torch.full((3,), 0.1))
