@@ -143,12 +143,13 @@ def _hollow(value: Any, tensors: list[Tensor], seen: dict[int, int]) -> Any:
             seen[id(value)] = len(tensors)
             tensors.append(value)
         return _Slot(seen[id(value)])
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_hollow(v, tensors, seen) for v in value)
+    if isinstance(value, tuple):
+        items = [_hollow(v, tensors, seen) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
     if isinstance(value, list):
         return [_hollow(v, tensors, seen) for v in value]
     if isinstance(value, dict):
-        return {k: _hollow(v, tensors, seen) for k, v in value.items()}
+        return type(value)((k, _hollow(v, tensors, seen)) for k, v in value.items())  # an OrderedDict too
     return value
 
 
@@ -156,11 +157,12 @@ def _fill(value: Any, tensors: list[Tensor]) -> Any:
     if isinstance(value, _Slot):
         return tensors[value.index]
     if isinstance(value, tuple):
-        return tuple(_fill(v, tensors) for v in value)
+        items = [_fill(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
         return [_fill(v, tensors) for v in value]
     if isinstance(value, dict):
-        return {k: _fill(v, tensors) for k, v in value.items()}
+        return type(value)((k, _fill(v, tensors)) for k, v in value.items())
     return value
 
 

@@ -162,6 +162,7 @@ def awq(
     handle = AwqHandle(model)
     values: dict[str, Tensor] = {}
     params = dict(model.named_parameters())
+    _check_free(model, block_names, spec)
     with evaluating(model), torch.no_grad():
         chained: set[str] = set()
         layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -183,6 +184,30 @@ def awq(
         handle.rollback(err)
         raise
     return handle
+
+
+def _check_free(model: nn.Module, block_names: list[str], spec: AwqSpec) -> None:
+    """AWQ rewrites weights the way later quantization sees them: it goes first, and every
+    layer it may clip must hold whole groups."""
+    size = spec.weights.group_size
+    for name, module in model.named_modules():
+        if not any(name.startswith(b + ".") for b in block_names):
+            continue
+        for attribute, param in module.named_parameters(recurse=False):
+            kinds = [t.kind for t in guards.transforms_of(param)]
+            if kinds:
+                raise ConfigError(
+                    "awq",
+                    f"{name}.{attribute}",
+                    f"already has {', '.join(kinds)} attached; run awq first, then prune or quantize "
+                    "(its scales are searched on the weights as they are)",
+                )
+        if isinstance(module, nn.Linear) and size and module.in_features % size:
+            raise ConfigError(
+                "awq.weights.group_size",
+                size,
+                f"does not divide the {module.in_features} inputs of {name}; AWQ's clipping search takes whole groups",
+            )
 
 
 def _awq_offloaded(source: Offloaded, spec: AwqSpec, calibration: Inputs, work: Any, progress: bool) -> Any:
@@ -222,11 +247,9 @@ def _block(
             continue
         _search(group, module, block, seen, calls, spec)
         handle.groups.append(group)
-    current = dict(original)
     features = {name: torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]) for name, xs in seen.inputs.items()}
-    for group in handle.groups:
-        if group.block == block:
-            _apply(group, module, block, current, features)
+    mine = [group for group in handle.groups if group.block == block]
+    current = _keeping_function(handle, mine, module, block, original, features, calls[0])
     if spec.clip:
         for local, layer in module.named_modules():
             if isinstance(layer, nn.Linear) and not any(part in local for part in NO_CLIP) and local in features:
@@ -236,6 +259,53 @@ def _block(
                 current[name] = _clipped(current[name], limit)
     values.update({name: value for name, value in current.items() if not torch.equal(value, original[name])})
     return None if any(o is None for o in outputs) else outputs
+
+
+def _keeping_function(
+    handle: AwqHandle, groups: list[AwqGroup], module: nn.Module, block: str, original: dict, features: dict, first: Any
+) -> dict[str, Tensor]:
+    """The block's values with every group's scales applied, if the block then computes what it
+    did; else without the groups that change it (a norm whose output also feeds the residual,
+    as in a post-norm block, or one computing ``x·(1 + w)``), which are moved to skipped."""
+
+    def scaled(chosen: list[AwqGroup]) -> dict[str, Tensor]:
+        current, scratch = dict(original), dict(features)
+        for group in chosen:
+            _apply(group, module, block, current, scratch)
+        return current
+
+    def unchanged(chosen: list[AwqGroup]) -> bool:
+        reference = _first_output(module, first)
+        params = dict(module.named_parameters())
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        try:
+            for name, value in scaled(chosen).items():
+                params[name[len(block) + 1 :]].copy_(value)
+            moved = _first_output(module, first)
+        finally:
+            for n, p in params.items():
+                p.copy_(saved[n])
+        return moved.shape == reference.shape and _close(moved, reference, _dtype_of(module))
+
+    if not unchanged(groups):
+        for group in [g for g in groups if not unchanged([g])]:
+            groups.remove(group)
+            handle.groups.remove(group)
+            handle.skipped.append(group)
+            log.warning(
+                "awq: %s left out: dividing %s by its scales changes the block's output (its output is also "
+                "used elsewhere, e.g. a post-norm residual, or it does not scale by its weight)",
+                ", ".join(group.layers),
+                group.producer,
+            )
+    current = dict(original)
+    for group in groups:
+        _apply(group, module, block, current, features)
+    return current
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
 
 
 class _Recorded:
@@ -322,7 +392,7 @@ def _linear_producer(
         finally:
             for n, p in module.named_parameters():
                 p.copy_(saved[n])
-        if moved.shape == reference.shape and _close(moved, reference):
+        if moved.shape == reference.shape and _close(moved, reference, _dtype_of(module)):
             return candidate
     return None
 
@@ -339,9 +409,11 @@ def _first_output(module: nn.Module, call: tuple[tuple, dict]) -> Tensor:
     return output.detach().float()
 
 
-def _close(a: Tensor, b: Tensor) -> bool:
+def _close(a: Tensor, b: Tensor, dtype: torch.dtype) -> bool:
+    """Equal to the rounding of rescaled weights in ``dtype`` (a wrong producer moves outputs by
+    far more: the scales tried span 0.5 to 2)."""
     scale = b.abs().max().clamp(min=1e-12)
-    return bool(((a - b).abs().max() / scale) < 1e-4)
+    return bool(((a - b).abs().max() / scale) < max(1e-4, 8 * torch.finfo(dtype).eps))
 
 
 def _common_parent(readers: list[str]) -> str:

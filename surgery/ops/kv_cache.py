@@ -3,11 +3,14 @@ tokens, rounded where its key and value projections write them.
 
 Hugging Face attention modules of the Llama family (Llama, Mistral, Qwen2, Gemma, Phi-3's
 split variants, OPT, ...) compute keys and values with ``k_proj`` and ``v_proj`` Linear
-layers; the cache holds those outputs (keys after the rotary embedding, which is a rotation of
-each pair of channels). :func:`quantize_kv_cache` fake-quantizes both projections' outputs with
-static scales from calibration (activation quantization on exactly those layers), so the model
-computes as if its cache held ``spec``'s values; :func:`kv_cache_bytes` gives what such a cache
-holds per token against one in the model's dtype.
+layers. :func:`quantize_kv_cache` fake-quantizes both projections' outputs with static scales
+from calibration (activation quantization on exactly those layers). Values are cached as the
+projection writes them, so the model computes as if its cache held ``spec``'s values. Keys are
+cached after the rotary embedding (a rotation of channel pairs by position; and after a key
+norm in Qwen3 and Gemma 3): here they are rounded before it, with per-channel scales of the
+unrotated channels, which approximates a cache quantized after it (as vLLM's is) without
+being equal to it. :func:`kv_cache_bytes` gives what such a cache holds per token against one
+in the model's dtype.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ nearest value it holds (ties to even), saturating at its largest magnitude, and 
 - ``fp8_e4m3`` and ``fp8_e5m2``: exactly the rounding of ``torch.float8_e4m3fn`` /
   ``torch.float8_e5m2`` (a cast), per tensor, per channel or per block (``group_size``);
 - ``mxfp4`` (OCP Microscaling): FP4 E2M1 elements in blocks of 32, each block's scale a power
-  of two (E8M0): ``2^(floor(log2 amax) − 2)``;
+  of two (E8M0): ``2^(floor(log2 amax) − 2)``, at least 2^-126 (an all-zero block: 1);
 - ``nvfp4``: FP4 E2M1 elements in blocks of 16, each block's scale ``amax / 6`` stored in
   FP8 E4M3 relative to a per-tensor scale ``amax_tensor / (448 · 6)``.
 
@@ -101,8 +101,8 @@ def e2m1(x: Tensor) -> Tensor:
 def _e8m0_scales(amax: Tensor, tensor_amax: Tensor | None) -> Tensor:
     """2^(floor(log2 amax) − 2), the exponent clamped to E8M0's [−127, 127] (2 = log2 of E2M1's 4)."""
     exponent = torch.frexp(amax)[1] - 1  # floor(log2 amax) for amax > 0
-    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -127))
-    return torch.exp2((exponent - 2).clamp(-127, 127).float())
+    scale = torch.exp2((exponent - 2).clamp(-126, 127).float())  # float32's normal range (E8M0 reaches 2^-127)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero at any scale
 
 
 def _nvfp4_scales(amax: Tensor, tensor_amax: Tensor | None) -> Tensor:

@@ -75,7 +75,7 @@ def owl_amounts(
         model: the model, or a :func:`surgery.offloaded` handle (its forward reads the weights).
         calibration: the batches of the dense forward that measures ‖X_j‖₂.
         sparsity: the blocks' mean sparsity, in [0, 1].
-        lam: λ, the most a block's sparsity moves away from ``sparsity`` (the paper's 0.08).
+        lam: λ: the blocks' sparsities span ``2λ`` (the paper's 0.08), their mean ``sparsity``.
         m: M, the multiple of a block's mean score above which a score is an outlier (5).
         select, exclude: the layers scored and planned, as for :func:`surgery.prune`.
         blocks: the blocks (default: the model's repeated blocks, found as sequential
@@ -136,7 +136,16 @@ def _sparsities(ratios: dict[str, float], sparsity: float, lam: float) -> dict[s
         return dict.fromkeys(ratios, sparsity)
     scaled = {block: (ratio - low) * (1 / (high - low) * lam * 2) for block, ratio in ratios.items()}
     mean = sum(scaled.values()) / len(scaled)
-    return {block: 1 - (value - mean + (1 - sparsity)) for block, value in scaled.items()}
+    found = {block: 1 - (value - mean + (1 - sparsity)) for block, value in scaled.items()}
+    beyond = next(((b, v) for b, v in found.items() if not 0 <= v <= 1), None)
+    if beyond is not None:
+        raise ConfigError(
+            "owl.lam",
+            lam,
+            f"puts {beyond[0]} at sparsity {beyond[1]:.3f}, outside [0, 1] (the span 2λ is not centred "
+            "on the mean when one block stands apart); use a smaller lam",
+        )
+    return found
 
 
 def check_settings(

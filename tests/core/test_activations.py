@@ -144,3 +144,16 @@ def test_spilling_bounds_the_peak_whatever_the_calibration_size():
     time is (measured 0.24x, most of it the process's own first-call allocations)."""
     assert activation_peak("memory") > 1.5
     assert activation_peak("disk") < 0.5
+
+
+def test_named_tuples_and_ordered_dicts_come_back_as_they_went(tmp_path):
+    from collections import OrderedDict, namedtuple
+
+    Pair = namedtuple("Pair", "cos sin")
+    pair = Pair(torch.randn(2, 3), torch.randn(2, 3))
+    with activation_budget(0, folder=tmp_path) as ledger:
+        calls = BlockCalls(ledger)
+        calls.add((torch.randn(2, 4),), OrderedDict(position=pair))
+        assert calls.spilled_bytes == (8 + 12) * 4  # the named tuple's tensors went to disk too
+        _, kwargs = next(iter(calls))
+    assert type(kwargs["position"]) is Pair and torch.equal(kwargs["position"].sin, pair.sin)

@@ -201,3 +201,36 @@ def test_an_offloaded_model_gets_the_same_weights_block_by_block(tmp_path):
     with torch.no_grad():
         assert torch.equal(source.model(tokens).logits, model(tokens).logits)
     done.restore()
+
+
+def test_a_post_norm_bert_keeps_its_function_the_norms_feeding_the_residual_left_out(caplog):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with torch.no_grad():
+        before = model(ids[0]).last_hidden_state
+    handle = surgery.awq(model, weights=QuantSpec(bits=4, group_size=32), calibration=ids, clip=False, progress=False)
+    with torch.no_grad():
+        after = model(ids[0]).last_hidden_state
+    # scaling alone keeps the function: every group whose producer's output also feeds the
+    # residual (BERT's post-attention LayerNorm feeds both the next block and its intermediate) is out
+    assert torch.allclose(after, before, atol=1e-4), (after - before).abs().max()
+    assert any("changes the block's output" in r.message for r in caplog.records)
+    handle.restore()
+
+
+def test_awq_after_quantize_is_refused_before_anything_changes():
+    model = tiny_llama(layers=2)
+    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, group_size=32), exclude="lm_head")
+    with pytest.raises(ConfigError, match=r"awq=.*already has quantize attached; run awq first"):
+        surgery.awq(model, weights=SPEC, calibration=calibration(), progress=False)
+    quantized.restore()
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_one_line():
+    with pytest.raises(ConfigError, match=r"awq.weights.group_size=48: does not divide the 64 inputs of"):
+        surgery.awq(tiny_llama(layers=2), weights=QuantSpec(bits=4, group_size=48), calibration=calibration())

@@ -190,3 +190,12 @@ def test_fp8_gptq_offloaded_equals_in_memory_and_streams_to_compressed_tensors(t
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True).eval()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, expected)
+
+
+def test_an_all_zero_mxfp4_block_stays_zero_and_the_rest_is_quantized():
+    layer = nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        layer.weight[0, :32] = 0  # a pruned half row: one block with nothing in it
+    handle = surgery.quantize(layer, weights=QuantSpec(format="mxfp4"))
+    assert torch.equal(layer.weight[0, :32], torch.zeros(32)) and layer.weight[0, 32:].abs().sum() > 0
+    handle.restore()

@@ -121,3 +121,11 @@ def test_bad_settings_are_one_line_errors(kwargs, field):
 def test_no_calibration_is_refused():
     with pytest.raises(ConfigError, match="prune.calibration"):
         surgery.owl_amounts(tiny_llama(layers=2, vocab=128), [], 0.5, progress=False)
+
+
+def test_a_block_pushed_outside_0_1_by_the_span_is_refused_naming_it():
+    from surgery.ops.owl import _sparsities
+
+    surgery.ops.owl.check_settings(0.95, 0.05, 5.0)  # passes: 0.95 ± 0.05 is inside [0, 1] ...
+    with pytest.raises(ConfigError, match=r"owl.lam=0.05: puts a at sparsity 1.025, outside \[0, 1\]"):
+        _sparsities({"a": 1.0, "b": 10.0, "c": 10.0, "d": 10.0}, 0.95, 0.05)  # ... but one block stands apart
