@@ -49,6 +49,13 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
     )
 
 
+def _outer(error: Tensor, row: Tensor, scratch: Tensor) -> Tensor:
+    """``error ⊗ row`` by matmul, as the reference code (the same bits as a broadcast, 3x
+    faster), into ``scratch``: one allocation a walk instead of one a column."""
+    out = scratch[: error.numel() * row.numel()].view(error.numel(), row.numel())
+    return torch.matmul(error.unsqueeze(1), row.unsqueeze(0), out=out)
+
+
 def sparsegpt(
     weight: Tensor,
     hessian: Tensor,
@@ -72,6 +79,7 @@ def sparsegpt(
     keep = torch.ones_like(w, dtype=torch.bool)
     if pattern is not None:
         block = max(pattern[1], block // pattern[1] * pattern[1])  # N:M groups never straddle blocks
+    scratch = torch.empty(rows * block, device=w.device)  # each column's update, written in place
     for start in range(0, cols, block):
         end = min(start + block, cols)
         part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
@@ -91,8 +99,7 @@ def sparsegpt(
             column = part[:, i]
             kept = torch.where(pruned[:, i], torch.zeros_like(column), column)
             error = (column - kept) / diagonal[i]
-            # an outer product by matmul, as the reference code: the same bits as a broadcast, 3x faster
-            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))
+            part[:, i:] -= _outer(error, local[i, i:], scratch)
             part[:, i] = kept
             errors[:, i] = error
         w[:, start:end] = part
@@ -128,6 +135,7 @@ def gptq(
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
+    scratch = torch.empty(rows * block, device=w.device)  # each column's update, written in place
     factor = inverse_factor(hessian, damping, name)
     scale, zero_point = (None, None) if group_size else qparams_of(w)
     scales, zero_points = [], []
@@ -146,8 +154,7 @@ def gptq(
             if keep is not None:
                 rounded = torch.where(keep[:, column_index], rounded, torch.zeros_like(rounded))
             error = (column - rounded) / local[i, i]
-            # an outer product by matmul, as the reference code: the same bits as a broadcast, 3x faster
-            part[:, i:] -= error.unsqueeze(1).matmul(local[i, i:].unsqueeze(0))
+            part[:, i:] -= _outer(error, local[i, i:], scratch)
             part[:, i] = rounded
             errors[:, i] = error
         w[:, start:end] = part
