@@ -176,6 +176,15 @@ def awq(
             outputs = _block(handle, block, module, list(inputs), spec, values)
             following = index + 1 < len(block_names) and block in chained
             inputs = outputs if following and outputs is not None else None
+    if not handle.groups:
+        if not values:
+            raise ConfigError(
+                "awq",
+                type(model).__name__,
+                "found no group of layers whose input a norm or a Linear layer can rescale, and nothing to "
+                "clip: it would change nothing (see the left-out groups in the log)",
+            )
+        log.warning("awq: no group of layers could be scaled; only the clipping search was applied")
     for name in values:
         guards.check_editable({name: params[name]}, "awq")
     try:

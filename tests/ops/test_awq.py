@@ -234,3 +234,9 @@ def test_awq_after_quantize_is_refused_before_anything_changes():
 def test_a_group_size_that_does_not_divide_a_layer_is_one_line():
     with pytest.raises(ConfigError, match=r"awq.weights.group_size=48: does not divide the 64 inputs of"):
         surgery.awq(tiny_llama(layers=2), weights=QuantSpec(bits=4, group_size=48), calibration=calibration())
+
+
+def test_awq_that_would_change_nothing_is_refused():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)]).eval()
+    with pytest.raises(ConfigError, match=r"awq='Sequential': found no group .* it would change nothing"):
+        surgery.awq(model, weights=QuantSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], clip=False)
