@@ -23,7 +23,6 @@ refused in one line naming the layer, and nothing changes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +36,6 @@ from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.sequential import find_blocks
 from surgery.core.transforms import attach_all
 from surgery.ops.smoothing import Rescaled, find_pairs
-
-log = logging.getLogger("surgery")
 
 
 class Rotated(Rescaled):
