@@ -48,7 +48,8 @@ def caught_layer_call(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor
         model(ids)
     hook.remove()
     kwargs = {k: v for k, v in caught["kwargs"].items() if k != "hidden_states"}
-    return caught["inps"], {**kwargs, "past_key_values": None, "use_cache": False}
+    no_cache = {k: None for k, v in kwargs.items() if "past_key_value" in k or type(v).__name__.endswith("Cache")}
+    return caught["inps"], {**kwargs, **no_cache, "use_cache": False}  # `cache=` since transformers 5.24
 
 
 def search_module_scale(block, linears, x, kwargs, n_grid):
