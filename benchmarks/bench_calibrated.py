@@ -152,13 +152,14 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--llama", action="store_true", help="the shipped tiny Llama beside llm-compressor instead")
     parser.add_argument("--no-peer", action="store_true", help="with --llama: our rows only")
+    parser.add_argument("--rows", help="with --llama: only the rows whose name holds this text (e.g. W4A)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.llama:
         from bench_scale import peer_python
         from llama_quality import run, table
 
-        rows = run(None if args.no_peer else peer_python())
+        rows = run(None if args.no_peer else peer_python(), args.rows)
         print(table(rows))
         if args.json:
             with open(args.json, "w") as handle:

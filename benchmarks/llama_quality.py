@@ -47,11 +47,11 @@ def _awq(bits: int, method: str = "rtn") -> Recipe:
     ]
 
 
-def _activations(bits: int, rotated: bool) -> Recipe:
+def _activations(bits: int, rotated: bool, dynamic: str | None = "token") -> Recipe:
     def run(m: torch.nn.Module, cal: list) -> list:
         handles = [surgery.rotate(m, calibration=cal)] if rotated else []
         weights = QuantSpec(bits=4, group_size=128, symmetric=True)
-        activations = QuantSpec(bits=bits, symmetric=True)
+        activations = QuantSpec(bits=bits, symmetric=True, dynamic=dynamic)  # llm-compressor's W4A8/W4A4 inputs
         spec = dict(weights=weights, activations=activations, where="input", exclude=HEAD, progress=False)
         return [*handles, surgery.quantize(m, calibration=cal, **spec)]
 
@@ -76,10 +76,13 @@ ROWS: list[tuple[str, Recipe, str, str]] = [
     ("GPTQ W3 g128", _quantize(3, "gptq"), "gptq:w3", ""),
     ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
     ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3", ""),
-    ("W4A8", _activations(8, False), "w4a8", "ours: static per-tensor inputs; theirs: dynamic per token"),
+    ("W4A8 (inputs dynamic per token)", _activations(8, False), "w4a8", ""),
     ("W4A8, rotated", _activations(8, True), "w4a8-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
-    ("W4A4", _activations(4, False), "w4a4", "ours: static per-tensor inputs; theirs: dynamic per token"),
+    ("W4A4 (inputs dynamic per token)", _activations(4, False), "w4a4", ""),
     ("W4A4, rotated", _activations(4, True), "w4a4-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
+    ("W4A8, static per-tensor inputs", _activations(8, False, None), "", "ours only: one calibrated scale a layer"),
+    ("W4A4, static per-tensor inputs", _activations(4, False, None), "", "ours only: one calibrated scale a layer"),
+    ("W4A4, static per-tensor inputs, rotated", _activations(4, True, None), "", "ours only"),
     (
         "FP8 E4M3 (per-tensor weights, static inputs)",
         lambda m, cal: [
@@ -128,8 +131,9 @@ def theirs(python: Path, method: str, data: Path) -> dict:
     return json.loads(last)
 
 
-def run(peer_python: Path | None) -> list[dict]:
-    """Every row, ours then llm-compressor's; ``peer_python`` None: ours only."""
+def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
+    """Every row (``only``: those whose name holds it), ours then llm-compressor's;
+    ``peer_python`` None: ours only."""
     torch.set_num_threads(1)
     model = load_llama()
     held_out = token_batches("test", 16)
@@ -146,8 +150,10 @@ def run(peer_python: Path | None) -> list[dict]:
             data,
         )
         for name, recipe, method, note in ROWS:
+            if only is not None and only not in name:
+                continue
             row = {"row": name, "ours": ours(name, recipe, model, calibration, held_out), "note": note}
-            if peer_python is not None:
+            if peer_python is not None and method:
                 row["llm-compressor"] = theirs(peer_python, method, data)
             rows.append(row)
             print(_line(row), flush=True)

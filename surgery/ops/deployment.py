@@ -65,16 +65,21 @@ class ActivationGrid:
     """The frozen grid of one quantized activation: the ``where`` (``"input"`` or
     ``"output"``) of ``layer`` at its ``call``-th run in a forward (0 unless quantized per
     call), one scale (``axis=None``) or one per channel; ``follows``: the key of the quantizer
-    that wrote the tensor it reads (through max-pooling), whose grid it shares."""
+    that wrote the tensor it reads (through max-pooling), whose grid it shares. A dynamic one
+    (``spec.dynamic``) has no scale: each tensor sets its own as it runs."""
 
     layer: str
     where: str
     spec: QuantSpec
-    scale: Tensor
-    zero_point: Tensor
+    scale: Tensor | None
+    zero_point: Tensor | None
     axis: int | None
     call: int = 0
     follows: str | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.spec.dynamic is not None
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,14 @@ class DeployPlan:
 
     def activation(self, layer: str, where: str, call: int = 0) -> ActivationGrid | None:
         return self.activations.get((layer, where, call))
+
+    @property
+    def activation_mode(self) -> str:
+        """How the handles quantize activations (an export's default ``activations`` option):
+        ``"none"``, ``"static"`` (calibrated scales) or ``"dynamic"`` (set as each tensor runs)."""
+        if not self.activations:
+            return "none"
+        return "dynamic" if all(grid.dynamic for grid in self.activations.values()) else "static"
 
 
 def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan:

@@ -96,6 +96,11 @@ class QuantSpec:
     ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches), any
     name added with :func:`register_observer`, or such a function itself.
 
+    Activations only: ``dynamic`` computes the scale from each tensor as it runs, with no
+    calibration: ``"token"`` (one per token, each row of the last dimension, as llm-compressor's
+    and torchao's dynamic int8/fp8 inputs) or ``"tensor"`` (one per call); ``None`` (default):
+    a static scale from calibration.
+
     Weights only: ``group_size`` gives every ``group_size`` consecutive inputs of each output
     its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
     ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
@@ -112,6 +117,7 @@ class QuantSpec:
     method: str = "rtn"
     group_size: int | None = None
     format: str = "int"  # or a floating-point grid: fp8_e4m3, fp8_e5m2, mxfp4, nvfp4 (surgery.ops.number_formats)
+    dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
 
     def __post_init__(self) -> None:
         _check(self, "QuantSpec")
@@ -196,6 +202,21 @@ def _check(spec: Any, field: str) -> None:
             f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
         )
     _check_format(spec, field)
+    _check_dynamic(spec, field)
+
+
+DYNAMIC = ("token", "tensor")
+
+
+def _check_dynamic(spec: Any, field: str) -> None:
+    if spec.dynamic is None:
+        return
+    if spec.dynamic not in DYNAMIC:
+        raise ConfigError(f"{field}.dynamic", spec.dynamic, f"must be null, {' or '.join(DYNAMIC)}")
+    if spec.per_channel:
+        raise ConfigError(
+            f"{field}.per_channel", True, f"dynamic={spec.dynamic!r} gives the scales; set per_channel=false"
+        )
 
 
 def _check_format(spec: Any, field: str) -> None:
@@ -387,3 +408,25 @@ def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None
     if axis is None:
         return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max)
     return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max)
+
+
+def fake_quantize_dynamic(x: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """``x`` fake-quantized with scales taken from itself (``spec.dynamic``: one per token, each
+    row of the last dimension, or one for the whole tensor), with compressed-tensors' arithmetic
+    (``round(x / scale)``: bit-equal to what llm-compressor and vLLM compute); gradients pass
+    straight through. Returns it and the scales (non-finite where ``x`` is)."""
+    if x.numel() == 0:
+        return x, torch.ones(0)
+    rows = x.reshape(-1, x.shape[-1]) if spec.dynamic == "token" and x.dim() else x.reshape(1, -1)
+    values = rows.detach().float()
+    scale, zero_point = compute_qparams(values.amin(1), values.amax(1), spec)
+    scale, zero_point = scale.to(x.device).reshape(-1, 1), zero_point.to(x.device).reshape(-1, 1)
+    if spec.is_float:
+        rounded = spec.number_format.fake_quantize(rows, scale)
+    else:
+        quant_min, quant_max = spec.quant_range
+        integers = torch.clamp(torch.round(rows / scale.to(rows.dtype) + zero_point), quant_min, quant_max)
+        rounded = ((integers - zero_point) * scale.to(rows.dtype)).to(rows.dtype)
+    if rows.requires_grad:
+        rounded = rows + (rounded - rows).detach()
+    return rounded.reshape(x.shape), scale.reshape(-1)

@@ -31,7 +31,14 @@ from surgery.ops import gptq, rtn  # noqa: F401 - the built-in weight methods re
 from surgery.ops.deployment import ActivationGrid, WeightGrid
 from surgery.ops.folding import fold_batchnorms
 from surgery.ops.number_formats import FORMATS
-from surgery.ops.observers import NonFiniteError, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.observers import (
+    NonFiniteError,
+    Observer,
+    QuantSpec,
+    fake_quantize,
+    fake_quantize_dynamic,
+    fake_quantize_groups,
+)
 from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offloading import Offloaded
 from surgery.ops.placement import ACTIVATIONS, Site, saved_sites, site_key, tensor_sites
@@ -116,6 +123,7 @@ class QuantizeSpec:
                 "set train=false and per-tensor activations",
             )
         _validate_method(weights, activations, self.train, self.blocks)
+        _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
         check_place(self.originals, "quantize.originals")
         if self.originals == "disk" and self.train:
             raise ConfigError(
@@ -131,7 +139,7 @@ class QuantizeSpec:
         folds = self.target is not None and deploy_target(self.target).fold_batchnorm
         return (
             folds
-            or self.activations is not None
+            or (self.activations is not None and self.activations.dynamic is None)
             or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
         )
 
@@ -175,7 +183,8 @@ def _refuse_both(spec: QuantizeSpec, *values: Any) -> None:
 
 def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None:
     """What the settings need from the call: calibration batches, or saved parameters."""
-    if spec.activations is not None and calibration is None and qparams is None:
+    static = spec.activations is not None and spec.activations.dynamic is None
+    if static and calibration is None and qparams is None:
         raise ConfigError(
             "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
         )
@@ -203,6 +212,28 @@ def _validate_training(train: object, freeze_after: object, activations: QuantSp
             "quantize.freeze_observers_after",
             freeze_after,
             "applies to quantization-aware training of activations: set train=true and activations",
+        )
+
+
+def _validate_dynamic(weights: QuantSpec | None, activations: QuantSpec | None, where: str, freeze: Any) -> None:
+    """Dynamic scales: activations only, on layer inputs or outputs, with no range to freeze."""
+    if weights is not None and weights.dynamic is not None:
+        raise ConfigError(
+            "quantize.weights.dynamic",
+            weights.dynamic,
+            "applies to activations; weights are rounded once: leave it null",
+        )
+    if activations is None or activations.dynamic is None:
+        return
+    if where == "tensors":
+        raise ConfigError(
+            "quantize.where",
+            "tensors",
+            "places static scales as graph runtimes do; dynamic activations go on layer inputs or outputs",
+        )
+    if freeze is not None:
+        raise ConfigError(
+            "quantize.freeze_observers_after", freeze, "dynamic activations have no learned range to freeze"
         )
 
 
@@ -301,7 +332,7 @@ class ActivationQuantizer:
         self.call = call  # which run of the module in a forward (a PerCallQuantizer's k-th quantizer)
         self.follows = follows  # the key of the quantizer whose grid this one takes after calibration
         self.per_call = 0  # quantized per call: the module's runs per forward (observed by its PerCallQuantizer)
-        self.observer: Observer | None = Observer(spec, axis, name)
+        self.observer: Observer | None = None if spec.dynamic else Observer(spec, axis, name)
         self.scale: Tensor | None = None
         self.zero_point: Tensor | None = None
         self.inference: tuple[float, float, float, float] | None = None
@@ -366,6 +397,8 @@ class ActivationQuantizer:
                 f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}; only floating "
                 "tensors can be quantized",
             )
+        if self.spec.dynamic:
+            return self._dynamic(x)
         axis = None if self.axis is None else self.axis % x.dim()
         if self.observer is not None:  # calibrating: the capture feeds the observer, values pass unchanged
             return None
@@ -384,6 +417,14 @@ class ActivationQuantizer:
         if fast is not None:
             return fast
         return fake_quantize(x, self.scale.to(x.device), self.zero_point.to(x.device), axis, self.spec)
+
+    def _dynamic(self, x: Tensor) -> Tensor:
+        quantized, scale = fake_quantize_dynamic(x, self.spec)
+        if not torch.isfinite(scale).all():
+            raise NonFiniteError(
+                "quantize.activations.dynamic", self.name, "NaN or Inf reached this layer, whose scale it sets"
+            )
+        return quantized
 
     def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> Any:
         if self.where == "output":
@@ -524,8 +565,10 @@ class QuantizeHandle(Handle):
             return []
         activations = [
             ActivationGrid(q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis, q.call, q.follows)
+            if not q.spec.dynamic
+            else ActivationGrid(q.name, q.where, q.spec, None, None, None, q.call)
             for q in self.activations.values()
-            if q.scale is not None
+            if q.scale is not None or q.spec.dynamic
         ]
         return [*self._weight_grids().values(), *activations]
 
@@ -977,6 +1020,8 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec
 
 
 def _calibrate_or_load(handle: QuantizeHandle, model: nn.Module, calibration, qparams, progress: bool) -> None:
+    if all(q.spec.dynamic for q in handle.activations.values()):
+        return  # scales come from each tensor as it runs
     if qparams is not None:
         saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
         if not isinstance(saved, dict):

@@ -671,6 +671,13 @@ API_CASES = [
         "activations take one static scale here",
     ),
     ApiCase(
+        "dynamic-activations",
+        lambda m, *_: surgery.quantize(m, activations=QuantSpec(dynamic="token"), where="tensors"),
+        ConfigError,
+        "quantize.where",
+        "places static scales as graph runtimes do",
+    ),
+    ApiCase(
         "awq",
         lambda m, *_: surgery.awq(m, weights=QuantSpec(bits=4, group_size=8)),
         ConfigError,
@@ -1036,6 +1043,7 @@ CLI_CASES = [
     CliCase("method", (*FAST, "prune.scope=world"), "prune.scope"),
     CliCase("method", (*QUANTIZE, "quantize.where=middle"), "quantize.where"),
     CliCase("observer", (*QUANTIZE, "quantize.activations.observer=median"), "quantize.activations.observer"),
+    CliCase("dynamic-activations", (*QUANTIZE, "quantize.activations.dynamic=row"), "quantize.activations.dynamic"),
     CliCase(
         "rewrite-name", (*REWRITE, "rewrite.name=melt", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"), "rewrite.name"
     ),

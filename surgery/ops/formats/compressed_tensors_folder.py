@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.sequential import find_blocks
 from surgery.core.targets import is_hf_conv1d
-from surgery.ops.deployment import DeployPlan, WeightGrid
+from surgery.ops.deployment import ActivationGrid, DeployPlan, WeightGrid
 from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
 from surgery.ops.observers import QuantSpec
@@ -48,7 +48,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
             "(use format='torchao', 'onnx' or 'safetensors')",
         )
     ct = required("compressed_tensors", "compressed-tensors")
-    mode = options.get("activations", "static" if plan.activations else "none")
+    mode = options.get("activations", plan.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
     scheme, layers = _scheme(plan, ct, mode)
@@ -74,10 +74,11 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     _add_quantization_config(path, ct, scheme, model, layers)
     dropped = mode == "none" and plan.activations
     left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
-    # int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours); dynamic
-    # ones per token at run time
+    # static int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours);
+    # dynamic ones as ours when the simulation was dynamic too
     inputs = scheme.input_activations
-    exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
+    simulated = inputs is not None and inputs.dynamic and plan.activation_mode == "dynamic"
+    exact = inputs is None or simulated or (inputs.type == "float" and not inputs.dynamic)
     return {"exact": exact and not left_out, "left_out": left_out}
 
 
@@ -193,7 +194,7 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
                 "export.options.activations", mode, "needs activations quantized at layer inputs (where='input')"
             )
     elif mode == "dynamic":
-        inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        inputs = _dynamic_input_args(plan, layers, QuantizationArgs)
     conv1d = [layer for layer in layers if is_hf_conv1d(plan.model.get_submodule(layer))]
     if inputs is not None and conv1d:
         raise ConfigError(
@@ -260,7 +261,26 @@ def _weight_args(spec: QuantSpec, arguments: type) -> Any:
     )
 
 
-def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+def _dynamic_input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+    """The simulation's dynamic inputs (int or fp8_e4m3, per token or per tensor); int8 per
+    token for inputs the simulation left alone or calibrated."""
+    grids = _input_grids(plan, layers) if plan.activation_mode == "dynamic" else []
+    if not grids:
+        return arguments(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    spec = grids[0].spec
+    if any(g.spec != spec for g in grids) or (spec.is_float and spec.format not in _FLOAT_FORMATS):
+        raise ConfigError(
+            "quantize.activations",
+            spec.as_dict(),
+            f"compressed-tensors holds one dynamic input setting, int or {', '.join(_FLOAT_FORMATS)}",
+        )
+    kind = "float" if spec.is_float else "int"
+    bits = 8 if spec.is_float else spec.bits
+    return arguments(num_bits=bits, type=kind, symmetric=spec.symmetric, strategy=spec.dynamic, dynamic=True)
+
+
+def _input_grids(plan: DeployPlan, layers: list[str]) -> list[ActivationGrid]:
+    """The input grid of each layer (none: an empty list), refusing outputs and gaps."""
     if any(where == "output" for _, where, _ in plan.activations):
         raise ConfigError(
             "quantize.where",
@@ -270,11 +290,22 @@ def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
         )
     grids = [plan.activation(layer, "input") for layer in layers]
     if all(g is None for g in grids):
-        return None
+        return []
     missing = [layer for layer, g in zip(layers, grids) if g is None]
     if missing:
         raise ConfigError(
             "export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held"
+        )
+    return grids
+
+
+def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+    grids = _input_grids(plan, layers)
+    if not grids:
+        return None
+    if grids[0].dynamic:
+        raise ConfigError(
+            "export.options.activations", "static", f"{layers[0]}'s inputs are dynamic: they have no static scale"
         )
     spec = grids[0].spec
     if spec.is_float and spec.format in _FLOAT_FORMATS and not spec.per_channel and all(g.spec == spec for g in grids):

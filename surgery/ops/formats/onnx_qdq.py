@@ -94,6 +94,13 @@ def _check_grids(plan: DeployPlan) -> None:
                 "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
             )
     for (layer, where, _), grid in plan.activations.items():
+        if grid.dynamic:
+            raise ConfigError(
+                "quantize.activations.dynamic",
+                grid.spec.dynamic,
+                "a QDQ graph holds static scales; calibrate them (dynamic=null), or export "
+                "dynamic inputs with format='torchao' or 'compressed-tensors'",
+            )
         if grid.spec.is_float or grid.spec.bits != 8 or grid.axis is not None:
             raise ConfigError(
                 "quantize.activations",

@@ -31,11 +31,12 @@ def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict
     if unknown:
         raise ConfigError("export.options", unknown, "format='torchao' takes activations")
     torchao = required("torchao", "torchao")
-    mode = options.get("activations", "static" if plan.activations else "none")
+    mode = options.get("activations", plan.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
     if mode == "static" and not plan.activations:
         raise ConfigError("export.options.activations", mode, "needs activations quantized (where='input')")
+    _check_dynamic(plan, mode)
     layers = _layers(plan, torchao.__version__)
     plain = copy.deepcopy(plan.model).eval()
     drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
@@ -47,6 +48,27 @@ def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict
             module.__class__ = StaticInt8Linear  # same parameters; inputs of any rank
     torch.save(plain, str(path))
     return {"exact": False}
+
+
+def _check_dynamic(plan: DeployPlan, mode: str) -> None:
+    """Dynamic inputs in the simulation are torchao's: 8-bit symmetric, one scale per token."""
+    for (layer, where, _), grid in plan.activations.items():
+        if not grid.dynamic:
+            continue
+        if mode == "static":
+            raise ConfigError(
+                "export.options.activations", mode, f"{layer}'s inputs are dynamic: they have no static scale"
+            )
+        if where != "input" or grid.spec.is_float or grid.spec.bits != 8 or not grid.spec.symmetric:
+            raise ConfigError(
+                "quantize.activations",
+                f"{layer} {where}: {grid.spec.bits}-bit {'symmetric' if grid.spec.symmetric else 'affine'}",
+                "torchao quantizes Linear inputs dynamically as 8-bit symmetric integers, per token",
+            )
+        if grid.spec.dynamic != "token":
+            raise ConfigError(
+                "quantize.activations.dynamic", grid.spec.dynamic, "torchao's dynamic inputs are per token"
+            )
 
 
 class StaticInt8Linear(nn.Linear):
