@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from surgery.cli.config import RunConfig
 from surgery.cli.steps import StepRun, step_named
-from surgery.core.errors import ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.ops.quantization import QuantizeHandle
 
@@ -72,9 +72,20 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
 
 
 def saved_qparams(handle: HandleGroup) -> dict[str, Tensor]:
-    """Activation quantization parameters of a composed handle (empty without any)."""
+    """Activation quantization parameters of a composed handle (empty without any); two steps
+    quantizing one layer's activations are refused (one file holds one set a layer)."""
     found: dict[str, Tensor] = {}
+    owners: dict[str, str] = {}
     for part in handle.handles:
-        if isinstance(part, QuantizeHandle):
-            found.update(part.qparams())
+        if not isinstance(part, QuantizeHandle):
+            continue
+        for key, value in part.qparams().items():
+            if key in found and key.endswith(".scale"):
+                raise ConfigError(
+                    "steps",
+                    f"{owners[key]}, {part.kind}",
+                    f"both quantize {key.removesuffix('.scale')}'s activations and one file of parameters holds "
+                    "one set a layer; exclude that layer from one step (or make one dynamic)",
+                )
+            found[key], owners[key] = value, part.kind
     return found

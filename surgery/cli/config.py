@@ -17,8 +17,10 @@ from surgery.cli.fields import one_of, positive_int
 from surgery.cli.steps import STEPS, step_named
 from surgery.cli.steps.awq import AwqConfig
 from surgery.cli.steps.finetune import FinetuneConfig
+from surgery.cli.steps.kv_cache import KvCacheConfig
 from surgery.cli.steps.prune import PruneConfig
 from surgery.cli.steps.quantize import QuantizeConfig
+from surgery.cli.steps.rotate import RotateConfig
 from surgery.cli.steps.sensitivity import SensitivityConfig
 from surgery.cli.steps.shrink import ShrinkConfig
 from surgery.cli.steps.smooth import SmoothConfig
@@ -347,6 +349,8 @@ class RunConfig:
     rewrite: RewriteSpec | None = None
     smooth: SmoothConfig | None = None
     awq: AwqConfig | None = None  # AWQ scales (and clipping) before a quantize step
+    rotate: RotateConfig | None = None  # Hadamard rotations of a Llama's residual stream, before quantize
+    kv_cache: KvCacheConfig | None = None  # the keys and values attention caches, quantized
     finetune: FinetuneConfig | None = None
     shrink: ShrinkConfig | None = None
     sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and plan (recipe=sensitivity)
@@ -423,7 +427,18 @@ class RunConfig:
                 )
 
 
-BUILT_IN_STEPS = ("prune", "quantize", "rewrite", "smooth", "awq", "finetune", "shrink", "sensitivity")
+BUILT_IN_STEPS = (
+    "prune",
+    "quantize",
+    "rewrite",
+    "smooth",
+    "awq",
+    "rotate",
+    "kv_cache",
+    "finetune",
+    "shrink",
+    "sensitivity",
+)
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)

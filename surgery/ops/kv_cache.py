@@ -62,8 +62,11 @@ def quantize_kv_cache(
             "as GPT-2's c_attn, holds keys and values in one output); quantize that layer's output "
             "with quantize(activations=..., select=...) instead",
         )
-    selected = list(layers)
-    return quantize(model, weights=None, activations=spec, select=selected, calibration=calibration, progress=progress)
+    handle = quantize(
+        model, weights=None, activations=spec, select=list(layers), calibration=calibration, progress=progress
+    )
+    handle.kind = "kv_cache"
+    return handle
 
 
 def kv_cache_bytes(model: nn.Module, spec: QuantSpec | None = None) -> int:

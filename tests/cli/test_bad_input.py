@@ -1044,6 +1044,10 @@ CLI_CASES = [
     CliCase("method", (*QUANTIZE, "quantize.where=middle"), "quantize.where"),
     CliCase("observer", (*QUANTIZE, "quantize.activations.observer=median"), "quantize.activations.observer"),
     CliCase("dynamic-activations", (*QUANTIZE, "quantize.activations.dynamic=row"), "quantize.activations.dynamic"),
+    CliCase("rotate", (*FAST, "steps=[rotate]", "+rotate={online: true}"), "rotate.online"),
+    CliCase("rotate", (*FAST, "steps=[rotate]", "+rotate={}"), "rotate"),
+    CliCase("kv-cache", (*FAST, "steps=[kv_cache]", "+kv_cache={}"), "kv_cache"),
+    CliCase("kv-cache", (*FAST, "steps=[kv_cache]", "+kv_cache={dynamic: token}"), "kv_cache.per_channel"),
     CliCase(
         "rewrite-name", (*REWRITE, "rewrite.name=melt", "~rewrite.kwargs.mean", "~rewrite.kwargs.std"), "rewrite.name"
     ),

@@ -1,0 +1,70 @@
+"""The ``kv_cache`` step: :func:`surgery.quantize_kv_cache` with a recipe's ``kv_cache:``
+settings (the fields of :class:`~surgery.QuantSpec`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.core.handles import Handle
+from surgery.ops.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
+from surgery.ops.observers import QuantSpec
+from surgery.ops.quantization import quantize
+
+
+@dataclass(frozen=True)
+class KvCacheConfig(QuantSpec):
+    """``kv_cache:``: how keys and values are rounded (int8, symmetric, per channel by default;
+    ``format: fp8_e4m3``), and the calibration batches their scales come from."""
+
+    symmetric: bool = True
+    per_channel: bool = True
+    calibration_batches: int = 4
+
+    def __post_init__(self) -> None:
+        self.validate("kv_cache")  # errors name kv_cache.<key>
+        super().__post_init__()
+        positive_int("kv_cache.calibration_batches", self.calibration_batches)
+
+    @property
+    def spec(self) -> QuantSpec:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(QuantSpec)}
+        return QuantSpec.build(fields, "kv_cache")
+
+
+class KvCacheStep(Step):
+    """The keys and values attention caches, fake-quantized where ``k_proj``/``v_proj`` write
+    them; re-attached from the saved parameters after baking, as activation quantization is."""
+
+    name, settings = "kv_cache", KvCacheConfig
+
+    def apply(self, model: nn.Module, settings: KvCacheConfig, run: StepRun) -> Handle:
+        return quantize_kv_cache(model, settings.spec, calibration=run.calibration)
+
+    def calibration(self, settings: KvCacheConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="kv_cache")
+
+    def preview(self, model: nn.Module, settings: KvCacheConfig) -> list[Row]:
+        return [
+            ("kv_cache", "matched", name, type(layer).__name__, "its outputs are cached")
+            for name, layer in kv_projections(model).items()
+        ]
+
+    def report(self, handle: Handle, settings: KvCacheConfig, run: StepRun, report: dict[str, Any]) -> None:
+        model = handle.model
+        report["kv_cache"] = {
+            "bytes_per_token": {"before": kv_cache_bytes(model), "after": kv_cache_bytes(model, settings.spec)},
+            "layers": len(kv_projections(model)),
+        }
+
+    def reattach(self, model: nn.Module, settings: KvCacheConfig, qparams: dict[str, Tensor] | Any) -> Handle | None:
+        layers = list(kv_projections(model))
+        return quantize(model, weights=None, activations=settings.spec, select=layers, qparams=qparams, progress=False)
+
+
+register_step(KvCacheStep())

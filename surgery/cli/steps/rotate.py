@@ -1,0 +1,57 @@
+"""The ``rotate`` step: :func:`surgery.rotate` (QuaRot-style Hadamard rotations of a Llama's
+residual stream) with a recipe's ``rotate:`` settings, before ``quantize``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.ops.rotation import rotate
+
+
+@dataclass(frozen=True)
+class RotateConfig:
+    """``rotate:``: the random signs' ``seed``, ``online`` (refused here: see below) and the
+    calibration batches the first of which traces the stream's readers and checks the outputs."""
+
+    seed: int = 0
+    online: bool = False
+    calibration_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigTypeError("rotate.seed", self.seed, "must be an integer")
+        if self.online is not False:
+            raise ConfigError(
+                "rotate.online",
+                self.online,
+                "rotates down_proj's inputs with a hook that no checkpoint holds, and a run bakes its "
+                "model; rotate with online=false here, or call surgery.rotate(online=True) from Python",
+            )
+        positive_int("rotate.calibration_batches", self.calibration_batches)
+
+
+class RotateStep(Step):
+    """The residual stream rotated by a random Hadamard matrix, fused into the weights: the
+    same function (to float rounding), with fewer outliers for a later ``quantize`` step."""
+
+    name, settings = "rotate", RotateConfig
+
+    def apply(self, model: nn.Module, settings: RotateConfig, run: StepRun) -> Handle:
+        return rotate(model, calibration=run.calibration, seed=settings.seed, online=False)
+
+    def calibration(self, settings: RotateConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="rotate")
+
+    def preview(self, model: nn.Module, settings: RotateConfig) -> list[Row]:
+        return [
+            ("rotate", "matched", "(stream)", type(model).__name__, "readers and writers found by a traced forward")
+        ]
+
+
+register_step(RotateStep())
