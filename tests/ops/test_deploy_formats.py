@@ -4,6 +4,7 @@ compressed-tensors, ONNX Runtime, torchao) and compared with the model under sur
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -95,12 +96,36 @@ def test_fp8_compressed_tensors_folders_hold_float8_weights_with_logits_equal_to
     assert weight.dtype == torch.float8_e4m3fn and ("model.layers.0.mlp.up_proj.input_scale" in names) == inputs
 
 
+@pytest.mark.parametrize("fmt, layout", [("mxfp4", "mxfp4-pack-quantized"), ("nvfp4", "nvfp4-pack-quantized")])
+def test_fp4_compressed_tensors_folders_pack_two_weights_a_byte_and_load_with_our_weights(tmp_path, fmt, layout):
+    model = tiny_llama().to(torch.bfloat16)  # compressed-tensors unpacks FP4 to bfloat16
+    ids = torch.randint(0, 128, (2, 16))
+    with surgery.quantize(model, weights=surgery.QuantSpec(format=fmt), select="**.*_proj") as handle:
+        ours = model.model.layers[0].mlp.up_proj.weight.detach().clone()
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    # the runtime's weights are ours; its logits differ in bfloat16 rounding elsewhere (measured cosine 0.999995)
+    assert record.parity.expected == "cosine>=0.9999" and record.parity.holds, record.parity
+    loaded = record.load()
+    assert not hasattr(loaded.model.layers[0].mlp.up_proj, "weight")  # held packed until its first forward
+    loaded(ids)
+    assert torch.equal(loaded.model.layers[0].mlp.up_proj.weight, ours)
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["quantization_config"]["format"] == layout
+    with safe_open(str(tmp_path / "llama" / "model.safetensors"), "pt") as file:
+        packed = file.get_tensor("model.layers.0.mlp.up_proj.weight_packed")
+        scale = file.get_tensor("model.layers.0.mlp.up_proj.weight_scale")
+    assert packed.dtype == torch.uint8 and packed.shape == (ours.shape[0], ours.shape[1] // 2)
+    assert scale.dtype == (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
+
+
 def test_float_formats_compressed_tensors_does_not_hold_are_one_line(tmp_path):
     model = tiny_llama()
     with surgery.quantize(model, weights=surgery.QuantSpec(format="fp8_e5m2"), select="**.*_proj") as handle:
         with pytest.raises(
             ConfigError, match=r"quantize.weights.format='fp8_e5m2': surgery writes these floating-point weights"
         ):
+            surgery.export(handle, tmp_path / "llama", format="compressed-tensors")
+    with surgery.quantize(model, weights=surgery.QuantSpec(format="nvfp4"), select="**.*_proj") as handle:
+        with pytest.raises(ConfigError, match=r"^quantize.weights.format='nvfp4': .* is torch.float32; compressed"):
             surgery.export(handle, tmp_path / "llama", format="compressed-tensors")
     assert not (tmp_path / "llama").exists()
 

@@ -18,12 +18,20 @@ from surgery.core.targets import is_hf_conv1d
 from surgery.ops.deployment import ActivationGrid, DeployPlan, WeightGrid
 from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
+from surgery.ops.number_formats import E4M3_LARGEST
 from surgery.ops.observers import QuantSpec
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
-_FLOAT_FORMATS = {"fp8_e4m3": "float-quantized"}  # surgery's floating-point grid -> compressed-tensors' format
+_FLOAT_FORMATS = {  # surgery's floating-point grid -> compressed-tensors' format
+    "fp8_e4m3": "float-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+}
 ACTIVATIONS = ("static", "dynamic", "none")  # input scales: surgery's calibrated ones, per token at run time, none
+
+
+_FP4_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
 
 
 def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
@@ -79,6 +87,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     inputs = scheme.input_activations
     simulated = inputs is not None and inputs.dynamic and plan.activation_mode == "dynamic"
     exact = inputs is None or simulated or (inputs.type == "float" and not inputs.dynamic)
+    exact = exact and scheme.format not in _FP4_FORMATS  # FP4 weights load in bfloat16, scales ÷ a global one
     return {"exact": exact and not left_out, "left_out": left_out}
 
 
@@ -140,7 +149,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     _add_quantization_config(path, ct, scheme, model, layers)
     if options.get("tokenizer") is not None:
         _save_tokenizer(options["tokenizer"], path)
-    return {"exact": True, "left_out": []}
+    return {"exact": scheme_format not in _FP4_FORMATS, "left_out": []}
 
 
 def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[str]]:
@@ -235,6 +244,14 @@ def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[Quant
         )
     spec = next(iter(specs.values()))
     for layer in layers:
+        dtype = model.get_submodule(layer).weight.dtype
+        if spec.format in ("mxfp4", "nvfp4") and dtype != torch.bfloat16:
+            raise ConfigError(
+                "quantize.weights.format",
+                spec.format,
+                f"{layer} is {dtype}; compressed-tensors unpacks FP4 weights to bfloat16, which a {dtype} "
+                "model cannot multiply: export a bfloat16 model (model.to(torch.bfloat16) before quantizing)",
+            )
         columns = model.get_submodule(layer).weight.shape[1]
         if spec.group_size and columns % spec.group_size:
             raise ConfigError(
@@ -252,8 +269,20 @@ def _weight_args(spec: QuantSpec, arguments: type) -> Any:
             raise ConfigError(
                 "quantize.weights.format",
                 spec.format,
-                f"surgery writes these floating-point weights to compressed-tensors: {', '.join(_FLOAT_FORMATS)} "
-                "(its nvfp4 and mxfp4 layouts are not written yet)",
+                f"surgery writes these floating-point weights to compressed-tensors: {', '.join(_FLOAT_FORMATS)}",
+            )
+        if spec.format == "mxfp4":  # E2M1 in blocks of 32, E8M0 scales stored as their exponents
+            return arguments(
+                num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8
+            )
+        if spec.format == "nvfp4":  # E2M1 in blocks of 16, FP8 scales under one global scale
+            return arguments(
+                num_bits=4,
+                type="float",
+                symmetric=True,
+                strategy="tensor_group",
+                group_size=16,
+                scale_dtype=torch.float8_e4m3fn,
             )
         return arguments(num_bits=8, type="float", symmetric=True, strategy=strategy, group_size=spec.group_size)
     return arguments(
@@ -329,11 +358,33 @@ def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict
     if conv1d:  # symmetric and per channel or tensor only (_scheme refuses the rest)
         exact, scale = exact.t(), scale.t().contiguous() if scale.dim() == 2 else scale
     local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
+    if grid.spec.format == "nvfp4":
+        local.update(_nvfp4_scales(grid))
     if not grid.spec.symmetric and not grid.spec.is_float:  # compressed-tensors' integers are signed: shift ours
         offset = 1 << (grid.spec.bits - 1)
         zero_point = grid.zero_point.reshape(scale.shape) - offset
         local["weight_zero_point"] = zero_point.to(torch.int8)
     return local
+
+
+def _nvfp4_scales(grid: WeightGrid) -> dict[str, Tensor]:
+    """Our NVFP4 scales (FP8 block scales times one per-tensor scale, multiplied out) as
+    compressed-tensors stores them: the FP8 block scales and the reciprocal of the per-tensor
+    scale (``weight_global_scale``). The largest block scale is the FP8 maximum (448), which
+    gives the per-tensor scale back to float32 rounding (so the runtime's weights, block scale
+    ÷ global scale, are ours to an ulp of the scale); refused if it does not give every block
+    scale back."""
+    scale = grid.scale.float()
+    outer = scale.max() / E4M3_LARGEST
+    inner = (scale / outer).to(torch.float8_e4m3fn)
+    if not torch.allclose(inner.float() * outer, scale, rtol=1e-6, atol=0):
+        raise ConfigError(
+            "quantize.weights.format",
+            "nvfp4",
+            f"{grid.key}'s block scales do not share one per-tensor scale (scales loaded or set by hand?); "
+            "quantize it again with format nvfp4",
+        )
+    return {"weight_scale": inner.float(), "weight_global_scale": (1.0 / outer).reshape(1)}
 
 
 def _compressor(ct: Any, name: str) -> Any:
