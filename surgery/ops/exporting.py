@@ -242,7 +242,22 @@ def export(
     record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact))
     if calls and chosen.runnable:
         record = replace_field(record, parity=parity(record, model, calls))
+        _warn_unless_held(record)
     return record
+
+
+def _warn_unless_held(record: ExportRecord) -> None:
+    """A loaded artifact that does not compute what the simulation computes is said out loud."""
+    found = record.parity
+    if found is not None and not found.holds:
+        log.warning(
+            "export: the loaded %s computes something else than the model under surgery (max abs %.3g, "
+            "cosine %.6f, expected %s); record.parity has the figures",
+            record.format,
+            found.max_abs,
+            found.cosine,
+            found.expected,
+        )
 
 
 def _export_streamed(
@@ -269,6 +284,7 @@ def _export_streamed(
     )
     if calls and chosen.runnable:
         record = replace_field(record, parity=parity(record, handle.model, calls))
+        _warn_unless_held(record)
     return record
 
 

@@ -24,7 +24,8 @@ refused in one line naming the layer, and nothing changes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -33,8 +34,10 @@ from surgery.core import guards
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
-from surgery.core.sequential import find_blocks
+from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.ops.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offloading import Offloaded
 from surgery.ops.smoothing import Rescaled, find_pairs
 
 
@@ -55,6 +58,11 @@ class RotateHandle(Handle):
         self.writers: list[str] = []
         self.embeddings: list[str] = []
         self.online: list[str] = []
+
+    def outside_weights(self) -> list[str]:
+        if not self.online or self.state != "attached":
+            return []
+        return [f"the online Hadamard before {len(self.online)} layer(s) (e.g. {self.online[0]}), a hook"]
 
     def bake(self) -> nn.Module | None:
         if self.online and self.state == "attached":
@@ -79,18 +87,19 @@ def hadamard(n: int, seed: int = 0) -> Tensor:
     return h * signs.to(h.dtype)
 
 
-def rotate(model: nn.Module, *, calibration: Inputs, seed: int = 0, online: bool = True) -> RotateHandle:
-    """Rotate the residual stream of ``model`` (see the module docstring); return a handle whose
-    ``restore()`` gives back every original value and removes the hooks.
+class _Plan(NamedTuple):
+    """What a rotation changes: the stream's ``width``, norm → readers ``pairs``, each reader's
+    norm, the ``writers``, the ``embeddings``, and the first batch (traced and checked)."""
 
-    Args:
-        model: a residual-stream model with RMSNorm (Llama, Mistral, Qwen2 built by transformers).
-        calibration: batches; the first traces which layers read the stream and checks the
-            rotated model's outputs.
-        seed: of the random signs.
-        online: also rotate the inputs of layers writing to the stream from another width
-            (``down_proj``) with a hook; such a handle cannot be baked.
-    """
+    width: int
+    pairs: dict[str, list[str]]
+    readers: dict[str, str]
+    writers: list[str]
+    embeddings: list[str]
+    first: Any
+
+
+def _plan(model: nn.Module, calibration: Inputs, online: Any) -> _Plan:
     if not isinstance(online, bool):
         raise ConfigError("rotate.online", online, "must be true or false")
     first = next(iter(batches(calibration, "rotate.calibration")), None)
@@ -110,10 +119,43 @@ def rotate(model: nn.Module, *, calibration: Inputs, seed: int = 0, online: bool
         and any(name.startswith(b + ".") for b in blocks)
     ]  # fmt: skip
     _check_untied(model, readers, embeddings)
+    return _Plan(width, pairs, readers, writers, embeddings, first)
+
+
+def rotate(
+    model: nn.Module | Offloaded,
+    *,
+    calibration: Inputs,
+    seed: int = 0,
+    online: bool = True,
+    work: str | Path | None = None,
+    progress: bool = True,
+) -> RotateHandle | OffloadedCompression:
+    """Rotate the residual stream of ``model`` (see the module docstring); return a handle whose
+    ``restore()`` gives back every original value and removes the hooks.
+
+    Args:
+        model: a residual-stream model with RMSNorm (Llama, Mistral, Qwen2 built by transformers);
+            or an offloaded model's handle (:func:`surgery.offloaded`), rotated stage by stage
+            into ``work`` (with ``online=False``: no file holds the online hook).
+        calibration: batches; the first traces which layers read the stream and checks the
+            rotated model's outputs.
+        seed: of the random signs.
+        online: also rotate the inputs of layers writing to the stream from another width
+            (``down_proj``) with a hook; such a handle cannot be baked.
+        work, progress: for an offloaded model, the folder its rotated stages are written to
+            (default a temporary one) and the progress bar.
+    """
+    if isinstance(model, Offloaded):
+        return _rotate_offloaded(model, calibration, seed, online, work, progress)
+    plan = _plan(model, calibration, online)
+    named = dict(model.named_modules())
+    pairs, readers, writers, embeddings, first = plan.pairs, plan.readers, plan.writers, plan.embeddings, plan.first
+    width = plan.width
     handle = RotateHandle(model)
     handle.width, handle.embeddings, handle.readers, handle.writers = width, embeddings, sorted(readers), writers
     q = hadamard(width, seed)
-    values = _rotated_values(named, pairs, readers, writers, embeddings, q)
+    values = _rotated_values(named, pairs, readers, writers, embeddings, q, _gains(named))
     inner = {name: hadamard(named[name].in_features, seed + 1) for name in writers if named[name].in_features != width}
     if online:
         for name, h in inner.items():
@@ -132,6 +174,62 @@ def rotate(model: nn.Module, *, calibration: Inputs, seed: int = 0, online: bool
         handle.rollback(err)
         raise
     return handle
+
+
+def _rotate_offloaded(
+    source: Offloaded, calibration: Inputs, seed: int, online: Any, work: Any, progress: bool
+) -> OffloadedCompression:
+    """Each stage's weights rotated from the source files and written to ``work``; a reader
+    whose norm is in another stage (the head) takes that norm's gain from the source files."""
+    if online is True:
+        raise ConfigError(
+            "rotate.online",
+            True,
+            "an offloaded model is rotated into its files, and no file holds the online Hadamard "
+            "before down_proj; rotate it with online=False",
+        )
+    model = source.model
+    calls = materialise(calibration, "rotate.calibration")
+    with evaluating(model), torch.no_grad():
+        plan = _plan(model, calls, online)
+        reference = _outputs(model, plan.first)
+    named = dict(model.named_modules())
+    changed = {*plan.embeddings, *plan.pairs, *plan.readers, *plan.writers}
+    layers = {name: module for name, module in named.items() if name in changed}
+    q = hadamard(plan.width, seed)
+
+    def original_gain(norm: str) -> Tensor:
+        with source.reading_source(), source.resident(named[norm]) as weights:
+            return weights[f"{norm}.weight"].detach().clone()
+
+    def run(skeleton: nn.Module, staged: list[str], block: str | None, calls: Any) -> RotateHandle:
+        here = dict(skeleton.named_modules())
+        inside = {name for name in staged}
+        pairs = {norm: layers for norm, layers in plan.pairs.items() if norm in inside}
+        readers = {layer: norm for layer, norm in plan.readers.items() if layer in inside}
+        writers = [name for name in plan.writers if name in inside]
+        embeddings = [name for name in plan.embeddings if name in inside]
+        local = _gains(here)
+        values = _rotated_values(
+            here, pairs, readers, writers, embeddings, q, lambda n: local(n) if n in here else original_gain(n)
+        )
+        params = dict(skeleton.named_parameters())
+        handle = RotateHandle(skeleton)
+        attach_all(handle, skeleton, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
+        return handle
+
+    verb = OffloadedVerb("rotate", run, f"seed={seed}", sequential=False)
+    handle = compress_offloaded(source, verb, layers, None, blocks=find_blocks(model), work=work, progress=progress)
+    try:
+        _check_same_function(model, plan.first, reference)
+    except BaseException as err:
+        handle.rollback(err)
+        raise
+    return handle
+
+
+def _gains(named: dict[str, nn.Module]) -> Callable[[str], Tensor]:
+    return lambda norm: guards.current_value(named[norm].weight).detach()
 
 
 def _stream(model: nn.Module, named: dict[str, nn.Module]) -> tuple[int, list[str]]:
@@ -181,8 +279,10 @@ def _rotated_values(
     writers: list[str],
     embeddings: list[str],
     q: Tensor,
+    gain: Callable[[str], Tensor],
 ) -> dict[str, Tensor]:
-    """Every changed parameter's new value (float64 products, cast back)."""
+    """Every changed parameter's new value (float64 products, cast back); ``gain(norm)`` is a
+    norm's weight as it was."""
     values: dict[str, Tensor] = {}
     q64 = q.double()
 
@@ -196,9 +296,8 @@ def _rotated_values(
         weight = guards.current_value(named[norm].weight).detach()
         put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
     for layer, norm in readers.items():
-        gain = guards.current_value(named[norm].weight).detach().double()
         weight = guards.current_value(named[layer].weight).detach()
-        put(f"{layer}.weight", (weight.double() * gain) @ q64, weight)
+        put(f"{layer}.weight", (weight.double() * gain(norm).double()) @ q64, weight)
     for layer in writers:
         module = named[layer]
         weight = guards.current_value(module.weight).detach()

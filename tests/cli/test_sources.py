@@ -252,3 +252,23 @@ def test_an_offloaded_llama_folder_is_quantized_block_by_block_and_streamed_as_t
     expected, streamed = tensors(tmp_path / "memory" / "export"), tensors(tmp_path / "off" / "export")
     assert expected.keys() == streamed.keys() and all(torch.equal(expected[k], streamed[k]) for k in expected)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # the source never changes
+
+
+def test_an_offloaded_llama_rotated_then_quantized_streams_the_same_tensors_as_in_memory(tmp_path):
+    from safetensors.torch import load_file
+    from support import tiny_llama  # tests/support.py
+
+    folder = tmp_path / "llama"
+    tiny_llama(layers=2).save_pretrained(folder)
+    common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "export.format=compressed-tensors")
+    common += ("quantize.weights.group_size=32", "quantize.weights.method=rtn", "steps=[rotate,quantize]", "+rotate={}")
+    memory = surgery(*common, "~model.config", f"hydra.run.dir={tmp_path / 'memory'}")
+    offloaded = surgery(*common, "model.offload=true", f"hydra.run.dir={tmp_path / 'off'}")
+    assert memory.returncode == 0 and offloaded.returncode == 0, offloaded.stderr[-2000:]
+    assert "rotate: 2 blocks" in offloaded.stdout
+
+    def tensors(export: Path) -> dict:
+        return {k: v for shard in sorted(export.glob("*.safetensors")) for k, v in load_file(shard).items()}
+
+    expected, streamed = tensors(tmp_path / "memory" / "export"), tensors(tmp_path / "off" / "export")
+    assert expected.keys() == streamed.keys() and all(torch.equal(expected[k], streamed[k]) for k in expected)

@@ -118,3 +118,37 @@ def test_a_bfloat16_llama_rotates_within_its_own_rounding():
     assert ((logits(model).float() - before).abs().max() / before.abs().max()) < 0.03
     handle.restore()
     assert torch.equal(logits(model).float(), before)
+
+
+def test_an_offloaded_llama_rotates_stage_by_stage_to_the_same_bits_as_in_memory(tmp_path):
+    model = tiny_llama(layers=2)
+    model.save_pretrained(tmp_path / "model")
+    before = logits(model)
+    surgery.rotate(model, calibration=batches()[:1], online=False)  # the head's norm gain crosses stages
+    source = surgery.offloaded(tmp_path / "model")
+    rotated = surgery.rotate(source, calibration=batches()[:1], online=False, progress=False)
+    assert rotated.blocks == 2
+    assert torch.equal(logits(source.model), logits(model))
+    spec = surgery.QuantSpec(bits=4, group_size=32, symmetric=True)
+    quantized = surgery.quantize(source, weights=spec, exclude="lm_head", progress=False)
+    surgery.export(quantized, tmp_path / "w4", format="compressed-tensors")
+    in_memory = surgery.quantize(model, weights=spec, exclude="lm_head", progress=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w4", local_files_only=True).eval()
+    assert torch.equal(logits(loaded), logits(model))  # rotated, quantized, streamed, loaded: the same bits
+    in_memory.restore()
+    quantized.restore()
+    rotated.restore()
+    assert torch.equal(logits(source.model), before)  # the source files never changed
+    with pytest.raises(ConfigError, match=r"^rotate.online=True: an offloaded model is rotated into its files"):
+        surgery.rotate(source, calibration=batches()[:1])
+
+
+def test_an_export_of_an_online_rotation_is_refused_naming_the_hook(tmp_path):
+    model = tiny_llama(layers=2)
+    rotated = surgery.rotate(model, calibration=batches()[:1])
+    quantized = surgery.quantize(model, weights=surgery.QuantSpec(bits=4, group_size=32, symmetric=True))
+    both = surgery.compose(rotated, quantized)
+    with pytest.raises(ConfigError, match=r"^export.handle='the online Hadamard before 2 layer\(s\) \(e.g. model"):
+        surgery.export(both, tmp_path / "w4", format="compressed-tensors")
+    assert not (tmp_path / "w4").exists()
+    both.restore()

@@ -4,6 +4,7 @@ residual stream) with a recipe's ``rotate:`` settings, before ``quantize``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
@@ -11,6 +12,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.ops.offloading import Offloaded
 from surgery.ops.rotation import rotate
 
 
@@ -40,10 +42,13 @@ class RotateStep(Step):
     """The residual stream rotated by a random Hadamard matrix, fused into the weights: the
     same function (to float rounding), with fewer outliers for a later ``quantize`` step."""
 
-    name, settings = "rotate", RotateConfig
+    name, settings, offloadable = "rotate", RotateConfig, True
 
     def apply(self, model: nn.Module, settings: RotateConfig, run: StepRun) -> Handle:
         return rotate(model, calibration=run.calibration, seed=settings.seed, online=False)
+
+    def apply_offloaded(self, source: Offloaded, settings: RotateConfig, run: StepRun, work: Path | None) -> Handle:
+        return rotate(source, calibration=run.calibration, seed=settings.seed, online=False, work=work)
 
     def calibration(self, settings: RotateConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="rotate")
