@@ -924,6 +924,13 @@ def _attach_activations(
     handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str, learning: bool = False
 ) -> None:
     for name, module in targets.items():
+        if spec.dynamic == "token" and isinstance(module, nn.modules.conv._ConvNd):
+            raise ConfigError(
+                "quantize.activations.dynamic",
+                "token",
+                f"{name} is a {type(module).__name__}, whose last dimension is space, not channels: tokens are "
+                "rows of a Linear's features; use dynamic='tensor' or select the Linear layers",
+            )
         axis = (
             None
             if not spec.per_channel
