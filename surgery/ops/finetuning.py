@@ -9,6 +9,7 @@ the trained values. An interrupted or failing run puts the values back itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -20,10 +21,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, evaluating
 from surgery.core.registry import Registry
+from surgery.ops.distillation import Distillation, DistillSpec, distill_spec
 from surgery.ops.qat import return_loans
 from surgery.ops.quantization import learned_ranges
 
@@ -69,6 +71,8 @@ class FinetuneHandle(Handle):
     def __init__(self, model: nn.Module) -> None:
         super().__init__("finetune", model)
         self.curve: list[Point] = []
+        self.projections = nn.ModuleDict()  # distillation's learned width projections (never in the model)
+        self.distilled: list[str] = []  # the feature layers distilled
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,12 @@ class FinetuneSpec:
     weight_decay: float = 0.0
     eval_every: int | None = None
     seed: int = 0
+    distill: DistillSpec | None = None  # learn from a teacher (finetune's teacher=) as well as the task
+    max_steps: int | None = None  # stop after this many optimizer steps (None: every batch of every epoch)
 
     def __post_init__(self) -> None:
+        if self.distill is not None:
+            object.__setattr__(self, "distill", distill_spec(self.distill))
         epochs, lr, weight_decay, eval_every = self.epochs, self.lr, self.weight_decay, self.eval_every
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
@@ -94,6 +102,9 @@ class FinetuneSpec:
             isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1
         ):
             raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
+        steps = self.max_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ConfigError("finetune.max_steps", steps, "must be null or an integer >= 1")
         if not callable(self.optimizer):
             OPTIMIZERS.get(self.optimizer)
 
@@ -115,6 +126,9 @@ def finetune(
     evaluate: Callable[[nn.Module], float] | None = None,
     eval_every: int | None = None,
     seed: int = 0,
+    teacher: nn.Module | None = None,
+    distill: DistillSpec | dict | None = None,
+    max_steps: int | None = None,
     progress: bool = True,
 ) -> FinetuneHandle:
     """Train ``model`` on ``(inputs, target)`` batches with whatever surgery is attached to it.
@@ -132,6 +146,13 @@ def finetune(
         loss: ``loss(output, target) -> scalar`` (default cross-entropy on the logits).
         evaluate: ``evaluate(model) -> float`` (accuracy, say), recorded in :attr:`FinetuneHandle.curve`
             before the first step, every ``eval_every`` steps (default: each epoch) and at the end.
+        teacher: the uncompressed model to distil from (see :mod:`surgery.ops.distillation`):
+            only read, in eval mode, without gradients.
+        max_steps: stop after this many optimizer steps (default: every batch of every epoch).
+        distill: a :class:`DistillSpec` (or a dict of its fields): the logits' temperature and
+            weight against the task loss, the feature layers and their weight, and what to do
+            where ``shrink`` made a layer narrower. Default with a teacher: logits only,
+            temperature 2, weight 0.5.
         progress: a progress bar over steps (on a terminal).
 
     Example:
@@ -140,11 +161,16 @@ def finetune(
         >>> tuned.curve[0].score, tuned.curve[-1].score   # after pruning, after fine-tuning
     """
     if spec is None:
-        spec = FinetuneSpec(epochs, lr, optimizer, weight_decay, eval_every, seed)
+        spec = FinetuneSpec(epochs, lr, optimizer, weight_decay, eval_every, seed, distill, max_steps)
     elif not isinstance(spec, FinetuneSpec):
         raise ConfigTypeError("finetune.spec", spec, "must be a FinetuneSpec (or pass the settings as keywords)")
     epochs, lr, weight_decay, eval_every, seed = spec.epochs, spec.lr, spec.weight_decay, spec.eval_every, spec.seed
     _validate(batches)
+    if spec.distill is not None and teacher is None:
+        raise ConfigError(
+            "finetune.teacher", NO_VALUE, "distillation learns from the uncompressed model: pass teacher="
+        )
+    distillation = None if teacher is None else Distillation(model, teacher, spec.distill or DistillSpec())
     make_optimizer = spec.make_optimizer
     handle = FinetuneHandle(model)
     saved = {name: t.detach().clone() for name, t in _state(model).items()}
@@ -157,18 +183,24 @@ def finetune(
     flags = [(m, m.training) for m in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]
     try:
-        _train(
-            model,
-            handle,
-            batches,
-            epochs,
-            make_optimizer(list(p for p in model.parameters() if p.requires_grad), lr, weight_decay),
-            loss,
-            evaluate,
-            eval_every or len(batches),
-            seed,
-            progress,
-        )
+        with distillation or contextlib.nullcontext():
+            extra = [] if distillation is None else distillation.prepare(as_call(batches[0][0], "finetune.batches", 0))
+            if distillation is not None:
+                handle.projections, handle.distilled = distillation.projections, distillation.layers
+            objective = loss if distillation is None else _distilling(loss, distillation)
+            _train(
+                model,
+                handle,
+                batches,
+                epochs,
+                make_optimizer([*(p for p in model.parameters() if p.requires_grad), *extra], lr, weight_decay),
+                objective,
+                evaluate,
+                eval_every or len(batches),
+                seed,
+                progress,
+                spec.max_steps,
+            )
         _check_finite(model, batches[0], loss, lr)
     except BaseException as err:  # interrupted or failed: the model as it was before training
         return_loans(model)  # a forward cut short may have left a quantized weight in its slot
@@ -182,6 +214,16 @@ def finetune(
     return handle
 
 
+def _distilling(loss: Callable, distillation: Distillation) -> Callable:
+    """``loss(output, target, call)``: the task loss mixed with the distillation's."""
+
+    def objective(output: Any, target: Any, call: Any) -> Tensor:
+        return distillation.loss(output, target, call, loss(output, target))
+
+    objective.takes_call = True  # type: ignore[attr-defined]
+    return objective
+
+
 def _train(
     model: nn.Module,
     handle: FinetuneHandle,
@@ -193,8 +235,9 @@ def _train(
     eval_every: int,
     seed: int,
     progress: bool,
+    max_steps: int | None = None,
 ) -> None:
-    total = epochs * len(batches)
+    total = epochs * len(batches) if max_steps is None else min(epochs * len(batches), max_steps)
     generator = torch.Generator().manual_seed(seed)
     losses: list[float] = []
 
@@ -211,9 +254,14 @@ def _train(
                 inputs, target = _pair(batches[index], index)
                 model.train()
                 optimizer.zero_grad(set_to_none=True)
-                output = as_call(inputs, "finetune.batches", index)(model)
+                call = as_call(inputs, "finetune.batches", index)
+                output = call(model)
                 try:
-                    value = loss_fn(output, target)
+                    value = (
+                        loss_fn(output, target, call)
+                        if getattr(loss_fn, "takes_call", False)
+                        else loss_fn(output, target)
+                    )
                 except (IndexError, RuntimeError, ValueError) as err:  # targets the loss cannot take
                     first = " ".join(str(err).split())[:160]
                     raise ConfigError(
@@ -238,6 +286,8 @@ def _train(
                 bar.set_postfix(loss=f"{value.item():.4f}")
                 if step % eval_every == 0 or step == total:
                     record(step)
+                if step == total:
+                    return
 
 
 def _pair(batch: Any, index: int) -> tuple[Any, Any]:

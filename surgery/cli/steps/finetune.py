@@ -19,7 +19,8 @@ from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 @dataclass(frozen=True)
 class FinetuneConfig(FinetuneSpec):
     """``finetune:``: the fields of :class:`~surgery.FinetuneSpec` (``seed: null`` takes the
-    run's seed), and the training ``batch_size`` (labelled data only)."""
+    run's seed; ``distill:`` learns from the unmodified model too), and the training
+    ``batch_size`` (labelled data only)."""
 
     epochs: int = 3
     seed: int | None = None
@@ -38,7 +39,8 @@ class FinetuneStep(Step):
     def apply(self, model: nn.Module, settings: FinetuneConfig, run: StepRun) -> Handle:
         batches, evaluate = run.training(settings.batch_size)
         spec = settings if settings.seed is not None else dataclasses.replace(settings, seed=run.config.seed)
-        return finetune(model, batches, spec, evaluate=evaluate, loss=classification_loss)
+        teacher = run.reference if settings.distill is not None else None  # the unmodified model
+        return finetune(model, batches, spec, evaluate=evaluate, loss=classification_loss, teacher=teacher)
 
     def preview(self, model: nn.Module, settings: FinetuneConfig) -> list[Row]:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -52,6 +54,11 @@ class FinetuneStep(Step):
         if not isinstance(handle, FinetuneHandle) or not handle.curve:
             return
         fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        if settings.distill is not None:
+            distill = dataclasses.asdict(settings.distill)
+            distill["layers"] = list(handle.distilled)
+            distill["projections"] = {n.replace("/", "."): list(p.weight.shape) for n, p in handle.projections.items()}
+            fields["distill"] = distill
         report["finetune"] = {**fields, "steps": handle.curve[-1].step, "curve": [vars(p) for p in handle.curve]}
         if "accuracy" in report:  # before fine-tuning = after the surgery steps before it
             report["accuracy"]["before_finetune"] = handle.curve[0].score
