@@ -1,5 +1,13 @@
 """surgery: reversible build-time and run-time surgery on PyTorch models you do not own."""
 
+from surgery.analysis.attribution import (
+    Attribution,
+    AttributionDrift,
+    AttributionSpec,
+    attribution,
+    attribution_drift,
+    register_attribution,
+)
 from surgery.analysis.comparison import Drift, compare
 from surgery.core.activations import activation_budget
 from surgery.core.capture import Capture, capture
@@ -24,6 +32,7 @@ from surgery.ops import (
 )
 from surgery.ops.awq import AwqHandle, AwqSpec, awq
 from surgery.ops.criteria import LayerStats, register_criterion
+from surgery.ops.distillation import DistillSpec
 from surgery.ops.exporting import ExportRecord, export, register_export_format
 from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 from surgery.ops.intercept import (
@@ -99,6 +108,13 @@ __all__ = [
     "attach_transform",
     "capture",
     "compare",
+    "DistillSpec",
+    "attribution",
+    "attribution_drift",
+    "register_attribution",
+    "Attribution",
+    "AttributionDrift",
+    "AttributionSpec",
     "compose",
     "finetune",
     "intercept",

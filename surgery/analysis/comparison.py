@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from surgery.analysis.attribution import AttributionDrift, AttributionSpec, attribution_drift, attribution_spec
 from surgery.analysis.layer_drift import layer_drift
 from surgery.analysis.metrics import NonFinite, StreamingError
 from surgery.core.errors import ConfigError
@@ -32,6 +33,7 @@ class Drift:
     sqnr_db: float | None
     top1_agreement: float | None
     layers: list | None = field(default=None, compare=False)  # LayerDrift rows with per_layer=True
+    attribution: AttributionDrift | None = field(default=None, compare=False)  # with attribution=...
     nonfinite: NonFinite = field(default_factory=NonFinite)
     identical: bool = False
 
@@ -50,7 +52,14 @@ class Drift:
         }
 
 
-def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_layer: bool = False) -> Drift:
+def compare(
+    reference: nn.Module,
+    candidate: nn.Module,
+    inputs: Inputs,
+    *,
+    per_layer: bool = False,
+    attribution: AttributionSpec | dict | None = None,
+) -> Drift:
     """Run both models on the same inputs and measure how far the candidate drifts.
 
     Args:
@@ -62,6 +71,9 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         per_layer: also compare the output of every module whose qualified name exists in
             both models (forward hooks, streaming sums: one batch of activations held at a
             time); the rows are in ``Drift.layers`` (see :func:`surgery.analysis.layer_drift.layer_drift`).
+        attribution: also compare what both models look at (an :class:`AttributionSpec` or a
+            dict of its fields: method, layer, class, top-k fraction): per-input cosine and
+            top-k overlap of their attribution maps in ``Drift.attribution``.
 
     Both models run in eval mode under ``torch.no_grad()``; their training flags are put back
     afterwards, so batch-norm statistics are never updated by a comparison.
@@ -70,8 +82,9 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
         >>> drift = surgery.compare(original, pruned, torch.randn(8, 3, 224, 224))
         >>> drift.cosine > 0.99
     """
-    if per_layer and iter(inputs) is inputs:  # a one-shot iterator: per-layer drift needs a second pass
+    if (per_layer or attribution is not None) and iter(inputs) is inputs:  # a second pass: keep the batches
         inputs = list(inputs)
+    spec = None if attribution is None else attribution_spec(attribution)  # checked before any work
     stats = _Accumulator()
     with evaluating(reference), evaluating(candidate), torch.no_grad():
         for index, batch in enumerate(batches(inputs, "compare.inputs")):
@@ -90,6 +103,8 @@ def compare(reference: nn.Module, candidate: nn.Module, inputs: Inputs, *, per_l
     result = stats.result()
     if per_layer:
         result = dataclasses.replace(result, layers=layer_drift(reference, candidate, inputs))
+    if spec is not None:
+        result = dataclasses.replace(result, attribution=attribution_drift(reference, candidate, inputs, spec))
     return result
 
 

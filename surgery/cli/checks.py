@@ -182,6 +182,12 @@ def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float
         failures.append(f"top-1 agreement {top1:.3f} < {bounds.min_top1_agreement}")
     if bounds.max_abs is not None and not drift.max_abs <= bounds.max_abs:
         failures.append(f"max abs {drift.max_abs:.4g} > {bounds.max_abs}")
+    explained = drift.attribution
+    bound = bounds.min_attribution_cosine
+    if bound is not None and explained is not None and not explained.mean_cosine >= bound:  # NaN fails
+        failures.append(
+            f"attribution cosine {explained.mean_cosine:.4f} < {bound} ({explained.method} at {explained.layer})"
+        )
     return CheckResult("drift", not failures, drift.cosine, bounds.min_cosine, "; ".join(failures))
 
 

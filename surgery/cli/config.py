@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from surgery.analysis.attribution import AttributionSpec
 from surgery.cli.fields import one_of, positive_int
 from surgery.cli.steps import STEPS, step_named
 from surgery.cli.steps.awq import AwqConfig
@@ -187,7 +188,20 @@ DRIFT_RANGES = {
     "min_top1_agreement": (0.0, 1.0),
     "max_abs": (0.0, math.inf),
     "max_accuracy_drop": (0.0, 100.0),
+    "min_attribution_cosine": (-1.0, 1.0),
 }
+
+
+@dataclass(frozen=True)
+class AttributionConfig(AttributionSpec):
+    """``attribution:``: the fields of :class:`~surgery.AttributionSpec` (``method``, ``select``,
+    ``target``, ``top_k``) and how many evaluation ``batches`` are explained."""
+
+    batches: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive_int("attribution.batches", self.batches)
 
 
 @dataclass
@@ -199,6 +213,7 @@ class DriftThresholds:
     min_top1_agreement: float | None = None
     max_abs: float | None = None
     max_accuracy_drop: float | None = None  # in points (percent), with labelled data
+    min_attribution_cosine: float | None = None  # mean cosine of the attribution maps (needs attribution:)
 
     def __post_init__(self) -> None:
         for name, (low, high) in DRIFT_RANGES.items():
@@ -357,6 +372,7 @@ class RunConfig:
     step_settings: dict[str, Any] = field(default_factory=dict)  # settings of plugin steps, by step name
     inspect: bool = False
     objective: ObjectiveConfig | None = None  # what a search (hydra/sweeper=optuna) optimises
+    attribution: AttributionConfig | None = None  # what both models look at: maps, drift, attribution.png
     select_only: bool = False  # dry run: print what each step selects and skips; change and write nothing
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -384,6 +400,12 @@ class RunConfig:
                     f"needs labelled training data and data.kind is "
                     f"{self.data.kind!r}; use data=digits, mnist1d, tinylm or imagefolder",
                 )
+        if self.checks.drift.min_attribution_cosine is not None and self.attribution is None:
+            raise ConfigError(
+                "checks.drift.min_attribution_cosine",
+                self.checks.drift.min_attribution_cosine,
+                "bounds the attribution maps' cosine; set attribution: {method, select} (or recipe=explain)",
+            )
         if self.sensitivity is not None and "sensitivity" not in self.steps:
             raise ConfigError("sensitivity", NO_VALUE, "has settings but is not in steps; add it: steps=[sensitivity]")
         if self.objective is not None:
@@ -463,6 +485,7 @@ def load_config(cfg: DictConfig | dict) -> RunConfig:
             RunConfig(
                 steps=["sensitivity"],
                 objective=ObjectiveConfig(maximize="sparsity"),
+                attribution=AttributionConfig() if isinstance(cfg.get("attribution"), dict) else None,
                 **{name: _schema_of(STEPS.get(name).settings, cfg.get(name), name) for name in BUILT_IN_STEPS},
             )
         )

@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from surgery.analysis.attribution import AttributionDrift
 from surgery.cli.checks import CheckResult
 from surgery.core.checkpoints import write_atomically
 
@@ -634,3 +636,63 @@ def summary_table(report: dict[str, Any]) -> str:
     lines += offloaded_lines(report)
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)
+
+
+def plot_attribution(found: AttributionDrift, path: Path) -> None:
+    """The overlay grid: per input, the input, the reference's map, the modified model's map
+    and their difference (images); for token maps, heat strips of the three per input."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    reference, candidate = found.reference_maps.float(), found.candidate_maps.float()
+    rows = reference.shape[0]
+    spatial = reference.dim() == 3
+    columns = 4 if spatial else 1
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(2.2 * columns + (6 if not spatial else 0), 1.9 * rows), squeeze=False
+    )
+    for row in range(rows):
+        cosine, overlap = found.cosine[row], found.overlap[row]
+        label = f"cos {cosine:.2f}, top-{found.top_k:.0%} overlap {overlap:.2f}"
+        if spatial:
+            _image_row(
+                axes[row], found.inputs[row] if found.inputs is not None else None, reference[row], candidate[row]
+            )
+            axes[row][3].set_title(label, fontsize=7)
+        else:
+            strips = torch.stack([reference[row], candidate[row], candidate[row] - reference[row]])
+            axes[row][0].imshow(strips.numpy(), aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1)
+            axes[row][0].set_yticks([0, 1, 2], ["reference", "modified", "difference"], fontsize=7)
+            axes[row][0].set_title(f"input {row}: {label}", fontsize=8)
+            axes[row][0].set_xlabel("token", fontsize=7)
+    if spatial:
+        for ax, title in zip(axes[0], ("input", "reference", "modified", "difference")):
+            ax.set_title(f"{title}\n{ax.get_title()}".strip(), fontsize=8)
+    fig.suptitle(
+        f"{found.method} at {found.layer}: mean cosine {found.mean_cosine:.3f}, "
+        f"top-{found.top_k:.0%} overlap {found.mean_overlap:.3f}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _image_row(axes: Any, image: Any, reference: Any, candidate: Any) -> None:
+    shown = None
+    if image is not None:
+        picture = image.float()
+        picture = picture.permute(1, 2, 0) if picture.shape[0] in (3, 4) else picture[0]
+        shown = ((picture - picture.min()) / (picture.max() - picture.min() + 1e-12)).numpy()
+    for ax, values, cmap in ((axes[1], reference, "jet"), (axes[2], candidate, "jet")):
+        if shown is not None:
+            ax.imshow(shown, cmap="gray" if shown.ndim == 2 else None)
+        ax.imshow(values.numpy(), cmap=cmap, alpha=0.5 if shown is not None else 1.0, vmin=0, vmax=1)
+    if shown is not None:
+        axes[0].imshow(shown, cmap="gray" if shown.ndim == 2 else None)
+    axes[3].imshow((candidate - reference).numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -13,7 +14,8 @@ from typing import Any
 from torch import nn
 from tqdm import tqdm
 
-from surgery.analysis.comparison import compare
+from surgery.analysis.attribution import attribution_drift
+from surgery.analysis.comparison import Drift, compare
 from surgery.analysis.inspection import (
     calls_as_rows,
     format_table,
@@ -36,7 +38,14 @@ from surgery.cli.data import (
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
-from surgery.cli.reporting import checks_rows, layer_rows, parameter_counts, summary_table, write_reports
+from surgery.cli.reporting import (
+    checks_rows,
+    layer_rows,
+    parameter_counts,
+    plot_attribution,
+    summary_table,
+    write_reports,
+)
 from surgery.cli.steps import Calibration, StepRun, step_named
 from surgery.core.activations import activation_budget
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
@@ -67,6 +76,7 @@ OUTPUTS = (
     QPARAMS,
     "sparsity.png",
     "drift.png",
+    "attribution.png",
     "finetune.png",
     "gradients.png",
     "sensitivity.png",
@@ -187,6 +197,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
             "qparams": files.qparams.name if files.qparams.exists() else None,
         }
+        if drift.attribution is not None:
+            report["attribution"] = drift.attribution.as_dict()
         if accuracy is not None:
             report["accuracy"] = accuracy
         if metric is not None and metric[0] == "perplexity":  # accuracy has its own section, from the labels
@@ -200,6 +212,8 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         if record is not None:
             _report_export(config, record, models.reference, inputs, metric, report)
     write_reports(report, stage.path, plots=config.output.plots)
+    if config.output.plots and drift.attribution is not None:
+        write_atomically(stage.path / "attribution.png", lambda tmp: plot_attribution(drift.attribution, tmp))
     return report
 
 
@@ -341,6 +355,17 @@ def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:
     return {h.kind: h.selection.as_dict() for h in handle.handles if getattr(h, "selection", None) is not None}
 
 
+def _drift(config: RunConfig, models: _Models, inputs: list) -> Drift:
+    """The candidate's drift, with what both models look at on the first evaluation batches."""
+    drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
+    if config.attribution is None:
+        return drift
+    explained = attribution_drift(
+        models.reference, models.model, inputs[: config.attribution.batches], config.attribution
+    )
+    return dataclasses.replace(drift, attribution=explained)
+
+
 def _run_checks(
     config: RunConfig,
     models: _Models,
@@ -351,7 +376,7 @@ def _run_checks(
 ):
     enabled, rules = set(config.checks.enabled), models.builder.rules
     steps = any(step_named(name).changes_model for name in config.steps)
-    drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
+    drift = _drift(config, models, inputs)
 
     def apply(subject: nn.Module, neutral_settings: bool) -> HandleGroup:
         return apply_steps(subject, config, neutral=neutral_settings, checking=True, runs=files.runs)
