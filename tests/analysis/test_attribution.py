@@ -74,9 +74,8 @@ def test_transformers_give_one_value_per_token():
     ids = torch.randint(0, 50, (2, 7))
     for method in ("gradcam", "input_x_gradient"):
         found = surgery.attribution(bert, {"input_ids": ids}, method=method, select="bert.embeddings")
-        assert found.maps.shape == (2, 7) and found.maps.max() == pytest.approx(
-            1.0, abs=1e-4
-        )  # scaled as pytorch-grad-cam: max / (max + 1e-7)
+        assert found.maps.shape == (2, 7)
+        assert 0.99 < found.maps.max() <= 1  # scaled as pytorch-grad-cam: max / (max + 1e-7)
 
 
 def test_attribution_drift_is_one_for_a_copy_and_falls_with_compression():
