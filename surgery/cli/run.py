@@ -360,9 +360,8 @@ def _drift(config: RunConfig, models: _Models, inputs: list) -> Drift:
     drift = compare(models.reference, models.model, inputs, per_layer=config.checks.per_layer)
     if config.attribution is None:
         return drift
-    explained = attribution_drift(
-        models.reference, models.model, inputs[: config.attribution.batches], config.attribution
-    )
+    first = [inputs[i] for i in range(min(config.attribution.batches, len(inputs)))]  # a lazy sequence: no slices
+    explained = attribution_drift(models.reference, models.model, first, config.attribution)
     return dataclasses.replace(drift, attribution=explained)
 
 

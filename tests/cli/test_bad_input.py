@@ -671,6 +671,43 @@ API_CASES = [
         "activations take one static scale here",
     ),
     ApiCase(
+        "distill",
+        lambda m, *_: surgery.finetune(
+            m, [(batch(4, 8), torch.zeros(4, dtype=torch.long))], teacher=nn.Linear(8, 3), progress=False
+        ),
+        ConfigError,
+        "finetune.teacher",
+        "its output has shape (4, 3) where the student's output has (4, 4)",
+    ),
+    ApiCase(
+        "distill",
+        lambda m, *_: surgery.finetune(
+            m,
+            [(batch(4, 8), torch.zeros(4, dtype=torch.long))],
+            teacher=nn.Sequential(nn.Linear(8, 4)),
+            distill={"features": ["2"]},
+            progress=False,
+        ),
+        ConfigError,
+        "finetune.distill.features",
+        "is in the student but not in the teacher",
+    ),
+    ApiCase(
+        "attribution",
+        lambda m, *_: surgery.attribution(m, batch(4, 8), select="2"),
+        ConfigError,
+        "attribution.select",
+        "no spatial or token axis to map",
+    ),
+    ApiCase(
+        "attribution",
+        lambda m, *_: surgery.attribution(m, batch(2, 3, 8, 8), select="0", target=10),
+        ConfigError,
+        "attribution.target",
+        "is not a class index: the model has 4 classes",
+        build=lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval(),
+    ),
+    ApiCase(
         "dynamic-activations",
         lambda m, *_: surgery.quantize(m, activations=QuantSpec(dynamic="token"), where="tensors"),
         ConfigError,
@@ -1044,6 +1081,15 @@ CLI_CASES = [
     CliCase("method", (*QUANTIZE, "quantize.where=middle"), "quantize.where"),
     CliCase("observer", (*QUANTIZE, "quantize.activations.observer=median"), "quantize.activations.observer"),
     CliCase("dynamic-activations", (*QUANTIZE, "quantize.activations.dynamic=row"), "quantize.activations.dynamic"),
+    CliCase("attribution", (*FAST, "+checks.drift.min_attribution_cosine=0.5"), "checks.drift.min_attribution_cosine"),
+    CliCase("attribution", ("recipe=explain", "attribution.method=lime"), "attribution.method"),
+    CliCase("attribution", ("recipe=explain", "attribution.select=fc2"), "attribution.select"),
+    CliCase(
+        "distill", ("recipe=prune_distill_digits", "finetune.distill.features=[conv9]"), "finetune.distill.features"
+    ),
+    CliCase(
+        "distill", ("recipe=prune_distill_digits", "finetune.distill.temperature=0"), "finetune.distill.temperature"
+    ),
     CliCase("rotate", (*FAST, "steps=[rotate]", "+rotate={online: true}"), "rotate.online"),
     CliCase("rotate", (*FAST, "steps=[rotate]", "+rotate={}"), "rotate"),
     CliCase("kv-cache", (*FAST, "steps=[kv_cache]", "+kv_cache={}"), "kv_cache"),
