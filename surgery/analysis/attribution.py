@@ -28,6 +28,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, Inputs, as_call, batches, evaluating, flatten_tensors
 from surgery.core.registry import Registry
 from surgery.core.selection import select as select_modules
+from surgery.core.settings import settings_from
 
 # (activations, gradients), channels first: (N, C, *positions) -> per-position scores (N, *positions)
 AttributionFn = Callable[[Tensor, Tensor], Tensor]
@@ -291,15 +292,7 @@ class AttributionSpec:
 
 def attribution_spec(value: Any) -> AttributionSpec:
     """An :class:`AttributionSpec` from one or a dict of its fields."""
-    if isinstance(value, AttributionSpec):
-        return value
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - set(AttributionSpec.__dataclass_fields__))
-        if unknown:
-            allowed = ", ".join(AttributionSpec.__dataclass_fields__)
-            raise ConfigError("attribution", unknown[0], f"unknown setting; allowed: {allowed}")
-        return AttributionSpec(**value)
-    raise ConfigTypeError("attribution", value, "must be an AttributionSpec or a dict of its fields")
+    return settings_from(AttributionSpec, value, "attribution")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, evaluating
 from surgery.core.selection import Selection
 from surgery.core.selection import select as select_modules
+from surgery.core.settings import settings_from
 
 log = logging.getLogger("surgery")
 WIDTHS = ("project", "match")
@@ -67,17 +68,7 @@ class DistillSpec:
 
 def distill_spec(value: Any) -> DistillSpec:
     """A :class:`DistillSpec` from one, a dict of its fields, or None (the defaults)."""
-    if value is None:
-        return DistillSpec()
-    if isinstance(value, DistillSpec):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(DistillSpec.__dataclass_fields__))
-        if unknown:
-            allowed = ", ".join(DistillSpec.__dataclass_fields__)
-            raise ConfigError("finetune.distill", unknown[0], f"unknown setting; allowed: {allowed}")
-        return DistillSpec(**value)
-    raise ConfigTypeError("finetune.distill", value, "must be a DistillSpec, a dict of its fields, or None")
+    return DistillSpec() if value is None else settings_from(DistillSpec, value, "finetune.distill")
 
 
 def prediction(output: Any) -> tuple[str, Tensor]:

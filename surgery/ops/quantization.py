@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from surgery.core import compiled, guards
-from surgery.core._compat import BATCH_NORMS, forward_hook_functions
+from surgery.core._compat import BATCH_NORMS, CONVOLUTIONS, forward_hook_functions
 from surgery.core.capture import Capture
 from surgery.core.checkpoints import save_tensors
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
@@ -924,7 +924,7 @@ def _attach_activations(
     handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str, learning: bool = False
 ) -> None:
     for name, module in targets.items():
-        if spec.dynamic == "token" and isinstance(module, nn.modules.conv._ConvNd):
+        if spec.dynamic == "token" and isinstance(module, CONVOLUTIONS):
             raise ConfigError(
                 "quantize.activations.dynamic",
                 "token",

@@ -45,3 +45,22 @@ def test_a_metric_that_cannot_be_computed_fails_its_bound_instead_of_passing(mlp
     assert drift.finite and math.isnan(drift.cosine)
     result = check_drift(drift, DriftThresholds(min_cosine=0.5))
     assert not result.passed and "cosine nan < 0.5" in result.detail
+
+
+def test_an_attribution_cosine_below_its_bound_or_nan_fails_the_drift_check():
+    import dataclasses
+
+    from surgery.analysis.attribution import AttributionDrift
+
+    drift = surgery.compare(nn.Linear(3, 2), nn.Linear(3, 2), torch.ones(1, 3))
+    maps = torch.zeros(2, 4)
+
+    def explained(cosines: list[float]) -> AttributionDrift:
+        return AttributionDrift("gradcam", "layer3", 0.1, cosines, [1.0, 1.0], maps, maps)
+
+    bounds = DriftThresholds(min_attribution_cosine=0.8)
+    passed = check_drift(dataclasses.replace(drift, attribution=explained([0.9, 0.95])), bounds)
+    low = check_drift(dataclasses.replace(drift, attribution=explained([0.9, 0.5])), bounds)
+    broken = check_drift(dataclasses.replace(drift, attribution=explained([0.9, math.nan])), bounds)
+    assert passed.passed and not low.passed and not broken.passed
+    assert "attribution cosine 0.7000 < 0.8 (gradcam at layer3)" in low.detail
