@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core._compat import CONVOLUTIONS
-from surgery.core.capture import feature_axis
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, Inputs, as_call, batches, evaluating, flatten_tensors
 from surgery.core.registry import Registry
@@ -117,8 +117,9 @@ def attribution(
     else:
         name, layer = _layer(model, select)
         with evaluating(model), _kept_gradients(model), _LayerTap(layer) as tap, torch.enable_grad():
-            targets = _backward(call(model), target)
+            output = call(model)
             tap.check(name)
+            targets = _backward(output, target)
             activations, gradients = tap.channels_first(name)
     raw = fn(activations.detach().float(), gradients.detach().float()).clamp(min=0)
     maps = _scaled(raw)
@@ -179,8 +180,9 @@ class _LayerTap:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.output: Tensor | None = None
+        self.output: Tensor | None = None  # a copy: later in-place ops (``+=``, ``relu_``) cannot touch it
         self.gradient: Tensor | None = None
+        self.calls = 0
         self._hooks: list[Any] = []
 
     def __enter__(self) -> _LayerTap:
@@ -195,9 +197,10 @@ class _LayerTap:
         tensors = flatten_tensors(output)
         if not tensors:
             return
-        self.output = tensors[0]
-        if self.output.requires_grad:
-            self._hooks.append(self.output.register_hook(self._keep_gradient))
+        self.calls += 1
+        self.output = tensors[0].detach().clone()
+        if tensors[0].requires_grad:
+            self._hooks.append(tensors[0].register_hook(self._keep_gradient))
 
     def _keep_gradient(self, gradient: Tensor) -> None:
         self.gradient = gradient
@@ -212,8 +215,22 @@ class _LayerTap:
                 f"gives {tuple(self.output.shape)}: no spatial or token axis to map (pick a convolution, "
                 "a transformer block or an embedding)",
             )
-        if not self.output.requires_grad:
+        if self.calls > 1:
+            raise ConfigError(
+                "attribution.select",
+                name,
+                f"ran {self.calls} times in one forward (a shared module): its activations and gradients "
+                "cannot be paired; pick a layer that runs once",
+            )
+        if not self._hooks[1:]:
             raise ConfigError("attribution.select", name, "its output takes no gradient (frozen, or under no_grad)")
+        if (
+            math.prod(self.output.shape[2:] if _channel_axis(self.layer, self.output) == 1 else self.output.shape[1:-1])
+            == 1
+        ):
+            raise ConfigError(
+                "attribution.select", name, f"gives {tuple(self.output.shape)}: one position, nothing to map"
+            )
 
     def channels_first(self, name: str) -> tuple[Tensor, Tensor]:
         if self.gradient is None:
@@ -223,11 +240,19 @@ class _LayerTap:
 
 
 def _channel_axis(layer: nn.Module, output: Tensor) -> int:
-    """Channels first for convolutions and the blocks made of them (a ResNet stage), else the
-    layer's feature axis (the last: tokens × features)."""
-    if any(isinstance(m, CONVOLUTIONS) for m in layer.modules()) and output.dim() >= 3:
+    """Where the channels are. Images (4-d, 5-d): first, (N, C, H, W), unless the layer holds no
+    convolution and normalises or projects its last axis (a Swin stage: (N, H, W, C)).
+    Sequences (3-d): first for 1-d convolutions (N, C, L), else last: tokens × features."""
+    modules = list(layer.modules())
+    if output.dim() >= 4:
+        widths = {getattr(m, "normalized_shape", (None,))[-1] for m in modules} | {
+            getattr(m, "out_features", None) for m in modules
+        }
+        channels_last = not any(isinstance(m, CONVOLUTIONS) for m in modules) and output.shape[-1] in widths
+        return output.dim() - 1 if channels_last else 1
+    if any(isinstance(m, nn.Conv1d) for m in modules):
         return 1
-    return feature_axis(layer, output)
+    return output.dim() - 1
 
 
 def _scores(output: Any) -> Tensor:
@@ -350,9 +375,12 @@ def attribution_drift(
         theirs = attribution(candidate, batch, method=spec.method, select=spec.select, target=ours.targets)
         layer = ours.layer
         first, second = ours.maps.flatten(1).double(), theirs.maps.flatten(1).double()
-        cosines += F.cosine_similarity(first, second, dim=1, eps=1e-12).tolist()
+        cosine = F.cosine_similarity(first, second, dim=1, eps=1e-12)
+        both_flat = (first.abs().sum(1) == 0) & (second.abs().sum(1) == 0)  # a constant map scales to zeros
+        cosines += torch.where(both_flat, torch.ones_like(cosine), cosine).tolist()
         overlaps += _overlap(first, second, spec.top_k).tolist()
-        if sum(len(p[0]) for p in pictured) < PICTURED:
+        same_shape = not pictured or pictured[0][0].shape[1:] == ours.maps.shape[1:]  # token batches vary
+        if same_shape and sum(len(p[0]) for p in pictured) < PICTURED:
             pictured.append((ours.maps, theirs.maps, _image(batch)))
     reference_maps = torch.cat([p[0] for p in pictured])[:PICTURED]
     candidate_maps = torch.cat([p[1] for p in pictured])[:PICTURED]

@@ -91,9 +91,11 @@ class _Latest:
 
     def __init__(self, name: str = "", module: nn.Module | None = None) -> None:
         self.module, self.tensor = module, None
+        self.calls = 0  # every call so far (Distillation.prepare counts those of one forward)
 
     def update(self, tensor: Tensor) -> None:
         self.tensor = tensor
+        self.calls += 1
 
     def result(self) -> Tensor | None:
         return self.tensor
@@ -139,6 +141,13 @@ class Distillation:
                     "finetune.distill.features",
                     name,
                     "did not run in a forward of the first batch; select another layer",
+                )
+            calls = self._captures[0].reducers["outputs"][name].calls
+            if calls > 1:
+                raise ConfigError(
+                    "finetune.distill.features",
+                    name,
+                    f"ran {calls} times in one forward (a shared module): pick a layer that runs once",
                 )
             self._pair(name, ours, theirs)
         return list(self.projections.parameters())

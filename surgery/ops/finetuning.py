@@ -164,6 +164,8 @@ def finetune(
         spec = FinetuneSpec(epochs, lr, optimizer, weight_decay, eval_every, seed, distill, max_steps)
     elif not isinstance(spec, FinetuneSpec):
         raise ConfigTypeError("finetune.spec", spec, "must be a FinetuneSpec (or pass the settings as keywords)")
+    else:
+        _refuse_both(spec, (epochs, lr, optimizer, weight_decay, eval_every, seed, distill, max_steps))
     epochs, lr, weight_decay, eval_every, seed = spec.epochs, spec.lr, spec.weight_decay, spec.eval_every, spec.seed
     _validate(batches)
     if spec.distill is not None and teacher is None:
@@ -212,6 +214,13 @@ def finetune(
         for param, grad in grads:  # the loop's gradients are not the caller's
             param.grad = grad
     return handle
+
+
+def _refuse_both(spec: FinetuneSpec, given: tuple) -> None:
+    """A spec and settings given as keywords too: the keywords would be ignored."""
+    defaults = (1, 1e-3, "adamw", 0.0, None, 0, None, None)
+    if any(value is not default and value != default for value, default in zip(given, defaults)):
+        raise ConfigError("finetune.spec", spec, "is a FinetuneSpec: set the settings in it, not also as keywords")
 
 
 def _distilling(loss: Callable, distillation: Distillation) -> Callable:

@@ -419,6 +419,13 @@ class ActivationQuantizer:
         return fake_quantize(x, self.scale.to(x.device), self.zero_point.to(x.device), axis, self.spec)
 
     def _dynamic(self, x: Tensor) -> Tensor:
+        if self.spec.dynamic == "token" and x.dim() >= 4:
+            raise ConfigError(
+                "quantize.activations.dynamic",
+                "token",
+                f"{self.name}'s {self.where} is {tuple(x.shape)}: rows of its last axis are not tokens "
+                "(an image's columns); use dynamic='tensor' or select the Linear layers",
+            )
         quantized, scale = fake_quantize_dynamic(x, self.spec)
         if not torch.isfinite(scale).all():
             raise NonFiniteError(

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torchvision
+from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError
@@ -116,3 +117,36 @@ def test_bad_attribution_requests_are_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         surgery.attribution(model, images(), **kwargs)
     assert all(count == 0 for count in module_hook_counts(model).values())
+
+
+def test_the_channel_axis_follows_the_layer_not_its_type():
+    cams = pytest.importorskip("pytorch_grad_cam")
+    from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget
+
+    torch.manual_seed(0)
+    vgg = torchvision.models.vgg11().eval()  # pytorch-grad-cam's README maps VGG at features[-1], a MaxPool2d
+    x = images()
+    ours = surgery.attribution(vgg, x, select="features.20")
+    with cams.GradCAM(model=vgg, target_layers=[vgg.features[20]]) as cam:
+        theirs = cam(input_tensor=x, targets=[ClassifierOutputTarget(int(t)) for t in ours.targets])
+    assert (ours.maps - torch.from_numpy(theirs)).abs().max() < 1e-5
+    timm = pytest.importorskip("timm")
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=10).eval()
+    assert surgery.attribution(vit, torch.randn(2, 3, 32, 32), select="patch_embed").maps.shape == (2, 4)  # patches
+    swin = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=10).eval()
+    assert surgery.attribution(swin, torch.randn(1, 3, 224, 224), select="layers.3").maps.shape == (1, 224, 224)
+
+
+def test_a_shared_module_is_refused_and_in_place_ops_after_the_layer_change_nothing():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    with pytest.raises(ConfigError, match=r"^attribution.select='layer4.1.relu': ran 2 times in one forward"):
+        surgery.attribution(model, images(), select="layer4.1.relu")  # torchvision reuses a block's ReLU
+    out_of_place = copy.deepcopy(model)
+    for module in out_of_place.modules():
+        if isinstance(module, nn.ReLU):
+            module.inplace = False
+    kept = surgery.attribution(model, images(), select="layer4.1.bn2")  # then += identity and relu_ in place
+    assert torch.equal(kept.maps, surgery.attribution(out_of_place, images(), select="layer4.1.bn2").maps)
+    with pytest.raises(ConfigError, match=r"^attribution.select='layer4': gives \(2, 512, 1, 1\): one position"):
+        surgery.attribution(model, images(2, 32), select="layer4")

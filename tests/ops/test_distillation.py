@@ -140,3 +140,17 @@ def test_a_teacher_that_is_the_student_or_missing_is_one_line():
         surgery.finetune(student, batches(2), teacher=shallow, progress=False)
     with pytest.raises(ConfigError, match=r"^finetune.teacher: distillation learns from the uncompressed model"):
         surgery.finetune(student, batches(2), distill={"temperature": 2.0}, progress=False)
+
+
+def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line():
+    import torchvision
+
+    student, teacher = torchvision.models.resnet18(num_classes=4), torchvision.models.resnet18(num_classes=4)
+    pairs = [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))]
+    with pytest.raises(ConfigError, match=r"^finetune.distill.features='layer1.0.relu': ran 2 times in one forward"):
+        surgery.finetune(student, pairs, teacher=teacher, distill={"features": ["layer1.0.relu"]}, progress=False)
+    spec = surgery.FinetuneSpec()
+    with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec: set the settings in it"):
+        surgery.finetune(student, pairs, spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False)
+    with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec"):
+        surgery.finetune(student, pairs, spec, lr=5.0, progress=False)

@@ -91,7 +91,8 @@ def test_compressed_tensors_export_of_dynamic_inputs_loads_with_equal_logits(tmp
         record = surgery.export(handle, tmp_path / "w4a8", format="compressed-tensors", inputs=[ids])
         with pytest.raises(ConfigError, match=r"^export.options.activations='static': .* inputs are dynamic"):
             surgery.export(handle, tmp_path / "bad", format="compressed-tensors", activations="static")
-    assert record.parity.expected == "exact" and record.parity.equal, record.parity
+    # measured equal to the bit for a float32 Llama; promised only within the bound (2-d inputs differ)
+    assert record.parity.expected == "cosine>=0.9999" and record.parity.equal, record.parity
     scheme = record.load().model.layers[0].self_attn.q_proj.quantization_scheme.input_activations
     assert (scheme.dynamic, scheme.strategy, scheme.num_bits) == (True, "token", 8)
     assert not (tmp_path / "bad").exists()
@@ -161,3 +162,10 @@ def test_a_timm_vit_takes_per_token_inputs_and_a_convolution_is_refused_per_toke
         # measured cosine 0.9998: int8 weights per channel and int8 tokens
         assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), 0) > 0.999
         assert torch.equal(vit(x), before)
+
+
+def test_per_token_scales_on_an_image_are_refused_when_it_arrives():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    with surgery.quantize(model, weights=None, activations=QuantSpec(dynamic="token"), select="1"):
+        with pytest.raises(ConfigError, match=r"^quantize.activations.dynamic='token': 1's output is \(2, 4, 6, 6\)"):
+            model(torch.randn(2, 3, 8, 8))

@@ -59,3 +59,13 @@ def test_fp8_kernels_on_a_gpu_stay_within_the_bound(tmp_path):
     with fp8_llama(model, ids, "token") as handle:
         record = surgery.export(handle, tmp_path / "m.pt", format="fp8", inputs=[ids])
     assert record.parity.holds, record.parity
+
+
+def test_a_layer_the_fp8_kernels_cannot_take_is_refused(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 10)).eval()  # a 10-class head: not a multiple of 16
+    x = torch.randn(4, 32)
+    spec = dict(weights=FP8, activations=QuantSpec(format="fp8_e4m3", dynamic="token"), where="input")
+    with surgery.quantize(model, **spec) as handle:
+        with pytest.raises(ConfigError, match=r"^export.handle='0 \(32 -> 10\)': the FP8 kernels take inputs and"):
+            surgery.export(handle, tmp_path / "m.pt", format="fp8", inputs=[x])
+    assert list(tmp_path.iterdir()) == []

@@ -83,10 +83,10 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     dropped = mode == "none" and plan.activations
     left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
     # static int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours);
-    # dynamic ones as ours when the simulation was dynamic too
+    # dynamic ones as ours for float32 (batch, tokens, features) inputs only: compressed-tensors takes
+    # a 2-d input's scale over the whole tensor, and a bfloat16 one's in bfloat16
     inputs = scheme.input_activations
-    simulated = inputs is not None and inputs.dynamic and plan.activation_mode == "dynamic"
-    exact = inputs is None or simulated or (inputs.type == "float" and not inputs.dynamic)
+    exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
     exact = exact and scheme.format not in _FP4_FORMATS  # FP4 weights load in bfloat16, scales ÷ a global one
     return {"exact": exact and not left_out, "left_out": left_out}
 

@@ -52,8 +52,10 @@ class Float8Linear(nn.Module):
         else:  # row-wise: one scale per token and one per output, both given whole
             input_scale = scale.expand(rows.shape[0], 1).contiguous()
             weight_scale = self.weight_scale.expand(1, self.out_features).contiguous()
+        # half-precision models take their own dtype out (row-wise scales give float32 only on some GPUs)
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
         out = torch._scaled_mm(
-            quantized, self.weight.t(), scale_a=input_scale, scale_b=weight_scale, out_dtype=torch.float32
+            quantized, self.weight.t(), scale_a=input_scale, scale_b=weight_scale, out_dtype=out_dtype
         )
         out = out.to(x.dtype)
         if self.bias is not None:
@@ -94,6 +96,13 @@ def _layers(plan: DeployPlan) -> list[str]:
         if attribute != "weight" or not isinstance(plan.model.get_submodule(layer), nn.Linear):
             raise ConfigError("export.handle", key, "format='fp8' replaces nn.Linear weights only")
         _check_weights(key, grid)
+        module = plan.model.get_submodule(layer)
+        if module.in_features % 16 or module.out_features % 16:
+            raise ConfigError(
+                "export.handle",
+                f"{layer} ({module.in_features} -> {module.out_features})",
+                "the FP8 kernels take inputs and outputs in multiples of 16; exclude the layer from quantize",
+            )
         _check_inputs(layer, plan.activation(layer, "input"), plan)
         layers.append(layer)
     return layers
