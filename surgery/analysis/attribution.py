@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery.analysis.metrics import logits_of
 from surgery.core._compat import CONVOLUTIONS
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, Inputs, as_call, batches, evaluating, flatten_tensors
@@ -257,10 +258,10 @@ def _channel_axis(layer: nn.Module, output: Tensor) -> int:
 
 def _scores(output: Any) -> Tensor:
     """The class scores: (N, classes), the last position's for sequence outputs."""
-    tensors = [getattr(output, "logits", None)] if isinstance(getattr(output, "logits", None), Tensor) else []
-    scores = tensors[0] if tensors else next(iter(flatten_tensors(output)), None)
-    if scores is None:
-        raise ConfigTypeError("attribution.model", type(output).__name__, "gives no tensor of class scores")
+    try:
+        scores = logits_of(output)
+    except TypeError:
+        raise ConfigTypeError("attribution.model", type(output).__name__, "gives no tensor of class scores") from None
     if scores.dim() == 3:  # (N, positions, classes): the prediction at the last position
         scores = scores[:, -1]
     if scores.dim() != 2:

@@ -189,7 +189,7 @@ def finetune(
             extra = [] if distillation is None else distillation.prepare(as_call(batches[0][0], "finetune.batches", 0))
             if distillation is not None:
                 handle.projections, handle.distilled = distillation.projections, distillation.layers
-            objective = loss if distillation is None else _distilling(loss, distillation)
+            objective = _task(loss) if distillation is None else _distilling(loss, distillation)
             _train(
                 model,
                 handle,
@@ -229,8 +229,12 @@ def _distilling(loss: Callable, distillation: Distillation) -> Callable:
     def objective(output: Any, target: Any, call: Any) -> Tensor:
         return distillation.loss(output, target, call, loss(output, target))
 
-    objective.takes_call = True  # type: ignore[attr-defined]
     return objective
+
+
+def _task(loss: Callable) -> Callable:
+    """``loss(output, target, call)``: the task loss alone."""
+    return lambda output, target, call: loss(output, target)
 
 
 def _train(
@@ -266,11 +270,7 @@ def _train(
                 call = as_call(inputs, "finetune.batches", index)
                 output = call(model)
                 try:
-                    value = (
-                        loss_fn(output, target, call)
-                        if getattr(loss_fn, "takes_call", False)
-                        else loss_fn(output, target)
-                    )
+                    value = loss_fn(output, target, call)
                 except (IndexError, RuntimeError, ValueError) as err:  # targets the loss cannot take
                     first = " ".join(str(err).split())[:160]
                     raise ConfigError(
