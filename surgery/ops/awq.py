@@ -396,7 +396,7 @@ def _linear_producer(
         try:
             _scale_rows(named[candidate], 1 / scales)
             for reader in readers:
-                named[reader].weight.mul_(scales.to(named[reader].weight.dtype))
+                named[reader].weight.mul_(scales.to(named[reader].weight))
             moved = _first_output(module, first)
         finally:
             for n, p in module.named_parameters():
@@ -407,9 +407,9 @@ def _linear_producer(
 
 
 def _scale_rows(layer: nn.Linear, factor: Tensor) -> None:
-    layer.weight.mul_(factor.view(-1, 1).to(layer.weight.dtype))
+    layer.weight.mul_(factor.view(-1, 1).to(layer.weight))
     if layer.bias is not None:
-        layer.bias.mul_(factor.to(layer.bias.dtype))
+        layer.bias.mul_(factor.to(layer.bias))
 
 
 def _first_output(module: nn.Module, call: tuple[tuple, dict]) -> Tensor:

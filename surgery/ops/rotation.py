@@ -159,7 +159,7 @@ def rotate(
     inner = {name: hadamard(named[name].in_features, seed + 1) for name in writers if named[name].in_features != width}
     if online:
         for name, h in inner.items():
-            values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"].dtype)
+            values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"])
     params = dict(model.named_parameters())
     guards.check_editable({n: params[n] for n in values}, "rotate")
     reference = _outputs(model, first)
@@ -291,20 +291,22 @@ def _rotated_values(
 
     for name in embeddings:
         weight = guards.current_value(named[name].weight).detach()
-        put(f"{name}.weight", weight.double() @ q64, weight)
+        put(f"{name}.weight", weight.double() @ q64.to(weight.device), weight)
     for norm in pairs:
         weight = guards.current_value(named[norm].weight).detach()
         put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
     for layer, norm in readers.items():
         weight = guards.current_value(named[layer].weight).detach()
-        put(f"{layer}.weight", (weight.double() * gain(norm).double()) @ q64, weight)
+        put(
+            f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64.to(weight.device), weight
+        )
     for layer in writers:
         module = named[layer]
         weight = guards.current_value(module.weight).detach()
-        put(f"{layer}.weight", q64.t() @ weight.double(), weight)
+        put(f"{layer}.weight", q64.t().to(weight.device) @ weight.double(), weight)
         if module.bias is not None:
             bias = guards.current_value(module.bias).detach()
-            put(f"{layer}.bias", bias.double() @ q64, bias)
+            put(f"{layer}.bias", bias.double() @ q64.to(bias.device), bias)
     return values
 
 
