@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery.analysis.attribution_memory import check_attribution_memory
 from surgery.analysis.metrics import logits_of
 from surgery.core._compat import CONVOLUTIONS
 from surgery.core.errors import ConfigError, ConfigTypeError
@@ -95,7 +96,9 @@ def attribution(
 
     Args:
         model: any module; it runs in eval mode once forward and once backward (its training
-            flags, parameters and gradients are as they were afterwards).
+            flags, parameters and gradients are as they were afterwards), after a probe forward
+            on one small input that estimates the activation memory; an estimate beyond the
+            memory available is refused (:mod:`~surgery.analysis.attribution_memory`).
         inputs: one batch (a tensor, a tuple of positional inputs or a dict of keyword inputs).
         method: ``"gradcam"``, ``"gradcam_plus_plus"``, ``"input_x_gradient"``, or a name added with
             :func:`register_attribution`.
@@ -112,6 +115,7 @@ def attribution(
     """
     fn = ATTRIBUTIONS.get(method)
     call = as_call(inputs, "attribution.inputs")
+    check_attribution_memory(model, call, _image(call))  # before the forward that keeps its activations
     if select is None:  # the input itself
         activations, gradients, targets = _at_input(model, call, target)
         name = "input"

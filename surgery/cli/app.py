@@ -25,6 +25,7 @@ from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
 from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
 from surgery.core._compat import quiet_pytree_deprecations
 from surgery.core.errors import SurgeryError
+from surgery.core.interrupts import Terminated, raise_pending, taken_at_safe_points
 
 PACKAGE = Path(__file__).resolve().parents[1]  # surgery/
 CONFIG_DIR = PACKAGE.parent / "conf" if (PACKAGE.parent / "recipes").is_dir() else PACKAGE / "conf"
@@ -86,14 +87,6 @@ def preflight(arguments: list[str]) -> int:
             if value not in options:
                 return fail(f"{group}={value!r}: unknown {group}; available: {', '.join(options)}")
     return 0
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``timeout``, Slurm, ``kill``): unwinds like Ctrl-C, so nothing is left half-written."""
-
-
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated()
 
 
 def _job_codes() -> list[int]:
@@ -176,11 +169,12 @@ def run_command_line(arguments: list[str]) -> int:
     quiet_pytree_deprecations()
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let composition errors reach us, unprinted
     multirun = any(a in ("-m", "--multirun") for a in arguments)
-    signal.signal(signal.SIGTERM, _on_sigterm)
     codes: list[int] = []
     token = _JOB_CODES.set(codes)
     try:
-        _task()
+        with taken_at_safe_points():  # a signal raises between steps, never inside a library's __del__
+            _task()
+            raise_pending()
     except BaseException as err:  # noqa: BLE001 - each kind is answered in _exit_code below, or re-raised
         return _exit_code(err, started=bool(codes), multirun=multirun, codes=codes)
     finally:

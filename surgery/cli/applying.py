@@ -11,6 +11,7 @@ from surgery.cli.config import RunConfig
 from surgery.cli.steps import StepRun, step_named
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
+from surgery.core.interrupts import raise_pending
 from surgery.ops.quantization import QuantizeHandle
 
 
@@ -32,6 +33,7 @@ def apply_steps(
     handles: list[Handle] = []
     try:
         for name in config.steps:
+            raise_pending()  # a safe point for an interrupt: between steps
             step = step_named(name)
             if checking and not step.changes_model:
                 continue

@@ -30,6 +30,7 @@ from surgery.core.activations import activation_budget
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.inputs import batches, evaluating, outputs
+from surgery.core.interrupts import raise_pending
 from surgery.ops.exporting import EXPORT_FORMATS, export
 from surgery.ops.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
 from surgery.ops.offloading import Offloaded, offloaded
@@ -125,6 +126,7 @@ def _apply(
     try:
         with activation_budget(config.data.activation_budget, folder=config.data.activation_folder):
             for name in config.steps:
+                raise_pending()  # a safe point for an interrupt: between steps
                 run = StepRun(config, calibration_of(name), None, folder, None, inputs, data, metric)
                 work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
                 handles.append(step_named(name).apply_offloaded(source, config.settings(name), run, work))

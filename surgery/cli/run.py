@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from tqdm import tqdm
 
 from surgery.analysis.attribution import attribution_drift
 from surgery.analysis.comparison import Drift, compare
@@ -52,6 +51,8 @@ from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, 
 from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
+from surgery.core.interrupts import raise_pending
+from surgery.core.progress import tqdm
 from surgery.ops.deploy_summary import deploy_summary
 from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord, export
 from surgery.ops.folding import folded_structure
@@ -129,7 +130,9 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
             refuse_existing([out_dir / name for name in outputs], config.output.overwrite)
             with stage:
                 report = _execute(config, stage)
+                raise_pending()  # safe points for an interrupt: before publishing, and after (one held back)
                 files = stage.publish(overwrite=config.output.overwrite, last="report.json", replaces=outputs)
+                raise_pending()
     except OutputExistsError:  # a FileExistsError, but no failure to write
         raise
     except KeyboardInterrupt as err:  # the CLI says whether the outputs were published

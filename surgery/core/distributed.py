@@ -1,11 +1,15 @@
 """Calibration across processes on ``torch.distributed`` (gloo on CPU, NCCL on GPUs).
 
-Inside :func:`distributed_calibration`, every rank holds the model and runs the same verb;
-each takes its share of the calibration batches (batch ``i`` goes to rank ``i mod world``),
-and the statistics a layer's solution is computed from — Hessians (GPTQ, SparseGPT), squared
-input norms (Wanda), per-channel maxima (SmoothQuant) — are summed (or maxed) across ranks
-before any rank solves. Every rank then computes the same result, equal to one process's up to
-the order of summation. Launch with ``torchrun --nproc-per-node N script.py`` and call
+Inside :func:`distributed_calibration`, every rank holds the model and runs the same verb:
+before calibrating, the ranks compare digests of the model (parameter names, shapes, dtypes,
+value sums), of the verb's settings (its spec and the layers it selects) and of the batches, and
+every rank refuses in one line naming the first rank whose model or settings differ from rank
+0's. The calibration set is what the ranks were given together: where every rank was given the
+same batches, each takes its share (batch ``i`` goes to rank ``i mod world``); where each was
+given its own shard (the batches differ), each uses all of its own. Then the statistics a
+layer's solution is computed from — Hessians (GPTQ, SparseGPT), squared input norms (Wanda),
+per-channel maxima (SmoothQuant) — are summed (or maxed) across ranks before any rank solves. Every rank then computes the same result, equal to one
+process's up to the order of summation. Launch with ``torchrun --nproc-per-node N script.py`` and call
 ``torch.distributed.init_process_group()`` first.
 
 Statistics computed outside the sequential passes (activation observers, gradient criteria)
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from surgery.core.errors import ConfigError
+from surgery.core.fingerprints import calls_digest, model_digest, settings_digest
 
 T = TypeVar("T")
 
@@ -80,12 +85,27 @@ def world() -> tuple[int, int]:
     return torch.distributed.get_rank(sharing.group), torch.distributed.get_world_size(sharing.group)
 
 
-def share(calls: list[T], field: str) -> list[T]:
-    """This rank's share of ``calls``: every ``world``-th, from its rank."""
+def share(calls: list[T], field: str, model: Any = None, settings: Any = None) -> list[T]:
+    """This rank's share of ``calls``, once every rank is seen to hold the same model and settings:
+    every ``world``-th batch, from its rank, where all ranks were given the same batches; all of
+    them where each rank was given its own (module docstring)."""
     sharing = _active.get()
     if sharing is None or not sharing.share_batches:
         return calls
     rank, size = world()
+    mine = (model_digest(model), settings_digest(settings), calls_digest(calls))
+    everyone: list[Any] = [None] * size
+    torch.distributed.all_gather_object(everyone, mine, group=sharing.group)
+    for index, what in ((0, "holds another model"), (1, "runs the verb with other settings or layers")):
+        differing = [r for r, found in enumerate(everyone) if found[index] != everyone[0][index]]
+        if differing:
+            raise ConfigError(
+                "distributed",
+                f"rank {differing[0]}",
+                f"{what} than rank 0 ({field}); every rank must run the same verb on the same model",
+            )
+    if any(found[2] != everyone[0][2] for found in everyone):
+        return calls  # each rank was given its own shard of the batches: it uses all of it
     if len(calls) < size:
         raise ConfigError(
             field, f"{len(calls)} batches", f"are fewer than the {size} processes calibrating; give each one a batch"

@@ -16,6 +16,7 @@ except ImportError:  # Windows: no advisory locks; the claim is then the existen
     fcntl = None  # type: ignore[assignment]
 
 from surgery.core.errors import OutputBusyError
+from surgery.core.interrupts import restore_handlers
 
 LOCK = ".surgery.lock"
 
@@ -79,8 +80,7 @@ def deferred_interrupts() -> Iterator[None]:
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        restore_handlers(previous)  # all of them, though a signal arriving meanwhile raises in between
         if received:
             number, frame = received[0]
             handler = previous[number]

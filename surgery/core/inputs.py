@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.progress import tqdm
 
 Batch = Tensor | Sequence[Any] | Mapping[str, Any]
 Inputs = Tensor | Mapping[str, Any] | Iterable[Batch]

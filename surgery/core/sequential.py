@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
@@ -43,6 +42,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.hessians import HessianReducer
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.originals import Originals
+from surgery.core.progress import tqdm
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
@@ -101,16 +101,17 @@ def resolve_blocks(model: nn.Module, blocks: Selection | bool | None, field: str
     return list(select(model, blocks, field=field))
 
 
-def materialise(calibration: Any, field_name: str) -> list[Call]:
+def materialise(calibration: Any, field_name: str, model: nn.Module | None = None, settings: Any = None) -> list[Call]:
     """Calibration batches as a list of calls (a sequential pass reads them many times); inside
-    :func:`~surgery.core.distributed.distributed_calibration`, this process's share of them."""
+    :func:`~surgery.core.distributed.distributed_calibration`, this process's share of them, once
+    every process is seen to hold the same ``model`` and verb ``settings``."""
     calls = list(batches(calibration, field_name))
     if not calls:
         raise ConfigError(field_name, "0 batches", "must hold at least one batch")
     for index, call in enumerate(calls):
         if not isinstance(call, SpilledCall):  # made by the model's blocks from batches checked here
             check_batch_finite(call, index, field_name)
-    return distributed.share(calls, field_name)  # this process's share, calibrating across processes
+    return distributed.share(calls, field_name, model, settings)  # this process's share, across processes
 
 
 def plan_stages(
@@ -234,6 +235,7 @@ def run_sequential(
     progress: bool = True,
     reduce: ReducerFactory = HessianReducer,
     originals: Originals | None = None,
+    settings: Any = None,
 ) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
@@ -242,8 +244,9 @@ def run_sequential(
     the parameter ``solve``'s values replace for that layer (``(qualified name, parameter)``).
     Every parameter written is put back as it was before returning, unless the caller passes
     the ``originals`` store to keep them in (then the new values stay); always on an error.
+    ``settings`` (the verb's spec) must be the same on every process calibrating together.
     """
-    calls = materialise(calibration, f"{field}")
+    calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
     keep = originals is not None
     store = originals if originals is not None else Originals()

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core import guards
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
+from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, plan_stages, resolve_blocks
 from surgery.core.transforms import attach_all
 from surgery.ops.observers import Grid, Observer, QuantSpec, fake_quantize, fake_quantize_groups
@@ -155,7 +155,7 @@ def awq(
         return _awq_offloaded(model, spec, calibration, work, progress)
     if work is not None:
         raise ConfigError("awq.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
-    calls = materialise(calibration, "awq.calibration")
+    calls = materialise(calibration, "awq.calibration", model, spec)
     block_names = resolve_blocks(model, spec.blocks, "awq.blocks")
     if not block_names:
         raise ConfigError("awq.blocks", type(model).__name__, "has no repeated blocks to scale; name them with blocks=")
@@ -222,7 +222,7 @@ def _check_free(model: nn.Module, block_names: list[str], spec: AwqSpec) -> None
 def _awq_offloaded(source: Offloaded, spec: AwqSpec, calibration: Inputs, work: Any, progress: bool) -> Any:
     """Each block scaled on the block alone, fed by the unchanged blocks before it (as in memory)."""
     model = source.model
-    calls = materialise(calibration, "awq.calibration")
+    calls = materialise(calibration, "awq.calibration", model, spec)
     blocks = resolve_blocks(model, spec.blocks, "awq.blocks")
     if not blocks:
         raise ConfigError("awq.blocks", type(model).__name__, "has no repeated blocks to scale; name them with blocks=")

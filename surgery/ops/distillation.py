@@ -133,6 +133,8 @@ class Distillation:
         with torch.no_grad(), evaluating(self.student), evaluating(self.teacher):
             student_out, teacher_out = call(self.student), call(self.teacher)
         _check_predictions(prediction(student_out), prediction(teacher_out))
+        if self.spec.weight:
+            _check_classes(*prediction(student_out), self.spec.weight)
         seen = (self._captures[0].outputs, self._captures[1].outputs)
         for name in self.layers:
             ours, theirs = seen[0].get(name), seen[1].get(name)
@@ -247,6 +249,17 @@ def _feature_layers(student: nn.Module, teacher: nn.Module, features: Selection)
             f"is in the student but not in the teacher ({type(teacher).__name__}); features are matched by name",
         )
     return list(chosen)
+
+
+def _check_classes(name: str, logits: Tensor, weight: float) -> None:
+    """Refuse logits without two or more classes on the last axis: KL over one class is 0."""
+    if logits.dim() < 2 or logits.shape[-1] < 2:
+        raise ConfigError(
+            "finetune.distill.weight",
+            weight,
+            f"distils the {name}, of shape {tuple(logits.shape)}: it needs 2 or more classes on its last axis "
+            "(KL over one class is 0, and nothing would be learned); set weight=0 to distil features only",
+        )
 
 
 def _check_predictions(ours: tuple[str, Tensor], theirs: tuple[str, Tensor]) -> None:

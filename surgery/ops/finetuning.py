@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from tqdm import tqdm
 
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, evaluating
+from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
 from surgery.ops.distillation import Distillation, DistillSpec, distill_spec
 from surgery.ops.qat import return_loans

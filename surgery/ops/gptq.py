@@ -64,6 +64,7 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         blocks=problem.blocks,
         field="quantize.calibration",
         progress=problem.progress,
+        settings=spec,
     )
     found = {}
     for key in targets.matched:  # the rounded weights are in the model already

@@ -252,6 +252,7 @@ class Observer:
         self.low: Tensor | None = None
         self.high: Tensor | None = None
         self.count = 0
+        self.values = 0  # values seen per row (channel, or the whole tensor)
 
     def observe(self, x: Tensor) -> None:
         """Update the range with ``x``; NaN or Inf raises :class:`NonFiniteError`."""
@@ -264,6 +265,20 @@ class Observer:
         previous = None if self.low is None else ObservedRange(self.low, self.high, self.count)
         self.low, self.high = self._checked(self.spec.observe(flat, previous), flat.shape[0])
         self.count += 1
+        self.values += flat.shape[1]
+
+    def check_varied(self, what: str) -> None:
+        """Refuse a range over many values that never varied (all zeros, or a bias alone): its
+        scale would come from that one value (or from eps) and clip what the layer sees later."""
+        if self.low is not None and self.values > 1 and torch.equal(self.low, self.high):
+            value = float(self.low.flatten()[0]) if self.low.numel() == 1 or self.low.eq(self.low[0]).all() else None
+            seen = f"the value {value:g}" if value is not None else "one value per channel"
+            raise ConfigError(
+                "quantize.calibration",
+                self.name,
+                f"its {what} held {seen} in every calibration batch and position, so no range to quantize "
+                "it by can be learned; give batches of real data, or exclude the layer",
+            )
 
     def _checked(self, result: Any, rows: int) -> tuple[Tensor, Tensor]:
         """An observer's ``(low, high)``: tensors of one value per row, finite, low <= high."""
@@ -305,6 +320,13 @@ class Observer:
                 "give batches that run through it, or exclude it",
             )
         scale, zero_point = compute_qparams(self.low, self.high, self.spec)
+        if not torch.isfinite(scale).all():
+            raise NonFiniteError(
+                "quantize.calibration",
+                self.name,
+                f"its range [{float(self.low.min()):g}, {float(self.high.max()):g}] overflows float32 in the "
+                "quantization scale; clean or rescale the calibration data",
+            )
         return (scale.reshape(()), zero_point.reshape(())) if self.axis is None else (scale, zero_point)
 
 

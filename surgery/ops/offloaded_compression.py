@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, pass_ledger
@@ -44,6 +43,7 @@ from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeErr
 from surgery.core.folders import LOCK, claimed
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating, flatten_tensors
+from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, plan_stages
 from surgery.ops.offloading import Offloaded, WeightFiles
@@ -142,7 +142,9 @@ def compress_offloaded(
     """Apply ``verb`` to ``layers`` of the offloaded model stage by stage (module docstring)."""
     model = source.model
     field_name = f"{verb.name}.calibration"
-    calls = None if calibration is None else materialise(calibration, field_name)
+    calls = (
+        None if calibration is None else materialise(calibration, field_name, model, (verb.settings, sorted(layers)))
+    )
     chained: set[str] = set()
     with evaluating(model), torch.no_grad():
         if calls is None:

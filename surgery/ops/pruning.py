@@ -484,6 +484,7 @@ def _prune_sequentially(
         progress=progress,
         reduce=SquaredNorms,
         originals=spilled,
+        settings=spec,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
@@ -577,6 +578,7 @@ def _prune_reconstructing(
         blocks=blocks,
         field="prune.calibration",
         progress=progress,
+        settings=spec,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report

@@ -343,6 +343,7 @@ class ActivationQuantizer:
         """Stop calibrating; use the observed range, or the given scale and zero point. While
         ``learning``, training-mode forwards go on refining the range from there."""
         if scale is None:
+            self.observer.check_varied(self.where)
             scale, zero_point = self.observer.qparams()
         if self.learning:
             self.tracker = self.observer or Observer(self.spec, self.axis, self.name)

@@ -189,7 +189,7 @@ def _rotate_offloaded(
             "before down_proj; rotate it with online=False",
         )
     model = source.model
-    calls = materialise(calibration, "rotate.calibration")
+    calls = materialise(calibration, "rotate.calibration", model, (seed, online))
     with evaluating(model), torch.no_grad():
         plan = _plan(model, calls, online)
         reference = _outputs(model, plan.first)

@@ -51,6 +51,7 @@ def reconstruct_layers(
     blocks: Selection | bool | None = None,
     field: str = "calibration",
     progress: bool = True,
+    settings: Any = None,
 ) -> tuple[dict[str, tuple[Tensor, ...]], SequentialReport]:
     """Solve every target's weight in sequence, writing the new values in (the originals kept in
     ``originals``; all put back on an error); returns, by parameter name, the solver's extras
@@ -80,6 +81,7 @@ def reconstruct_layers(
         field=field,
         progress=progress,
         originals=originals,
+        settings=settings,
     )
     return results, report
 

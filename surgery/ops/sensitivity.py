@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating, outputs
+from surgery.core.progress import tqdm
 from surgery.core.selection import Selection
 from surgery.core.targets import Target
 from surgery.ops.observers import QuantSpec

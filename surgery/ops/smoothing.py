@@ -233,7 +233,7 @@ def smooth(
     model = compiled.prepare(model)
     alpha, pairs = spec.alpha, spec.pairs
     reducer, weight_factor = STATISTICS[spec.statistic]
-    calibration = materialise(calibration, "smooth.calibration")  # read more than once
+    calibration = materialise(calibration, "smooth.calibration", model, spec)  # read more than once
     found = find_pairs(model, calibration) if pairs is None else _check_pairs(model, pairs)
     if not found:
         raise ConfigError(
@@ -280,7 +280,7 @@ def _smooth_offloaded(
     """Each block's pairs smoothed on the block alone, fed by the unchanged blocks before it (the
     maxima are those of the unchanged model, as in memory)."""
     model = source.model
-    calls = materialise(calibration, "smooth.calibration")
+    calls = materialise(calibration, "smooth.calibration", model, spec)
     found = find_pairs(model, calls) if spec.pairs is None else _check_pairs(model, spec.pairs)
     if not found:
         raise ConfigError(

@@ -497,7 +497,7 @@ def test_an_interrupt_during_publishing_takes_effect_after_it_and_leaves_nothing
     def replace(source, destination):
         real(source, destination)
         if Path(destination).name == "report.json" and Path(destination).parent == tmp_path:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the last file lands
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C as the last file lands, on this (the main) thread
 
     with mock.patch.object(checkpoints.os, "replace", replace), pytest.raises(KeyboardInterrupt) as caught:
         stage.publish(overwrite=True, last="report.json")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 import surgery
 from surgery import QuantSpec
+from surgery.analysis import attribution_memory
 from surgery.cli.config import load_config
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.errors import (
@@ -196,6 +198,21 @@ def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
 def _gptq_within_budget(model: nn.Module, **budget: Any) -> Any:
     with surgery.activation_budget(**budget):
         return surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq"), calibration=[batch(4, 8)])
+
+
+def _one_output() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 1))
+
+
+def _pooled_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).eval()
+
+
+def _attribution_within(model: nn.Module, available: int) -> Any:
+    with mock.patch.object(attribution_memory, "available_memory", return_value=available):
+        return surgery.attribution(model, batch(2, 3, 256, 256), select="0")
 
 
 def _labelled(model: nn.Module) -> list:
@@ -777,6 +794,33 @@ API_CASES = [
         "output",
         "model.safetensors",
         prepare=_quantize_activations,
+    ),
+    ApiCase(
+        "degenerate-calibration",
+        lambda m, *_: surgery.quantize(
+            m, weights=None, activations=QuantSpec(bits=8), where="input", calibration=[torch.zeros(4, 8)]
+        ),
+        ConfigError,
+        "quantize.calibration='0'",
+        "held the value 0",
+    ),
+    ApiCase(
+        "distill-one-class",
+        lambda m, *_: surgery.finetune(
+            m, [(batch(4, 8), torch.zeros(4, 1))], teacher=_one_output(), loss=nn.functional.mse_loss, progress=False
+        ),
+        ConfigError,
+        "finetune.distill.weight",
+        "0.5",
+        build=lambda: _one_output(),
+    ),
+    ApiCase(
+        "attribution-memory",
+        lambda m, *_: _attribution_within(m, 2**20),
+        ConfigError,
+        "attribution.inputs",
+        "shape (2, 3, 256, 256)",
+        build=lambda: _pooled_cnn(),
     ),
 ]
 

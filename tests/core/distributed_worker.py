@@ -2,7 +2,8 @@
 the calibration shared across the processes torchrun started, each rank's weights written to
 OUT/rank-R-METHOD.safetensors.
 
-Usage: ``torchrun --standalone --nproc-per-node 2 tests/core/distributed_worker.py OUT [offloaded FOLDER]``
+Usage: ``torchrun --standalone --nproc-per-node 2 tests/core/distributed_worker.py OUT [offloaded FOLDER]``;
+``... OUT disagree``: ranks given different models, settings or batches (see :func:`disagree`).
 """
 
 from __future__ import annotations
@@ -20,32 +21,66 @@ import surgery  # noqa: E402
 from surgery import QuantSpec  # noqa: E402
 
 
-def batches() -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (2, 16), generator=generator) for _ in range(4)]
+def batches(count: int = 4, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=generator) for _ in range(count)]
 
 
-def run(method: str, model):
+def run(method: str, model, calibration: list[torch.Tensor] | None = None, **keywords):
+    calibration = batches() if calibration is None else calibration
     if method == "gptq":
         spec = QuantSpec(bits=4, method="gptq", group_size=32)
-        return surgery.quantize(model, weights=spec, calibration=batches(), progress=False)
-    return surgery.prune(model, 0.5, method=method, calibration=batches(), progress=False)
+        return surgery.quantize(model, weights=spec, calibration=calibration, progress=False, **keywords)
+    return surgery.prune(model, 0.5, method=method, calibration=calibration, progress=False, **keywords)
+
+
+def shards() -> list[torch.Tensor]:
+    """Each rank's own shard: 6 batches on rank 0, 4 others on rank 1."""
+    rank = torch.distributed.get_rank()
+    return batches(6, seed=2) if rank == 0 else batches(4, seed=3)
+
+
+def disagree(out: str) -> None:
+    """Rank 1 holds another model, then excludes a layer rank 0 keeps: each rank writes the
+    refusals it met to OUT/refusals-R.txt; then each rank calibrates on its own shard of
+    batches, writing OUT/rank-R-shards.safetensors."""
+    rank = torch.distributed.get_rank()
+    refusals = []
+    model = tiny_llama(layers=2)
+    if rank == 1:
+        model.lm_head.weight.data[0, 0] += 1.0
+    for method, other, keywords in (
+        ("gptq", model, {}),
+        ("sparsegpt", tiny_llama(layers=2), {"exclude": "model.layers.0.mlp.down_proj"}),
+    ):
+        try:
+            run(method, other, **(keywords if rank == 1 else {}))
+            refusals.append("finished")
+        except surgery.ConfigError as err:
+            refusals.append(str(err))
+    Path(f"{out}/refusals-{rank}.txt").write_text("\n".join(refusals))
+    model = tiny_llama(layers=2)
+    run("sparsegpt", model, shards()).bake()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out}/rank-{rank}-shards.safetensors")
 
 
 def main(out: str, *offloaded: str) -> None:
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     with surgery.distributed_calibration():
-        for method in ("gptq", "sparsegpt", "wanda"):
-            if offloaded:
-                source = surgery.offloaded(offloaded[1])
-                run(method, source)
-                state = {k: source.value_of(v) for k, v in source.model.state_dict(keep_vars=True).items()}
-            else:
-                model = tiny_llama(layers=2)
-                run(method, model).bake()
-                state = model.state_dict()
-            save_file({k: v.contiguous() for k, v in state.items()}, f"{out}/rank-{rank}-{method}.safetensors")
+        if offloaded == ("disagree",):
+            disagree(out)
+        else:
+            for method in ("gptq", "sparsegpt", "wanda"):
+                if offloaded:
+                    source = surgery.offloaded(offloaded[1])
+                    run(method, source)
+                    state = {k: source.value_of(v) for k, v in source.model.state_dict(keep_vars=True).items()}
+                else:
+                    model = tiny_llama(layers=2)
+                    run(method, model).bake()
+                    state = model.state_dict()
+                save_file({k: v.contiguous() for k, v in state.items()}, f"{out}/rank-{rank}-{method}.safetensors")
     torch.distributed.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from surgery.core.errors import ConfigError
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 sys.path.insert(0, str(WORKER.parent))
-from distributed_worker import run  # noqa: E402
+from distributed_worker import batches, run  # noqa: E402
 
 
 def torchrun(*args: str) -> None:
@@ -51,3 +51,21 @@ def test_sharing_without_a_process_group_is_one_line():
     with pytest.raises(ConfigError, match="init_process_group"):
         with surgery.distributed_calibration():
             pass
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank_and_own_shards_are_used_whole(tmp_path):
+    torchrun(str(tmp_path), "disagree")
+    refusals = [(tmp_path / f"refusals-{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert refusals[0] == refusals[1], refusals  # every rank refuses, in the same words
+    model, settings = refusals[0]
+    assert "rank 1" in model and "another model" in model
+    assert "rank 1" in settings and "other settings" in settings
+    first, second = (load_file(tmp_path / f"rank-{r}-shards.safetensors") for r in (0, 1))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    single = tiny_llama(layers=2)  # one process given both shards: all 10 batches count
+    run("sparsegpt", single, batches(6, seed=2) + batches(4, seed=3)).bake()
+    halves = tiny_llama(layers=2)  # what taking every second batch of each shard would give
+    run("sparsegpt", halves, batches(6, seed=2)[0::2] + batches(4, seed=3)[1::2]).bake()
+    for name, value in single.state_dict().items():
+        assert torch.isclose(first[name], value, rtol=1e-4, atol=1e-5).double().mean() >= 0.999, name
+    assert any(not torch.equal(first[k] == 0, v == 0) for k, v in halves.state_dict().items())

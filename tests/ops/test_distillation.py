@@ -154,3 +154,17 @@ def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line()
         surgery.finetune(student, pairs, spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False)
     with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec"):
         surgery.finetune(student, pairs, spec, lr=5.0, progress=False)
+
+
+def test_distilling_a_one_output_model_is_one_line_and_changes_nothing():
+    def one_output() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 1))
+
+    student, teacher = one_output(), one_output()
+    before = snapshot(student)
+    pairs = [(x, y.float()[:, None]) for x, y in batches(2)]
+    with pytest.raises(ConfigError, match=r"^finetune.distill.weight=0.5: distils the output, of shape \(32, 1\)"):
+        surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, progress=False)
+    assert not snapshot_differences(before, snapshot(student))
+    surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, distill={"weight": 0.0}, progress=False)

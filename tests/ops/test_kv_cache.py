@@ -74,3 +74,13 @@ def test_a_fused_qkv_attention_is_refused_in_one_line():
     with pytest.raises(ConfigError) as caught:
         surgery.quantize_kv_cache(model, calibration=[torch.randint(0, 64, (1, 8))], progress=False)
     assert caught.value.field == "kv_cache" and "c_attn" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_cache_calibrated_on_constant_data_is_refused_and_the_model_left_as_it_was():
+    model = tiny_llama(layers=1)
+    tokens = batches()[0]
+    before = model(tokens).logits
+    zeros = [torch.zeros(2, 16, dtype=torch.long)]  # every position the same token: every key the same
+    with pytest.raises(ConfigError, match=r"quantize.calibration='model.layers.0.self_attn.k_proj'.*no range"):
+        surgery.quantize_kv_cache(model, calibration=zeros, progress=False)
+    assert torch.equal(model(tokens).logits, before)

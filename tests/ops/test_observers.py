@@ -346,3 +346,10 @@ def test_moving_average_of_a_constant_channel_keeps_low_at_most_high():
     previous = ObservedRange(torch.tensor([-0.007486820220947266, -0.7420351505279541, -0.781231164932251]), torch.tensor([0.514417290687561, -0.3851543664932251, 0.26815736293792725]), 1)  # fmt: skip
     low, high = moving_average(x, previous, spec)
     assert (low <= high).all() and torch.allclose(low, torch.full((3,), 0.1))
+
+
+def test_a_range_whose_scale_overflows_float32_is_refused_naming_the_layer():
+    observer = Observer(QuantSpec(bits=8, symmetric=False), None, "k_proj")
+    observer.observe(torch.tensor([3e38, -3e38]))  # finite values, but high - low is not
+    with pytest.raises(NonFiniteError, match=r"quantize.calibration='k_proj'.*overflows float32"):
+        observer.qparams()
