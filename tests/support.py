@@ -161,3 +161,55 @@ def tiny_llama(layers: int = 2, vocab: int = 128, dtype: torch.dtype = torch.flo
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def plant_code(folder: Path, config_file: str, auto_map: dict, **fields: str) -> Path:
+    """Add to the Hugging Face ``folder`` an ``auto_map`` in ``config_file`` naming classes of
+    ``custom.py``, a file that writes the returned marker file when it is imported (``fields``:
+    a class transformers does not know, so that it needs the folder's code)."""
+    import json
+
+    marker = folder.parent / f"{folder.name}-code-ran"
+    (folder / "custom.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('imported')\n"
+        "from transformers import LlamaConfig, PreTrainedTokenizerFast\n"
+        "class Config(LlamaConfig):\n    pass\n"
+        "class Tokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    path = folder / config_file
+    found = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**found, **fields, "auto_map": auto_map}))
+    return marker
+
+
+def under_terminal(argv: list[str], cwd: Path, home: Path, answer: str = "y\n", timeout: float = 300) -> str:
+    """Run ``argv`` in ``cwd`` with a pseudo-terminal as its standard streams, ``answer`` typed
+    ahead (for any prompt it asks), ``home`` as transformers' cache; everything it printed."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    main, child = pty.openpty()
+    env = {**os.environ, "HF_HOME": str(home)}  # where transformers would copy a folder's code
+    process = subprocess.Popen(argv, cwd=cwd, stdin=child, stdout=child, stderr=child, env=env, start_new_session=True)
+    os.close(child)
+    os.write(main, answer.encode())
+    output, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([main], [], [], 0.2)[0]:
+            try:
+                data = os.read(main, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            output += data
+        elif process.poll() is not None:
+            break
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    os.close(main)
+    return output.decode(errors="replace").replace("\r\n", "\n")

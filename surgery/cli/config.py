@@ -26,6 +26,7 @@ from surgery.cli.steps.sensitivity import SensitivityConfig
 from surgery.cli.steps.shrink import ShrinkConfig
 from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError
+from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.importing import import_module_named
 from surgery.ops.exporting import EXPORT_FORMATS
 from surgery.ops.rewriting import RewriteSpec
@@ -264,6 +265,8 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if self.format is not None:
             EXPORT_FORMATS.get(self.format)
+        if isinstance(self.options.get("tokenizer"), str):  # refused before the run, not at its end
+            refuse_custom_code(self.options["tokenizer"], "export.options.tokenizer")
 
     @property
     def file_name(self) -> str | None:

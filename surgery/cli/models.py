@@ -17,13 +17,13 @@ from surgery.cli.config import ModelConfig
 from surgery.cli.outputs import describe_batch, first_sample
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import NO_VALUE, ConfigError
+from surgery.core.hf_loading import from_pretrained, read_config, refuse_custom_code
 from surgery.core.importing import import_object
 from surgery.core.inputs import as_call
 from surgery.core.selection import describe
 from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
 from surgery.ops.rules import Rule
 from surgery.tasks import digits, mnist1d, tinylm
-from surgery.tasks.hf_folders import read_config, refuse_custom_code
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
 SHIPPED_DATA = {"digits_cnn": "digits", "mnist1d_cnn": "mnist1d", "tinylm": "tinylm"}  # the data each was trained on
@@ -116,9 +116,7 @@ def _build_hf(config: ModelConfig) -> nn.Module:
         settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
     try:
         if config.path is not None:
-            return head.from_pretrained(
-                config.path, local_files_only=True, use_safetensors=True, trust_remote_code=False, **settings
-            )
+            return from_pretrained(head, config.path, "model.path", use_safetensors=True, **settings)
         return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, SafetensorError) as err:
         first = " ".join(str(err).split()).split(". ")[0][:160]

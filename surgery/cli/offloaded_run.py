@@ -29,6 +29,7 @@ from surgery.cli.steps.base import STEPS
 from surgery.core.activations import activation_budget
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
+from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.core.interrupts import raise_pending
 from surgery.ops.exporting import EXPORT_FORMATS, export
@@ -52,6 +53,7 @@ def execute_offloaded(
             )
     if config.model.config:
         log.info("model.offload: %s/config.json builds the model; model.config is not used", config.model.path)
+    refuse_custom_code(config.model.path, "model.path")  # named as the user wrote it
     source = offloaded(config.model.path)
     config.data = with_model_defaults(config.data, source.model)  # the vocabulary of data=tokens, for calibration too
     data = load_data(config.data)

@@ -14,7 +14,9 @@ layer outside blocks, in the order they first run). For each stage:
 What this gives equals, bit for bit, the same verb on the model in memory, baked. Memory holds
 one stage's weights (twice while the verb keeps their originals) and one block's activations.
 A ``work=`` folder makes the run restartable: finished stages are listed in its manifest with
-the settings and a digest of the calibration, and a run with the same ones skips them.
+the settings, a digest of the calibration, the source files' identity, the state of the model
+before the verb and each stage file's sha256; a run with the same ones skips them, any other
+is refused in one line (:mod:`surgery.ops.offloaded_manifest`).
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, plan_stages
+from surgery.ops.offloaded_manifest import FRESH, check_stage, checked, file_sha256, mismatch, stage_name, state_digest
 from surgery.ops.offloading import Offloaded, WeightFiles
 
 log = logging.getLogger("surgery")
 MANIFEST = "manifest.json"
+GRID = ("scale", "zero_point")  # a quantized weight's grid, beside it in its stage file
 StageRun = Callable[[nn.Module, list[str], "str | None", "list[Call] | None"], Handle]
 Grids = Callable[[Handle], dict[str, tuple[Tensor, Tensor, "int | None"]]]
 
@@ -152,7 +156,7 @@ def compress_offloaded(
         else:
             stages = plan_stages(model, layers, blocks, calls[0], field_name, chained)
     with ExitStack() as stack:
-        folder = WorkFolder(work, source, f"{verb.name}: {verb.settings}", _digest(calls), stack)
+        folder = WorkFolder(work, source, f"{verb.name}: {verb.settings}", _digest(calls), stack, len(stages))
         handle = OffloadedCompression(source, verb, folder.path)
         handle.temporary = folder.temporary
         handle.stages = stages
@@ -186,7 +190,7 @@ def _run_stages(
             where = stage.block or stage.layers[0]
             bar.set_postfix_str(where, refresh=False)
             if folder.done(index):
-                _adopt(handle, folder.finished(index))
+                _adopt(handle, folder.finished(index, where, source.names_in(model.get_submodule(where))))
                 handle.resumed += 1
                 cache = None
                 continue
@@ -306,10 +310,20 @@ class StageFiles:
 class WorkFolder:
     """Where finished stages are written: a temporary folder removed with the source handle,
     or the caller's ``work`` folder, kept (claimed while the run writes), whose manifest lets
-    a run with the same settings and calibration start again after the last finished stage."""
+    a run with the same settings, calibration, source files and state of the model before the
+    verb start again after the last finished stage (see :mod:`surgery.ops.offloaded_manifest`)."""
 
-    def __init__(self, work: str | Path | None, source: Offloaded, settings: str, digest: str, stack: ExitStack):
-        self.settings, self.digest, self.temporary = settings, digest, work is None
+    def __init__(
+        self, work: str | Path | None, source: Offloaded, settings: str, digest: str, stack: ExitStack, stages: int
+    ):
+        self.temporary, self.stages = work is None, stages
+        self.expected: dict[str, Any] = {
+            "settings": settings,
+            "calibration": digest,
+            "source": source.files.identity(),
+            "before": state_digest(source.overlay),
+            "stages": {},
+        }
         if work is None:
             self.path = Path(tempfile.mkdtemp(prefix="surgery-offloaded-"))
             weakref.finalize(source, shutil.rmtree, self.path, ignore_errors=True)  # the model reads it
@@ -323,7 +337,7 @@ class WorkFolder:
         self.manifest = self._read()
 
     def _fresh(self) -> dict[str, Any]:
-        return {"settings": self.settings, "calibration": self.digest, "stages": {}}
+        return {**self.expected, "stages": {}}
 
     def _read(self) -> dict[str, Any]:
         file = self.path / MANIFEST
@@ -332,25 +346,29 @@ class WorkFolder:
                 raise ConfigError("work", str(self.path), "is a folder of other files; give an empty or new folder")
             return self._fresh()
         try:
-            manifest = json.loads(file.read_text())
-            same = manifest["settings"] == self.settings and manifest["calibration"] == self.digest
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError("work", str(file), "is not a manifest surgery wrote") from None
-        if not same:
-            raise ConfigError(
-                "work",
-                str(self.path),
-                "holds a run with other settings or calibration batches; give another folder or delete it",
-            )
+            found = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise ConfigError("work", str(file), f"cannot be read as JSON ({type(err).__name__}); {FRESH}") from None
+        manifest = checked(found, file, self.stages)
+        different = mismatch(manifest, self.expected)
+        if different is not None:
+            raise ConfigError("work", str(self.path), f"{different}; {FRESH}")
         log.info("offloaded: %d finished stage(s) found in %s", len(manifest["stages"]), self.path)
         return manifest
 
     def done(self, index: int) -> bool:
         return str(index) in self.manifest["stages"]
 
-    def finished(self, index: int) -> StageFiles:
+    def finished(self, index: int, where: str, names: list[str]) -> StageFiles:
+        """Finished stage ``index`` (of module ``where``, weights ``names``), checked to be it."""
         entry = self.manifest["stages"][str(index)]
-        files = WeightFiles([self.path / entry["file"]])
+        path = self.path / stage_name(index)
+        check_stage(entry, path, where, names)
+        files = WeightFiles([path], digest=entry["sha256"])
+        expected = {*names, *(f"{key}::{part}" for key in entry["grids"] for part in GRID)}
+        if set(files.names()) != expected:
+            other = sorted(set(files.names()) ^ expected)[0]
+            raise ConfigError("work", str(path), f"does not hold the stage's tensors as listed ({other}); {FRESH}")
         grids = {
             key: (files.load(f"{key}::scale"), files.load(f"{key}::zero_point"), axis)
             for key, axis in entry["grids"].items()
@@ -361,7 +379,7 @@ class WorkFolder:
         self, index: int, where: str, tensors: dict[str, Tensor], grids: dict[str, tuple[Tensor, Tensor, int | None]]
     ) -> StageFiles:
         """Write a stage's tensors (each file whole, then renamed into place; the manifest last)."""
-        name = f"stage-{index:05d}.safetensors"
+        name = stage_name(index)
         state = {key: value.contiguous() for key, value in tensors.items()}
         for key, (scale, zero_point, _axis) in grids.items():
             state[f"{key}::scale"] = scale.detach().contiguous()
@@ -369,15 +387,17 @@ class WorkFolder:
         part = self.path / f".{name}.part"
         entries = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
         write_streamed(part, entries, state.__getitem__, metadata={"stage": where})  # no copy of the whole stage
+        digest = file_sha256(part)
         os.replace(part, self.path / name)
         self.manifest["stages"][str(index)] = {
             "file": name,
             "module": where,
             "names": sorted(tensors),
             "grids": {key: axis for key, (_s, _z, axis) in grids.items()},
+            "sha256": digest,
         }
         self._save_manifest()
-        return StageFiles(WeightFiles([self.path / name]), sorted(tensors), dict(grids))
+        return StageFiles(WeightFiles([self.path / name], digest=digest), sorted(tensors), dict(grids))
 
     def _save_manifest(self) -> None:
         part = self.path / f".{MANIFEST}.part"

@@ -22,8 +22,10 @@ read through its memory map stay in the process's resident memory while the file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.intercept import RuleNeverFiredWarning, intercept
@@ -47,17 +50,29 @@ FIELD = "offloaded.source"
 INDEX = "model.safetensors.index.json"
 
 
+def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another without reading it: size, modification
+    time (ns), inode and device (a file written again, or another put in its place, differs)."""
+    return status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev
+
+
 class WeightFiles:
     """The tensors of safetensors files (a checkpoint's shards), by name, each read from disk
     when asked for. ``safe_open`` checks each file's header; the bytes are then read with a
     positioned read, not through its memory map: mapped pages would count as the process's
-    resident memory until the file is closed, a whole shard of it."""
+    resident memory until the file is closed, a whole shard of it. Each read first checks the
+    file is the one whose header gave the offsets (:func:`file_identity`), so a shard replaced
+    or rewritten while the model runs is refused, never read at stale offsets. ``digest`` is
+    the sha256 of a file surgery wrote itself (a verb's stage), else None."""
 
-    def __init__(self, paths: Iterable[Path]) -> None:
+    def __init__(self, paths: Iterable[Path], digest: str | None = None) -> None:
         self._where: dict[
             str, tuple[Path, int, int, str, tuple[int, ...]]
         ] = {}  # name -> file, start, end, dtype, shape
         self.paths: list[Path] = []
+        self._identity: dict[Path, tuple[int, int, int, int]] = {}
+        self._headers: dict[Path, str] = {}  # path -> sha256 of its header
+        self.digest = digest
         for path in paths:
             self._open(Path(path))
 
@@ -68,8 +83,11 @@ class WeightFiles:
             with safe_open(str(path), framework="pt"):  # the header checked by safetensors itself
                 pass
             with path.open("rb") as file:
-                size = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(size))
+                identity = file_identity(os.fstat(file.fileno()))
+                raw = file.read(8)
+                size = int.from_bytes(raw, "little")
+                raw += file.read(size)
+                header = json.loads(raw[8:])
         except (SafetensorError, OSError, ValueError) as err:
             raise ConfigError(
                 FIELD, str(path), f"is not a safetensors file ({' '.join(str(err).split())[:80]})"
@@ -82,6 +100,15 @@ class WeightFiles:
             begin, end = entry["data_offsets"]
             self._where[key] = (path, 8 + size + begin, 8 + size + end, entry["dtype"], tuple(entry["shape"]))
         self.paths.append(path)
+        self._identity[path], self._headers[path] = identity, hashlib.sha256(raw).hexdigest()
+
+    def identity(self) -> list[dict[str, Any]]:
+        """Each file as it was opened: name, size, mtime_ns, inode and its header's sha256."""
+        return [
+            dict(zip(("file", "size", "mtime_ns", "inode"), (path.name, *self._identity[path][:3])))
+            | {"header_sha256": self._headers[path]}
+            for path in self.paths
+        ]
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -98,7 +125,20 @@ class WeightFiles:
         """The tensor ``name``, read from its file now."""
         path, begin, end, kind, shape = self._where[name]
         data = torch.empty(end - begin, dtype=torch.uint8)
-        with path.open("rb") as file:
+        try:
+            file = path.open("rb")
+        except OSError as err:
+            raise ConfigError(
+                FIELD, str(path), f"cannot be read any more ({err.strerror}); it was there when opened"
+            ) from None
+        with file:
+            if file_identity(os.fstat(file.fileno())) != self._identity[path]:
+                raise ConfigError(
+                    FIELD,
+                    str(path),
+                    "changed while the offloaded model reads it (written again, or another file put in its "
+                    "place): its tensors are no longer where its header said; leave the files alone while it runs",
+                )
             file.seek(begin)
             if file.readinto(data.numpy()) != end - begin:
                 raise ConfigError(FIELD, name, f"is cut short in {path.name} (the file changed or was truncated)")
@@ -147,6 +187,10 @@ class Offloaded(Handle):
             yield
         finally:
             self.overlay = kept
+
+    def names_in(self, module: nn.Module) -> list[str]:
+        """The names in the files of ``module``'s weights (those set aside on ``meta``), sorted."""
+        return sorted({self.names[id(p)] for sub in module.modules() for _, _, p in _own(sub)})
 
     @contextmanager
     def resident(self, module: nn.Module) -> Iterator[dict[str, nn.Parameter]]:
@@ -239,16 +283,13 @@ def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
         )
     import transformers
 
+    refuse_custom_code(folder, FIELD)  # outside the try: its own one-line error
     try:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = from_pretrained(transformers.AutoConfig, folder, FIELD)
     except (ValueError, OSError, KeyError) as err:
         raise ConfigError(FIELD, str(folder / "config.json"), f"is not a model config ({str(err)[:80]})") from None
     architecture = (getattr(config, "architectures", None) or [None])[0]
-    model_class = getattr(transformers, architecture, None) if architecture else None
-    if model_class is None:
-        raise ConfigError(
-            FIELD, str(folder / "config.json"), f"names no transformers model class (architectures: {architecture!r})"
-        )
+    built_by = model_class(transformers, architecture, FIELD, folder / "config.json")
     if (folder / INDEX).is_file():
         paths = _shards(folder)
     elif (folder / "model.safetensors").is_file():
@@ -258,7 +299,7 @@ def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
     dtype = getattr(config, "dtype", None)
 
     def build() -> nn.Module:
-        model = model_class(config)
+        model = built_by(config)
         return model.to(dtype) if isinstance(dtype, torch.dtype) else model
 
     return paths, build

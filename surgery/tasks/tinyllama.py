@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from surgery.core.hf_loading import from_pretrained
 from surgery.tasks.tinylm import ASSETS, CONTEXT, train_on_corpus
 
 FOLDER: Path = ASSETS / "tinyllama"
@@ -46,4 +47,4 @@ def load_llama() -> Any:
     """The shipped trained byte-level Llama (:data:`FOLDER`), in eval mode."""
     import transformers
 
-    return transformers.LlamaForCausalLM.from_pretrained(FOLDER, local_files_only=True).eval()
+    return from_pretrained(transformers.LlamaForCausalLM, FOLDER, "tinyllama").eval()

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from surgery.core.errors import ConfigError
+from surgery.core.hf_loading import from_pretrained, refuse_custom_code
 from surgery.tasks.base import Task, register_task
-from surgery.tasks.hf_folders import refuse_custom_code
 from surgery.tasks.synthetic import check_fits_in_memory
 
 
@@ -60,9 +60,9 @@ def _tokenised(config: Any) -> Tensor:
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError("data.tokenizer", config.tokenizer, "needs transformers: pip install 'surgery[hf]'") from None
-    refuse_custom_code(config.tokenizer, "data.tokenizer")
+    refuse_custom_code(config.tokenizer, "data.tokenizer")  # outside the try: its own one-line error
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True, trust_remote_code=False)
+        tokenizer = from_pretrained(AutoTokenizer, config.tokenizer, "data.tokenizer")
     except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer file raises (JSON, KeyError, OSError)
         raise ConfigError(
             "data.tokenizer",

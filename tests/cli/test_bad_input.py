@@ -1034,6 +1034,28 @@ def busy(folder: Path) -> tuple[str, ...]:
 
 LAUGHS = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b]\n"
 
+OFFLOAD = ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.group_size=32")
+
+
+def offload_folder(kind: str) -> Callable[[Path], tuple[str, ...]]:
+    """An offloaded Llama folder naming a transformers function as its architecture, asking to
+    run its own code, or a work folder whose manifest surgery did not write."""
+
+    def make(folder: Path) -> tuple[str, ...]:
+        path = llama_folder(folder)
+        config = json.loads((path / "config.json").read_text())
+        if kind == "architectures":
+            config["architectures"] = ["pipeline"]
+        elif kind == "code":
+            config |= {"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config"}}
+        (path / "config.json").write_text(json.dumps(config))
+        (folder / "blocks" / "quantize").mkdir(parents=True)
+        (folder / "blocks" / "quantize" / "manifest.json").write_text(json.dumps({"stages": []}))
+        return (f"model.path={path}", f"model.offload_folder={folder / 'blocks'}")
+
+    return make
+
+
 CLI_CASES = [
     CliCase("output-busy", FAST, "output='", busy),
     CliCase("plan-file", FAST, "prune.amounts='", plan_file("conv1: [0.5\nfc: 0.2:\n")),
@@ -1223,6 +1245,9 @@ CLI_CASES = [
         "steps='shrink': does not run on an offloaded model",
         lambda folder: (f"model.path={llama_folder(folder)}",),
     ),
+    CliCase("offload-folder", OFFLOAD, "offloaded.source='", offload_folder("architectures")),
+    CliCase("offload-folder", OFFLOAD, "model.path='", offload_folder("code")),
+    CliCase("offload-folder", OFFLOAD, "quantize/manifest.json': is not a manifest", offload_folder("manifest")),
 ]
 
 

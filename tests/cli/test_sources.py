@@ -272,3 +272,32 @@ def test_an_offloaded_llama_rotated_then_quantized_streams_the_same_tensors_as_i
 
     expected, streamed = tensors(tmp_path / "memory" / "export"), tensors(tmp_path / "off" / "export")
     assert expected.keys() == streamed.keys() and all(torch.equal(expected[k], streamed[k]) for k in expected)
+
+
+@pytest.mark.parametrize("kind", ["model.offload", "export.options.tokenizer"])
+def test_a_folder_asking_to_run_its_code_is_refused_on_a_terminal_answered_yes(tmp_path, kind):
+    """``model.offload=true`` reads the folder's config, ``+export.options.tokenizer`` a tokenizer:
+    either asking for its own code (auto_map) is one line before transformers can ask."""
+    from support import plant_code, tiny_llama, under_terminal  # tests/support.py
+
+    model, tokenizer = tmp_path / "llama", tmp_path / "tokenizer"
+    tiny_llama().save_pretrained(model)
+    local_tokenizer(tokenizer, "surgery puts every change back exactly. " * 20, 40)
+    if kind == "model.offload":
+        marker = plant_code(model, "config.json", {"AutoConfig": "custom.Config"}, model_type="custom")
+    else:
+        auto_map = {"AutoTokenizer": ["custom.Tokenizer", None]}
+        marker = plant_code(tokenizer, "tokenizer_config.json", auto_map, tokenizer_class="Custom")
+    args = (
+        "recipe=quantize_gptq_llama",
+        f"model.path={model}",
+        "model.offload=true",
+        "export.format=compressed-tensors",
+    )
+    args += (f"+export.options.tokenizer={tokenizer}", f"hydra.run.dir={tmp_path / 'run'}")
+    output = under_terminal([sys.executable, "-m", "surgery", *args], REPO, tmp_path / "hf")
+    assert not marker.exists(), output[-2000:]
+    assert "Do you wish to run the custom code" not in output
+    assert re.search(r"error: \S+='[^']*': asks to run its own code \('auto_map' in \w+\.json\)", output), output[
+        -2000:
+    ]

@@ -252,3 +252,98 @@ def test_a_second_verb_restored_leaves_the_first_verbs_result(tmp_path):
     assert torch.equal(logits(source.model), after_smoothing)
     smoothed.restore()
     assert source.overlay == {}
+
+
+RTN = QuantSpec(bits=4, group_size=32)
+
+
+def rtn(source, work: Path):
+    return surgery.quantize(source, weights=RTN, progress=False, work=work)
+
+
+def test_a_work_folder_of_another_model_is_refused_not_resumed(tmp_path):
+    """The same settings, the same shapes, another model's files: nothing of the first is published."""
+    llama_folder(tmp_path / "a", layers=2)
+    other = tiny_llama(layers=2, vocab=128)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(2)
+    other.save_pretrained(tmp_path / "b")
+    rtn(surgery.offloaded(tmp_path / "a"), tmp_path / "work")
+    with pytest.raises(ConfigError, match=r"holds a run of other source files \(model.safetensors: its ") as err:
+        rtn(surgery.offloaded(tmp_path / "b"), tmp_path / "work")
+    assert "\n" not in str(err.value) and "fresh folder" in str(err.value)
+
+
+def test_a_work_folder_of_a_verb_after_another_is_refused_for_that_verb_alone(tmp_path):
+    """smooth then quantize, kept; quantize alone would adopt weights carrying the smoothing."""
+    llama_folder(tmp_path / "model", layers=2)
+    source = surgery.offloaded(tmp_path / "model")
+    surgery.smooth(source, 0.8, calibration=batches(), progress=False, work=tmp_path / "smooth")
+    rtn(source, tmp_path / "quantize")
+    again = surgery.offloaded(tmp_path / "model")
+    with pytest.raises(ConfigError, match="began from another state of the model"):
+        rtn(again, tmp_path / "quantize")
+    surgery.smooth(again, 0.8, calibration=batches(), progress=False, work=tmp_path / "smooth")
+    assert rtn(again, tmp_path / "quantize").resumed == 3  # the same verbs in the same order do resume
+
+
+def spoil(work: Path, how: str) -> None:
+    """Edit a finished work folder's manifest or a stage file as a user (or a bad disk) might."""
+    path = work / "manifest.json"
+    manifest = json.loads(path.read_text())
+    stages = manifest["stages"]
+    if how == "stages-list":
+        manifest["stages"] = list(stages.values())
+    elif how == "outside":
+        stages["0"]["file"] = "../x.safetensors"
+    elif how == "other-layer":
+        stages["0"]["names"], stages["0"]["grids"] = stages["1"]["names"], stages["1"]["grids"]
+    elif how == "no-digest":
+        del stages["1"]["sha256"]
+    elif how == "grids-dropped":
+        stages["1"]["grids"] = {}
+    elif how == "zeroed":
+        stage = work / stages["1"]["file"]
+        stage.write_bytes(bytes(stage.stat().st_size))
+    elif how == "not-json":
+        path.write_bytes(b"\xff{")
+        return
+    path.write_text(json.dumps(manifest))
+
+
+SPOILED = {
+    "stages-list": r"manifest.json': is not a manifest this surgery wrote \('stages' is list, not dict\)",
+    "outside": r"stage 0's file is '../x.safetensors', not the plain name 'stage-00000.safetensors'",
+    "other-layer": r"lists stage-00000.safetensors with other weights than model.layers.0's \(model.layers.0.",
+    "no-digest": r"stage 1 has no sha256 of its file",
+    "grids-dropped": r"stage-00001.safetensors': does not hold the stage's tensors as listed \(model.layers.1.",
+    "zeroed": r"stage-00001.safetensors': is missing or not the file the run wrote",
+    "not-json": r"manifest.json': cannot be read as JSON \(UnicodeDecodeError\)",
+}
+
+
+@pytest.mark.parametrize("how", list(SPOILED))
+def test_a_spoiled_work_folder_is_one_line_naming_it_and_what_is_wrong(tmp_path, how):
+    llama_folder(tmp_path / "model", layers=2)
+    rtn(surgery.offloaded(tmp_path / "model"), tmp_path / "work")
+    spoil(tmp_path / "work", how)
+    source = surgery.offloaded(tmp_path / "model")
+    with pytest.raises(ConfigError, match=SPOILED[how]) as err:
+        rtn(source, tmp_path / "work")
+    assert "\n" not in str(err.value) and str(tmp_path / "work") in str(err.value)
+    assert source.overlay == {}  # nothing adopted
+
+
+def test_a_tokenizer_folder_is_saved_beside_the_export_and_a_broken_one_refused_before_writing(tmp_path):
+    from support import local_tokenizer  # tests/support.py
+
+    llama_folder(tmp_path / "model", layers=1)
+    done = surgery.quantize(surgery.offloaded(tmp_path / "model"), weights=RTN, progress=False)
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", "surgery puts every change back exactly. " * 20, 40)
+    surgery.export(done, tmp_path / "out", format="compressed-tensors", tokenizer=str(tokenizer))
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    (tokenizer / "tokenizer.json").write_text("{cut")
+    with pytest.raises(ConfigError, match=r"export.options.tokenizer='.*': cannot be loaded as a tokenizer") as err:
+        surgery.export(done, tmp_path / "again", format="compressed-tensors", tokenizer=str(tokenizer))
+    assert "\n" not in str(err.value) and not (tmp_path / "again").exists()

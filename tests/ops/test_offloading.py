@@ -212,3 +212,26 @@ def test_a_verb_given_the_offloaded_model_not_its_handle_says_how_to_go_on(tmp_p
         verb(handle.model)
     assert "\n" not in str(err.value)
     assert all(p.is_meta for p in handle.model.parameters())
+
+
+@pytest.mark.parametrize("change", ["replaced", "rewritten"])
+def test_a_shard_changed_while_offloaded_is_refused_naming_it_never_read_at_stale_offsets(tmp_path, change):
+    """Another model's file put in its place, or the file written again with a longer header:
+    the offsets read at open no longer hold its tensors."""
+    llama_folder(tmp_path / "model")
+    source = surgery.offloaded(tmp_path / "model")
+    tokens = torch.randint(0, 100, (1, 8))
+    logits(source.model, tokens)
+    path = tmp_path / "model" / "model.safetensors"
+    tensors = {k: v * 2 for k, v in load_file(path).items()}
+    if change == "replaced":
+        save_file(tensors, tmp_path / "other.safetensors", metadata={"format": "pt"})
+        os.replace(tmp_path / "other.safetensors", path)
+    else:
+        save_file(tensors, tmp_path / "other.safetensors", metadata={"format": "pt", "note": "x" * 500})
+        with path.open("r+b") as file:  # the same inode, other bytes
+            file.write((tmp_path / "other.safetensors").read_bytes())
+            file.truncate()
+    with pytest.raises(ConfigError, match=r"model\.safetensors': changed while the offloaded model reads it") as err:
+        logits(source.model, tokens)
+    assert "\n" not in str(err.value)

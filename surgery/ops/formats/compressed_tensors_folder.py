@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
+from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.sequential import find_blocks
 from surgery.core.targets import is_hf_conv1d
 from surgery.ops.deployment import ActivationGrid, DeployPlan, WeightGrid
@@ -23,6 +24,7 @@ from surgery.ops.observers import QuantSpec
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
+TOKENIZER = "export.options.tokenizer"
 _FLOAT_FORMATS = {  # surgery's floating-point grid -> compressed-tensors' format
     "fp8_e4m3": "float-quantized",
     "mxfp4": "mxfp4-pack-quantized",
@@ -47,6 +49,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='compressed-tensors' takes {', '.join(OPTIONS)}")
+    tokenizer = _tokenizer(options.get("tokenizer"))
     model = plan.model
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
@@ -76,9 +79,8 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
                 state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, state_dict=state, max_shard_size=options.get("max_shard_size", "5GB"))
-    tokenizer = options.get("tokenizer")
     if tokenizer is not None:
-        _save_tokenizer(tokenizer, path)
+        tokenizer.save_pretrained(path)
     _add_quantization_config(path, ct, scheme, model, layers)
     dropped = mode == "none" and plan.activations
     left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
@@ -102,6 +104,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
         raise ConfigError(
             "export.options", sorted(options), "an offloaded model streams to compressed-tensors with tokenizer= only"
         )
+    tokenizer = _tokenizer(options.get("tokenizer"))
     model = handle.model
     if not hasattr(model, "config"):
         raise ConfigError(
@@ -147,8 +150,8 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(path)
     _add_quantization_config(path, ct, scheme, model, layers)
-    if options.get("tokenizer") is not None:
-        _save_tokenizer(options["tokenizer"], path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return {"exact": scheme_format not in _FP4_FORMATS, "left_out": []}
 
 
@@ -416,22 +419,33 @@ def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[st
     return found
 
 
-def _save_tokenizer(tokenizer: Any, path: Path) -> None:
-    if isinstance(tokenizer, (str, Path)):
-        from transformers import AutoTokenizer
+def _tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer to save beside the weights, a folder loaded before anything is written (one
+    asking to run its own code refused); None for none."""
+    if not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-    tokenizer.save_pretrained(path)
+    refuse_custom_code(tokenizer, TOKENIZER)  # outside the try: its own one-line error
+    try:
+        return from_pretrained(AutoTokenizer, tokenizer, TOKENIZER)
+    except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer folder raises
+        first = " ".join(str(err).split())[:160]
+        raise ConfigError(
+            TOKENIZER, str(tokenizer), f"cannot be loaded as a tokenizer ({type(err).__name__}: {first})"
+        ) from None
 
 
 def load_compressed_tensors(path: Path) -> nn.Module:
     """The folder loaded by transformers (its architecture from config.json), in eval mode."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    architecture = (config.architectures or ["AutoModel"])[0]
-    model_class = getattr(transformers, architecture, transformers.AutoModel)
-    model, info = model_class.from_pretrained(path, local_files_only=True, output_loading_info=True)
+    config = from_pretrained(transformers.AutoConfig, path, "export.load")
+    architecture = config.architectures[0] if config.architectures else None
+    loader = (
+        transformers.AutoModel if architecture is None else model_class(transformers, architecture, "export.load", path)
+    )
+    model, info = from_pretrained(loader, path, "export.load", output_loading_info=True)
     wrong = [k for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])]
     if wrong:
         raise ConfigError(

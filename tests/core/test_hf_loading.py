@@ -1,0 +1,68 @@
+"""The one door to transformers' loaders: a folder asking to run its own code is refused before
+transformers can offer to run it (even on a terminal, answered yes), and only model classes
+are taken from ``architectures``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support import local_tokenizer, plant_code, tiny_llama, under_terminal  # tests/support.py
+
+from surgery.core.errors import ConfigError
+from surgery.core.hf_loading import model_class
+
+transformers = pytest.importorskip("transformers")
+
+OFFLOADED = "import surgery; surgery.offloaded({folder!r})"
+TOKENIZER = """
+import sys, torch, surgery
+sys.path.insert(0, {tests!r})
+from support import tiny_llama
+tiny_llama().save_pretrained({model!r})
+done = surgery.quantize(surgery.offloaded({model!r}), weights=surgery.QuantSpec(bits=4, group_size=32), progress=False)
+surgery.export(done, {out!r}, format="compressed-tensors", tokenizer={folder!r})
+"""
+
+
+def planted(tmp_path: Path, kind: str) -> tuple[Path, Path]:
+    """A model folder whose config, or a tokenizer folder whose tokenizer_config, asks for custom.py."""
+    folder = tmp_path / kind
+    if kind == "model":
+        tiny_llama().save_pretrained(folder)
+        return folder, plant_code(folder, "config.json", {"AutoConfig": "custom.Config"}, model_type="custom")
+    local_tokenizer(folder, "surgery puts every change back exactly. " * 20, 40)
+    auto_map = {"AutoTokenizer": ["custom.Tokenizer", None]}
+    return folder, plant_code(folder, "tokenizer_config.json", auto_map, tokenizer_class="Custom")
+
+
+@pytest.mark.parametrize("kind, script", [("model", OFFLOADED), ("tokenizer", TOKENIZER)])
+def test_a_folder_asking_to_run_its_code_is_refused_before_transformers_can_ask(tmp_path, kind, script):
+    folder, marker = planted(tmp_path, kind)
+    code = script.format(
+        folder=str(folder), tests=str(Path(__file__).parents[1]), model=str(tmp_path / "m"), out=str(tmp_path / "out")
+    )
+    output = under_terminal([sys.executable, "-c", code], tmp_path, tmp_path / "hf")  # "y" typed ahead to any prompt
+    assert not marker.exists(), output[-2000:]
+    assert "Do you wish to run the custom code" not in output
+    assert "asks to run its own code ('auto_map' in" in output, output[-2000:]
+
+
+@pytest.mark.parametrize("name", ["AutoModel", "pipeline", "TrainingArguments", "__class__", 3, None])
+def test_only_a_model_class_is_taken_from_architectures(name):
+    with pytest.raises(ConfigError, match="names no transformers model class") as err:
+        model_class(transformers, name, "offloaded.source", "config.json")
+    assert "\n" not in str(err.value)
+    assert model_class(transformers, "LlamaForCausalLM", "f", "x") is transformers.LlamaForCausalLM
+
+
+def test_an_offloaded_folder_naming_another_attribute_of_transformers_is_one_line(tmp_path):
+    import surgery
+
+    tiny_llama().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["pipeline"]}))
+    with pytest.raises(ConfigError, match=r"names no transformers model class \(architectures: 'pipeline'\)"):
+        surgery.offloaded(tmp_path)
