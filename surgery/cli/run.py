@@ -221,14 +221,16 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
 
 
 def _export(config: RunConfig, stage: Staging, handle: HandleGroup, inputs: list) -> ExportRecord:
-    """Write the export while the surgery is attached (deployment formats read its grids); with
-    the ``deploy`` check, its parity with the model under surgery is measured on ``inputs``."""
+    """Write the export while the surgery is attached (deployment formats read its grids, and
+    trace the model on ``inputs``); with the ``deploy`` check, its parity with the model under
+    surgery is measured on them."""
     deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
     return export(
         handle,
         stage / config.export.file_name,
         format=config.export.format,
-        inputs=inputs if deploying else None,
+        inputs=inputs,
+        compare=deploying,
         **config.export.options,
     )
 

@@ -55,7 +55,7 @@ class DeployTarget:
 class ExportFormat:
     """A registered export format: ``write(model, path, options)`` writes ``path`` (a file, or
     with ``folder`` a folder; written atomically around it) and may return notes
-    (``{"exact": False, "left_out": [...]}``); ``load(path)`` gives back the deployable object
+    (``{"exact": False, "left_out": [...], "int8_ops": (n, of)}``); ``load(path)`` gives back the deployable object
     and ``run(deployable, call)`` its outputs on one batch.
 
     ``takes_plan``: ``write`` gets the :class:`~surgery.ops.deployment.DeployPlan` (the model
@@ -101,6 +101,7 @@ class ExportRecord:
     left_out: list[str] = field(default_factory=list)  # what the model under surgery does that the file does not
     exact: bool = True  # the loaded artifact computes bit for bit what the model under surgery computes
     parity: Parity | None = None
+    int8_ops: tuple[int, int] | None = None  # (weighted ops its runtime runs in int8, weighted ops), where known
 
     def load(self) -> Any:
         return EXPORT_FORMATS.get(self.format).load(self.path)
@@ -112,6 +113,7 @@ class ExportRecord:
     def as_dict(self) -> dict[str, Any]:
         found = {"path": self.path.name, "format": self.format, "bytes": self.bytes}
         found |= {"parity": self.parity.as_dict()} if self.parity is not None else {}
+        found |= {"int8_ops": list(self.int8_ops)} if self.int8_ops is not None else {}
         return found | ({"left_out": self.left_out} if self.left_out else {})
 
 
@@ -181,6 +183,7 @@ def export(
     format: str = "safetensors",
     overwrite: bool = False,
     inputs: Inputs | None = None,
+    compare: bool = True,
     **options: Any,
 ) -> ExportRecord:
     """Write the model under surgery (the model of ``handle``) to ``path`` in ``format``.
@@ -201,6 +204,7 @@ def export(
             (``"safetensors"``, ``"compressed-tensors"``).
         inputs: batches (or one) to compare the artifact, loaded in its runtime, with the model
             under surgery: ``record.parity``. Formats that trace the model (``"onnx"``) need them.
+        compare: ``False``: ``inputs`` only trace the model, no parity is measured.
         **options: passed to the format's writer.
 
     Example:
@@ -239,8 +243,9 @@ def export(
     if left_out:
         log.warning("export: format=%r holds the weights only; not in %s: %s", format, path.name, "; ".join(left_out))
     left_out += notes.get("left_out", [])
-    record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact))
-    if calls and chosen.runnable:
+    exact, int8_ops = notes.get("exact", chosen.exact), notes.get("int8_ops")
+    record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=exact, int8_ops=int8_ops)
+    if calls and compare and chosen.runnable:
         record = replace_field(record, parity=parity(record, model, calls))
         _warn_unless_held(record)
     return record

@@ -1248,6 +1248,11 @@ CLI_CASES = [
     CliCase("offload-folder", OFFLOAD, "offloaded.source='", offload_folder("architectures")),
     CliCase("offload-folder", OFFLOAD, "model.path='", offload_folder("code")),
     CliCase("offload-folder", OFFLOAD, "quantize/manifest.json': is not a manifest", offload_folder("manifest")),
+    CliCase(
+        "export-options",
+        ("recipe=quantize_digits", "export.format=onnx", "+export.options.opset=x"),
+        "export.options.opset='x': must be an integer from 18 to 25",
+    ),
 ]
 
 

@@ -221,6 +221,17 @@ def test_an_exporting_run_reloads_the_export_in_its_runtime_and_reports_deploy(t
     assert {c["name"]: c["passed"] for c in data["checks"]}["deploy"] is True
 
 
+def test_an_onnx_export_without_the_deploy_check_traces_the_data_and_says_its_int8_ops(tmp_path):
+    pytest.importorskip("onnxruntime")
+    result = surgery(
+        "recipe=quantize_digits", "export.format=onnx", "checks.enabled=[identity]", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert (tmp_path / "export.onnx").is_file() and "deploy" not in data  # traced on the data, no parity measured
+    assert data["export"]["int8_ops"] == [4, 4]  # every layer of the CNN on an int8 kernel
+
+
 def test_accuracy_drop_bound_fails_the_drift_check(tmp_path):
     result = surgery(
         "recipe=prune_resnet50",

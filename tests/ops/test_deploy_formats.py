@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -462,3 +463,76 @@ def test_a_batchnorm_subclass_folded_exports_with_its_activation(tmp_path):
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
+
+
+class ConvsAndTokens(nn.Module):
+    """Bias-less convolutions around a BatchNorm subclass and a Concat, and a Linear over the
+    pixels as tokens (a MatMul of its transposed weight), as in densenet, mixnet and mobilevit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 8, 3, padding=1, bias=False), NormAct(8), nn.Linear(8, 8)
+        self.side, self.head = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.Conv2d(16, 4, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.conv(x))
+        tokens = self.fc(y.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(y.shape)
+        return self.head(torch.cat([tokens, self.side(x)], 1))
+
+
+def test_onnx_after_a_batchnorm_subclass_runs_every_layer_in_int8_and_keeps_no_float_weight(tmp_path):
+    torch.manual_seed(0)
+    model = trained_stats(ConvsAndTokens())
+    model.fc.bias.data += 2.0  # quantized before its bias, the Linear's output would clip
+    calibration = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
+        assert record.parity.holds, record.parity
+    assert record.int8_ops == (4, 4) and record.as_dict()["int8_ops"] == [4, 4]
+    kinds = kernels_formed(record.path, tmp_path)
+    assert kinds["QLinearConv"] == 3 and kinds["Conv"] == 0, kinds
+    # the Linear's output is quantized after its bias Add, as simulated: int8 MatMul, float bias
+    assert kinds["MatMulIntegerToFloat"] == 1 and kinds["QLinearMatMul"] == 0, kinds
+    import onnx
+
+    floats = [i.name for i in onnx.load(str(record.path)).graph.initializer if i.data_type == 1 and len(i.dims) > 1]
+    assert floats == []  # no float copy of a weight (the exporter read a bias-less weight's shape from one)
+
+
+def test_onnx_counts_the_weighted_ops_left_in_float_and_says_so(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = trained_stats(ConvsAndTokens())
+    calibration = [torch.randn(2, 3, 8, 8) for _ in range(3)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    excluding = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), exclude="side", target="onnx")
+    with surgery.quantize(model, excluding, calibration=calibration) as handle:
+        with caplog.at_level("WARNING", logger="surgery"):
+            record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration[:1])
+    assert record.int8_ops == (3, 4) and not any("int8 kernels" in r.message for r in caplog.records)
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        with mock.patch("surgery.ops.formats.onnx_qdq.count_int8_ops", return_value=(2, 4)):
+            with caplog.at_level("WARNING", logger="surgery"):
+                record = surgery.export(handle, tmp_path / "n.onnx", format="onnx", inputs=calibration[:1])
+    assert record.int8_ops == (2, 4)
+    assert "ONNX Runtime runs 2 of the 4 quantized layers on int8 kernels (4 weighted ops in all)" in caplog.text
+
+
+def test_onnx_refuses_a_weight_the_graph_computes_naming_the_exclusion(tmp_path):
+    torch.manual_seed(0)
+    model = trained_stats(ConvsAndTokens())
+    calibration = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        with mock.patch("onnxscript.optimizer.fold_constants"):  # the transposed weight left computed
+            with pytest.raises(ConfigError, match=r"^export.handle='fc.weight': .* quantize.exclude=\[fc\] "):
+                surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration[:1])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("opset", ["x", 17, 26, True])
+def test_onnx_refuses_an_opset_it_cannot_write(tmp_path, opset):
+    model = mlp()  # the handle holds it weakly
+    with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), calibration=[torch.randn(2, 64)]) as handle:
+        with pytest.raises(ConfigError, match=r"^export.options.opset=.*: must be an integer from 18 to 25$"):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=torch.randn(2, 64), opset=opset)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,11 @@ from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.folding import batchnorm_pairs, is_neutral
 from surgery.ops.formats.requirements import required
 
+log = logging.getLogger("surgery")
 OPTIONS = ("opset",)
+OPSETS = (18, 25)  # what the exporter's version converter writes keeping the module names (onnxscript 0.7)
+INT8_KERNELS = ("QLinearConv", "ConvInteger", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "QGemm")
+FLOAT_KERNELS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul")
 WEIGHT_LAYOUT = {"Conv": 0, "Gemm": 0, "MatMul": 1}  # the output-channel axis of each op's weight initializer
 ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors"): a runtime fuses them into Q
 
@@ -36,8 +42,9 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='onnx' takes {', '.join(OPTIONS)}")
+    opset = _opset(options)
     onnx = required("onnx", "onnx")
-    required("onnxscript", "onnxscript")
+    onnxscript = required("onnxscript", "onnxscript")
     if not plan.inputs:
         raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
     _check_grids(plan)
@@ -55,15 +62,58 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
             kwargs=dict(call.kwargs),
             dynamo=True,
             optimize=not neutral,
-            opset_version=options.get("opset", 18),
+            opset_version=opset,
             dynamic_shapes=_any_batch(plain, call),
         )
+    if neutral:  # its constants folded still: a bias-less convolution's zero bias is Expand(Shape(weight))
+        onnxscript.optimizer.fold_constants(program.model)
     program.save(str(path))
     model = onnx.load(str(path))
     _QDQ(model, plan).insert()
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
-    return {"exact": False}
+    return {"exact": False, "int8_ops": _int8_ops_said(path, len(plan.weights))}
+
+
+def _int8_ops_said(path: Path, quantized: int) -> tuple[int, int]:
+    """:func:`count_int8_ops`, with a warning when fewer than the ``quantized`` layers run in int8."""
+    int8, weighted = count_int8_ops(path)
+    if int8 < quantized:
+        log.warning(
+            "export: ONNX Runtime runs %d of the %d quantized layers on int8 kernels (%d weighted ops in all); "
+            "the others compute in float",
+            int8,
+            quantized,
+            weighted,
+        )
+    return int8, weighted
+
+
+def _opset(options: dict[str, Any]) -> int:
+    """The ``opset`` option, checked: an integer the exporter writes with the module names kept."""
+    opset = options.get("opset", OPSETS[0])
+    if isinstance(opset, bool) or not isinstance(opset, int) or not OPSETS[0] <= opset <= OPSETS[1]:
+        raise ConfigError("export.options.opset", opset, f"must be an integer from {OPSETS[0]} to {OPSETS[1]}")
+    return opset
+
+
+def count_int8_ops(path: Path) -> tuple[int, int]:
+    """(weighted ops ONNX Runtime runs on int8 kernels, weighted ops), read from the graph it
+    optimizes ``path`` into: a weighted op is a Conv/MatMul/Gemm with a constant weight, float or
+    fused into an int8 kernel (QLinearConv, QGemm, MatMulIntegerToFloat...)."""
+    ort, onnx = required("onnxruntime", "onnxruntime"), required("onnx", "onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # QDQ fusions, no layouts
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory() as folder:
+        options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        graph = onnx.load(options.optimized_model_filepath).graph
+    constant = {i.name for i in graph.initializer if len(i.dims) >= 2}
+    constant |= {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in constant}
+    weighted = [n.op_type for n in graph.node if any(i in constant for i in n.input[1:])]
+    int8 = sum(kind in INT8_KERNELS for kind in weighted)
+    return int8, int8 + sum(kind in FLOAT_KERNELS for kind in weighted)
 
 
 def _any_batch(model: nn.Module, call: Call) -> dict[str, Any]:
@@ -157,7 +207,7 @@ class _QDQ:
                 self._bias(node, read, weight)
             outputs = self.plan.activation(layer, "output")
             if outputs is not None:
-                self._activation(node.output[0], outputs)
+                self._activation(self._written(node, layer), outputs)
         wanted = {(layer, call) for layer, _, call in self.plan.activations}
         wanted |= {(k.rpartition(".")[0], 0) for k in self.plan.weights}
         missing = sorted(wanted - found)
@@ -181,6 +231,16 @@ class _QDQ:
                 return next((s for s in reversed(scopes) if s in layers), None)
         return None
 
+    def _written(self, node: Any, layer: str) -> str:
+        """The tensor ``layer`` writes: ``node``'s output, or that of the ops of the same layer
+        that alone read it in turn (a MatMul's bias Add): its output quantizer goes there."""
+        tensor = node.output[0]
+        while True:
+            readers = [n for n in self.graph.node if tensor in n.input]
+            if len(readers) != 1 or len(readers[0].output) != 1 or self._layer(readers[0], {layer}) != layer:
+                return tensor
+            tensor = readers[0].output[0]
+
     def _constant(self, base: str, value: np.ndarray) -> str:
         self.count += 1
         name = f"{base}__surgery{self.count}"
@@ -192,7 +252,13 @@ class _QDQ:
 
         name = node.input[1]
         if name not in self.initializers:
-            raise ConfigError("export.handle", grid.key, f"is not a constant of its {node.op_type} in the traced graph")
+            layer = grid.key.rpartition(".")[0]
+            raise ConfigError(
+                "export.handle",
+                grid.key,
+                f"is computed in the traced graph, not a constant its {node.op_type} reads, so it cannot be held "
+                f"as int8; leave the layer out of the quantization: quantize.exclude=[{layer}] (exclude= in Python)",
+            )
         value = torch.from_numpy(self.numpy.to_array(self.initializers[name]).copy())
         axis = WEIGHT_LAYOUT[node.op_type]
         if node.op_type == "Gemm" and not any(a.name == "transB" and a.i == 1 for a in node.attribute):
