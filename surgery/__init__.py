@@ -33,7 +33,7 @@ from surgery.ops import (
 from surgery.ops.awq import AwqHandle, AwqSpec, awq
 from surgery.ops.criteria import LayerStats, register_criterion
 from surgery.ops.distillation import DistillSpec
-from surgery.ops.exporting import ExportRecord, export, register_export_format
+from surgery.ops.exporting import ExportParityError, ExportRecord, export, register_export_format
 from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
 from surgery.ops.intercept import (
     Event,
@@ -127,6 +127,7 @@ __all__ = [
     "register_weight_method",
     "export",
     "ExportRecord",
+    "ExportParityError",
     "register_export_format",
     "FinetuneSpec",
     "QuantizeSpec",

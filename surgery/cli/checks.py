@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from surgery.analysis.comparison import Drift
-from surgery.cli.config import DriftThresholds
+from surgery.cli.config import DriftThresholds, RunConfig
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
 from surgery.core.inputs import batches, evaluating, outputs
-from surgery.ops.exporting import ExportRecord
+from surgery.ops.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
 from surgery.testing import (
     max_difference,
     module_hook_counts,
@@ -193,13 +193,38 @@ def check_drift(drift: Drift, bounds: DriftThresholds, accuracy: dict[str, float
 
 def check_deploy(record: ExportRecord) -> CheckResult:
     """The exported artifact, reloaded in its runtime, against the model under surgery: equal
-    for formats that dequantize exactly, else at least the format's cosine similarity."""
+    for formats that dequantize exactly, else at least the format's cosine similarity (and its
+    integer outputs' agreement); NaN or Inf on either side fails. A failed one was not written."""
     parity = record.parity
     if parity is None:
         return CheckResult("deploy", False, detail="no inputs to compare the export on")
+    unwritten = "" if parity.holds else f"; {record.path.name} was not written"
     if parity.expected == "exact":
-        detail = "bit-identical outputs" if parity.equal else f"outputs differ by up to {parity.max_abs:.3g}"
-        return CheckResult("deploy", parity.holds, parity.max_abs, 0.0, f"{record.format}: {detail}")
+        detail = "bit-identical outputs" if parity.holds else parity.describe()
+        return CheckResult("deploy", parity.holds, parity.max_abs, 0.0, f"{record.format}: {detail}{unwritten}")
     bound = float(parity.expected.removeprefix("cosine>="))
-    detail = f"{record.format}: cosine {parity.cosine:.6f} (bound {bound}), max |diff| {parity.max_abs:.3g}"
-    return CheckResult("deploy", parity.holds, parity.cosine, bound, detail)
+    return CheckResult("deploy", parity.holds, parity.cosine, bound, f"{record.format}: {parity.describe()}{unwritten}")
+
+
+def export_checked(handle: object, path: Path, config: RunConfig, inputs: list) -> ExportRecord:
+    """The run's export. With the ``deploy`` check (a format that runs) its parity with the model
+    under surgery is measured on ``inputs``; an artifact that misses its format's promise is
+    never written, and its record comes back for :func:`check_deploy` to fail (the run exits 1)."""
+    deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
+    try:
+        return export(
+            handle,
+            path,
+            format=config.export.format,
+            inputs=inputs,
+            compare=deploying,
+            **config.export.options,
+        )
+    except ExportParityError as err:
+        return err.record
+
+
+def export_section(record: ExportRecord) -> dict:
+    """``report.json`` ``export``: the record, and ``written: false`` when its deploy check failed."""
+    unwritten = record.parity is not None and not record.parity.holds
+    return record.as_dict() | ({"written": False} if unwritten else {})

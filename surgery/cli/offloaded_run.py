@@ -32,7 +32,6 @@ from surgery.core.handles import Handle
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.core.interrupts import raise_pending
-from surgery.ops.exporting import EXPORT_FORMATS, export
 from surgery.ops.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
 from surgery.ops.offloading import Offloaded, offloaded
 
@@ -67,14 +66,7 @@ def execute_offloaded(
     last = next((h for h in reversed(handles) if isinstance(h, OffloadedCompression)), None)
     record = None
     if config.export.format is not None:
-        deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
-        record = export(
-            last or source,
-            folder / config.export.file_name,
-            format=config.export.format,
-            inputs=inputs if deploying else None,
-            **config.export.options,
-        )
+        record = checks.export_checked(last or source, folder / config.export.file_name, config, inputs)
     drift = compare(_Outputs(expected), source.model, inputs)
     results = [checks.check_drift(drift, config.checks.drift)] if "drift" in config.checks.enabled else []
     if perplexity is not None:
@@ -107,7 +99,7 @@ def execute_offloaded(
     for name, handle in zip(config.steps, handles):
         step_named(name).report(handle, config.settings(name), StepRun(config), report)
     if record is not None:
-        report["export"] = record.as_dict()
+        report["export"] = checks.export_section(record)
         if record.parity is not None:
             result = checks.check_deploy(record)
             report["checks"].append(checks_rows([result])[0])

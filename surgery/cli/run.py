@@ -54,7 +54,7 @@ from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
 from surgery.ops.deploy_summary import deploy_summary
-from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord, export
+from surgery.ops.exporting import ExportRecord
 from surgery.ops.folding import folded_structure
 from surgery.ops.pruning import PruneHandle
 from surgery.ops.quantization import QuantizeHandle
@@ -221,18 +221,10 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
 
 
 def _export(config: RunConfig, stage: Staging, handle: HandleGroup, inputs: list) -> ExportRecord:
-    """Write the export while the surgery is attached (deployment formats read its grids, and
-    trace the model on ``inputs``); with the ``deploy`` check, its parity with the model under
-    surgery is measured on them."""
-    deploying = "deploy" in config.checks.enabled and EXPORT_FORMATS.get(config.export.format).runnable
-    return export(
-        handle,
-        stage / config.export.file_name,
-        format=config.export.format,
-        inputs=inputs,
-        compare=deploying,
-        **config.export.options,
-    )
+    """Write the export while the surgery is attached (deployment formats read its grids); with
+    the ``deploy`` check, its parity with the model under surgery is measured on ``inputs`` and
+    an artifact that misses it is not written (:func:`checks.export_checked`)."""
+    return checks.export_checked(handle, stage / config.export.file_name, config, inputs)
 
 
 def _report_export(
@@ -244,9 +236,10 @@ def _report_export(
     report: dict[str, Any],
 ) -> None:
     """``report.json`` ``export``, and for a deployment format ``deploy`` and its check row."""
-    report["export"] = record.as_dict()
+    report["export"] = checks.export_section(record)
     if record.parity is not None:
-        report["deploy"] = deploy_summary(record, reference, inputs, metric)
+        if record.parity.holds:  # else there is no artifact to time or evaluate
+            report["deploy"] = deploy_summary(record, reference, inputs, metric)
         result = checks.check_deploy(record)
         report["checks"].append(checks_rows([result])[0])
         report["ok"] = report["ok"] and result.passed

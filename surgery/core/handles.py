@@ -23,6 +23,7 @@ Revert = Callable[[], None]
 
 _scopes = threading.local()  # this thread's open restored_on_error() blocks: the handles made in each
 _later = WeakIdKeyDictionary()  # model -> handles that must be undone before any earlier one (finetune)
+_on = WeakIdKeyDictionary()  # model -> every handle made on it (a group's members, not the group)
 _created = itertools.count()
 
 
@@ -65,6 +66,7 @@ class Handle:
         if self.undo_first:
             _later.setdefault(model, weakref.WeakSet()).add(self)
         if type(self)._tracked:
+            _on.setdefault(model, weakref.WeakSet()).add(self)
             for scope in getattr(_scopes, "stack", []):
                 scope.append(self)
 
@@ -319,6 +321,25 @@ def restored_on_error() -> Iterator[list[Handle]]:
         raise
     finally:
         stack.remove(made)
+
+
+def attached_to(model: nn.Module) -> list[Handle]:
+    """The handles still attached to ``model`` or to any of its submodules, first applied first
+    (a group's members, each on its own): all the surgery ``model`` runs with now.
+
+    Example:
+        >>> handle = surgery.prune(model, 0.5)
+        >>> attached_to(model) == [handle]
+    """
+    found = {id(h): h for module in model.modules() for h in list(_on.get(module, ())) if h.state == "attached"}
+    return sorted(found.values(), key=lambda h: h._order)
+
+
+def members(handle: Handle) -> list[Handle]:
+    """The handles a group is made of, nested groups opened; ``[handle]`` for a single one."""
+    if isinstance(handle, HandleGroup):
+        return [inner for each in handle.handles for inner in members(each)]
+    return [handle]
 
 
 def compose(*handles: Handle) -> HandleGroup:

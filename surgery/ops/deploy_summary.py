@@ -17,7 +17,7 @@ from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord
 
 class Deployed(nn.Module):
     """A loaded artifact seen as a module: ``forward`` runs it in its runtime and returns its
-    first output (the logits), so the task's metric evaluates it as it evaluates the model."""
+    first floating output (the logits), so the task's metric evaluates it as it evaluates the model."""
 
     def __init__(self, record: ExportRecord, deployable: Any = None) -> None:
         super().__init__()
@@ -26,7 +26,8 @@ class Deployed(nn.Module):
         self.run_one = EXPORT_FORMATS.get(record.format).run
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run_one(self.deployable, Call(args, kwargs))[0]
+        outputs = self.run_one(self.deployable, Call(args, kwargs))
+        return next((t for t in outputs if t.is_floating_point()), outputs[0])
 
 
 def fp32_bytes(model: nn.Module) -> int:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.core.handles import Handle, HandleGroup
+from surgery.core.handles import Handle, members
 from surgery.core.inputs import Call
 from surgery.ops.observers import QuantSpec
 
@@ -18,22 +18,36 @@ from surgery.ops.observers import QuantSpec
 class WeightGrid:
     """The integer grid of one quantized weight (``key``: its qualified name): ``scale`` and
     ``zero_point`` are scalars (``axis=None``), one per output channel along ``axis``, or
-    (outputs, groups) for ``spec.group_size``."""
+    (outputs, groups) for ``spec.group_size``. ``outputs`` is the weight's output axis whatever
+    the grid (1 for a transformers ``Conv1D``, stored inputs x outputs), so that a per-tensor
+    grid lays the weight out as every other grid does."""
 
     key: str
     spec: QuantSpec
     scale: Tensor
     zero_point: Tensor
     axis: int | None
+    outputs: int = 0
 
     @property
     def group_size(self) -> int | None:
         return self.spec.group_size
 
+    @property
+    def output_axis(self) -> int:
+        """The axis that becomes the rows of :meth:`rows`: the grid's axis, else the weight's outputs."""
+        return self.outputs if self.axis is None else self.axis
+
     def rows(self, value: Tensor) -> Tensor:
-        """``value`` as an (outputs, inputs) matrix: the weight axis first, the rest flattened."""
-        moved = value if self.axis is None else value.movedim(self.axis, 0)
+        """``value`` as an (outputs, inputs) matrix: the output axis first, the rest flattened."""
+        moved = value.movedim(self.output_axis, 0)
         return moved.reshape(moved.shape[0], -1)
+
+    def in_layout(self, matrix: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+        """An (outputs, inputs) ``matrix`` (:meth:`rows`) back in the weight's own layout ``shape``."""
+        moved = list(shape)
+        moved.insert(0, moved.pop(self.output_axis))
+        return matrix.reshape(moved).movedim(0, self.output_axis)
 
     def row_scales(self, columns: int) -> tuple[Tensor, Tensor]:
         """Scale and zero point for every entry of an (outputs, ``columns``) matrix, broadcastable."""
@@ -48,10 +62,13 @@ class WeightGrid:
     def integers(self, value: Tensor) -> Tensor:
         """The grid's integers (int32) of ``value`` as an (outputs, inputs) matrix. ``value`` is
         the weight as the simulation computes it, already on the grid, so this is exact."""
-        rows = self.rows(value.detach().float().cpu())
+        return self.row_integers(self.rows(value.detach().float().cpu()))
+
+    def row_integers(self, rows: Tensor) -> Tensor:
+        """The grid's integers (int32) of the weight already laid out as (outputs, inputs) ``rows``."""
         scale, zero_point = self.row_scales(rows.shape[1])
         low, high = self.spec.quant_range
-        return torch.clamp(torch.round(rows / scale) + zero_point, low, high).to(torch.int32)
+        return torch.clamp(torch.round(rows.float() / scale) + zero_point, low, high).to(torch.int32)
 
     def dequantized(self, integers: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """(integers - zero point) × scale, as the simulation computes it (float32 matrix; in
@@ -125,7 +142,7 @@ def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan
     """
     model = handle.model
     plan = DeployPlan(model)
-    for each in _members(handle):
+    for each in members(handle):
         if each.state != "attached":
             raise ConfigError(field_name, repr(each), f"is {each.state}; export a handle while its surgery is attached")
         parts = each.export_parts()
@@ -139,9 +156,3 @@ def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan
         if not parts:
             plan.unexpressed.extend(each.outside_weights())
     return plan
-
-
-def _members(handle: Handle) -> list[Handle]:
-    if isinstance(handle, HandleGroup):
-        return [inner for each in handle.handles for inner in _members(each)]
-    return [handle]

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
-from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.handles import Handle, HandleGroup
+from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
+from surgery.core.handles import Handle, HandleGroup, attached_to, members
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
 from surgery.core.safetensors_streams import write_streamed
@@ -28,13 +28,13 @@ from surgery.ops.deployment import deploy_plan
 log = logging.getLogger("surgery")
 Write = Callable[[Any, Path, dict[str, Any]], None]  # (model, or DeployPlan with takes_plan; path; options)
 Load = Callable[[Path], Any]  # path -> the deployable object
-Run = Callable[[Any, Call], list[Tensor]]  # (deployable, one batch) -> its floating outputs
+Run = Callable[[Any, Call], list[Tensor]]  # (deployable, one batch) -> its output tensors, in order
 
 
 def run_module(deployable: Any, call: Call) -> list[Tensor]:
-    """Outputs of a loaded ``nn.Module`` (or any callable taking the batch's arguments)."""
+    """Every output tensor of a loaded ``nn.Module`` (or any callable taking the batch's arguments)."""
     with torch.no_grad():
-        return flatten_tensors(call(deployable))
+        return flatten_tensors(call(deployable), floating_only=False)
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,9 @@ class ExportFormat:
     for bit (a weights file, weight-only formats that dequantize); otherwise ``bound`` is the
     smallest cosine similarity its outputs keep (int8 kernels round differently). ``stream``
     writes the same from an offloaded model (:func:`surgery.offloaded`, or what a verb made of
-    it), given the handle, reading each tensor as it is written."""
+    it), given the handle, reading each tensor as it is written. ``agreement``: with a cosine
+    bound, the smallest share of entries of integer and boolean outputs (an argmax, token ids)
+    that must be equal (an exact format keeps them all)."""
 
     name: str
     write: Write
@@ -78,6 +80,7 @@ class ExportFormat:
     bound: float = 0.999
     target: DeployTarget | None = None
     stream: Write | None = None  # writes an offloaded model's result reading one tensor at a time
+    agreement: float = 0.99  # with a cosine bound: the smallest share of integer outputs (argmax) kept equal
 
     @property
     def runnable(self) -> bool:
@@ -107,7 +110,7 @@ class ExportRecord:
         return EXPORT_FORMATS.get(self.format).load(self.path)
 
     def run(self, deployable: Any, batch: Any) -> list[Tensor]:
-        """The floating outputs of a loaded artifact (``load()``) on one batch."""
+        """The output tensors of a loaded artifact (``load()``) on one batch."""
         return EXPORT_FORMATS.get(self.format).run(deployable, as_call(batch))
 
     def as_dict(self) -> dict[str, Any]:
@@ -119,29 +122,61 @@ class ExportRecord:
 
 @dataclass(frozen=True)
 class Parity:
-    """The loaded artifact against the model under surgery on the same batches: the largest
-    absolute difference, the smallest cosine similarity of any output, and whether every output
-    is equal bit for bit; ``expected`` is what the format promises (``"exact"`` or a cosine)."""
+    """The loaded artifact against the model under surgery on the same batches, every output
+    tensor of both compared: the largest absolute difference and the smallest cosine similarity
+    of the floating ones (1.0 when there is none), the smallest share of equal entries of the
+    integer and boolean ones (``agreement``; ``None`` when there is none), whether every output
+    is equal bit for bit, and which side gave NaN or Inf (``nonfinite``: then ``max_abs`` is
+    inf, ``cosine`` NaN and the promise fails). ``expected`` is what the format promises
+    (``"exact"`` or a cosine), ``agreement_bound`` what its integer outputs must reach."""
 
     max_abs: float
     cosine: float
     equal: bool
     expected: str
+    agreement: float | None = None
+    agreement_bound: float = 1.0
+    nonfinite: tuple[str, ...] = ()
 
     @property
     def holds(self) -> bool:
+        """Whether the artifact keeps what its format promises (no NaN or Inf on either side)."""
+        if self.nonfinite:
+            return False
         if self.expected == "exact":
             return self.equal
-        return math.isfinite(self.max_abs) and self.cosine >= float(self.expected.removeprefix("cosine>="))
+        agreed = self.agreement is None or self.agreement >= self.agreement_bound
+        return agreed and self.cosine >= float(self.expected.removeprefix("cosine>="))
+
+    def describe(self) -> str:
+        """The figures in one line: what was promised and what was measured."""
+        found = f"cosine {self.cosine:.6f}, max |diff| {self.max_abs:.3g}"
+        if self.agreement is not None:
+            found += f", integer outputs agree on {self.agreement:.2%} (at least {self.agreement_bound:.2%} promised)"
+        if self.nonfinite:
+            found += f", NaN or Inf from {' and '.join(self.nonfinite)}"
+        return f"expected {self.expected}: {found}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "max_abs": self.max_abs,
-            "cosine": self.cosine,
-            "equal": self.equal,
-            "expected": self.expected,
-            "holds": self.holds,
-        }
+        found = {"max_abs": self.max_abs, "cosine": self.cosine, "equal": self.equal, "expected": self.expected}
+        if self.agreement is not None:
+            found |= {"agreement": self.agreement, "agreement_bound": self.agreement_bound}
+        if self.nonfinite:
+            found["nonfinite"] = list(self.nonfinite)
+        return found | {"holds": self.holds}
+
+
+class ExportParityError(SurgeryError, RuntimeError):
+    """The artifact, loaded in its own runtime, does not keep what its format promises against
+    the model under surgery; it was never moved into place. ``record`` (its ``parity``) has the
+    figures."""
+
+    def __init__(self, record: ExportRecord) -> None:
+        self.record = record
+        super().__init__(
+            f"export.format={record.format!r}: the loaded artifact computes something else than the model under "
+            f"surgery ({record.parity.describe()}); {record.path.name} was not written"
+        )
 
 
 EXPORT_FORMATS: Registry[ExportFormat] = Registry("export.format")
@@ -161,6 +196,7 @@ def register_export_format(
     bound: float = 0.999,
     target: DeployTarget | None = None,
     stream: Write | None = None,
+    agreement: float = 0.99,
     replace: bool = False,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
@@ -172,7 +208,9 @@ def register_export_format(
     """
     if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
-    chosen = ExportFormat(name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target, stream)
+    chosen = ExportFormat(
+        name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target, stream, agreement
+    )
     return EXPORT_FORMATS.register(name, chosen, replace=replace)
 
 
@@ -191,10 +229,13 @@ def export(
     Args:
         handle: what a verb returned (or a group of them), or the model itself (weights-only
             formats). Deployment formats read each quantized weight's grid and each activation's
-            scale from the handles, so they need the handle, attached.
+            scale from the handles, so they need the handle, attached; surgery outside the
+            weights that another handle keeps on the model (an input rewrite, an online
+            rotation) is refused by name: compose the handles and export the group.
         path: the file (or, for folder formats such as ``"compressed-tensors"``, the folder) to
             write; an existing one is refused unless ``overwrite``. What the model does outside
-            its weights and the format cannot hold is logged and listed in ``record.left_out``.
+            its weights (whichever handle attached it) and a weights-only format cannot hold is
+            logged and listed in ``record.left_out``.
         format: a registered format (:func:`register_export_format`): ``"safetensors"`` writes
             the weights as they compute now (pruned zeros, quantized values);
             ``"compressed-tensors"``, ``"torchao"`` and ``"onnx"`` write integer weights for
@@ -203,9 +244,16 @@ def export(
             it, is streamed: one tensor read at a time, in the formats that stream
             (``"safetensors"``, ``"compressed-tensors"``).
         inputs: batches (or one) to compare the artifact, loaded in its runtime, with the model
-            under surgery: ``record.parity``. Formats that trace the model (``"onnx"``) need them.
+            under surgery as it runs (every attached surgery), every output tensor of both:
+            ``record.parity``. Formats that trace the model (``"onnx"``) need them.
         compare: ``False``: ``inputs`` only trace the model, no parity is measured.
         **options: passed to the format's writer.
+
+    Raises:
+        ExportParityError: given ``inputs``, the loaded artifact misses what its format
+            promises (bit-identical outputs, or its cosine bound and integer outputs' agreement;
+            NaN or Inf on either side): the artifact is never moved into place, and an earlier
+            one at ``path`` is left as it was.
 
     Example:
         >>> record = surgery.export(surgery.prune(model, 0.5), "pruned.safetensors")
@@ -222,47 +270,84 @@ def export(
         raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={format!r}")
     refuse_existing([path], overwrite)
     calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
-    source: Any = model
-    left_out: list[str] = []
-    if chosen.takes_plan:
-        if not isinstance(handle, Handle):
-            raise ConfigTypeError(
-                "export.handle", type(handle).__name__, f"format={format!r} needs the handle a verb returned"
-            )
-        source = deploy_plan(handle)
-        source.inputs = calls
-        if source.unexpressed:
-            raise ConfigError(
-                "export.handle", "; ".join(source.unexpressed), f"cannot be expressed in format={format!r}"
-            )
-    elif not chosen.holds_hooks and isinstance(handle, Handle):
-        left_out = handle.outside_weights()
-    writer = write_folder_atomically if chosen.folder else write_atomically
-    notes: dict[str, Any] = {}
-    writer(path, lambda tmp: notes.update(chosen(source, tmp, options) or {}))
+    source, left_out = _source(chosen, handle, model, calls)
+    write = lambda tmp: chosen(source, tmp, options)  # noqa: E731 - one call, named for the reader
+    record = _write_checked(chosen, path, write, model, calls if compare else None, options, left_out)
     if left_out:
         log.warning("export: format=%r holds the weights only; not in %s: %s", format, path.name, "; ".join(left_out))
-    left_out += notes.get("left_out", [])
-    exact, int8_ops = notes.get("exact", chosen.exact), notes.get("int8_ops")
-    record = ExportRecord(path, format, _size(path), dict(options), left_out, exact=exact, int8_ops=int8_ops)
-    if calls and compare and chosen.runnable:
-        record = replace_field(record, parity=parity(record, model, calls))
-        _warn_unless_held(record)
     return record
 
 
-def _warn_unless_held(record: ExportRecord) -> None:
-    """A loaded artifact that does not compute what the simulation computes is said out loud."""
-    found = record.parity
-    if found is not None and not found.holds:
-        log.warning(
-            "export: the loaded %s computes something else than the model under surgery (max abs %.3g, "
-            "cosine %.6f, expected %s); record.parity has the figures",
-            record.format,
-            found.max_abs,
-            found.cosine,
-            found.expected,
-        )
+def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Call] | None) -> tuple[Any, list[str]]:
+    """What the format's writer gets (the model, or the handles' deploy plan), and what the model
+    does as it runs — with the surgery of every handle attached to it — that the file cannot hold."""
+    if chosen.takes_plan:
+        if not isinstance(handle, Handle):
+            raise ConfigTypeError(
+                "export.handle", type(handle).__name__, f"format={chosen.name!r} needs the handle a verb returned"
+            )
+        _refuse_others(chosen, handle, model)
+        plan = deploy_plan(handle)
+        plan.inputs = calls
+        if plan.unexpressed:
+            raise ConfigError(
+                "export.handle", "; ".join(plan.unexpressed), f"cannot be expressed in format={chosen.name!r}"
+            )
+        return plan, []
+    if chosen.holds_hooks:
+        return model, []
+    mine = {id(each) for each in members(handle)} if isinstance(handle, Handle) else None
+    return model, [
+        item if mine is None or id(each) in mine else f"{item} (attached by another handle, {each.kind})"
+        for each in attached_to(model)
+        for item in each.outside_weights()
+    ]
+
+
+def _refuse_others(chosen: ExportFormat, handle: Handle, model: nn.Module) -> None:
+    """Refuse surgery outside the weights that a handle other than ``handle`` keeps on ``model``:
+    the format holds only what the handle it is given describes."""
+    mine = {id(each) for each in members(handle)}
+    for other in attached_to(model):
+        outside = other.outside_weights()
+        if id(other) not in mine and outside:
+            raise ConfigError(
+                "export.handle",
+                f"{other.kind} handle",
+                f"is also attached to the model, and format={chosen.name!r} holds only the handle it is given: "
+                f"{outside[0]} would be missing from the file; compose the handles (surgery.compose) and export "
+                "the group, or restore the other one first",
+            )
+
+
+def _write_checked(
+    chosen: ExportFormat,
+    path: Path,
+    write: Callable[[Path], dict[str, Any] | None],
+    model: nn.Module,
+    calls: list[Call] | None,
+    options: dict[str, Any],
+    left_out: list[str],
+) -> ExportRecord:
+    """Write ``path`` atomically; with ``calls`` (a runnable format), load the written copy
+    before it is moved into place and compare it with ``model`` as it runs: one that misses its
+    format's promise raises :class:`ExportParityError` and is never moved into place."""
+    made: list[ExportRecord] = []
+
+    def written(tmp: Path) -> None:
+        notes = write(tmp) or {}
+        missing = [*left_out, *notes.get("left_out", [])]
+        exact = notes.get("exact", chosen.exact) and not missing
+        int8_ops = notes.get("int8_ops")
+        record = ExportRecord(path, chosen.name, _size(tmp), dict(options), missing, exact=exact, int8_ops=int8_ops)
+        if calls and chosen.runnable:
+            record = replace_field(record, parity=_parity(chosen, chosen.load(tmp), model, calls, exact))
+            if not record.parity.holds:
+                raise ExportParityError(record)
+        made.append(record)
+
+    (write_folder_atomically if chosen.folder else write_atomically)(path, written)
+    return made[0]
 
 
 def _export_streamed(
@@ -280,40 +365,71 @@ def _export_streamed(
         raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={chosen.name!r}")
     refuse_existing([path], overwrite)
     calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
-    writer = write_folder_atomically if chosen.folder else write_atomically
-    notes: dict[str, Any] = {}
-    writer(path, lambda tmp: notes.update(chosen.stream(handle, tmp, options) or {}))
-    left_out = notes.get("left_out", [])
-    record = ExportRecord(
-        path, chosen.name, _size(path), dict(options), left_out, exact=notes.get("exact", chosen.exact)
-    )
-    if calls and chosen.runnable:
-        record = replace_field(record, parity=parity(record, handle.model, calls))
-        _warn_unless_held(record)
-    return record
+    write = lambda tmp: chosen.stream(handle, tmp, options)  # noqa: E731 - one call, named for the reader
+    return _write_checked(chosen, path, write, handle.model, calls, options, [])
 
 
 def parity(record: ExportRecord, model: nn.Module, calls: list[Call]) -> Parity:
     """Load ``record`` in its runtime and compare its outputs with ``model``'s on ``calls``."""
     chosen = EXPORT_FORMATS.get(record.format)
-    deployable = record.load()
-    worst_abs, worst_cosine, equal = 0.0, 1.0, True
+    return _parity(chosen, record.load(), model, calls, record.exact)
+
+
+def _parity(chosen: ExportFormat, deployable: Any, model: nn.Module, calls: list[Call], exact: bool) -> Parity:
+    """Every output tensor of ``deployable`` against ``model``'s (as it runs, all its surgery
+    attached) on ``calls``, measured against what ``chosen`` promises."""
+    figures = _ParityFigures()
     for call in calls:
         with torch.no_grad():
-            expected = flatten_tensors(call(model))
+            expected = flatten_tensors(call(model), floating_only=False)
         found = chosen.run(deployable, call)
         if len(found) != len(expected):
-            raise ConfigError("export.parity", record.format, f"gave {len(found)} outputs, the model {len(expected)}")
+            raise ConfigError("export.parity", chosen.name, f"gave {len(found)} outputs, the model {len(expected)}")
         for want, got in zip(expected, found):
-            want, got = want.detach().float().cpu(), got.detach().float().cpu().reshape(want.shape)
-            equal = equal and torch.equal(want, got)
-            worst_abs = max(worst_abs, float((want - got).abs().max())) if want.numel() else worst_abs
-            cosine = torch.nn.functional.cosine_similarity(want.double().flatten(), got.double().flatten(), dim=0)
-            worst_cosine = min(worst_cosine, float(cosine)) if want.numel() else worst_cosine
-            if not torch.isfinite(got).all():
-                worst_abs, worst_cosine = math.inf, math.nan
-    expected_kind = "exact" if record.exact else f"cosine>={chosen.bound}"
-    return Parity(worst_abs, worst_cosine, equal, expected_kind)
+            figures.add(want.detach().cpu(), got.detach().cpu(), chosen.name)
+    expected_kind = "exact" if exact else f"cosine>={chosen.bound}"
+    return figures.result(expected_kind, 1.0 if exact else chosen.agreement)
+
+
+class _ParityFigures:
+    """Running parity figures: floating outputs by difference and cosine, integer and boolean
+    ones by the share of equal entries, NaN or Inf on either side by who gave it."""
+
+    def __init__(self) -> None:
+        self.max_abs, self.cosine, self.equal = 0.0, 1.0, True
+        self.agreement: float | None = None
+        self.nonfinite: dict[str, None] = {}
+
+    def add(self, want: Tensor, got: Tensor, name: str) -> None:
+        if got.numel() != want.numel():
+            raise ConfigError(
+                "export.parity", name, f"gave an output of shape {tuple(got.shape)}, the model {tuple(want.shape)}"
+            )
+        got = got.reshape(want.shape)
+        if want.is_complex():
+            want, got = torch.view_as_real(want), torch.view_as_real(got.to(want.dtype))
+        if want.is_floating_point():
+            self._floating(want.double(), got.double())
+            return
+        same = want.long() == got.long() if not got.is_floating_point() else want.double() == got.double()
+        share = float(same.double().mean()) if same.numel() else 1.0
+        self.agreement = share if self.agreement is None else min(self.agreement, share)
+        self.equal = self.equal and bool(same.all())
+
+    def _floating(self, want: Tensor, got: Tensor) -> None:
+        for side, values in (("the model under surgery", want), ("the artifact", got)):
+            if not torch.isfinite(values).all():
+                self.nonfinite[side] = None
+        self.equal = self.equal and torch.equal(want, got)
+        if want.numel():
+            self.max_abs = max(self.max_abs, float((want - got).abs().max()))
+            cosine = torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0)
+            self.cosine = min(self.cosine, float(cosine))
+
+    def result(self, expected: str, agreement_bound: float) -> Parity:
+        if self.nonfinite:  # max(0.0, nan) is 0.0: a NaN must not fold away
+            return Parity(math.inf, math.nan, False, expected, self.agreement, agreement_bound, tuple(self.nonfinite))
+        return Parity(self.max_abs, self.cosine, self.equal, expected, self.agreement, agreement_bound)
 
 
 def _listed(inputs: Inputs) -> list[Any]:

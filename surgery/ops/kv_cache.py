@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.observers import QuantSpec
+from surgery.ops.observers import VARIED_RANGES_REQUIRED, QuantSpec
 from surgery.ops.quantization import QuantizeHandle, quantize
 
 PROJECTIONS = ("k_proj", "v_proj")
@@ -62,9 +62,13 @@ def quantize_kv_cache(
             "as GPT-2's c_attn, holds keys and values in one output); quantize that layer's output "
             "with quantize(activations=..., select=...) instead",
         )
-    handle = quantize(
-        model, weights=None, activations=spec, select=list(layers), calibration=calibration, progress=progress
-    )
+    required = VARIED_RANGES_REQUIRED.set(True)  # a constant key or value range is degenerate data
+    try:
+        handle = quantize(
+            model, weights=None, activations=spec, select=list(layers), calibration=calibration, progress=progress
+        )
+    finally:
+        VARIED_RANGES_REQUIRED.reset(required)
     handle.kind = "kv_cache"
     return handle
 

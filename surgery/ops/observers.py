@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -15,6 +17,10 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
 from surgery.ops.number_formats import FORMATS, NumberFormat
 from surgery.ops.weight_methods import WEIGHT_METHODS
+
+log = logging.getLogger("surgery")
+# set by quantize_kv_cache: keys and values are never constant by construction, so a constant range is bad data
+VARIED_RANGES_REQUIRED: ContextVar[bool] = ContextVar("VARIED_RANGES_REQUIRED", default=False)
 
 _QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit
 
@@ -99,7 +105,10 @@ class QuantSpec:
     Activations only: ``dynamic`` computes the scale from each tensor as it runs, with no
     calibration: ``"token"`` (one per token, each row of the last dimension, as llm-compressor's
     and torchao's dynamic int8/fp8 inputs) or ``"tensor"`` (one per call); ``None`` (default):
-    a static scale from calibration.
+    a static scale from calibration. ``rounding`` is how a dynamic value meets its integer grid,
+    as the runtime computes it: ``"divide"`` rounds ``x / scale`` (compressed-tensors, vLLM),
+    ``"reciprocal"`` rounds ``x * (1 / scale)`` (torchao); the two differ on about one value in
+    a thousand, which a deep model amplifies (``target=`` sets the runtime's).
 
     Weights only: ``group_size`` gives every ``group_size`` consecutive inputs of each output
     its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
@@ -118,6 +127,7 @@ class QuantSpec:
     group_size: int | None = None
     format: str = "int"  # or a floating-point grid: fp8_e4m3, fp8_e5m2, mxfp4, nvfp4 (surgery.ops.number_formats)
     dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
+    rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
 
     def __post_init__(self) -> None:
         _check(self, "QuantSpec")
@@ -206,9 +216,12 @@ def _check(spec: Any, field: str) -> None:
 
 
 DYNAMIC = ("token", "tensor")
+ROUNDING = ("divide", "reciprocal")  # round(x / scale): compressed-tensors, vLLM; round(x * (1 / scale)): torchao
 
 
 def _check_dynamic(spec: Any, field: str) -> None:
+    if spec.rounding not in ROUNDING:
+        raise ConfigError(f"{field}.rounding", spec.rounding, f"must be {' or '.join(ROUNDING)}")
     if spec.dynamic is None:
         return
     if spec.dynamic not in DYNAMIC:
@@ -268,17 +281,24 @@ class Observer:
         self.values += flat.shape[1]
 
     def check_varied(self, what: str) -> None:
-        """Refuse a range over many values that never varied (all zeros, or a bias alone): its
-        scale would come from that one value (or from eps) and clip what the layer sees later."""
-        if self.low is not None and self.values > 1 and torch.equal(self.low, self.high):
-            value = float(self.low.flatten()[0]) if self.low.numel() == 1 or self.low.eq(self.low[0]).all() else None
-            seen = f"the value {value:g}" if value is not None else "one value per channel"
+        """A range over many values that never varied (all zeros, or a bias alone) gets its scale
+        from that one value (or from eps) and clips whatever the layer sees later: refused where
+        a varied range is certain (:data:`VARIED_RANGES_REQUIRED`, the key/value cache), else
+        warned (a layer may be constant by construction, e.g. after a zero-initialised norm)."""
+        if self.low is None or self.values <= 1 or not torch.equal(self.low, self.high):
+            return
+        value = float(self.low.flatten()[0]) if self.low.numel() == 1 or self.low.eq(self.low[0]).all() else None
+        seen = f"the value {value:g}" if value is not None else "one value per channel"
+        problem = f"its {what} held {seen} in every calibration batch and position, so no range to quantize it by"
+        if VARIED_RANGES_REQUIRED.get():
             raise ConfigError(
                 "quantize.calibration",
                 self.name,
-                f"its {what} held {seen} in every calibration batch and position, so no range to quantize "
-                "it by can be learned; give batches of real data, or exclude the layer",
+                f"{problem} can be learned; give batches of real data, or exclude the layer",
             )
+        log.warning(
+            "quantize.calibration=%r: %s was learned; it will clip other values at run time", self.name, problem
+        )
 
     def _checked(self, result: Any, rows: int) -> tuple[Tensor, Tensor]:
         """An observer's ``(low, high)``: tensors of one value per row, finite, low <= high."""
@@ -434,8 +454,9 @@ def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None
 
 def fake_quantize_dynamic(x: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     """``x`` fake-quantized with scales taken from itself (``spec.dynamic``: one per token, each
-    row of the last dimension, or one for the whole tensor), with compressed-tensors' arithmetic
-    (``round(x / scale)``: bit-equal to what llm-compressor and vLLM compute); gradients pass
+    row of the last dimension, or one for the whole tensor), rounded as ``spec.rounding`` says
+    (``round(x / scale)``: bit-equal to what llm-compressor and vLLM compute; ``round(x * (1 /
+    scale))``: torchao's); gradients pass
     straight through. Returns it and the scales (non-finite where ``x`` is)."""
     if x.numel() == 0:
         return x, torch.ones(0)
@@ -447,7 +468,8 @@ def fake_quantize_dynamic(x: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
         rounded = spec.number_format.fake_quantize(rows, scale)
     else:
         quant_min, quant_max = spec.quant_range
-        integers = torch.clamp(torch.round(rows / scale.to(rows.dtype) + zero_point), quant_min, quant_max)
+        scaled = rows * (1.0 / scale.to(rows.dtype)) if spec.rounding == "reciprocal" else rows / scale.to(rows.dtype)
+        integers = torch.clamp(torch.round(scaled + zero_point), quant_min, quant_max)
         rounded = ((integers - zero_point) * scale.to(rows.dtype)).to(rows.dtype)
     if rows.requires_grad:
         rounded = rows + (rounded - rows).detach()

@@ -48,6 +48,7 @@ from surgery.ops.weight_methods import (
     QuantizedWeight,
     WeightProblem,
     layer_axis,
+    output_axis,
     weight_axis,
     weight_method,
 )
@@ -562,10 +563,12 @@ class QuantizeHandle(Handle):
         return out
 
     def _weight_grids(self) -> dict[str, WeightGrid]:
-        grids = {}
+        grids, model = {}, self.model
         for key, quantizer in self.weights.items():
             scale, zero_point = quantizer.scale, quantizer.zero_point  # a shadow observes its current values
-            grids[key] = WeightGrid(key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis)
+            layer, _, attribute = key.rpartition(".")
+            outputs = output_axis(model.get_submodule(layer), attribute) if model is not None else 0
+            grids[key] = WeightGrid(key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis, outputs)
         return grids
 
     def export_parts(self) -> list:

@@ -133,6 +133,16 @@ def weight_axis(target: Target, name: str) -> int:
     return layer_axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
 
 
+def output_axis(module: nn.Module, attribute: str) -> int:
+    """The output axis of ``module``'s ``attribute`` as :func:`weight_axis` gives it, 0 for
+    types without a channel axis: how a per-tensor grid lays the weight out in rows."""
+    if attribute != "weight":
+        return 0
+    if is_hf_conv1d(module):
+        return 1
+    return next((axis for kind, axis in WEIGHT_AXIS if isinstance(module, kind)), 0)
+
+
 def layer_axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
     """The channel axis ``table`` gives ``module``'s type; a one-line error for other types."""
     for kind, axis in table:

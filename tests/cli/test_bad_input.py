@@ -23,7 +23,7 @@ import pytest
 import torch
 import torchvision
 from safetensors.torch import save_file
-from support import image_folder, local_tokenizer  # tests/support.py
+from support import image_folder, local_tokenizer, tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
@@ -797,12 +797,11 @@ API_CASES = [
     ),
     ApiCase(
         "degenerate-calibration",
-        lambda m, *_: surgery.quantize(
-            m, weights=None, activations=QuantSpec(bits=8), where="input", calibration=[torch.zeros(4, 8)]
-        ),
+        lambda m, *_: surgery.quantize_kv_cache(m, calibration=[torch.zeros(2, 8, dtype=torch.long)], progress=False),
         ConfigError,
-        "quantize.calibration='0'",
-        "held the value 0",
+        "quantize.calibration='model.layers.0.self_attn.k_proj'",
+        "no range to quantize it by can be learned",
+        build=lambda: tiny_llama(layers=1),
     ),
     ApiCase(
         "distill-one-class",
@@ -822,7 +821,20 @@ API_CASES = [
         "shape (2, 3, 256, 256)",
         build=lambda: _pooled_cnn(),
     ),
+    ApiCase(
+        "export-other-handle",
+        lambda m, tmp, handle: _export_beside_a_rewrite(m, tmp, handle),
+        ConfigError,
+        "export.handle",
+        "rewrite handle",
+        prepare=lambda m: surgery.quantize(m, weights=QuantSpec(bits=8, symmetric=True, per_channel=True)),
+    ),
 ]
+
+
+def _export_beside_a_rewrite(model: nn.Module, tmp: Path, handle: Any) -> Any:
+    with surgery.rewrite_inputs(model, lambda args, kwargs: (args, kwargs)):  # attached by another handle
+        return surgery.export(handle, tmp / "m.pt", format="torchao")
 
 
 def _model_state(model: nn.Module) -> tuple:

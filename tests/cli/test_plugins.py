@@ -130,3 +130,15 @@ def test_a_step_that_returns_no_handle_is_refused_in_one_line():
             apply_steps(model, config)
     finally:
         STEPS.unregister("forgetful")
+
+
+def test_an_export_that_fails_its_deploy_check_is_never_published(tmp_path):
+    (tmp_path / "export.pt").write_text("an earlier run's artifact")
+    plugins = "plugins=[toy_step,toy_method,toy_task,toy_lossy_format]"
+    result = run_toy(plugins, "export.format=lossy", "output.overwrite=true", out=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    deploy = {check["name"]: check for check in report["checks"]}["deploy"]
+    assert deploy["passed"] is False and "export.pt was not written" in deploy["detail"], deploy
+    assert report["export"]["written"] is False and "deploy" not in report
+    assert not (tmp_path / "export.pt").exists()  # neither this run's artifact nor the earlier one

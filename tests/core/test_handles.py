@@ -173,3 +173,19 @@ def test_handle_repr_names_kind_and_state(mlp):
     assert "prune" in repr(handle) and "attached" in repr(handle)
     handle.restore()
     assert "restored" in repr(handle)
+
+
+def test_attached_to_lists_the_surgery_a_model_runs_with_its_submodules_included():
+    from surgery.core.handles import attached_to
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    pruned = surgery.prune(model, 0.5)
+    rewritten = surgery.rewrite_inputs(model[1], lambda args, kwargs: (args, kwargs))
+    group = surgery.compose(surgery.quantize(model))
+    assert attached_to(model) == [pruned, rewritten, *group.handles]  # members, first applied first
+    assert attached_to(model[1]) == [rewritten]
+    group.restore()
+    rewritten.restore()
+    assert attached_to(model) == [pruned]
+    pruned.restore()
+    assert attached_to(model) == []

@@ -4,6 +4,7 @@ compressed-tensors, ONNX Runtime, torchao) and compared with the model under sur
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from unittest import mock
 
@@ -186,6 +187,20 @@ def test_gpt2_conv1d_weights_keep_their_layout_and_load_with_equal_logits(tmp_pa
     assert type(loaded.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [{"bits": 8, "per_channel": False}, {"bits": 4, "per_channel": False}, {"format": "fp8_e4m3", "per_channel": True}],
+)
+def test_gpt2_conv1d_weights_of_every_grid_load_in_their_own_layout(tmp_path, weights):
+    model = gpt2()  # c_attn is (64 inputs, 192 outputs): a per-tensor grid lays it out as rows of outputs too
+    ids = torch.randint(0, 128, (2, 16))
+    with surgery.quantize(model, surgery.QuantizeSpec(weights=surgery.QuantSpec(symmetric=True, **weights))) as handle:
+        record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
+        weight = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    assert record.parity.equal, record.parity
+    assert torch.equal(record.load().transformer.h[0].attn.c_attn.weight.float(), weight)
+
+
 def test_gpt2_conv1d_settings_compressed_tensors_cannot_hold_are_one_line(tmp_path):
     model = gpt2()
     ids = torch.randint(0, 128, (2, 16))
@@ -328,6 +343,30 @@ def test_torchao_int8_tensors_are_built_from_our_scales(tmp_path, activations):
 
     assert isinstance(loaded[0].weight, Int8Tensor)
     assert torch.equal(loaded[0].weight.scale.reshape(-1), scales["0.weight.scale"])
+
+
+def test_torchao_dynamic_inputs_round_as_torchao_does_and_a_gemma2_keeps_the_bound(tmp_path):
+    from torchao.quantization import Int8Tensor, PerRow
+
+    from surgery.ops.observers import fake_quantize_dynamic
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=128,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    dynamic = surgery.QuantSpec(bits=8, symmetric=True, dynamic="token")
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True),
+                                activations=dynamic, target="torchao")  # fmt: skip
+    with surgery.quantize(model, spec) as handle:
+        rounding = {q.spec.rounding for q in handle.activations.values()}
+        record = surgery.export(handle, tmp_path / "gemma2.pt", format="torchao", inputs=[ids])
+    assert rounding == {"reciprocal"} and record.parity.holds, record.parity  # 0.99982 when rounding x / scale
+    x = torch.randn(256, 64)
+    simulated = fake_quantize_dynamic(x, dataclasses.replace(dynamic, rounding="reciprocal"))[0]
+    assert torch.equal(simulated, Int8Tensor.from_hp(x, PerRow()).dequantize())
 
 
 def test_torchao_static_activations_take_inputs_of_any_rank(tmp_path):

@@ -3,6 +3,7 @@ computes, and what a format cannot hold is said, not dropped silently."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -93,3 +94,109 @@ def test_a_weight_method_whose_answer_is_missing_or_broken_is_refused_and_the_mo
 
         for name in answers:
             WEIGHT_METHODS.unregister(name)
+
+
+def _run_pickled(deployable, call):
+    return surgery.ops.exporting.run_module(deployable, call)
+
+
+@pytest.fixture
+def pickled():
+    """A runnable test format: the model (hooks and all) pickled after ``edit`` changed a copy of it."""
+    edits = {}
+
+    def write(model, path, options):
+        changed = copy.deepcopy(model)
+        edits.get("edit", lambda m: None)(changed)
+        torch.save(changed, path)
+
+    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    surgery.register_export_format("test_pickled", write, load=load, suffix="pt", holds_hooks=True, run=_run_pickled)
+    yield edits
+    surgery.ops.exporting.EXPORT_FORMATS.unregister("test_pickled")
+
+
+class Classes(nn.Module):
+    """Two near-tied class scores and their argmax: an integer output beside a floating one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.offset = nn.Parameter(torch.zeros(2, 2))  # a NaN put here reaches the scores
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(2))
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        scores = self.fc(x) + self.offset[0]
+        return scores, scores.argmax(-1)
+
+
+def near_ties() -> torch.Tensor:
+    return 100 + torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+
+
+def test_integer_outputs_are_compared_and_a_missed_promise_writes_nothing(tmp_path, pickled):
+    model, x = Classes(), near_ties()
+    pickled["edit"] = lambda m: m.fc.bias.data.add_(torch.tensor([0.5, 0.0]))  # scores cosine > 0.9999
+    (tmp_path / "m.pt").write_text("earlier")
+    with pytest.raises(surgery.ExportParityError, match=r"^export.format='test_pickled': .*integer outputs agree on"):
+        surgery.export(model, tmp_path / "m.pt", format="test_pickled", inputs=[x], overwrite=True)
+    assert (tmp_path / "m.pt").read_text() == "earlier"  # the failed artifact never replaced it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+    try:
+        surgery.export(model, tmp_path / "n.pt", format="test_pickled", inputs=[x])
+    except surgery.ExportParityError as err:
+        found = err.record.parity
+    assert found.cosine > 0.9999 and found.agreement < 0.9 and not found.holds
+    pickled["edit"] = lambda m: None
+    record = surgery.export(model, tmp_path / "n.pt", format="test_pickled", inputs=[x])
+    assert record.parity.agreement == 1.0 and record.parity.equal and record.parity.holds
+
+
+@pytest.mark.parametrize("side", ["model", "artifact"])
+def test_nan_on_either_side_fails_the_promise(tmp_path, pickled, side):
+    model, x = Classes(), near_ties()
+    nan = lambda m: m.offset.data[0, 0].fill_(float("nan"))  # noqa: E731
+    if side == "model":
+        nan(model)
+        pickled["edit"] = lambda m: m.offset.data.zero_()
+    else:
+        pickled["edit"] = nan
+    with pytest.raises(surgery.ExportParityError) as raised:
+        surgery.export(model, tmp_path / "m.pt", format="test_pickled", inputs=[x])
+    parity = raised.value.record.parity
+    expected = "the model under surgery" if side == "model" else "the artifact"
+    assert parity.nonfinite == (expected,) and parity.max_abs == float("inf") and not parity.holds
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_surgery_another_handle_keeps_outside_the_weights_is_refused_or_listed(tmp_path):
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
+    with surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs)):
+        with surgery.quantize(model, spec) as handle:
+            with pytest.raises(ConfigError, match=r"^export.handle='rewrite handle': is also attached to the model"):
+                surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=[x])
+            record = surgery.export(handle, tmp_path / "w.safetensors")
+            plain = surgery.export(model, tmp_path / "p.safetensors")
+    assert record.left_out == ["input rewrites (attached by another handle, rewrite)"] and not record.exact
+    assert plain.left_out == ["input rewrites"]  # the model itself: every handle on it is its surgery
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "w.safetensors"]
+
+
+def test_an_online_rotation_another_handle_keeps_is_refused_by_name(tmp_path):
+    pytest.importorskip("transformers")
+    from support import tiny_llama  # tests/support.py
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
+    with surgery.rotate(model, calibration=[ids], online=True) as rotated, surgery.quantize(model, spec) as handle:
+        assert rotated.online  # a hook before down_proj: outside the weights
+        with pytest.raises(ConfigError, match=r"^export.handle='rotate handle': .*online Hadamard before 2 layer"):
+            surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=[ids])
+    assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.ao.quantization.observer import (
@@ -353,3 +355,16 @@ def test_a_range_whose_scale_overflows_float32_is_refused_naming_the_layer():
     observer.observe(torch.tensor([3e38, -3e38]))  # finite values, but high - low is not
     with pytest.raises(NonFiniteError, match=r"quantize.calibration='k_proj'.*overflows float32"):
         observer.qparams()
+
+
+def test_rounding_is_divide_or_reciprocal_and_reciprocal_multiplies_by_the_inverse_scale():
+    from surgery.ops.observers import fake_quantize_dynamic
+
+    with pytest.raises(ConfigError, match=r"^QuantSpec.rounding='up': must be divide or reciprocal$"):
+        surgery.QuantSpec(rounding="up")
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    spec = surgery.QuantSpec(bits=8, symmetric=True, dynamic="token", rounding="reciprocal")
+    found, scale = fake_quantize_dynamic(x, spec)
+    expected = torch.clamp(torch.round(x * (1.0 / scale.reshape(-1, 1))), -128, 127) * scale.reshape(-1, 1)
+    assert torch.equal(found, expected)
+    assert not torch.equal(found, fake_quantize_dynamic(x, dataclasses.replace(spec, rounding="divide"))[0])

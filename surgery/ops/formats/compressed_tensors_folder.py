@@ -21,6 +21,7 @@ from surgery.ops.exporting import DeployTarget, register_export_format
 from surgery.ops.formats.requirements import required
 from surgery.ops.number_formats import E4M3_LARGEST
 from surgery.ops.observers import QuantSpec
+from surgery.ops.weight_methods import output_axis
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
@@ -137,7 +138,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
                 continue
             layer = name.rpartition(".")[0]
             scale, zero_point, axis = handle.grids[name]
-            grid = WeightGrid(name, spec, scale, zero_point, axis)
+            grid = WeightGrid(name, spec, scale, zero_point, axis, output_axis(model.get_submodule(layer), "weight"))
             local = _local_state(grid, value, is_hf_conv1d(model.get_submodule(layer)))
             tensors.update({f"{layer}.{key}": v.contiguous() for key, v in compressor.compress(local, scheme).items()})
         file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -355,12 +356,15 @@ def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict
     """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
     so that its re-quantization gives back our integers), scales and signed zero points. A
     Conv1D keeps its (inputs, outputs) layout, with one scale per column: (1, outputs)."""
-    exact = weight.detach().float() if grid.spec.is_float else grid.dequantized(grid.integers(weight), torch.float64)
+    if grid.spec.is_float:
+        exact = weight.detach().float()
+    else:  # back in the weight's own layout, whatever the grid (a Conv1D's per-tensor one too)
+        exact = grid.in_layout(grid.dequantized(grid.integers(weight), torch.float64), weight.shape)
     scale = grid.scale.float()
     scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
-    if conv1d:  # symmetric and per channel or tensor only (_scheme refuses the rest)
-        exact, scale = exact.t(), scale.t().contiguous() if scale.dim() == 2 else scale
-    local = {"weight": exact.reshape(weight.shape), "weight_scale": scale.to(weight.dtype)}
+    if conv1d and scale.dim() == 2:  # symmetric, per channel (_scheme refuses the rest): a scale per column
+        scale = scale.t().contiguous()
+    local = {"weight": exact, "weight_scale": scale.to(weight.dtype)}
     if grid.spec.format == "nvfp4":
         local.update(_nvfp4_scales(grid))
     if not grid.spec.symmetric and not grid.spec.is_float:  # compressed-tensors' integers are signed: shift ours

@@ -263,7 +263,8 @@ class _QDQ:
         axis = WEIGHT_LAYOUT[node.op_type]
         if node.op_type == "Gemm" and not any(a.name == "transB" and a.i == 1 for a in node.attribute):
             axis = 1
-        integers = grid.integers(value.movedim(axis, 0)).reshape(value.movedim(axis, 0).shape).movedim(0, axis)
+        moved = value.movedim(axis, 0)  # the traced layout's outputs first, whatever the layer's own layout
+        integers = grid.row_integers(moved.reshape(moved.shape[0], -1)).reshape(moved.shape).movedim(0, axis)
         scale = grid.scale.float().reshape(-1).numpy()
         scale = scale.reshape(()) if grid.axis is None else scale
         zero = np.zeros(scale.shape, np.int8)
@@ -344,11 +345,11 @@ def load_onnx(path: Path) -> Any:
 
 
 def run_onnx(session: Any, call: Call) -> list[Tensor]:
-    """The session's outputs on one batch, its positional then keyword tensors fed in order."""
+    """Every output of the session on one batch, its positional then keyword tensors fed in order."""
     values = [*call.args, *call.kwargs.values()]
     names = [i.name for i in session.get_inputs()]
     feeds = {name: v.detach().cpu().numpy() for name, v in zip(names, values) if isinstance(v, Tensor)}
-    return [torch.from_numpy(o) for o in session.run(None, feeds) if np.issubdtype(o.dtype, np.floating)]
+    return [torch.from_numpy(np.asarray(o)) for o in session.run(None, feeds)]
 
 
 register_export_format(

@@ -157,6 +157,6 @@ register_export_format(
     target=DeployTarget(
         layers=(nn.Linear,),
         weights={"bits": 8, "symmetric": True, "group_size": None},
-        activations={"bits": 8, "symmetric": True, "per_channel": False},
+        activations={"bits": 8, "symmetric": True, "per_channel": False, "rounding": "reciprocal"},
     ),
 )
