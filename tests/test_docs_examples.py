@@ -102,3 +102,93 @@ def test_the_calibrated_compression_example_prints_the_figures_it_quotes(capsys)
     printed = [float(line) for line in capsys.readouterr().out.split()]
     quoted = [float(x) for x in re.findall(r"# (0\.\d+)", code)]
     assert printed == pytest.approx(quoted, abs=0.0015)
+
+
+# ------------------------------------------------------------------ the commands the pages quote
+
+COMMAND = re.compile(r"python -m surgery\b[^`#\n\\]*(?:\\\n[^`#\n\\]*)*")
+NEEDS_A_FILE = ("ckpt.pth", "FOLDER", "PATH/", "data.root=images")  # placeholders for the reader's own files
+
+
+def shell_commands() -> list[tuple[str, int, str, str]]:
+    """(page, line, command, what the page says of it) of every ``python -m surgery`` the pages
+    quote: a fenced one's ``# comment``, an inline one's paragraph. One that fails a check says
+    so (``CHECK FAILED`` or ``exits 1``) and why."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in COMMAND.finditer(text):
+            command = match.group(0).replace("\\\n", " ").strip()
+            rest = text[match.end() :]
+            if rest.startswith("`"):  # inline: what the rest of its paragraph says about it
+                comment = rest[1:].split("\n\n", 1)[0].replace("\n", " ")
+            else:  # fenced: its # comment
+                line_rest = rest.split("\n", 1)[0].lstrip()
+                comment = line_rest[1:].strip() if line_rest.startswith("#") else ""
+            found.append((page.name, text[: match.start()].count("\n") + 1, command, comment))
+    return found
+
+
+COMMANDS = shell_commands()
+COMMAND_IDS = [f"{page}:{line}" for page, line, _, _ in COMMANDS]
+
+
+def fails_a_check(comment: str) -> bool:
+    """Whether the page says the command ends in CHECK FAILED (exit 1)."""
+    return "CHECK FAILED" in comment or "exits 1" in comment
+
+
+def overrides_of(command: str) -> tuple[list[str], bool]:
+    """The overrides of a quoted command (each sweep at its first value) and whether it sweeps."""
+    import shlex
+
+    words = shlex.split(command)[3:]
+    sweep = "-m" in words
+    overrides = [w for w in words if w != "-m"]
+    if sweep:  # a job of the sweep: compose validates the keys and values it gets
+        overrides = [o.split(",")[0] if "=" in o and "{" not in o else o for o in overrides]
+    return overrides, sweep
+
+
+def test_the_pages_quote_commands():
+    assert len(COMMANDS) >= 20 and sum(fails_a_check(comment) for *_, comment in COMMANDS) >= 3
+
+
+@pytest.mark.parametrize("page,line,command,comment", COMMANDS, ids=COMMAND_IDS)
+def test_every_quoted_command_composes_into_a_valid_config(page, line, command, comment):
+    """Each quoted command's overrides compose and convert (a typo or a key the config lacks is
+    caught here, in a fraction of a second); one that fails a check says so and why."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from surgery.cli.config import load_config
+
+    overrides, _ = overrides_of(command)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        container = OmegaConf.to_container(cfg, resolve=False)
+    container["recipe"] = container.pop("hydra")["runtime"]["choices"]["recipe"]
+    if any(placeholder in command for placeholder in NEEDS_A_FILE):
+        return  # the reader's own file: composing is all that can be checked
+    load_config(container)
+    if fails_a_check(comment):
+        assert re.search(r"cosine|bound|fails", comment), f"say why it fails a check: {comment!r}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,line,command,comment", COMMANDS, ids=COMMAND_IDS)
+def test_every_quoted_command_runs_as_written(page, line, command, comment, tmp_path):
+    """As the reader types it: exit 0, or exit 1 with CHECK FAILED where the page says so."""
+    if any(placeholder in command for placeholder in NEEDS_A_FILE):
+        pytest.skip("stands for the reader's own file")
+    _, sweep = overrides_of(command)
+    import shlex
+
+    where = f"hydra.sweep.dir={tmp_path}" if sweep else f"hydra.run.dir={tmp_path}"
+    args = [*shlex.split(command)[3:], where]
+    result = subprocess.run([sys.executable, "-m", "surgery", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=1800)  # fmt: skip
+    if fails_a_check(comment):
+        assert result.returncode == 1 and "CHECK FAILED" in result.stdout, result.stderr[-2000:]
+    else:
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

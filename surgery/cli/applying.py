@@ -3,6 +3,7 @@ registered :class:`~surgery.cli.steps.Step` of each name."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from torch import Tensor, nn
@@ -12,6 +13,7 @@ from surgery.cli.steps import StepRun, step_named
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.core.interrupts import raise_pending
+from surgery.core.targets import selections_logged_at
 from surgery.ops.quantization import QuantizeHandle
 
 
@@ -32,23 +34,36 @@ def apply_steps(
     """
     handles: list[Handle] = []
     try:
-        for name in config.steps:
-            raise_pending()  # a safe point for an interrupt: between steps
-            step = step_named(name)
-            if checking and not step.changes_model:
-                continue
-            run = (runs or {}).get(name) or StepRun(config)
-            settings = config.settings(name)
-            handle = step.neutral(model, settings, run) if neutral else step(model, settings, run)
-            if not isinstance(handle, Handle):  # nothing could undo it: the checks would pass on no work
-                raise ConfigTypeError(
-                    f"steps.{name}", type(handle).__name__, "a step's apply() must return the handle of what it did"
-                )
-            handles.append(handle)
+        with selections_logged_at(logging.DEBUG if checking else logging.INFO):
+            _apply_each(model, config, handles, neutral, checking, runs)
     except BaseException as err:
         _undo(handles, model, err)
         raise
     return HandleGroup(handles, model)
+
+
+def _apply_each(
+    model: nn.Module,
+    config: RunConfig,
+    handles: list[Handle],
+    neutral: bool,
+    checking: bool,
+    runs: dict[str, StepRun] | None,
+) -> None:
+    """Apply each step of ``config.steps`` in order, appending its handle to ``handles``."""
+    for name in config.steps:
+        raise_pending()  # a safe point for an interrupt: between steps
+        step = step_named(name)
+        if checking and not step.changes_model:
+            continue
+        run = (runs or {}).get(name) or StepRun(config)
+        settings = config.settings(name)
+        handle = step.neutral(model, settings, run) if neutral else step(model, settings, run)
+        if not isinstance(handle, Handle):  # nothing could undo it: the checks would pass on no work
+            raise ConfigTypeError(
+                f"steps.{name}", type(handle).__name__, "a step's apply() must return the handle of what it did"
+            )
+        handles.append(handle)
 
 
 def _undo(handles: list[Handle], model: nn.Module, error: BaseException) -> None:

@@ -251,9 +251,16 @@ def conv_padding(module: nn.Module) -> tuple[int, ...]:
     return module._reversed_padding_repeated_twice
 
 
-def drop_forward_hooks(model: nn.Module, dropped: Callable[[Callable[..., Any]], bool]) -> int:
+def surgery_hook(hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is surgery's own: a function, bound method or callable object defined in
+    a ``surgery.`` module (a bound method's type is ``method``: its ``__module__`` is the function's)."""
+    return str(getattr(hook, "__module__", None) or "").startswith("surgery.")
+
+
+def drop_forward_hooks(model: nn.Module, dropped: Callable[[Callable[..., Any]], bool] = surgery_hook) -> int:
     """Remove, from every module of ``model`` (a copy: the handles of the original still own
-    theirs), the forward and forward-pre hooks for which ``dropped(hook)`` holds; return how many."""
+    theirs), the forward and forward-pre hooks for which ``dropped(hook)`` holds (default:
+    surgery's own); return how many."""
     count = 0
     for module in model.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks):

@@ -151,12 +151,14 @@ def prepare(model: nn.Module) -> nn.Module:
 
 
 def _guard_hook_dicts(model: nn.Module) -> None:
-    if _compat.hook_guards_skipped():  # building a torchvision model loads dynamo: say it only at INFO
-        _log.info(
-            "surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
-            "that compiled code notices surgery's hooks (once; see docs/compile.md)"
-        )
-        _unguarded.update(_compat.guard_hook_dicts())
+    if _compat.hook_guards_skipped():  # building a torchvision model loads dynamo: silent unless code was compiled
+        compiled_before = _compat.guard_hook_dicts()
+        if compiled_before:
+            _log.info(
+                "surgery: setting torch._dynamo.config.skip_nnmodule_hook_guards = False for this process so "
+                "that compiled code notices surgery's hooks (once; see docs/compile.md)"
+            )
+        _unguarded.update(compiled_before)
         _unguarded_scanned.append(True)
     if not _unguarded:
         return

@@ -11,7 +11,10 @@ every layer outside it that has such weights (``nn.LSTM``, ``nn.MultiheadAttenti
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -21,6 +24,20 @@ from surgery.core.errors import ConfigError, SelectionError
 from surgery.core.selection import Selection, as_patterns, closest, describe, matches
 
 log = logging.getLogger("surgery")
+_SELECTION_LEVEL: contextvars.ContextVar[int] = contextvars.ContextVar("selection_level", default=logging.INFO)
+
+
+@contextlib.contextmanager
+def selections_logged_at(level: int) -> Iterator[None]:
+    """Log what each selection matched at ``level`` inside the block (a check that applies the
+    same steps again says it at DEBUG: the user read it once)."""
+    token = _SELECTION_LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _SELECTION_LEVEL.reset(token)
+
+
 LINEAR_LIKE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
@@ -176,7 +193,8 @@ def select_parameters(
             f"selects no floating weight of {min_dim}+ dimensions",
             f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as '**.weight_ih_l0'",
         )
-    log.info(
+    log.log(
+        _SELECTION_LEVEL.get(),
         "%s: %d parameter(s) matched, %d skipped%s",
         verb,
         len(matched),

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, members
 from surgery.core.inputs import Call
-from surgery.ops.observers import QuantSpec
+from surgery.ops.observers import QuantSpec, fake_quantize
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,22 @@ class WeightGrid:
 
     def integers(self, value: Tensor) -> Tensor:
         """The grid's integers (int32) of ``value`` as an (outputs, inputs) matrix. ``value`` is
-        the weight as the simulation computes it, already on the grid, so this is exact."""
+        the weight on the grid, or a quantization-aware training shadow off it: that one is first
+        rounded by the simulation's own op (``x × (1 / scale)``, which can round a tie otherwise
+        than ``x / scale``), so the integers are the ones the simulation computes with."""
         return self.row_integers(self.rows(value.detach().float().cpu()))
 
     def row_integers(self, rows: Tensor) -> Tensor:
-        """The grid's integers (int32) of the weight already laid out as (outputs, inputs) ``rows``."""
+        """The grid's integers (int32) of the weight already laid out as (outputs, inputs) ``rows``
+        (rounded by the simulation's own op first, as :meth:`integers` says)."""
+        rows = rows.float()
         scale, zero_point = self.row_scales(rows.shape[1])
         low, high = self.spec.quant_range
-        return torch.clamp(torch.round(rows.float() / scale) + zero_point, low, high).to(torch.int32)
+        if not self.group_size and not self.spec.is_float:  # a per-group grid is never trained off the grid
+            axis = None if self.axis is None else 0
+            flat = (scale.reshape(()), zero_point.reshape(())) if axis is None else (scale[:, 0], zero_point[:, 0])
+            rows = fake_quantize(rows, *flat, axis, self.spec)
+        return torch.clamp(torch.round(rows / scale) + zero_point, low, high).to(torch.int32)
 
     def dequantized(self, integers: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """(integers - zero point) × scale, as the simulation computes it (float32 matrix; in
@@ -82,7 +90,8 @@ class ActivationGrid:
     """The frozen grid of one quantized activation: the ``where`` (``"input"`` or
     ``"output"``) of ``layer`` at its ``call``-th run in a forward (0 unless quantized per
     call), one scale (``axis=None``) or one per channel; ``follows``: the key of the quantizer
-    that wrote the tensor it reads (through max-pooling), whose grid it shares. A dynamic one
+    that wrote the tensor it reads (through max-pooling), whose grid it shares; ``step``: the
+    handle's kind that made it. A dynamic one
     (``spec.dynamic``) has no scale: each tensor sets its own as it runs."""
 
     layer: str
@@ -93,6 +102,7 @@ class ActivationGrid:
     axis: int | None
     call: int = 0
     follows: str | None = None
+    step: str = "quantize"  # what made it: "quantize", or "kv_cache" (the keys and values cached)
 
     @property
     def dynamic(self) -> bool:

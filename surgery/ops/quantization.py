@@ -574,10 +574,13 @@ class QuantizeHandle(Handle):
     def export_parts(self) -> list:
         if self.state != "attached":
             return []
+        step = self.kind  # "quantize", or "kv_cache" for the cache's scales
         activations = [
-            ActivationGrid(q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis, q.call, q.follows)
+            ActivationGrid(
+                q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis, q.call, q.follows, step
+            )
             if not q.spec.dynamic
-            else ActivationGrid(q.name, q.where, q.spec, None, None, None, q.call)
+            else ActivationGrid(q.name, q.where, q.spec, None, None, None, q.call, step=step)
             for q in self.activations.values()
             if q.scale is not None or q.spec.dynamic
         ]
@@ -706,6 +709,8 @@ def quantize(
     _validate_inputs(spec, calibration, qparams)
     if calibration is not None and iter(calibration) is calibration:  # one pass only: a probe takes the first
         calibration = list(calibration)
+    if activations is None or activations.dynamic is not None:  # no static scales to read: none are saved
+        qparams = None
     if isinstance(qparams, (str, Path)):  # read once, before anything changes
         qparams = load_qparams(qparams)
     rules = deploy_target(spec.target) if spec.target is not None else None
@@ -875,14 +880,22 @@ def _attach_weights(
         found = _checked_answer(spec, key, solved)
         store.keep(key, target.param)  # unless the method kept it before writing
         saved = store.saved(key)
-        quantizers[key] = (
-            target.param,
-            WeightQuantizer(spec, found.scale, found.zero_point, found.axis, found.value, saved),
-        )
+        scale = _scale_as_stored(found.scale, target.param.dtype, spec)
+        quantizers[key] = (target.param, WeightQuantizer(spec, scale, found.zero_point, found.axis, found.value, saved))
     for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
     attached.update(quantizers)
+
+
+def _scale_as_stored(scale: Tensor, dtype: torch.dtype, spec: QuantSpec) -> Tensor:
+    """An integer grid's scale rounded to a half-precision weight's dtype, the dtype
+    compressed-tensors stores ``weight_scale`` in: then ``(q - zero point) x scale`` is exact
+    before its one rounding to that dtype, so the simulation and an export's runtime compute the
+    same weights bit for bit. Float32 weights (and floating-point grids) keep float32 scales."""
+    if spec.is_float or dtype not in (torch.bfloat16, torch.float16):
+        return scale
+    return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
 
 
 def _check_whole_blocks(problem: WeightProblem, spec: QuantSpec) -> None:

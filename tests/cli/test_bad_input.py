@@ -829,12 +829,29 @@ API_CASES = [
         "rewrite handle",
         prepare=lambda m: surgery.quantize(m, weights=QuantSpec(bits=8, symmetric=True, per_channel=True)),
     ),
+    ApiCase(
+        "kv-cache-export",
+        lambda m, tmp, _: _export_kv_cache(m, tmp),
+        ConfigError,
+        "kv_cache",
+        "k_proj/v_proj outputs",
+        build=lambda: tiny_llama(layers=1),
+    ),
 ]
 
 
 def _export_beside_a_rewrite(model: nn.Module, tmp: Path, handle: Any) -> Any:
     with surgery.rewrite_inputs(model, lambda args, kwargs: (args, kwargs)):  # attached by another handle
         return surgery.export(handle, tmp / "m.pt", format="torchao")
+
+
+def _export_kv_cache(model: nn.Module, tmp: Path) -> None:
+    """A cache quantized beside the weights, written to compressed-tensors (restored after)."""
+    pytest.importorskip("compressed_tensors")
+    ids = torch.randint(0, 128, (1, 8))
+    weights = surgery.quantize(model, weights=QuantSpec(bits=8, symmetric=True), select="**.*_proj", progress=False)
+    with surgery.compose(weights, surgery.quantize_kv_cache(model, QuantSpec(bits=8), calibration=[ids])) as handle:
+        surgery.export(handle, tmp / "llama", format="compressed-tensors")
 
 
 def _model_state(model: nn.Module) -> tuple:

@@ -533,6 +533,22 @@ def test_rotate_quantize_and_kv_cache_steps_run_on_the_shipped_llama_and_pass_ev
     assert data["perplexity"]["candidate"] < data["perplexity"]["reference"] * 1.1
 
 
+def test_dynamic_inputs_with_training_export_and_say_each_selection_once(tmp_path):
+    """W8A8 with per-token inputs saves no activation parameters (save_load reads none back), a
+    quantization-aware handle exports to a runtime, the selection is logged once (the checks
+    apply the steps again quietly) and nothing is said about torch.compile, used by no one."""
+    dynamic = ("+quantize.activations={bits: 8, symmetric: true, dynamic: token}", "+quantize.where=input")
+    weights = ("quantize.weights.method=rtn", "quantize.weights.bits=8", "quantize.weights.group_size=null")
+    result = surgery("recipe=quantize_gptq_llama", *weights, *dynamic, "+quantize.train=true", "data.batches=1",
+                     "export.format=torchao", f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["ok"] and data["qparams"] is None and data["deploy"]["format"] == "torchao"
+    assert {c["name"] for c in data["checks"] if c["passed"]} >= {"save_load", "deploy"}
+    logged = result.stdout + result.stderr
+    assert logged.count("parameter(s) matched") == 1 and "torch._dynamo" not in logged
+
+
 def test_two_steps_saving_parameters_for_one_layer_are_refused_in_one_line():
     from support import tiny_llama
 

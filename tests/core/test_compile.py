@@ -380,11 +380,15 @@ def test_inductor_matches_eager_and_keeps_masks_while_training(mlp_factory, mlp_
     surgery.compose(pruning, quantizing).restore()
 
 
-def test_dynamo_loaded_but_nothing_compiled_is_said_at_info_not_warning(mlp, caplog, convnet_factory, image_input):
-    """Before: every CLI run printed a WARNING about hook guards, because building a torchvision
-    model loads dynamo; a WARNING now comes only when code compiled for the model is dropped."""
+def test_dynamo_loaded_but_nothing_compiled_says_nothing(mlp, caplog, convnet_factory, image_input):
+    """Building a torchvision model loads dynamo: a run with nothing compiled says nothing about
+    hook guards; INFO once code was compiled, a WARNING when code compiled for the model is dropped."""
     import logging
 
+    from torch._dynamo import convert_frame
+
+    seen = convert_frame.input_codes.seen + convert_frame.output_codes.seen
+    earlier = any(ref() is not None for ref in seen)  # code another test compiled in this process
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True), caplog.at_level(logging.INFO, logger="surgery"):
         surgery.prune(mlp, 0.5).restore()
         plain = convnet_factory()
@@ -393,5 +397,6 @@ def test_dynamo_loaded_but_nothing_compiled_is_said_at_info_not_warning(mlp, cap
         torch._dynamo.config.skip_nnmodule_hook_guards = True
         surgery.prune(plain, 0.5).restore()
     records = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("surgery")]
-    assert [level for level, text in records if "skip_nnmodule_hook_guards" in text] == ["INFO", "INFO"]
+    expected = ["INFO", "INFO"] if earlier else ["INFO"]  # nothing compiled before the first: it said nothing
+    assert [level for level, text in records if "skip_nnmodule_hook_guards" in text] == expected
     assert [level for level, text in records if "recompile on the next call" in text] == ["WARNING"]

@@ -70,6 +70,26 @@ def test_compressed_tensors_folders_load_in_transformers_with_logits_equal_to_th
 
 
 @pytest.mark.parametrize(
+    "weights",
+    [{"bits": 4, "symmetric": True, "group_size": 32}, {"bits": 8, "symmetric": False, "per_channel": True}],
+    ids=["w4_g32_sym", "w8_channel_asym"],
+)
+def test_bfloat16_weight_only_compressed_tensors_equal_the_simulation_bit_for_bit(tmp_path, weights):
+    """A bfloat16 weight's scale is stored in bfloat16 (compressed-tensors' weight_scale): both
+    compute (q - zero point) x scale exactly, then round once to bfloat16."""
+    model = tiny_llama(dtype=torch.bfloat16)
+    rotary = model.model.rotary_emb  # as transformers loads a bfloat16 folder: these stay float32
+    for name, buffer in list(rotary.named_buffers()):
+        setattr(rotary, name, buffer.float() if name != "inv_freq" else tiny_llama(layers=1).model.rotary_emb.inv_freq)
+    rotary.original_inv_freq = rotary.inv_freq.clone()
+    ids = torch.randint(0, 128, (2, 16))
+    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(**weights), select="**.*_proj")
+    with surgery.quantize(model, spec) as handle:
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal and record.parity.holds, record.parity
+
+
+@pytest.mark.parametrize(
     ("weights", "inputs"),
     [({"per_channel": True}, False), ({"group_size": 32}, False), ({}, True)],
     ids=["fp8_channel", "fp8_block32", "fp8_w8a8_static"],
@@ -235,6 +255,24 @@ def test_onnx_export_forms_int8_kernels_and_keeps_the_simulated_outputs(tmp_path
     kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
     assert kinds["QGemm"] == 3 and kinds["Gemm"] == 0, kinds  # every Linear runs as an int8 kernel
     assert record.bytes < 0.35 * fp32_bytes(model)
+
+
+def test_onnx_export_prints_the_exporters_steps_only_when_surgery_logs_debug(tmp_path, capsys):
+    """Quiet by default; ``hydra.verbose=surgery`` (the ``surgery`` logger at DEBUG) shows them."""
+    import logging
+
+    model, x = mlp(16), torch.randn(4, 64)
+    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True)) as handle:
+        surgery.export(handle, tmp_path / "quiet.onnx", format="onnx", inputs=[x])
+        assert "[torch.onnx]" not in capsys.readouterr().out
+        logger = logging.getLogger("surgery")
+        level = logger.level
+        logger.setLevel(logging.DEBUG)
+        try:
+            surgery.export(handle, tmp_path / "verbose.onnx", format="onnx", inputs=[x])
+        finally:
+            logger.setLevel(level)
+        assert "[torch.onnx]" in capsys.readouterr().out
 
 
 def test_target_onnx_folds_batchnorm_restorably_and_the_export_matches(tmp_path):

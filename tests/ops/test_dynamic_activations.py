@@ -60,6 +60,17 @@ def test_per_token_scales_follow_each_token_and_need_no_calibration():
     handle.restore()
 
 
+def test_reattaching_dynamic_inputs_reads_no_saved_parameters(tmp_path):
+    """A dynamic quantizer has no static parameters: nothing is saved, so none are read back."""
+    layer, x = nn.Linear(64, 8), tokens()
+    spec = QuantSpec(bits=8, symmetric=True, dynamic="token")
+    with torch.no_grad(), surgery.quantize(layer, weights=None, activations=spec):
+        expected = layer(x)
+    missing = tmp_path / "model.qparams.safetensors"  # never written: the handle held no qparams
+    with torch.no_grad(), surgery.quantize(layer, weights=None, activations=spec, qparams=missing):
+        assert torch.equal(layer(x), expected)
+
+
 def test_dynamic_w4a8_on_a_llama_restores_exactly_and_trains_through():
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (2, 32))

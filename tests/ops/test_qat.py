@@ -171,3 +171,29 @@ def test_a_weight_is_quantized_once_whichever_mode(mlp, first, second):
     with surgery.quantize(mlp, weights=W3, progress=False, train=first):
         with pytest.raises(surgery.AlreadyModifiedError, match=r"quantize: 0\.weight already has quantize attached"):
             surgery.quantize(mlp, weights=W3, progress=False, train=second)
+
+
+def test_a_deployment_export_during_training_drops_the_swap_hooks_from_its_copy(tmp_path):
+    """The pickled torchao model holds integer weights and none of surgery's hooks (a bound
+    method's type is ``method``: found by its function's module)."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 16)
+    weights = QuantSpec(bits=8, symmetric=True, per_channel=True)
+    with surgery.quantize(model, weights=weights, train=True) as handle:
+        record = surgery.export(handle, tmp_path / "model.pt", format="torchao", inputs=[x])
+    assert record.parity.holds, record.parity
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in record.load().modules())
+
+
+def test_a_compressed_tensors_export_during_training_computes_what_the_simulation_computes(tmp_path):
+    """The float shadows are off the grid: their integers are rounded as the simulation rounds
+    them (``x × (1 / scale)``), so the folder loads with outputs equal bit for bit."""
+    pytest.importorskip("compressed_tensors")
+    from support import tiny_llama  # tests/support.py
+
+    model, ids = tiny_llama(), torch.randint(0, 128, (2, 16))
+    weights = QuantSpec(bits=4, symmetric=True, per_channel=True)
+    with surgery.quantize(model, weights=weights, select="**.*_proj", train=True) as handle:
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal and record.parity.expected == "exact", record.parity

@@ -186,6 +186,12 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    if any(grid.step == "kv_cache" for grid in plan.activations.values()):  # never dropped silently
+        raise ConfigError(
+            "kv_cache",
+            "k_proj/v_proj outputs",
+            "format='compressed-tensors' holds no KV-cache scales from surgery; export a run without the kv_cache step",
+        )
     if plan.masks and not plan.weights:
         raise ConfigError(
             "export.format",

@@ -73,7 +73,7 @@ def write_fp8(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str
         raise ConfigError("export.options", sorted(options), "format='fp8' takes no options")
     layers = _layers(plan)
     plain = copy.deepcopy(plan.model).eval()
-    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    drop_forward_hooks(plain)
     for layer in layers:
         module = plain.get_submodule(layer)
         grid, inputs = plan.layer_weight(layer), plan.activation(layer, "input")

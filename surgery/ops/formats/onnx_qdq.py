@@ -49,7 +49,7 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
         raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
     _check_grids(plan)
     plain = copy.deepcopy(plan.model).eval()
-    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    drop_forward_hooks(plain)
     _refuse_unfolded(plain, plan)
     call = plan.inputs[0]
     # the exporter's optimizer would fuse a neutral BatchNorm subclass into the convolution
@@ -64,6 +64,7 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
             optimize=not neutral,
             opset_version=opset,
             dynamic_shapes=_any_batch(plain, call),
+            verbose=logging.getLogger("surgery").isEnabledFor(logging.DEBUG),  # its steps: hydra.verbose=surgery
         )
     if neutral:  # its constants folded still: a bias-less convolution's zero bias is Expand(Shape(weight))
         onnxscript.optimizer.fold_constants(program.model)

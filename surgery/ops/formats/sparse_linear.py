@@ -99,7 +99,7 @@ def write_sparse(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[
         )
     layers = _sparse_layers(plan, layout, threshold)
     plain = copy.deepcopy(plan.model).eval()
-    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    drop_forward_hooks(plain)
     for name, mask in plan.masks.items():
         with torch.no_grad():
             weight = plain.get_parameter(name)

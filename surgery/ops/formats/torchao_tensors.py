@@ -39,7 +39,7 @@ def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict
     _check_dynamic(plan, mode)
     layers = _layers(plan, torchao.__version__)
     plain = copy.deepcopy(plan.model).eval()
-    drop_forward_hooks(plain, lambda hook: type(hook).__module__.startswith("surgery."))
+    drop_forward_hooks(plain)
     for layer in layers:
         module = plain.get_submodule(layer)
         tensor = _int8_tensor(plan, layer, module.weight, mode)
