@@ -200,3 +200,30 @@ def test_an_online_rotation_another_handle_keeps_is_refused_by_name(tmp_path):
         with pytest.raises(ConfigError, match=r"^export.handle='rotate handle': .*online Hadamard before 2 layer"):
             surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=[ids])
     assert list(tmp_path.iterdir()) == []
+
+
+def _zeroed(model: nn.Module) -> nn.Module:
+    changed = copy.deepcopy(model)
+    for param in changed.parameters():
+        nn.init.zeros_(param)
+    return changed
+
+
+def test_equal_outputs_hold_a_cosine_promise_even_when_they_are_all_zero(tmp_path):
+    """Two all-zero outputs have cosine 0: equal outputs must still keep a cosine promise, and
+    an artifact that is zero where the model is not must still miss it."""
+    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    write = lambda model, path, options: torch.save(_zeroed(model), path)  # noqa: E731
+    surgery.register_export_format(
+        "test_zeroing", write, load=load, suffix="pt", holds_hooks=True, exact=False, run=_run_pickled
+    )
+    try:
+        model = _zeroed(nn.Linear(4, 3))
+        record = surgery.export(model, tmp_path / "z.pt", format="test_zeroing", inputs=[torch.randn(2, 4)])
+        assert record.parity.equal and record.parity.holds
+        nn.init.ones_(model.bias)  # the model's output is no longer zero; the artifact's still is
+        with pytest.raises(surgery.ExportParityError):
+            surgery.export(model, tmp_path / "o.pt", format="test_zeroing", inputs=[torch.randn(2, 4)])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]
+    finally:
+        surgery.ops.exporting.EXPORT_FORMATS.unregister("test_zeroing")
