@@ -277,7 +277,7 @@ def _targets(scores: Tensor, target: int | Tensor | None) -> Tensor:
     count, classes = scores.shape
     if target is None:
         return scores.detach().argmax(dim=1)
-    chosen = torch.as_tensor(target).long().reshape(-1)
+    chosen = class_indices(target)
     if chosen.numel() == 1:
         chosen = chosen.expand(count)
     if chosen.numel() != count:
@@ -286,6 +286,25 @@ def _targets(scores: Tensor, target: int | Tensor | None) -> Tensor:
     if bad.numel():
         raise ConfigError("attribution.target", int(bad[0]), f"is not a class index: the model has {classes} classes")
     return chosen
+
+
+def class_indices(target: Any) -> Tensor:
+    """``target`` as a flat tensor of class indices; a fraction, a boolean or text is refused."""
+    if isinstance(target, (bool, str)):
+        raise ConfigTypeError("attribution.target", target, "must be a class index (an integer) or one per input")
+    try:
+        found = torch.as_tensor(target)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigTypeError(
+            "attribution.target", target, "must be a class index (an integer) or one per input"
+        ) from None
+    if (
+        found.dtype == torch.bool
+        or found.is_complex()
+        or (found.is_floating_point() and not torch.equal(found, found.round()))
+    ):
+        raise ConfigError("attribution.target", target, "must be a class index (an integer) or one per input")
+    return found.long().reshape(-1)
 
 
 def _scaled(maps: Tensor) -> Tensor:
@@ -315,6 +334,8 @@ class AttributionSpec:
 
     def __post_init__(self) -> None:
         ATTRIBUTIONS.get(self.method)
+        if self.target is not None:
+            class_indices(self.target)
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, (int, float)) or not 0 < k <= 1:
             raise ConfigError("attribution.top_k", k, "must be a fraction of the positions in (0, 1]")

@@ -265,6 +265,8 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if self.format is not None:
             EXPORT_FORMATS.get(self.format)
+        elif self.options:
+            raise ConfigError("export.options", dict(self.options), "apply to an export; set export.format too")
         if isinstance(self.options.get("tokenizer"), str):  # refused before the run, not at its end
             refuse_custom_code(self.options["tokenizer"], "export.options.tokenizer")
 

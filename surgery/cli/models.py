@@ -128,7 +128,7 @@ def _build_hf(config: ModelConfig) -> nn.Module:
                 settings[key],
                 f"differs from {own[key]!r} in "
                 f"{config.path}/config.json, and the folder's weights have its sizes; drop the "
-                "override",
+                "override (model.config=null drops all of it, a recipe's own included)",
             ) from None
         if isinstance(err, SafetensorError) or "safetensors" in first.lower() and isinstance(err, OSError):
             raise ConfigError(

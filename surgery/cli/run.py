@@ -25,7 +25,7 @@ from surgery.analysis.inspection import (
 from surgery.cli import checks
 from surgery.cli.applying import apply_steps, reattach, saved_qparams
 from surgery.cli.build import neutral, rules_from_config
-from surgery.cli.config import RunConfig
+from surgery.cli.config import ExportConfig, RunConfig
 from surgery.cli.data import (
     Data,
     calibration_batches,
@@ -34,6 +34,7 @@ from surgery.cli.data import (
     training_data,
     with_model_defaults,
 )
+from surgery.cli.failures import os_error_as_config_error, with_cli_field
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
@@ -54,7 +55,7 @@ from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
 from surgery.ops.deploy_summary import deploy_summary
-from surgery.ops.exporting import ExportRecord
+from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord
 from surgery.ops.folding import folded_structure
 from surgery.ops.pruning import PruneHandle
 from surgery.ops.quantization import QuantizeHandle
@@ -126,7 +127,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     stage = Staging(out_dir)
     try:
         with claimed(out_dir):  # from the existence check through publishing: a second run is refused
-            outputs = (*OUTPUTS, *([config.export.file_name] if config.export.format else []))
+            outputs = (*OUTPUTS, *export_names())
             refuse_existing([out_dir / name for name in outputs], config.output.overwrite)
             with stage:
                 report = _execute(config, stage)
@@ -138,17 +139,25 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     except KeyboardInterrupt as err:  # the CLI says whether the outputs were published
         err.published = stage.published  # type: ignore[attr-defined]
         raise
-    except OSError as err:  # disk full, read-only or vanished folder: nothing was published
-        where = err.filename if err.filename is not None else out_dir
-        raise ConfigError(
-            "output", str(where), f"cannot be written ({err.strerror or err}); nothing was written"
-        ) from None
+    except OSError as err:  # disk full, read-only or vanished folder, a missing input: nothing was published
+        raise os_error_as_config_error(err, config, out_dir) from None
+    except ConfigError as err:
+        renamed = with_cli_field(err)
+        if renamed is err:
+            raise
+        raise renamed from None
     if echo:
         if "modules_table" in report:
             print(report["modules_table"])
         print(summary_table(report))
         print(f"  wrote {', '.join(str(f) for f in files)}")
     return RunResult(report, files)
+
+
+def export_names() -> list[str]:
+    """The file name an export of each registered format gets: any of them is an earlier run's
+    output (an ``export.pt`` left by a run that exported is replaced by one that does not)."""
+    return sorted({ExportConfig(format=name).file_name for name in EXPORT_FORMATS.names()})
 
 
 def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:

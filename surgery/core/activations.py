@@ -123,6 +123,15 @@ def available_memory() -> int:
         return 1 << 62  # unknown: never spill unless told to
 
 
+def _amount(nbytes: int) -> str:
+    """A number of bytes as people read it: ``512 bytes``, ``12.3 kB``, ``45 MB``."""
+    if nbytes < 1000:
+        return f"{nbytes} bytes"
+    if nbytes < 1_000_000:
+        return f"{nbytes / 1e3:.1f} kB"
+    return f"{nbytes / 1e6:.0f} MB"
+
+
 class _SpillFolder:
     """A temporary folder of spilled batches, removed when the last user lets go of it."""
 
@@ -241,18 +250,21 @@ class BlockCalls:
         self.entries.append(call)
 
     def _spill(self, hollow: Args, tensors: list[Tensor], nbytes: int) -> SpilledCall:
-        if self._folder is None:
-            self._folder = _SpillFolder(self.ledger.folder)
-            self.ledger.cleanups.append(self._folder.cleanup)
-        path = self._folder.path / f"batch-{len(self.entries)}.pt"
+        path = None
         try:
+            if self._folder is None:
+                self._folder = _SpillFolder(self.ledger.folder)
+                self.ledger.cleanups.append(self._folder.cleanup)
+            path = self._folder.path / f"batch-{len(self.entries)}.pt"
             torch.save([t.detach().contiguous() for t in tensors], path)
         except (OSError, RuntimeError) as err:
-            path.unlink(missing_ok=True)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            where = self.ledger.folder if self.ledger.folder is not None else Path(tempfile.gettempdir())
             raise ConfigError(
                 "activation_budget.folder",
-                str(self._folder.path.parent),
-                f"could not hold {nbytes / 1e6:.0f} MB of spilled calibration activations "
+                str(where),
+                f"could not hold {_amount(nbytes)} of spilled calibration activations "
                 f"({' '.join(str(err).split())[:100]}); free space or name another folder",
             ) from None
         self.spilled_bytes += nbytes

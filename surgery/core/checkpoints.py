@@ -4,6 +4,7 @@ never-overwrite-silently check (:func:`refuse_existing`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -220,13 +221,26 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         os.close(handle)
-        write(tmp)
+        _written(write, tmp)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are ordinary files
         _fsync(tmp)
         os.replace(tmp, path)
         fsync_folder(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _written(write: Callable[[Path], None], tmp: Path) -> None:
+    """``write(tmp)``, a failed write of torch's stream writer (a full disk: ``torch.save``
+    raises ``RuntimeError``) raised as the ``OSError`` it is."""
+    try:
+        write(tmp)
+    except RuntimeError as err:
+        if "PytorchStreamWriter" not in str(err) and "inline_container" not in str(err):
+            raise
+        full = shutil.disk_usage(tmp.parent).free < 1 << 20
+        code = errno.ENOSPC if full else errno.EIO
+        raise OSError(code, f"{os.strerror(code)}: {str(err).splitlines()[0]}", str(tmp)) from err
 
 
 def write_folder_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -239,7 +253,7 @@ def write_folder_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     aside = path.parent / f"{tmp.name}.previous"
     try:
-        write(tmp)
+        _written(write, tmp)
         for file in tmp.rglob("*"):
             if file.is_file():
                 _fsync(file)

@@ -85,17 +85,38 @@ def world() -> tuple[int, int]:
     return torch.distributed.get_rank(sharing.group), torch.distributed.get_world_size(sharing.group)
 
 
-def share(calls: list[T], field: str, model: Any = None, settings: Any = None) -> list[T]:
+def sharing_batches() -> bool:
+    """Whether this process calibrates together with others, sharing out its batches."""
+    sharing = _active.get()
+    return sharing is not None and sharing.share_batches
+
+
+def share(
+    calls: list[T], field: str, model: Any = None, settings: Any = None, refused: ConfigError | None = None
+) -> list[T]:
     """This rank's share of ``calls``, once every rank is seen to hold the same model and settings:
     every ``world``-th batch, from its rank, where all ranks were given the same batches; all of
-    them where each rank was given its own (module docstring)."""
+    them where each rank was given its own (module docstring). A rank that ``refused`` its
+    batches says so to the others, and every rank raises."""
     sharing = _active.get()
     if sharing is None or not sharing.share_batches:
         return calls
     rank, size = world()
-    mine = (model_digest(model), settings_digest(settings), calls_digest(calls))
+    mine = (
+        model_digest(model),
+        settings_digest(settings),
+        calls_digest(calls),
+        None if refused is None else str(refused),
+    )
     everyone: list[Any] = [None] * size
     torch.distributed.all_gather_object(everyone, mine, group=sharing.group)
+    if refused is not None:
+        raise refused
+    failed = [(r, found[3]) for r, found in enumerate(everyone) if found[3] is not None]
+    if failed:
+        raise ConfigError(
+            "distributed", f"rank {failed[0][0]}", f"refused its batches ({failed[0][1]}); every rank stops"
+        )
     for index, what in ((0, "holds another model"), (1, "runs the verb with other settings or layers")):
         differing = [r for r, found in enumerate(everyone) if found[index] != everyone[0][index]]
         if differing:

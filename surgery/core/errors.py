@@ -52,6 +52,19 @@ class OutputExistsError(ConfigError, FileExistsError):
         super().__init__("output", path, "already exists; pass overwrite=True to replace it")
 
 
+class OutputWriteError(ConfigError, OSError):
+    """An output could not be written (a full disk, a read-only folder, a file where a folder
+    should be); an ``OSError`` too, with the system's ``errno``, ``strerror`` and ``filename``."""
+
+    def __init__(self, field: str, path: str, err: OSError) -> None:
+        reason = err.strerror or str(err) or type(err).__name__
+        super().__init__(field, path, f"cannot be written ({reason}); nothing was written")
+        self.errno, self.strerror, self.filename = err.errno, reason, err.filename or path
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # the one line, not OSError's "[Errno N] ..."
+
+
 class OutputBusyError(ConfigError):
     """Another run is writing into the same output folder now."""
 

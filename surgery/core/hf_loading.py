@@ -47,15 +47,24 @@ def from_pretrained(loader: Any, folder: str | Path, field: str, **options: Any)
     return loader.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False, **options)
 
 
-def model_class(transformers: Any, name: object, field: str, where: str | Path) -> type:
+def model_class(transformers: Any, name: object, field: str, where: str | Path, config: Any = None) -> type:
     """The transformers model class ``name`` (read from ``architectures`` in ``where``): only a
-    subclass of ``PreTrainedModel`` that transformers ships, never another attribute of it."""
+    concrete subclass of ``PreTrainedModel`` that transformers ships (never another attribute of
+    it, nor a base class that would build a model with no layers), made for ``config``'s kind."""
     found = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)):
+    concrete = isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)
+    if not concrete or found.__name__.endswith("PreTrainedModel"):
         raise ConfigError(
             field,
             str(where),
             f"names no transformers model class (architectures: {name!r}); "
             "allowed: a PreTrainedModel class transformers ships, such as 'LlamaForCausalLM'",
+        )
+    made_for = getattr(found, "config_class", None)
+    if config is not None and isinstance(made_for, type) and not isinstance(config, made_for):
+        raise ConfigError(
+            field,
+            str(where),
+            f"names {name}, which is built from a {made_for.__name__}, but the config is a {type(config).__name__}",
         )
     return found

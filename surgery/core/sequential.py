@@ -104,13 +104,19 @@ def resolve_blocks(model: nn.Module, blocks: Selection | bool | None, field: str
 def materialise(calibration: Any, field_name: str, model: nn.Module | None = None, settings: Any = None) -> list[Call]:
     """Calibration batches as a list of calls (a sequential pass reads them many times); inside
     :func:`~surgery.core.distributed.distributed_calibration`, this process's share of them, once
-    every process is seen to hold the same ``model`` and verb ``settings``."""
-    calls = list(batches(calibration, field_name))
-    if not calls:
-        raise ConfigError(field_name, "0 batches", "must hold at least one batch")
-    for index, call in enumerate(calls):
-        if not isinstance(call, SpilledCall):  # made by the model's blocks from batches checked here
-            check_batch_finite(call, index, field_name)
+    every process is seen to hold the same ``model`` and verb ``settings``. A batch refused on one
+    process is refused on every process (none is left waiting for it)."""
+    try:
+        calls = list(batches(calibration, field_name))
+        if not calls:
+            raise ConfigError(field_name, "0 batches", "must hold at least one batch")
+        for index, call in enumerate(calls):
+            if not isinstance(call, SpilledCall):  # made by the model's blocks from batches checked here
+                check_batch_finite(call, index, field_name)
+    except ConfigError as err:
+        if not distributed.sharing_batches():
+            raise
+        distributed.share([], field_name, model, settings, refused=err)  # raises on every rank
     return distributed.share(calls, field_name, model, settings)  # this process's share, across processes
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -168,7 +168,7 @@ def select_parameters(
                 seen[id(param)] = qualified
                 matched[qualified] = Target(qualified, name, module, attr)
         if name in chosen_modules and own and "weight" not in own:
-            skipped.append(Skipped(name, type(module).__name__, "has no 'weight' parameter of its own"))
+            skipped.append(Skipped(_label(name, own), type(module).__name__, "has no 'weight' parameter of its own"))
     if include is None:
         skipped += _outside_default(modules, chosen_modules, seen, verb)
     if tied_heads:
@@ -275,15 +275,20 @@ def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb
                     )
                 )
         if own and default_layer(module, name):
-            out.append(Skipped(name, type(module).__name__, f"excluded ({verb}.exclude)"))
+            out.append(Skipped(_label(name, own), type(module).__name__, f"excluded ({verb}.exclude)"))
         elif own:
             example = f"{name}.{own[0]}" if name else own[0]
             out.append(
                 Skipped(
-                    name,
+                    _label(name, own),
                     type(module).__name__,
                     f"not in the default selection ({default_layer.__name__}); "
                     f"select '{example}' (or its layer) to include its {', '.join(own)}",
                 )
             )
     return out
+
+
+def _label(name: str, attributes: Iterable[str]) -> str:
+    """A skipped module's name; the model itself (whose name is empty) by its parameters' names."""
+    return name or ", ".join(attributes)

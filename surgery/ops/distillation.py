@@ -131,7 +131,7 @@ class Distillation:
         feature layer's shape) and build the projections; returns their parameters, for the
         optimizer."""
         with torch.no_grad(), evaluating(self.student), evaluating(self.teacher):
-            student_out, teacher_out = call(self.student), call(self.teacher)
+            student_out, teacher_out = call(self.student), _first_output(self.teacher, self.student, call)
         _check_predictions(prediction(student_out), prediction(teacher_out))
         if self.spec.weight:
             _check_classes(*prediction(student_out), self.spec.weight)
@@ -213,6 +213,25 @@ class Distillation:
                 student = projection(student.movedim(axis, -1)).movedim(-1, axis)
             losses.append(F.mse_loss(student.float(), teacher.detach().float()))
         return torch.stack(losses).mean() if losses else torch.zeros(())
+
+
+def _first_output(teacher: nn.Module, student: nn.Module, call: Call) -> Any:
+    """The teacher's output on the first batch; a teacher that fails on it (in another dtype,
+    say) is one line naming it."""
+    try:
+        return call(teacher)
+    except Exception as err:
+        ours, theirs = _float_dtype(student), _float_dtype(teacher)
+        hint = f"; it is {theirs} and the model being trained {ours}: pass teacher.to({ours})" if ours != theirs else ""
+        first = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+        raise ConfigError(
+            "finetune.teacher", type(teacher).__name__, f"fails on the first training batch ({first}){hint}"
+        ) from None
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of a model's first floating parameter."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _check_teacher(student: nn.Module, teacher: Any) -> None:

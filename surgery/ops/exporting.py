@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_field
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
-from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
+from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError
 from surgery.core.handles import Handle, HandleGroup, attached_to, members
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
@@ -341,13 +342,77 @@ def _write_checked(
         int8_ops = notes.get("int8_ops")
         record = ExportRecord(path, chosen.name, _size(tmp), dict(options), missing, exact=exact, int8_ops=int8_ops)
         if calls and chosen.runnable:
-            record = replace_field(record, parity=_parity(chosen, chosen.load(tmp), model, calls, exact))
+            record = replace_field(record, parity=_runtime_parity(chosen, tmp, model, calls, exact))
             if not record.parity.holds:
                 raise ExportParityError(record)
         made.append(record)
 
-    (write_folder_atomically if chosen.folder else write_atomically)(path, written)
+    _written(chosen, path, written, type(model).__name__)
     return made[0]
+
+
+def _written(chosen: ExportFormat, path: Path, write: Callable[[Path], Any], model_name: str) -> dict[str, Any]:
+    """Write ``path`` atomically with ``write`` (the format's writer); its notes. A writer that
+    fails otherwise than on bad input or the file system leaves nothing behind and is one line
+    naming the format."""
+    writer = write_folder_atomically if chosen.folder else write_atomically
+    notes: dict[str, Any] = {}
+    try:
+        writer(path, lambda tmp: notes.update(write(tmp) or {}))
+    except (SurgeryError, KeyboardInterrupt):
+        raise
+    except OSError as err:  # a full disk, a read-only folder, a file where the folder should be
+        if err.filename is not None and not _inside(Path(str(err.filename)), path.parent):
+            raise  # a file the writer reads (an offloaded model's shard), which is not the output
+        raise OutputWriteError("export.path", str(path), err) from err
+    except Exception as err:
+        raise ConfigError(
+            "export.format", chosen.name, f"cannot write {model_name} ({_one_line(err)}); nothing was written"
+        ) from err
+    return notes
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or inside it."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+
+
+def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: list[Call], exact: bool) -> Parity:
+    """:func:`_parity` of the written copy ``tmp``; an artifact its runtime cannot load or run (or
+    inputs the model cannot take) is said in one line, and nothing is moved into place."""
+    try:
+        return _parity(chosen, chosen.load(tmp), model, calls, exact)
+    except (SurgeryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        _refuse_inputs(model, calls, "nothing")
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"the written {type(model).__name__} does not run in its runtime on export's inputs "
+            f"({_one_line(err)}); nothing was written",
+        ) from err
+
+
+def _refuse_inputs(model: nn.Module, calls: list[Call], name: str) -> None:
+    """Raise when the model under surgery itself fails on export's ``inputs``."""
+    for index, call in enumerate(calls):
+        try:
+            with torch.no_grad():
+                call(model)
+        except Exception as err:
+            raise ConfigError(
+                "export.inputs",
+                f"batch {index}",
+                f"{type(model).__name__} fails on it ({_one_line(err)}); give batches the model takes "
+                f"({name} was written)",
+            ) from err
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: message``, its first line, at most 300 characters."""
+    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _export_streamed(

@@ -25,7 +25,7 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, evaluating
 from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
-from surgery.ops.distillation import Distillation, DistillSpec, distill_spec
+from surgery.ops.distillation import Distillation, DistillSpec, distill_spec, prediction
 from surgery.ops.qat import return_loans
 from surgery.ops.quantization import learned_ranges
 
@@ -122,7 +122,7 @@ def finetune(
     lr: float = 1e-3,
     optimizer: str | OptimizerFactory = "adamw",
     weight_decay: float = 0.0,
-    loss: Callable[[Any, Tensor], Tensor] = F.cross_entropy,
+    loss: Callable[[Any, Tensor], Tensor] | None = None,
     evaluate: Callable[[nn.Module], float] | None = None,
     eval_every: int | None = None,
     seed: int = 0,
@@ -143,7 +143,8 @@ def finetune(
         optimizer: ``"adamw"`` (default, fused), ``"adam"``, ``"sgd"``, ``"adagrad"`` (fused),
             ``"rmsprop"`` (foreach), a name registered in ``OPTIMIZERS``, or a function
             ``(params, lr, weight_decay) -> torch.optim.Optimizer``.
-        loss: ``loss(output, target) -> scalar`` (default cross-entropy on the logits).
+        loss: ``loss(output, target) -> scalar``; default :func:`logits_cross_entropy` (the
+            output's ``.logits`` taken, a language model's per token against aligned targets).
         evaluate: ``evaluate(model) -> float`` (accuracy, say), recorded in :attr:`FinetuneHandle.curve`
             before the first step, every ``eval_every`` steps (default: each epoch) and at the end.
         teacher: the uncompressed model to distil from (see :mod:`surgery.ops.distillation`):
@@ -189,6 +190,7 @@ def finetune(
             extra = [] if distillation is None else distillation.prepare(as_call(batches[0][0], "finetune.batches", 0))
             if distillation is not None:
                 handle.projections, handle.distilled = distillation.projections, distillation.layers
+            loss = logits_cross_entropy if loss is None else loss
             objective = _task(loss) if distillation is None else _distilling(loss, distillation)
             _train(
                 model,
@@ -230,6 +232,21 @@ def _distilling(loss: Callable, distillation: Distillation) -> Callable:
         return distillation.loss(output, target, call, loss(output, target))
 
     return objective
+
+
+def logits_cross_entropy(output: Any, target: Tensor) -> Tensor:
+    """Cross-entropy of an output's logits (the tensor, ``.logits``, ``["logits"]`` or a tuple's
+    first) against ``target``; sequence logits ``(batch, tokens, classes)`` per token, against
+    ``(batch, tokens)`` targets (a causal LM's: the next tokens)."""
+    try:
+        _, logits = prediction(output)
+    except ConfigTypeError:
+        raise ConfigTypeError(
+            "finetune.loss", type(output).__name__, "gives no tensor or .logits for cross-entropy; pass loss="
+        ) from None
+    if logits.dim() > 2 and target.dim() == logits.dim() - 1:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(logits, target)
 
 
 def _task(loss: Callable) -> Callable:

@@ -67,6 +67,11 @@ def quantize_kv_cache(
         handle = quantize(
             model, weights=None, activations=spec, select=list(layers), calibration=calibration, progress=progress
         )
+    except ConfigError as err:  # the activations quantize() is given are the cache's spec
+        if not err.field.startswith("quantize.activations"):
+            raise
+        field = err.field.replace("quantize.activations", "kv_cache", 1)
+        raise ConfigError(field, err.value, err.allowed, err.hint) from None
     finally:
         VARIED_RANGES_REQUIRED.reset(required)
     handle.kind = "kv_cache"

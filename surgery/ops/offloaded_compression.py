@@ -332,8 +332,13 @@ class WorkFolder:
         if not isinstance(work, (str, Path)):
             raise ConfigTypeError("work", work, "must be a folder path (or None for a temporary folder)")
         rank, size = distributed.world()
-        work = Path(work) / f"rank-{rank}" if size > 1 else work  # each process calibrating together its own
-        self.path = stack.enter_context(claimed(work))
+        work = Path(work) / f"rank-{rank}" if size > 1 else Path(work)  # each process calibrating together its own
+        if work.exists() and not work.is_dir():
+            raise ConfigError("work", str(work), "is a file; give a folder (empty or new) for the finished stages")
+        try:
+            self.path = stack.enter_context(claimed(work))
+        except OSError as err:  # read-only, or a parent that is a file
+            raise ConfigError("work", str(work), f"cannot be used ({err.strerror or err})") from None
         self.manifest = self._read()
 
     def _fresh(self) -> dict[str, Any]:
@@ -347,7 +352,7 @@ class WorkFolder:
             return self._fresh()
         try:
             found = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise ConfigError("work", str(file), f"cannot be read as JSON ({type(err).__name__}); {FRESH}") from None
         manifest = checked(found, file, self.stages)
         different = mismatch(manifest, self.expected)
@@ -364,7 +369,12 @@ class WorkFolder:
         entry = self.manifest["stages"][str(index)]
         path = self.path / stage_name(index)
         check_stage(entry, path, where, names)
-        files = WeightFiles([path], digest=entry["sha256"])
+        try:
+            files = WeightFiles([path], digest=entry["sha256"])
+        except ConfigError as err:  # a stage file cut or removed since the manifest listed it
+            raise ConfigError(
+                "work", str(path), f"is a finished stage the manifest lists, but {err.allowed}; {FRESH}"
+            ) from None
         expected = {*names, *(f"{key}::{part}" for key in entry["grids"] for part in GRID)}
         if set(files.names()) != expected:
             other = sorted(set(files.names()) ^ expected)[0]
@@ -373,6 +383,11 @@ class WorkFolder:
             key: (files.load(f"{key}::scale"), files.load(f"{key}::zero_point"), axis)
             for key, axis in entry["grids"].items()
         }
+        for key, (scale, _zero_point, axis) in grids.items():
+            if not _grid_fits(files.describe(key)[0], scale, axis):
+                raise ConfigError(
+                    "work", str(path), f"lists axis {axis!r} for {key}, which its scales do not fit; {FRESH}"
+                )
         return StageFiles(files, entry["names"], grids)
 
     def write(
@@ -386,9 +401,13 @@ class WorkFolder:
             state[f"{key}::zero_point"] = zero_point.detach().contiguous()
         part = self.path / f".{name}.part"
         entries = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
-        write_streamed(part, entries, state.__getitem__, metadata={"stage": where})  # no copy of the whole stage
-        digest = file_sha256(part)
-        os.replace(part, self.path / name)
+        try:
+            write_streamed(part, entries, state.__getitem__, metadata={"stage": where})  # no copy of the whole stage
+            digest = file_sha256(part)
+            os.replace(part, self.path / name)
+        except OSError as err:  # a full disk, a folder made read-only
+            part.unlink(missing_ok=True)
+            raise ConfigError("work", str(self.path), f"cannot hold stage {index} ({err.strerror or err})") from None
         self.manifest["stages"][str(index)] = {
             "file": name,
             "module": where,
@@ -440,3 +459,10 @@ def _status(field: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def _grid_fits(shape: tuple[int, ...], scale: Tensor, axis: Any) -> bool:
+    """Whether a weight of ``shape`` has one scale (``axis`` None) or one per index of ``axis``."""
+    if axis is None:
+        return scale.numel() == 1
+    return type(axis) is int and 0 <= axis < len(shape) and scale.dim() >= 1 and scale.shape[0] == shape[axis]

@@ -286,10 +286,11 @@ def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
     refuse_custom_code(folder, FIELD)  # outside the try: its own one-line error
     try:
         config = from_pretrained(transformers.AutoConfig, folder, FIELD)
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(FIELD, str(folder / "config.json"), f"is not a model config ({str(err)[:80]})") from None
-    architecture = (getattr(config, "architectures", None) or [None])[0]
-    built_by = model_class(transformers, architecture, FIELD, folder / "config.json")
+    architectures = getattr(config, "architectures", None)
+    architecture = architectures[0] if isinstance(architectures, (list, tuple)) and architectures else architectures
+    built_by = model_class(transformers, architecture, FIELD, folder / "config.json", config)
     if (folder / INDEX).is_file():
         paths = _shards(folder)
     elif (folder / "model.safetensors").is_file():
@@ -299,7 +300,13 @@ def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
     dtype = getattr(config, "dtype", None)
 
     def build() -> nn.Module:
-        model = built_by(config)
+        try:
+            model = built_by(config)
+        except (AttributeError, TypeError, ValueError, KeyError) as err:  # a config the class cannot read
+            first = " ".join(str(err).split())[:120]
+            raise ConfigError(
+                FIELD, str(folder / "config.json"), f"is not a model config {built_by.__name__} builds ({first})"
+            ) from None
         return model.to(dtype) if isinstance(dtype, torch.dtype) else model
 
     return paths, build
@@ -309,12 +316,23 @@ def _shards(folder: Path) -> list[Path]:
     """The shard files ``model.safetensors.index.json`` lists, each checked to exist."""
     try:
         weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ConfigError(FIELD, str(folder / INDEX), f"is not a safetensors index ({type(err).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise ConfigError(
+            FIELD,
+            str(folder / INDEX),
+            "is not a safetensors index (its weight_map must map tensor names to file names)",
+        )
     shards = list(dict.fromkeys(weight_map.values()))
     for shard in shards:
-        if not (folder / shard).is_file():
-            raise ConfigError(FIELD, str(folder / shard), f"is listed in {INDEX} but missing")
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise ConfigError(FIELD, str(folder / INDEX), f"lists {shard!r}: shards are plain file names in the folder")
+        path = folder / shard
+        if not os.path.lexists(path):
+            raise ConfigError(FIELD, str(path), f"is listed in {INDEX} but missing")
+        if not path.is_file():
+            raise ConfigError(FIELD, str(path), f"is listed in {INDEX} but is not a regular file")
     return [folder / shard for shard in shards]
 
 

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,11 +19,17 @@ from surgery.core import compiled, guards
 from surgery.core._compat import BATCH_NORMS, CONVOLUTIONS, forward_hook_functions
 from surgery.core.capture import Capture
 from surgery.core.checkpoints import save_tensors
-from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError, ConfigTypeError, OutputExistsError
+from surgery.core.errors import (
+    AlreadyModifiedError,
+    CheckpointError,
+    ConfigError,
+    ConfigTypeError,
+    OutputExistsError,
+)
 from surgery.core.handles import Handle
 from surgery.core.inputs import batches, run_batches
 from surgery.core.originals import Originals, check_place
-from surgery.core.selection import Selection, select
+from surgery.core.selection import Selection, describe, select
 from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedTensor, attach_all, own_step_hook
@@ -238,6 +244,26 @@ def _validate_dynamic(weights: QuantSpec | None, activations: QuantSpec | None, 
         )
 
 
+@contextlib.contextmanager
+def _target_selection(model: nn.Module, spec: QuantizeSpec, rules: DeployTarget | None) -> Iterator[None]:
+    """An empty selection that the ``target`` chose (the user selected nothing) is said as the
+    target's: the layer types its runtime quantizes, which the model lacks."""
+    try:
+        yield
+    except ConfigError as err:  # a SelectionError, or no weight among the layers selected
+        if rules is None or spec.select is not None or err.field != "quantize.select":
+            raise
+        kinds = describe(rules.layers)
+        kinds = ", ".join(kinds) if isinstance(kinds, tuple) else kinds
+        outside = " outside quantize.exclude" if spec.exclude else ""
+        raise ConfigError(
+            "quantize.target",
+            spec.target,
+            f"quantizes {kinds} layers and {type(model).__name__} has none{outside}; "
+            "choose another target (compressed-tensors takes transformers' Conv1D)",
+        ) from None
+
+
 def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, train: bool, blocks: Any) -> None:
     for field, spec in (("quantize.weights", weights), ("quantize.activations", activations)):
         if spec is not None and spec.is_float and train:
@@ -390,7 +416,7 @@ class ActivationQuantizer:
         inverse, low, high, scale = self.inference
         return torch.mul(x, inverse).round_().clamp_(low, high).mul_(scale)
 
-    def _quantize(self, x: Any, training: bool = False) -> Any:
+    def _quantize(self, x: Any, training: bool = False, features_last: bool = False) -> Any:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise ConfigError(
                 "quantize.select",
@@ -400,7 +426,7 @@ class ActivationQuantizer:
                 "tensors can be quantized",
             )
         if self.spec.dynamic:
-            return self._dynamic(x)
+            return self._dynamic(x, features_last)
         axis = None if self.axis is None else self.axis % x.dim()
         if self.observer is not None:  # calibrating: the capture feeds the observer, values pass unchanged
             return None
@@ -420,8 +446,10 @@ class ActivationQuantizer:
             return fast
         return fake_quantize(x, self.scale.to(x.device), self.zero_point.to(x.device), axis, self.spec)
 
-    def _dynamic(self, x: Tensor) -> Tensor:
-        if self.spec.dynamic == "token" and x.dim() >= 4:
+    def _dynamic(self, x: Tensor, features_last: bool = False) -> Tensor:
+        """``x`` rounded with scales of its own; a Linear's tokens are all but its last axis, at
+        any rank, where an image's (batch, channels, height, width) has no token rows."""
+        if self.spec.dynamic == "token" and x.dim() >= 4 and not features_last:
             raise ConfigError(
                 "quantize.activations.dynamic",
                 "token",
@@ -436,11 +464,12 @@ class ActivationQuantizer:
         return quantized
 
     def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> Any:
+        features_last = isinstance(module, nn.Linear) or is_hf_conv1d(module)
         if self.where == "output":
-            return self._quantize(output, module.training)
+            return self._quantize(output, module.training, features_last)
         if not args:
             raise ConfigError("quantize.where", "input", f"{self.name} was called without positional inputs")
-        quantized = self._quantize(args[0], module.training)
+        quantized = self._quantize(args[0], module.training, features_last)
         return None if quantized is None else (quantized, *args[1:])
 
 
@@ -718,7 +747,8 @@ def quantize(
     folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())
     if folding and calibration is None:
         raise ConfigError("quantize.calibration", None, f"target={spec.target!r} folds BatchNorm; pass calibration")
-    weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
+    with _target_selection(model, spec, rules):
+        weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     try:
@@ -781,7 +811,8 @@ def _quantize_offloaded(
     _validate_inputs(spec, calibration, None)
     method = weight_method(spec.weights.method)
     select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
-    targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)
+    with _target_selection(model, spec, rules):
+        targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)
     keys: dict[str, list[str]] = {}
     for key, target in targets.matched.items():
         keys.setdefault(target.module_name, []).append(key)

@@ -162,7 +162,7 @@ def rotate(
             values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"])
     params = dict(model.named_parameters())
     guards.check_editable({n: params[n] for n in values}, "rotate")
-    reference = _outputs(model, first)
+    reference = _finite_reference(_outputs(model, first))
     try:
         attach_all(handle, model, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
         if online:
@@ -192,7 +192,7 @@ def _rotate_offloaded(
     calls = materialise(calibration, "rotate.calibration", model, (seed, online))
     with evaluating(model), torch.no_grad():
         plan = _plan(model, calls, online)
-        reference = _outputs(model, plan.first)
+        reference = _finite_reference(_outputs(model, plan.first))
     named = dict(model.named_modules())
     changed = {*plan.embeddings, *plan.pairs, *plan.readers, *plan.writers}
     layers = {name: module for name, module in named.items() if name in changed}
@@ -270,6 +270,44 @@ def _check_norm(name: str, module: nn.Module) -> None:
         )
     if getattr(module, "bias", None) is not None:
         raise ConfigError("rotate", name, "has a bias, which a rotation cannot fold")
+    _check_gain(name, module)
+
+
+def _check_gain(name: str, module: nn.Module) -> None:
+    """A norm must scale by its ``weight``, which the rotation folds into the next layers and
+    sets to ones; Gemma's scale by ``1 + weight`` (a probe on random rows tells them apart)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.is_meta or weight.dim() != 1 or not torch.isfinite(weight).all():
+        return
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        found = module(x).double()
+    unit = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True))
+    tolerance = 1e-2 if weight.dtype != torch.float32 else 1e-4
+    if torch.allclose(found, unit * weight.double(), rtol=tolerance, atol=tolerance):
+        return
+    if torch.allclose(found, unit * (1 + weight.double()), rtol=tolerance, atol=tolerance):
+        how = "scales by (1 + weight) (as Gemma's norms do)"
+    else:
+        how = "does not scale its normalised input by its weight"
+    raise ConfigError(
+        "rotate",
+        name,
+        f"is a {type(module).__name__} that {how}; a rotation folds a norm's weight into the next "
+        "layers and sets it to ones, which this norm would not compute",
+    )
+
+
+def _finite_reference(outputs: Tensor) -> Tensor:
+    """The model's outputs before rotating, refused when they hold NaN or Inf (then nothing
+    would tell a rotation that changed the function)."""
+    if not torch.isfinite(outputs).all():
+        raise ConfigError(
+            "rotate.calibration",
+            "batch 0",
+            "the model's outputs on it hold NaN or Inf before rotating; rotate a model whose outputs are finite",
+        )
+    return outputs
 
 
 def _rotated_values(
@@ -335,7 +373,7 @@ def _check_same_function(model: nn.Module, call: Any, reference: Tensor) -> None
     if not error < max(1e-3, 4 * torch.finfo(dtype).eps):
         raise ConfigError(
             "rotate",
-            f"relative error {error:.2g}",
-            "the rotated model computes another function: a layer reads or writes the residual stream "
-            "in a way this rotation does not cover (a learned position embedding, a norm with a bias)",
+            type(model).__name__,
+            f"the rotated model computes another function (its outputs moved by {error:.2g} of their "
+            "largest value): a layer reads or writes the residual stream in a way this rotation does not cover",
         )

@@ -150,3 +150,14 @@ def test_a_shared_module_is_refused_and_in_place_ops_after_the_layer_change_noth
     assert torch.equal(kept.maps, surgery.attribution(out_of_place, images(), select="layer4.1.bn2").maps)
     with pytest.raises(ConfigError, match=r"^attribution.select='layer4': gives \(2, 512, 1, 1\): one position"):
         surgery.attribution(model, images(2, 32), select="layer4")
+
+
+@pytest.mark.parametrize("target", [1.5, True, "cat", [0.5, 1.0]])
+def test_a_target_that_is_not_a_class_index_is_refused(target):
+    from surgery.analysis.attribution import AttributionSpec
+
+    with pytest.raises(ConfigError, match=r"^attribution.target=.*: must be a class index"):
+        AttributionSpec(target=target)
+    model = nn.Sequential(nn.Linear(4, 3)).eval()
+    with pytest.raises(ConfigError, match=r"^attribution.target=.*: must be a class index"):
+        surgery.attribution(model, torch.randn(2, 4), method="input_x_gradient", target=target)

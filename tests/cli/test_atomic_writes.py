@@ -508,3 +508,11 @@ def test_an_interrupt_during_publishing_takes_effect_after_it_and_leaves_nothing
     with mock.patch("sys.stderr", new_callable=io.StringIO) as stderr:
         assert _interrupted("interrupted", 130, caught.value) == 130
     assert "after its outputs were published" in stderr.getvalue() and "left as they were" not in stderr.getvalue()
+
+
+def test_an_earlier_runs_export_is_not_left_beside_a_new_report(tmp_path):
+    (tmp_path / "export.pt").write_bytes(b"an earlier run's torchao export")
+    with pytest.raises(OutputExistsError, match="export.pt"):
+        run_module.run(pipeline_config(), tmp_path, echo=False)
+    assert run_module.run(pipeline_config(overwrite=True), tmp_path, echo=False).exit_code == 0
+    assert not (tmp_path / "export.pt").exists() and (tmp_path / "report.json").exists()

@@ -37,6 +37,7 @@ from surgery.core.errors import (
     ConfigError,
     ConfigTypeError,
     OutputExistsError,
+    OutputWriteError,
     SelectionError,
 )
 from surgery.ops.observers import NonFiniteError
@@ -837,6 +838,29 @@ API_CASES = [
         "k_proj/v_proj outputs",
         build=lambda: tiny_llama(layers=1),
     ),
+    ApiCase(
+        "export-write",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "model.safetensors" / "m.safetensors"),
+        OutputWriteError,
+        "export.path",
+        "cannot be written",
+        prepare=lambda m: surgery.prune(m, 0.5),
+    ),
+    ApiCase(
+        "export-write",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.pt", format="torchao", inputs=batch(4, 5)),
+        ConfigError,
+        "export.inputs='batch 0'",
+        "Sequential fails on it",
+        prepare=lambda m: surgery.quantize(m, weights=QuantSpec(per_channel=True), activations=None, target="torchao"),
+    ),
+    ApiCase(
+        "attribution",
+        lambda m, *_: surgery.attribution(m, batch(4, 8), method="input_x_gradient", target=1.5),
+        ConfigError,
+        "attribution.target=1.5",
+        "must be a class index",
+    ),
 ]
 
 
@@ -968,6 +992,12 @@ def save_file(tensors, filename, metadata=None):
 safetensors.torch.save_file = save_file
 """
 HUGE = "1" + "0" * 400
+# Fills the disk while torch.save writes (the .pt checkpoint, a torchao export): torch raises RuntimeError.
+TORCH_DISK_FULL = """import torch
+def save(obj, f, *args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0")
+torch.save = save
+"""
 
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 IMAGES = (
@@ -980,6 +1010,7 @@ IMAGES = (
     "data.batches=1",
 )
 GPT2 = ("recipe=quantize_gpt2_hf",)
+LLAMA_RTN = ("recipe=quantize_gptq_llama", "quantize.weights.method=rtn", "quantize.calibration_batches=1")
 HELD: list = []  # claims held for the whole test session (a run elsewhere owns the folder)
 
 
@@ -1102,7 +1133,7 @@ CLI_CASES = [
     CliCase("token-files", GPT2, "data.tokenizer='", tokens("code")),
     CliCase("hf-folder", GPT2, "model.path='", hf_folder("cut")),
     CliCase("hf-folder", GPT2, "model.path='", hf_folder("code")),
-    CliCase("hf-folder", GPT2, "model.config.n_layer=2: differs from 1", hf_folder("mismatch")),  # the recipe's 2
+    CliCase("hf-folder", GPT2, "model.config=null drops all of it", hf_folder("mismatch")),  # the recipe's n_layer 2
     CliCase("checkpoint", (*FAST, "model.weights=/dev/zero"), "model.weights='/dev/zero': is not a regular file"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.amount=2"), "shrink.amount=2"),
     CliCase("shrink", ("recipe=shrink_resnet50", "shrink.round_to=0"), "shrink.round_to=0"),
@@ -1282,7 +1313,32 @@ CLI_CASES = [
         ("recipe=quantize_digits", "export.format=onnx", "+export.options.opset=x"),
         "export.options.opset='x': must be an integer from 18 to 25",
     ),
+    CliCase("export-write", (*FAST, "+export.options={tokenizer: tok}"), "export.options={'tokenizer': 'tok'}"),
+    CliCase(
+        "export-write",
+        (*LLAMA_RTN, "export.format=compressed-tensors", "+export.options.max_shard_size=banana"),
+        "export.options.max_shard_size='banana'",
+    ),
+    CliCase("attribution", ("recipe=explain", "attribution.target=1.5"), "attribution.target=1.5"),
+    CliCase(
+        "offload",
+        ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.method=rtn"),
+        "model.offload_folder=",
+        lambda folder: (f"model.path={llama_folder(folder)}", f"model.offload_folder={a_file(folder)}"),
+    ),
+    CliCase(
+        "run-dir",
+        (*FAST, "output.checkpoint=pt"),
+        "model.pt': cannot be written (",
+        user_module("sitecustomize", TORCH_DISK_FULL),
+    ),
 ]
+
+
+def a_file(folder: Path) -> Path:
+    """A plain file where a folder is expected."""
+    (folder / "a_file").write_text("not a folder")
+    return folder / "a_file"
 
 
 def llama_folder(folder: Path) -> Path:

@@ -78,3 +78,8 @@ def test_a_config_without_sensitivity_runs_none():
     assert load_config({"steps": ["sensitivity"], "sensitivity": {"amounts": [0.5]}}).sensitivity.amounts == [0.5]
     with pytest.raises(ConfigError, match=r"not in steps; add it: steps=\[sensitivity\]"):
         load_config({"steps": ["prune"], "prune": {}, "sensitivity": {"amounts": [0.5]}})
+
+
+def test_export_options_without_a_format_are_refused():
+    with pytest.raises(ConfigError, match=r"^export.options=\{'tokenizer': 'tok'\}: apply to an export; set export"):
+        load_config({"export": {"options": {"tokenizer": "tok"}}})

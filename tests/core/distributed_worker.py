@@ -41,7 +41,7 @@ def shards() -> list[torch.Tensor]:
 
 
 def disagree(out: str) -> None:
-    """Rank 1 holds another model, then excludes a layer rank 0 keeps: each rank writes the
+    """Rank 1 holds another model, then excludes a layer rank 0 keeps, then has no batches: each rank writes the
     refusals it met to OUT/refusals-R.txt; then each rank calibrates on its own shard of
     batches, writing OUT/rank-R-shards.safetensors."""
     rank = torch.distributed.get_rank()
@@ -58,6 +58,11 @@ def disagree(out: str) -> None:
             refusals.append("finished")
         except surgery.ConfigError as err:
             refusals.append(str(err))
+    try:  # rank 1 refuses its own (empty) batches: rank 0 must not wait for it
+        run("gptq", tiny_llama(layers=2), [] if rank == 1 else None)
+        refusals.append("finished")
+    except surgery.ConfigError as err:
+        refusals.append(str(err))
     Path(f"{out}/refusals-{rank}.txt").write_text("\n".join(refusals))
     model = tiny_llama(layers=2)
     run("sparsegpt", model, shards()).bake()

@@ -157,3 +157,21 @@ def test_named_tuples_and_ordered_dicts_come_back_as_they_went(tmp_path):
         assert calls.spilled_bytes == (8 + 12) * 4  # the named tuple's tensors went to disk too
         _, kwargs = next(iter(calls))
     assert type(kwargs["position"]) is Pair and torch.equal(kwargs["position"].sin, pair.sin)
+
+
+def test_a_spill_folder_that_cannot_be_written_names_it_and_the_size_it_needed(tmp_path):
+    model = tiny_llama(layers=3, vocab=128)
+    before = logits(model)
+    refused = PermissionError(13, "Permission denied", str(tmp_path))
+    with (
+        activation_budget(0, folder=tmp_path),
+        mock.patch("surgery.core.activations.tempfile.mkdtemp", side_effect=refused),
+        pytest.raises(ConfigError) as caught,
+    ):
+        surgery.quantize(model, weights=GPTQ, calibration=batches(), progress=False)
+    message = str(caught.value)
+    assert (
+        message.startswith(f"activation_budget.folder={str(tmp_path)!r}: could not hold ") and "Permission" in message
+    )
+    assert " 0 MB" not in message and ("bytes" in message or "kB" in message or "MB" in message)
+    assert torch.equal(logits(model), before)

@@ -3,6 +3,7 @@ interrupted writes: tests/core/test_atomic_writes.py)."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import surgery
-from surgery.core.checkpoints import load_checkpoint, read_state_dict, save_checkpoint
+from surgery.core.checkpoints import load_checkpoint, read_state_dict, save_checkpoint, write_atomically
 from surgery.testing import collect, snapshot, snapshot_differences
 
 SUFFIXES = [".safetensors", ".pt"]
@@ -196,3 +197,14 @@ def test_saved_tensors_are_copies_not_views_of_the_model(mlp, tmp_path):
     with torch.no_grad():
         mlp[0].weight.add_(1.0)
     assert not torch.equal(read_state_dict(path)["0.weight"], mlp[0].weight)
+
+
+def test_torch_save_failing_on_a_full_disk_is_an_os_error_and_leaves_nothing(tmp_path):
+    def fails_like_a_full_disk(tmp):  # what torch.save raises when the disk fills (torch 2.x)
+        tmp.write_bytes(b"part")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+
+    with pytest.raises(OSError, match=r"PytorchStreamWriter|inline_container") as raised:
+        write_atomically(tmp_path / "model.pt", fails_like_a_full_disk)
+    assert raised.value.errno in (errno.ENOSPC, errno.EIO) and isinstance(raised.value.__cause__, RuntimeError)
+    assert list(tmp_path.iterdir()) == []

@@ -56,8 +56,9 @@ def test_sharing_without_a_process_group_is_one_line():
 def test_ranks_that_disagree_are_refused_on_every_rank_and_own_shards_are_used_whole(tmp_path):
     torchrun(str(tmp_path), "disagree")
     refusals = [(tmp_path / f"refusals-{r}.txt").read_text().splitlines() for r in (0, 1)]
-    assert refusals[0] == refusals[1], refusals  # every rank refuses, in the same words
-    model, settings = refusals[0]
+    assert refusals[0][:2] == refusals[1][:2], refusals  # every rank refuses, in the same words
+    model, settings, empty = refusals[0]
+    assert "rank 1" in empty and "0 batches" in empty and "0 batches" in refusals[1][2]  # nobody left waiting
     assert "rank 1" in model and "another model" in model
     assert "rank 1" in settings and "other settings" in settings
     first, second = (load_file(tmp_path / f"rank-{r}-shards.safetensors") for r in (0, 1))

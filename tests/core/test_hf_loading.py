@@ -66,3 +66,27 @@ def test_an_offloaded_folder_naming_another_attribute_of_transformers_is_one_lin
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["pipeline"]}))
     with pytest.raises(ConfigError, match=r"names no transformers model class \(architectures: 'pipeline'\)"):
         surgery.offloaded(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"architectures": {"a": 1}}, r"names no transformers model class"),
+        ({"architectures": ["PreTrainedModel"]}, r"names no transformers model class"),
+        ({"architectures": ["LlamaPreTrainedModel"]}, r"names no transformers model class"),
+        ({"architectures": ["BertModel"]}, r"names BertModel, which is built from a BertConfig, but the config is a"),
+        ({"text_config": {"auto_map": {"AutoConfig": "custom.Config"}}}, r"is not a model config LlamaForCausalLM"),
+    ],
+    ids=["dict", "base-class", "family-base-class", "other-family", "nested-auto-map"],
+)
+def test_an_offloaded_folder_whose_config_cannot_build_its_weights_is_one_line(tmp_path, edit, message):
+    """A base class would build a model with no layers and ignore every weight; another family's
+    class would fail deep inside transformers."""
+    import surgery
+
+    tiny_llama().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ConfigError, match=message) as err:
+        surgery.offloaded(tmp_path)
+    assert "\n" not in str(err.value)

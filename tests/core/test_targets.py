@@ -192,3 +192,21 @@ def test_an_excluded_layer_is_reported_as_excluded_not_as_outside_the_default():
     handle = surgery.prune(model, 0.5, exclude="2", progress=False)
     assert [(s.name, s.reason) for s in handle.skipped] == [("2", "excluded (prune.exclude)")]
     handle.restore()
+
+
+class WithPositions(nn.Module):
+    """A model holding a parameter of its own (as a ViT's position embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(4, 8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.positions)
+
+
+def test_the_model_itself_skipped_is_named_by_its_parameters_not_an_empty_name():
+    model = WithPositions()
+    with surgery.prune(model, 0.5) as handle:
+        assert [s.name for s in handle.skipped] == ["positions"]

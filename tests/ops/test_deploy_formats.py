@@ -613,3 +613,92 @@ def test_onnx_refuses_an_opset_it_cannot_write(tmp_path, opset):
     with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), calibration=[torch.randn(2, 64)]) as handle:
         with pytest.raises(ConfigError, match=r"^export.options.opset=.*: must be an integer from 18 to 25$"):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=torch.randn(2, 64), opset=opset)
+
+
+def tiny_falcon(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=64)
+    return transformers.FalconForCausalLM(config).eval().to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "weights", "name"),
+    [
+        ("torchao", {"bits": 8, "per_channel": True}, "f.pt"),  # Int8Tensor has no `permute` (FalconLinear's .T)
+        ("compressed-tensors", {"format": "mxfp4", "group_size": 32}, "f"),  # loading: FalconLinear has no `weight`
+        ("compressed-tensors", {"format": "nvfp4", "group_size": 16}, "f"),
+    ],
+    ids=["torchao", "mxfp4", "nvfp4"],
+)
+def test_an_artifact_its_runtime_cannot_run_is_one_line_and_removed(tmp_path, fmt, weights, name):
+    model = tiny_falcon(torch.bfloat16 if "format" in weights else torch.float32)
+    ids = torch.randint(0, 64, (2, 8))
+    spec = surgery.QuantSpec(**weights)  # lm_head is tied to the embeddings: left out
+    with surgery.quantize(model, weights=spec, activations=None, target=fmt, exclude=["lm_head"]) as handle:
+        with pytest.raises(ConfigError, match=rf"^export.format='{fmt}': the written FalconForCausalLM does not run"):
+            surgery.export(handle, tmp_path / name, format=fmt, inputs=[ids])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compressed_tensors_options_are_checked_before_anything_is_written(tmp_path):
+    model = tiny_llama(layers=1)
+    (tmp_path / "a_file").write_text("not a tokenizer")
+    (tmp_path / "empty").mkdir()
+    bad = [
+        ({"max_shard_size": "banana"}, r"^export.options.max_shard_size='banana': must be a size"),
+        ({"max_shard_size": 0}, r"^export.options.max_shard_size=0: must be a size"),
+        ({"tokenizer": str(tmp_path / "no_such")}, r"^export.options.tokenizer='.*no_such': must be a local tokenizer"),
+        ({"tokenizer": str(tmp_path / "a_file")}, r"^export.options.tokenizer='.*a_file': must be a local tokenizer"),
+        ({"tokenizer": str(tmp_path / "empty")}, r"^export.options.tokenizer='.*empty': cannot be loaded as a"),
+    ]
+    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, per_channel=True), activations=None) as handle:
+        for options, message in bad:
+            with pytest.raises(ConfigError, match=message):
+                surgery.export(handle, tmp_path / "out", format="compressed-tensors", **options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]
+
+
+def test_a_target_whose_layer_types_the_model_lacks_names_the_target_not_a_selection():
+    model = gpt2()  # Conv1D layers; torchao quantizes nn.Linear, and lm_head is excluded
+    spec = surgery.QuantSpec(per_channel=True)
+    with pytest.raises(ConfigError, match=r"^quantize.target='torchao': quantizes Linear layers and GPT2LMHeadModel"):
+        surgery.quantize(model, weights=spec, activations=None, target="torchao", exclude=["lm_head"])
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gpt2_fp8_conv1d_weights_export_in_their_layout_with_equal_logits(tmp_path, per_channel):
+    model = gpt2()  # FP8 has no zero point: "symmetric" was asked of it, and its Conv1D weights came out scrambled
+    ids = torch.randint(0, 128, (2, 16))
+    spec = surgery.QuantSpec(format="fp8_e4m3", per_channel=per_channel)
+    with surgery.quantize(model, weights=spec, activations=None, target="compressed-tensors") as handle:
+        record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal, record.parity
+
+
+def test_a_quantized_head_tied_to_the_embeddings_is_refused_in_memory_and_streamed(tmp_path):
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "tied")
+    spec = surgery.QuantSpec(bits=8, per_channel=True, symmetric=True)
+    message = r"^quantize.select='lm_head': shares its weight with model.embed_tokens \(tied\)"
+    with surgery.quantize(model, weights=spec, activations=None, select=["**.q_proj", "lm_head"]) as handle:
+        with pytest.raises(ConfigError, match=message):
+            surgery.export(handle, tmp_path / "ct", format="compressed-tensors")
+    streamed = surgery.quantize(surgery.offloaded(tmp_path / "tied"), weights=spec, select=["**.q_proj", "lm_head"])
+    with pytest.raises(ConfigError, match=message):
+        surgery.export(streamed, tmp_path / "ct", format="compressed-tensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tied"]
+
+
+def test_a_users_lambda_hook_at_torchao_export_is_named_and_nothing_is_written(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    model[1].register_forward_hook(lambda module, args, output: output * 2)
+    spec = surgery.QuantSpec(per_channel=True)
+    with surgery.quantize(model, weights=spec, activations=None, target="torchao") as handle:
+        with pytest.raises(ConfigError, match=r"^export.format='torchao': pickles .* layer '1' holds a forward hook"):
+            surgery.export(handle, tmp_path / "m.pt", format="torchao")
+    assert list(tmp_path.iterdir()) == []

@@ -168,3 +168,13 @@ def test_distilling_a_one_output_model_is_one_line_and_changes_nothing():
         surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, progress=False)
     assert not snapshot_differences(before, snapshot(student))
     surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, distill={"weight": 0.0}, progress=False)
+
+
+def test_a_teacher_in_another_dtype_is_one_line_saying_which():
+    student = nn.Sequential(nn.Linear(8, 4))
+    teacher = copy.deepcopy(student).double()
+    batches = [(torch.randn(2, 8), torch.tensor([0, 1]))]
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    with pytest.raises(ConfigError, match=r"^finetune.teacher='Sequential': fails on the first .* torch.float64 and"):
+        surgery.finetune(student, batches, teacher=teacher, progress=False)
+    assert all(torch.equal(p, before[n]) for n, p in student.named_parameters())

@@ -180,3 +180,14 @@ def test_per_token_scales_on_an_image_are_refused_when_it_arrives():
     with surgery.quantize(model, weights=None, activations=QuantSpec(dynamic="token"), select="1"):
         with pytest.raises(ConfigError, match=r"^quantize.activations.dynamic='token': 1's output is \(2, 4, 6, 6\)"):
             model(torch.randn(2, 3, 8, 8))
+
+
+def test_a_linear_on_a_4d_input_takes_per_token_scales_over_all_but_its_last_axis():
+    model = nn.Sequential(nn.Linear(8, 4)).eval()  # e.g. a Swin block's (batch, height, width, channels)
+    x = torch.randn(2, 3, 5, 8)
+    spec = QuantSpec(bits=8, symmetric=True, dynamic="token")
+    with surgery.quantize(model, weights=None, activations=spec, where="input"):
+        with torch.no_grad():
+            found = model(x)
+    expected = model(fake_quantize_dynamic(x.reshape(-1, 8), spec)[0]).reshape(2, 3, 5, 4)
+    torch.testing.assert_close(found, expected)

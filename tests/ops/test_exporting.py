@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.core.errors import ConfigError, OutputExistsError, OutputWriteError
 
 
 def test_a_hugging_face_model_loads_the_export_with_from_pretrained_and_gives_the_same_logits(tmp_path):
@@ -227,3 +227,35 @@ def test_equal_outputs_hold_a_cosine_promise_even_when_they_are_all_zero(tmp_pat
         assert sorted(p.name for p in tmp_path.iterdir()) == ["z.pt"]
     finally:
         surgery.ops.exporting.EXPORT_FORMATS.unregister("test_zeroing")
+
+
+def test_a_path_that_cannot_be_written_is_one_line_naming_export_path_and_leaves_nothing(tmp_path):
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    model = nn.Sequential(nn.Linear(8, 8))
+    with surgery.prune(model, 0.5) as handle:
+        with pytest.raises(OutputWriteError, match=r"^export.path='.*folder.safetensors': cannot be written \(Is a"):
+            surgery.export(handle, tmp_path / "folder.safetensors", overwrite=True)
+        with pytest.raises(OSError, match=r"^export.path='.*a_file/m.safetensors': cannot be written"):
+            surgery.export(handle, tmp_path / "a_file" / "m.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "folder.safetensors"]
+
+
+def test_export_inputs_the_model_cannot_take_are_one_line_and_leave_nothing(tmp_path):
+    pytest.importorskip("torchao")
+    model = nn.Sequential(nn.Linear(8, 8)).eval()
+    with surgery.quantize(model, weights=surgery.QuantSpec(per_channel=True), activations=None, target="torchao") as h:
+        with pytest.raises(ConfigError, match=r"^export.inputs='batch 0': Sequential fails on it \(RuntimeError: mat1"):
+            surgery.export(h, tmp_path / "m.pt", format="torchao", inputs=torch.ones(2, 5))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_fails_unexpectedly_is_one_line_naming_the_format_and_leaves_nothing(tmp_path):
+    def broken(model, path, options):
+        path.write_bytes(b"half")
+        raise KeyError("surprise")
+
+    surgery.register_export_format("broken_for_test", broken, load=lambda p: None, suffix="bin", replace=True)
+    with pytest.raises(ConfigError, match=r"^export.format='broken_for_test': cannot write Linear \(KeyError: 'surp"):
+        surgery.export(nn.Linear(2, 2), tmp_path / "m.bin", format="broken_for_test")
+    assert list(tmp_path.iterdir()) == []

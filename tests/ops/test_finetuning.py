@@ -110,3 +110,17 @@ def test_a_hugging_face_model_with_dict_inputs_finetunes_with_its_own_loss(tmp_p
     assert all(not model.get_parameter(n).detach()[~m].any() for n, m in masks.items())
     surgery.compose(pruned, tuned).restore()
     assert global_hook_counts()["_global_optimizer_post_hooks"] == 0
+
+
+def test_a_hugging_face_language_model_trains_with_the_default_loss_per_token():
+    from support import tiny_llama  # tests/support.py
+
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    batches = [(ids[:, :-1], ids[:, 1:])]  # the next tokens as targets
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    before = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1)))
+    handle = finetune(model, batches, epochs=3, lr=1e-2, evaluate=lambda m: 0.0, progress=False)
+    assert handle.curve[0].loss is None and handle.curve[-1].loss < before
+    handle.restore()

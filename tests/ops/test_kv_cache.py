@@ -84,3 +84,12 @@ def test_a_cache_calibrated_on_constant_data_is_refused_and_the_model_left_as_it
     with pytest.raises(ConfigError, match=r"quantize.calibration='model.layers.0.self_attn.k_proj'.*no range"):
         surgery.quantize_kv_cache(model, calibration=zeros, progress=False)
     assert torch.equal(model(tokens).logits, before)
+
+
+def test_a_cache_format_activations_cannot_take_names_the_kv_cache_field():
+    model = tiny_llama(layers=1)
+    with pytest.raises(ConfigError, match=r"^kv_cache.format='mxfp4': scales per block") as caught:
+        surgery.quantize_kv_cache(
+            model, QuantSpec(format="mxfp4", group_size=32), calibration=[torch.randint(0, 128, (1, 8))]
+        )
+    assert "quantize." not in str(caught.value)

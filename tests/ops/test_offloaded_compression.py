@@ -309,6 +309,12 @@ def spoil(work: Path, how: str) -> None:
     elif how == "not-json":
         path.write_bytes(b"\xff{")
         return
+    elif how == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+        return
+    elif how.startswith("axis"):
+        grids = stages["1"]["grids"]
+        grids[next(iter(grids))] = {"axis-none": None, "axis-1": 1, "axis-huge": 10**30}[how]
     path.write_text(json.dumps(manifest))
 
 
@@ -320,6 +326,10 @@ SPOILED = {
     "grids-dropped": r"stage-00001.safetensors': does not hold the stage's tensors as listed \(model.layers.1.",
     "zeroed": r"stage-00001.safetensors': is missing or not the file the run wrote",
     "not-json": r"manifest.json': cannot be read as JSON \(UnicodeDecodeError\)",
+    "nested": r"manifest.json': cannot be read as JSON \(RecursionError\)",
+    "axis-none": r"stage-00001.safetensors': lists axis None for model.layers.1.\S+, which its scales do not fit",
+    "axis-1": r"stage-00001.safetensors': lists axis 1 for model.layers.1.\S+, which its scales do not fit",
+    "axis-huge": r"stage-00001.safetensors': lists axis 10{30} for model.layers.1.\S+, which its scales do not fit",
 }
 
 
@@ -347,3 +357,20 @@ def test_a_tokenizer_folder_is_saved_beside_the_export_and_a_broken_one_refused_
     with pytest.raises(ConfigError, match=r"export.options.tokenizer='.*': cannot be loaded as a tokenizer") as err:
         surgery.export(done, tmp_path / "again", format="compressed-tensors", tokenizer=str(tokenizer))
     assert "\n" not in str(err.value) and not (tmp_path / "again").exists()
+
+
+def test_a_work_folder_that_is_a_file_or_holds_a_cut_stage_is_named_as_work(tmp_path):
+    folder, work = tmp_path / "model", tmp_path / "work"
+    llama_folder(folder, layers=2)
+    source = surgery.offloaded(folder)
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^work='.*a_file': is a file; give a folder"):
+        VERBS["rtn"](source, None, work=tmp_path / "a_file")
+    VERBS["rtn"](source, None, work=work).restore()
+    stage = work / "stage-00000.safetensors"
+    stage.write_bytes(stage.read_bytes()[:100])
+    with pytest.raises(
+        ConfigError, match=r"^work='.*stage-00000.safetensors': is missing or not the file the run wrote"
+    ):
+        VERBS["rtn"](source, None, work=work)
+    assert torch.equal(logits(source.model), logits(tiny_llama(layers=2, vocab=128)))

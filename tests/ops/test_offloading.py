@@ -132,6 +132,19 @@ def drop_one_shard(folder: Path) -> None:
     (folder / sorted(set(index["weight_map"].values()))[-1]).unlink()
 
 
+def weight_map_a_list(folder: Path) -> None:
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    path.write_text(json.dumps({**index, "weight_map": sorted(index["weight_map"].values())}))
+
+
+def shard_a_fifo(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / sorted(set(index["weight_map"].values()))[-1]
+    shard.unlink()
+    os.mkfifo(shard)
+
+
 @pytest.mark.parametrize(
     "spoil, shard, message",
     [
@@ -159,8 +172,20 @@ def drop_one_shard(folder: Path) -> None:
         (lambda f: (f / "config.json").unlink(), None, r"is not a model: no config.json"),
         (lambda f: (f / "model.safetensors").write_bytes(b"not a tensor file"), None, r"is not a safetensors file"),
         (lambda f: (f / "config.json").write_text("{]"), None, r"config.json.*is not a model config"),
+        (weight_map_a_list, "100KB", r"index.json': is not a safetensors index \(its weight_map must map"),
+        (shard_a_fifo, "100KB", r"safetensors': is listed in model.safetensors.index.json but is not a regular file"),
     ],
-    ids=["missing-shard", "shape", "dtype", "missing-tensor", "no-config", "not-safetensors", "bad-config"],
+    ids=[
+        "missing-shard",
+        "shape",
+        "dtype",
+        "missing-tensor",
+        "no-config",
+        "not-safetensors",
+        "bad-config",
+        "weight-map-list",
+        "fifo-shard",
+    ],
 )
 def test_what_is_not_the_model_is_one_line_and_changes_nothing(tmp_path, spoil, shard, message):
     llama_folder(tmp_path, shard)
@@ -234,4 +259,14 @@ def test_a_shard_changed_while_offloaded_is_refused_naming_it_never_read_at_stal
             file.truncate()
     with pytest.raises(ConfigError, match=r"model\.safetensors': changed while the offloaded model reads it") as err:
         logits(source.model, tokens)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], None, {"a": 3}, {"a": "../other/model.safetensors"}, {"a": "/abs.st"}])
+def test_an_index_whose_weight_map_is_not_plain_file_names_is_one_line(tmp_path, weight_map):
+    tiny_llama().save_pretrained(tmp_path / "model", max_shard_size="100KB")
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json': (is not a safetensors index|lists )") as err:
+        surgery.offloaded(tmp_path / "model")
     assert "\n" not in str(err.value)

@@ -90,6 +90,7 @@ def test_rotation_lets_int4_activations_lose_less():
             "transformer.h.0.ln_1",
         ),
         (lambda: tiny_llama_tied(), "lm_head"),
+        (lambda: tiny_gemma(), "model.layers.0.input_layernorm"),  # scales by (1 + weight)
     ],
 )
 def test_models_the_rotation_cannot_cover_are_refused_naming_the_layer(build, layer):
@@ -152,3 +153,30 @@ def test_an_export_of_an_online_rotation_is_refused_naming_the_hook(tmp_path):
         surgery.export(both, tmp_path / "w4", format="compressed-tensors")
     assert not (tmp_path / "w4").exists()
     both.restore()
+
+
+def tiny_gemma():
+    config = transformers.GemmaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GemmaForCausalLM(config)
+
+
+def test_a_gemma_norm_is_refused_saying_it_scales_by_one_plus_its_weight():
+    with pytest.raises(
+        ConfigError, match=r"^rotate='model.layers.0.input_layernorm': is a GemmaRMSNorm that scales by"
+    ):
+        surgery.rotate(tiny_gemma().eval(), calibration=[torch.randint(0, 128, (1, 8))])
+
+
+def test_a_model_whose_outputs_are_nan_is_refused_before_rotating():
+    model = tiny_llama(layers=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=r"^rotate.calibration='batch 0': the model's outputs on it hold NaN"):
+        surgery.rotate(model, calibration=[torch.randint(0, 128, (1, 8))], online=False)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, before[name], rtol=0, atol=0, equal_nan=True)

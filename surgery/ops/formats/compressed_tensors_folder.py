@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.sequential import find_blocks
 from surgery.core.targets import is_hf_conv1d
@@ -50,7 +50,8 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='compressed-tensors' takes {', '.join(OPTIONS)}")
-    tokenizer = _tokenizer(options.get("tokenizer"))
+    options = _checked_options(options)
+    tokenizer = options.get("tokenizer")
     model = plan.model
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
@@ -78,6 +79,7 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
             if not activation.spec.symmetric and not activation.spec.is_float:
                 offset = 1 << (activation.spec.bits - 1)
                 state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
+    _refuse_tied(model, [layer for layer in layers if f"{layer}.weight" not in state])  # packed: renamed
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, state_dict=state, max_shard_size=options.get("max_shard_size", "5GB"))
     if tokenizer is not None:
@@ -105,7 +107,8 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
         raise ConfigError(
             "export.options", sorted(options), "an offloaded model streams to compressed-tensors with tokenizer= only"
         )
-    tokenizer = _tokenizer(options.get("tokenizer"))
+    options = _checked_options(options)
+    tokenizer = options.get("tokenizer")
     model = handle.model
     if not hasattr(model, "config"):
         raise ConfigError(
@@ -119,6 +122,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
     spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
+    _refuse_tied(model, layers)
     kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
     weights = _weight_args(spec, QuantizationArgs)
     scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
@@ -154,6 +158,24 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return {"exact": scheme_format not in _FP4_FORMATS, "left_out": []}
+
+
+def _refuse_tied(model: nn.Module, layers: list[str]) -> None:
+    """A quantized weight shared under another name (a head tied to the embeddings) is written
+    once, under its first name, as transformers does, and tied again on load: a layer whose
+    compressed tensors are no longer called ``weight`` (packed) would load without it."""
+    names: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(value), []).append(name)
+    for layer in layers:
+        shared = [n for n in names.get(id(model.get_submodule(layer).weight), []) if n != f"{layer}.weight"]
+        if shared:
+            raise ConfigError(
+                "quantize.select",
+                layer,
+                f"shares its weight with {shared[0].rpartition('.')[0]} (tied), which a compressed-tensors "
+                f"folder holds once, unquantized; exclude {layer}",
+            )
 
 
 def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[str]]:
@@ -239,7 +261,7 @@ def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[Quant
         module = model.get_submodule(layer)
         if attribute != "weight" or not linear_or_conv1d(module):
             raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
-        if is_hf_conv1d(module) and (spec.group_size or not spec.symmetric):
+        if is_hf_conv1d(module) and (spec.group_size or not (spec.symmetric or spec.is_float)):  # floats: no zero point
             setting = f"group_size={spec.group_size}" if spec.group_size else "symmetric=False"
             raise ConfigError(
                 "quantize.weights",
@@ -427,6 +449,29 @@ def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[st
         # are Linear-shaped, where a Conv1D is (inputs, outputs). Dequantizing on load serves both.
         found["dequantize"] = True
     return found
+
+
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the tokenizer loaded; a ``max_shard_size`` transformers cannot read or a
+    ``tokenizer`` that is not a tokenizer folder is refused before anything is written."""
+    size = options.get("max_shard_size", "5GB")
+    if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size < 1):
+        raise ConfigError("export.options.max_shard_size", size, "must be a size such as '5GB' or a number of bytes")
+    if isinstance(size, str):
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            convert_file_size_to_int(size)
+        except ValueError:
+            raise ConfigError(
+                "export.options.max_shard_size", size, "must be a size such as '5GB', '500MB' or a number of bytes"
+            ) from None
+    tokenizer = options.get("tokenizer")
+    if tokenizer is None or hasattr(tokenizer, "save_pretrained"):
+        return options
+    if not isinstance(tokenizer, (str, Path)):
+        raise ConfigTypeError("export.options.tokenizer", type(tokenizer).__name__, "must be a tokenizer or its folder")
+    return {**options, "tokenizer": _tokenizer(tokenizer)}
 
 
 def _tokenizer(tokenizer: Any) -> Any:

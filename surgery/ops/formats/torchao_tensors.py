@@ -5,13 +5,14 @@ activations with surgery's calibrated scale), pickled whole so ``torch.load`` gi
 from __future__ import annotations
 
 import copy
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from surgery.core._compat import drop_forward_hooks
+from surgery.core._compat import MODULE_HOOK_DICTS, drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.ops.deployment import DeployPlan
 from surgery.ops.exporting import DeployTarget, register_export_format
@@ -46,8 +47,32 @@ def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict
         module.weight = nn.Parameter(tensor, requires_grad=False)
         if mode == "static":
             module.__class__ = StaticInt8Linear  # same parameters; inputs of any rank
-    torch.save(plain, str(path))
+    try:
+        torch.save(plain, str(path))
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise _unpicklable(plain, err) from None
     return {"exact": False}
+
+
+def _unpicklable(model: nn.Module, err: Exception) -> ConfigError:
+    """Why the model cannot be pickled whole: the first hook of the user's that pickle refuses
+    (a lambda, a local function), else pickle's own reason."""
+    for name, module in model.named_modules():
+        for kind in MODULE_HOOK_DICTS:
+            for hook in getattr(module, kind, {}).values():
+                try:
+                    pickle.dumps(hook)
+                except Exception:  # noqa: BLE001 - any refusal of pickle's is the answer
+                    where = f"layer {name!r}" if name else "the model"
+                    return ConfigError(
+                        "export.format",
+                        "torchao",
+                        f"pickles the whole model, and {where} holds a {kind.strip('_').replace('_', ' ').replace('hooks', 'hook')} "
+                        f"{getattr(hook, '__qualname__', type(hook).__name__)} that cannot be pickled; remove "
+                        "that hook before exporting (or register a module-level function)",
+                    )
+    first = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+    return ConfigError("export.format", "torchao", f"pickles the whole model, which pickle refuses ({first})")
 
 
 def _check_dynamic(plan: DeployPlan, mode: str) -> None:
