@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test lint docs bench tour clean
+.PHONY: run test lint docs docs-commands bench tour clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)  ## the whole test suite
 lint: $(STAMP)  ## ruff: lint and formatting (what the pre-commit hooks check)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+docs-commands: $(STAMP)  ## every command the docs quote, run as written (sweeps and full-size models: minutes)
+	SURGERY_DOCS_COMMANDS=all $(PY) -m pytest -q tests/test_docs_examples.py -k runs_as_written
 
 docs: $(STAMP)  ## the documentation site, built strictly into build/site (never with -q: it hides warnings)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
