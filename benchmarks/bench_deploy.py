@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 import surgery
 from surgery.analysis.metrics import accuracy, perplexity
-from surgery.ops.deploy_summary import fp32_bytes
+from surgery.ops.export.deploy_summary import fp32_bytes
 
 EAGER = "fp32 eager"
 W8 = surgery.QuantSpec(bits=8, symmetric=True, per_channel=True)

@@ -58,7 +58,7 @@ from bench_prune import (  # noqa: E402
 )
 
 import surgery  # noqa: E402
-from surgery.ops.quantization import ActivationQuantizer  # noqa: E402
+from surgery.ops.quantization.quantization import ActivationQuantizer  # noqa: E402
 
 TYPES = (nn.Conv2d, nn.Linear)
 A8 = surgery.QuantSpec(bits=8)  # unsigned [0, 255], affine, per tensor, min/max observer

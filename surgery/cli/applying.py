@@ -14,7 +14,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.core.interrupts import raise_pending
 from surgery.core.targets import selections_logged_at
-from surgery.ops.quantization import QuantizeHandle
+from surgery.ops.quantization.quantization import QuantizeHandle
 
 
 def apply_steps(

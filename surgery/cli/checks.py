@@ -15,7 +15,7 @@ from surgery.cli.config import DriftThresholds, RunConfig
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
 from surgery.core.inputs import batches, evaluating, outputs
-from surgery.ops.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
+from surgery.ops.export.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
 from surgery.testing import (
     max_difference,
     module_hook_counts,

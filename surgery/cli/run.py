@@ -54,12 +54,12 @@ from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
-from surgery.ops.deploy_summary import deploy_summary
-from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord
-from surgery.ops.folding import folded_structure
-from surgery.ops.pruning import PruneHandle
-from surgery.ops.quantization import QuantizeHandle
-from surgery.ops.shrinking import ShrinkHandle, rebuild
+from surgery.ops.equivalence.folding import folded_structure
+from surgery.ops.export.deploy_summary import deploy_summary
+from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
+from surgery.ops.quantization.quantization import QuantizeHandle
+from surgery.ops.shrink.shrinking import ShrinkHandle, rebuild
+from surgery.ops.sparsity.pruning import PruneHandle
 from surgery.tasks import task_named
 from surgery.testing import global_hook_counts
 

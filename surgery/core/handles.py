@@ -130,7 +130,7 @@ class Handle:
 
     def export_parts(self) -> list:
         """What a deployment format may hold of this change (integer grids, activation scales,
-        sparsity masks; see :mod:`surgery.ops.deployment`); empty for changes it cannot."""
+        sparsity masks; see :mod:`surgery.ops.numerics.deployment`); empty for changes it cannot."""
         return []
 
     def bake(self) -> nn.Module | None:

@@ -40,8 +40,8 @@ from surgery.core.errors import (
     OutputWriteError,
     SelectionError,
 )
-from surgery.ops.observers import NonFiniteError
-from surgery.ops.rewriting import Normalize, rewrite_from_config
+from surgery.ops.numerics.observers import NonFiniteError
+from surgery.ops.rewrite.rewriting import Normalize, rewrite_from_config
 from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ import torch
 
 import surgery
 from surgery.cli.steps import STEPS
-from surgery.ops.exporting import EXPORT_FORMATS
-from surgery.ops.weight_methods import WEIGHT_METHODS
+from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.tasks import TASKS
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"

@@ -37,14 +37,18 @@ from surgery.cli.steps import rewrite as rewrite_step
 from surgery.core import guards
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.handles import Handle
-from surgery.ops import pruning, quantization, rules
-from surgery.ops.observers import Observer, QuantSpec
-from surgery.ops.pruning import MaskEnforcer
-from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
-from surgery.ops.rewriting import Clamp
+from surgery.ops.build import rules
+from surgery.ops.numerics.observers import Observer, QuantSpec
+from surgery.ops.quantization import quantization
+from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
+from surgery.ops.rewrite.rewriting import Clamp
+from surgery.ops.sparsity import pruning
+from surgery.ops.sparsity.pruning import MaskEnforcer
 from surgery.testing import MODULE_HOOK_DICTS, Snapshot, collect, global_hook_counts, snapshot, snapshot_differences
 
-intercept_module = importlib.import_module("surgery.ops.intercept")  # surgery.ops.intercept is also the function
+intercept_module = importlib.import_module(
+    "surgery.ops.build.intercept"
+)  # surgery.ops.build.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]

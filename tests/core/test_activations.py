@@ -126,7 +126,7 @@ def test_a_full_disk_while_spilling_leaves_the_model_as_it_was(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-PROBE = Path(__file__).parents[1] / "ops" / "peak_memory_probe.py"
+PROBE = Path(__file__).parents[1] / "ops" / "offload" / "peak_memory_probe.py"
 
 
 def activation_peak(where: str) -> float:

@@ -8,7 +8,7 @@ from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError
-from surgery.ops.criteria import CRITERIA, compute_masks
+from surgery.ops.sparsity.criteria import CRITERIA, compute_masks
 from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 
 
@@ -123,7 +123,7 @@ GOLDEN = {  # sha256 of the packed masks made by the criteria before they became
 def test_built_in_criteria_give_the_same_masks_as_before(key):
     import hashlib
 
-    from surgery.ops.criteria import pack
+    from surgery.ops.sparsity.criteria import pack
 
     method, scope, n, dim = key
     g = torch.Generator().manual_seed(0)

@@ -16,8 +16,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import surgery
 from surgery import QuantSpec
 from surgery.core import compiled
-from surgery.ops import rewriting as rw
-from surgery.ops.observers import fake_quantize
+from surgery.ops.numerics.observers import fake_quantize
+from surgery.ops.rewrite import rewriting as rw
 from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 
 Attach = Callable[[nn.Module, torch.Tensor], list]

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 import surgery
 from surgery.analysis.inspection import ModuleCall, inspect_model
 from surgery.core.errors import ConfigError
-from surgery.ops import rules
-from surgery.ops.observers import QuantSpec
-from surgery.ops.rewriting import Normalize
+from surgery.ops.build import rules
+from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.rewrite.rewriting import Normalize
 from surgery.testing import (
     collect,
     global_hook_counts,

@@ -25,8 +25,8 @@ from torch import nn
 
 import surgery
 from surgery.core.handles import Handle, HandleGroup
-from surgery.ops.observers import OBSERVERS, QuantSpec
-from surgery.ops.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
+from surgery.ops.numerics.observers import OBSERVERS, QuantSpec
+from surgery.ops.rewrite.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
 from surgery.testing import (
     collect,
     global_hook_counts,

@@ -10,9 +10,9 @@ from torch import nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.awq import AwqSpec, awq
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
+from surgery.ops.equivalence.awq import AwqSpec, awq
+from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)

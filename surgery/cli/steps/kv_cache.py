@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
-from surgery.ops.observers import QuantSpec
-from surgery.ops.quantization import quantize
+from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.quantization.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
+from surgery.ops.quantization.quantization import quantize
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
-from surgery.ops.quantization import QuantizeSpec, deploy_target, quantize, quantize_targets
+from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization.targets import deploy_target
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.checkpoints import write_atomically
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.criteria import as_criterion
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
-from surgery.ops.pruning import prune_targets, validate_arguments
-from surgery.ops.sensitivity import sensitivity
-from surgery.ops.weight_methods import weight_method
+from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.numerics.weight_methods import weight_method
+from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.sensitivity.sensitivity import sensitivity
+from surgery.ops.sparsity.criteria import as_criterion
+from surgery.ops.sparsity.pruning import prune_targets, validate_arguments
 
 PLAN = "plan.yaml"  # per-layer amounts, for prune.amounts
 

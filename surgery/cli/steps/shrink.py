@@ -17,7 +17,7 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call
 from surgery.core.selection import select
-from surgery.ops.shrinking import ShrinkHandle, ShrinkSpec, shrink
+from surgery.ops.shrink.shrinking import ShrinkHandle, ShrinkSpec, shrink
 
 PRODUCERS = (
     nn.Linear,
