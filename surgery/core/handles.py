@@ -194,6 +194,21 @@ class Handle:
             for record in self._records:
                 record.enforce(self)
 
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[Handle]:
+        """A verb's all-or-nothing block: an error or an interrupt inside it undoes what the handle
+        holds so far (:meth:`rollback`) and is raised again.
+
+        Example:
+            >>> with handle.applying():
+            ...     attach_all(handle, model, updates, "smooth hook")
+        """
+        try:
+            yield self
+        except BaseException as err:
+            self.rollback(err)
+            raise
+
     def rollback(self, error: BaseException) -> None:
         """Undo a verb that failed with ``error`` while applying: ``error`` stays the one raised
         (a failure of the undo itself is added to it as a note, never hiding it)."""

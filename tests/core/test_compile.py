@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from support import edit_in_place  # tests/support.py
+from support import edit_in_place, tiny_llama  # tests/support.py
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -400,3 +400,37 @@ def test_dynamo_loaded_but_nothing_compiled_says_nothing(mlp, caplog, convnet_fa
     expected = ["INFO", "INFO"] if earlier else ["INFO"]  # nothing compiled before the first: it said nothing
     assert [level for level, text in records if "skip_nnmodule_hook_guards" in text] == expected
     assert [level for level, text in records if "recompile on the next call" in text] == ["WARNING"]
+
+
+LLAMA_VERBS = {
+    "smooth": lambda m, ids: surgery.smooth(m, 0.5, calibration=[ids], progress=False),
+    "awq": lambda m, ids: surgery.awq(m, weights=QuantSpec(bits=4, group_size=32), calibration=[ids], progress=False),
+    "rotate": lambda m, ids: surgery.rotate(m, calibration=[ids], progress=False),
+}
+
+
+@pytest.mark.parametrize("verb", list(LLAMA_VERBS))
+def test_every_verb_applies_to_the_model_a_compiled_wrapper_compiles_and_refuses_work(verb):
+    model, ids = tiny_llama(layers=2), torch.randint(0, 128, (2, 8))
+    wrapper = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        handle = LLAMA_VERBS[verb](wrapper, ids)
+        assert handle.model is model
+        assert torch.equal(wrapper(ids).logits, model(ids).logits)
+    handle.restore()
+    with pytest.raises(surgery.ConfigError, match=rf"^{verb}.work='w': is for an offloaded model"):
+        if verb == "awq":
+            surgery.awq(model, weights=QuantSpec(bits=4, group_size=32), calibration=[ids], work="w", progress=False)
+        elif verb == "smooth":
+            surgery.smooth(model, 0.5, calibration=[ids], work="w", progress=False)
+        else:
+            surgery.rotate(model, calibration=[ids], work="w", progress=False)
+
+
+def test_shrink_applies_to_the_model_a_compiled_wrapper_compiles(convnet, image_input):
+    wrapper = torch.compile(convnet, backend="eager")
+    with torch.no_grad():
+        handle = surgery.shrink(wrapper, 0.5, example_inputs=image_input)
+        assert handle.model is convnet
+        assert torch.equal(wrapper(image_input), convnet(image_input))
+    handle.restore()

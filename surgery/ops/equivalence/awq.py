@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from surgery.core import guards
+from surgery.core import compiled, guards
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
@@ -153,8 +153,7 @@ def awq(
         raise ConfigError("awq.calibration", None, "AWQ chooses its scales from activations; pass calibration batches")
     if isinstance(model, Offloaded):
         return _awq_offloaded(model, spec, calibration, work, progress)
-    if work is not None:
-        raise ConfigError("awq.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
+    model = compiled.in_memory("awq", model, work)
     calls = materialise(calibration, "awq.calibration", model, spec)
     block_names = resolve_blocks(model, spec.blocks, "awq.blocks")
     if not block_names:
@@ -187,11 +186,8 @@ def awq(
         log.warning("awq: no group of layers could be scaled; only the clipping search was applied")
     for name in values:
         guards.check_editable({name: params[name]}, "awq")
-    try:
+    with handle.applying():
         attach_all(handle, model, {n: (params[n], AwqScaled(v)) for n, v in values.items()}, "awq hook")
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from surgery.core import guards
+from surgery.core import compiled, guards
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
@@ -148,6 +148,7 @@ def rotate(
     """
     if isinstance(model, Offloaded):
         return _rotate_offloaded(model, calibration, seed, online, work, progress)
+    model = compiled.in_memory("rotate", model, work)
     plan = _plan(model, calibration, online)
     named = dict(model.named_modules())
     pairs, readers, writers, embeddings, first = plan.pairs, plan.readers, plan.writers, plan.embeddings, plan.first
@@ -163,16 +164,13 @@ def rotate(
     params = dict(model.named_parameters())
     guards.check_editable({n: params[n] for n in values}, "rotate")
     reference = _finite_reference(_outputs(model, first))
-    try:
+    with handle.applying():
         attach_all(handle, model, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
         if online:
             for name, h in inner.items():
                 handle.add_hook(f"online Hadamard before {name}", named[name].register_forward_pre_hook(_rotating(h)))
                 handle.online.append(name)
         _check_same_function(model, first, reference)
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 
@@ -220,11 +218,8 @@ def _rotate_offloaded(
 
     verb = OffloadedVerb("rotate", run, f"seed={seed}", sequential=False)
     handle = compress_offloaded(source, verb, layers, None, blocks=find_blocks(model), work=work, progress=progress)
-    try:
+    with handle.applying():
         _check_same_function(model, plan.first, reference)
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 

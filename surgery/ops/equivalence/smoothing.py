@@ -228,9 +228,7 @@ def smooth(
     spec = alpha if isinstance(alpha, SmoothSpec) else SmoothSpec(alpha, pairs, statistic)
     if isinstance(model, Offloaded):
         return _smooth_offloaded(model, spec, calibration, work, progress)
-    if work is not None:
-        raise ConfigError("smooth.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
-    model = compiled.prepare(model)
+    model = compiled.in_memory("smooth", model, work)
     alpha, pairs = spec.alpha, spec.pairs
     reducer, weight_factor = STATISTICS[spec.statistic]
     calibration = materialise(calibration, "smooth.calibration", model, spec)  # read more than once
@@ -266,11 +264,8 @@ def smooth(
     for norm in kept:
         handle.pairs.append(SmoothPair(norm, list(found[norm]), rescaled[norm][1]))
         updates.update(rescaled[norm][0])
-    try:
+    with handle.applying():
         attach_all(handle, model, updates, "smooth hook")
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 

@@ -12,6 +12,13 @@ warnings.warn(
     DeprecationWarning,
     stacklevel=2,
 )
-for _name in ("compressed_tensors_folder", "fp8_linear", "onnx_qdq", "requirements", "sparse_linear", "torchao_tensors"):
+for _name in (
+    "compressed_tensors_folder",
+    "fp8_linear",
+    "onnx_qdq",
+    "requirements",
+    "sparse_linear",
+    "torchao_tensors",
+):
     sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"{_moved.__name__}.{_name}")
 sys.modules[__name__] = _moved

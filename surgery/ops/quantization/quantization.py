@@ -31,6 +31,7 @@ from surgery.core.inputs import batches, run_batches
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection, describe, select
 from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks
+from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedTensor, attach_all, own_step_hook
 from surgery.ops.equivalence.folding import fold_batchnorms
@@ -167,12 +168,6 @@ def _for_target(spec: QuantizeSpec, weights: QuantSpec | None, activations: Quan
             part = dataclasses.replace(part, **changed)
         found.append(part)
     return found[0], found[1]
-
-
-def _refuse_both(spec: QuantizeSpec, *values: Any) -> None:
-    defaults = (DEFAULT_WEIGHTS, None, None, None, "output", False, None, None, None, "memory")
-    if any(value is not default and value != default for value, default in zip(values, defaults)):
-        raise ConfigError("quantize.spec", spec, "is a QuantizeSpec: set the settings in it, not also as keywords")
 
 
 def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None:
@@ -713,13 +708,12 @@ def quantize(
         >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
         >>> handle.save_qparams("model.qparams.safetensors")
     """
-    given = (weights, activations, select, exclude, where, train, freeze_observers_after, blocks, target, originals)
-    spec = _spec_of(spec, given)
+    keywords = dict(weights=weights, activations=activations, select=select, exclude=exclude, where=where)
+    keywords |= dict(train=train, freeze_observers_after=freeze_observers_after, blocks=blocks, target=target)
+    spec = spec_or_keywords(QuantizeSpec, spec, keywords | {"originals": originals}, "quantize.spec")
     if isinstance(model, Offloaded):
         return _quantize_offloaded(model, spec, calibration, work, progress)
-    if work is not None:
-        raise ConfigError("quantize.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
-    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
+    model = compiled.in_memory("quantize", model, work)
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)
@@ -738,7 +732,7 @@ def quantize(
         weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
-    try:
+    with handle.applying():
         if folding:
             handle.folded = fold_batchnorms(handle, model, next(batches(calibration, "quantize.calibration")))
         if weights is not None and train:
@@ -756,20 +750,7 @@ def quantize(
                     list(handle.activations.values()), list(model.parameters()), freeze_observers_after
                 )
                 own_step_hook(handle, model, schedule)
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
-
-
-def _spec_of(spec: Any, given: tuple) -> QuantizeSpec:
-    """The spec :func:`quantize` was given, or the one its keyword settings make (not both)."""
-    if spec is None:
-        return QuantizeSpec(*given)
-    if not isinstance(spec, QuantizeSpec):
-        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
-    _refuse_both(spec, *given)
-    return spec
 
 
 def _quantize_offloaded(

@@ -172,13 +172,10 @@ def rewrite_inputs(
             model, select, exclude=exclude, field="rewrite.select", exclude_field="rewrite.exclude"
         )
     handle = RewriteHandle(model)
-    try:
+    with handle.applying():
         for name, module in targets.items():
             hook = module.register_forward_pre_hook(InputRewriter(fn, name), with_kwargs=True)
             handle.add_hook(f"rewrite hook on {name or '<root>'}", hook)
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 

@@ -290,7 +290,7 @@ def _why_nothing(
 def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHandle:
     """Replace every layer that loses channels, set the head counts; undone on any error."""
     handle = ShrinkHandle(model)
-    try:
+    with handle.applying():
         for name, layer in trace.layers.items():
             keep_in = _kept(layer.inputs, removed, trace)
             keep_out = _kept(layer.outputs, removed, trace) if not layer.passthrough else keep_in
@@ -314,9 +314,6 @@ def _apply(model: nn.Module, trace: ChannelTrace, removed: set[int]) -> ShrinkHa
             _update_heads(handle, name, unit, removed, trace)
         for (owner, attr), channels in trace.parameters.items():
             _slice_parameter(handle, owner, attr, _kept(channels.slots, removed, trace), channels.dim)
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle
 
 

@@ -23,6 +23,7 @@ from surgery.core.inputs import Inputs, run_backward_batches, run_batches, train
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks, run_sequential
+from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
 from surgery.ops.numerics.deployment import SparsityMask
@@ -286,12 +287,16 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
-    spec = _spec_of(amount, (method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals))
+    keywords = dict(
+        method=method, scope=scope, n=n, dim=dim, seed=seed, pattern=pattern, select=select, exclude=exclude
+    ) | dict(blocks=blocks, amounts=amounts, originals=originals)
+    spec = amount if isinstance(amount, PruneSpec) else None
+    spec = spec_or_keywords(
+        PruneSpec, spec, keywords if spec is not None else {"amount": amount, **keywords}, "prune.amount"
+    )
     if isinstance(model, Offloaded):
         return _prune_offloaded(model, spec, calibration, loss, work, progress)
-    if work is not None:
-        raise ConfigError("prune.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
-    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
+    model = compiled.in_memory("prune", model, work)
     select, exclude, blocks, amounts = spec.select, spec.exclude, spec.blocks, spec.amounts
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:
@@ -347,20 +352,6 @@ def prune(
     masks = _masks(spec, selection.matched, current, stats, per_layer)
     spilled = Originals("disk") if spec.originals == "disk" else None  # in memory: only the zeroed entries kept
     return _attach_masks(PruneHandle(model, selection, spec), model, lambda: _enforcers(targets, masks, spilled))
-
-
-def _spec_of(amount: Any, given: tuple) -> PruneSpec:
-    """The spec :func:`prune` was given as ``amount``, or the one its arguments make (not both)."""
-    if not isinstance(amount, PruneSpec):
-        return PruneSpec(amount, *given)
-    if given != ("l1_unstructured", "layer", 2.0, 0, 0, None, None, None, None, None, "memory"):
-        raise ConfigError(
-            "prune.amount",
-            amount,
-            "is a PruneSpec: set method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts "
-            "and originals in it, not as arguments too",
-        )
-    return amount
 
 
 def _prune_offloaded(

@@ -25,6 +25,7 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, evaluating
 from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
+from surgery.core.settings import spec_or_keywords
 from surgery.ops.quantization.qat import return_loans
 from surgery.ops.quantization.quantization import learned_ranges
 from surgery.ops.training.distillation import Distillation, DistillSpec, distill_spec, prediction
@@ -161,12 +162,9 @@ def finetune(
         >>> tuned = surgery.finetune(model, train_batches, epochs=5, evaluate=accuracy_on_test)
         >>> tuned.curve[0].score, tuned.curve[-1].score   # after pruning, after fine-tuning
     """
-    if spec is None:
-        spec = FinetuneSpec(epochs, lr, optimizer, weight_decay, eval_every, seed, distill, max_steps)
-    elif not isinstance(spec, FinetuneSpec):
-        raise ConfigTypeError("finetune.spec", spec, "must be a FinetuneSpec (or pass the settings as keywords)")
-    else:
-        _refuse_both(spec, (epochs, lr, optimizer, weight_decay, eval_every, seed, distill, max_steps))
+    keywords = dict(epochs=epochs, lr=lr, optimizer=optimizer, weight_decay=weight_decay, eval_every=eval_every)
+    keywords |= dict(seed=seed, distill=distill, max_steps=max_steps)
+    spec = spec_or_keywords(FinetuneSpec, spec, keywords, "finetune.spec")
     epochs, lr, weight_decay, eval_every, seed = spec.epochs, spec.lr, spec.weight_decay, spec.eval_every, spec.seed
     _validate(batches)
     if spec.distill is not None and teacher is None:
@@ -216,13 +214,6 @@ def finetune(
         for param, grad in grads:  # the loop's gradients are not the caller's
             param.grad = grad
     return handle
-
-
-def _refuse_both(spec: FinetuneSpec, given: tuple) -> None:
-    """A spec and settings given as keywords too: the keywords would be ignored."""
-    defaults = (1, 1e-3, "adamw", 0.0, None, 0, None, None)
-    if any(value is not default and value != default for value, default in zip(given, defaults)):
-        raise ConfigError("finetune.spec", spec, "is a FinetuneSpec: set the settings in it, not also as keywords")
 
 
 def _distilling(loss: Callable, distillation: Distillation) -> Callable:
