@@ -103,12 +103,7 @@ def test_models_the_rotation_cannot_cover_are_refused_naming_the_layer(build, la
 
 
 def tiny_llama_tied():
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(layers=1, tied=True).train()  # as built: the test sets its mode
 
 
 def test_a_bfloat16_llama_rotates_within_its_own_rounding():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support import edit_in_place, tiny_gpt2  # tests/support.py
+from support import tiny_llama as support_llama  # tests/support.py
 from torch import nn
 
 import surgery
@@ -107,19 +108,8 @@ def test_hugging_face_gpt2_norms_and_their_conv1d_readers_are_found():
 
 
 def test_llama_rms_norms_feed_their_projections():
-    import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = support_llama(layers=1, vocab=64, hidden=32)
     data = [torch.randint(0, 64, (2, 16))]
     before, dense = snapshot(model), model(data[0]).logits.detach()
     handle = surgery.smooth(model, 0.5, calibration=data, progress=False)
@@ -209,19 +199,8 @@ def test_a_generator_of_batches_is_read_whole_and_smoothing_twice_is_refused():
 
 
 def tiny_llama(dtype=torch.float32):
-    import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval().to(dtype)
+    return support_llama(layers=2, vocab=64, dtype=dtype, hidden=32)
 
 
 def test_a_bfloat16_model_is_smoothed_not_refused_for_its_own_rounding():

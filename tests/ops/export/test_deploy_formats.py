@@ -676,12 +676,7 @@ def test_gpt2_fp8_conv1d_weights_export_in_their_layout_with_equal_logits(tmp_pa
 
 
 def test_a_quantized_head_tied_to_the_embeddings_is_refused_in_memory_and_streamed(tmp_path):
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=64, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=1, vocab=64, hidden=32, heads=2, kv_heads=1, tied=True)
     model.save_pretrained(tmp_path / "tied")
     spec = surgery.QuantSpec(bits=8, per_channel=True, symmetric=True)
     message = r"^quantize.select='lm_head': shares its weight with model.embed_tokens \(tied\)"

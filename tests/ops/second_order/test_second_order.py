@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import gpt2, token_batches  # tests/support.py
+from support import gpt2, tiny_llama, token_batches  # tests/support.py
 from torch import nn
 from torch.nn import functional as F
 
@@ -354,19 +354,8 @@ def test_block_runs_grow_linearly_with_depth():
 
 
 def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_included():
-    import transformers
 
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(layers=2, vocab=64, hidden=32)
     data = token_batches()
     before = snapshot(model)
     handle = surgery.quantize(
@@ -542,22 +531,11 @@ def test_blocks_that_do_not_chain_are_fed_their_real_inputs(build, kwargs):
 def test_the_key_value_cache_of_hugging_face_blocks_is_not_reused(family):
     """With use_cache on (the default), a block run twice on caught inputs would attend to its
     own past; the Hessians must match the real inputs."""
-    import transformers
 
     if family == "gpt2":
         model = gpt2(2)
     else:
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=32,
-        )
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).eval()
+        model = tiny_llama(layers=2, vocab=64, hidden=32)
     data = [{"input_ids": batch["input_ids"]} for batch in token_batches(2)]
     received, true = hessians_seen_and_true(model, data, exclude="lm_head")
     for name in true:

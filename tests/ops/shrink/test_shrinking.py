@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torchvision
+from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
@@ -221,19 +222,8 @@ def _hf_vit():
 
 
 def _llama_grouped_heads():
-    import transformers
 
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            vocab_size=64,
-            max_position_embeddings=32,
-        )
-    )
+    return tiny_llama(layers=2, vocab=64, hidden=32, heads=8).train()  # as built: the test sets its mode
 
 
 def _timm_vit():
