@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from surgery.analysis.attribution import attribution_drift
+from surgery.analysis.audits import global_hook_counts
 from surgery.analysis.comparison import Drift, compare
 from surgery.analysis.inspection import (
     calls_as_rows,
@@ -61,7 +62,6 @@ from surgery.ops.quantization.quantization import QuantizeHandle
 from surgery.ops.shrink.shrinking import ShrinkHandle, rebuild
 from surgery.ops.sparsity.pruning import PruneHandle
 from surgery.tasks import task_named
-from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
