@@ -41,7 +41,7 @@ from surgery.ops.equivalence.smoothing import SmoothHandle, SmoothSpec, smooth
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
 from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
 from surgery.ops.numerics.number_formats import NumberFormat, register_number_format
-from surgery.ops.numerics.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
+from surgery.ops.numerics.observers import GridSpec, NonFiniteError, ObservedRange, register_observer
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
@@ -55,6 +55,19 @@ from surgery.ops.sparsity.owl import OwlPlan, owl_amounts
 from surgery.ops.sparsity.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.training.distillation import DistillSpec
 from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
+
+
+def __getattr__(name: str) -> object:
+    """``surgery.QuantSpec``: the name :class:`GridSpec` had before 0.3 (warns)."""
+    if name == "QuantSpec":
+        import warnings
+
+        from surgery.ops.numerics.observers import DEPRECATED_QUANTSPEC
+
+        warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
+        return GridSpec
+    raise AttributeError(f"module 'surgery' has no attribute {name!r}")
+
 
 __all__ = [  # the public names by family, in the order of docs/design.md's map
     # handles, selection and capture (core)
@@ -85,7 +98,7 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "RuleNeverFiredWarning",
     "ExportParityError",
     # numerics: grids, observers, number formats, the weight-method contract
-    "QuantSpec",
+    "GridSpec",
     "ObservedRange",
     "register_observer",
     "NumberFormat",

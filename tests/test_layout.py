@@ -293,3 +293,20 @@ def test_old_import_paths_the_docs_used_still_work_and_warn():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['surgery.ops.formats', 'surgery.ops.rewriting']"
+
+
+def test_the_grid_spec_old_name_still_works_and_warns():
+    result = run_python(
+        "import warnings\n"
+        "warnings.simplefilter('error')\n"
+        "import surgery\n"
+        "try:\n"
+        "    surgery.QuantSpec\n"
+        "except DeprecationWarning as warning:\n"
+        "    print(warning)\n"
+        "warnings.simplefilter('ignore')\n"
+        "from surgery import QuantSpec\n"
+        "assert QuantSpec is surgery.GridSpec and QuantSpec(bits=4).bits == 4\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("QuantSpec is now GridSpec")

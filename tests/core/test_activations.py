@@ -15,11 +15,11 @@ from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.activations import BlockCalls, Ledger, SpilledCall, activation_budget
 from surgery.core.errors import ConfigError
 
-GPTQ = QuantSpec(bits=4, method="gptq", group_size=32)
+GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
 
 

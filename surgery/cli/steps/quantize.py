@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
-from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
 from surgery.ops.quantization.targets import deploy_target
@@ -20,10 +20,10 @@ from surgery.ops.quantization.targets import deploy_target
 @dataclass(frozen=True)
 class QuantizeConfig(QuantizeSpec):
     """``quantize:``: the fields of :class:`~surgery.QuantizeSpec` (``weights`` and
-    ``activations`` hold :class:`~surgery.QuantSpec` fields; ``null`` turns that part off),
+    ``activations`` hold :class:`~surgery.GridSpec` fields; ``null`` turns that part off),
     and the calibration batches activations and calibrated weight methods get."""
 
-    weights: QuantSpec | None = QuantSpec(bits=8, symmetric=True, per_channel=True)
+    weights: GridSpec | None = GridSpec(bits=8, symmetric=True, per_channel=True)
     calibration_batches: int = 4
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ share of the quantization grid. Block by block, as the reference code (``llm-awq
 The result is a rewrite of weights (``handle.restore()`` puts every value back); quantize after
 it with the same grid, by round to nearest or GPTQ::
 
-    handle = surgery.awq(model, weights=QuantSpec(bits=4, group_size=128), calibration=batches)
-    surgery.quantize(model, weights=QuantSpec(bits=4, group_size=128), calibration=batches)
+    handle = surgery.awq(model, weights=GridSpec(bits=4, group_size=128), calibration=batches)
+    surgery.quantize(model, weights=GridSpec(bits=4, group_size=128), calibration=batches)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, plan_stages, resolve_blocks
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, is_norm
-from surgery.ops.numerics.observers import Grid, Observer, QuantSpec, fake_quantize, fake_quantize_groups
+from surgery.ops.numerics.observers import Grid, GridSpec, Observer, fake_quantize, fake_quantize_groups
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -94,7 +94,7 @@ class AwqHandle(Handle):
 class AwqSpec:
     """AWQ's settings but the calibration batches (see :func:`awq`)."""
 
-    weights: QuantSpec = field(default_factory=lambda: QuantSpec(bits=4, group_size=128))
+    weights: GridSpec = field(default_factory=lambda: GridSpec(bits=4, group_size=128))
     n_grid: int = 20
     clip: bool = True
     max_shrink: float = 0.5
@@ -102,8 +102,8 @@ class AwqSpec:
     blocks: Any = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weights, QuantSpec):
-            raise ConfigTypeError("awq.weights", self.weights, "must be a QuantSpec (the grid the search rounds onto)")
+        if not isinstance(self.weights, GridSpec):
+            raise ConfigTypeError("awq.weights", self.weights, "must be a GridSpec (the grid the search rounds onto)")
         for name in ("n_grid", "clip_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,7 +119,7 @@ def awq(
     model: nn.Module,
     spec: AwqSpec | None = None,
     *,
-    weights: QuantSpec | None = None,
+    weights: GridSpec | None = None,
     calibration: Inputs | None = None,
     n_grid: int = 20,
     clip: bool = True,
@@ -479,7 +479,7 @@ def _flat(output: Any) -> Tensor:
     return output.detach()
 
 
-def round_onto(weight: Tensor, spec: QuantSpec) -> Tensor:
+def round_onto(weight: Tensor, spec: GridSpec) -> Tensor:
     """A Linear weight (outputs × inputs) rounded to nearest on ``spec``'s grid."""
     if spec.group_size:
         scale, zero_point = Grid(spec, per_row=True).group_qparams(weight)
@@ -535,10 +535,10 @@ def _clip_limits(weight: Tensor, inputs: Tensor, spec: AwqSpec) -> Tensor:
     return torch.cat(limits).squeeze(1)
 
 
-def _round_groups(w: Tensor, spec: QuantSpec) -> Tensor:
+def _round_groups(w: Tensor, spec: GridSpec) -> Tensor:
     """``w`` (rows, 1, groups, size) rounded with one scale per (row, group)."""
     rows = w.reshape(-1, w.shape[-1])
-    per_group = QuantSpec(**{**spec.as_dict(), "group_size": None, "per_channel": True, "observer": spec.observer})
+    per_group = GridSpec(**{**spec.as_dict(), "group_size": None, "per_channel": True, "observer": spec.observer})
     observer = Observer(per_group, 0, "awq.clip")
     observer.observe(rows)
     scale, zero_point = observer.qparams()

@@ -223,7 +223,7 @@ def smooth(
 
     Example:
         >>> handle = surgery.smooth(model, 0.8, calibration=batches)
-        >>> surgery.quantize(model, activations=QuantSpec(bits=8), where="input", calibration=batches)
+        >>> surgery.quantize(model, activations=GridSpec(bits=8), where="input", calibration=batches)
     """
     spec = alpha if isinstance(alpha, SmoothSpec) else SmoothSpec(alpha, pairs, statistic)
     if isinstance(model, Offloaded):

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, members
 from surgery.core.inputs import Call
-from surgery.ops.numerics.observers import QuantSpec, fake_quantize
+from surgery.ops.numerics.observers import GridSpec, fake_quantize
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class WeightGrid:
     grid lays the weight out as every other grid does."""
 
     key: str
-    spec: QuantSpec
+    spec: GridSpec
     scale: Tensor
     zero_point: Tensor
     axis: int | None
@@ -96,7 +96,7 @@ class ActivationGrid:
 
     layer: str
     where: str
-    spec: QuantSpec
+    spec: GridSpec
     scale: Tensor | None
     zero_point: Tensor | None
     axis: int | None

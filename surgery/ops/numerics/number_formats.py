@@ -1,7 +1,7 @@
 """Number formats a quantized tensor is rounded onto: the integer grid (the default) and
 floating-point ones, FP8 and micro-scaled FP4.
 
-A format is a :class:`NumberFormat` in the ``FORMATS`` registry (``QuantSpec(format=...)``);
+A format is a :class:`NumberFormat` in the ``FORMATS`` registry (``GridSpec(format=...)``);
 :func:`register_number_format` adds one. A floating-point format rounds ``x / scale`` to the
 nearest value it holds (ties to even), saturating at its largest magnitude, and scales by
 ``amax / largest`` (zero point 0):
@@ -40,7 +40,7 @@ class NumberFormat:
     """A grid to round onto. ``round`` maps values in units of the scale to the nearest grid
     value (float32); ``scales(amax, tensor_amax)`` turns each slice's largest magnitude into its
     scale (default ``amax / largest``); ``block_size``, for micro-scaled formats, is the number
-    of consecutive inputs sharing a scale. The integer format has no ``round`` (``QuantSpec``'s
+    of consecutive inputs sharing a scale. The integer format has no ``round`` (``GridSpec``'s
     bits, symmetry and zero point define it)."""
 
     name: str

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from surgery.ops.numerics.number_formats import FORMATS, NumberFormat
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 
 log = logging.getLogger("surgery")
+DEPRECATED_QUANTSPEC = "QuantSpec is now GridSpec (the grid of one tensor; QuantizeSpec is the verb's settings); the old name goes away in 0.4"
 # set by quantize_kv_cache: keys and values are never constant by construction, so a constant range is bad data
 VARIED_RANGES_REQUIRED: ContextVar[bool] = ContextVar("VARIED_RANGES_REQUIRED", default=False)
 
@@ -34,12 +36,12 @@ class ObservedRange(NamedTuple):
     batches: int
 
 
-ObserverFn = Callable[[Tensor, ObservedRange | None, "QuantSpec"], tuple[Tensor, Tensor]]
+ObserverFn = Callable[[Tensor, ObservedRange | None, "GridSpec"], tuple[Tensor, Tensor]]
 OBSERVERS: Registry[ObserverFn] = Registry("quantize.observer")
 
 
 def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) -> ObserverFn:
-    """Make ``observe(x, previous, spec) -> (low, high)`` available as ``QuantSpec(observer=name)``.
+    """Make ``observe(x, previous, spec) -> (low, high)`` available as ``GridSpec(observer=name)``.
 
     ``x`` is the batch as a float32 ``(channels, values)`` matrix (one row per tensor),
     ``previous`` the :class:`ObservedRange` so far (``None`` on the first batch); return the
@@ -53,7 +55,7 @@ def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) 
     return OBSERVERS.register(name, observe, replace=replace)
 
 
-def minmax(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def minmax(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
     """Running extremes."""
     low, high = x.amin(dim=1), x.amax(dim=1)
     if previous is None:
@@ -61,7 +63,7 @@ def minmax(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[
     return torch.minimum(previous.low, low), torch.maximum(previous.high, high)
 
 
-def moving_average(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def moving_average(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
     """Exponential moving average of each batch's extremes (``spec.averaging``), as torch.ao."""
     low, high = x.amin(dim=1), x.amax(dim=1)
     if previous is None:
@@ -73,7 +75,7 @@ def moving_average(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -
     return low, torch.maximum(high, low)
 
 
-def percentile(x: Tensor, previous: ObservedRange | None, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def percentile(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
     """The ``100 - p`` and ``p`` quantiles of each batch, averaged over batches."""
     if x.numel() > _QUANTILE_LIMIT:
         x = x[:, :: math.ceil(x.numel() / _QUANTILE_LIMIT)]
@@ -90,9 +92,12 @@ for _observer in (minmax, moving_average, percentile):
 
 
 @dataclass(frozen=True)
-class QuantSpec:
-    """How to fake-quantize one kind of tensor; validated when built (``QuantSpec(bits=9)``
-    raises) and immutable, so a spec is safe to share.
+class GridSpec:
+    """The grid one kind of tensor is fake-quantized onto (a weight's or an activation's); not
+    to be confused with :class:`~surgery.QuantizeSpec`, the settings of the ``quantize`` verb,
+    which holds one ``GridSpec`` for the weights and one for the activations. Validated when
+    built (``GridSpec(bits=9)`` raises) and immutable, so a spec is safe to share. It was called
+    ``QuantSpec`` before 0.3; that name still works, with a ``DeprecationWarning``, until 0.4.
 
     ``bits`` in [2, 8]; ``symmetric`` uses signed integers and a zero point of 0, otherwise
     unsigned integers with an affine zero point; ``per_channel`` gives one scale per channel
@@ -132,13 +137,13 @@ class QuantSpec:
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
 
     def __post_init__(self) -> None:
-        _check(self, "QuantSpec")
+        _check(self, "GridSpec")
         block = self.number_format.block_size
         if block is not None and self.group_size is None:  # a micro-scaled format's blocks are its groups
             object.__setattr__(self, "group_size", block)
 
     @classmethod
-    def build(cls, values: Mapping[str, Any], field: str) -> QuantSpec:
+    def build(cls, values: Mapping[str, Any], field: str) -> GridSpec:
         """A spec from a dict of fields, errors naming ``field.<key>`` (as a config file spells it)."""
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
@@ -147,7 +152,7 @@ class QuantSpec:
         _check(SimpleNamespace(**{**defaults, **values}), field)
         return cls(**values)
 
-    def validate(self, field: str) -> QuantSpec:
+    def validate(self, field: str) -> GridSpec:
         """Check again with errors naming ``field.<key>`` (a spec is already valid once built)."""
         _check(self, field)
         return self
@@ -259,7 +264,7 @@ class NonFiniteError(ConfigError):
 class Observer:
     """Running range estimate of a tensor, per tensor or per channel along ``axis``."""
 
-    def __init__(self, spec: QuantSpec, axis: int | None, name: str) -> None:
+    def __init__(self, spec: GridSpec, axis: int | None, name: str) -> None:
         self.spec = spec
         self.axis = axis
         self.requested_axis = axis  # may count from the end (-1): resolved against each batch
@@ -353,7 +358,7 @@ class Observer:
 
 
 def compute_qparams(
-    low: Tensor, high: Tensor, spec: QuantSpec, tensor_amax: Tensor | None = None
+    low: Tensor, high: Tensor, spec: GridSpec, tensor_amax: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Scale and zero point for the range [low, high], with torch.ao's formulas; on a
     floating-point grid, the format's scale of ``max(|low|, |high|)`` and a zero point of 0
@@ -375,7 +380,7 @@ def compute_qparams(
     return scale, zero_point.to(torch.int32)
 
 
-def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: QuantSpec) -> Tensor:
+def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: GridSpec) -> Tensor:
     """Group-wise fake quantization of a weight: ``scale`` and ``zero_point`` are (outputs,
     groups) for groups of ``spec.group_size`` consecutive entries of ``x.movedim(axis, 0)``'s
     rows (the last group may be shorter)."""
@@ -398,7 +403,7 @@ class Grid:
     """A weight's quantization grid seen as an (outputs, columns) matrix, for solvers that
     round it a slice at a time (GPTQ): scales per row (per channel or per group) or one."""
 
-    def __init__(self, spec: QuantSpec, per_row: bool, tensor_amax: Tensor | None = None) -> None:
+    def __init__(self, spec: GridSpec, per_row: bool, tensor_amax: Tensor | None = None) -> None:
         self.spec, self.per_row, self.tensor_amax = spec, per_row, tensor_amax
 
     def qparams_of(self, columns: Tensor) -> tuple[Tensor, Tensor]:
@@ -440,7 +445,7 @@ class Grid:
         ).squeeze(1)
 
 
-def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: QuantSpec) -> Tensor:
+def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: GridSpec) -> Tensor:
     """PyTorch's fused fake-quantization op for the given parameters (on a floating-point grid,
     the format's rounding of ``x / scale``)."""
     if spec.is_float:
@@ -454,7 +459,7 @@ def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None
     return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max)
 
 
-def fake_quantize_dynamic(x: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def fake_quantize_dynamic(x: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor]:
     """``x`` fake-quantized with scales taken from itself (``spec.dynamic``: one per token, each
     row of the last dimension, or one for the whole tensor), rounded as ``spec.rounding`` says
     (``round(x / scale)``: bit-equal to what llm-compressor and vLLM compute; ``round(x * (1 /
@@ -476,3 +481,11 @@ def fake_quantize_dynamic(x: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
     if rows.requires_grad:
         rounded = rows + (rounded - rows).detach()
     return rounded.reshape(x.shape), scale.reshape(-1)
+
+
+def __getattr__(name: str) -> Any:
+    """``QuantSpec``: the name :class:`GridSpec` had before 0.3 (warns)."""
+    if name == "QuantSpec":
+        warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
+        return GridSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

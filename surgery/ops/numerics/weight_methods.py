@@ -1,4 +1,4 @@
-"""Weight quantization methods: the registry ``QuantSpec(method=...)`` names, and the problem a method solves.
+"""Weight quantization methods: the registry ``GridSpec(method=...)`` names, and the problem a method solves.
 
 A method turns the selected weights into scales, zero points and (optionally) new weight
 values; :func:`surgery.quantize` attaches the result, restorably. RTN (:mod:`surgery.ops.quantization.methods.rtn`)
@@ -21,7 +21,7 @@ from surgery.core.targets import Target, Targets, is_hf_conv1d
 
 if TYPE_CHECKING:
     from surgery.core.sequential import SequentialReport
-    from surgery.ops.numerics.observers import QuantSpec
+    from surgery.ops.numerics.observers import GridSpec
 
 WEIGHT_AXIS = (
     (nn.ConvTranspose1d, 1),
@@ -57,7 +57,7 @@ class WeightProblem:
 
     model: nn.Module
     targets: Targets
-    spec: QuantSpec
+    spec: GridSpec
     calibration: Any = None
     blocks: Any = None  # the repeated blocks a sequential method calibrates one after another
     progress: bool = True
@@ -106,7 +106,7 @@ def register_weight_method(
     sequential: bool = False,
     replace: bool = False,
 ) -> WeightMethod:
-    """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``QuantSpec(method=name)``
+    """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``GridSpec(method=name)``
     and ``quantize.weights.method=name`` in recipes.
 
     Example:

@@ -80,7 +80,7 @@ class OffloadedVerb:
     name: str
     run: StageRun
     settings: str
-    spec: Any = None  # the weights' QuantSpec, for formats that hold integer grids
+    spec: Any = None  # the weights' GridSpec, for formats that hold integer grids
     grids: Grids | None = None
     sequential: bool = True  # each stage fed by the compressed stages before it (False: by the originals)
 

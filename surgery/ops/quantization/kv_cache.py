@@ -20,11 +20,11 @@ from collections.abc import Iterable
 from torch import nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import VARIED_RANGES_REQUIRED, QuantSpec
+from surgery.ops.numerics.observers import VARIED_RANGES_REQUIRED, GridSpec
 from surgery.ops.quantization.quantization import QuantizeHandle, quantize
 
 PROJECTIONS = ("k_proj", "v_proj")
-DEFAULT_KV = QuantSpec(bits=8, symmetric=True, per_channel=True)  # keys vary by channel (KIVI), values less so
+DEFAULT_KV = GridSpec(bits=8, symmetric=True, per_channel=True)  # keys vary by channel (KIVI), values less so
 
 
 def kv_projections(model: nn.Module) -> dict[str, nn.Linear]:
@@ -40,13 +40,13 @@ def kv_projections(model: nn.Module) -> dict[str, nn.Linear]:
 
 def quantize_kv_cache(
     model: nn.Module,
-    spec: QuantSpec = DEFAULT_KV,
+    spec: GridSpec = DEFAULT_KV,
     *,
     calibration: Iterable,
     progress: bool = True,
 ) -> QuantizeHandle:
     """Quantize what the key/value cache holds (see the module docstring): int8 per channel by
-    default, or e.g. ``QuantSpec(format="fp8_e4m3")``. Returns the quantize handle
+    default, or e.g. ``GridSpec(format="fp8_e4m3")``. Returns the quantize handle
     (``restore()`` removes it exactly).
 
     Raises:
@@ -78,7 +78,7 @@ def quantize_kv_cache(
     return handle
 
 
-def kv_cache_bytes(model: nn.Module, spec: QuantSpec | None = None) -> int:
+def kv_cache_bytes(model: nn.Module, spec: GridSpec | None = None) -> int:
     """Bytes the key/value cache holds per token: every key and value projection's outputs,
     at ``spec``'s element size (None: the projections' own dtype)."""
     layers = kv_projections(model)

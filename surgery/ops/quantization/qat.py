@@ -24,7 +24,7 @@ from surgery.core.errors import ConfigError, ParameterReplacedError
 from surgery.core.handles import Handle
 from surgery.core.targets import Target
 from surgery.core.transforms import SavedTensor
-from surgery.ops.numerics.observers import Observer, QuantSpec, fake_quantize
+from surgery.ops.numerics.observers import GridSpec, Observer, fake_quantize
 
 
 class ShadowWeight:
@@ -35,7 +35,7 @@ class ShadowWeight:
 
     kind = "quantize"
 
-    def __init__(self, name: str, target: Target, spec: QuantSpec, axis: int | None) -> None:
+    def __init__(self, name: str, target: Target, spec: GridSpec, axis: int | None) -> None:
         self.name, self.spec, self.axis, self.param = name, spec, axis, target.param
         self.owners: list[tuple[nn.Module, str]] = [(target.module, target.attribute)]  # every slot holding it
         self.active = False

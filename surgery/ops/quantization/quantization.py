@@ -38,9 +38,9 @@ from surgery.ops.equivalence.folding import fold_batchnorms
 from surgery.ops.numerics.deployment import ActivationGrid, WeightGrid
 from surgery.ops.numerics.number_formats import FORMATS
 from surgery.ops.numerics.observers import (
+    GridSpec,
     NonFiniteError,
     Observer,
-    QuantSpec,
     fake_quantize,
     fake_quantize_dynamic,
     fake_quantize_groups,
@@ -86,7 +86,7 @@ def activation_key(layer: str, side: str, where: str, call: int = 0) -> str:
     return site_key(layer, side, call) if where in ("both", "tensors") else layer
 
 
-DEFAULT_WEIGHTS = QuantSpec(bits=8, symmetric=True, per_channel=True)
+DEFAULT_WEIGHTS = GridSpec(bits=8, symmetric=True, per_channel=True)
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,11 @@ class QuantizeSpec:
     """How to quantize, validated when built: ``QuantizeSpec(where="middle")`` raises at once.
 
     The fields are the keyword arguments of :func:`quantize` (see there); ``weights`` and
-    ``activations`` are :class:`QuantSpec` (or dicts of its fields), ``None`` turns that part off.
+    ``activations`` are :class:`GridSpec` (or dicts of its fields), ``None`` turns that part off.
     """
 
-    weights: QuantSpec | None = DEFAULT_WEIGHTS
-    activations: QuantSpec | None = None
+    weights: GridSpec | None = DEFAULT_WEIGHTS
+    activations: GridSpec | None = None
     select: Any = None
     exclude: Any = None
     where: str = "output"
@@ -150,7 +150,7 @@ class QuantizeSpec:
         )
 
 
-def _for_target(spec: QuantizeSpec, weights: QuantSpec | None, activations: QuantSpec | None) -> tuple:
+def _for_target(spec: QuantizeSpec, weights: GridSpec | None, activations: GridSpec | None) -> tuple:
     """The settings the target's kernels fix, put over the given ones (each change logged)."""
     target = deploy_target(spec.target)
     if spec.train:
@@ -187,7 +187,7 @@ def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None
         )
 
 
-def _validate_training(train: object, freeze_after: object, activations: QuantSpec | None) -> None:
+def _validate_training(train: object, freeze_after: object, activations: GridSpec | None) -> None:
     if not isinstance(train, bool):
         raise ConfigTypeError("quantize.train", train, "must be true or false")
     if freeze_after is None:
@@ -204,7 +204,7 @@ def _validate_training(train: object, freeze_after: object, activations: QuantSp
         )
 
 
-def _validate_dynamic(weights: QuantSpec | None, activations: QuantSpec | None, where: str, freeze: Any) -> None:
+def _validate_dynamic(weights: GridSpec | None, activations: GridSpec | None, where: str, freeze: Any) -> None:
     """Dynamic scales: activations only, on layer inputs or outputs, with no range to freeze."""
     if weights is not None and weights.dynamic is not None:
         raise ConfigError(
@@ -246,7 +246,7 @@ def _target_selection(model: nn.Module, spec: QuantizeSpec, rules: DeployTarget 
         ) from None
 
 
-def _validate_method(weights: QuantSpec | None, activations: QuantSpec | None, train: bool, blocks: Any) -> None:
+def _validate_method(weights: GridSpec | None, activations: GridSpec | None, train: bool, blocks: Any) -> None:
     for field, spec in (("quantize.weights", weights), ("quantize.activations", activations)):
         if spec is not None and spec.is_float and train:
             raise ConfigError(f"{field}.format", spec.format, "quantization-aware training takes the integer format")
@@ -293,7 +293,7 @@ class WeightQuantizer:
 
     def __init__(
         self,
-        spec: QuantSpec,
+        spec: GridSpec,
         scale: Tensor,
         zero_point: Tensor,
         axis: int | None,
@@ -329,7 +329,7 @@ class ActivationQuantizer:
 
     def __init__(
         self,
-        spec: QuantSpec,
+        spec: GridSpec,
         axis: int | None,
         name: str,
         where: str,
@@ -504,7 +504,7 @@ class PerCallQuantizer:
         return quantized
 
 
-def _range_of(scale: Tensor, zero_point: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+def _range_of(scale: Tensor, zero_point: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor]:
     """The float range a scale and zero point cover (the inverse of ``compute_qparams``)."""
     quant_min, quant_max = spec.quant_range
     scale, offset = scale.float().reshape(-1), zero_point.float().reshape(-1)
@@ -643,8 +643,8 @@ def quantize(
     model: nn.Module,
     spec: QuantizeSpec | None = None,
     *,
-    weights: QuantSpec | None = DEFAULT_WEIGHTS,
-    activations: QuantSpec | None = None,
+    weights: GridSpec | None = DEFAULT_WEIGHTS,
+    activations: GridSpec | None = None,
     select: Selection = None,
     exclude: Selection = None,
     calibration: Iterable | None = None,
@@ -705,7 +705,7 @@ def quantize(
             after the last finished block); default a temporary folder.
 
     Example:
-        >>> handle = surgery.quantize(model, activations=QuantSpec(bits=8), calibration=batches)
+        >>> handle = surgery.quantize(model, activations=GridSpec(bits=8), calibration=batches)
         >>> handle.save_qparams("model.qparams.safetensors")
     """
     keywords = dict(weights=weights, activations=activations, select=select, exclude=exclude, where=where)
@@ -806,20 +806,20 @@ def _quantize_offloaded(
     return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)
 
 
-def _as_spec(spec: Any, field: str) -> QuantSpec | None:
-    if spec is None or isinstance(spec, QuantSpec):
+def _as_spec(spec: Any, field: str) -> GridSpec | None:
+    if spec is None or isinstance(spec, GridSpec):
         return spec
     if isinstance(spec, dict):
-        return QuantSpec.build(spec, field)
-    raise ConfigError(field, spec, "must be a QuantSpec, a dict of its fields, or None")
+        return GridSpec.build(spec, field)
+    raise ConfigError(field, spec, "must be a GridSpec, a dict of its fields, or None")
 
 
 def quantize_targets(
     model: nn.Module,
     include: Selection,
     exclude: Selection,
-    weights: QuantSpec | None,
-    activations: QuantSpec | None,
+    weights: GridSpec | None,
+    activations: GridSpec | None,
     where: str,
 ) -> tuple[Targets, dict[str, nn.Module]]:
     """(weights :func:`quantize` would quantize, with those skipped; layers whose activations it
@@ -856,7 +856,7 @@ def _attach_weights(
     handle: QuantizeHandle,
     model: nn.Module,
     targets: Targets,
-    spec: QuantSpec,
+    spec: GridSpec,
     calibration: Any = None,
     blocks: Any = None,
     progress: bool = True,
@@ -887,7 +887,7 @@ def _attach_weights(
     attached.update(quantizers)
 
 
-def _scale_as_stored(scale: Tensor, dtype: torch.dtype, spec: QuantSpec) -> Tensor:
+def _scale_as_stored(scale: Tensor, dtype: torch.dtype, spec: GridSpec) -> Tensor:
     """An integer grid's scale rounded to a half-precision weight's dtype, the dtype
     compressed-tensors stores ``weight_scale`` in: then ``(q - zero point) x scale`` is exact
     before its one rounding to that dtype, so the simulation and an export's runtime compute the
@@ -897,7 +897,7 @@ def _scale_as_stored(scale: Tensor, dtype: torch.dtype, spec: QuantSpec) -> Tens
     return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
 
 
-def _check_whole_blocks(problem: WeightProblem, spec: QuantSpec) -> None:
+def _check_whole_blocks(problem: WeightProblem, spec: GridSpec) -> None:
     """A floating-point grid's blocks must tile each weight's inputs (an integer grid's last
     group may be shorter)."""
     if not spec.is_float or not spec.group_size:
@@ -914,7 +914,7 @@ def _check_whole_blocks(problem: WeightProblem, spec: QuantSpec) -> None:
             )
 
 
-def _checked_answer(spec: QuantSpec, key: str, solved: Any) -> QuantizedWeight:
+def _checked_answer(spec: GridSpec, key: str, solved: Any) -> QuantizedWeight:
     """A weight method's grid for ``key``, checked as saved parameters are: a missing weight,
     or a scale that is not positive and finite, would quantize silently to garbage."""
     found = solved.get(key) if isinstance(solved, dict) else None
@@ -931,7 +931,7 @@ def _checked_answer(spec: QuantSpec, key: str, solved: Any) -> QuantizedWeight:
     return found
 
 
-def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: QuantSpec) -> None:
+def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: GridSpec) -> None:
     shadows: dict[str, ShadowWeight] = {}
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
@@ -944,7 +944,7 @@ def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Ta
 
 
 def _attach_activations(
-    handle: QuantizeHandle, targets: dict[str, nn.Module], spec: QuantSpec, where: str, learning: bool = False
+    handle: QuantizeHandle, targets: dict[str, nn.Module], spec: GridSpec, where: str, learning: bool = False
 ) -> None:
     for name, module in targets.items():
         if spec.dynamic == "token" and isinstance(module, CONVOLUTIONS):
@@ -985,7 +985,7 @@ def _sites_of(model: nn.Module, layers: dict[str, nn.Module], calibration: Any, 
     return sites
 
 
-def _attach_sites(handle: QuantizeHandle, model: nn.Module, sites: list[Site], spec: QuantSpec) -> None:
+def _attach_sites(handle: QuantizeHandle, model: nn.Module, sites: list[Site], spec: GridSpec) -> None:
     """One per-tensor quantizer per :class:`~surgery.ops.quantization.placement.Site`; each ReLU a
     :class:`PerCallQuantizer` (one quantizer per call), restarted by a forward-pre hook of ``model``."""
     calls: dict[str, dict[int, ActivationQuantizer]] = {}
@@ -1016,7 +1016,7 @@ def _channels(module: nn.Module, where: str) -> int | None:
     return None
 
 
-def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: QuantSpec) -> None:
+def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: GridSpec) -> None:
     """Saved scales must be finite, positive, normal floats and zero points integers on the grid:
     anything else quantizes every value to NaN or zero."""
     for key, value in (("scale", scale), ("zero_point", zero_point)):

@@ -16,7 +16,7 @@ from surgery.core.errors import ConfigError
 class DeployTarget:
     """How ``quantize(..., target=FORMAT)`` simulates what that format's runtime computes:
     BatchNorm folded first (``fold_batchnorm``), only ``layers`` of these types quantized,
-    activations at their ``where``, and the QuantSpec fields its kernels fix (``weights``,
+    activations at their ``where``, and the GridSpec fields its kernels fix (``weights``,
     ``activations``: field -> value)."""
 
     fold_batchnorm: bool = False

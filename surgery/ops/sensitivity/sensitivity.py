@@ -26,7 +26,7 @@ from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.progress import tqdm
 from surgery.core.selection import Selection
 from surgery.core.targets import Target
-from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import quantize
@@ -138,7 +138,7 @@ def sensitivity(
     exclude: Selection = None,
     calibration: Inputs | None = None,
     bits: Sequence[int] | None = None,
-    weights: QuantSpec | None = None,
+    weights: GridSpec | None = None,
     progress: bool = True,
 ) -> Sensitivity:
     """Prune (or quantize) each selected layer alone at each setting, measure, restore.
@@ -173,7 +173,7 @@ def sensitivity(
         evaluate, higher_is_better, metric = (lambda m: _drift(reference, _outputs(m, inputs))), False, "drift"
     else:
         metric = getattr(evaluate, "__name__", "score")
-    template = weights or QuantSpec(bits=8, symmetric=True, per_channel=True)
+    template = weights or GridSpec(bits=8, symmetric=True, per_channel=True)
 
     def change(target: Target, setting: float) -> Handle:
         if bits is not None:

@@ -13,12 +13,12 @@ from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.equivalence.awq import round_onto
 from surgery.ops.numerics.observers import Observer, fake_quantize
 
-SPEC = QuantSpec(bits=3, group_size=32)
+SPEC = GridSpec(bits=3, group_size=32)
 
 
 def calibration() -> list[torch.Tensor]:
@@ -28,7 +28,7 @@ def calibration() -> list[torch.Tensor]:
 def group_quantize(w: torch.Tensor) -> torch.Tensor:
     """llm-awq's pseudo_quantize_tensor over (..., group size): one scale per row of groups."""
     rows = w.reshape(-1, w.shape[-1])
-    per_group = QuantSpec(**{**SPEC.as_dict(), "group_size": None, "per_channel": True})
+    per_group = GridSpec(**{**SPEC.as_dict(), "group_size": None, "per_channel": True})
     observer = Observer(per_group, 0, "reference")
     observer.observe(rows)
     scale, zero_point = observer.qparams()
@@ -165,7 +165,7 @@ def test_awq_on_a_model_whose_norm_is_not_foldable_skips_in_one_line(caplog):
     caplog.set_level(logging.INFO, "surgery")
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)]).eval()
     handle = surgery.awq(
-        model, weights=QuantSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], progress=False
+        model, weights=GridSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], progress=False
     )
     assert handle.groups == [] and len(handle.skipped) == 3  # nothing before each layer can absorb its scales
     assert "left out" in caplog.text
@@ -214,7 +214,7 @@ def test_a_post_norm_bert_keeps_its_function_the_norms_feeding_the_residual_left
     ids = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with torch.no_grad():
         before = model(ids[0]).last_hidden_state
-    handle = surgery.awq(model, weights=QuantSpec(bits=4, group_size=32), calibration=ids, clip=False, progress=False)
+    handle = surgery.awq(model, weights=GridSpec(bits=4, group_size=32), calibration=ids, clip=False, progress=False)
     with torch.no_grad():
         after = model(ids[0]).last_hidden_state
     # scaling alone keeps the function: every group whose producer's output also feeds the
@@ -226,7 +226,7 @@ def test_a_post_norm_bert_keeps_its_function_the_norms_feeding_the_residual_left
 
 def test_awq_after_quantize_is_refused_before_anything_changes():
     model = tiny_llama(layers=2)
-    quantized = surgery.quantize(model, weights=QuantSpec(bits=4, group_size=32), exclude="lm_head")
+    quantized = surgery.quantize(model, weights=GridSpec(bits=4, group_size=32), exclude="lm_head")
     with pytest.raises(ConfigError, match=r"awq=.*already has quantize attached; run awq first"):
         surgery.awq(model, weights=SPEC, calibration=calibration(), progress=False)
     quantized.restore()
@@ -234,10 +234,10 @@ def test_awq_after_quantize_is_refused_before_anything_changes():
 
 def test_a_group_size_that_does_not_divide_a_layer_is_one_line():
     with pytest.raises(ConfigError, match=r"awq.weights.group_size=48: does not divide the 64 inputs of"):
-        surgery.awq(tiny_llama(layers=2), weights=QuantSpec(bits=4, group_size=48), calibration=calibration())
+        surgery.awq(tiny_llama(layers=2), weights=GridSpec(bits=4, group_size=48), calibration=calibration())
 
 
 def test_awq_that_would_change_nothing_is_refused():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)]).eval()
     with pytest.raises(ConfigError, match=r"awq='Sequential': found no group .* it would change nothing"):
-        surgery.awq(model, weights=QuantSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], clip=False)
+        surgery.awq(model, weights=GridSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], clip=False)

@@ -9,7 +9,7 @@ from torch import nn
 
 import surgery
 
-W8 = surgery.QuantSpec(bits=8, symmetric=True, per_channel=True)
+W8 = surgery.GridSpec(bits=8, symmetric=True, per_channel=True)
 
 
 def test_a_batchnorm_subclass_keeps_what_it_adds_when_folded():

@@ -65,7 +65,7 @@ def test_online_rotations_refuse_to_bake_and_offline_ones_bake():
 def test_rotation_lets_int4_activations_lose_less():
     model = tiny_llama(layers=2)
     before = logits(model)
-    spec = dict(weights=None, activations=surgery.QuantSpec(bits=4, symmetric=True), where="input", exclude="lm_head")
+    spec = dict(weights=None, activations=surgery.GridSpec(bits=4, symmetric=True), where="input", exclude="lm_head")
 
     def error() -> float:
         handle = surgery.quantize(model, calibration=batches(), progress=False, **spec)
@@ -125,7 +125,7 @@ def test_an_offloaded_llama_rotates_stage_by_stage_to_the_same_bits_as_in_memory
     rotated = surgery.rotate(source, calibration=batches()[:1], online=False, progress=False)
     assert rotated.blocks == 2
     assert torch.equal(logits(source.model), logits(model))
-    spec = surgery.QuantSpec(bits=4, group_size=32, symmetric=True)
+    spec = surgery.GridSpec(bits=4, group_size=32, symmetric=True)
     quantized = surgery.quantize(source, weights=spec, exclude="lm_head", progress=False)
     surgery.export(quantized, tmp_path / "w4", format="compressed-tensors")
     in_memory = surgery.quantize(model, weights=spec, exclude="lm_head", progress=False)
@@ -142,7 +142,7 @@ def test_an_offloaded_llama_rotates_stage_by_stage_to_the_same_bits_as_in_memory
 def test_an_export_of_an_online_rotation_is_refused_naming_the_hook(tmp_path):
     model = tiny_llama(layers=2)
     rotated = surgery.rotate(model, calibration=batches()[:1])
-    quantized = surgery.quantize(model, weights=surgery.QuantSpec(bits=4, group_size=32, symmetric=True))
+    quantized = surgery.quantize(model, weights=surgery.GridSpec(bits=4, group_size=32, symmetric=True))
     both = surgery.compose(rotated, quantized)
     with pytest.raises(ConfigError, match=r"^export.handle='the online Hadamard before 2 layer\(s\) \(e.g. model"):
         surgery.export(both, tmp_path / "w4", format="compressed-tensors")

@@ -9,7 +9,7 @@ from support import tiny_llama as support_llama  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
 
@@ -41,8 +41,8 @@ def run(model, data):
 
 
 W8A8 = dict(
-    weights=QuantSpec(bits=8, symmetric=True, per_channel=True),
-    activations=QuantSpec(bits=8),
+    weights=GridSpec(bits=8, symmetric=True, per_channel=True),
+    activations=GridSpec(bits=8),
     where="input",
     progress=False,
 )

@@ -56,7 +56,7 @@ def fp32_bytes(model: nn.Module) -> int:
 def test_compressed_tensors_folders_load_in_transformers_with_logits_equal_to_the_simulation(tmp_path, weights):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 16))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(**weights), select="**.*_proj")
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(**weights), select="**.*_proj")
     with surgery.quantize(model, spec) as handle:
         expected = model(ids).logits
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
@@ -83,7 +83,7 @@ def test_bfloat16_weight_only_compressed_tensors_equal_the_simulation_bit_for_bi
         setattr(rotary, name, buffer.float() if name != "inv_freq" else tiny_llama(layers=1).model.rotary_emb.inv_freq)
     rotary.original_inv_freq = rotary.inv_freq.clone()
     ids = torch.randint(0, 128, (2, 16))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(**weights), select="**.*_proj")
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(**weights), select="**.*_proj")
     with surgery.quantize(model, spec) as handle:
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
     assert record.parity.equal and record.parity.holds, record.parity
@@ -99,9 +99,9 @@ def test_fp8_compressed_tensors_folders_hold_float8_weights_with_logits_equal_to
 ):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 16))
-    activations = surgery.QuantSpec(format="fp8_e4m3") if inputs else None
+    activations = surgery.GridSpec(format="fp8_e4m3") if inputs else None
     spec = surgery.QuantizeSpec(
-        weights=surgery.QuantSpec(format="fp8_e4m3", **weights),
+        weights=surgery.GridSpec(format="fp8_e4m3", **weights),
         activations=activations,
         where="input",
         select="**.*_proj",
@@ -122,7 +122,7 @@ def test_fp8_compressed_tensors_folders_hold_float8_weights_with_logits_equal_to
 def test_fp4_compressed_tensors_folders_pack_two_weights_a_byte_and_load_with_our_weights(tmp_path, fmt, layout):
     model = tiny_llama().to(torch.bfloat16)  # compressed-tensors unpacks FP4 to bfloat16
     ids = torch.randint(0, 128, (2, 16))
-    with surgery.quantize(model, weights=surgery.QuantSpec(format=fmt), select="**.*_proj") as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(format=fmt), select="**.*_proj") as handle:
         ours = model.model.layers[0].mlp.up_proj.weight.detach().clone()
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
     # the runtime's weights are ours; its logits differ in bfloat16 rounding elsewhere (measured cosine 0.999995)
@@ -141,12 +141,12 @@ def test_fp4_compressed_tensors_folders_pack_two_weights_a_byte_and_load_with_ou
 
 def test_float_formats_compressed_tensors_does_not_hold_are_one_line(tmp_path):
     model = tiny_llama()
-    with surgery.quantize(model, weights=surgery.QuantSpec(format="fp8_e5m2"), select="**.*_proj") as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(format="fp8_e5m2"), select="**.*_proj") as handle:
         with pytest.raises(
             ConfigError, match=r"quantize.weights.format='fp8_e5m2': surgery writes these floating-point weights"
         ):
             surgery.export(handle, tmp_path / "llama", format="compressed-tensors")
-    with surgery.quantize(model, weights=surgery.QuantSpec(format="nvfp4"), select="**.*_proj") as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(format="nvfp4"), select="**.*_proj") as handle:
         with pytest.raises(ConfigError, match=r"^quantize.weights.format='nvfp4': .* is torch.float32; compressed"):
             surgery.export(handle, tmp_path / "llama", format="compressed-tensors")
     assert not (tmp_path / "llama").exists()
@@ -155,7 +155,7 @@ def test_float_formats_compressed_tensors_does_not_hold_are_one_line(tmp_path):
 def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
     model = tiny_llama()
     calibration = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8, symmetric=True), target="compressed-tensors")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8, symmetric=True), target="compressed-tensors")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "w8a8", format="compressed-tensors", inputs=calibration[:1])
     assert record.parity.expected == "cosine>=0.9999" and record.parity.holds, record.parity
@@ -166,7 +166,7 @@ def test_compressed_tensors_w8a8_static_inputs_stay_within_the_bound(tmp_path):
 def test_compressed_tensors_w8a8_dynamic_quantizes_each_token_at_load(tmp_path):
     model = tiny_llama()
     ids = torch.randint(0, 128, (2, 16))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True), select="**.*_proj")
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True), select="**.*_proj")
     with surgery.quantize(model, spec) as handle:
         record = surgery.export(
             handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids], activations="dynamic"
@@ -193,7 +193,7 @@ def gpt2() -> nn.Module:
 def test_gpt2_conv1d_weights_keep_their_layout_and_load_with_equal_logits(tmp_path, bits):
     model = gpt2()
     ids = torch.randint(0, 128, (2, 16))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=bits, symmetric=True, per_channel=True))
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=bits, symmetric=True, per_channel=True))
     with surgery.quantize(model, spec) as handle:  # lm_head is tied to the embedding: left out
         expected = model(ids).logits
         record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
@@ -214,7 +214,7 @@ def test_gpt2_conv1d_weights_keep_their_layout_and_load_with_equal_logits(tmp_pa
 def test_gpt2_conv1d_weights_of_every_grid_load_in_their_own_layout(tmp_path, weights):
     model = gpt2()  # c_attn is (64 inputs, 192 outputs): a per-tensor grid lays it out as rows of outputs too
     ids = torch.randint(0, 128, (2, 16))
-    with surgery.quantize(model, surgery.QuantizeSpec(weights=surgery.QuantSpec(symmetric=True, **weights))) as handle:
+    with surgery.quantize(model, surgery.QuantizeSpec(weights=surgery.GridSpec(symmetric=True, **weights))) as handle:
         record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
         weight = model.transformer.h[0].attn.c_attn.weight.detach().clone()
     assert record.parity.equal, record.parity
@@ -227,10 +227,10 @@ def test_gpt2_conv1d_settings_compressed_tensors_cannot_hold_are_one_line(tmp_pa
     for weights, activations, message in (
         ({"group_size": 32}, None, r"^quantize.weights='group_size=32': transformer.h.0.attn.c_attn is a Conv1D"),
         ({"symmetric": False}, None, r"^quantize.weights='symmetric=False': .* quantize Conv1D layers symmetric"),
-        ({}, surgery.QuantSpec(bits=8), r"^quantize.activations='.*': transformers loads compressed-tensors"),
+        ({}, surgery.GridSpec(bits=8), r"^quantize.activations='.*': transformers loads compressed-tensors"),
     ):
         spec = surgery.QuantizeSpec(
-            weights=surgery.QuantSpec(**{"bits": 4, "symmetric": True, "per_channel": True, **weights}),
+            weights=surgery.GridSpec(**{"bits": 4, "symmetric": True, "per_channel": True, **weights}),
             activations=activations,
             where="input",
         )
@@ -243,7 +243,7 @@ def test_gpt2_conv1d_settings_compressed_tensors_cannot_hold_are_one_line(tmp_pa
 def test_onnx_export_forms_int8_kernels_and_keeps_the_simulated_outputs(tmp_path):
     model = mlp(256)
     calibration = [torch.randn(16, 64) for _ in range(4)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "mlp.onnx", format="onnx", inputs=calibration[:2])
     assert record.parity.expected == "cosine>=0.999" and record.parity.holds, record.parity
@@ -262,7 +262,7 @@ def test_onnx_export_prints_the_exporters_steps_only_when_surgery_logs_debug(tmp
     import logging
 
     model, x = mlp(16), torch.randn(4, 64)
-    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True)) as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True)) as handle:
         surgery.export(handle, tmp_path / "quiet.onnx", format="onnx", inputs=[x])
         assert "[torch.onnx]" not in capsys.readouterr().out
         logger = logging.getLogger("surgery")
@@ -288,7 +288,7 @@ def test_target_onnx_folds_batchnorm_restorably_and_the_export_matches(tmp_path)
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     expected = model(calibration[0])
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         assert isinstance(model[1], nn.Identity) and model[0].bias is not None
         record = surgery.export(handle, tmp_path / "cnn.onnx", format="onnx", inputs=calibration)
@@ -321,7 +321,7 @@ def test_target_onnx_puts_every_convolution_of_a_residual_block_on_an_int8_kerne
     torch.manual_seed(0)
     model = Residual().eval()
     calibration = [torch.randn(2, 3, 10, 10) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         assert set(handle.qparams()) >= {"conv2.scale", "conv2@output.scale", "head@output.scale"}
         record = surgery.export(handle, tmp_path / "block.onnx", format="onnx", inputs=calibration)
@@ -341,17 +341,17 @@ def test_where_both_quantizes_inputs_and_outputs_and_reloads_from_saved_paramete
     model = mlp()
     calibration = [torch.randn(8, 64) for _ in range(3)]
     x = torch.randn(4, 64)
-    with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), where="both", calibration=calibration) as h:
+    with surgery.quantize(model, activations=surgery.GridSpec(bits=8), where="both", calibration=calibration) as h:
         assert set(h.activations) == {"0", "0@output", "2", "2@output", "4", "4@output"}
         expected = model(x)
         h.save_qparams(tmp_path / "q.safetensors")
         h.bake()
     with surgery.quantize(
-        model, weights=None, activations=surgery.QuantSpec(bits=8), where="both", qparams=tmp_path / "q.safetensors"
+        model, weights=None, activations=surgery.GridSpec(bits=8), where="both", qparams=tmp_path / "q.safetensors"
     ):
         assert torch.equal(model(x), expected)
     outputs_only = mlp()
-    with surgery.quantize(outputs_only, activations=surgery.QuantSpec(bits=8), calibration=calibration):
+    with surgery.quantize(outputs_only, activations=surgery.GridSpec(bits=8), calibration=calibration):
         assert not torch.equal(outputs_only(x), expected)  # the inputs' quantizers change the result
 
 
@@ -368,7 +368,7 @@ def test_onnx_refuses_weights_left_before_an_unfolded_batchnorm(tmp_path):
 def test_torchao_int8_tensors_are_built_from_our_scales(tmp_path, activations):
     model = mlp()
     calibration = [torch.randn(16, 64) for _ in range(3)]
-    quantized = surgery.QuantSpec(bits=8) if activations == "static" else None
+    quantized = surgery.GridSpec(bits=8) if activations == "static" else None
     spec = surgery.QuantizeSpec(activations=quantized, target="torchao")
     with surgery.quantize(model, spec, calibration=calibration if quantized else None) as handle:
         scales = handle.weight_qparams()
@@ -395,8 +395,8 @@ def test_torchao_dynamic_inputs_round_as_torchao_does_and_a_gemma2_keeps_the_bou
     )  # fmt: skip
     model = transformers.Gemma2ForCausalLM(config).eval()
     ids = torch.randint(0, 128, (2, 16))
-    dynamic = surgery.QuantSpec(bits=8, symmetric=True, dynamic="token")
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True),
+    dynamic = surgery.GridSpec(bits=8, symmetric=True, dynamic="token")
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True),
                                 activations=dynamic, target="torchao")  # fmt: skip
     with surgery.quantize(model, spec) as handle:
         rounding = {q.spec.rounding for q in handle.activations.values()}
@@ -410,7 +410,7 @@ def test_torchao_dynamic_inputs_round_as_torchao_does_and_a_gemma2_keeps_the_bou
 def test_torchao_static_activations_take_inputs_of_any_rank(tmp_path):
     model = mlp()
     calibration = [torch.randn(2, 5, 64) for _ in range(3)]  # (batch, tokens, features), as a decoder's
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="torchao")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="torchao")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=calibration[:2])
     assert record.parity.holds, record.parity
@@ -419,7 +419,7 @@ def test_torchao_static_activations_take_inputs_of_any_rank(tmp_path):
 
 def test_torchao_int4_on_cpu_is_one_line(tmp_path):
     model = mlp()
-    with surgery.quantize(model, weights=surgery.QuantSpec(bits=4, symmetric=True, per_channel=True)) as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(bits=4, symmetric=True, per_channel=True)) as handle:
         with pytest.raises(
             ConfigError, match=r"^quantize.weights.bits=4: torchao .* has no int4 CPU kernel for float32 models"
         ):
@@ -431,7 +431,7 @@ def test_weight_qparams_are_public_and_saved_with_the_activation_parameters(tmp_
     model = mlp()
     calibration = [torch.randn(8, 64)]
     with surgery.quantize(
-        model, weights=surgery.QuantSpec(bits=4, symmetric=True, group_size=16), activations=surgery.QuantSpec(bits=8),
+        model, weights=surgery.GridSpec(bits=4, symmetric=True, group_size=16), activations=surgery.GridSpec(bits=8),
         calibration=calibration,
     ) as handle:  # fmt: skip
         weights = handle.weight_qparams()
@@ -456,7 +456,7 @@ def test_bad_deployment_exports_are_one_line_and_write_nothing(tmp_path):
             surgery.export(handle, tmp_path / "ct", format="compressed-tensors")
         with pytest.raises(ConfigError, match=r"^export.inputs=None: format='onnx' traces the model"):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx")
-    with surgery.quantize(model, weights=surgery.QuantSpec(bits=4, symmetric=True)) as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(bits=4, symmetric=True)) as handle:
         with pytest.raises(ConfigError, match=r"^quantize.weights='0.weight: 4-bit symmetric': ONNX Runtime"):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=x)
     assert list(tmp_path.iterdir()) == []
@@ -471,7 +471,7 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_as_it_was(tmp_path):
     target = tmp_path / "llama"
     target.mkdir()
     (target / "keep.txt").write_text("earlier")
-    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, symmetric=True, group_size=48)) as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(bits=8, symmetric=True, group_size=48)) as handle:
         with pytest.raises(ConfigError, match=r"^quantize.weights.group_size=48: does not divide"):
             surgery.export(handle, target, format="compressed-tensors", overwrite=True)
         with pytest.raises(OutputExistsError):
@@ -484,7 +484,7 @@ def test_a_timm_resnet_exports_to_onnx_with_every_convolution_on_an_int8_kernel(
     torch.manual_seed(0)
     model = timm.create_model("resnet10t").eval()  # a stem of three convolutions, then basic blocks
     calibration = [torch.randn(2, 3, 64, 64) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "resnet10t.onnx", format="onnx", inputs=calibration[:1])
     assert record.parity.holds, record.parity
@@ -503,7 +503,7 @@ def test_a_torchvision_resnet_runs_on_int8_kernels_end_to_end_as_onnx_runtime_qu
     model = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10).eval()
     generator = torch.Generator().manual_seed(1)
     calibration = [torch.randn(2, 3, 32, 32, generator=generator) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "resnet.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
@@ -521,7 +521,7 @@ def test_a_functional_relu_between_layers_folds_into_the_next_layers_input_quant
     torch.manual_seed(0)
     model = MNIST1DCNN().eval()
     calibration = [torch.randn(8, 40) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         # rounded once, after the ReLU (by the reader's input quantizer), as ONNX Runtime rounds
         assert not {"conv1@output", "conv2@output", "fc1@output"} & set(handle.activations)
@@ -536,7 +536,7 @@ def test_a_batchnorm_subclass_folded_exports_with_its_activation(tmp_path):
     torch.manual_seed(0)
     model = trained_stats(nn.Sequential(nn.Conv2d(3, 8, 3), NormAct(8), nn.Conv2d(8, 4, 3)))
     calibration = [torch.randn(2, 3, 12, 12) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
@@ -562,7 +562,7 @@ def test_onnx_after_a_batchnorm_subclass_runs_every_layer_in_int8_and_keeps_no_f
     model = trained_stats(ConvsAndTokens())
     model.fc.bias.data += 2.0  # quantized before its bias, the Linear's output would clip
     calibration = [torch.randn(2, 3, 8, 8) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration)
         assert record.parity.holds, record.parity
@@ -581,8 +581,8 @@ def test_onnx_counts_the_weighted_ops_left_in_float_and_says_so(tmp_path, caplog
     torch.manual_seed(0)
     model = trained_stats(ConvsAndTokens())
     calibration = [torch.randn(2, 3, 8, 8) for _ in range(3)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
-    excluding = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), exclude="side", target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
+    excluding = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), exclude="side", target="onnx")
     with surgery.quantize(model, excluding, calibration=calibration) as handle:
         with caplog.at_level("WARNING", logger="surgery"):
             record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=calibration[:1])
@@ -599,7 +599,7 @@ def test_onnx_refuses_a_weight_the_graph_computes_naming_the_exclusion(tmp_path)
     torch.manual_seed(0)
     model = trained_stats(ConvsAndTokens())
     calibration = [torch.randn(2, 3, 8, 8) for _ in range(2)]
-    spec = surgery.QuantizeSpec(activations=surgery.QuantSpec(bits=8), target="onnx")
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
     with surgery.quantize(model, spec, calibration=calibration) as handle:
         with mock.patch("onnxscript.optimizer.fold_constants"):  # the transposed weight left computed
             with pytest.raises(ConfigError, match=r"^export.handle='fc.weight': .* quantize.exclude=\[fc\] "):
@@ -610,7 +610,7 @@ def test_onnx_refuses_a_weight_the_graph_computes_naming_the_exclusion(tmp_path)
 @pytest.mark.parametrize("opset", ["x", 17, 26, True])
 def test_onnx_refuses_an_opset_it_cannot_write(tmp_path, opset):
     model = mlp()  # the handle holds it weakly
-    with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), calibration=[torch.randn(2, 64)]) as handle:
+    with surgery.quantize(model, activations=surgery.GridSpec(bits=8), calibration=[torch.randn(2, 64)]) as handle:
         with pytest.raises(ConfigError, match=r"^export.options.opset=.*: must be an integer from 18 to 25$"):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=torch.randn(2, 64), opset=opset)
 
@@ -633,7 +633,7 @@ def tiny_falcon(dtype: torch.dtype = torch.float32) -> nn.Module:
 def test_an_artifact_its_runtime_cannot_run_is_one_line_and_removed(tmp_path, fmt, weights, name):
     model = tiny_falcon(torch.bfloat16 if "format" in weights else torch.float32)
     ids = torch.randint(0, 64, (2, 8))
-    spec = surgery.QuantSpec(**weights)  # lm_head is tied to the embeddings: left out
+    spec = surgery.GridSpec(**weights)  # lm_head is tied to the embeddings: left out
     with surgery.quantize(model, weights=spec, activations=None, target=fmt, exclude=["lm_head"]) as handle:
         with pytest.raises(ConfigError, match=rf"^export.format='{fmt}': the written FalconForCausalLM does not run"):
             surgery.export(handle, tmp_path / name, format=fmt, inputs=[ids])
@@ -651,7 +651,7 @@ def test_compressed_tensors_options_are_checked_before_anything_is_written(tmp_p
         ({"tokenizer": str(tmp_path / "a_file")}, r"^export.options.tokenizer='.*a_file': must be a local tokenizer"),
         ({"tokenizer": str(tmp_path / "empty")}, r"^export.options.tokenizer='.*empty': cannot be loaded as a"),
     ]
-    with surgery.quantize(model, weights=surgery.QuantSpec(bits=8, per_channel=True), activations=None) as handle:
+    with surgery.quantize(model, weights=surgery.GridSpec(bits=8, per_channel=True), activations=None) as handle:
         for options, message in bad:
             with pytest.raises(ConfigError, match=message):
                 surgery.export(handle, tmp_path / "out", format="compressed-tensors", **options)
@@ -660,7 +660,7 @@ def test_compressed_tensors_options_are_checked_before_anything_is_written(tmp_p
 
 def test_a_target_whose_layer_types_the_model_lacks_names_the_target_not_a_selection():
     model = gpt2()  # Conv1D layers; torchao quantizes nn.Linear, and lm_head is excluded
-    spec = surgery.QuantSpec(per_channel=True)
+    spec = surgery.GridSpec(per_channel=True)
     with pytest.raises(ConfigError, match=r"^quantize.target='torchao': quantizes Linear layers and GPT2LMHeadModel"):
         surgery.quantize(model, weights=spec, activations=None, target="torchao", exclude=["lm_head"])
 
@@ -669,7 +669,7 @@ def test_a_target_whose_layer_types_the_model_lacks_names_the_target_not_a_selec
 def test_gpt2_fp8_conv1d_weights_export_in_their_layout_with_equal_logits(tmp_path, per_channel):
     model = gpt2()  # FP8 has no zero point: "symmetric" was asked of it, and its Conv1D weights came out scrambled
     ids = torch.randint(0, 128, (2, 16))
-    spec = surgery.QuantSpec(format="fp8_e4m3", per_channel=per_channel)
+    spec = surgery.GridSpec(format="fp8_e4m3", per_channel=per_channel)
     with surgery.quantize(model, weights=spec, activations=None, target="compressed-tensors") as handle:
         record = surgery.export(handle, tmp_path / "gpt2", format="compressed-tensors", inputs=[ids])
     assert record.parity.equal, record.parity
@@ -678,7 +678,7 @@ def test_gpt2_fp8_conv1d_weights_export_in_their_layout_with_equal_logits(tmp_pa
 def test_a_quantized_head_tied_to_the_embeddings_is_refused_in_memory_and_streamed(tmp_path):
     model = tiny_llama(layers=1, vocab=64, hidden=32, heads=2, kv_heads=1, tied=True)
     model.save_pretrained(tmp_path / "tied")
-    spec = surgery.QuantSpec(bits=8, per_channel=True, symmetric=True)
+    spec = surgery.GridSpec(bits=8, per_channel=True, symmetric=True)
     message = r"^quantize.select='lm_head': shares its weight with model.embed_tokens \(tied\)"
     with surgery.quantize(model, weights=spec, activations=None, select=["**.q_proj", "lm_head"]) as handle:
         with pytest.raises(ConfigError, match=message):
@@ -692,7 +692,7 @@ def test_a_quantized_head_tied_to_the_embeddings_is_refused_in_memory_and_stream
 def test_a_users_lambda_hook_at_torchao_export_is_named_and_nothing_is_written(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
     model[1].register_forward_hook(lambda module, args, output: output * 2)
-    spec = surgery.QuantSpec(per_channel=True)
+    spec = surgery.GridSpec(per_channel=True)
     with surgery.quantize(model, weights=spec, activations=None, target="torchao") as handle:
         with pytest.raises(ConfigError, match=r"^export.format='torchao': pickles .* layer '1' holds a forward hook"):
             surgery.export(handle, tmp_path / "m.pt", format="torchao")

@@ -20,7 +20,7 @@ def test_a_hugging_face_model_loads_the_export_with_from_pretrained_and_gives_th
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = torch.randint(0, 64, (2, 12))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=4, symmetric=True, per_channel=True))
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, symmetric=True, per_channel=True))
     with surgery.quantize(model, spec) as handle:
         expected = model(ids).logits
         config.save_pretrained(tmp_path)
@@ -46,7 +46,7 @@ def test_a_timm_model_loads_the_export_strictly_and_gives_the_same_outputs(tmp_p
 def test_what_a_weights_file_cannot_hold_is_logged_and_listed(tmp_path, caplog):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     batches = [torch.randn(4, 8) for _ in range(2)]
-    with surgery.quantize(model, activations=surgery.QuantSpec(bits=8), calibration=batches, progress=False) as h:
+    with surgery.quantize(model, activations=surgery.GridSpec(bits=8), calibration=batches, progress=False) as h:
         with caplog.at_level(logging.WARNING, logger="surgery"):
             record = surgery.export(h, tmp_path / "w8a8.safetensors")
     assert record.left_out == ["activation quantization of 2 layer(s) (save_qparams keeps its parameters)"]
@@ -87,7 +87,7 @@ def test_a_weight_method_whose_answer_is_missing_or_broken_is_refused_and_the_mo
         for name, solve in answers.items():
             surgery.register_weight_method(name, solve)
             with pytest.raises(ConfigError, match=messages[name]):
-                surgery.quantize(model, weights=surgery.QuantSpec(method=name))
+                surgery.quantize(model, weights=surgery.GridSpec(method=name))
             assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     finally:
         from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
@@ -176,7 +176,7 @@ def test_surgery_another_handle_keeps_outside_the_weights_is_refused_or_listed(t
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(4, 16)
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True))
     with surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs)):
         with surgery.quantize(model, spec) as handle:
             with pytest.raises(ConfigError, match=r"^export.handle='rewrite handle': is also attached to the model"):
@@ -194,7 +194,7 @@ def test_an_online_rotation_another_handle_keeps_is_refused_by_name(tmp_path):
 
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-    spec = surgery.QuantizeSpec(weights=surgery.QuantSpec(bits=8, symmetric=True, per_channel=True))
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True))
     with surgery.rotate(model, calibration=[ids], online=True) as rotated, surgery.quantize(model, spec) as handle:
         assert rotated.online  # a hook before down_proj: outside the weights
         with pytest.raises(ConfigError, match=r"^export.handle='rotate handle': .*online Hadamard before 2 layer"):
@@ -244,7 +244,7 @@ def test_a_path_that_cannot_be_written_is_one_line_naming_export_path_and_leaves
 def test_export_inputs_the_model_cannot_take_are_one_line_and_leave_nothing(tmp_path):
     pytest.importorskip("torchao")
     model = nn.Sequential(nn.Linear(8, 8)).eval()
-    with surgery.quantize(model, weights=surgery.QuantSpec(per_channel=True), activations=None, target="torchao") as h:
+    with surgery.quantize(model, weights=surgery.GridSpec(per_channel=True), activations=None, target="torchao") as h:
         with pytest.raises(ConfigError, match=r"^export.inputs='batch 0': Sequential fails on it \(RuntimeError: mat1"):
             surgery.export(h, tmp_path / "m.pt", format="torchao", inputs=torch.ones(2, 5))
     assert list(tmp_path.iterdir()) == []

@@ -8,15 +8,15 @@ import torch
 from support import tiny_llama  # tests/support.py
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.export.formats.fp8_linear import Float8Linear
 
-FP8 = QuantSpec(format="fp8_e4m3", per_channel=True)
+FP8 = GridSpec(format="fp8_e4m3", per_channel=True)
 
 
 def fp8_llama(model, inputs, dynamic):
-    activations = QuantSpec(format="fp8_e4m3", dynamic=dynamic)
+    activations = GridSpec(format="fp8_e4m3", dynamic=dynamic)
     return surgery.quantize(
         model, weights=FP8, activations=activations, where="input", exclude="lm_head", calibration=[inputs]
     )
@@ -45,7 +45,7 @@ def test_fp8_weights_without_fp8_inputs_or_with_block_scales_are_refused(tmp_pat
             ConfigError, match=r"^quantize.activations='model.layers.0.self_attn.q_proj': the FP8 kernel"
         ):
             surgery.export(handle, tmp_path / "m.pt", format="fp8")
-    blocks = QuantSpec(format="fp8_e4m3", group_size=32)
+    blocks = GridSpec(format="fp8_e4m3", group_size=32)
     with surgery.quantize(model, weights=blocks, exclude="lm_head") as handle:
         with pytest.raises(ConfigError, match=r"^quantize.weights='.*: fp8_e4m3 group 32': format='fp8' holds"):
             surgery.export(handle, tmp_path / "m.pt", format="fp8")
@@ -64,7 +64,7 @@ def test_fp8_kernels_on_a_gpu_stay_within_the_bound(tmp_path):
 def test_a_layer_the_fp8_kernels_cannot_take_is_refused(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(32, 10)).eval()  # a 10-class head: not a multiple of 16
     x = torch.randn(4, 32)
-    spec = dict(weights=FP8, activations=QuantSpec(format="fp8_e4m3", dynamic="token"), where="input")
+    spec = dict(weights=FP8, activations=GridSpec(format="fp8_e4m3", dynamic="token"), where="input")
     with surgery.quantize(model, **spec) as handle:
         with pytest.raises(ConfigError, match=r"^export.handle='0 \(32 -> 10\)': the FP8 kernels take inputs and"):
             surgery.export(handle, tmp_path / "m.pt", format="fp8", inputs=[x])

@@ -93,7 +93,7 @@ def test_bad_sparse_exports_are_one_line_and_write_nothing(tmp_path):
             surgery.export(handle, tmp_path / "d.pt", format="sparse")
     calibration = [torch.randn(4, 128)]
     pruned = surgery.prune(model, 0.95)
-    quantized = surgery.quantize(model, weights=None, activations=surgery.QuantSpec(bits=8), calibration=calibration)
+    quantized = surgery.quantize(model, weights=None, activations=surgery.GridSpec(bits=8), calibration=calibration)
     with surgery.compose(pruned, quantized) as group:
         with pytest.raises(ConfigError, match=r"format='sparse' holds weights only"):
             surgery.export(group, tmp_path / "e.pt", format="sparse")

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.number_formats import E2M1_VALUES, e2m1
 
@@ -22,7 +22,7 @@ def weight(rows: int = 64, cols: int = 256, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def quantized_weight(spec: QuantSpec, w: torch.Tensor) -> torch.Tensor:
+def quantized_weight(spec: GridSpec, w: torch.Tensor) -> torch.Tensor:
     layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
         layer.weight.copy_(w)
@@ -45,7 +45,7 @@ def test_fp8_per_tensor_equals_torchaos_float8_quantize_dequantize(dtype):
     float8 = torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.float8_e5m2
     scale = _choose_scale_float8(w, list(w.shape), float8)
     theirs = _dequantize_affine_float8(_quantize_affine_float8(w, scale, float8), scale)
-    assert torch.equal(quantized_weight(QuantSpec(format=dtype), w), theirs)
+    assert torch.equal(quantized_weight(GridSpec(format=dtype), w), theirs)
 
 
 def test_fp8_per_channel_and_per_block_equal_torchaos_with_those_blocks():
@@ -57,8 +57,8 @@ def test_fp8_per_channel_and_per_block_equal_torchaos_with_those_blocks():
 
     w = weight()
     for spec, block in (
-        (QuantSpec(format="fp8_e4m3", per_channel=True), [1, 256]),
-        (QuantSpec(format="fp8_e4m3", group_size=32), [1, 32]),
+        (GridSpec(format="fp8_e4m3", per_channel=True), [1, 256]),
+        (GridSpec(format="fp8_e4m3", group_size=32), [1, 32]),
     ):
         scale = _choose_scale_float8(w, block)
         expanded = scale.repeat_interleave(block[1], dim=1) if block[1] < w.shape[1] else scale
@@ -87,7 +87,7 @@ def test_mxfp4_equals_torchaos_to_mx_with_floor_scales():
     w = weight(cols=512)
     scale, data = to_mx(w, torch.float4_e2m1fn_x2, 32)
     theirs = to_dtype(data, scale, torch.float4_e2m1fn_x2, 32, torch.float32)
-    assert torch.equal(quantized_weight(QuantSpec(format="mxfp4"), w), theirs)
+    assert torch.equal(quantized_weight(GridSpec(format="mxfp4"), w), theirs)
 
 
 def test_nvfp4_equals_torchaos_two_level_quantize():
@@ -99,7 +99,7 @@ def test_nvfp4_equals_torchaos_two_level_quantize():
     scales, packed = nvfp4_quantize(w, 16, outer)
     values = f4_unpacked_to_f32(unpack_uint4(packed)).view(64, 32, 16)
     theirs = (values * (scales.float() * outer).view(64, 32, 1)).view(64, 512)
-    ours = quantized_weight(QuantSpec(format="nvfp4"), w)
+    ours = quantized_weight(GridSpec(format="nvfp4"), w)
     # torchao scales by x · ((1/outer)/inner), we by x / (inner · outer): the products can differ
     # in the last bit, which moves an element only if it sits within that bit of a midpoint
     assert (ours == theirs).float().mean() == 1.0
@@ -116,7 +116,7 @@ def test_gptq_on_float_grids_beats_round_to_nearest():
         errors = {}
         for method in ("rtn", "gptq"):
             handle = surgery.quantize(
-                model, weights=QuantSpec(format=fmt, method=method, per_channel=True), calibration=data
+                model, weights=GridSpec(format=fmt, method=method, per_channel=True), calibration=data
             )
             with torch.no_grad():
                 errors[method] = (torch.cat([model(x) for x in data]) - reference).pow(2).mean().item()
@@ -131,8 +131,8 @@ def test_fp8_activations_and_weights_on_a_timm_model():
     images = [torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with torch.no_grad():
         before = model(images[0])
-    spec = QuantSpec(format="fp8_e4m3", per_channel=True)
-    handle = surgery.quantize(model, weights=spec, activations=QuantSpec(format="fp8_e4m3"), calibration=images)
+    spec = GridSpec(format="fp8_e4m3", per_channel=True)
+    handle = surgery.quantize(model, weights=spec, activations=GridSpec(format="fp8_e4m3"), calibration=images)
     with torch.no_grad():
         after = model(images[0])
     cosine = nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0)
@@ -145,21 +145,21 @@ def test_fp8_activations_and_weights_on_a_timm_model():
 @pytest.mark.parametrize(
     ("make", "field"),
     [
-        (lambda: QuantSpec(format="fp8_e4m3", bits=4), "QuantSpec.bits"),
-        (lambda: QuantSpec(format="mxfp4", group_size=16), "QuantSpec.group_size"),
-        (lambda: QuantSpec(format="int4"), "QuantSpec.format"),
+        (lambda: GridSpec(format="fp8_e4m3", bits=4), "GridSpec.bits"),
+        (lambda: GridSpec(format="mxfp4", group_size=16), "GridSpec.group_size"),
+        (lambda: GridSpec(format="int4"), "GridSpec.format"),
         (
-            lambda: surgery.quantize(nn.Linear(48, 4), weights=QuantSpec(format="fp8_e4m3", group_size=32)),
+            lambda: surgery.quantize(nn.Linear(48, 4), weights=GridSpec(format="fp8_e4m3", group_size=32)),
             "quantize.weights.group_size",
         ),
         (
             lambda: surgery.quantize(
-                nn.Linear(64, 4), activations=QuantSpec(format="nvfp4"), calibration=[torch.randn(2, 64)]
+                nn.Linear(64, 4), activations=GridSpec(format="nvfp4"), calibration=[torch.randn(2, 64)]
             ),
             "quantize.activations.format",
         ),
         (
-            lambda: surgery.quantize(nn.Linear(64, 4), weights=QuantSpec(format="fp8_e4m3"), train=True),
+            lambda: surgery.quantize(nn.Linear(64, 4), weights=GridSpec(format="fp8_e4m3"), train=True),
             "quantize.weights.format",
         ),
     ],
@@ -178,7 +178,7 @@ def test_fp8_gptq_offloaded_equals_in_memory_and_streams_to_compressed_tensors(t
     model = tiny_llama(layers=2, vocab=128)
     model.save_pretrained(tmp_path / "model")
     batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    spec = QuantSpec(format="fp8_e4m3", per_channel=True, method="gptq")
+    spec = GridSpec(format="fp8_e4m3", per_channel=True, method="gptq")
     surgery.quantize(model, weights=spec, calibration=batches, exclude="lm_head", progress=False).bake()
     source = surgery.offloaded(tmp_path / "model")
     done = surgery.quantize(source, weights=spec, calibration=batches, exclude="lm_head", progress=False)
@@ -196,6 +196,6 @@ def test_an_all_zero_mxfp4_block_stays_zero_and_the_rest_is_quantized():
     layer = nn.Linear(64, 4, bias=False)
     with torch.no_grad():
         layer.weight[0, :32] = 0  # a pruned half row: one block with nothing in it
-    handle = surgery.quantize(layer, weights=QuantSpec(format="mxfp4"))
+    handle = surgery.quantize(layer, weights=GridSpec(format="mxfp4"))
     assert torch.equal(layer.weight[0, :32], torch.zeros(32)) and layer.weight[0, 32:].abs().sum() > 0
     handle.restore()

@@ -15,7 +15,7 @@ from torch.ao.quantization.observer import (
 
 import surgery
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.ops.numerics.observers import NonFiniteError, Observer, QuantSpec, compute_qparams, fake_quantize
+from surgery.ops.numerics.observers import GridSpec, NonFiniteError, Observer, compute_qparams, fake_quantize
 
 BITS = list(range(2, 9))
 
@@ -26,7 +26,7 @@ def batches(count: int, shape: tuple[int, ...], seed: int = 0) -> list[torch.Ten
     return [torch.randn(shape, generator=g) * (1 + i) + 0.3 * i for i in range(count)]
 
 
-def ao_observer(spec: QuantSpec, axis: int | None, moving: bool = False):
+def ao_observer(spec: GridSpec, axis: int | None, moving: bool = False):
     """The torch.ao observer computing the same qparams as ``spec`` (custom range below 8 bits)."""
     quant_min, quant_max = spec.quant_range
     dtype = torch.qint8 if spec.symmetric else torch.quint8
@@ -51,7 +51,7 @@ def assert_same_qparams(ours: tuple[torch.Tensor, torch.Tensor], theirs: tuple[t
     assert torch.equal(zero_point.reshape(-1).long(), ao_zero_point.reshape(-1).long())
 
 
-def observed(spec: QuantSpec, axis: int | None, data: list[torch.Tensor]) -> Observer:
+def observed(spec: GridSpec, axis: int | None, data: list[torch.Tensor]) -> Observer:
     observer = Observer(spec, axis, "layer")
     for x in data:
         observer.observe(x)
@@ -63,12 +63,12 @@ def observed(spec: QuantSpec, axis: int | None, data: list[torch.Tensor]) -> Obs
 
 @pytest.mark.parametrize("bits", BITS)
 def test_quant_range_is_signed_for_symmetric_and_unsigned_for_affine(bits):
-    assert QuantSpec(bits=bits, symmetric=True).quant_range == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-    assert QuantSpec(bits=bits, symmetric=False).quant_range == (0, 2**bits - 1)
+    assert GridSpec(bits=bits, symmetric=True).quant_range == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    assert GridSpec(bits=bits, symmetric=False).quant_range == (0, 2**bits - 1)
 
 
 def test_default_spec_is_valid_and_validate_returns_it():
-    spec = QuantSpec()
+    spec = GridSpec()
     assert spec.validate("quantize.activations") is spec
     assert (spec.bits, spec.symmetric, spec.per_channel, spec.observer) == (8, False, False, "minmax")
 
@@ -95,12 +95,12 @@ BAD_SPECS = [
 @pytest.mark.parametrize("kwargs,key,error", BAD_SPECS, ids=[str(k) for k, _, _ in BAD_SPECS])
 def test_validate_names_the_field_and_the_value(kwargs, key, error):
     with pytest.raises(error) as info:
-        QuantSpec.build(kwargs, "quantize.weights")
+        GridSpec.build(kwargs, "quantize.weights")
     assert info.value.field == f"quantize.weights.{key}"
     assert str(info.value).startswith(f"quantize.weights.{key}=")
     with pytest.raises(error) as info:  # a spec is validated when built, not when first used
-        QuantSpec(**kwargs)
-    assert info.value.field == f"QuantSpec.{key}"
+        GridSpec(**kwargs)
+    assert info.value.field == f"GridSpec.{key}"
     assert info.value.value == next(iter(kwargs.values()))
 
 
@@ -117,7 +117,7 @@ def test_a_spec_is_frozen_so_sharing_it_between_calls_is_safe(mlp):
 def test_bits_errors_state_the_allowed_range():
     for bits in (1, 9, True, "8"):
         with pytest.raises(ConfigError, match=r"\[2, 8\]"):
-            QuantSpec(bits=bits).validate("quantize.weights")
+            GridSpec(bits=bits).validate("quantize.weights")
 
 
 def test_non_finite_error_is_a_config_error():
@@ -129,7 +129,7 @@ def test_non_finite_error_is_a_config_error():
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_minmax_per_tensor_matches_torch_ao_minmax_observer(symmetric):
-    spec = QuantSpec(bits=8, symmetric=symmetric)
+    spec = GridSpec(bits=8, symmetric=symmetric)
     data = batches(4, (16, 32))
     reference = ao_observer(spec, None)
     for x in data:
@@ -144,7 +144,7 @@ def test_minmax_per_tensor_matches_torch_ao_minmax_observer(symmetric):
 )
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_minmax_per_channel_matches_torch_ao_per_channel_observer(axis, shape, symmetric):
-    spec = QuantSpec(bits=8, symmetric=symmetric, per_channel=True)
+    spec = GridSpec(bits=8, symmetric=symmetric, per_channel=True)
     data = batches(3, shape, seed=1)
     reference = ao_observer(spec, axis)
     for x in data:
@@ -159,7 +159,7 @@ def test_default_weight_and_activation_settings_match_torch_ao_defaults():
     weight = torch.randn(16, 8, 3, 3, generator=torch.Generator().manual_seed(3))
     reference = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
     reference(weight)
-    ours = observed(QuantSpec(bits=8, symmetric=True, per_channel=True), 0, [weight]).qparams()
+    ours = observed(GridSpec(bits=8, symmetric=True, per_channel=True), 0, [weight]).qparams()
     assert_same_qparams(ours, reference.calculate_qparams())
     assert not ours[1].any()
 
@@ -167,13 +167,13 @@ def test_default_weight_and_activation_settings_match_torch_ao_defaults():
     reference = MinMaxObserver(dtype=torch.quint8, qscheme=torch.per_tensor_affine)
     for x in data:
         reference(x)
-    assert_same_qparams(observed(QuantSpec(), None, data).qparams(), reference.calculate_qparams())
+    assert_same_qparams(observed(GridSpec(), None, data).qparams(), reference.calculate_qparams())
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_moving_average_matches_torch_ao_moving_average_observer(per_channel, symmetric):
-    spec = QuantSpec(bits=8, symmetric=symmetric, per_channel=per_channel, observer="moving_average")
+    spec = GridSpec(bits=8, symmetric=symmetric, per_channel=per_channel, observer="moving_average")
     assert spec.averaging == 0.01
     axis = 1 if per_channel else None
     data = batches(6, (4, 8, 5, 5), seed=5)
@@ -184,13 +184,13 @@ def test_moving_average_matches_torch_ao_moving_average_observer(per_channel, sy
     assert_same_qparams(ours.qparams(), reference.calculate_qparams())
     # The average really moved: plain running extremes would give another range.
     assert not torch.equal(
-        ours.qparams()[0], observed(QuantSpec(symmetric=symmetric, per_channel=per_channel), axis, data).qparams()[0]
+        ours.qparams()[0], observed(GridSpec(symmetric=symmetric, per_channel=per_channel), axis, data).qparams()[0]
     )
 
 
 def test_moving_average_uses_the_averaging_constant():
     data = batches(5, (32,), seed=6)
-    spec = QuantSpec(observer="moving_average", averaging=0.5)
+    spec = GridSpec(observer="moving_average", averaging=0.5)
     reference = MovingAverageMinMaxObserver(averaging_constant=0.5, dtype=torch.quint8)
     for x in data:
         reference(x)
@@ -201,7 +201,7 @@ def test_moving_average_uses_the_averaging_constant():
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_every_bit_width_matches_torch_ao_with_a_custom_range(bits, per_channel, symmetric):
-    spec = QuantSpec(bits=bits, symmetric=symmetric, per_channel=per_channel)
+    spec = GridSpec(bits=bits, symmetric=symmetric, per_channel=per_channel)
     axis = 0 if per_channel else None
     data = batches(2, (6, 20), seed=bits)
     reference = ao_observer(spec, axis)
@@ -223,7 +223,7 @@ RANGES = {
 @pytest.mark.parametrize("values", RANGES.values(), ids=RANGES.keys())
 def test_degenerate_ranges_match_torch_ao(values, symmetric):
     """Zero is always representable and the scale never drops below float32 eps."""
-    spec = QuantSpec(bits=8, symmetric=symmetric)
+    spec = GridSpec(bits=8, symmetric=symmetric)
     reference = ao_observer(spec, None)
     reference(values)
     scale, zero_point = observed(spec, None, [values]).qparams()
@@ -233,7 +233,7 @@ def test_degenerate_ranges_match_torch_ao(values, symmetric):
 
 
 def test_compute_qparams_widens_the_range_to_include_zero():
-    spec = QuantSpec(bits=8)
+    spec = GridSpec(bits=8)
     scale, zero_point = compute_qparams(torch.tensor(2.0), torch.tensor(4.0), spec)
     assert torch.equal(scale, torch.tensor(4.0 / 255)) and zero_point == 0
     scale, zero_point = compute_qparams(torch.tensor(-4.0), torch.tensor(-2.0), spec)
@@ -243,7 +243,7 @@ def test_compute_qparams_widens_the_range_to_include_zero():
 def test_observer_accepts_half_precision_and_leaves_the_input_alone():
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7)).half().requires_grad_()
     before = x.detach().clone()
-    scale, _ = observed(QuantSpec(), None, [x]).qparams()
+    scale, _ = observed(GridSpec(), None, [x]).qparams()
     reference = MinMaxObserver(dtype=torch.quint8)
     reference(x.detach().float())
     assert torch.equal(scale.reshape(1), reference.calculate_qparams()[0])
@@ -261,18 +261,18 @@ def _with_outlier(seed: int = 8) -> torch.Tensor:
 
 def test_percentile_clips_a_single_huge_outlier():
     x = _with_outlier()
-    minmax_scale, _ = observed(QuantSpec(bits=8), None, [x]).qparams()
-    percentile_scale, _ = observed(QuantSpec(bits=8, observer="percentile"), None, [x]).qparams()
+    minmax_scale, _ = observed(GridSpec(bits=8), None, [x]).qparams()
+    percentile_scale, _ = observed(GridSpec(bits=8, observer="percentile"), None, [x]).qparams()
     assert minmax_scale > 1000 / 255
     assert percentile_scale < minmax_scale / 50  # the bulk of N(0, 1) spans about +-4
-    spec = QuantSpec(bits=8, observer="percentile")
+    spec = GridSpec(bits=8, observer="percentile")
     clipped = fake_quantize(x, *observed(spec, None, [x]).qparams(), None, spec)
     assert clipped.max() < 10
 
 
 def test_percentile_is_the_mean_of_per_batch_quantiles():
     data = batches(3, (4, 500), seed=9)
-    spec = QuantSpec(observer="percentile", percentile=99.0, per_channel=True)
+    spec = GridSpec(observer="percentile", percentile=99.0, per_channel=True)
     q = torch.tensor([0.01, 0.99])
     quantiles = [torch.quantile(x.reshape(4, -1), q, dim=1) for x in data]
     low = sum(lo for lo, _ in quantiles) / 3
@@ -285,8 +285,8 @@ def test_percentile_is_the_mean_of_per_batch_quantiles():
 
 def test_percentile_100_is_minmax():
     data = batches(1, (64,), seed=10)
-    minmax = observed(QuantSpec(), None, data).qparams()
-    percentile = observed(QuantSpec(observer="percentile", percentile=100), None, data).qparams()
+    minmax = observed(GridSpec(), None, data).qparams()
+    percentile = observed(GridSpec(observer="percentile", percentile=100), None, data).qparams()
     assert torch.equal(minmax[0], percentile[0]) and torch.equal(minmax[1], percentile[1])
 
 
@@ -296,7 +296,7 @@ def test_percentile_100_is_minmax():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("kind", ["minmax", "moving_average", "percentile"])
 def test_non_finite_values_raise_and_keep_the_range(bad, kind):
-    observer = Observer(QuantSpec(observer=kind), None, "block.fc")
+    observer = Observer(GridSpec(observer=kind), None, "block.fc")
     observer.observe(torch.linspace(-1, 1, 11))
     before = observer.qparams()
     x = torch.zeros(5)
@@ -311,7 +311,7 @@ def test_non_finite_values_raise_and_keep_the_range(bad, kind):
 
 def test_an_observer_that_saw_nothing_names_the_layer():
     with pytest.raises(ConfigError, match="layer3.conv") as info:
-        Observer(QuantSpec(), None, "layer3.conv").qparams()
+        Observer(GridSpec(), None, "layer3.conv").qparams()
     assert "no data" in str(info.value)
 
 
@@ -322,8 +322,8 @@ def test_an_observer_that_saw_nothing_names_the_layer():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_fake_quantize_is_torch_fused_op(bits, symmetric):
     x = torch.randn(5, 7, 3, generator=torch.Generator().manual_seed(bits))
-    per_tensor = QuantSpec(bits=bits, symmetric=symmetric)
-    per_channel = QuantSpec(bits=bits, symmetric=symmetric, per_channel=True)
+    per_tensor = GridSpec(bits=bits, symmetric=symmetric)
+    per_channel = GridSpec(bits=bits, symmetric=symmetric, per_channel=True)
     quant_min, quant_max = per_tensor.quant_range
     scale, zero_point = observed(per_tensor, None, [x]).qparams()
     assert torch.equal(
@@ -343,7 +343,7 @@ def test_moving_average_of_a_constant_channel_keeps_low_at_most_high():
     two extremes of a channel whose values are all 0.1 one ulp the wrong way round."""
     from surgery.ops.numerics.observers import ObservedRange, moving_average
 
-    spec = QuantSpec(observer="moving_average", averaging=1.0)
+    spec = GridSpec(observer="moving_average", averaging=1.0)
     x = torch.full((3, 5), 0.1)
     previous = ObservedRange(torch.tensor([-0.007486820220947266, -0.7420351505279541, -0.781231164932251]), torch.tensor([0.514417290687561, -0.3851543664932251, 0.26815736293792725]), 1)  # fmt: skip
     low, high = moving_average(x, previous, spec)
@@ -351,7 +351,7 @@ def test_moving_average_of_a_constant_channel_keeps_low_at_most_high():
 
 
 def test_a_range_whose_scale_overflows_float32_is_refused_naming_the_layer():
-    observer = Observer(QuantSpec(bits=8, symmetric=False), None, "k_proj")
+    observer = Observer(GridSpec(bits=8, symmetric=False), None, "k_proj")
     observer.observe(torch.tensor([3e38, -3e38]))  # finite values, but high - low is not
     with pytest.raises(NonFiniteError, match=r"quantize.calibration='k_proj'.*overflows float32"):
         observer.qparams()
@@ -360,10 +360,10 @@ def test_a_range_whose_scale_overflows_float32_is_refused_naming_the_layer():
 def test_rounding_is_divide_or_reciprocal_and_reciprocal_multiplies_by_the_inverse_scale():
     from surgery.ops.numerics.observers import fake_quantize_dynamic
 
-    with pytest.raises(ConfigError, match=r"^QuantSpec.rounding='up': must be divide or reciprocal$"):
-        surgery.QuantSpec(rounding="up")
+    with pytest.raises(ConfigError, match=r"^GridSpec.rounding='up': must be divide or reciprocal$"):
+        surgery.GridSpec(rounding="up")
     x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
-    spec = surgery.QuantSpec(bits=8, symmetric=True, dynamic="token", rounding="reciprocal")
+    spec = surgery.GridSpec(bits=8, symmetric=True, dynamic="token", rounding="reciprocal")
     found, scale = fake_quantize_dynamic(x, spec)
     expected = torch.clamp(torch.round(x * (1.0 / scale.reshape(-1, 1))), -128, 127) * scale.reshape(-1, 1)
     assert torch.equal(found, expected)

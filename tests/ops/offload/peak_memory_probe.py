@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 
 
 class Wide(nn.Module):
@@ -71,7 +71,7 @@ def probe(method: str, where: str) -> None:
     gc.collect()
     base = memory("VmRSS")
     if method == "gptq":
-        spec = QuantSpec(bits=4, method="gptq", group_size=16)
+        spec = GridSpec(bits=4, method="gptq", group_size=16)
         surgery.quantize(model, weights=spec, calibration=data, progress=False, originals=where)
     else:
         surgery.prune(model, 0.5, method=method, calibration=data, progress=False, originals=where)
@@ -97,7 +97,7 @@ def gptq_offloaded(path: str) -> None:
     data = [torch.randn(8, 64) for _ in range(2)]
     base = memory("VmRSS")
     handle = surgery.offloaded(path, factory=lambda: WideBlocks(24))
-    spec = QuantSpec(bits=4, method="gptq", group_size=16)
+    spec = GridSpec(bits=4, method="gptq", group_size=16)
     done = surgery.quantize(handle, weights=spec, calibration=data, progress=False)
     assert done.blocks == 24
     print((memory("VmHWM") - base) / weights)
@@ -124,7 +124,7 @@ def activations(where: str) -> None:
     gc.collect()
     base = memory("VmRSS")
     with surgery.activation_budget(None if where == "memory" else 0):
-        spec = QuantSpec(bits=4, method="gptq", group_size=16)
+        spec = GridSpec(bits=4, method="gptq", group_size=16)
         handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
     assert (handle.sequential.spilled_bytes > 0) == (where == "disk")
     print((memory("VmHWM") - base) / cached)

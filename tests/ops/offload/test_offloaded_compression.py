@@ -18,13 +18,13 @@ from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core._compat import global_hook_counts
 from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.ops.export.formats.compressed_tensors_folder import load_compressed_tensors
 
 PROBE = Path(__file__).with_name("peak_memory_probe.py")
-GPTQ = QuantSpec(bits=4, method="gptq", group_size=32)
+GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
 
 
 def llama_folder(folder: Path, layers: int = 3) -> nn.Module:
@@ -52,7 +52,7 @@ def digest(folder: Path) -> dict[str, str]:
 
 VERBS = {
     "gptq": lambda m, cal, **kw: surgery.quantize(m, weights=GPTQ, calibration=cal, progress=False, **kw),
-    "rtn": lambda m, cal, **kw: surgery.quantize(m, weights=QuantSpec(bits=4, group_size=32), progress=False, **kw),
+    "rtn": lambda m, cal, **kw: surgery.quantize(m, weights=GridSpec(bits=4, group_size=32), progress=False, **kw),
     "sparsegpt": lambda m, cal, **kw: surgery.prune(m, 0.5, method="sparsegpt", calibration=cal, progress=False, **kw),
     "wanda": lambda m, cal, **kw: surgery.prune(m, 0.5, method="wanda", calibration=cal, progress=False, **kw),
     "magnitude": lambda m, cal, **kw: surgery.prune(m, 0.5, progress=False, **kw),
@@ -144,7 +144,7 @@ def test_a_run_that_died_part_way_goes_on_from_its_work_folder(tmp_path):
     assert done.resumed == 2 and len(done.seconds) == 2  # two blocks skipped; block 3 and the head run
     assert torch.equal(logits(source.model), logits(reference))
     with pytest.raises(ConfigError, match="holds a run with other settings or calibration") as err:
-        surgery.quantize(source, weights=QuantSpec(bits=3, method="gptq"), calibration=batches(), work=work)
+        surgery.quantize(source, weights=GridSpec(bits=3, method="gptq"), calibration=batches(), work=work)
     assert "\n" not in str(err.value)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -216,7 +216,7 @@ def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_pat
     ("call", "field", "message"),
     [
         (
-            lambda s: surgery.quantize(s, activations=QuantSpec(bits=8), weights=None, calibration=batches()),
+            lambda s: surgery.quantize(s, activations=GridSpec(bits=8), weights=None, calibration=batches()),
             "quantize.activations",
             "weights only",
         ),
@@ -254,7 +254,7 @@ def test_a_second_verb_restored_leaves_the_first_verbs_result(tmp_path):
     assert source.overlay == {}
 
 
-RTN = QuantSpec(bits=4, group_size=32)
+RTN = GridSpec(bits=4, group_size=32)
 
 
 def rtn(source, work: Path):

@@ -16,7 +16,7 @@ from support import gpt2, token_batches  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.core.originals import Originals
 from surgery.ops.numerics.weight_methods import QuantizedWeight, register_weight_method
@@ -25,14 +25,14 @@ from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
 METHODS = {
     "gptq": lambda m, d, where: surgery.quantize(
         m,
-        weights=QuantSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, method="gptq", group_size=16),
         calibration=d,
         exclude="lm_head",
         progress=False,
         originals=where,
     ),
     "rtn": lambda m, d, where: surgery.quantize(
-        m, weights=QuantSpec(bits=4, group_size=16), exclude="lm_head", progress=False, originals=where
+        m, weights=GridSpec(bits=4, group_size=16), exclude="lm_head", progress=False, originals=where
     ),
     "sparsegpt": lambda m, d, where: surgery.prune(
         m, 0.5, method="sparsegpt", calibration=d, exclude="lm_head", progress=False, originals=where
@@ -105,7 +105,7 @@ def test_a_method_that_writes_its_values_then_fails_leaves_the_model_as_it_was()
     model = gpt2(1)
     before = snapshot(model)
     with pytest.raises(ConfigError, match="returned no QuantizedWeight"):
-        surgery.quantize(model, weights=QuantSpec(bits=4, method="writes_then_fails"), exclude="lm_head")
+        surgery.quantize(model, weights=GridSpec(bits=4, method="writes_then_fails"), exclude="lm_head")
     assert snapshot_differences(before, snapshot(model)) == []
     assert_no_hooks(model)
 
@@ -113,9 +113,9 @@ def test_a_method_that_writes_its_values_then_fails_leaves_the_model_as_it_was()
 @pytest.mark.parametrize(
     "call",
     [
-        lambda m: surgery.quantize(m, weights=QuantSpec(bits=4), originals="tape"),
+        lambda m: surgery.quantize(m, weights=GridSpec(bits=4), originals="tape"),
         lambda m: surgery.prune(m, 0.5, originals="cloud"),
-        lambda m: surgery.quantize(m, weights=QuantSpec(bits=4), train=True, originals="disk"),
+        lambda m: surgery.quantize(m, weights=GridSpec(bits=4), train=True, originals="disk"),
     ],
     ids=["quantize", "prune", "training"],
 )

@@ -9,7 +9,7 @@ import torch
 from support import tiny_llama  # tests/support.py
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -33,7 +33,7 @@ def projections_seen(model, tokens) -> dict[str, torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(bits=8, symmetric=True, per_channel=True), QuantSpec(format="fp8_e4m3")])
+@pytest.mark.parametrize("spec", [GridSpec(bits=8, symmetric=True, per_channel=True), GridSpec(format="fp8_e4m3")])
 def test_keys_and_values_are_on_the_grid_and_restore_is_exact(spec):
     model = tiny_llama(layers=2)
     tokens = batches()[0]
@@ -64,8 +64,8 @@ def test_cache_bytes_per_token_fall_to_a_quarter_of_float32():
     model = tiny_llama(layers=2)
     # per layer: keys and values of 2 heads x 16 channels
     assert surgery.kv_cache_bytes(model) == 2 * 2 * 32 * 4
-    assert surgery.kv_cache_bytes(model, QuantSpec(format="fp8_e4m3")) == 2 * 2 * 32
-    assert surgery.kv_cache_bytes(model, QuantSpec(bits=4)) == 2 * 2 * 32 // 2
+    assert surgery.kv_cache_bytes(model, GridSpec(format="fp8_e4m3")) == 2 * 2 * 32
+    assert surgery.kv_cache_bytes(model, GridSpec(bits=4)) == 2 * 2 * 32 // 2
 
 
 def test_a_fused_qkv_attention_is_refused_in_one_line():
@@ -90,6 +90,6 @@ def test_a_cache_format_activations_cannot_take_names_the_kv_cache_field():
     model = tiny_llama(layers=1)
     with pytest.raises(ConfigError, match=r"^kv_cache.format='mxfp4': scales per block") as caught:
         surgery.quantize_kv_cache(
-            model, QuantSpec(format="mxfp4", group_size=32), calibration=[torch.randint(0, 128, (1, 8))]
+            model, GridSpec(format="mxfp4", group_size=32), calibration=[torch.randint(0, 128, (1, 8))]
         )
     assert "quantize." not in str(caught.value)

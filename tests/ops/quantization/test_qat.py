@@ -8,12 +8,12 @@ from support import Attention  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.observers import fake_quantize
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
-W3 = QuantSpec(bits=3, symmetric=True, per_channel=True)
+W3 = GridSpec(bits=3, symmetric=True, per_channel=True)
 
 
 def quantized(shadow) -> torch.Tensor:
@@ -115,7 +115,7 @@ def test_activation_ranges_learn_in_training_until_frozen(mlp_factory, mlp_input
     handle = surgery.quantize(
         model,
         weights=None,
-        activations=QuantSpec(bits=8, observer="moving_average"),
+        activations=GridSpec(bits=8, observer="moving_average"),
         calibration=[mlp_input],
         progress=False,
         train=True,
@@ -153,7 +153,7 @@ def test_activation_ranges_learn_in_training_until_frozen(mlp_factory, mlp_input
 )
 def test_bad_training_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        surgery.quantize(mlp, activations=QuantSpec(), calibration=[mlp_input], progress=False, **kwargs)
+        surgery.quantize(mlp, activations=GridSpec(), calibration=[mlp_input], progress=False, **kwargs)
 
 
 def test_pruning_and_quantization_aware_training_together_keep_zeros_on_the_grid(mlp, mlp_input):
@@ -179,7 +179,7 @@ def test_a_deployment_export_during_training_drops_the_swap_hooks_from_its_copy(
     pytest.importorskip("torchao")
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 16)
-    weights = QuantSpec(bits=8, symmetric=True, per_channel=True)
+    weights = GridSpec(bits=8, symmetric=True, per_channel=True)
     with surgery.quantize(model, weights=weights, train=True) as handle:
         record = surgery.export(handle, tmp_path / "model.pt", format="torchao", inputs=[x])
     assert record.parity.holds, record.parity
@@ -193,7 +193,7 @@ def test_a_compressed_tensors_export_during_training_computes_what_the_simulatio
     from support import tiny_llama  # tests/support.py
 
     model, ids = tiny_llama(), torch.randint(0, 128, (2, 16))
-    weights = QuantSpec(bits=4, symmetric=True, per_channel=True)
+    weights = GridSpec(bits=4, symmetric=True, per_channel=True)
     with surgery.quantize(model, weights=weights, select="**.*_proj", train=True) as handle:
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
     assert record.parity.equal and record.parity.expected == "exact", record.parity

@@ -22,20 +22,20 @@ from torch.ao.quantization.observer import (
 from torch.nn import functional as F
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import CheckpointError, ConfigError, ConfigTypeError
 from surgery.ops.numerics.observers import NonFiniteError
 from surgery.ops.quantization import quantization
 from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
-W8 = QuantSpec(bits=8, symmetric=True, per_channel=True)  # torch.ao's default weight scheme
-A8 = QuantSpec(bits=8)  # affine quint8 per tensor: torch.ao's default activation scheme
+W8 = GridSpec(bits=8, symmetric=True, per_channel=True)  # torch.ao's default weight scheme
+A8 = GridSpec(bits=8)  # affine quint8 per tensor: torch.ao's default activation scheme
 SPECS = [
-    pytest.param(QuantSpec(bits=8, symmetric=True, per_channel=True), id="sym-per-channel"),
-    pytest.param(QuantSpec(bits=8, symmetric=False, per_channel=True), id="affine-per-channel"),
-    pytest.param(QuantSpec(bits=8, symmetric=True, per_channel=False), id="sym-per-tensor"),
-    pytest.param(QuantSpec(bits=8, symmetric=False, per_channel=False), id="affine-per-tensor"),
+    pytest.param(GridSpec(bits=8, symmetric=True, per_channel=True), id="sym-per-channel"),
+    pytest.param(GridSpec(bits=8, symmetric=False, per_channel=True), id="affine-per-channel"),
+    pytest.param(GridSpec(bits=8, symmetric=True, per_channel=False), id="sym-per-tensor"),
+    pytest.param(GridSpec(bits=8, symmetric=False, per_channel=False), id="affine-per-tensor"),
 ]
 MLP_WEIGHTS = ["0.weight", "2.weight", "4.weight"]
 CONV_WEIGHTS = ["conv1.weight", "conv2.weight", "fc.weight"]
@@ -56,7 +56,7 @@ def image_batches(count: int = 2, seed: int = 11) -> list[torch.Tensor]:
 
 
 def fused(
-    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, spec: QuantSpec
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int | None, spec: GridSpec
 ) -> torch.Tensor:
     """torch's own fake-quantization op, called directly."""
     quant_min, quant_max = spec.quant_range
@@ -101,7 +101,7 @@ def raw_outputs(model: nn.Module, names: list[str], data: list[torch.Tensor]) ->
     return recorder.outputs
 
 
-def ao_observer(spec: QuantSpec, axis: int | None):
+def ao_observer(spec: GridSpec, axis: int | None):
     """The torch.ao observer for ``spec`` (a custom quant range, so also below 8 bits)."""
     quant_min, quant_max = spec.quant_range
     kwargs = {"dtype": torch.qint8 if spec.symmetric else torch.quint8, "quant_min": quant_min, "quant_max": quant_max}
@@ -211,7 +211,7 @@ def test_activation_outputs_equal_torch_fused_op_on_the_unquantized_output(convn
 @pytest.mark.parametrize("observer", ["minmax", "moving_average"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_activation_qparams_equal_torch_ao_observers_fed_the_same_data(convnet, spec, observer):
-    spec = QuantSpec(bits=8, symmetric=spec.symmetric, per_channel=spec.per_channel, observer=observer)
+    spec = GridSpec(bits=8, symmetric=spec.symmetric, per_channel=spec.per_channel, observer=observer)
     data = image_batches(count=4)
     names = ["conv1", "conv2", "fc"]
     seen = raw_outputs(convnet, names, data)  # weights=None: calibration sees these float outputs
@@ -232,7 +232,7 @@ def test_moving_average_default_constant_is_torch_ao_default(mlp):
     with surgery.quantize(
         mlp,
         weights=None,
-        activations=QuantSpec(observer="moving_average"),
+        activations=GridSpec(observer="moving_average"),
         select="2",
         calibration=data,
         progress=False,
@@ -272,7 +272,7 @@ def test_where_input_quantizes_the_first_input_of_the_layer(mlp, mlp_input):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "affine"])
 def test_every_bit_width_quantizes_weights_and_activations(mlp, mlp_input, bits, per_channel, symmetric):
-    spec = QuantSpec(bits=bits, symmetric=symmetric, per_channel=per_channel)
+    spec = GridSpec(bits=bits, symmetric=symmetric, per_channel=per_channel)
     before_all = snapshot(mlp)
     before = originals(mlp, MLP_WEIGHTS)
     with surgery.quantize(mlp, weights=spec, activations=spec, calibration=mlp_batches(), progress=False) as handle:
@@ -295,7 +295,7 @@ def test_fewer_bits_give_more_error(mlp_factory, mlp_input):
     errors = []
     for bits in (2, 4, 8):
         model = mlp_factory()
-        with surgery.quantize(model, weights=QuantSpec(bits=bits, symmetric=True, per_channel=True), progress=False):
+        with surgery.quantize(model, weights=GridSpec(bits=bits, symmetric=True, per_channel=True), progress=False):
             errors.append(surgery.compare(reference, model, mlp_input).max_abs)
     assert errors[0] > errors[1] > errors[2] > 0
 
@@ -309,7 +309,7 @@ def test_percentile_observer_clips_a_weight_outlier():
             layer.weight[3, 7] = 50.0
     scales = {}
     for kind, layer in layers.items():
-        with surgery.quantize(layer, weights=QuantSpec(bits=8, symmetric=True, observer=kind), progress=False) as h:
+        with surgery.quantize(layer, weights=GridSpec(bits=8, symmetric=True, observer=kind), progress=False) as h:
             scales[kind] = h.weights["weight"].scale
             clipped_outlier = layer.weight[3, 7].item()
     assert scales["minmax"] == pytest.approx(50.0 / 127.5)
@@ -324,7 +324,7 @@ def test_percentile_observer_clips_an_activation_outlier():
     scales = {}
     for kind in ("minmax", "percentile"):
         with surgery.quantize(
-            model, weights=None, activations=QuantSpec(observer=kind), select="0", calibration=data, progress=False
+            model, weights=None, activations=GridSpec(observer=kind), select="0", calibration=data, progress=False
         ) as handle:
             scales[kind] = handle.activations["0"].scale
     assert scales["minmax"] > 1e4 / 255
@@ -483,14 +483,14 @@ NO_CHANNEL_AXIS = [
     pytest.param(
         "normed",
         ["fc", "norm"],
-        {"weights": None, "activations": QuantSpec(per_channel=True)},
+        {"weights": None, "activations": GridSpec(per_channel=True)},
         "quantize.activations.per_channel",
         id="LayerNorm-activations",
     ),
     pytest.param(
         "convnet",
         ["conv1", "bn1"],
-        {"weights": None, "activations": QuantSpec(per_channel=True)},
+        {"weights": None, "activations": GridSpec(per_channel=True)},
         "quantize.activations.per_channel",
         id="BatchNorm2d-activations",
     ),
@@ -512,7 +512,7 @@ def test_per_channel_on_a_layer_without_channel_axis_is_a_config_error(convnet, 
 
 
 def test_per_tensor_on_a_normalisation_layer_is_fine(convnet):
-    with surgery.quantize(convnet, weights=QuantSpec(symmetric=True), select="bn1", progress=False) as handle:
+    with surgery.quantize(convnet, weights=GridSpec(symmetric=True), select="bn1", progress=False) as handle:
         assert list(handle.weights) == ["bn1.weight"] and handle.weights["bn1.weight"].scale.shape == ()
 
 
@@ -563,7 +563,7 @@ def test_qparams_that_do_not_fit_are_checkpoint_errors(mlp, tmp_path):
 
 def test_per_channel_qparams_do_not_load_into_a_per_tensor_setting(mlp, mlp_input):
     handle = surgery.quantize(
-        mlp, weights=None, activations=QuantSpec(per_channel=True), calibration=mlp_batches(), progress=False
+        mlp, weights=None, activations=GridSpec(per_channel=True), calibration=mlp_batches(), progress=False
     )
     saved = handle.qparams()
     handle.restore()
@@ -580,7 +580,7 @@ SETTINGS = [
     pytest.param({"weights": None, "activations": A8}, id="activations"),
     pytest.param({"weights": W8, "activations": A8}, id="both"),
     pytest.param(
-        {"weights": QuantSpec(bits=4), "activations": QuantSpec(bits=3, per_channel=True, observer="percentile")},
+        {"weights": GridSpec(bits=4), "activations": GridSpec(bits=3, per_channel=True, observer="percentile")},
         id="low-bits",
     ),
     pytest.param({"weights": W8, "activations": A8, "where": "input"}, id="inputs"),
@@ -674,7 +674,7 @@ def test_saved_qparams_hold_every_layer_scale_and_zero_point(convnet, tmp_path):
     from safetensors.torch import load_file
 
     with surgery.quantize(
-        convnet, weights=None, activations=QuantSpec(per_channel=True), calibration=image_batches(), progress=False
+        convnet, weights=None, activations=GridSpec(per_channel=True), calibration=image_batches(), progress=False
     ) as handle:
         saved = load_file(str(handle.save_qparams(tmp_path / "q.safetensors")))
         assert sorted(saved) == sorted(f"{n}.{k}" for n in ("conv1", "conv2", "fc") for k in ("scale", "zero_point"))
@@ -908,8 +908,8 @@ def test_quantizing_a_pruned_weight_changed_since_the_last_forward_observes_it_p
         with pytest.raises(RuntimeError, match="injected failure"):
             surgery.quantize(mlp, activations=A8, calibration=mlp_batches(), progress=False)
     assert snapshot_differences(revived, snapshot(mlp)) == []  # a failed call changes nothing, even here
-    quantized = surgery.quantize(mlp, weights=QuantSpec(symmetric=True), select="2", progress=False)
-    reference = ao_observer(QuantSpec(symmetric=True), None)
+    quantized = surgery.quantize(mlp, weights=GridSpec(symmetric=True), select="2", progress=False)
+    reference = ao_observer(GridSpec(symmetric=True), None)
     reference(revived.tensors["param:2.weight"].masked_fill(~mask, 0))
     assert_qparams_equal(quantized.weights["2.weight"], reference)
     assert mlp[2].weight.detach()[mask].ne(0).any() and not mlp[2].weight.detach()[~mask].any()
@@ -919,7 +919,7 @@ def test_quantizing_a_pruned_weight_changed_since_the_last_forward_observes_it_p
 def test_quantizing_the_same_layer_twice_raises_and_changes_nothing(mlp):
     first = surgery.quantize(mlp, select="2", progress=False)
     during = snapshot(mlp)
-    for kwargs in ({"select": "2"}, {}, {"select": ["0", "2"], "weights": QuantSpec(bits=4)}):
+    for kwargs in ({"select": "2"}, {}, {"select": ["0", "2"], "weights": GridSpec(bits=4)}):
         with pytest.raises(surgery.AlreadyModifiedError, match=r"2\.weight"):
             surgery.quantize(mlp, progress=False, **kwargs)
         assert snapshot_differences(during, snapshot(mlp)) == []
@@ -933,7 +933,7 @@ def test_quantizing_the_same_layer_twice_raises_and_changes_nothing(mlp):
 def test_baking_releases_the_claim(mlp):
     surgery.quantize(mlp, progress=False).bake()
     baked = mlp[2].weight.detach().clone()
-    with surgery.quantize(mlp, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), progress=False) as again:
+    with surgery.quantize(mlp, weights=GridSpec(bits=4, symmetric=True, per_channel=True), progress=False) as again:
         # attached again (not refused as already quantized): the weight moved onto its 4-bit grid
         quantizer = again.weights["2.weight"]
         assert quantizer.spec.bits == 4 and not torch.equal(mlp[2].weight, baked)
@@ -1053,7 +1053,7 @@ def test_resnet18_w8a8_stays_close_to_float():
 
 @pytest.mark.parametrize(
     "spec",
-    [QuantSpec(bits=8), QuantSpec(bits=8, symmetric=True), QuantSpec(bits=3), QuantSpec(bits=2, symmetric=True)],
+    [GridSpec(bits=8), GridSpec(bits=8, symmetric=True), GridSpec(bits=3), GridSpec(bits=2, symmetric=True)],
     ids=["a8", "s8", "a3", "s2"],
 )
 def test_inference_fast_path_is_bit_identical_to_the_fused_op(spec):

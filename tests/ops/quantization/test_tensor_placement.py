@@ -11,7 +11,7 @@ from torch import nn
 import surgery
 from surgery.core.errors import CheckpointError, ConfigError
 
-A8 = surgery.QuantSpec(bits=8)
+A8 = surgery.GridSpec(bits=8)
 
 
 def small_resnet() -> nn.Module:
@@ -95,7 +95,7 @@ def test_a_module_run_more_often_than_in_calibration_is_one_line():
     "settings, message",
     [
         ({"train": True}, "set train=false"),
-        ({"activations": surgery.QuantSpec(bits=8, per_channel=True)}, "per-tensor activations"),
+        ({"activations": surgery.GridSpec(bits=8, per_channel=True)}, "per-tensor activations"),
         ({"calibration": None, "qparams": {}}, "holds no activation parameters"),
     ],
 )

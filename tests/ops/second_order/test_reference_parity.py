@@ -14,7 +14,7 @@ from support import tiny_gpt2  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.observers import Grid
 from surgery.ops.second_order.reconstruction import gptq
@@ -62,7 +62,7 @@ def test_gptq_by_groups_agrees_with_the_original_walk(group_size):
     x = correlated_inputs(2048, 512)
     hessian = 2 * x.t() @ x / x.shape[0]
     weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
-    grid = Grid(QuantSpec(bits=4, symmetric=False, group_size=group_size), per_row=True)
+    grid = Grid(GridSpec(bits=4, symmetric=False, group_size=group_size), per_row=True)
     ours, scales, _ = gptq(weight, hessian, grid.qparams_of, grid.round, group_size=group_size)
     theirs = reference_gptq(weight, hessian, grid.qparams_of, grid.round, group_size)
     same = (ours == theirs).float().mean().item()

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.core.hessians import input_columns, weight_matrix
 from surgery.core.sequential import find_blocks
@@ -122,10 +122,10 @@ def test_gptq_lands_on_the_grid_and_beats_round_to_nearest():
     reference = model[0].weight.detach().clone()
     error = lambda: ((model[0].weight.detach() - reference) @ x.t()).pow(2).sum().item()
     spec = dict(bits=3, symmetric=True, per_channel=True)
-    rtn = surgery.quantize(model, weights=QuantSpec(**spec), progress=False)
+    rtn = surgery.quantize(model, weights=GridSpec(**spec), progress=False)
     rtn_error = error()
     rtn.restore()
-    gptq = surgery.quantize(model, weights=QuantSpec(**spec, method="gptq"), calibration=[x], progress=False)
+    gptq = surgery.quantize(model, weights=GridSpec(**spec, method="gptq"), calibration=[x], progress=False)
     quantizer = gptq.weights["0.weight"]
     weight = model[0].weight.detach()
     on_grid = weight / quantizer.scale.view(-1, 1)
@@ -142,7 +142,7 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
     x = correlated_inputs(features=40)
     handle = surgery.quantize(
         model,
-        weights=QuantSpec(bits=2, group_size=16, method=method),
+        weights=GridSpec(bits=2, group_size=16, method=method),
         calibration=[x] if method == "gptq" else None,
         progress=False,
     )
@@ -175,16 +175,16 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
         ),
         pytest.param(
             lambda m, d: surgery.quantize(
-                m, weights=QuantSpec(bits=3, method="gptq", group_size=8), calibration=d, progress=False
+                m, weights=GridSpec(bits=3, method="gptq", group_size=8), calibration=d, progress=False
             ),
             id="gptq-g8",
         ),
         pytest.param(
-            lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=4, method="gptq"), calibration=d, progress=False),
+            lambda m, d: surgery.quantize(m, weights=GridSpec(bits=4, method="gptq"), calibration=d, progress=False),
             id="gptq-per-tensor",
         ),
         pytest.param(
-            lambda m, d: surgery.quantize(m, weights=QuantSpec(bits=2, group_size=4), progress=False), id="rtn-g4"
+            lambda m, d: surgery.quantize(m, weights=GridSpec(bits=2, group_size=4), progress=False), id="rtn-g4"
         ),
     ],
 )
@@ -233,7 +233,7 @@ def test_sparsegpt_then_gptq_stack_zeros_stay_zero_and_undo_in_reverse_order():
     pruned = surgery.prune(model, 0.5, method="sparsegpt", calibration=data, progress=False)
     masks = pruned.masks()
     quantized = surgery.quantize(
-        model, weights=QuantSpec(bits=4, method="gptq", group_size=8), calibration=data, progress=False
+        model, weights=GridSpec(bits=4, method="gptq", group_size=8), calibration=data, progress=False
     )
     for name, param in model.named_parameters():
         if name in masks:
@@ -308,7 +308,7 @@ def test_restore_is_bit_exact_on_gpt2_after_sparsegpt_and_gptq():
     )
     quantized = surgery.quantize(
         model,
-        weights=QuantSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, method="gptq", group_size=16),
         calibration=data,
         exclude="lm_head",
         progress=False,
@@ -360,7 +360,7 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
     before = snapshot(model)
     handle = surgery.quantize(
         model,
-        weights=QuantSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, method="gptq", group_size=16),
         calibration=data,
         exclude="lm_head",
         progress=False,
@@ -388,7 +388,7 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
         ),
         (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[], progress=False), "prune.calibration"),
         (lambda m, d: surgery.prune(m, 0.5, blocks=False, progress=False), "prune.blocks"),
-        (lambda m, d: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False), "quantize.calibration"),
+        (lambda m, d: surgery.quantize(m, weights=GridSpec(method="gptq"), progress=False), "quantize.calibration"),
         (
             lambda m, d: surgery.quantize(
                 m, weights=None, activations={"method": "gptq"}, calibration=d, progress=False
@@ -398,7 +398,7 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
         (lambda m, d: surgery.quantize(m, weights={"group_size": 0}, progress=False), "quantize.weights.group_size"),
         (lambda m, d: surgery.quantize(m, weights={"method": "awq"}, progress=False), "quantize.weights.method"),
         (
-            lambda m, d: surgery.quantize(m, weights=QuantSpec(group_size=8), train=True, progress=False),
+            lambda m, d: surgery.quantize(m, weights=GridSpec(group_size=8), train=True, progress=False),
             "quantize.train",
         ),
     ],
@@ -432,7 +432,7 @@ def test_a_layer_calibration_never_reaches_is_named():
 
     model = Skips().eval()
     with pytest.raises(ConfigError, match="calibration='unused': this layer never ran"):
-        surgery.quantize(model, weights=QuantSpec(method="gptq"), calibration=[torch.randn(8, 4)], progress=False)
+        surgery.quantize(model, weights=GridSpec(method="gptq"), calibration=[torch.randn(8, 4)], progress=False)
     assert_no_hooks(model)
 
 
@@ -554,7 +554,7 @@ def test_a_short_last_group_is_observed_on_its_own_entries():
     with torch.no_grad():
         model[0].weight[0, 128:] = torch.tensor([1.0, 2.0])
     handle = surgery.quantize(
-        model, weights=QuantSpec(bits=8, observer="percentile", percentile=99.0, group_size=128), progress=False
+        model, weights=GridSpec(bits=8, observer="percentile", percentile=99.0, group_size=128), progress=False
     )
     torch.testing.assert_close(model[0].weight.detach()[0, 128:], torch.tensor([1.0, 2.0]), rtol=0.01, atol=0.01)
     handle.restore()
@@ -568,7 +568,7 @@ def test_gptq_on_a_pruned_weight_keeps_its_zeros_and_compensates_on_the_entries_
     hessian = 2 * x.t() @ x / x.shape[0]
     weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     pruned, keep = sparsegpt(weight, hessian, 0.5)
-    grid = Grid(QuantSpec(bits=8, symmetric=True, per_channel=True), per_row=True)  # fine: updates survive rounding
+    grid = Grid(GridSpec(bits=8, symmetric=True, per_channel=True), per_row=True)  # fine: updates survive rounding
     aware, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round, keep=keep)
     blind, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round)
     assert torch.equal(aware[~keep], torch.zeros(int((~keep).sum())))
@@ -594,7 +594,7 @@ def test_a_timm_vision_transformer_is_calibrated_block_by_block_and_restored_exa
     )  # 3 input channels: no 2:4
     assert [stage.block for stage in pruned.sequential.stages] == ["blocks.0", "blocks.1", "blocks.2"]
     quantized = surgery.quantize(
-        model, weights=QuantSpec(bits=4, group_size=32, method="gptq"), calibration=data, exclude="head", progress=False
+        model, weights=GridSpec(bits=4, group_size=32, method="gptq"), calibration=data, exclude="head", progress=False
     )
     assert torch.isfinite(model(data[0])).all()
     quantized.restore()

@@ -85,7 +85,7 @@ def test_a_shrunk_layer_is_matched_through_a_learned_projection_dropped_at_bake(
 
 def test_distillation_trains_through_quantization_aware_training():
     student, teacher = digits_cnn(), digits_cnn()
-    quantized = surgery.quantize(student, weights=surgery.QuantSpec(bits=4, symmetric=True), train=True)
+    quantized = surgery.quantize(student, weights=surgery.GridSpec(bits=4, symmetric=True), train=True)
     tuned = surgery.finetune(student, batches(), teacher=teacher, distill={"temperature": 2.0}, progress=False)
     assert len(tuned.curve) == 2
     surgery.compose(quantized, tuned).restore()

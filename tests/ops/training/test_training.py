@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import ConfigError, ParameterReplacedError
 from surgery.ops.numerics.observers import fake_quantize
 from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
@@ -89,7 +89,7 @@ def test_masks_hold_right_after_each_optimizer_step_before_any_forward(
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_the_quantization_grid_holds_right_after_each_step(mlp, mlp_input, implementation):
-    handle = surgery.quantize(mlp, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), progress=False)
+    handle = surgery.quantize(mlp, weights=GridSpec(bits=4, symmetric=True, per_channel=True), progress=False)
     optimizer = make_optimizer(mlp, "AdamW", {}, implementation)
     train_steps(mlp, optimizer, mlp_input, steps=2)
     for name, q in handle.weights.items():
@@ -235,7 +235,7 @@ def test_a_timm_vision_transformer_trains_with_masks_and_quantization_aware_trai
     before = snapshot(model)
     pruned = surgery.prune(model, 0.5, select=nn.Linear, progress=False)
     trained = surgery.quantize(
-        model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select=nn.Linear, progress=False, train=True
+        model, weights=GridSpec(bits=4, symmetric=True, per_channel=True), select=nn.Linear, progress=False, train=True
     )
     masks = pruned.masks()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -12,11 +12,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ParameterReplacedError
 from surgery.testing import snapshot, snapshot_differences
 
-W4 = QuantSpec(bits=4, symmetric=True, per_channel=True)
+W4 = GridSpec(bits=4, symmetric=True, per_channel=True)
 
 
 def pairs(x: torch.Tensor, count: int = 2) -> list:
@@ -79,7 +79,7 @@ def test_quantization_aware_training_of_a_tied_weight_quantizes_every_use():
 
     torch.manual_seed(0)
     model, x = Tied(), torch.randn(2, 8)
-    with surgery.quantize(model, weights=QuantSpec(bits=2), progress=False, train=True):
+    with surgery.quantize(model, weights=GridSpec(bits=2), progress=False, train=True):
         a, b = model(x)
         assert torch.equal(a, b) and not torch.allclose(b, x @ model.a.weight.detach().t())
         assert model.b(x).equal(b)  # called on its own too
@@ -183,7 +183,7 @@ def test_finetune_restore_puts_learned_activation_ranges_back(mlp, mlp_input):
     handle = surgery.quantize(
         mlp,
         weights=None,
-        activations=QuantSpec(bits=8, observer="moving_average"),
+        activations=GridSpec(bits=8, observer="moving_average"),
         calibration=[mlp_input],
         progress=False,
         train=True,

@@ -20,7 +20,7 @@ from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, DeployPlan, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import QuantSpec
+from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import output_axis
 
 log = logging.getLogger("surgery")
@@ -252,7 +252,7 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     return scheme, layers
 
 
-def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[QuantSpec, list[str]]:
+def _weight_layers(model: nn.Module, specs: dict[str, GridSpec]) -> tuple[GridSpec, list[str]]:
     """The one weight setting of the quantized layers, and those layers (each checked to be a
     Linear or Conv1D weight compressed-tensors can lay out, in whole groups)."""
     layers = []
@@ -294,7 +294,7 @@ def _weight_layers(model: nn.Module, specs: dict[str, QuantSpec]) -> tuple[Quant
     return spec, layers
 
 
-def _weight_args(spec: QuantSpec, arguments: type) -> Any:
+def _weight_args(spec: GridSpec, arguments: type) -> Any:
     strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
     if spec.is_float:
         if spec.format not in _FLOAT_FORMATS:
