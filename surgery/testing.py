@@ -16,17 +16,15 @@ from __future__ import annotations
 from torch import nn
 
 from surgery.analysis.audits import (
-    MODULE_HOOK_DICTS,
     Snapshot,
     collect,
-    global_hook_counts,
     max_difference,
-    module_hook_counts,
-    same_bits,
     snapshot,
     snapshot_differences,
     transformed_parameters,
 )
+from surgery.analysis.metrics import same_bits
+from surgery.core._compat import MODULE_HOOK_DICTS, global_hook_counts, module_hook_counts
 
 
 def assert_no_hooks(model: nn.Module) -> None:

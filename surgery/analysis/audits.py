@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from surgery.analysis.metrics import same_bits
 from surgery.core import guards
-from surgery.core._compat import MODULE_HOOK_DICTS, global_hook_counts, module_hook_counts
+from surgery.core._compat import global_hook_counts, module_hook_counts
 from surgery.core.inputs import Inputs, batches, evaluating, outputs
 
 
@@ -92,17 +92,3 @@ def transformed_parameters(model: nn.Module) -> list[str]:
     """Qualified names of the parameters of ``model`` that have a transform attached
     (masks, quantization, :func:`surgery.attach_transform`)."""
     return [name for name, p in model.named_parameters(remove_duplicate=False) if guards.transforms_of(p)]
-
-
-__all__ = [
-    "MODULE_HOOK_DICTS",
-    "Snapshot",
-    "collect",
-    "global_hook_counts",
-    "max_difference",
-    "module_hook_counts",
-    "snapshot",
-    "snapshot_differences",
-    "transformed_parameters",
-    "same_bits",
-]

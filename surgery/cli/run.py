@@ -14,7 +14,6 @@ from typing import Any
 from torch import nn
 
 from surgery.analysis.attribution import attribution_drift
-from surgery.analysis.audits import global_hook_counts
 from surgery.analysis.comparison import Drift, compare
 from surgery.analysis.inspection import (
     calls_as_rows,
@@ -48,6 +47,7 @@ from surgery.cli.reporting import (
     write_reports,
 )
 from surgery.cli.steps import Calibration, StepRun, step_named
+from surgery.core._compat import global_hook_counts
 from surgery.core.activations import activation_budget
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, OutputExistsError
