@@ -66,5 +66,8 @@ class KvCacheStep(Step):
         layers = list(kv_projections(model))
         return quantize(model, weights=None, activations=settings.spec, select=layers, qparams=qparams, progress=False)
 
+    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
+        return handle.qparams()
+
 
 register_step(KvCacheStep())

@@ -82,6 +82,10 @@ class PruneStep(Step):
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
         return prune(source, _planned(source, settings, run), calibration=run.calibration, work=work)
 
+    def sparsity(self, handle: Handle) -> dict[str, Any] | None:
+        over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
+        return {"overall": handle.sparsity(), "layers": handle.layer_sparsity(), "over": over}
+
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""
         neutral = {"amount": 0.0, "method": "l1_unstructured", "pattern": None, "amounts": None, "blocks": None}
