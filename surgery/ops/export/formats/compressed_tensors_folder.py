@@ -481,6 +481,8 @@ def _tokenizer(tokenizer: Any) -> Any:
         return tokenizer
     from transformers import AutoTokenizer
 
+    if not Path(tokenizer).is_dir():  # transformers would take the name for a hub repository
+        raise ConfigError(TOKENIZER, str(tokenizer), "must be a local tokenizer folder")
     refuse_custom_code(tokenizer, TOKENIZER)  # outside the try: its own one-line error
     try:
         return from_pretrained(AutoTokenizer, tokenizer, TOKENIZER)
