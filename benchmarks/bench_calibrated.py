@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.utils import prune as torch_prune
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.analysis import metrics
 from surgery.core.checkpoints import load_checkpoint
 from surgery.tasks import mnist1d, tinylm
@@ -107,7 +107,7 @@ def measure(
             )
     for bits in BITS:
         for name, method in QUANTIZING:
-            spec = QuantSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
+            spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
             handle, seconds = timed(
                 lambda: surgery.quantize(model, weights=spec, calibration=calibration, exclude=head, progress=False)
             )

@@ -78,7 +78,7 @@ def build_variants(base: nn.Module, example: Tensor) -> tuple[dict[str, nn.Modul
     models[W8A8] = copy.deepcopy(base)
     quantizing = surgery.quantize(
         models[W8A8],
-        activations=surgery.QuantSpec(bits=8),
+        activations=surgery.GridSpec(bits=8),
         calibration=[torch.randn_like(example) for _ in range(4)],
         progress=False,
     )

@@ -52,11 +52,11 @@ from tqdm import tqdm
 
 import surgery
 from surgery.analysis.metrics import accuracy, perplexity
-from surgery.ops.deploy_summary import fp32_bytes
+from surgery.ops.export.deploy_summary import fp32_bytes
 
 EAGER = "fp32 eager"
-W8 = surgery.QuantSpec(bits=8, symmetric=True, per_channel=True)
-A8 = surgery.QuantSpec(bits=8)
+W8 = surgery.GridSpec(bits=8, symmetric=True, per_channel=True)
+A8 = surgery.GridSpec(bits=8)
 
 
 @dataclass
@@ -168,8 +168,8 @@ def ours(case: Case, target: str, tmp: Path, rows: dict[str, Callable], sizes: d
 def ours_compressed_tensors(case: Case, tmp: Path, sizes: dict[str, float]) -> None:
     """Sizes of the compressed-tensors folders (W8A8 int, W4A16 g128) of the decoder layers."""
     for label, weights, activations in (
-        ("W8A8", W8, surgery.QuantSpec(bits=8, symmetric=True)),
-        ("W4A16 g128", surgery.QuantSpec(bits=4, symmetric=True, per_channel=True, group_size=128), None),
+        ("W8A8", W8, surgery.GridSpec(bits=8, symmetric=True)),
+        ("W4A16 g128", surgery.GridSpec(bits=4, symmetric=True, per_channel=True, group_size=128), None),
     ):
         model = copy.deepcopy(case.model.model)
         spec = surgery.QuantizeSpec(weights=weights, activations=activations, select="**.*_proj", where="input")
@@ -380,7 +380,7 @@ def quality() -> list[dict[str, Any]]:
     row = {"model": "tiny LM (perplexity)", "fp32": perplexity(model, test)}
     for label, method in (("RTN", "rtn"), ("GPTQ", "gptq")):
         ours_model = copy.deepcopy(model)
-        weights = surgery.QuantSpec(bits=8, symmetric=True, per_channel=True, method=method)
+        weights = surgery.GridSpec(bits=8, symmetric=True, per_channel=True, method=method)
         handle = surgery.quantize(
             ours_model, weights=weights, exclude=["head"], target="torchao", calibration=calibration
         )

@@ -1,4 +1,4 @@
-"""Build time with surgery.ops.intercept rules vs plain construction, measured in one run.
+"""Build time with surgery.ops.build.intercept rules vs plain construction, measured in one run.
 
 Run: .venv/bin/python benchmarks/bench_intercept.py [--repeats N]
 Each round builds every variant once, in rotating order; the table reports median build times,
@@ -21,9 +21,9 @@ from torch import nn
 from tqdm import tqdm
 
 import surgery
-from surgery.ops import rules
+from surgery.ops.build import rules
 
-intercept_module = importlib.import_module("surgery.ops.intercept")  # the module, not the function
+intercept_module = importlib.import_module("surgery.ops.build.intercept")  # the module, not the function
 
 HOOK_SECONDS = [0.0]
 

@@ -58,10 +58,10 @@ from bench_prune import (  # noqa: E402
 )
 
 import surgery  # noqa: E402
-from surgery.ops.quantization import ActivationQuantizer  # noqa: E402
+from surgery.ops.quantization.quantization import ActivationQuantizer  # noqa: E402
 
 TYPES = (nn.Conv2d, nn.Linear)
-A8 = surgery.QuantSpec(bits=8)  # unsigned [0, 255], affine, per tensor, min/max observer
+A8 = surgery.GridSpec(bits=8)  # unsigned [0, 255], affine, per tensor, min/max observer
 PLAIN, CONTROL = "plain", "plain, 2nd copy (A/A)"
 OURS, TORCH_OFF, TORCH_ON = "surgery A8 attached", "torch FakeQuantize, obs. off", "torch FakeQuantize, obs. on"
 W8A8, W8_BAKED = "surgery W8A8 attached", "surgery W8 baked"
@@ -392,7 +392,7 @@ def digits_accuracy() -> tuple[dict[str, float], str]:
         calibration = [images for images, _ in make_batches("train", 64, limit_batches=8)]
     except surgery.ConfigError as err:  # e.g. scikit-learn missing
         return {}, f"digits data unavailable: {err}"
-    w4 = surgery.QuantSpec(bits=4, symmetric=True, per_channel=True)
+    w4 = surgery.GridSpec(bits=4, symmetric=True, per_channel=True)
     setups = {
         "float": None,
         "W8 (int8 sym. per-channel)": {},

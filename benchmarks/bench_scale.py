@@ -12,7 +12,7 @@ calibration sequences of 64 tokens. Peak memory is the child's resident high-wat
 (``VmHWM``) beyond its resident memory once the model is built, shown as a multiple of the
 model's bytes and, between two depths, per layer as a multiple of one layer's bytes. Rows:
 
-- surgery, in memory: ``quantize(weights=QuantSpec(bits=4, group_size=128, method="gptq"))``,
+- surgery, in memory: ``quantize(weights=GridSpec(bits=4, group_size=128, method="gptq"))``,
   its originals for ``restore()`` kept in memory (the default) or spilled to disk
   (``originals="disk"``);
 - surgery, offloaded: the model saved as a Hugging Face folder first (by another process), then
@@ -96,7 +96,7 @@ def run_row(kind: str, layers: int) -> dict:
 
 def _offloaded_row(layers: int) -> dict:
     import surgery
-    from surgery import QuantSpec
+    from surgery import GridSpec
 
     with tempfile.TemporaryDirectory() as folder:
         script = f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_scale; "
@@ -107,7 +107,7 @@ def _offloaded_row(layers: int) -> dict:
         base = memory("VmRSS")
         start = time.perf_counter()
         handle = surgery.offloaded(folder)
-        spec = QuantSpec(bits=4, group_size=128, symmetric=True, method="gptq")
+        spec = GridSpec(bits=4, group_size=128, symmetric=True, method="gptq")
         surgery.quantize(handle, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
         seconds = time.perf_counter() - start
         peak = memory("VmHWM") - base
@@ -119,10 +119,10 @@ def _offloaded_row(layers: int) -> dict:
 
 def _surgery(model, ids, originals: str) -> None:
     import surgery
-    from surgery import QuantSpec
+    from surgery import GridSpec
 
     calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
-    spec = QuantSpec(bits=4, group_size=128, symmetric=True, method="gptq")
+    spec = GridSpec(bits=4, group_size=128, symmetric=True, method="gptq")
     surgery.quantize(
         model, weights=spec, calibration=calibration, exclude="lm_head", originals=originals, progress=False
     )

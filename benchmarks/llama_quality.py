@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.analysis.metrics import perplexity
 from surgery.tasks.tinyllama import FOLDER, load_llama
 from surgery.tasks.tinylm import token_batches
@@ -34,13 +34,13 @@ Recipe = Callable[[torch.nn.Module, list], list]
 
 
 def _quantize(bits: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
-    spec = QuantSpec(bits=bits, group_size=128, symmetric=symmetric, method=method)
+    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method=method)
     return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
 
 
 def _awq(bits: int, method: str = "rtn") -> Recipe:
-    grid = QuantSpec(bits=bits, group_size=128)
-    spec = QuantSpec(bits=bits, group_size=128, method=method)
+    grid = GridSpec(bits=bits, group_size=128)
+    spec = GridSpec(bits=bits, group_size=128, method=method)
     return lambda m, cal: [
         surgery.awq(m, weights=grid, calibration=cal, progress=False),
         surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False),
@@ -50,8 +50,8 @@ def _awq(bits: int, method: str = "rtn") -> Recipe:
 def _activations(bits: int, rotated: bool, dynamic: str | None = "token") -> Recipe:
     def run(m: torch.nn.Module, cal: list) -> list:
         handles = [surgery.rotate(m, calibration=cal)] if rotated else []
-        weights = QuantSpec(bits=4, group_size=128, symmetric=True)
-        activations = QuantSpec(bits=bits, symmetric=True, dynamic=dynamic)  # llm-compressor's W4A8/W4A4 inputs
+        weights = GridSpec(bits=4, group_size=128, symmetric=True)
+        activations = GridSpec(bits=bits, symmetric=True, dynamic=dynamic)  # llm-compressor's W4A8/W4A4 inputs
         spec = dict(weights=weights, activations=activations, where="input", exclude=HEAD, progress=False)
         return [*handles, surgery.quantize(m, calibration=cal, **spec)]
 
@@ -67,7 +67,7 @@ def _prune(method: str, amount: float, pattern: str | None = None, owl: bool = F
     return run
 
 
-FP8 = QuantSpec(format="fp8_e4m3")
+FP8 = GridSpec(format="fp8_e4m3")
 ROWS: list[tuple[str, Recipe, str, str]] = [
     ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
     ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4", ""),

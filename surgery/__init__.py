@@ -26,16 +26,8 @@ from surgery.core.handles import Handle, HandleGroup, compose
 from surgery.core.heads import HeadLayout, register_heads
 from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
-from surgery.ops import (
-    formats,  # noqa: F401 - the built-in deployment formats register themselves
-    rules,
-)
-from surgery.ops.awq import AwqHandle, AwqSpec, awq
-from surgery.ops.criteria import LayerStats, register_criterion
-from surgery.ops.distillation import DistillSpec
-from surgery.ops.exporting import ExportParityError, ExportRecord, export, register_export_format
-from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
-from surgery.ops.intercept import (
+from surgery.ops.build import rules
+from surgery.ops.build.intercept import (
     Event,
     InterceptError,
     InterceptLog,
@@ -43,105 +35,138 @@ from surgery.ops.intercept import (
     RuleNeverFiredWarning,
     intercept,
 )
-from surgery.ops.kv_cache import kv_cache_bytes, quantize_kv_cache
-from surgery.ops.number_formats import NumberFormat, register_number_format
-from surgery.ops.observers import NonFiniteError, ObservedRange, QuantSpec, register_observer
-from surgery.ops.offloaded_compression import OffloadedCompression
-from surgery.ops.offloading import Offloaded, offloaded
-from surgery.ops.owl import OwlPlan, owl_amounts
-from surgery.ops.pruning import PruneHandle, PruneSpec, prune
-from surgery.ops.quantization import QuantizeHandle, QuantizeSpec, quantize
-from surgery.ops.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
-from surgery.ops.rotation import RotateHandle, rotate
-from surgery.ops.sensitivity import Sensitivity, sensitivity
-from surgery.ops.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
-from surgery.ops.smoothing import SmoothHandle, SmoothSpec, smooth
-from surgery.ops.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
+from surgery.ops.equivalence.awq import AwqHandle, AwqSpec, awq
+from surgery.ops.equivalence.rotation import RotateHandle, rotate
+from surgery.ops.equivalence.smoothing import SmoothHandle, SmoothSpec, smooth
+from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
+from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
+from surgery.ops.numerics.number_formats import NumberFormat, register_number_format
+from surgery.ops.numerics.observers import GridSpec, NonFiniteError, ObservedRange, register_observer
+from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
+from surgery.ops.offload.offloaded_compression import OffloadedCompression
+from surgery.ops.offload.offloading import Offloaded, offloaded
+from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
+from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
+from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
+from surgery.ops.sensitivity.sensitivity import Sensitivity, sensitivity
+from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
+from surgery.ops.sparsity.criteria import LayerStats, register_criterion
+from surgery.ops.sparsity.owl import OwlPlan, owl_amounts
+from surgery.ops.sparsity.pruning import PruneHandle, PruneSpec, prune
+from surgery.ops.training.distillation import DistillSpec
+from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
 
-__all__ = [
-    "AlreadyModifiedError",
-    "Capture",
-    "CheckpointError",
-    "ConfigError",
-    "Drift",
-    "Event",
-    "FinetuneHandle",
+
+def __getattr__(name: str) -> object:
+    """``surgery.QuantSpec``: the name :class:`GridSpec` had before 0.3 (warns)."""
+    if name == "QuantSpec":
+        import warnings
+
+        from surgery.ops.numerics.observers import DEPRECATED_QUANTSPEC
+
+        warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
+        return GridSpec
+    raise AttributeError(f"module 'surgery' has no attribute {name!r}")
+
+
+__all__ = [  # the public names by family, in the order of docs/design.md's map
+    # handles, selection and capture (core)
     "Handle",
-    "HeadLayout",
     "HandleGroup",
-    "InterceptError",
-    "InterceptLog",
-    "LayerStats",
+    "compose",
+    "select",
+    "capture",
+    "Capture",
+    "attach_transform",
+    "register_heads",
+    "HeadLayout",
+    "distributed_calibration",
+    "activation_budget",
+    # errors
+    "SurgeryError",
+    "ConfigError",
+    "SelectionError",
+    "AlreadyModifiedError",
+    "CheckpointError",
     "NonFiniteError",
+    "OutputExistsError",
+    "ParameterReplacedError",
+    "UndoError",
+    "ShrinkError",
+    "InterceptError",
+    "RuleNeverFiredError",
+    "RuleNeverFiredWarning",
+    "ExportParityError",
+    # numerics: grids, observers, number formats, the weight-method contract
+    "GridSpec",
     "ObservedRange",
+    "register_observer",
+    "NumberFormat",
+    "register_number_format",
+    "WeightProblem",
+    "QuantizedWeight",
+    "register_weight_method",
+    # build: intercept and its rules
+    "intercept",
+    "rules",
+    "Event",
+    "InterceptLog",
+    # shrink
+    "shrink",
+    "ShrinkSpec",
+    "ShrinkHandle",
+    "rebuild",
+    "register_importance",
+    # offload
+    "offloaded",
     "Offloaded",
     "OffloadedCompression",
-    "offloaded",
+    # sparsity
+    "prune",
+    "PruneSpec",
+    "PruneHandle",
+    "register_criterion",
+    "LayerStats",
+    "owl_amounts",
     "OwlPlan",
-    "rotate",
-    "RotateHandle",
+    # equivalence
+    "smooth",
+    "SmoothSpec",
+    "SmoothHandle",
     "awq",
     "AwqSpec",
     "AwqHandle",
+    "rotate",
+    "RotateHandle",
+    # quantization
+    "quantize",
+    "QuantizeSpec",
+    "QuantizeHandle",
     "quantize_kv_cache",
     "kv_cache_bytes",
-    "NumberFormat",
-    "register_number_format",
-    "owl_amounts",
-    "distributed_calibration",
-    "activation_budget",
-    "OutputExistsError",
-    "ParameterReplacedError",
-    "PruneHandle",
-    "PruneSpec",
-    "QuantSpec",
-    "QuantizeHandle",
-    "RuleNeverFiredError",
-    "RuleNeverFiredWarning",
-    "SelectionError",
-    "ShrinkError",
-    "ShrinkHandle",
-    "Sensitivity",
-    "SmoothHandle",
-    "SurgeryError",
-    "UndoError",
-    "attach_transform",
-    "capture",
-    "compare",
-    "DistillSpec",
-    "attribution",
-    "attribution_drift",
-    "register_attribution",
-    "Attribution",
-    "AttributionDrift",
-    "AttributionSpec",
-    "compose",
+    # training
     "finetune",
-    "intercept",
-    "prune",
-    "quantize",
-    "rebuild",
-    "register_criterion",
-    "register_heads",
-    "register_importance",
-    "register_weight_method",
+    "FinetuneSpec",
+    "FinetuneHandle",
+    "DistillSpec",
+    # export
     "export",
     "ExportRecord",
-    "ExportParityError",
     "register_export_format",
-    "FinetuneSpec",
-    "QuantizeSpec",
-    "RewriteSpec",
-    "ShrinkSpec",
-    "SmoothSpec",
-    "QuantizedWeight",
-    "WeightProblem",
-    "register_observer",
-    "register_rewrite",
-    "rewrite_inputs",
-    "rules",
-    "select",
+    # sensitivity
     "sensitivity",
-    "shrink",
-    "smooth",
+    "Sensitivity",
+    # rewrite
+    "rewrite_inputs",
+    "RewriteSpec",
+    "register_rewrite",
+    # analysis
+    "compare",
+    "Drift",
+    "attribution",
+    "Attribution",
+    "AttributionSpec",
+    "register_attribution",
+    "attribution_drift",
+    "AttributionDrift",
 ]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from surgery.ops.intercept import _registry as intercept_registry
+from surgery.ops.build.intercept import _registry as intercept_registry
 from surgery.testing import global_hook_counts, module_hook_counts
 
 

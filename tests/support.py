@@ -145,17 +145,28 @@ def token_batches(count: int = 3) -> list[dict]:
     ]
 
 
-def tiny_llama(layers: int = 2, vocab: int = 128, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A random Llama, 64 wide with 4 heads and 2 key/value heads (seeded), in ``dtype``."""
+def tiny_llama(
+    layers: int = 2,
+    vocab: int = 128,
+    dtype: torch.dtype = torch.float32,
+    *,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = False,
+) -> nn.Module:
+    """A random Llama (seeded), ``hidden`` wide with ``heads`` heads and ``kv_heads`` key/value
+    heads and an MLP twice as wide, in ``dtype``; ``tied``: the head shares the embeddings."""
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         vocab_size=vocab,
+        tie_word_embeddings=tied,
         architectures=["LlamaForCausalLM"],
         dtype=dtype,
     )

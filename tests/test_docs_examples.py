@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from surgery.cli.steps import STEPS
-from surgery.ops.criteria import CRITERIA
-from surgery.ops.exporting import EXPORT_FORMATS
-from surgery.ops.observers import OBSERVERS
-from surgery.ops.weight_methods import WEIGHT_METHODS
+from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.numerics.observers import OBSERVERS
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
+from surgery.ops.sparsity.criteria import CRITERIA
 from surgery.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,6 +14,24 @@ import surgery
 
 PACKAGE = Path(surgery.__file__).resolve().parent
 LAYERS = {"core": 0, "ops": 1, "analysis": 1, "tasks": 2, "cli": 3}
+# ops/ by family, lowest first: a family imports only families of a lower rank (lazy imports too);
+# families of one rank never import each other. The modules at ops/'s top (rewriting.py,
+# formats/) are shims of old paths that warn.
+OPS_ORDER = {
+    "numerics": 0,
+    "build": 1,
+    "second_order": 2,
+    "shrink": 3,
+    "offload": 3,
+    "sparsity": 4,
+    "equivalence": 4,
+    "quantization": 5,
+    "training": 6,
+    "export": 6,
+    "sensitivity": 6,
+    "rewrite": 6,
+}
+OPS_SHIMS = {"rewriting.py", "formats"}
 APP_ONLY = ("hydra", "omegaconf", "matplotlib", "sklearn")
 ALLOWED_APP_ONLY = {"cli": set(APP_ONLY), "tasks": {"sklearn"}}  # tasks: the digits data set comes from sklearn
 
@@ -52,6 +70,88 @@ def wrong_way_imports() -> list[str]:
     return problems
 
 
+def family_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["surgery", "ops"] and parts[2] in OPS_ORDER else None
+
+
+def wrong_way_family_imports() -> list[str]:
+    """Imports inside ops/ that go up the family order, or sideways between families of a rank."""
+    problems = []
+    ops = PACKAGE / "ops"
+    for path in sorted(ops.rglob("*.py")):
+        parts = path.relative_to(ops).parts
+        if parts[0] in OPS_SHIMS or len(parts) == 1:
+            continue
+        own = parts[0]
+        for module in imported_modules(path):
+            other = family_of(module)
+            if other is not None and other != own and OPS_ORDER[other] >= OPS_ORDER[own]:
+                problems.append(f"ops/{'/'.join(parts)} ({own}) imports {module} ({other})")
+    return problems
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The surgery modules ``path`` imports when it runs (lazy imports too; ``if TYPE_CHECKING:``
+    blocks, which never run, left out)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            node.body = []
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("surgery"):
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("surgery")}
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    """Circles among surgery's modules (a module importing one that imports it back)."""
+    modules = {
+        ".".join(("surgery", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
+        for path in PACKAGE.rglob("*.py")
+    }
+    edges = {name: {m for m in runtime_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    cycles, state = [], {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(edges[name]):
+            if state.get(other) == "open" and not other.startswith(f"{name}.") and not name.startswith(f"{other}."):
+                cycles.append(trail[trail.index(other) :] + [other] if other in trail else [name, other])
+            elif other not in state:
+                visit(other, [*trail, other])
+        state[name] = "done"
+
+    for name in sorted(modules):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_ops_families_import_only_families_below_them():
+    assert sorted(OPS_ORDER) == sorted(
+        p.name for p in (PACKAGE / "ops").iterdir() if p.is_dir() and p.name not in OPS_SHIMS | {"__pycache__"}
+    )
+    assert wrong_way_family_imports() == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert import_cycles() == []
+
+
+def test_the_family_check_sees_an_upward_import(tmp_path, monkeypatch):
+    fake = tmp_path / "surgery"
+    (fake / "ops" / "numerics").mkdir(parents=True)
+    (fake / "ops" / "numerics" / "bad.py").write_text("def f():\n    from surgery.ops.export.exporting import export\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert wrong_way_family_imports() == [
+        "ops/numerics/bad.py (numerics) imports surgery.ops.export.exporting (export)"
+    ]
+
+
 def test_imports_flow_from_cli_through_analysis_and_ops_to_core():
     assert wrong_way_imports() == []
 
@@ -60,10 +160,10 @@ def test_the_check_sees_a_wrong_way_import(tmp_path, monkeypatch):
     """The check itself can fail: a core module importing ops is reported."""
     fake = tmp_path / "surgery"
     (fake / "core").mkdir(parents=True)
-    (fake / "core" / "bad.py").write_text("from surgery.ops.pruning import prune\nimport hydra\n")
+    (fake / "core" / "bad.py").write_text("from surgery.ops.sparsity.pruning import prune\nimport hydra\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert sorted(wrong_way_imports()) == [
-        "core/bad.py (core) imports surgery.ops.pruning (ops)",
+        "core/bad.py (core) imports surgery.ops.sparsity.pruning (ops)",
         "core/bad.py imports hydra (an app-only package)",
     ]
 
@@ -169,3 +269,44 @@ def test_tests_of_the_lower_layers_do_not_import_the_app():
         if module == "surgery.cli" or module.startswith("surgery.cli.")
     ]
     assert offenders == []
+
+
+def test_the_cycle_check_sees_a_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "surgery"
+    (fake / "core").mkdir(parents=True)
+    (fake / "core" / "a.py").write_text("from surgery.core.b import g\n")
+    (fake / "core" / "b.py").write_text("def g():\n    from surgery.core import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert import_cycles() == [["surgery.core.a", "surgery.core.b", "surgery.core.a"]]
+
+
+def test_old_import_paths_the_docs_used_still_work_and_warn():
+    result = run_python(
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    from surgery.ops.rewriting import Cast\n"
+        "    from surgery.ops.formats.sparse_linear import semi_structured\n"
+        "import surgery.ops.rewrite.rewriting as new\n"
+        "assert Cast is new.Cast and semi_structured.__module__ == 'surgery.ops.export.formats.sparse_linear'\n"
+        "print(sorted(str(w.message).split(' moved')[0] for w in seen if w.category is DeprecationWarning))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['surgery.ops.formats', 'surgery.ops.rewriting']"
+
+
+def test_the_grid_spec_old_name_still_works_and_warns():
+    result = run_python(
+        "import warnings\n"
+        "warnings.simplefilter('error')\n"
+        "import surgery\n"
+        "try:\n"
+        "    surgery.QuantSpec\n"
+        "except DeprecationWarning as warning:\n"
+        "    print(warning)\n"
+        "warnings.simplefilter('ignore')\n"
+        "from surgery import QuantSpec\n"
+        "assert QuantSpec is surgery.GridSpec and QuantSpec(bits=4).bits == 4\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("QuantSpec is now GridSpec")

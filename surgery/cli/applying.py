@@ -9,12 +9,11 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from surgery.cli.config import RunConfig
-from surgery.cli.steps import StepRun, step_named
+from surgery.cli.steps import Step, StepRun, step_named
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle, HandleGroup
 from surgery.core.interrupts import raise_pending
 from surgery.core.targets import selections_logged_at
-from surgery.ops.quantization import QuantizeHandle
 
 
 def apply_steps(
@@ -33,19 +32,34 @@ def apply_steps(
     steps again on copies. ``runs`` holds what each step is given (its calibration batches...).
     """
     handles: list[Handle] = []
+    steps: list[Step] = []
     try:
         with selections_logged_at(logging.DEBUG if checking else logging.INFO):
-            _apply_each(model, config, handles, neutral, checking, runs)
+            _apply_each(model, config, handles, steps, neutral, checking, runs)
     except BaseException as err:
         _undo(handles, model, err)
         raise
-    return HandleGroup(handles, model)
+    return AppliedSteps(handles, model, steps)
+
+
+class AppliedSteps(HandleGroup):
+    """The handles of a recipe's steps, each beside the :class:`Step` that made it: the runner
+    asks the step (never the handle's class) what a fresh build needs, which files it writes,
+    which activation parameters it saves."""
+
+    def __init__(self, handles: list[Handle], model: nn.Module, steps: list[Step]) -> None:
+        super().__init__(handles, model)
+        self.steps = list(steps)
+
+    def pairs(self) -> list[tuple[Step, Handle]]:
+        return list(zip(self.steps, self.handles))
 
 
 def _apply_each(
     model: nn.Module,
     config: RunConfig,
     handles: list[Handle],
+    steps: list[Step],
     neutral: bool,
     checking: bool,
     runs: dict[str, StepRun] | None,
@@ -64,6 +78,7 @@ def _apply_each(
                 f"steps.{name}", type(handle).__name__, "a step's apply() must return the handle of what it did"
             )
         handles.append(handle)
+        steps.append(step)
 
 
 def _undo(handles: list[Handle], model: nn.Module, error: BaseException) -> None:
@@ -88,15 +103,13 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
     return HandleGroup(handles, model) if handles else None
 
 
-def saved_qparams(handle: HandleGroup) -> dict[str, Tensor]:
-    """Activation quantization parameters of a composed handle (empty without any); two steps
+def saved_qparams(handle: AppliedSteps) -> dict[str, Tensor]:
+    """Activation quantization parameters of the applied steps (empty without any); two steps
     quantizing one layer's activations are refused (one file holds one set a layer)."""
     found: dict[str, Tensor] = {}
     owners: dict[str, str] = {}
-    for part in handle.handles:
-        if not isinstance(part, QuantizeHandle):
-            continue
-        for key, value in part.qparams().items():
+    for step, part in handle.pairs():
+        for key, value in step.activation_qparams(part).items():
             if key in found and key.endswith(".scale"):
                 raise ConfigError(
                     "steps",

@@ -1,4 +1,4 @@
-"""Recipe ``build:`` rules: turn YAML rule specs into :mod:`surgery.ops.rules` objects."""
+"""Recipe ``build:`` rules: turn YAML rule specs into :mod:`surgery.ops.build.rules` objects."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from surgery.cli.config import BuildRuleConfig
 from surgery.core import importing
 from surgery.core.errors import ConfigError
 from surgery.core.selection import TYPE_PREFIX
-from surgery.ops import rules
-from surgery.ops.rules import Rule
+from surgery.ops.build import rules
+from surgery.ops.build.rules import Rule
 
 
 def import_object(path: str, field: str) -> Any:

@@ -10,18 +10,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from surgery.analysis.audits import max_difference, snapshot, snapshot_differences
 from surgery.analysis.comparison import Drift
 from surgery.cli.config import DriftThresholds, RunConfig
+from surgery.core._compat import module_hook_counts
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
 from surgery.core.inputs import batches, evaluating, outputs
-from surgery.ops.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
-from surgery.testing import (
-    max_difference,
-    module_hook_counts,
-    snapshot,
-    snapshot_differences,
-)
+from surgery.ops.export.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
 
 
 @dataclass

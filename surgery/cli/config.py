@@ -28,8 +28,8 @@ from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.importing import import_module_named
-from surgery.ops.exporting import EXPORT_FORMATS
-from surgery.ops.rewriting import RewriteSpec
+from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
 
 log = logging.getLogger("surgery")

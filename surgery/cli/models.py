@@ -21,8 +21,8 @@ from surgery.core.hf_loading import from_pretrained, read_config, refuse_custom_
 from surgery.core.importing import import_object
 from surgery.core.inputs import as_call
 from surgery.core.selection import describe
-from surgery.ops.intercept import Event, RuleNeverFiredError, intercept
-from surgery.ops.rules import Rule
+from surgery.ops.build.intercept import Event, RuleNeverFiredError, intercept
+from surgery.ops.build.rules import Rule
 from surgery.tasks import digits, mnist1d, tinylm
 
 SHIPPED = "shipped"  # model.weights value: the checkpoint shipped with surgery (digits_cnn, mnist1d_cnn)
@@ -209,7 +209,7 @@ class ModelBuilder:
     """Builds fresh, identical models on each call: seeded, in eval mode, with build rules.
 
     Random initialisation is seeded with ``seed`` without disturbing the caller's RNG state.
-    ``rules`` are applied with :func:`surgery.ops.intercept` while the constructor runs; the
+    ``rules`` are applied with :func:`surgery.ops.build.intercept` while the constructor runs; the
     events of the last build are in :attr:`events`. ``config.weights`` (a checkpoint path) is
     loaded with ``weights_only=True`` after construction.
     """

@@ -32,8 +32,8 @@ from surgery.core.handles import Handle
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.core.interrupts import raise_pending
-from surgery.ops.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
-from surgery.ops.offloading import Offloaded, offloaded
+from surgery.ops.offload.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
+from surgery.ops.offload.offloading import Offloaded, offloaded
 
 log = logging.getLogger("surgery")
 CalibrationOf = Callable[[str], Any]  # step name -> its calibration batches (None if it needs none)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from surgery.analysis.inspection import (
     inspect_model,
 )
 from surgery.cli import checks
-from surgery.cli.applying import apply_steps, reattach, saved_qparams
+from surgery.cli.applying import AppliedSteps, apply_steps, reattach, saved_qparams
 from surgery.cli.build import neutral, rules_from_config
 from surgery.cli.config import ExportConfig, RunConfig
 from surgery.cli.data import (
@@ -47,6 +47,8 @@ from surgery.cli.reporting import (
     write_reports,
 )
 from surgery.cli.steps import Calibration, StepRun, step_named
+from surgery.cli.steps.shrink import PLAN_JSON
+from surgery.core._compat import global_hook_counts
 from surgery.core.activations import activation_budget
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, OutputExistsError
@@ -54,19 +56,13 @@ from surgery.core.folders import claimed
 from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
-from surgery.ops.deploy_summary import deploy_summary
-from surgery.ops.exporting import EXPORT_FORMATS, ExportRecord
-from surgery.ops.folding import folded_structure
-from surgery.ops.pruning import PruneHandle
-from surgery.ops.quantization import QuantizeHandle
-from surgery.ops.shrinking import ShrinkHandle, rebuild
+from surgery.ops.export.deploy_summary import deploy_summary
+from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
 from surgery.tasks import task_named
-from surgery.testing import global_hook_counts
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
 PLAN = "plan.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
-PLAN_JSON = "model.plan.json"  # the shrunk layers' shapes, for surgery.rebuild
 log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
@@ -349,12 +345,11 @@ def _build(config: RunConfig) -> _Models:
     return _Models(builder, reference, built, model, hooks_before, hooks_after)
 
 
-def _sparsity(handle: HandleGroup) -> dict[str, Any]:
-    pruning = next((h for h in handle.handles if isinstance(h, PruneHandle)), None)
-    if pruning is None:
-        return {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
-    over = {"parameters": len(pruning.parameters), "entries": sum(m.numel() for m in pruning.masks().values())}
-    return {"overall": pruning.sparsity(), "layers": pruning.layer_sparsity(), "over": over}
+def _sparsity(handle: AppliedSteps) -> dict[str, Any]:
+    """``report.json``'s sparsity, from the first step that prunes."""
+    found = (step.sparsity(part) for step, part in handle.pairs())
+    none = {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
+    return next((section for section in found if section is not None), none)
 
 
 def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:
@@ -388,20 +383,9 @@ def _run_checks(
         return apply_steps(subject, config, neutral=neutral_settings, checking=True, runs=files.runs)
 
     qparams = saved_qparams(handle)
-    shrinking = next((h for h in handle.handles if isinstance(h, ShrinkHandle)), None)
-    factory = models.builder
-    if isinstance(shrinking, ShrinkHandle):  # the smaller shapes
-        plan = shrinking.plan()
-
-        def factory() -> nn.Module:
-            return rebuild(models.builder.architecture, plan)
-
-    folded = [pair for h in handle.handles if isinstance(h, QuantizeHandle) for pair in h.folded]
-    if folded:  # quantize.target folded BatchNorms: fresh models take the folded shape
-        unfolded = factory
-
-        def factory() -> nn.Module:
-            return folded_structure(unfolded(), folded)
+    factory: Callable[[], nn.Module] = models.builder
+    for step, part in handle.pairs():  # the smaller shapes of shrink, the folded structure of a target
+        factory = step.fresh_build(part, factory, models.builder.architecture)
 
     results: list[checks.CheckResult] = []
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
@@ -426,9 +410,9 @@ def _run_checks(
         save_checkpoint(models.model, files.checkpoint)  # into the run's staging folder
         if qparams:
             save_tensors(qparams, files.qparams)
-        if isinstance(shrinking, ShrinkHandle):
-            text = json.dumps(shrinking.plan(), indent=2)
-            write_atomically(files.checkpoint.with_name(PLAN_JSON), lambda tmp: tmp.write_text(text + "\n"))
+        for step, part in handle.pairs():
+            for name, text in step.files(part).items():
+                write_atomically(files.checkpoint.with_name(name), lambda tmp, text=text: tmp.write_text(text))
         if "save_load" in enabled:
             results.append(
                 checks.check_save_load(

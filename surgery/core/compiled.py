@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import _compat
+from surgery.core.errors import ConfigError
 
 _by_token: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _tokens = itertools.count()
@@ -175,3 +176,12 @@ def _guard_hook_dicts(model: nn.Module) -> None:
     for code in stale:
         _compat.reset_code(code)
         _unguarded.discard(code)
+
+
+def in_memory(verb: str, model: nn.Module, work: object) -> nn.Module:
+    """The prologue every verb runs on a model in memory (an offloaded one was dispatched before):
+    ``work=`` refused (it is for offloaded models), a ``torch.compile`` wrapper unwrapped and its
+    hooks guarded (:func:`prepare`)."""
+    if work is not None:
+        raise ConfigError(f"{verb}.work", str(work), "is for an offloaded model (surgery.offloaded); leave it None")
+    return prepare(model)

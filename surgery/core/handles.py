@@ -130,7 +130,7 @@ class Handle:
 
     def export_parts(self) -> list:
         """What a deployment format may hold of this change (integer grids, activation scales,
-        sparsity masks; see :mod:`surgery.ops.deployment`); empty for changes it cannot."""
+        sparsity masks; see :mod:`surgery.ops.numerics.deployment`); empty for changes it cannot."""
         return []
 
     def bake(self) -> nn.Module | None:
@@ -193,6 +193,21 @@ class Handle:
         if self._state == "attached":
             for record in self._records:
                 record.enforce(self)
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[Handle]:
+        """A verb's all-or-nothing block: an error or an interrupt inside it undoes what the handle
+        holds so far (:meth:`rollback`) and is raised again.
+
+        Example:
+            >>> with handle.applying():
+            ...     attach_all(handle, model, updates, "smooth hook")
+        """
+        try:
+            yield self
+        except BaseException as err:
+            self.rollback(err)
+            raise
 
     def rollback(self, error: BaseException) -> None:
         """Undo a verb that failed with ``error`` while applying: ``error`` stays the one raised

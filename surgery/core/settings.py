@@ -22,3 +22,33 @@ def settings_from(cls: type[Settings], value: Any, field: str) -> Settings:
             raise ConfigError(field, unknown[0], f"unknown setting; allowed: {', '.join(allowed)}")
         return cls(**value)
     raise ConfigTypeError(field, value, f"must be a {cls.__name__} or a dict of its fields")
+
+
+def spec_or_keywords(cls: type[Settings], spec: Any, keywords: Mapping[str, Any], field: str) -> Settings:
+    """The one door from a verb's arguments to its frozen spec: ``spec`` itself (a ``cls``), or
+    the spec the ``keywords`` make; a spec given with keywords that differ from ``cls``'s defaults
+    too is refused in one line naming them (they would be ignored).
+
+    Example:
+        >>> spec_or_keywords(PruneSpec, None, {"amount": 0.5, "scope": "global"}, "prune.spec")
+    """
+    if spec is None:
+        return cls(**keywords)
+    if not isinstance(spec, cls):
+        raise ConfigTypeError(field, spec, f"must be a {cls.__name__} (or pass the settings as keywords)")
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    differing = [name for name, value in keywords.items() if not _is_default(value, fields[name])]
+    if differing:
+        raise ConfigError(field, spec, f"is a {cls.__name__}: set {', '.join(differing)} in it, not also as keywords")
+    return spec
+
+
+def _is_default(value: Any, field: Any) -> bool:
+    """Whether ``value`` is the dataclass ``field``'s default (the same object, or equal to it)."""
+    from dataclasses import MISSING
+
+    default = field.default if field.default is not MISSING else field.default_factory()
+    try:
+        return value is default or bool(value == default)
+    except (RuntimeError, ValueError, TypeError):  # values that do not compare to one truth (tensors)
+        return False

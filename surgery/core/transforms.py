@@ -294,9 +294,6 @@ def attach_transform(model: nn.Module, transforms: Mapping[str, TransformLike], 
     for name, (param, transform) in resolved.items():
         _check_idempotent(name, param, transform)
     handle = Handle(kind, model)
-    try:
+    with handle.applying():
         attach_all(handle, model, resolved, f"{kind} hook")
-    except BaseException as err:
-        handle.rollback(err)
-        raise
     return handle

@@ -27,7 +27,7 @@ from support import image_folder, local_tokenizer, tiny_llama  # tests/support.p
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.analysis import attribution_memory
 from surgery.cli.config import load_config
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
@@ -40,8 +40,8 @@ from surgery.core.errors import (
     OutputWriteError,
     SelectionError,
 )
-from surgery.ops.observers import NonFiniteError
-from surgery.ops.rewriting import Normalize, rewrite_from_config
+from surgery.ops.numerics.observers import NonFiniteError
+from surgery.ops.rewrite.rewriting import Normalize, rewrite_from_config
 from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def qparams_values(scale: Any, zero_point: Any = 0) -> dict[str, Any]:
 
 
 def _quantize_from(qparams: dict[str, Any]) -> Callable:
-    return lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), select="0", qparams=qparams)
+    return lambda m, *_: surgery.quantize(m, weights=None, activations=GridSpec(), select="0", qparams=qparams)
 
 
 class TwoOutputs(nn.Module):
@@ -198,7 +198,7 @@ def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
 
 def _gptq_within_budget(model: nn.Module, **budget: Any) -> Any:
     with surgery.activation_budget(**budget):
-        return surgery.quantize(model, weights=QuantSpec(bits=4, method="gptq"), calibration=[batch(4, 8)])
+        return surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=[batch(4, 8)])
 
 
 def _one_output() -> nn.Module:
@@ -224,7 +224,7 @@ API_CASES = [
     ApiCase(
         "calibration-dtype",
         lambda m, *_: surgery.quantize(
-            m, weights=QuantSpec(bits=4, method="gptq"), calibration=[batch(4, 8).half()], progress=False
+            m, weights=GridSpec(bits=4, method="gptq"), calibration=[batch(4, 8).half()], progress=False
         ),
         ConfigError,
         "quantize.calibration='batch 0'",
@@ -279,7 +279,7 @@ API_CASES = [
     ),
     ApiCase(
         "calibrated",
-        lambda m, *_: surgery.quantize(m, weights=QuantSpec(method="gptq"), progress=False),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(method="gptq"), progress=False),
         ConfigError,
         "quantize.calibration",
         "gptq",
@@ -336,7 +336,7 @@ API_CASES = [
     ApiCase(
         "prune-dim", lambda m, *_: surgery.prune(m, 0.5, method="ln_structured", dim=5), ConfigError, "prune.dim", "5"
     ),
-    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=QuantSpec(bits=9)), ConfigError, "QuantSpec.bits", "9"),
+    ApiCase("bits", lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=9)), ConfigError, "GridSpec.bits", "9"),
     ApiCase("bits", lambda m, *_: surgery.quantize(m, weights={"bits": 9}), ConfigError, "quantize.weights.bits", "9"),
     ApiCase("bits", lambda m, *_: _quantize_activations(m, bits=1), ConfigError, "quantize.activations.bits", "1"),
     ApiCase(
@@ -348,14 +348,14 @@ API_CASES = [
     ),
     ApiCase(
         "observer-settings",
-        lambda m, *_: surgery.quantize(m, weights=QuantSpec(averaging=0.0)),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(averaging=0.0)),
         ConfigError,
-        "QuantSpec.averaging",
+        "GridSpec.averaging",
         "0.0",
     ),
     ApiCase(
         "counts",
-        lambda m, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), calibration=[], progress=False),
+        lambda m, *_: surgery.quantize(m, weights=None, activations=GridSpec(), calibration=[], progress=False),
         ConfigError,
         "quantize.calibration",
         "'0'",
@@ -393,9 +393,9 @@ API_CASES = [
     ApiCase("method", lambda m, *_: surgery.quantize(m, where="middle"), ConfigError, "quantize.where", "'middle'"),
     ApiCase(
         "observer",
-        lambda m, *_: surgery.quantize(m, weights=QuantSpec(observer="median")),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(observer="median")),
         ConfigError,
-        "QuantSpec.observer",
+        "GridSpec.observer",
         "'median'",
     ),
     ApiCase("rewrite-name", lambda m, *_: rewrite_from_config("melt"), ConfigError, "rewrite.name", "'melt'"),
@@ -443,7 +443,7 @@ API_CASES = [
             weights=None,
             select="1",
             calibration=[batch(2, 3, 6, 6)],
-            activations=QuantSpec(per_channel=True),
+            activations=GridSpec(per_channel=True),
             progress=False,
         ),
         ConfigError,
@@ -515,7 +515,7 @@ API_CASES = [
     ApiCase(
         "qparams",
         lambda m, *_: surgery.quantize(
-            m, weights=None, activations=QuantSpec(per_channel=True), select="0", qparams=qparams_for(channels=3)
+            m, weights=None, activations=GridSpec(per_channel=True), select="0", qparams=qparams_for(channels=3)
         ),
         CheckpointError,
         "quantize.qparams",
@@ -523,7 +523,7 @@ API_CASES = [
     ),
     ApiCase(
         "qparams",
-        lambda m, tmp, *_: surgery.quantize(m, weights=None, activations=QuantSpec(), qparams=tmp / "none.safetensors"),
+        lambda m, tmp, *_: surgery.quantize(m, weights=None, activations=GridSpec(), qparams=tmp / "none.safetensors"),
         CheckpointError,
         "quantize.qparams",
         "no such file",
@@ -547,7 +547,7 @@ API_CASES = [
     ApiCase(
         "nonfinite-inputs",
         lambda m, *_: surgery.quantize(
-            m, weights=None, activations=QuantSpec(), calibration=[batch(4, 8, fill=math.nan)], progress=False
+            m, weights=None, activations=GridSpec(), calibration=[batch(4, 8, fill=math.nan)], progress=False
         ),
         NonFiniteError,
         "quantize.calibration",
@@ -674,7 +674,7 @@ API_CASES = [
     ),
     ApiCase(
         "float-format",
-        lambda m, *_: surgery.quantize(m, weights=QuantSpec(format="fp8_e4m3", group_size=3)),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(format="fp8_e4m3", group_size=3)),
         ConfigError,
         "quantize.weights.group_size",
         "does not divide the 8 inputs of 0.weight",
@@ -682,7 +682,7 @@ API_CASES = [
     ApiCase(
         "float-format",
         lambda m, *_: surgery.quantize(
-            m, weights=None, activations=QuantSpec(format="mxfp4"), calibration=[batch(4, 8)]
+            m, weights=None, activations=GridSpec(format="mxfp4"), calibration=[batch(4, 8)]
         ),
         ConfigError,
         "quantize.activations.format",
@@ -727,14 +727,14 @@ API_CASES = [
     ),
     ApiCase(
         "dynamic-activations",
-        lambda m, *_: surgery.quantize(m, activations=QuantSpec(dynamic="token"), where="tensors"),
+        lambda m, *_: surgery.quantize(m, activations=GridSpec(dynamic="token"), where="tensors"),
         ConfigError,
         "quantize.where",
         "places static scales as graph runtimes do",
     ),
     ApiCase(
         "awq",
-        lambda m, *_: surgery.awq(m, weights=QuantSpec(bits=4, group_size=8)),
+        lambda m, *_: surgery.awq(m, weights=GridSpec(bits=4, group_size=8)),
         ConfigError,
         "awq.calibration",
         "AWQ chooses its scales from activations; pass calibration batches",
@@ -828,7 +828,7 @@ API_CASES = [
         ConfigError,
         "export.handle",
         "rewrite handle",
-        prepare=lambda m: surgery.quantize(m, weights=QuantSpec(bits=8, symmetric=True, per_channel=True)),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=8, symmetric=True, per_channel=True)),
     ),
     ApiCase(
         "kv-cache-export",
@@ -852,7 +852,7 @@ API_CASES = [
         ConfigError,
         "export.inputs='batch 0'",
         "Sequential fails on it",
-        prepare=lambda m: surgery.quantize(m, weights=QuantSpec(per_channel=True), activations=None, target="torchao"),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(per_channel=True), activations=None, target="torchao"),
     ),
     ApiCase(
         "attribution",
@@ -873,8 +873,8 @@ def _export_kv_cache(model: nn.Module, tmp: Path) -> None:
     """A cache quantized beside the weights, written to compressed-tensors (restored after)."""
     pytest.importorskip("compressed_tensors")
     ids = torch.randint(0, 128, (1, 8))
-    weights = surgery.quantize(model, weights=QuantSpec(bits=8, symmetric=True), select="**.*_proj", progress=False)
-    with surgery.compose(weights, surgery.quantize_kv_cache(model, QuantSpec(bits=8), calibration=[ids])) as handle:
+    weights = surgery.quantize(model, weights=GridSpec(bits=8, symmetric=True), select="**.*_proj", progress=False)
+    with surgery.compose(weights, surgery.quantize_kv_cache(model, GridSpec(bits=8), calibration=[ids])) as handle:
         surgery.export(handle, tmp / "llama", format="compressed-tensors")
 
 

@@ -178,7 +178,7 @@ def test_quantize_recipe_saves_activation_parameters_that_reproduce_the_outputs(
     weight = model.layer1[0].conv1.weight.detach()
     assert weight.flatten(1).unique(dim=None).numel() <= 64 * 255  # on an int8 grid per channel
     handle = api.quantize(
-        model, weights=None, activations=api.QuantSpec(bits=8), qparams=tmp_path / "model.qparams.safetensors"
+        model, weights=None, activations=api.GridSpec(bits=8), qparams=tmp_path / "model.qparams.safetensors"
     )
     handle.restore()
 
@@ -559,9 +559,7 @@ def test_two_steps_saving_parameters_for_one_layer_are_refused_in_one_line():
 
     model = tiny_llama(layers=1)
     calibration = [torch.randint(0, 128, (2, 16))]
-    inputs = api.quantize(
-        model, weights=None, activations=api.QuantSpec(bits=8), where="input", calibration=calibration
-    )
+    inputs = api.quantize(model, weights=None, activations=api.GridSpec(bits=8), where="input", calibration=calibration)
     cache = api.quantize_kv_cache(model, calibration=calibration, progress=False)
     group = HandleGroup([inputs, cache], model)
     with pytest.raises(ConfigError, match=r"^steps='quantize, kv_cache': both quantize model.layers.0.self_attn.k_"):

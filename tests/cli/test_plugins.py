@@ -16,8 +16,8 @@ import torch
 
 import surgery
 from surgery.cli.steps import STEPS
-from surgery.ops.exporting import EXPORT_FORMATS
-from surgery.ops.weight_methods import WEIGHT_METHODS
+from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.tasks import TASKS
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -89,7 +89,7 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
     model = toy_plugins[2].blob_mlp()
     pairs = TASKS.get("blobs")(None, "test", 8, 2)
     assert len(pairs) == 2 and pairs[0][0].shape == (8, 2)
-    handle = surgery.quantize(model, weights=surgery.QuantSpec(bits=4, method="absmax"))
+    handle = surgery.quantize(model, weights=surgery.GridSpec(bits=4, method="absmax"))
     assert len(torch.unique(model[0].weight)) <= 16
     record = surgery.export(handle, tmp_path / "model.npz", format="npz")
     assert record.bytes == (tmp_path / "model.npz").stat().st_size
@@ -99,8 +99,8 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
 
 
 def test_a_weight_method_that_is_not_registered_names_the_registered_ones():
-    with pytest.raises(surgery.ConfigError, match=r"QuantSpec.method='absmaxx': must be one of gptq, rtn \(or a"):
-        surgery.QuantSpec(method="absmaxx")
+    with pytest.raises(surgery.ConfigError, match=r"GridSpec.method='absmaxx': must be one of gptq, rtn \(or a"):
+        surgery.GridSpec(method="absmaxx")
 
 
 def test_a_step_that_returns_no_handle_is_refused_in_one_line():

@@ -37,18 +37,22 @@ from surgery.cli.steps import rewrite as rewrite_step
 from surgery.core import guards
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.handles import Handle
-from surgery.ops import pruning, quantization, rules
-from surgery.ops.observers import Observer, QuantSpec
-from surgery.ops.pruning import MaskEnforcer
-from surgery.ops.quantization import ActivationQuantizer, WeightQuantizer
-from surgery.ops.rewriting import Clamp
+from surgery.ops.build import rules
+from surgery.ops.numerics.observers import GridSpec, Observer
+from surgery.ops.quantization import quantization
+from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
+from surgery.ops.rewrite.rewriting import Clamp
+from surgery.ops.sparsity import pruning
+from surgery.ops.sparsity.pruning import MaskEnforcer
 from surgery.testing import MODULE_HOOK_DICTS, Snapshot, collect, global_hook_counts, snapshot, snapshot_differences
 
-intercept_module = importlib.import_module("surgery.ops.intercept")  # surgery.ops.intercept is also the function
+intercept_module = importlib.import_module(
+    "surgery.ops.build.intercept"
+)  # surgery.ops.build.intercept is also the function
 ERRORS = [RuntimeError, KeyboardInterrupt]
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
 SCOPES = ["layer", "global"]
-A8 = QuantSpec(bits=8)
+A8 = GridSpec(bits=8)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -436,7 +440,7 @@ def test_bake_keeps_the_change_even_if_the_weight_changed_since_the_last_forward
     baked weights must be what the hooks would have enforced on the next forward."""
     handles = [surgery.prune(convnet, 0.5)]
     if quantized:
-        handles.append(surgery.quantize(convnet, weights=QuantSpec(bits=4, symmetric=True), progress=False))
+        handles.append(surgery.quantize(convnet, weights=GridSpec(bits=4, symmetric=True), progress=False))
     masks = handles[0].masks()
     with torch.no_grad():
         for name in masks:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from support import tiny_llama  # noqa: E402 - tests/support.py
 
 import surgery  # noqa: E402
-from surgery import QuantSpec  # noqa: E402
+from surgery import GridSpec  # noqa: E402
 
 
 def batches(count: int = 4, seed: int = 1) -> list[torch.Tensor]:
@@ -29,7 +29,7 @@ def batches(count: int = 4, seed: int = 1) -> list[torch.Tensor]:
 def run(method: str, model, calibration: list[torch.Tensor] | None = None, **keywords):
     calibration = batches() if calibration is None else calibration
     if method == "gptq":
-        spec = QuantSpec(bits=4, method="gptq", group_size=32)
+        spec = GridSpec(bits=4, method="gptq", group_size=32)
         return surgery.quantize(model, weights=spec, calibration=calibration, progress=False, **keywords)
     return surgery.prune(model, 0.5, method=method, calibration=calibration, progress=False, **keywords)
 

@@ -15,11 +15,11 @@ from support import tiny_llama  # tests/support.py
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.activations import BlockCalls, Ledger, SpilledCall, activation_budget
 from surgery.core.errors import ConfigError
 
-GPTQ = QuantSpec(bits=4, method="gptq", group_size=32)
+GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
 
 
@@ -126,7 +126,7 @@ def test_a_full_disk_while_spilling_leaves_the_model_as_it_was(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-PROBE = Path(__file__).parents[1] / "ops" / "peak_memory_probe.py"
+PROBE = Path(__file__).parents[1] / "ops" / "offload" / "peak_memory_probe.py"
 
 
 def activation_peak(where: str) -> float:

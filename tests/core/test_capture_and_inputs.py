@@ -8,7 +8,7 @@ from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError
-from surgery.ops.criteria import CRITERIA, compute_masks
+from surgery.ops.sparsity.criteria import CRITERIA, compute_masks
 from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 
 
@@ -123,7 +123,7 @@ GOLDEN = {  # sha256 of the packed masks made by the criteria before they became
 def test_built_in_criteria_give_the_same_masks_as_before(key):
     import hashlib
 
-    from surgery.ops.criteria import pack
+    from surgery.ops.sparsity.criteria import pack
 
     method, scope, n, dim = key
     g = torch.Generator().manual_seed(0)
@@ -237,7 +237,7 @@ def test_per_channel_activation_ranges_follow_the_feature_axis_of_every_batch():
     layer = nn.Sequential(nn.Linear(3, 3))
     batches = [torch.randn(5, 3), torch.randn(2, 3, 3) * 100]
     with surgery.quantize(
-        layer, weights=None, activations=surgery.QuantSpec(per_channel=True), calibration=batches, progress=False
+        layer, weights=None, activations=surgery.GridSpec(per_channel=True), calibration=batches, progress=False
     ) as handle:
         scale = handle.qparams()["0.scale"]
     with torch.no_grad():
@@ -260,7 +260,7 @@ def test_per_channel_activation_ranges_follow_the_feature_axis_of_every_batch():
 def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
     before = snapshot(mlp)
     with pytest.raises(ConfigError, match=message):
-        surgery.quantize(mlp, weights=surgery.QuantSpec(per_channel=True, symmetric=True, observer=observe))
+        surgery.quantize(mlp, weights=surgery.GridSpec(per_channel=True, symmetric=True, observer=observe))
     assert snapshot_differences(before, snapshot(mlp)) == []
 
 
@@ -268,7 +268,7 @@ def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
     "call,field",
     [
         (lambda m: surgery.prune(m, 0.5, method=["l1"]), "prune.method"),
-        (lambda m: surgery.QuantSpec(observer=["minmax"]), "QuantSpec.observer"),
+        (lambda m: surgery.GridSpec(observer=["minmax"]), "GridSpec.observer"),
         (lambda m: surgery.prune(m, 0.5, calibration="abc"), "prune.calibration"),
         (lambda m: surgery.prune(m, 0.5, calibration=5), "prune.calibration"),
         (lambda m: surgery.prune(m, 0.5, calibration=[], progress=False), "prune.calibration"),
@@ -278,7 +278,7 @@ def test_a_bad_observer_result_is_refused(mlp, mlp_input, observe, message):
             lambda m: surgery.register_criterion("flagged", lambda w, s: w, structured="no"),
             "register_criterion.structured",
         ),
-        (lambda m: surgery.QuantSpec(averaging=True), "QuantSpec.averaging"),
+        (lambda m: surgery.GridSpec(averaging=True), "GridSpec.averaging"),
         (lambda m: surgery.attach_transform(m, {"0.weight": torch.abs}, kind=3), "kind"),
         (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w[0].clone()}), "transforms"),
         (lambda m: surgery.attach_transform(m, {"0.weight": lambda w: w * 2}), "transforms['0.weight']"),

@@ -9,15 +9,15 @@ from unittest import mock
 
 import pytest
 import torch
-from support import edit_in_place  # tests/support.py
+from support import edit_in_place, tiny_llama  # tests/support.py
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core import compiled
-from surgery.ops import rewriting as rw
-from surgery.ops.observers import fake_quantize
+from surgery.ops.numerics.observers import fake_quantize
+from surgery.ops.rewrite import rewriting as rw
 from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 
 Attach = Callable[[nn.Module, torch.Tensor], list]
@@ -34,7 +34,7 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def _calibrated(spec: QuantSpec, where: str = "output", weights: QuantSpec | None = None) -> Attach:
+def _calibrated(spec: GridSpec, where: str = "output", weights: GridSpec | None = None) -> Attach:
     return lambda m, x: [
         surgery.quantize(m, weights=weights, activations=spec, where=where, calibration=[x, 0.5 * x], progress=False)
     ]
@@ -46,13 +46,13 @@ CASES: dict[str, Attach] = {
     "prune-random-global": lambda m, x: [surgery.prune(m, 0.4, method="random_unstructured", scope="global")],
     "prune-ln-structured": lambda m, x: [surgery.prune(m, 0.5, method="ln_structured")],
     "quantize-weights-per-channel": lambda m, x: [surgery.quantize(m)],
-    "quantize-weights-per-tensor-4bit": lambda m, x: [surgery.quantize(m, weights=QuantSpec(bits=4))],
-    "activations-output-per-tensor": _calibrated(QuantSpec()),
-    "activations-output-per-channel": _calibrated(QuantSpec(per_channel=True, symmetric=True)),
-    "activations-input-per-tensor": _calibrated(QuantSpec(), where="input"),
-    "activations-input-per-channel": _calibrated(QuantSpec(per_channel=True), where="input"),
-    "weights-and-activations": _calibrated(QuantSpec(), weights=QuantSpec(per_channel=True, symmetric=True)),
-    "prune-then-quantize": lambda m, x: [surgery.prune(m, 0.5), *_calibrated(QuantSpec(), weights=QuantSpec())(m, x)],
+    "quantize-weights-per-tensor-4bit": lambda m, x: [surgery.quantize(m, weights=GridSpec(bits=4))],
+    "activations-output-per-tensor": _calibrated(GridSpec()),
+    "activations-output-per-channel": _calibrated(GridSpec(per_channel=True, symmetric=True)),
+    "activations-input-per-tensor": _calibrated(GridSpec(), where="input"),
+    "activations-input-per-channel": _calibrated(GridSpec(per_channel=True), where="input"),
+    "weights-and-activations": _calibrated(GridSpec(), weights=GridSpec(per_channel=True, symmetric=True)),
+    "prune-then-quantize": lambda m, x: [surgery.prune(m, 0.5), *_calibrated(GridSpec(), weights=GridSpec())(m, x)],
 }
 REWRITES = {
     "normalize": rw.Normalize(0.5, 0.25),
@@ -169,7 +169,7 @@ def on_grid(param: torch.Tensor, quantizer) -> bool:
 def test_training_the_compiled_model_keeps_masks_and_the_grid(backend, mlp_factory, mlp_input):
     model = mlp_factory().train()
     pruning = surgery.prune(model, 0.5)
-    quantizing = surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select=["0", "2"])
+    quantizing = surgery.quantize(model, weights=GridSpec(bits=4, symmetric=True, per_channel=True), select=["0", "2"])
     masks = pruning.masks()
     reference = mlp_factory().train()  # a plain eager twin: masks and grid applied by hand
     compiled_model = torch.compile(model, backend=backend, fullgraph=True)
@@ -287,7 +287,7 @@ def test_surgery_on_a_compiled_wrapper_applies_to_the_model_it_compiles(convnet,
         quantizing = surgery.quantize(
             compiled_model,
             weights=None,
-            activations=QuantSpec(),
+            activations=GridSpec(),
             select="conv1",
             calibration=[image_input],
             progress=False,
@@ -317,7 +317,7 @@ def test_code_compiled_for_a_plain_instance_is_not_reused_for_one_under_surgery(
             surgery.quantize(
                 hooked,
                 weights=None,
-                activations=QuantSpec(bits=3),
+                activations=GridSpec(bits=3),
                 select="conv1",
                 calibration=[image_input],
                 progress=False,
@@ -363,7 +363,7 @@ def test_inductor_matches_eager_and_keeps_masks_while_training(mlp_factory, mlp_
 
     model = mlp_factory()
     pruning = surgery.prune(model, 0.5)
-    quantizing = surgery.quantize(model, activations=QuantSpec(), calibration=[mlp_input], progress=False)
+    quantizing = surgery.quantize(model, activations=GridSpec(), calibration=[mlp_input], progress=False)
     with inductor_config.patch(force_disable_caches=True):
         compiled_model = torch.compile(model, fullgraph=True)
         with torch.no_grad():
@@ -400,3 +400,37 @@ def test_dynamo_loaded_but_nothing_compiled_says_nothing(mlp, caplog, convnet_fa
     expected = ["INFO", "INFO"] if earlier else ["INFO"]  # nothing compiled before the first: it said nothing
     assert [level for level, text in records if "skip_nnmodule_hook_guards" in text] == expected
     assert [level for level, text in records if "recompile on the next call" in text] == ["WARNING"]
+
+
+LLAMA_VERBS = {
+    "smooth": lambda m, ids: surgery.smooth(m, 0.5, calibration=[ids], progress=False),
+    "awq": lambda m, ids: surgery.awq(m, weights=GridSpec(bits=4, group_size=32), calibration=[ids], progress=False),
+    "rotate": lambda m, ids: surgery.rotate(m, calibration=[ids], progress=False),
+}
+
+
+@pytest.mark.parametrize("verb", list(LLAMA_VERBS))
+def test_every_verb_applies_to_the_model_a_compiled_wrapper_compiles_and_refuses_work(verb):
+    model, ids = tiny_llama(layers=2), torch.randint(0, 128, (2, 8))
+    wrapper = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        handle = LLAMA_VERBS[verb](wrapper, ids)
+        assert handle.model is model
+        assert torch.equal(wrapper(ids).logits, model(ids).logits)
+    handle.restore()
+    with pytest.raises(surgery.ConfigError, match=rf"^{verb}.work='w': is for an offloaded model"):
+        if verb == "awq":
+            surgery.awq(model, weights=GridSpec(bits=4, group_size=32), calibration=[ids], work="w", progress=False)
+        elif verb == "smooth":
+            surgery.smooth(model, 0.5, calibration=[ids], work="w", progress=False)
+        else:
+            surgery.rotate(model, calibration=[ids], work="w", progress=False)
+
+
+def test_shrink_applies_to_the_model_a_compiled_wrapper_compiles(convnet, image_input):
+    wrapper = torch.compile(convnet, backend="eager")
+    with torch.no_grad():
+        handle = surgery.shrink(wrapper, 0.5, example_inputs=image_input)
+        assert handle.model is convnet
+        assert torch.equal(wrapper(image_input), convnet(image_input))
+    handle.restore()

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 import surgery
 from surgery.analysis.inspection import ModuleCall, inspect_model
 from surgery.core.errors import ConfigError
-from surgery.ops import rules
-from surgery.ops.observers import QuantSpec
-from surgery.ops.rewriting import Normalize
+from surgery.ops.build import rules
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.rewrite.rewriting import Normalize
 from surgery.testing import (
     collect,
     global_hook_counts,
@@ -107,8 +107,8 @@ def surgery_round(model: nn.Module, inputs: list[Tensor], calibration: list[Tens
     outputs += collect(model, inputs)
     quantized = surgery.quantize(
         model,
-        weights=QuantSpec(bits=4, symmetric=True, per_channel=True),
-        activations=QuantSpec(bits=6, observer="moving_average", averaging=0.5),
+        weights=GridSpec(bits=4, symmetric=True, per_channel=True),
+        activations=GridSpec(bits=6, observer="moving_average", averaging=0.5),
         calibration=calibration,
     )
     outputs += collect(model, inputs)
@@ -119,7 +119,7 @@ def surgery_round(model: nn.Module, inputs: list[Tensor], calibration: list[Tens
     baked = copy.deepcopy(model)
     with surgery.compose(
         surgery.prune(baked, 0.3, method="ln_structured"),
-        surgery.quantize(baked, weights=QuantSpec(bits=3), calibration=calibration),
+        surgery.quantize(baked, weights=GridSpec(bits=3), calibration=calibration),
     ) as handle:
         outputs += collect(baked, inputs)
         handle.bake()
@@ -178,9 +178,9 @@ def test_a_failing_quantize_in_one_thread_rolls_back_only_its_own_model(
             pruned = surgery.prune(failing, 0.5)
             try:
                 if round_ == ROUNDS - 1:  # the last time, the error is left to reach the test
-                    surgery.quantize(failing, activations=QuantSpec(), calibration=poisoned)
+                    surgery.quantize(failing, activations=GridSpec(), calibration=poisoned)
                 with pytest.raises(ConfigError, match="NaN"):
-                    surgery.quantize(failing, activations=QuantSpec(), calibration=poisoned)
+                    surgery.quantize(failing, activations=GridSpec(), calibration=poisoned)
             finally:
                 pruned.restore()
             assert own_differences(failing_before, snapshot(failing)) == []

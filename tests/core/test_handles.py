@@ -189,3 +189,14 @@ def test_attached_to_lists_the_surgery_a_model_runs_with_its_submodules_included
     assert attached_to(model) == [pruned]
     pruned.restore()
     assert attached_to(model) == []
+
+
+def test_applying_undoes_what_the_handle_holds_and_raises_the_error_again():
+    model = nn.Sequential(nn.Linear(4, 4))
+    before = model[0].weight.detach().clone()
+    handle = surgery.prune(model, 0.5)
+    with pytest.raises(KeyboardInterrupt):
+        with handle.applying():
+            raise KeyboardInterrupt
+    assert handle.state != "attached" and torch.equal(model[0].weight, before)
+    assert module_hook_counts(model) == module_hook_counts(nn.Sequential(nn.Linear(4, 4)))

@@ -22,7 +22,7 @@ import sys, torch, surgery
 sys.path.insert(0, {tests!r})
 from support import tiny_llama
 tiny_llama().save_pretrained({model!r})
-done = surgery.quantize(surgery.offloaded({model!r}), weights=surgery.QuantSpec(bits=4, group_size=32), progress=False)
+done = surgery.quantize(surgery.offloaded({model!r}), weights=surgery.GridSpec(bits=4, group_size=32), progress=False)
 surgery.export(done, {out!r}, format="compressed-tensors", tokenizer={folder!r})
 """
 

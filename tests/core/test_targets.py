@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 
 
 class Mixed(nn.Module):
@@ -60,7 +60,7 @@ def test_a_head_tied_to_the_input_embedding_is_left_out_by_default_with_one_warn
     embedding = mixed.embed.weight.detach().clone()
     with caplog.at_level(logging.WARNING, logger="surgery"):
         pruned = surgery.prune(mixed, 0.5)
-        quantized = surgery.quantize(mixed, weights=QuantSpec(bits=4))
+        quantized = surgery.quantize(mixed, weights=GridSpec(bits=4))
     assert torch.equal(mixed.embed.weight, embedding)
     assert "head.weight" not in pruned.parameters and "head.weight" not in quantized.weights
     warnings = [r for r in caplog.records if "tied output head" in r.getMessage()]
@@ -90,7 +90,7 @@ def test_any_floating_parameter_can_be_pruned_by_qualified_name(mixed):
 
 def test_quantize_can_target_a_parameter_by_name_per_output_row(mixed):
     with surgery.quantize(
-        mixed, weights=QuantSpec(bits=4, symmetric=True, per_channel=True), select="lstm.weight_hh_l0"
+        mixed, weights=GridSpec(bits=4, symmetric=True, per_channel=True), select="lstm.weight_hh_l0"
     ) as handle:
         assert list(handle.weights) == ["lstm.weight_hh_l0"]
         assert handle.weights["lstm.weight_hh_l0"].axis == 0
@@ -108,7 +108,7 @@ def test_activation_quantization_without_weights_in_the_selection_still_works(mi
     """Weights skipped (ReLU-like layers have none) are reported; activations are still quantized."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with surgery.quantize(
-        model, activations=QuantSpec(), select="1", calibration=[torch.randn(3, 4)], progress=False
+        model, activations=GridSpec(), select="1", calibration=[torch.randn(3, 4)], progress=False
     ) as handle:
         assert list(handle.activations) == ["1"] and handle.weights == {}
 
@@ -164,7 +164,7 @@ def test_gpt2_conv1d_is_pruned_and_quantized_as_a_linear_layer():
         assert "lm_head.weight" not in pruned.parameters
         assert any(s.name == "lm_head.weight" and "input embedding transformer.wte" in s.reason for s in pruned.skipped)
     assert torch.equal(model(input_ids=ids).logits, reference)
-    with surgery.quantize(model, weights=QuantSpec(bits=4, symmetric=True, per_channel=True)) as quantized:
+    with surgery.quantize(model, weights=GridSpec(bits=4, symmetric=True, per_channel=True)) as quantized:
         c_fc = model.transformer.h[0].mlp.c_fc
         assert quantized.weights["transformer.h.0.mlp.c_fc.weight"].axis == 1  # (in, out): out is axis 1
         columns = c_fc.weight.t()

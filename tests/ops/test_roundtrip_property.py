@@ -25,8 +25,8 @@ from torch import nn
 
 import surgery
 from surgery.core.handles import Handle, HandleGroup
-from surgery.ops.observers import OBSERVERS, QuantSpec
-from surgery.ops.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
+from surgery.ops.numerics.observers import OBSERVERS, GridSpec
+from surgery.ops.rewrite.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
 from surgery.testing import (
     collect,
     global_hook_counts,
@@ -213,7 +213,7 @@ def prune_settings(draw, model: nn.Module) -> dict[str, Any]:
 
 
 quant_specs = st.builds(
-    QuantSpec,
+    GridSpec,
     bits=st.integers(2, 8),
     symmetric=st.booleans(),
     per_channel=st.booleans(),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.errors import ConfigError
 from surgery.tasks.mnist1d import CHECKPOINT, MNIST1DCNN, accuracy, mnist1d_batches, mnist1d_split, train
@@ -99,7 +99,7 @@ def pruned_accuracy(model, test_set, calibration, method, amount, pattern=None):
 
 def quantized_accuracy(model, test_set, calibration, method, bits):
     before = snapshot(model)
-    spec = QuantSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
+    spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
     handle = surgery.quantize(model, weights=spec, calibration=calibration, progress=False)
     score = accuracy(model, test_set)
     handle.restore()

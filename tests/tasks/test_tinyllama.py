@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import surgery
-from surgery import QuantSpec
+from surgery import GridSpec
 from surgery.analysis.metrics import perplexity
 from surgery.tasks.tinyllama import FOLDER, SHAPE, build_llama, load_llama
 from surgery.tasks.tinylm import token_batches
@@ -51,7 +51,7 @@ def test_the_shipped_llama_learned_its_corpus(model, held_out):
 
 
 def test_awq_before_round_to_nearest_at_3_bits_loses_less(model, held_out, calibration):
-    spec = QuantSpec(bits=3, group_size=128)
+    spec = GridSpec(bits=3, group_size=128)
     plain = measured(model, held_out, surgery.quantize(model, weights=spec, exclude=HEAD, progress=False))
     scaled = surgery.awq(model, weights=spec, calibration=calibration, progress=False)
     with_awq = measured(model, held_out, scaled, surgery.quantize(model, weights=spec, exclude=HEAD, progress=False))
@@ -61,8 +61,8 @@ def test_awq_before_round_to_nearest_at_3_bits_loses_less(model, held_out, calib
 
 def test_rotation_rescues_4_bit_activations(model, held_out, calibration):
     spec = dict(
-        weights=QuantSpec(bits=4, group_size=128, symmetric=True),
-        activations=QuantSpec(bits=4, symmetric=True),
+        weights=GridSpec(bits=4, group_size=128, symmetric=True),
+        activations=GridSpec(bits=4, symmetric=True),
         where="input",
         exclude=HEAD,
         calibration=calibration,

@@ -10,9 +10,9 @@ from torch import nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.awq import AwqSpec, awq
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
+from surgery.ops.equivalence.awq import AwqSpec, awq
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class AwqConfig(AwqSpec):
 
     def __post_init__(self) -> None:
         if isinstance(self.weights, dict):
-            object.__setattr__(self, "weights", QuantSpec.build(self.weights, "awq.weights"))
+            object.__setattr__(self, "weights", GridSpec.build(self.weights, "awq.weights"))
         super().__post_init__()
         positive_int("awq.calibration_batches", self.calibration_batches)
 

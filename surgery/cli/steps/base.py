@@ -104,6 +104,25 @@ class Step:
         (activation quantization, input rewriting); None when baking keeps everything."""
         return None
 
+    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
+        """The parameters :meth:`reattach` takes back (saved as ``model.qparams.safetensors``)."""
+        return {}
+
+    def fresh_build(
+        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
+    ) -> Callable[[], nn.Module]:
+        """How a fresh model takes the weights this step baked (the ``bake`` and ``save_load``
+        checks build one): ``build``, unless the step changes the model's structure."""
+        return build
+
+    def files(self, handle: Handle) -> dict[str, str]:
+        """Text files the step writes beside the checkpoint (file name -> contents)."""
+        return {}
+
+    def sparsity(self, handle: Handle) -> dict[str, Any] | None:
+        """``report.json``'s ``sparsity`` (overall, per layer, over what) from the step that prunes."""
+        return None
+
 
 STEPS: Registry[Step] = Registry("steps")
 

@@ -13,7 +13,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.finetuning import FinetuneHandle, FinetuneSpec, finetune
+from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The ``kv_cache`` step: :func:`surgery.quantize_kv_cache` with a recipe's ``kv_cache:``
-settings (the fields of :class:`~surgery.QuantSpec`)."""
+settings (the fields of :class:`~surgery.GridSpec`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
-from surgery.ops.observers import QuantSpec
-from surgery.ops.quantization import quantize
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.quantization.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
+from surgery.ops.quantization.quantization import quantize
 
 
 @dataclass(frozen=True)
-class KvCacheConfig(QuantSpec):
+class KvCacheConfig(GridSpec):
     """``kv_cache:``: how keys and values are rounded (int8, symmetric, per channel by default;
     ``format: fp8_e4m3``), and the calibration batches their scales come from."""
 
@@ -32,9 +32,9 @@ class KvCacheConfig(QuantSpec):
         positive_int("kv_cache.calibration_batches", self.calibration_batches)
 
     @property
-    def spec(self) -> QuantSpec:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(QuantSpec)}
-        return QuantSpec.build(fields, "kv_cache")
+    def spec(self) -> GridSpec:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GridSpec)}
+        return GridSpec.build(fields, "kv_cache")
 
 
 class KvCacheStep(Step):
@@ -65,6 +65,9 @@ class KvCacheStep(Step):
     def reattach(self, model: nn.Module, settings: KvCacheConfig, qparams: dict[str, Tensor] | Any) -> Handle | None:
         layers = list(kv_projections(model))
         return quantize(model, weights=None, activations=settings.spec, select=layers, qparams=qparams, progress=False)
+
+    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
+        return handle.qparams()
 
 
 register_step(KvCacheStep())

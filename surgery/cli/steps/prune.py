@@ -16,9 +16,9 @@ from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.offloading import Offloaded
-from surgery.ops.owl import check_settings, owl_amounts
-from surgery.ops.pruning import PruneSpec, prune, prune_targets
+from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.sparsity.owl import check_settings, owl_amounts
+from surgery.ops.sparsity.pruning import PruneSpec, prune, prune_targets
 
 log = logging.getLogger("surgery")
 OWL_PLAN = "owl_plan.yaml"  # with prune.owl: each block's sparsity and outlier ratio, each layer's amount
@@ -81,6 +81,10 @@ class PruneStep(Step):
 
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
         return prune(source, _planned(source, settings, run), calibration=run.calibration, work=work)
+
+    def sparsity(self, handle: Handle) -> dict[str, Any] | None:
+        over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
+        return {"overall": handle.sparsity(), "layers": handle.layer_sparsity(), "over": over}
 
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,18 +12,20 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
-from surgery.ops.quantization import QuantizeSpec, deploy_target, quantize, quantize_targets
+from surgery.ops.equivalence.folding import folded_structure
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization.targets import deploy_target
 
 
 @dataclass(frozen=True)
 class QuantizeConfig(QuantizeSpec):
     """``quantize:``: the fields of :class:`~surgery.QuantizeSpec` (``weights`` and
-    ``activations`` hold :class:`~surgery.QuantSpec` fields; ``null`` turns that part off),
+    ``activations`` hold :class:`~surgery.GridSpec` fields; ``null`` turns that part off),
     and the calibration batches activations and calibrated weight methods get."""
 
-    weights: QuantSpec | None = QuantSpec(bits=8, symmetric=True, per_channel=True)
+    weights: GridSpec | None = GridSpec(bits=8, symmetric=True, per_channel=True)
     calibration_batches: int = 4
 
     def __post_init__(self) -> None:
@@ -61,6 +64,17 @@ class QuantizeStep(Step):
             settings, weights=None, train=False, freeze_observers_after=None, blocks=None, target=None, select=select
         )
         return quantize(model, spec, qparams=qparams, progress=False)
+
+    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
+        return handle.qparams()
+
+    def fresh_build(
+        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
+    ) -> Callable[[], nn.Module]:
+        """``quantize.target`` folded BatchNorms: a fresh model takes the folded structure."""
+        if not handle.folded:
+            return build
+        return lambda: folded_structure(build(), handle.folded)
 
 
 register_step(QuantizeStep())

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from surgery.cli.steps.base import Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
 from surgery.core.selection import select
-from surgery.ops.rewriting import RewriteSpec, rewrite_inputs
+from surgery.ops.rewrite.rewriting import RewriteSpec, rewrite_inputs
 
 
 class RewriteStep(Step):

@@ -12,8 +12,8 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.ops.offloading import Offloaded
-from surgery.ops.rotation import rotate
+from surgery.ops.equivalence.rotation import rotate
+from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)

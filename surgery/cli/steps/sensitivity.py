@@ -15,12 +15,12 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.checkpoints import write_atomically
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.criteria import as_criterion
-from surgery.ops.observers import QuantSpec
-from surgery.ops.offloading import Offloaded
-from surgery.ops.pruning import prune_targets, validate_arguments
-from surgery.ops.sensitivity import sensitivity
-from surgery.ops.weight_methods import weight_method
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.weight_methods import weight_method
+from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.sensitivity.sensitivity import sensitivity
+from surgery.ops.sparsity.criteria import as_criterion
+from surgery.ops.sparsity.pruning import prune_targets, validate_arguments
 
 PLAN = "plan.yaml"  # per-layer amounts, for prune.amounts
 
@@ -38,13 +38,13 @@ class SensitivityConfig:
     target_sparsity: float | None = None
     calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
     bits: list[int] | None = None  # quantize each layer's weight alone at these widths instead of pruning
-    weights: QuantSpec | None = None  # with bits: the other weight settings (default int8 per channel)
+    weights: GridSpec | None = None  # with bits: the other weight settings (default int8 per channel)
 
     def __post_init__(self) -> None:
         validate_arguments(0.5, self.method, "layer", 2.0, 0)
         positive_int("sensitivity.calibration_batches", self.calibration_batches)
         if isinstance(self.weights, dict):
-            object.__setattr__(self, "weights", QuantSpec.build(self.weights, "sensitivity.weights"))
+            object.__setattr__(self, "weights", GridSpec.build(self.weights, "sensitivity.weights"))
         if self.bits is not None and self.target_sparsity is not None:
             raise ConfigError(
                 "sensitivity.target_sparsity",

@@ -4,7 +4,9 @@ report: parameters, MACs, measured latency and each changed layer's width."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,7 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call
 from surgery.core.selection import select
-from surgery.ops.shrinking import ShrinkHandle, ShrinkSpec, shrink
+from surgery.ops.shrink.shrinking import ShrinkHandle, ShrinkSpec, rebuild, shrink
 
 PRODUCERS = (
     nn.Linear,
@@ -45,6 +47,9 @@ class ShrinkConfig(ShrinkSpec):
             positive_int("shrink.latency_batches", size)
 
 
+PLAN_JSON = "model.plan.json"  # the shrunk layers' shapes, for surgery.rebuild
+
+
 class ShrinkStep(Step):
     """Coupled channels removed for real: smaller layers of the same classes."""
 
@@ -58,6 +63,16 @@ class ShrinkStep(Step):
 
     def calibration(self, settings: ShrinkConfig) -> Calibration | None:
         return Calibration(1, field="shrink")  # the batch the coupling is traced on
+
+    def fresh_build(
+        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
+    ) -> Callable[[], nn.Module]:
+        """The original class built at the smaller shapes (:func:`surgery.rebuild`)."""
+        plan = handle.plan()
+        return lambda: rebuild(architecture, plan)
+
+    def files(self, handle: Handle) -> dict[str, str]:
+        return {PLAN_JSON: json.dumps(handle.plan(), indent=2) + "\n"}
 
     def preview(self, model: nn.Module, settings: ShrinkConfig) -> list[Row]:
         """The layers whose output channels shrink may remove (which go is known only after the trace)."""

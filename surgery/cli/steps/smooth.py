@@ -10,8 +10,8 @@ from torch import nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.offloading import Offloaded
-from surgery.ops.smoothing import SmoothSpec, smooth
+from surgery.ops.equivalence.smoothing import SmoothSpec, smooth
+from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)

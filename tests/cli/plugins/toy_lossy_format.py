@@ -5,7 +5,7 @@ import copy
 import torch
 
 import surgery
-from surgery.ops.exporting import run_module
+from surgery.ops.export.exporting import run_module
 
 
 def write_lossy(model, path, options):

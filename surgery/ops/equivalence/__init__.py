@@ -1,0 +1,1 @@
+"""Function-preserving transforms: SmoothQuant, AWQ, Hadamard rotations, BatchNorm folding."""

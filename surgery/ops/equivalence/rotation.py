@@ -1,0 +1,374 @@
+"""``surgery.rotate``: QuaRot-style random Hadamard rotations fused into a residual-stream model,
+restorably. The rotated model computes the same function; its activations lose their outlier
+channels, so W4A8 and W4A4 quantization lose much less.
+
+A Llama-style model adds every block's output to a residual stream that RMSNorm normalises
+before each block reads it. RMSNorm without its weight is rotation invariant, so with an
+orthogonal ``Q`` (a random Hadamard matrix: ``H / sqrt(n)`` with random signs on its columns):
+
+1. each RMSNorm's weight is folded into the layers reading its output (their input columns
+   scaled), and the norm's weight set to one;
+2. the embeddings write ``x Q`` instead of ``x``; every layer reading the stream (after a norm)
+   takes ``W Q``; every layer writing to it (attention and MLP outputs) gives ``Qᵀ W`` (and
+   ``Qᵀ b``), so the stream carries ``x Q`` throughout and the head reads it back;
+3. with ``online=True``, a forward-pre hook rotates the inputs of each layer that writes to the
+   stream from another width (``down_proj``: ``x H``, its weight ``W H``), so its inputs lose
+   their outliers too. ``H`` is block-diagonal with Hadamard blocks of the largest power of two
+   dividing the width (QuaRot uses a full Hadamard of that order).
+
+The model is checked to compute what it did (float32 rounding) on a sample batch; a model this
+cannot rotate (a LayerNorm, which subtracts the mean; a stream layer the trace cannot place) is
+refused in one line naming the layer, and nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core import compiled, guards
+from surgery.core.errors import ConfigError
+from surgery.core.handles import Handle
+from surgery.core.inputs import Inputs, batches, evaluating
+from surgery.core.sequential import find_blocks, materialise
+from surgery.core.transforms import attach_all
+from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
+from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offload.offloading import Offloaded
+
+
+class Rotated(Rescaled):
+    """A one-time rewrite of a parameter to its rotated values."""
+
+    kind = "rotate"
+
+
+class RotateHandle(Handle):
+    """Handle returned by :func:`rotate`: ``width`` of the stream, ``readers``, ``writers``,
+    ``embeddings`` and ``online`` (layers whose inputs a hook rotates)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("rotate", model)
+        self.width = 0
+        self.readers: list[str] = []
+        self.writers: list[str] = []
+        self.embeddings: list[str] = []
+        self.online: list[str] = []
+
+    def outside_weights(self) -> list[str]:
+        if not self.online or self.state != "attached":
+            return []
+        return [f"the online Hadamard before {len(self.online)} layer(s) (e.g. {self.online[0]}), a hook"]
+
+    def bake(self) -> nn.Module | None:
+        if self.online and self.state == "attached":
+            raise ConfigError(
+                "rotate.online",
+                self.online[0],
+                "its inputs are rotated by a hook that no weight can absorb (the product of two "
+                "layers' outputs feeds it); keep the handle attached, or rotate with online=False to bake",
+            )
+        return super().bake()
+
+
+def hadamard(n: int, seed: int = 0) -> Tensor:
+    """An orthogonal n×n matrix: Sylvester Hadamard blocks of the largest power of two dividing
+    ``n``, on the diagonal, scaled to unit norm, with random signs on the columns (seeded)."""
+    block = n & -n  # the largest power of two dividing n
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.block_diag(*[h] * (n // block)) / block**0.5
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return h * signs.to(h.dtype)
+
+
+class _Plan(NamedTuple):
+    """What a rotation changes: the stream's ``width``, norm → readers ``pairs``, each reader's
+    norm, the ``writers``, the ``embeddings``, and the first batch (traced and checked)."""
+
+    width: int
+    pairs: dict[str, list[str]]
+    readers: dict[str, str]
+    writers: list[str]
+    embeddings: list[str]
+    first: Any
+
+
+def _plan(model: nn.Module, calibration: Inputs, online: Any) -> _Plan:
+    if not isinstance(online, bool):
+        raise ConfigError("rotate.online", online, "must be true or false")
+    first = next(iter(batches(calibration, "rotate.calibration")), None)
+    if first is None:
+        raise ConfigError("rotate.calibration", "0 batches", "must hold at least one batch")
+    named = dict(model.named_modules())
+    pairs = find_pairs(model, [first], views=True)
+    width, embeddings = _stream(model, named)
+    readers = {layer: norm for norm, layers in pairs.items() for layer in layers}
+    for norm in pairs:
+        _check_norm(norm, named[norm])
+    blocks = find_blocks(model)
+    writers = [
+        name
+        for name, m in named.items()
+        if isinstance(m, nn.Linear) and m.out_features == width and name not in readers
+        and any(name.startswith(b + ".") for b in blocks)
+    ]  # fmt: skip
+    _check_untied(model, readers, embeddings)
+    return _Plan(width, pairs, readers, writers, embeddings, first)
+
+
+def rotate(
+    model: nn.Module | Offloaded,
+    *,
+    calibration: Inputs,
+    seed: int = 0,
+    online: bool = True,
+    work: str | Path | None = None,
+    progress: bool = True,
+) -> RotateHandle | OffloadedCompression:
+    """Rotate the residual stream of ``model`` (see the module docstring); return a handle whose
+    ``restore()`` gives back every original value and removes the hooks.
+
+    Args:
+        model: a residual-stream model with RMSNorm (Llama, Mistral, Qwen2 built by transformers);
+            or an offloaded model's handle (:func:`surgery.offloaded`), rotated stage by stage
+            into ``work`` (with ``online=False``: no file holds the online hook).
+        calibration: batches; the first traces which layers read the stream and checks the
+            rotated model's outputs.
+        seed: of the random signs.
+        online: also rotate the inputs of layers writing to the stream from another width
+            (``down_proj``) with a hook; such a handle cannot be baked.
+        work, progress: for an offloaded model, the folder its rotated stages are written to
+            (default a temporary one) and the progress bar.
+    """
+    if isinstance(model, Offloaded):
+        return _rotate_offloaded(model, calibration, seed, online, work, progress)
+    model = compiled.in_memory("rotate", model, work)
+    plan = _plan(model, calibration, online)
+    named = dict(model.named_modules())
+    pairs, readers, writers, embeddings, first = plan.pairs, plan.readers, plan.writers, plan.embeddings, plan.first
+    width = plan.width
+    handle = RotateHandle(model)
+    handle.width, handle.embeddings, handle.readers, handle.writers = width, embeddings, sorted(readers), writers
+    q = hadamard(width, seed)
+    values = _rotated_values(named, pairs, readers, writers, embeddings, q, _gains(named))
+    inner = {name: hadamard(named[name].in_features, seed + 1) for name in writers if named[name].in_features != width}
+    if online:
+        for name, h in inner.items():
+            values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"])
+    params = dict(model.named_parameters())
+    guards.check_editable({n: params[n] for n in values}, "rotate")
+    reference = _finite_reference(_outputs(model, first))
+    with handle.applying():
+        attach_all(handle, model, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
+        if online:
+            for name, h in inner.items():
+                handle.add_hook(f"online Hadamard before {name}", named[name].register_forward_pre_hook(_rotating(h)))
+                handle.online.append(name)
+        _check_same_function(model, first, reference)
+    return handle
+
+
+def _rotate_offloaded(
+    source: Offloaded, calibration: Inputs, seed: int, online: Any, work: Any, progress: bool
+) -> OffloadedCompression:
+    """Each stage's weights rotated from the source files and written to ``work``; a reader
+    whose norm is in another stage (the head) takes that norm's gain from the source files."""
+    if online is True:
+        raise ConfigError(
+            "rotate.online",
+            True,
+            "an offloaded model is rotated into its files, and no file holds the online Hadamard "
+            "before down_proj; rotate it with online=False",
+        )
+    model = source.model
+    calls = materialise(calibration, "rotate.calibration", model, (seed, online))
+    with evaluating(model), torch.no_grad():
+        plan = _plan(model, calls, online)
+        reference = _finite_reference(_outputs(model, plan.first))
+    named = dict(model.named_modules())
+    changed = {*plan.embeddings, *plan.pairs, *plan.readers, *plan.writers}
+    layers = {name: module for name, module in named.items() if name in changed}
+    q = hadamard(plan.width, seed)
+
+    def original_gain(norm: str) -> Tensor:
+        with source.reading_source(), source.resident(named[norm]) as weights:
+            return weights[f"{norm}.weight"].detach().clone()
+
+    def run(skeleton: nn.Module, staged: list[str], block: str | None, calls: Any) -> RotateHandle:
+        here = dict(skeleton.named_modules())
+        inside = {name for name in staged}
+        pairs = {norm: layers for norm, layers in plan.pairs.items() if norm in inside}
+        readers = {layer: norm for layer, norm in plan.readers.items() if layer in inside}
+        writers = [name for name in plan.writers if name in inside]
+        embeddings = [name for name in plan.embeddings if name in inside]
+        local = _gains(here)
+        values = _rotated_values(
+            here, pairs, readers, writers, embeddings, q, lambda n: local(n) if n in here else original_gain(n)
+        )
+        params = dict(skeleton.named_parameters())
+        handle = RotateHandle(skeleton)
+        attach_all(handle, skeleton, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
+        return handle
+
+    verb = OffloadedVerb("rotate", run, f"seed={seed}", sequential=False)
+    handle = compress_offloaded(source, verb, layers, None, blocks=find_blocks(model), work=work, progress=progress)
+    with handle.applying():
+        _check_same_function(model, plan.first, reference)
+    return handle
+
+
+def _gains(named: dict[str, nn.Module]) -> Callable[[str], Tensor]:
+    return lambda norm: guards.current_value(named[norm].weight).detach()
+
+
+def _stream(model: nn.Module, named: dict[str, nn.Module]) -> tuple[int, list[str]]:
+    """The residual stream's width and the embeddings writing it."""
+    embeddings = [name for name, m in named.items() if isinstance(m, nn.Embedding)]
+    get = getattr(model, "get_input_embeddings", None)
+    token = get() if callable(get) else None
+    width = token.embedding_dim if isinstance(token, nn.Embedding) else None
+    if width is None and embeddings:
+        width = named[embeddings[0]].embedding_dim
+    if width is None:
+        raise ConfigError("rotate", type(model).__name__, "has no embedding writing a residual stream to rotate")
+    return width, [name for name in embeddings if named[name].embedding_dim == width]
+
+
+def _check_untied(model: nn.Module, readers: dict[str, str], embeddings: list[str]) -> None:
+    """A head sharing its weight with the embeddings would need two rotations of one tensor."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name.rpartition(".")[0])
+    for shared in names.values():
+        if len(shared) > 1 and any(n in readers for n in shared) and any(n in embeddings for n in shared):
+            raise ConfigError(
+                "rotate",
+                next(n for n in shared if n in readers),
+                "shares its weight with the embeddings (tied): the head reads the stream after a norm "
+                "and the embeddings write it, so one tensor would need two rotations; untie them first",
+            )
+
+
+def _check_norm(name: str, module: nn.Module) -> None:
+    if not type(module).__name__.endswith("RMSNorm"):
+        raise ConfigError(
+            "rotate",
+            name,
+            f"is a {type(module).__name__}, which subtracts the mean (a rotation does not commute with "
+            "it); only RMSNorm models rotate",
+        )
+    if getattr(module, "bias", None) is not None:
+        raise ConfigError("rotate", name, "has a bias, which a rotation cannot fold")
+    _check_gain(name, module)
+
+
+def _check_gain(name: str, module: nn.Module) -> None:
+    """A norm must scale by its ``weight``, which the rotation folds into the next layers and
+    sets to ones; Gemma's scale by ``1 + weight`` (a probe on random rows tells them apart)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, Tensor) or weight.is_meta or weight.dim() != 1 or not torch.isfinite(weight).all():
+        return
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+    with torch.no_grad():
+        found = module(x).double()
+    unit = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True))
+    tolerance = 1e-2 if weight.dtype != torch.float32 else 1e-4
+    if torch.allclose(found, unit * weight.double(), rtol=tolerance, atol=tolerance):
+        return
+    if torch.allclose(found, unit * (1 + weight.double()), rtol=tolerance, atol=tolerance):
+        how = "scales by (1 + weight) (as Gemma's norms do)"
+    else:
+        how = "does not scale its normalised input by its weight"
+    raise ConfigError(
+        "rotate",
+        name,
+        f"is a {type(module).__name__} that {how}; a rotation folds a norm's weight into the next "
+        "layers and sets it to ones, which this norm would not compute",
+    )
+
+
+def _finite_reference(outputs: Tensor) -> Tensor:
+    """The model's outputs before rotating, refused when they hold NaN or Inf (then nothing
+    would tell a rotation that changed the function)."""
+    if not torch.isfinite(outputs).all():
+        raise ConfigError(
+            "rotate.calibration",
+            "batch 0",
+            "the model's outputs on it hold NaN or Inf before rotating; rotate a model whose outputs are finite",
+        )
+    return outputs
+
+
+def _rotated_values(
+    named: dict[str, nn.Module],
+    pairs: dict[str, list[str]],
+    readers: dict[str, str],
+    writers: list[str],
+    embeddings: list[str],
+    q: Tensor,
+    gain: Callable[[str], Tensor],
+) -> dict[str, Tensor]:
+    """Every changed parameter's new value (float64 products, cast back); ``gain(norm)`` is a
+    norm's weight as it was."""
+    values: dict[str, Tensor] = {}
+    q64 = q.double()
+
+    def put(name: str, value: Tensor, like: Tensor) -> None:
+        values[name] = value.to(like.dtype)
+
+    for name in embeddings:
+        weight = guards.current_value(named[name].weight).detach()
+        put(f"{name}.weight", weight.double() @ q64.to(weight.device), weight)
+    for norm in pairs:
+        weight = guards.current_value(named[norm].weight).detach()
+        put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
+    for layer, norm in readers.items():
+        weight = guards.current_value(named[layer].weight).detach()
+        put(
+            f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64.to(weight.device), weight
+        )
+    for layer in writers:
+        module = named[layer]
+        weight = guards.current_value(module.weight).detach()
+        put(f"{layer}.weight", q64.t().to(weight.device) @ weight.double(), weight)
+        if module.bias is not None:
+            bias = guards.current_value(module.bias).detach()
+            put(f"{layer}.bias", bias.double() @ q64.to(bias.device), bias)
+    return values
+
+
+def _rotating(h: Tensor) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        return (x @ h.to(x.dtype).to(x.device), *args[1:])
+
+    return hook
+
+
+def _outputs(model: nn.Module, call: Any) -> Tensor:
+    with evaluating(model), torch.no_grad():
+        out = call(model)
+    out = getattr(out, "logits", out)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.detach().float()
+
+
+def _check_same_function(model: nn.Module, call: Any, reference: Tensor) -> None:
+    rotated = _outputs(model, call)
+    error = ((rotated - reference).abs().max() / reference.abs().max().clamp(min=1e-12)).item()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    # rounding the rotated weights to their dtype moves outputs by ~1e-6 of their range in float32
+    # and ~1e-2 in bfloat16; a layer the rotation misses moves them by their own size
+    if not error < max(1e-3, 4 * torch.finfo(dtype).eps):
+        raise ConfigError(
+            "rotate",
+            type(model).__name__,
+            f"the rotated model computes another function (its outputs moved by {error:.2g} of their "
+            "largest value): a layer reads or writes the residual stream in a way this rotation does not cover",
+        )

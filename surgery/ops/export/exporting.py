@@ -1,0 +1,524 @@
+"""``surgery.export``: write a model under surgery in a deployable format, through a registry
+of formats. ``safetensors`` (the weights as they compute now) is built in; deployment formats
+register the same way a user's format does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from dataclasses import replace as replace_field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
+from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError
+from surgery.core.handles import Handle, HandleGroup, attached_to, members
+from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
+from surgery.core.registry import Registry
+from surgery.core.safetensors_streams import write_streamed
+from surgery.ops.numerics.deployment import deploy_plan
+from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
+
+log = logging.getLogger("surgery")
+Write = Callable[[Any, Path, dict[str, Any]], None]  # (model, or DeployPlan with takes_plan; path; options)
+Load = Callable[[Path], Any]  # path -> the deployable object
+Run = Callable[[Any, Call], list[Tensor]]  # (deployable, one batch) -> its output tensors, in order
+
+
+def run_module(deployable: Any, call: Call) -> list[Tensor]:
+    """Every output tensor of a loaded ``nn.Module`` (or any callable taking the batch's arguments)."""
+    with torch.no_grad():
+        return flatten_tensors(call(deployable), floating_only=False)
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """A registered export format: ``write(model, path, options)`` writes ``path`` (a file, or
+    with ``folder`` a folder; written atomically around it) and may return notes
+    (``{"exact": False, "left_out": [...], "int8_ops": (n, of)}``); ``load(path)`` gives back the deployable object
+    and ``run(deployable, call)`` its outputs on one batch.
+
+    ``takes_plan``: ``write`` gets the :class:`~surgery.ops.numerics.deployment.DeployPlan` (the model
+    with each quantized weight's integer grid, activation scales and masks) instead of the
+    model. ``exact``: the loaded artifact computes what the model under surgery computes, bit
+    for bit (a weights file, weight-only formats that dequantize); otherwise ``bound`` is the
+    smallest cosine similarity its outputs keep (int8 kernels round differently). ``stream``
+    writes the same from an offloaded model (:func:`surgery.offloaded`, or what a verb made of
+    it), given the handle, reading each tensor as it is written. ``agreement``: with a cosine
+    bound, the smallest share of entries of integer and boolean outputs (an argmax, token ids)
+    that must be equal (an exact format keeps them all)."""
+
+    name: str
+    write: Write
+    load: Load
+    suffix: str
+    holds_hooks: bool = False  # the file keeps what hooks do (activation quantization, rewrites)
+    takes_plan: bool = False
+    folder: bool = False
+    run: Run = run_module
+    exact: bool = True
+    bound: float = 0.999
+    target: DeployTarget | None = None
+    stream: Write | None = None  # writes an offloaded model's result reading one tensor at a time
+    agreement: float = 0.99  # with a cosine bound: the smallest share of integer outputs (argmax) kept equal
+
+    @property
+    def runnable(self) -> bool:
+        """Whether what ``load`` gives back runs (a deployment format), so parity can be measured."""
+        return self.takes_plan or self.run is not run_module
+
+    def __call__(self, source: Any, path: Path, options: dict[str, Any]) -> dict[str, Any] | None:
+        return self.write(source, path, options)
+
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """What :func:`export` wrote: where, in which format, how many bytes; ``load()`` reads it
+    back in its own runtime; ``parity`` compares that with the model under surgery (when
+    ``export`` was given ``inputs``)."""
+
+    path: Path
+    format: str
+    bytes: int
+    options: dict[str, Any] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)  # what the model under surgery does that the file does not
+    exact: bool = True  # the loaded artifact computes bit for bit what the model under surgery computes
+    parity: Parity | None = None
+    int8_ops: tuple[int, int] | None = None  # (weighted ops its runtime runs in int8, weighted ops), where known
+
+    def load(self) -> Any:
+        return EXPORT_FORMATS.get(self.format).load(self.path)
+
+    def run(self, deployable: Any, batch: Any) -> list[Tensor]:
+        """The output tensors of a loaded artifact (``load()``) on one batch."""
+        return EXPORT_FORMATS.get(self.format).run(deployable, as_call(batch))
+
+    def as_dict(self) -> dict[str, Any]:
+        found = {"path": self.path.name, "format": self.format, "bytes": self.bytes}
+        found |= {"parity": self.parity.as_dict()} if self.parity is not None else {}
+        found |= {"int8_ops": list(self.int8_ops)} if self.int8_ops is not None else {}
+        return found | ({"left_out": self.left_out} if self.left_out else {})
+
+
+@dataclass(frozen=True)
+class Parity:
+    """The loaded artifact against the model under surgery on the same batches, every output
+    tensor of both compared: the largest absolute difference and the smallest cosine similarity
+    of the floating ones (1.0 when there is none), the smallest share of equal entries of the
+    integer and boolean ones (``agreement``; ``None`` when there is none), whether every output
+    is equal bit for bit, and which side gave NaN or Inf (``nonfinite``: then ``max_abs`` is
+    inf, ``cosine`` NaN and the promise fails). ``expected`` is what the format promises
+    (``"exact"`` or a cosine), ``agreement_bound`` what its integer outputs must reach."""
+
+    max_abs: float
+    cosine: float
+    equal: bool
+    expected: str
+    agreement: float | None = None
+    agreement_bound: float = 1.0
+    nonfinite: tuple[str, ...] = ()
+
+    @property
+    def holds(self) -> bool:
+        """Whether the artifact keeps what its format promises (no NaN or Inf on either side)."""
+        if self.nonfinite:
+            return False
+        if self.expected == "exact":
+            return self.equal
+        agreed = self.agreement is None or self.agreement >= self.agreement_bound
+        return agreed and self.cosine >= float(self.expected.removeprefix("cosine>="))
+
+    def describe(self) -> str:
+        """The figures in one line: what was promised and what was measured."""
+        found = f"cosine {self.cosine:.6f}, max |diff| {self.max_abs:.3g}"
+        if self.agreement is not None:
+            found += f", integer outputs agree on {self.agreement:.2%} (at least {self.agreement_bound:.2%} promised)"
+        if self.nonfinite:
+            found += f", NaN or Inf from {' and '.join(self.nonfinite)}"
+        return f"expected {self.expected}: {found}"
+
+    def as_dict(self) -> dict[str, Any]:
+        found = {"max_abs": self.max_abs, "cosine": self.cosine, "equal": self.equal, "expected": self.expected}
+        if self.agreement is not None:
+            found |= {"agreement": self.agreement, "agreement_bound": self.agreement_bound}
+        if self.nonfinite:
+            found["nonfinite"] = list(self.nonfinite)
+        return found | {"holds": self.holds}
+
+
+class ExportParityError(SurgeryError, RuntimeError):
+    """The artifact, loaded in its own runtime, does not keep what its format promises against
+    the model under surgery; it was never moved into place. ``record`` (its ``parity``) has the
+    figures."""
+
+    def __init__(self, record: ExportRecord) -> None:
+        self.record = record
+        super().__init__(
+            f"export.format={record.format!r}: the loaded artifact computes something else than the model under "
+            f"surgery ({record.parity.describe()}); {record.path.name} was not written"
+        )
+
+
+EXPORT_FORMATS: Registry[ExportFormat] = Registry("export.format")
+
+
+def register_export_format(
+    name: str,
+    write: Write,
+    *,
+    load: Load,
+    suffix: str,
+    holds_hooks: bool = False,
+    takes_plan: bool = False,
+    folder: bool = False,
+    run: Run = run_module,
+    exact: bool = True,
+    bound: float = 0.999,
+    target: DeployTarget | None = None,
+    stream: Write | None = None,
+    agreement: float = 0.99,
+    replace: bool = False,
+) -> ExportFormat:
+    """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
+    (see :class:`ExportFormat` for the other settings).
+
+    Example:
+        >>> register_export_format("torchscript", lambda m, p, o: torch.jit.script(m).save(str(p)),
+        ...                        load=torch.jit.load, suffix="pt")
+    """
+    if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
+        raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
+    chosen = ExportFormat(
+        name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target, stream, agreement
+    )
+    registered = EXPORT_FORMATS.register(name, chosen, replace=replace)
+    if target is not None:
+        DEPLOY_TARGETS[name] = target  # quantize(target=name) reads it there
+    return registered
+
+
+def export(
+    handle: Handle | HandleGroup | nn.Module,
+    path: str | Path,
+    *,
+    format: str = "safetensors",
+    overwrite: bool = False,
+    inputs: Inputs | None = None,
+    compare: bool = True,
+    **options: Any,
+) -> ExportRecord:
+    """Write the model under surgery (the model of ``handle``) to ``path`` in ``format``.
+
+    Args:
+        handle: what a verb returned (or a group of them), or the model itself (weights-only
+            formats). Deployment formats read each quantized weight's grid and each activation's
+            scale from the handles, so they need the handle, attached; surgery outside the
+            weights that another handle keeps on the model (an input rewrite, an online
+            rotation) is refused by name: compose the handles and export the group.
+        path: the file (or, for folder formats such as ``"compressed-tensors"``, the folder) to
+            write; an existing one is refused unless ``overwrite``. What the model does outside
+            its weights (whichever handle attached it) and a weights-only format cannot hold is
+            logged and listed in ``record.left_out``.
+        format: a registered format (:func:`register_export_format`): ``"safetensors"`` writes
+            the weights as they compute now (pruned zeros, quantized values);
+            ``"compressed-tensors"``, ``"torchao"`` and ``"onnx"`` write integer weights for
+            their runtimes (the ``deploy`` extra).
+            An offloaded model's handle (:func:`surgery.offloaded`), or what a verb made of
+            it, is streamed: one tensor read at a time, in the formats that stream
+            (``"safetensors"``, ``"compressed-tensors"``).
+        inputs: batches (or one) to compare the artifact, loaded in its runtime, with the model
+            under surgery as it runs (every attached surgery), every output tensor of both:
+            ``record.parity``. Formats that trace the model (``"onnx"``) need them.
+        compare: ``False``: ``inputs`` only trace the model, no parity is measured.
+        **options: passed to the format's writer.
+
+    Raises:
+        ExportParityError: given ``inputs``, the loaded artifact misses what its format
+            promises (bit-identical outputs, or its cosine bound and integer outputs' agreement;
+            NaN or Inf on either side): the artifact is never moved into place, and an earlier
+            one at ``path`` is left as it was.
+
+    Example:
+        >>> record = surgery.export(surgery.prune(model, 0.5), "pruned.safetensors")
+        >>> record.bytes, sorted(record.load())[:1]
+    """
+    chosen = EXPORT_FORMATS.get(format)
+    if getattr(handle, "streams", False):
+        return _export_streamed(handle, chosen, Path(path), overwrite, inputs, options)
+    model = handle if isinstance(handle, nn.Module) else getattr(handle, "model", None)
+    if not isinstance(model, nn.Module):
+        raise ConfigTypeError("export.handle", type(handle).__name__, "must be a handle, a handle group or a model")
+    path = Path(path)
+    if chosen.suffix and path.suffix != f".{chosen.suffix}":
+        raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={format!r}")
+    refuse_existing([path], overwrite)
+    calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
+    source, left_out = _source(chosen, handle, model, calls)
+    write = lambda tmp: chosen(source, tmp, options)  # noqa: E731 - one call, named for the reader
+    record = _write_checked(chosen, path, write, model, calls if compare else None, options, left_out)
+    if left_out:
+        log.warning("export: format=%r holds the weights only; not in %s: %s", format, path.name, "; ".join(left_out))
+    return record
+
+
+def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Call] | None) -> tuple[Any, list[str]]:
+    """What the format's writer gets (the model, or the handles' deploy plan), and what the model
+    does as it runs — with the surgery of every handle attached to it — that the file cannot hold."""
+    if chosen.takes_plan:
+        if not isinstance(handle, Handle):
+            raise ConfigTypeError(
+                "export.handle", type(handle).__name__, f"format={chosen.name!r} needs the handle a verb returned"
+            )
+        _refuse_others(chosen, handle, model)
+        plan = deploy_plan(handle)
+        plan.inputs = calls
+        if plan.unexpressed:
+            raise ConfigError(
+                "export.handle", "; ".join(plan.unexpressed), f"cannot be expressed in format={chosen.name!r}"
+            )
+        return plan, []
+    if chosen.holds_hooks:
+        return model, []
+    mine = {id(each) for each in members(handle)} if isinstance(handle, Handle) else None
+    return model, [
+        item if mine is None or id(each) in mine else f"{item} (attached by another handle, {each.kind})"
+        for each in attached_to(model)
+        for item in each.outside_weights()
+    ]
+
+
+def _refuse_others(chosen: ExportFormat, handle: Handle, model: nn.Module) -> None:
+    """Refuse surgery outside the weights that a handle other than ``handle`` keeps on ``model``:
+    the format holds only what the handle it is given describes."""
+    mine = {id(each) for each in members(handle)}
+    for other in attached_to(model):
+        outside = other.outside_weights()
+        if id(other) not in mine and outside:
+            raise ConfigError(
+                "export.handle",
+                f"{other.kind} handle",
+                f"is also attached to the model, and format={chosen.name!r} holds only the handle it is given: "
+                f"{outside[0]} would be missing from the file; compose the handles (surgery.compose) and export "
+                "the group, or restore the other one first",
+            )
+
+
+def _write_checked(
+    chosen: ExportFormat,
+    path: Path,
+    write: Callable[[Path], dict[str, Any] | None],
+    model: nn.Module,
+    calls: list[Call] | None,
+    options: dict[str, Any],
+    left_out: list[str],
+) -> ExportRecord:
+    """Write ``path`` atomically; with ``calls`` (a runnable format), load the written copy
+    before it is moved into place and compare it with ``model`` as it runs: one that misses its
+    format's promise raises :class:`ExportParityError` and is never moved into place."""
+    made: list[ExportRecord] = []
+
+    def written(tmp: Path) -> None:
+        notes = write(tmp) or {}
+        missing = [*left_out, *notes.get("left_out", [])]
+        exact = notes.get("exact", chosen.exact) and not missing
+        int8_ops = notes.get("int8_ops")
+        record = ExportRecord(path, chosen.name, _size(tmp), dict(options), missing, exact=exact, int8_ops=int8_ops)
+        if calls and chosen.runnable:
+            record = replace_field(record, parity=_runtime_parity(chosen, tmp, model, calls, exact))
+            if not record.parity.holds:
+                raise ExportParityError(record)
+        made.append(record)
+
+    _written(chosen, path, written, type(model).__name__)
+    return made[0]
+
+
+def _written(chosen: ExportFormat, path: Path, write: Callable[[Path], Any], model_name: str) -> dict[str, Any]:
+    """Write ``path`` atomically with ``write`` (the format's writer); its notes. A writer that
+    fails otherwise than on bad input or the file system leaves nothing behind and is one line
+    naming the format."""
+    writer = write_folder_atomically if chosen.folder else write_atomically
+    notes: dict[str, Any] = {}
+    try:
+        writer(path, lambda tmp: notes.update(write(tmp) or {}))
+    except (SurgeryError, KeyboardInterrupt):
+        raise
+    except OSError as err:  # a full disk, a read-only folder, a file where the folder should be
+        if err.filename is not None and not _inside(Path(str(err.filename)), path.parent):
+            raise  # a file the writer reads (an offloaded model's shard), which is not the output
+        raise OutputWriteError("export.path", str(path), err) from err
+    except Exception as err:
+        raise ConfigError(
+            "export.format", chosen.name, f"cannot write {model_name} ({_one_line(err)}); nothing was written"
+        ) from err
+    return notes
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or inside it."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+
+
+def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: list[Call], exact: bool) -> Parity:
+    """:func:`_parity` of the written copy ``tmp``; an artifact its runtime cannot load or run (or
+    inputs the model cannot take) is said in one line, and nothing is moved into place."""
+    try:
+        return _parity(chosen, chosen.load(tmp), model, calls, exact)
+    except (SurgeryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        _refuse_inputs(model, calls, "nothing")
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"the written {type(model).__name__} does not run in its runtime on export's inputs "
+            f"({_one_line(err)}); nothing was written",
+        ) from err
+
+
+def _refuse_inputs(model: nn.Module, calls: list[Call], name: str) -> None:
+    """Raise when the model under surgery itself fails on export's ``inputs``."""
+    for index, call in enumerate(calls):
+        try:
+            with torch.no_grad():
+                call(model)
+        except Exception as err:
+            raise ConfigError(
+                "export.inputs",
+                f"batch {index}",
+                f"{type(model).__name__} fails on it ({_one_line(err)}); give batches the model takes "
+                f"({name} was written)",
+            ) from err
+
+
+def _one_line(err: BaseException) -> str:
+    """``Type: message``, its first line, at most 300 characters."""
+    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _export_streamed(
+    handle: Any, chosen: ExportFormat, path: Path, overwrite: bool, inputs: Inputs | None, options: dict[str, Any]
+) -> ExportRecord:
+    """Write an offloaded model's result with the format's ``stream`` writer (atomically)."""
+    if chosen.stream is None:
+        streaming = [name for name in EXPORT_FORMATS.names() if EXPORT_FORMATS.get(name).stream is not None]
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"cannot be written from an offloaded model without loading it; formats that stream: {', '.join(streaming)}",
+        )
+    if chosen.suffix and path.suffix != f".{chosen.suffix}":
+        raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={chosen.name!r}")
+    refuse_existing([path], overwrite)
+    calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
+    write = lambda tmp: chosen.stream(handle, tmp, options)  # noqa: E731 - one call, named for the reader
+    return _write_checked(chosen, path, write, handle.model, calls, options, [])
+
+
+def parity(record: ExportRecord, model: nn.Module, calls: list[Call]) -> Parity:
+    """Load ``record`` in its runtime and compare its outputs with ``model``'s on ``calls``."""
+    chosen = EXPORT_FORMATS.get(record.format)
+    return _parity(chosen, record.load(), model, calls, record.exact)
+
+
+def _parity(chosen: ExportFormat, deployable: Any, model: nn.Module, calls: list[Call], exact: bool) -> Parity:
+    """Every output tensor of ``deployable`` against ``model``'s (as it runs, all its surgery
+    attached) on ``calls``, measured against what ``chosen`` promises."""
+    figures = _ParityFigures()
+    for call in calls:
+        with torch.no_grad():
+            expected = flatten_tensors(call(model), floating_only=False)
+        found = chosen.run(deployable, call)
+        if len(found) != len(expected):
+            raise ConfigError("export.parity", chosen.name, f"gave {len(found)} outputs, the model {len(expected)}")
+        for want, got in zip(expected, found):
+            figures.add(want.detach().cpu(), got.detach().cpu(), chosen.name)
+    expected_kind = "exact" if exact else f"cosine>={chosen.bound}"
+    return figures.result(expected_kind, 1.0 if exact else chosen.agreement)
+
+
+class _ParityFigures:
+    """Running parity figures: floating outputs by difference and cosine, integer and boolean
+    ones by the share of equal entries, NaN or Inf on either side by who gave it."""
+
+    def __init__(self) -> None:
+        self.max_abs, self.cosine, self.equal = 0.0, 1.0, True
+        self.agreement: float | None = None
+        self.nonfinite: dict[str, None] = {}
+
+    def add(self, want: Tensor, got: Tensor, name: str) -> None:
+        if got.numel() != want.numel():
+            raise ConfigError(
+                "export.parity", name, f"gave an output of shape {tuple(got.shape)}, the model {tuple(want.shape)}"
+            )
+        got = got.reshape(want.shape)
+        if want.is_complex():
+            want, got = torch.view_as_real(want), torch.view_as_real(got.to(want.dtype))
+        if want.is_floating_point():
+            self._floating(want.double(), got.double())
+            return
+        same = want.long() == got.long() if not got.is_floating_point() else want.double() == got.double()
+        share = float(same.double().mean()) if same.numel() else 1.0
+        self.agreement = share if self.agreement is None else min(self.agreement, share)
+        self.equal = self.equal and bool(same.all())
+
+    def _floating(self, want: Tensor, got: Tensor) -> None:
+        for side, values in (("the model under surgery", want), ("the artifact", got)):
+            if not torch.isfinite(values).all():
+                self.nonfinite[side] = None
+        same = torch.equal(want, got)
+        self.equal = self.equal and same
+        if want.numel() and not same:  # equal outputs agree whatever their cosine (two zero outputs have 0)
+            self.max_abs = max(self.max_abs, float((want - got).abs().max()))
+            cosine = torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0)
+            self.cosine = min(self.cosine, float(cosine))
+
+    def result(self, expected: str, agreement_bound: float) -> Parity:
+        if self.nonfinite:  # max(0.0, nan) is 0.0: a NaN must not fold away
+            return Parity(math.inf, math.nan, False, expected, self.agreement, agreement_bound, tuple(self.nonfinite))
+        return Parity(self.max_abs, self.cosine, self.equal, expected, self.agreement, agreement_bound)
+
+
+def _listed(inputs: Inputs) -> list[Any]:
+    if isinstance(inputs, (Tensor, dict)):
+        return [inputs]
+    return list(inputs)
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def _write_safetensors(model: nn.Module, path: Path, options: dict[str, Any]) -> None:
+    if options:
+        raise ConfigError("export.options", sorted(options), "format='safetensors' takes no options")
+    save_file(cpu_state(model), str(path))
+
+
+def _stream_safetensors(handle: Any, path: Path, options: dict[str, Any]) -> None:
+    """The offloaded model's state, as it computes now, one tensor read at a time."""
+    if options:
+        raise ConfigError("export.options", sorted(options), "format='safetensors' takes no options")
+    state = handle.model.state_dict(keep_vars=True)
+    entries = [(name, tuple(value.shape), value.dtype) for name, value in state.items()]
+    write_streamed(path, entries, lambda name: handle.value_of(state[name]))
+
+
+register_export_format(
+    "safetensors",
+    _write_safetensors,
+    load=lambda path: load_file(str(path)),
+    suffix="safetensors",
+    stream=_stream_safetensors,
+)

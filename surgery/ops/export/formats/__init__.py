@@ -1,0 +1,10 @@
+"""The built-in deployment formats, each registered through :func:`surgery.register_export_format`
+as a user's format is; their runtimes (the ``deploy`` extra) are imported only when used."""
+
+from surgery.ops.export.formats import (
+    compressed_tensors_folder,  # noqa: F401
+    fp8_linear,  # noqa: F401
+    onnx_qdq,  # noqa: F401
+    sparse_linear,  # noqa: F401
+    torchao_tensors,  # noqa: F401
+)

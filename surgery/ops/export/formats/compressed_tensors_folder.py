@@ -1,0 +1,526 @@
+"""``format="compressed-tensors"``: a Hugging Face folder (config.json with its
+``quantization_config``, safetensors shards, the tokenizer when given) that transformers and vLLM
+load, its integer weights packed by compressed-tensors' own compressors from surgery's grids."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
+from surgery.core.sequential import find_blocks
+from surgery.core.targets import is_hf_conv1d
+from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.formats.requirements import required
+from surgery.ops.numerics.deployment import ActivationGrid, DeployPlan, WeightGrid
+from surgery.ops.numerics.number_formats import E4M3_LARGEST
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.weight_methods import output_axis
+
+log = logging.getLogger("surgery")
+OPTIONS = ("tokenizer", "max_shard_size", "activations")
+TOKENIZER = "export.options.tokenizer"
+_FLOAT_FORMATS = {  # surgery's floating-point grid -> compressed-tensors' format
+    "fp8_e4m3": "float-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+}
+ACTIVATIONS = ("static", "dynamic", "none")  # input scales: surgery's calibrated ones, per token at run time, none
+
+
+_FP4_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
+
+
+def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
+    """The layers compressed-tensors holds: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+
+
+linear_or_conv1d.__name__ = "Linear|Conv1D"
+
+
+def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write ``plan.model`` as a compressed-tensors folder at ``path`` (see the module doc)."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError("export.options", unknown, f"format='compressed-tensors' takes {', '.join(OPTIONS)}")
+    options = _checked_options(options)
+    tokenizer = options.get("tokenizer")
+    model = plan.model
+    if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"writes a Hugging Face folder; {type(model).__name__} is not a transformers model "
+            "(use format='torchao', 'onnx' or 'safetensors')",
+        )
+    ct = required("compressed_tensors", "compressed-tensors")
+    mode = options.get("activations", plan.activation_mode)
+    if mode not in ACTIVATIONS:
+        raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
+    scheme, layers = _scheme(plan, ct, mode)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    compressor = _compressor(ct, scheme.format)
+    for layer in layers:
+        grid = plan.layer_weight(layer)
+        local = _local_state(grid, model.get_submodule(layer).weight, is_hf_conv1d(model.get_submodule(layer)))
+        del state[f"{layer}.weight"]
+        for key, value in compressor.compress(local, scheme).items():
+            state[f"{layer}.{key}"] = value.contiguous()
+        activation = plan.activation(layer, "input")
+        if activation is not None and mode == "static":
+            state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
+            if not activation.spec.symmetric and not activation.spec.is_float:
+                offset = 1 << (activation.spec.bits - 1)
+                state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
+    _refuse_tied(model, [layer for layer in layers if f"{layer}.weight" not in state])  # packed: renamed
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, state_dict=state, max_shard_size=options.get("max_shard_size", "5GB"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    _add_quantization_config(path, ct, scheme, model, layers)
+    dropped = mode == "none" and plan.activations
+    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
+    # static int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours);
+    # dynamic ones as ours for float32 (batch, tokens, features) inputs only: compressed-tensors takes
+    # a 2-d input's scale over the whole tensor, and a bfloat16 one's in bfloat16
+    inputs = scheme.input_activations
+    exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
+    exact = exact and scheme.format not in _FP4_FORMATS  # FP4 weights load in bfloat16, scales ÷ a global one
+    return {"exact": exact and not left_out, "left_out": left_out}
+
+
+def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write an offloaded model's quantized result (:func:`surgery.quantize` given
+    :func:`surgery.offloaded`'s handle) as a compressed-tensors folder, a shard per block, each
+    tensor read from disk as its shard is written: memory holds one block."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import save_file
+
+    if set(options) - {"tokenizer"}:
+        raise ConfigError(
+            "export.options", sorted(options), "an offloaded model streams to compressed-tensors with tokenizer= only"
+        )
+    options = _checked_options(options)
+    tokenizer = options.get("tokenizer")
+    model = handle.model
+    if not hasattr(model, "config"):
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"writes a Hugging Face folder; {type(model).__name__} is not a transformers model",
+        )
+    ct = required("compressed_tensors", "compressed-tensors")
+    if not handle.grids:
+        raise ConfigError(
+            "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
+        )
+    spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
+    _refuse_tied(model, layers)
+    kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
+    weights = _weight_args(spec, QuantizationArgs)
+    scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
+    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=None, format=scheme_format)
+    compressor = _compressor(ct, scheme.format)
+    state = model.state_dict(keep_vars=True)
+    shards = _shards_by_block(model, state)
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, names in enumerate(shards):
+        tensors: dict[str, Tensor] = {}
+        for name in names:
+            value = handle.value_of(state[name])
+            if name not in handle.grids:
+                tensors[name] = value.contiguous()
+                continue
+            layer = name.rpartition(".")[0]
+            scale, zero_point, axis = handle.grids[name]
+            grid = WeightGrid(name, spec, scale, zero_point, axis, output_axis(model.get_submodule(layer), "weight"))
+            local = _local_state(grid, value, is_hf_conv1d(model.get_submodule(layer)))
+            tensors.update({f"{layer}.{key}": v.contiguous() for key, v in compressor.compress(local, scheme).items()})
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
+    model.config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(path)
+    _add_quantization_config(path, ct, scheme, model, layers)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return {"exact": scheme_format not in _FP4_FORMATS, "left_out": []}
+
+
+def _refuse_tied(model: nn.Module, layers: list[str]) -> None:
+    """A quantized weight shared under another name (a head tied to the embeddings) is written
+    once, under its first name, as transformers does, and tied again on load: a layer whose
+    compressed tensors are no longer called ``weight`` (packed) would load without it."""
+    names: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(value), []).append(name)
+    for layer in layers:
+        shared = [n for n in names.get(id(model.get_submodule(layer).weight), []) if n != f"{layer}.weight"]
+        if shared:
+            raise ConfigError(
+                "quantize.select",
+                layer,
+                f"shares its weight with {shared[0].rpartition('.')[0]} (tied), which a compressed-tensors "
+                f"folder holds once, unquantized; exclude {layer}",
+            )
+
+
+def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[str]]:
+    """The state's names in order, a shard per block (and one per run of names outside blocks);
+    a tensor shared under two names (tied embeddings) is written once, as transformers does."""
+    blocks = find_blocks(model)
+    shards: list[list[str]] = []
+    current, seen = None, set()
+    for name, value in state.items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        group = next((block for block in blocks if name.startswith(block + ".")), "")
+        if not shards or group != current:
+            shards.append([])
+            current = group
+        shards[-1].append(name)
+    return shards
+
+
+def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> None:
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
+    config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
+    """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if any(grid.step == "kv_cache" for grid in plan.activations.values()):  # never dropped silently
+        raise ConfigError(
+            "kv_cache",
+            "k_proj/v_proj outputs",
+            "format='compressed-tensors' holds no KV-cache scales from surgery; export a run without the kv_cache step",
+        )
+    if plan.masks and not plan.weights:
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"compressed-tensors {ct.__version__} has no sparse compressor (bitmask, 2:4); "
+            "pruned weights are held only as zeros of quantized weights, or use format='safetensors'",
+        )
+    if not plan.weights:
+        raise ConfigError(
+            "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
+        )
+    spec, layers = _weight_layers(plan.model, {key: grid.spec for key, grid in plan.weights.items()})
+    weights = _weight_args(spec, QuantizationArgs)
+    inputs = None
+    if mode == "static":
+        inputs = _input_args(plan, layers, QuantizationArgs)
+        if inputs is None:
+            raise ConfigError(
+                "export.options.activations", mode, "needs activations quantized at layer inputs (where='input')"
+            )
+    elif mode == "dynamic":
+        inputs = _dynamic_input_args(plan, layers, QuantizationArgs)
+    conv1d = [layer for layer in layers if is_hf_conv1d(plan.model.get_submodule(layer))]
+    if inputs is not None and conv1d:
+        raise ConfigError(
+            "quantize.activations",
+            f"{len(conv1d)} Conv1D layer(s) (e.g. {conv1d[0]})",
+            f"transformers loads compressed-tensors {ct.__version__} Conv1D models dequantized, without input "
+            "scales; export their weights only (quantize.activations=null) or use format='onnx'",
+        )
+    scheme_format = (
+        _FLOAT_FORMATS[spec.format] if spec.is_float else "int-quantized" if inputs is not None else "pack-quantized"
+    )
+    kinds = sorted({type(plan.model.get_submodule(layer)).__name__ for layer in layers})
+    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
+    return scheme, layers
+
+
+def _weight_layers(model: nn.Module, specs: dict[str, GridSpec]) -> tuple[GridSpec, list[str]]:
+    """The one weight setting of the quantized layers, and those layers (each checked to be a
+    Linear or Conv1D weight compressed-tensors can lay out, in whole groups)."""
+    layers = []
+    for key, spec in specs.items():
+        layer, _, attribute = key.rpartition(".")
+        module = model.get_submodule(layer)
+        if attribute != "weight" or not linear_or_conv1d(module):
+            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
+        if is_hf_conv1d(module) and (spec.group_size or not (spec.symmetric or spec.is_float)):  # floats: no zero point
+            setting = f"group_size={spec.group_size}" if spec.group_size else "symmetric=False"
+            raise ConfigError(
+                "quantize.weights",
+                setting,
+                f"{layer} is a Conv1D (its weight stored inputs x outputs), whose groups and zero points "
+                "compressed-tensors cannot lay out; quantize Conv1D layers symmetric, per channel",
+            )
+        layers.append(layer)
+    if len(set(specs.values())) > 1:
+        raise ConfigError(
+            "export.handle", len(set(specs.values())), "weight settings differ between layers; one scheme is held"
+        )
+    spec = next(iter(specs.values()))
+    for layer in layers:
+        dtype = model.get_submodule(layer).weight.dtype
+        if spec.format in ("mxfp4", "nvfp4") and dtype != torch.bfloat16:
+            raise ConfigError(
+                "quantize.weights.format",
+                spec.format,
+                f"{layer} is {dtype}; compressed-tensors unpacks FP4 weights to bfloat16, which a {dtype} "
+                "model cannot multiply: export a bfloat16 model (model.to(torch.bfloat16) before quantizing)",
+            )
+        columns = model.get_submodule(layer).weight.shape[1]
+        if spec.group_size and columns % spec.group_size:
+            raise ConfigError(
+                "quantize.weights.group_size",
+                spec.group_size,
+                f"does not divide {layer}'s {columns} inputs; compressed-tensors needs whole groups",
+            )
+    return spec, layers
+
+
+def _weight_args(spec: GridSpec, arguments: type) -> Any:
+    strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
+    if spec.is_float:
+        if spec.format not in _FLOAT_FORMATS:
+            raise ConfigError(
+                "quantize.weights.format",
+                spec.format,
+                f"surgery writes these floating-point weights to compressed-tensors: {', '.join(_FLOAT_FORMATS)}",
+            )
+        if spec.format == "mxfp4":  # E2M1 in blocks of 32, E8M0 scales stored as their exponents
+            return arguments(
+                num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8
+            )
+        if spec.format == "nvfp4":  # E2M1 in blocks of 16, FP8 scales under one global scale
+            return arguments(
+                num_bits=4,
+                type="float",
+                symmetric=True,
+                strategy="tensor_group",
+                group_size=16,
+                scale_dtype=torch.float8_e4m3fn,
+            )
+        return arguments(num_bits=8, type="float", symmetric=True, strategy=strategy, group_size=spec.group_size)
+    return arguments(
+        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
+    )
+
+
+def _dynamic_input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+    """The simulation's dynamic inputs (int or fp8_e4m3, per token or per tensor); int8 per
+    token for inputs the simulation left alone or calibrated."""
+    grids = _input_grids(plan, layers) if plan.activation_mode == "dynamic" else []
+    if not grids:
+        return arguments(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    spec = grids[0].spec
+    if any(g.spec != spec for g in grids) or (spec.is_float and spec.format not in _FLOAT_FORMATS):
+        raise ConfigError(
+            "quantize.activations",
+            spec.as_dict(),
+            f"compressed-tensors holds one dynamic input setting, int or {', '.join(_FLOAT_FORMATS)}",
+        )
+    kind = "float" if spec.is_float else "int"
+    bits = 8 if spec.is_float else spec.bits
+    return arguments(num_bits=bits, type=kind, symmetric=spec.symmetric, strategy=spec.dynamic, dynamic=True)
+
+
+def _input_grids(plan: DeployPlan, layers: list[str]) -> list[ActivationGrid]:
+    """The input grid of each layer (none: an empty list), refusing outputs and gaps."""
+    if any(where == "output" for _, where, _ in plan.activations):
+        raise ConfigError(
+            "quantize.where",
+            "output",
+            "compressed-tensors quantizes the inputs of Linear layers; quantize with where='input' "
+            "(or target='compressed-tensors')",
+        )
+    grids = [plan.activation(layer, "input") for layer in layers]
+    if all(g is None for g in grids):
+        return []
+    missing = [layer for layer, g in zip(layers, grids) if g is None]
+    if missing:
+        raise ConfigError(
+            "export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held"
+        )
+    return grids
+
+
+def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+    grids = _input_grids(plan, layers)
+    if not grids:
+        return None
+    if grids[0].dynamic:
+        raise ConfigError(
+            "export.options.activations", "static", f"{layers[0]}'s inputs are dynamic: they have no static scale"
+        )
+    spec = grids[0].spec
+    if spec.is_float and spec.format in _FLOAT_FORMATS and not spec.per_channel and all(g.spec == spec for g in grids):
+        return arguments(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
+    if spec.is_float or spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
+        raise ConfigError(
+            "quantize.activations",
+            spec.as_dict(),
+            "compressed-tensors holds 8-bit per-tensor input scales, the same for every layer",
+        )
+    return arguments(num_bits=8, type="int", symmetric=spec.symmetric, strategy="tensor", dynamic=False)
+
+
+def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict[str, Tensor]:
+    """The layer's tensors as the compressor takes them: the weight exactly on the grid (float64,
+    so that its re-quantization gives back our integers), scales and signed zero points. A
+    Conv1D keeps its (inputs, outputs) layout, with one scale per column: (1, outputs)."""
+    if grid.spec.is_float:
+        exact = weight.detach().float()
+    else:  # back in the weight's own layout, whatever the grid (a Conv1D's per-tensor one too)
+        exact = grid.in_layout(grid.dequantized(grid.integers(weight), torch.float64), weight.shape)
+    scale = grid.scale.float()
+    scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
+    if conv1d and scale.dim() == 2:  # symmetric, per channel (_scheme refuses the rest): a scale per column
+        scale = scale.t().contiguous()
+    local = {"weight": exact, "weight_scale": scale.to(weight.dtype)}
+    if grid.spec.format == "nvfp4":
+        local.update(_nvfp4_scales(grid))
+    if not grid.spec.symmetric and not grid.spec.is_float:  # compressed-tensors' integers are signed: shift ours
+        offset = 1 << (grid.spec.bits - 1)
+        zero_point = grid.zero_point.reshape(scale.shape) - offset
+        local["weight_zero_point"] = zero_point.to(torch.int8)
+    return local
+
+
+def _nvfp4_scales(grid: WeightGrid) -> dict[str, Tensor]:
+    """Our NVFP4 scales (FP8 block scales times one per-tensor scale, multiplied out) as
+    compressed-tensors stores them: the FP8 block scales and the reciprocal of the per-tensor
+    scale (``weight_global_scale``). The largest block scale is the FP8 maximum (448), which
+    gives the per-tensor scale back to float32 rounding (so the runtime's weights, block scale
+    ÷ global scale, are ours to an ulp of the scale); refused if it does not give every block
+    scale back."""
+    scale = grid.scale.float()
+    outer = scale.max() / E4M3_LARGEST
+    inner = (scale / outer).to(torch.float8_e4m3fn)
+    if not torch.allclose(inner.float() * outer, scale, rtol=1e-6, atol=0):
+        raise ConfigError(
+            "quantize.weights.format",
+            "nvfp4",
+            f"{grid.key}'s block scales do not share one per-tensor scale (scales loaded or set by hand?); "
+            "quantize it again with format nvfp4",
+        )
+    return {"weight_scale": inner.float(), "weight_global_scale": (1.0 / outer).reshape(1)}
+
+
+def _compressor(ct: Any, name: str) -> Any:
+    from compressed_tensors.compressors import BaseCompressor
+
+    try:
+        return BaseCompressor.get_value_from_registry(name)
+    except Exception:
+        raise ConfigError(
+            "export.format", "compressed-tensors", f"compressed-tensors {ct.__version__} has no {name!r} compressor"
+        ) from None
+
+
+def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str], conv1d: bool) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    quantized = set(layers)
+    ignore = [name for name, m in model.named_modules() if linear_or_conv1d(m) and name not in quantized]
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
+    )
+    found = {"quant_method": "compressed-tensors", "version": ct.__version__}
+    found |= config.model_dump(exclude=["quant_method"])
+    if conv1d or (scheme.format == "pack-quantized" and not scheme.weights.symmetric):
+        # compressed-tensors 0.20 builds the model on meta without packing the zero point, so a
+        # plain from_pretrained of an asymmetric packed folder fails; and its compressed modules
+        # are Linear-shaped, where a Conv1D is (inputs, outputs). Dequantizing on load serves both.
+        found["dequantize"] = True
+    return found
+
+
+def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the tokenizer loaded; a ``max_shard_size`` transformers cannot read or a
+    ``tokenizer`` that is not a tokenizer folder is refused before anything is written."""
+    size = options.get("max_shard_size", "5GB")
+    if isinstance(size, bool) or not isinstance(size, (int, str)) or (isinstance(size, int) and size < 1):
+        raise ConfigError("export.options.max_shard_size", size, "must be a size such as '5GB' or a number of bytes")
+    if isinstance(size, str):
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            convert_file_size_to_int(size)
+        except ValueError:
+            raise ConfigError(
+                "export.options.max_shard_size", size, "must be a size such as '5GB', '500MB' or a number of bytes"
+            ) from None
+    tokenizer = options.get("tokenizer")
+    if tokenizer is None or hasattr(tokenizer, "save_pretrained"):
+        return options
+    if not isinstance(tokenizer, (str, Path)):
+        raise ConfigTypeError("export.options.tokenizer", type(tokenizer).__name__, "must be a tokenizer or its folder")
+    return {**options, "tokenizer": _tokenizer(tokenizer)}
+
+
+def _tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer to save beside the weights, a folder loaded before anything is written (one
+    asking to run its own code refused); None for none."""
+    if not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if not Path(tokenizer).is_dir():  # transformers would take the name for a hub repository
+        raise ConfigError(TOKENIZER, str(tokenizer), "must be a local tokenizer folder")
+    refuse_custom_code(tokenizer, TOKENIZER)  # outside the try: its own one-line error
+    try:
+        return from_pretrained(AutoTokenizer, tokenizer, TOKENIZER)
+    except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer folder raises
+        first = " ".join(str(err).split())[:160]
+        raise ConfigError(
+            TOKENIZER, str(tokenizer), f"cannot be loaded as a tokenizer ({type(err).__name__}: {first})"
+        ) from None
+
+
+def load_compressed_tensors(path: Path) -> nn.Module:
+    """The folder loaded by transformers (its architecture from config.json), in eval mode."""
+    import transformers
+
+    config = from_pretrained(transformers.AutoConfig, path, "export.load")
+    architecture = config.architectures[0] if config.architectures else None
+    loader = (
+        transformers.AutoModel if architecture is None else model_class(transformers, architecture, "export.load", path)
+    )
+    model, info = from_pretrained(loader, path, "export.load", output_loading_info=True)
+    wrong = [k for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])]
+    if wrong:
+        raise ConfigError(
+            "export.load", str(path), f"transformers loaded it with {len(wrong)} wrong key(s): {wrong[0]}"
+        )
+    return model.eval()
+
+
+register_export_format(
+    "compressed-tensors",
+    write_compressed_tensors,
+    load=load_compressed_tensors,
+    suffix="",
+    takes_plan=True,
+    folder=True,
+    holds_hooks=True,
+    exact=False,
+    bound=0.9999,
+    target=DeployTarget(layers=linear_or_conv1d, activations={"bits": 8, "per_channel": False}),
+    stream=stream_compressed_tensors,
+)

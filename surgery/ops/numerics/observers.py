@@ -1,0 +1,491 @@
+"""Quantizer settings, range observers, and scale/zero-point computation (as torch.ao)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.registry import Registry
+from surgery.ops.numerics.number_formats import FORMATS, NumberFormat
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
+
+log = logging.getLogger("surgery")
+DEPRECATED_QUANTSPEC = "QuantSpec is now GridSpec (the grid of one tensor; QuantizeSpec is the verb's settings); the old name goes away in 0.4"
+# set by quantize_kv_cache: keys and values are never constant by construction, so a constant range is bad data
+VARIED_RANGES_REQUIRED: ContextVar[bool] = ContextVar("VARIED_RANGES_REQUIRED", default=False)
+
+_QUANTILE_LIMIT = 1 << 24  # torch.quantile's input size limit
+
+
+class ObservedRange(NamedTuple):
+    """An observer's running estimate: per-channel (or single) ``low`` and ``high``, and how
+    many batches it has seen."""
+
+    low: Tensor
+    high: Tensor
+    batches: int
+
+
+ObserverFn = Callable[[Tensor, ObservedRange | None, "GridSpec"], tuple[Tensor, Tensor]]
+OBSERVERS: Registry[ObserverFn] = Registry("quantize.observer")
+
+
+def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) -> ObserverFn:
+    """Make ``observe(x, previous, spec) -> (low, high)`` available as ``GridSpec(observer=name)``.
+
+    ``x`` is the batch as a float32 ``(channels, values)`` matrix (one row per tensor),
+    ``previous`` the :class:`ObservedRange` so far (``None`` on the first batch); return the
+    new per-row ``low`` and ``high``.
+
+    Example:
+        >>> surgery.register_observer("absmax", lambda x, prev, spec: (-x.abs().amax(1), x.abs().amax(1)))
+    """
+    if not callable(observe):
+        raise ConfigError("register_observer.observe", observe, "must be a function (x, previous, spec) -> (low, high)")
+    return OBSERVERS.register(name, observe, replace=replace)
+
+
+def minmax(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
+    """Running extremes."""
+    low, high = x.amin(dim=1), x.amax(dim=1)
+    if previous is None:
+        return low, high
+    return torch.minimum(previous.low, low), torch.maximum(previous.high, high)
+
+
+def moving_average(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
+    """Exponential moving average of each batch's extremes (``spec.averaging``), as torch.ao."""
+    low, high = x.amin(dim=1), x.amax(dim=1)
+    if previous is None:
+        return low, high
+    c = spec.averaging
+    low, high = previous.low + c * (low - previous.low), previous.high + c * (high - previous.high)
+    # a channel whose every value is the same can come out of the two averages one ulp apart,
+    # the wrong way round (c = 1: a + (b - a) need not be b); its range is that one value
+    return low, torch.maximum(high, low)
+
+
+def percentile(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
+    """The ``100 - p`` and ``p`` quantiles of each batch, averaged over batches."""
+    if x.numel() > _QUANTILE_LIMIT:
+        x = x[:, :: math.ceil(x.numel() / _QUANTILE_LIMIT)]
+    q = torch.tensor([100 - spec.percentile, spec.percentile], dtype=x.dtype) / 100
+    low, high = torch.quantile(x, q, dim=1)
+    if previous is None:
+        return low, high
+    n = previous.batches
+    return (previous.low * n + low) / (n + 1), (previous.high * n + high) / (n + 1)
+
+
+for _observer in (minmax, moving_average, percentile):
+    register_observer(_observer.__name__, _observer)
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """The grid one kind of tensor is fake-quantized onto (a weight's or an activation's); not
+    to be confused with :class:`~surgery.QuantizeSpec`, the settings of the ``quantize`` verb,
+    which holds one ``GridSpec`` for the weights and one for the activations. Validated when
+    built (``GridSpec(bits=9)`` raises) and immutable, so a spec is safe to share. It was called
+    ``QuantSpec`` before 0.3; that name still works, with a ``DeprecationWarning``, until 0.4.
+
+    ``bits`` in [2, 8]; ``symmetric`` uses signed integers and a zero point of 0, otherwise
+    unsigned integers with an affine zero point; ``per_channel`` gives one scale per channel
+    (weights: output channels; activations: dim 1 of conv outputs, the last dim of linear
+    outputs). ``observer`` picks how ranges are estimated: ``minmax`` (running extremes),
+    ``moving_average`` (``averaging`` constant, as torch.ao), ``percentile`` (the
+    ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches), any
+    name added with :func:`register_observer`, or such a function itself.
+
+    Activations only: ``dynamic`` computes the scale from each tensor as it runs, with no
+    calibration: ``"token"`` (one per token, each row of the last dimension, as llm-compressor's
+    and torchao's dynamic int8/fp8 inputs) or ``"tensor"`` (one per call); ``None`` (default):
+    a static scale from calibration. ``rounding`` is how a dynamic value meets its integer grid,
+    as the runtime computes it: ``"divide"`` rounds ``x / scale`` (compressed-tensors, vLLM),
+    ``"reciprocal"`` rounds ``x * (1 / scale)`` (torchao); the two differ on about one value in
+    a thousand, which a deep model amplifies (``target=`` sets the runtime's).
+
+    Weights only: ``group_size`` gives every ``group_size`` consecutive inputs of each output
+    its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
+    ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
+    and moves each column's error onto the columns not yet rounded, through the inverse
+    Hessian of the layer's calibration inputs; Frantar et al. 2023).
+    """
+
+    bits: int = 8
+    symmetric: bool = False
+    per_channel: bool = False
+    observer: Any = "minmax"  # a registered observer name, or an ObserverFn
+    percentile: float = 99.99
+    averaging: float = 0.01
+    method: str = "rtn"
+    group_size: int | None = None
+    format: str = (
+        "int"  # or a floating-point grid: fp8_e4m3, fp8_e5m2, mxfp4, nvfp4 (surgery.ops.numerics.number_formats)
+    )
+    dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
+    rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
+
+    def __post_init__(self) -> None:
+        _check(self, "GridSpec")
+        block = self.number_format.block_size
+        if block is not None and self.group_size is None:  # a micro-scaled format's blocks are its groups
+            object.__setattr__(self, "group_size", block)
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any], field: str) -> GridSpec:
+        """A spec from a dict of fields, errors naming ``field.<key>`` (as a config file spells it)."""
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(field, unknown[0], f"unknown setting; allowed: {', '.join(cls.__dataclass_fields__)}")
+        defaults = {name: f.default for name, f in cls.__dataclass_fields__.items()}
+        _check(SimpleNamespace(**{**defaults, **values}), field)
+        return cls(**values)
+
+    def validate(self, field: str) -> GridSpec:
+        """Check again with errors naming ``field.<key>`` (a spec is already valid once built)."""
+        _check(self, field)
+        return self
+
+    @property
+    def observer_name(self) -> str:
+        return self.observer if isinstance(self.observer, str) else getattr(self.observer, "__name__", "custom")
+
+    def observe(self, x: Tensor, previous: ObservedRange | None) -> tuple[Tensor, Tensor]:
+        """Update a range estimate with ``x`` (``(channels, values)``) through the observer."""
+        fn = self.observer if callable(self.observer) else OBSERVERS.get(self.observer)
+        return fn(x, previous, self)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields, the observer by name (JSON-serialisable)."""
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "observer": self.observer_name}
+
+    @property
+    def number_format(self) -> NumberFormat:
+        return FORMATS.get(self.format)
+
+    @property
+    def is_float(self) -> bool:
+        """Rounded onto a floating-point grid (scale only, zero point 0)."""
+        return self.number_format.is_float
+
+    @property
+    def quant_range(self) -> tuple[int, int]:
+        """(quant_min, quant_max) of the integer grid."""
+        if self.is_float:
+            raise ConfigError("quantize.format", self.format, "has no integer range (a floating-point grid)")
+        if self.symmetric:
+            return -(1 << (self.bits - 1)), (1 << (self.bits - 1)) - 1
+        return 0, (1 << self.bits) - 1
+
+
+def _check(spec: Any, field: str) -> None:
+    """Raise :class:`ConfigError` naming ``field.<key>`` for any value out of range."""
+    if isinstance(spec.bits, bool) or not isinstance(spec.bits, int):
+        raise ConfigTypeError(f"{field}.bits", spec.bits, "must be an integer in [2, 8]")
+    if not 2 <= spec.bits <= 8:
+        raise ConfigError(f"{field}.bits", spec.bits, "must be an integer in [2, 8]")
+    for flag in ("symmetric", "per_channel"):
+        if not isinstance(getattr(spec, flag), bool):
+            raise ConfigTypeError(f"{field}.{flag}", getattr(spec, flag), "must be true or false")
+    if not callable(spec.observer) and spec.observer not in OBSERVERS:
+        raise ConfigError(
+            f"{field}.observer",
+            spec.observer,
+            f"must be one of {', '.join(OBSERVERS.names())} (or a function registered with register_observer)",
+        )
+    if isinstance(spec.percentile, bool) or not (
+        isinstance(spec.percentile, (int, float)) and 50 < spec.percentile <= 100
+    ):
+        raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
+    if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
+        raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
+    if spec.method not in WEIGHT_METHODS:
+        allowed = ", ".join(WEIGHT_METHODS.names())
+        raise ConfigError(f"{field}.method", spec.method, f"must be one of {allowed} (or a registered weight method)")
+    size = spec.group_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
+        raise ConfigError(
+            f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
+        )
+    _check_format(spec, field)
+    _check_dynamic(spec, field)
+
+
+DYNAMIC = ("token", "tensor")
+ROUNDING = ("divide", "reciprocal")  # round(x / scale): compressed-tensors, vLLM; round(x * (1 / scale)): torchao
+
+
+def _check_dynamic(spec: Any, field: str) -> None:
+    if spec.rounding not in ROUNDING:
+        raise ConfigError(f"{field}.rounding", spec.rounding, f"must be {' or '.join(ROUNDING)}")
+    if spec.dynamic is None:
+        return
+    if spec.dynamic not in DYNAMIC:
+        raise ConfigError(f"{field}.dynamic", spec.dynamic, f"must be null, {' or '.join(DYNAMIC)}")
+    if spec.per_channel:
+        raise ConfigError(
+            f"{field}.per_channel", True, f"dynamic={spec.dynamic!r} gives the scales; set per_channel=false"
+        )
+
+
+def _check_format(spec: Any, field: str) -> None:
+    if not isinstance(spec.format, str) or spec.format not in FORMATS:
+        raise ConfigError(f"{field}.format", spec.format, f"must be one of {', '.join(FORMATS.names())}")
+    fmt = FORMATS.get(spec.format)
+    if not fmt.is_float:
+        return
+    if spec.bits not in (8, fmt.bits):
+        raise ConfigError(
+            f"{field}.bits", spec.bits, f"does not apply to format {fmt.name!r} ({fmt.bits} bits): leave it at 8"
+        )
+    if fmt.block_size is not None and spec.group_size not in (None, fmt.block_size):
+        raise ConfigError(
+            f"{field}.group_size",
+            spec.group_size,
+            f"is fixed by format {fmt.name!r}: blocks of {fmt.block_size} (leave it null)",
+        )
+
+
+class NonFiniteError(ConfigError):
+    """NaN or Inf where a quantization range is being estimated."""
+
+
+class Observer:
+    """Running range estimate of a tensor, per tensor or per channel along ``axis``."""
+
+    def __init__(self, spec: GridSpec, axis: int | None, name: str) -> None:
+        self.spec = spec
+        self.axis = axis
+        self.requested_axis = axis  # may count from the end (-1): resolved against each batch
+        self.name = name
+        self.low: Tensor | None = None
+        self.high: Tensor | None = None
+        self.count = 0
+        self.values = 0  # values seen per row (channel, or the whole tensor)
+
+    def observe(self, x: Tensor) -> None:
+        """Update the range with ``x``; NaN or Inf raises :class:`NonFiniteError`."""
+        x = x.detach().float()
+        if not torch.isfinite(x).all():
+            raise NonFiniteError(
+                "quantize.calibration", self.name, "NaN or Inf reached this layer; clean the calibration data"
+            )
+        flat = x.reshape(1, -1) if self.axis is None else x.movedim(self.axis, 0).reshape(x.shape[self.axis], -1)
+        previous = None if self.low is None else ObservedRange(self.low, self.high, self.count)
+        self.low, self.high = self._checked(self.spec.observe(flat, previous), flat.shape[0])
+        self.count += 1
+        self.values += flat.shape[1]
+
+    def check_varied(self, what: str) -> None:
+        """A range over many values that never varied (all zeros, or a bias alone) gets its scale
+        from that one value (or from eps) and clips whatever the layer sees later: refused where
+        a varied range is certain (:data:`VARIED_RANGES_REQUIRED`, the key/value cache), else
+        warned (a layer may be constant by construction, e.g. after a zero-initialised norm)."""
+        if self.low is None or self.values <= 1 or not torch.equal(self.low, self.high):
+            return
+        value = float(self.low.flatten()[0]) if self.low.numel() == 1 or self.low.eq(self.low[0]).all() else None
+        seen = f"the value {value:g}" if value is not None else "one value per channel"
+        problem = f"its {what} held {seen} in every calibration batch and position, so no range to quantize it by"
+        if VARIED_RANGES_REQUIRED.get():
+            raise ConfigError(
+                "quantize.calibration",
+                self.name,
+                f"{problem} can be learned; give batches of real data, or exclude the layer",
+            )
+        log.warning(
+            "quantize.calibration=%r: %s was learned; it will clip other values at run time", self.name, problem
+        )
+
+    def _checked(self, result: Any, rows: int) -> tuple[Tensor, Tensor]:
+        """An observer's ``(low, high)``: tensors of one value per row, finite, low <= high."""
+        field, name = "quantize.observer", self.spec.observer_name
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(r, Tensor) for r in result)):
+            raise ConfigError(
+                field,
+                name,
+                f"returned {type(result).__name__} for {self.name}; an observer returns (low, high) tensors",
+            )
+        low, high = (r.float().reshape(-1) for r in result)
+        if low.numel() != rows or high.numel() != rows:
+            raise ConfigError(
+                field,
+                name,
+                f"returned {low.numel()} and {high.numel()} values for {self.name}; it needs one per row of x ({rows})",
+            )
+        if not (torch.isfinite(low).all() and torch.isfinite(high).all()) or (low > high).any():
+            raise ConfigError(field, name, f"returned a range for {self.name} that is not finite with low <= high")
+        return low, high
+
+    def update(self, x: Tensor) -> None:
+        """:meth:`observe` as a capture reducer (the channel axis counted from the end is
+        resolved against ``x``)."""
+        if self.requested_axis is not None:
+            self.axis = self.requested_axis % x.dim()
+        self.observe(x)
+
+    def result(self) -> tuple[Tensor, Tensor] | None:
+        return None if self.low is None else (self.low, self.high)
+
+    def qparams(self) -> tuple[Tensor, Tensor]:
+        """(scale float32, zero_point int32), shaped () per tensor or (C,) per channel."""
+        if self.low is None:
+            raise ConfigError(
+                "quantize.calibration",
+                self.name,
+                "this layer saw no data during calibration",
+                "give batches that run through it, or exclude it",
+            )
+        scale, zero_point = compute_qparams(self.low, self.high, self.spec)
+        if not torch.isfinite(scale).all():
+            raise NonFiniteError(
+                "quantize.calibration",
+                self.name,
+                f"its range [{float(self.low.min()):g}, {float(self.high.max()):g}] overflows float32 in the "
+                "quantization scale; clean or rescale the calibration data",
+            )
+        return (scale.reshape(()), zero_point.reshape(())) if self.axis is None else (scale, zero_point)
+
+
+def compute_qparams(
+    low: Tensor, high: Tensor, spec: GridSpec, tensor_amax: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Scale and zero point for the range [low, high], with torch.ao's formulas; on a
+    floating-point grid, the format's scale of ``max(|low|, |high|)`` and a zero point of 0
+    (``tensor_amax``: the whole tensor's, for formats with a per-tensor scale above the blocks')."""
+    if spec.is_float:
+        amax = torch.maximum(-low.float(), high.float()).clamp(min=0)
+        scale = spec.number_format.scale_of(amax, tensor_amax)
+        return scale, torch.zeros_like(scale, dtype=torch.int32)
+    quant_min, quant_max = spec.quant_range
+    low = torch.minimum(low.float(), torch.zeros_like(low, dtype=torch.float32))
+    high = torch.maximum(high.float(), torch.zeros_like(high, dtype=torch.float32))
+    eps = torch.tensor(torch.finfo(torch.float32).eps)
+    if spec.symmetric:
+        scale = torch.maximum(torch.maximum(-low, high) / (float(quant_max - quant_min) / 2), eps)
+        zero_point = torch.zeros_like(scale, dtype=torch.int32)
+    else:
+        scale = torch.maximum((high - low) / float(quant_max - quant_min), eps)
+        zero_point = torch.clamp(quant_min - torch.round(low / scale).to(torch.int32), quant_min, quant_max)
+    return scale, zero_point.to(torch.int32)
+
+
+def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: GridSpec) -> Tensor:
+    """Group-wise fake quantization of a weight: ``scale`` and ``zero_point`` are (outputs,
+    groups) for groups of ``spec.group_size`` consecutive entries of ``x.movedim(axis, 0)``'s
+    rows (the last group may be shorter)."""
+    moved = x.movedim(axis, 0)
+    rows = moved.reshape(moved.shape[0], -1)
+    size = spec.group_size
+    columns = rows.shape[1]
+    padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
+    if spec.is_float:
+        rounded = spec.number_format.fake_quantize(padded, scale.reshape(-1, 1).to(padded.device))
+    else:
+        quant_min, quant_max = spec.quant_range
+        rounded = torch.fake_quantize_per_channel_affine(
+            padded, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min, quant_max
+        )
+    return rounded.reshape(rows.shape[0], -1)[:, :columns].reshape(moved.shape).movedim(0, axis)
+
+
+class Grid:
+    """A weight's quantization grid seen as an (outputs, columns) matrix, for solvers that
+    round it a slice at a time (GPTQ): scales per row (per channel or per group) or one."""
+
+    def __init__(self, spec: GridSpec, per_row: bool, tensor_amax: Tensor | None = None) -> None:
+        self.spec, self.per_row, self.tensor_amax = spec, per_row, tensor_amax
+
+    def qparams_of(self, columns: Tensor) -> tuple[Tensor, Tensor]:
+        """Scale and zero point of an (outputs, k) slice: one per row, or one for all."""
+        flat = columns.float() if self.per_row else columns.float().reshape(1, -1)
+        low, high = self.spec.observe(flat, None)
+        scale, zero_point = compute_qparams(low, high, self.spec, self.tensor_amax)
+        return (scale, zero_point) if self.per_row else (scale.reshape(()), zero_point.reshape(()))
+
+    def group_qparams(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """(outputs, groups) scales and zero points for round-to-nearest by groups (a last,
+        shorter group is observed on its own entries only)."""
+        size = self.spec.group_size
+        whole = rows.shape[1] // size * size
+        parts = []
+        if self.spec.is_float and self.tensor_amax is None:  # a per-tensor scale over the blocks' (nvfp4)
+            return Grid(self.spec, self.per_row, rows.detach().abs().amax().float()).group_qparams(rows)
+        if whole:
+            scale, zero_point = self.qparams_of(rows[:, :whole].float().reshape(-1, size))
+            parts.append((scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)))
+        if whole < rows.shape[1]:
+            scale, zero_point = self.qparams_of(rows[:, whole:].float())
+            parts.append((scale.view(-1, 1), zero_point.view(-1, 1)))
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+    def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
+        """One column rounded onto the grid (``scale``: one per row, or one)."""
+        if self.spec.is_float:
+            return self.spec.number_format.fake_quantize(column, scale)
+        quant_min, quant_max = self.spec.quant_range
+        rows = column.shape[0]
+        return torch.fake_quantize_per_channel_affine(
+            column.unsqueeze(1),
+            scale.expand(rows).contiguous(),
+            zero_point.expand(rows).contiguous(),
+            0,
+            quant_min,
+            quant_max,
+        ).squeeze(1)
+
+
+def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None, spec: GridSpec) -> Tensor:
+    """PyTorch's fused fake-quantization op for the given parameters (on a floating-point grid,
+    the format's rounding of ``x / scale``)."""
+    if spec.is_float:
+        shape = [1] * x.dim()
+        if axis is not None:
+            shape[axis] = -1
+        return spec.number_format.fake_quantize(x, scale.reshape(shape) if axis is not None else scale)
+    quant_min, quant_max = spec.quant_range
+    if axis is None:
+        return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max)
+    return torch.fake_quantize_per_channel_affine(x, scale, zero_point, axis, quant_min, quant_max)
+
+
+def fake_quantize_dynamic(x: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor]:
+    """``x`` fake-quantized with scales taken from itself (``spec.dynamic``: one per token, each
+    row of the last dimension, or one for the whole tensor), rounded as ``spec.rounding`` says
+    (``round(x / scale)``: bit-equal to what llm-compressor and vLLM compute; ``round(x * (1 /
+    scale))``: torchao's); gradients pass
+    straight through. Returns it and the scales (non-finite where ``x`` is)."""
+    if x.numel() == 0:
+        return x, torch.ones(0)
+    rows = x.reshape(-1, x.shape[-1]) if spec.dynamic == "token" and x.dim() else x.reshape(1, -1)
+    values = rows.detach().float()
+    scale, zero_point = compute_qparams(values.amin(1), values.amax(1), spec)
+    scale, zero_point = scale.to(x.device).reshape(-1, 1), zero_point.to(x.device).reshape(-1, 1)
+    if spec.is_float:
+        rounded = spec.number_format.fake_quantize(rows, scale)
+    else:
+        quant_min, quant_max = spec.quant_range
+        scaled = rows * (1.0 / scale.to(rows.dtype)) if spec.rounding == "reciprocal" else rows / scale.to(rows.dtype)
+        integers = torch.clamp(torch.round(scaled + zero_point), quant_min, quant_max)
+        rounded = ((integers - zero_point) * scale.to(rows.dtype)).to(rows.dtype)
+    if rows.requires_grad:
+        rounded = rows + (rounded - rows).detach()
+    return rounded.reshape(x.shape), scale.reshape(-1)
+
+
+def __getattr__(name: str) -> Any:
+    """``QuantSpec``: the name :class:`GridSpec` had before 0.3 (warns)."""
+    if name == "QuantSpec":
+        warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
+        return GridSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

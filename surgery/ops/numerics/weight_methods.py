@@ -1,0 +1,156 @@
+"""Weight quantization methods: the registry ``GridSpec(method=...)`` names, and the problem a method solves.
+
+A method turns the selected weights into scales, zero points and (optionally) new weight
+values; :func:`surgery.quantize` attaches the result, restorably. RTN (:mod:`surgery.ops.quantization.methods.rtn`)
+and GPTQ (:mod:`surgery.ops.quantization.methods.gptq`) register here the same way a user's method does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from torch import Tensor, nn
+
+from surgery.core import guards
+from surgery.core.errors import ConfigError
+from surgery.core.originals import Originals
+from surgery.core.registry import Registry
+from surgery.core.targets import Target, Targets, is_hf_conv1d
+
+if TYPE_CHECKING:
+    from surgery.core.sequential import SequentialReport
+    from surgery.ops.numerics.observers import GridSpec
+
+WEIGHT_AXIS = (
+    (nn.ConvTranspose1d, 1),
+    (nn.ConvTranspose2d, 1),
+    (nn.ConvTranspose3d, 1),
+    (nn.Conv1d, 0),
+    (nn.Conv2d, 0),
+    (nn.Conv3d, 0),
+    (nn.Linear, 0),
+    (nn.Embedding, 0),
+)
+
+
+class QuantizedWeight(NamedTuple):
+    """A method's answer for one weight: the grid (``scale``, ``zero_point``, one per output
+    channel along ``axis`` or per group, or scalars with ``axis=None``), and ``value``, the new
+    weights to round onto that grid (None: round the current weights to nearest)."""
+
+    scale: Tensor
+    zero_point: Tensor
+    axis: int | None
+    value: Tensor | None = None
+
+
+@dataclass
+class WeightProblem:
+    """What a weight method is given: the model, the selected weights (``targets.matched``, by
+    qualified parameter name) and the spec; calibration batches for calibrated methods.
+
+    A method that writes its new values into the weights itself (GPTQ, in sequence) keeps each
+    weight's original in ``originals`` first and answers ``value=None``: the values are then
+    held once, in the model."""
+
+    model: nn.Module
+    targets: Targets
+    spec: GridSpec
+    calibration: Any = None
+    blocks: Any = None  # the repeated blocks a sequential method calibrates one after another
+    progress: bool = True
+    sequential: SequentialReport | None = None  # set by a method that runs a sequential pass
+    originals: Originals = field(default_factory=Originals)  # weights' values before the method wrote them
+
+    def value(self, key: str) -> Tensor:
+        """The weight's current value (with earlier steps applied, e.g. pruned entries zero)."""
+        return guards.current_value(self.targets.matched[key].param)
+
+    def axis(self, key: str) -> int:
+        """The weight's output-channel axis: 0, except transposed layouts (ConvTranspose, Conv1D)."""
+        return weight_axis(self.targets.matched[key], key)
+
+
+Solve = Callable[[WeightProblem], dict[str, QuantizedWeight]]
+
+
+@dataclass(frozen=True)
+class WeightMethod:
+    """A registered weight quantization method.
+
+    ``needs_calibration`` makes :func:`surgery.quantize` require calibration batches;
+    ``trainable`` says quantization-aware training (``train=True``) may use it.
+    """
+
+    name: str
+    solve: Solve
+    needs_calibration: bool = False
+    trainable: bool = False
+    sequential: bool = False  # calibrates block after block (takes ``blocks=``)
+
+    def __call__(self, problem: WeightProblem) -> dict[str, QuantizedWeight]:
+        return self.solve(problem)
+
+
+WEIGHT_METHODS: Registry[WeightMethod] = Registry("quantize.weights.method")
+
+
+def register_weight_method(
+    name: str,
+    solve: Solve,
+    *,
+    needs_calibration: bool = False,
+    trainable: bool = False,
+    sequential: bool = False,
+    replace: bool = False,
+) -> WeightMethod:
+    """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``GridSpec(method=name)``
+    and ``quantize.weights.method=name`` in recipes.
+
+    Example:
+        >>> def halves(problem):
+        ...     return {key: QuantizedWeight(problem.value(key).abs().amax() / 127, torch.tensor(0), None)
+        ...             for key in problem.targets.matched}
+        >>> register_weight_method("halves", halves)
+    """
+    method = WeightMethod(name, solve, needs_calibration, trainable, sequential)
+    return WEIGHT_METHODS.register(name, method, replace=replace)
+
+
+def weight_method(name: object) -> WeightMethod:
+    """The method registered as ``name`` (a one-line error listing the registered ones otherwise)."""
+    return WEIGHT_METHODS.get(name)
+
+
+def weight_axis(target: Target, name: str) -> int:
+    """The output-channel axis of a weight: 0, except transposed layouts (ConvTranspose, Conv1D)."""
+    if target.attribute != "weight":
+        return 0  # e.g. an LSTM's weight_ih_l0 or attention's in_proj_weight: rows are outputs
+    if is_hf_conv1d(target.module):
+        return 1  # (in_features, out_features)
+    return layer_axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
+
+
+def output_axis(module: nn.Module, attribute: str) -> int:
+    """The output axis of ``module``'s ``attribute`` as :func:`weight_axis` gives it, 0 for
+    types without a channel axis: how a per-tensor grid lays the weight out in rows."""
+    if attribute != "weight":
+        return 0
+    if is_hf_conv1d(module):
+        return 1
+    return next((axis for kind, axis in WEIGHT_AXIS if isinstance(module, kind)), 0)
+
+
+def layer_axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
+    """The channel axis ``table`` gives ``module``'s type; a one-line error for other types."""
+    for kind, axis in table:
+        if isinstance(module, kind):
+            return axis
+    allowed = ", ".join(sorted({k.__name__ for k, _ in table}))
+    raise ConfigError(
+        f"{field}.per_channel",
+        True,
+        f"{name} ({type(module).__name__}) has no channel axis; per-channel works on {allowed}",
+    )

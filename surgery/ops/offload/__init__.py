@@ -1,0 +1,1 @@
+"""Models larger than memory: offloaded models, their work folders and manifests."""

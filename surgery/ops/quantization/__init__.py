@@ -1,0 +1,1 @@
+"""Quantization: the verb, its quantizers, QAT, activation placement, deploy targets, the KV cache, and methods/ (one file per weight method)."""

@@ -1,0 +1,3 @@
+"""Weight quantization methods, one file each, registered through ``surgery.register_weight_method``: rtn, gptq."""
+
+from surgery.ops.quantization.methods import gptq, rtn  # noqa: F401 - they register themselves

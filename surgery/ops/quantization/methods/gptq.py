@@ -1,0 +1,79 @@
+"""GPTQ (Frantar et al. 2023) as a weight method: each layer rounded input column by input
+column against the Hessian of its calibration inputs, layer after layer in sequence."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from surgery.core import guards
+from surgery.core.hessians import weight_matrix
+from surgery.ops.numerics.observers import Grid
+from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
+from surgery.ops.second_order.reconstruction import gptq
+from surgery.ops.second_order.second_order import check_layers, reconstruct_layers
+
+
+def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
+    """GPTQ on every selected layer; a pruned layer keeps its zeros and compensates on the kept entries."""
+    targets, spec = problem.targets, problem.spec
+    check_layers(targets.matched, "quantize.select", "gptq")
+    grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
+    by_layer = {t.module_name: t for t in targets.matched.values()}
+    whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
+    amax = {}  # each weight's largest magnitude, before GPTQ moves it
+    for layer, target in by_layer.items():
+        amax[layer] = guards.current_value(target.param).detach().abs().amax().float()
+        if not spec.group_size:
+            whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
+    offsets: dict[str, int] = {}
+    masks = {}
+    for layer, target in by_layer.items():
+        mask = next((t.mask() for t in guards.transforms_of(target.param) if callable(getattr(t, "mask", None))), None)
+        if mask is not None:
+            masks[layer] = weight_matrix(target.module, mask)
+
+    def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
+        offsets[layer] = rows.stop
+        fixed = None if spec.group_size else whole[layer]
+        if fixed is not None and grid.per_row:
+            fixed = (fixed[0][rows], fixed[1][rows])
+        keep = masks.get(layer)
+        layer_grid = Grid(spec, grid.per_row, amax[layer]) if spec.is_float else grid  # nvfp4: the tensor's scale
+        new, scale, zero_point = gptq(
+            matrix,
+            hessian,
+            layer_grid.qparams_of if fixed is None else lambda _: fixed,
+            layer_grid.round,
+            group_size=spec.group_size,
+            name=layer,
+            keep=None if keep is None else keep[rows],
+        )
+        return new, (
+            scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
+            zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point,
+        )
+
+    results, problem.sequential = reconstruct_layers(
+        problem.model,
+        targets.matched,
+        problem.calibration,
+        solver,
+        problem.originals,
+        blocks=problem.blocks,
+        field="quantize.calibration",
+        progress=problem.progress,
+        settings=spec,
+    )
+    found = {}
+    for key in targets.matched:  # the rounded weights are in the model already
+        scale, zero_point = results[key]
+        axis = problem.axis(key) if grid.per_row else None
+        if not grid.per_row:
+            scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
+        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis)
+    return found
+
+
+register_weight_method("gptq", solve_gptq, needs_calibration=True, sequential=True)

@@ -1,0 +1,1 @@
+"""Second-order compression: Hessians and the GPTQ/SparseGPT walk, stage by stage."""

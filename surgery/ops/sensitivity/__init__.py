@@ -1,0 +1,1 @@
+"""Per-layer sensitivity scans and plans."""

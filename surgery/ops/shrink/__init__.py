@@ -1,0 +1,1 @@
+"""Physical shrinking: shrink, rebuild and their plans."""

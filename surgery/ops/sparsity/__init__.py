@@ -1,0 +1,1 @@
+"""Pruning: the verb, its criteria and OWL plans."""

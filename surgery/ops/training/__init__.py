@@ -1,0 +1,1 @@
+"""Recovery: fine-tuning and distillation."""

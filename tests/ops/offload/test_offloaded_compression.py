@@ -1,0 +1,376 @@
+"""Verbs on an offloaded model, block by block: the result equals the same verb on the model in
+memory, baked, bit for bit; the source files never change; export streams it; a run that died
+part-way starts again; a full disk leaves the output as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import tiny_llama  # tests/support.py
+from torch import nn
+
+import surgery
+from surgery import GridSpec
+from surgery.core._compat import global_hook_counts
+from surgery.core.errors import AlreadyModifiedError, ConfigError
+from surgery.ops.export.formats.compressed_tensors_folder import load_compressed_tensors
+
+PROBE = Path(__file__).with_name("peak_memory_probe.py")
+GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
+
+
+def llama_folder(folder: Path, layers: int = 3) -> nn.Module:
+    model = tiny_llama(layers=layers, vocab=128)
+    model.save_pretrained(folder)
+    return model
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (2, 16), generator=generator) for _ in range(4)]
+
+
+TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+
+
+def logits(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+VERBS = {
+    "gptq": lambda m, cal, **kw: surgery.quantize(m, weights=GPTQ, calibration=cal, progress=False, **kw),
+    "rtn": lambda m, cal, **kw: surgery.quantize(m, weights=GridSpec(bits=4, group_size=32), progress=False, **kw),
+    "sparsegpt": lambda m, cal, **kw: surgery.prune(m, 0.5, method="sparsegpt", calibration=cal, progress=False, **kw),
+    "wanda": lambda m, cal, **kw: surgery.prune(m, 0.5, method="wanda", calibration=cal, progress=False, **kw),
+    "magnitude": lambda m, cal, **kw: surgery.prune(m, 0.5, progress=False, **kw),
+    "smoothquant": lambda m, cal, **kw: surgery.smooth(m, 0.8, calibration=cal, progress=False, **kw),
+}
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_a_verb_on_the_offloaded_model_equals_it_in_memory_and_restores_from_untouched_files(tmp_path, verb):
+    reference = llama_folder(tmp_path)
+    before_files, before_hooks = digest(tmp_path), global_hook_counts()
+    original = logits(reference)
+    VERBS[verb](reference, batches()).bake()
+    source = surgery.offloaded(tmp_path)
+    done = VERBS[verb](source, batches())
+    assert torch.equal(logits(source.model), logits(reference))
+    assert all(p.is_meta for p in source.model.parameters())  # held a block at a time, never whole
+    assert done.blocks == 3 and len(done.seconds) == len(done.stages)
+    assert digest(tmp_path) == before_files
+    assert global_hook_counts() == before_hooks  # the verbs' hooks went with each block's bake
+    done.restore()
+    assert torch.equal(logits(source.model), original)
+    assert not done.work.exists()  # the temporary stage files go with restore
+
+
+def test_sensitivity_of_an_offloaded_model_equals_it_in_memory(tmp_path):
+    reference = llama_folder(tmp_path, layers=2)
+    inputs = batches()[:2]
+    kwargs = {"inputs": inputs, "select": "model.layers.*.mlp.*", "progress": False}
+    expected = surgery.sensitivity(reference, (0.5,), **kwargs)
+    source = surgery.offloaded(tmp_path)
+    found = surgery.sensitivity(source, (0.5,), **kwargs)
+    assert [(r.layer, r.score) for r in found.rows] == [(r.layer, r.score) for r in expected.rows]
+    assert source.overlay == {}  # every trial restored
+    assert torch.equal(logits(source.model), logits(reference))
+
+
+def test_export_streams_the_same_files_as_the_model_in_memory_gives(tmp_path):
+    folder, out = tmp_path / "model", tmp_path / "out"
+    reference = llama_folder(folder)
+    select = "model.layers.*.*.*"  # compressed-tensors holds Linear layers of one scheme; the head stays float
+    in_memory = surgery.quantize(reference, weights=GPTQ, calibration=batches(), select=select, progress=False)
+    surgery.export(in_memory, out / "memory", format="compressed-tensors")
+    surgery.export(in_memory, out / "memory.safetensors")
+    done = surgery.quantize(surgery.offloaded(folder), weights=GPTQ, calibration=batches(), select=select)
+    record = surgery.export(done, out / "offloaded", format="compressed-tensors", inputs=[TOKENS])
+    surgery.export(done, out / "offloaded.safetensors")
+    assert record.parity.equal  # transformers loads the folder and computes what the offloaded model does
+    expected, found = load_file(out / "memory.safetensors"), load_file(out / "offloaded.safetensors")
+    assert expected.keys() == found.keys() and all(torch.equal(expected[k], found[k]) for k in expected)
+    shards = sorted((out / "offloaded").glob("model-*.safetensors"))
+    assert len(shards) == 5  # embeddings, a shard per block, then the norm and the head
+    expected = load_file(out / "memory" / "model.safetensors")
+    found = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert expected.keys() == found.keys() and all(torch.equal(expected[k], found[k]) for k in expected)
+    config = json.loads((out / "offloaded" / "config.json").read_text())
+    assert config == json.loads((out / "memory" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    assert torch.equal(logits(load_compressed_tensors(out / "offloaded")), logits(done.model))
+
+
+def test_the_offloaded_model_itself_streams_to_safetensors(tmp_path):
+    reference = llama_folder(tmp_path / "model")
+    source = surgery.offloaded(tmp_path / "model")
+    surgery.export(source, tmp_path / "copy.safetensors")
+    written = load_file(tmp_path / "copy.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in reference.state_dict().items())
+
+
+def test_a_run_that_died_part_way_goes_on_from_its_work_folder(tmp_path):
+    folder, work = tmp_path / "model", tmp_path / "work"
+    reference = llama_folder(folder)
+    VERBS["gptq"](reference, batches()).bake()
+    source = surgery.offloaded(folder)
+    runs = []
+
+    def die_in_the_third_blocks_stage(module, args):  # its first run is the planning forward
+        runs.append(1)
+        if len(runs) == 2:
+            raise KeyboardInterrupt
+
+    hook = source.model.model.layers[2].register_forward_pre_hook(die_in_the_third_blocks_stage)
+    with pytest.raises(KeyboardInterrupt):
+        VERBS["gptq"](source, batches(), work=work)
+    hook.remove()
+    assert source.overlay == {}  # the model reads its source again
+    assert sorted(p.name for p in work.glob("stage-*")) == ["stage-00000.safetensors", "stage-00001.safetensors"]
+    done = VERBS["gptq"](source, batches(), work=work)
+    assert done.resumed == 2 and len(done.seconds) == 2  # two blocks skipped; block 3 and the head run
+    assert torch.equal(logits(source.model), logits(reference))
+    with pytest.raises(ConfigError, match="holds a run with other settings or calibration") as err:
+        surgery.quantize(source, weights=GridSpec(bits=3, method="gptq"), calibration=batches(), work=work)
+    assert "\n" not in str(err.value)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is a folder of other files"):
+        VERBS["gptq"](source, batches(), work=tmp_path / "other")
+
+
+FULL_DISK = """
+import resource, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from support import tiny_llama
+import surgery
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+source = surgery.offloaded({folder!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+try:
+    surgery.export(source, {out!r}, format="compressed-tensors" if {folder_format} else "safetensors", overwrite=True)
+except OSError as err:
+    print("failed", err.errno)
+"""
+
+
+def test_a_full_disk_while_streaming_leaves_the_output_as_it_was(tmp_path):
+    llama_folder(tmp_path / "model")
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"the previous export")
+    script = FULL_DISK.format(
+        tests=str(Path(__file__).parents[2]), folder=str(tmp_path / "model"), out=str(out), folder_format=False
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split()[:1] == ["failed"]
+    assert out.read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.safetensors"]  # no partial file left
+
+
+def test_offloaded_gptq_holds_a_few_blocks_not_the_model(tmp_path):
+    """24 blocks of 8 MB: each stage holds its block, the originals the verb keeps until it
+    bakes, GPTQ's working copy and the file being written (~4 blocks, 0.17x), plus the grids."""
+    path = str(tmp_path / "wide.safetensors")
+    subprocess.run([sys.executable, str(PROBE), "write", path], check=True, timeout=120)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    result = subprocess.run(
+        [sys.executable, str(PROBE), "gptq-offloaded", path], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split()[-1]) <= 0.5  # in memory the same run peaks above 1x
+
+
+def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_path):
+    timm = pytest.importorskip("timm")
+    from safetensors.torch import save_file
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return timm.models.VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=3, num_heads=2).eval()
+
+    reference = build()
+    save_file(reference.state_dict(), tmp_path / "vit.safetensors")
+    images = [torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    surgery.quantize(reference, weights=GPTQ, calibration=images, progress=False).bake()
+    source = surgery.offloaded(tmp_path / "vit.safetensors", factory=build)
+    done = surgery.quantize(source, weights=GPTQ, calibration=images, progress=False)
+    assert done.blocks == 3
+    with torch.no_grad():
+        assert torch.equal(source.model(images[0]), reference(images[0]))
+
+
+@pytest.mark.parametrize(
+    ("call", "field", "message"),
+    [
+        (
+            lambda s: surgery.quantize(s, activations=GridSpec(bits=8), weights=None, calibration=batches()),
+            "quantize.activations",
+            "weights only",
+        ),
+        (lambda s: surgery.prune(s, 0.5, scope="global"), "prune.scope", "ranks across the whole model"),
+        (lambda s: surgery.prune(s.model.model.layers[0], 0.5, work="w"), "prune.work", "is for an offloaded model"),
+        (lambda s: surgery.export(s, "x.onnx", format="onnx"), "export.format", "formats that stream: safetensors"),
+        (lambda s: surgery.quantize(s, weights=GPTQ), "quantize.calibration", "calibration"),
+    ],
+    ids=["activations", "global-scope", "work-in-memory", "onnx", "no-calibration"],
+)
+def test_what_cannot_run_offloaded_is_one_line_and_changes_nothing(tmp_path, call, field, message):
+    llama_folder(tmp_path)
+    source = surgery.offloaded(tmp_path)
+    with pytest.raises(ConfigError, match=message) as err:
+        call(source)
+    assert err.value.field == field and "\n" not in str(err.value)
+    assert source.overlay == {} and all(p.is_meta for p in source.model.parameters())
+
+
+def test_a_second_verb_restored_leaves_the_first_verbs_result(tmp_path):
+    reference = llama_folder(tmp_path)
+    source = surgery.offloaded(tmp_path)
+    smoothed = VERBS["smoothquant"](source, batches())
+    after_smoothing = logits(source.model)
+    quantized = VERBS["gptq"](source, batches())
+    VERBS["smoothquant"](reference, batches()).bake()
+    VERBS["gptq"](reference, batches()).bake()
+    assert torch.equal(logits(source.model), logits(reference))  # the second verb read the first's weights
+    with pytest.raises(AlreadyModifiedError, match="restore that one first"):
+        smoothed.restore()  # out of order: the first would put back weights the second rewrote
+    assert torch.equal(logits(source.model), logits(reference))
+    quantized.restore()
+    assert torch.equal(logits(source.model), after_smoothing)
+    smoothed.restore()
+    assert source.overlay == {}
+
+
+RTN = GridSpec(bits=4, group_size=32)
+
+
+def rtn(source, work: Path):
+    return surgery.quantize(source, weights=RTN, progress=False, work=work)
+
+
+def test_a_work_folder_of_another_model_is_refused_not_resumed(tmp_path):
+    """The same settings, the same shapes, another model's files: nothing of the first is published."""
+    llama_folder(tmp_path / "a", layers=2)
+    other = tiny_llama(layers=2, vocab=128)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(2)
+    other.save_pretrained(tmp_path / "b")
+    rtn(surgery.offloaded(tmp_path / "a"), tmp_path / "work")
+    with pytest.raises(ConfigError, match=r"holds a run of other source files \(model.safetensors: its ") as err:
+        rtn(surgery.offloaded(tmp_path / "b"), tmp_path / "work")
+    assert "\n" not in str(err.value) and "fresh folder" in str(err.value)
+
+
+def test_a_work_folder_of_a_verb_after_another_is_refused_for_that_verb_alone(tmp_path):
+    """smooth then quantize, kept; quantize alone would adopt weights carrying the smoothing."""
+    llama_folder(tmp_path / "model", layers=2)
+    source = surgery.offloaded(tmp_path / "model")
+    surgery.smooth(source, 0.8, calibration=batches(), progress=False, work=tmp_path / "smooth")
+    rtn(source, tmp_path / "quantize")
+    again = surgery.offloaded(tmp_path / "model")
+    with pytest.raises(ConfigError, match="began from another state of the model"):
+        rtn(again, tmp_path / "quantize")
+    surgery.smooth(again, 0.8, calibration=batches(), progress=False, work=tmp_path / "smooth")
+    assert rtn(again, tmp_path / "quantize").resumed == 3  # the same verbs in the same order do resume
+
+
+def spoil(work: Path, how: str) -> None:
+    """Edit a finished work folder's manifest or a stage file as a user (or a bad disk) might."""
+    path = work / "manifest.json"
+    manifest = json.loads(path.read_text())
+    stages = manifest["stages"]
+    if how == "stages-list":
+        manifest["stages"] = list(stages.values())
+    elif how == "outside":
+        stages["0"]["file"] = "../x.safetensors"
+    elif how == "other-layer":
+        stages["0"]["names"], stages["0"]["grids"] = stages["1"]["names"], stages["1"]["grids"]
+    elif how == "no-digest":
+        del stages["1"]["sha256"]
+    elif how == "grids-dropped":
+        stages["1"]["grids"] = {}
+    elif how == "zeroed":
+        stage = work / stages["1"]["file"]
+        stage.write_bytes(bytes(stage.stat().st_size))
+    elif how == "not-json":
+        path.write_bytes(b"\xff{")
+        return
+    elif how == "nested":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+        return
+    elif how.startswith("axis"):
+        grids = stages["1"]["grids"]
+        grids[next(iter(grids))] = {"axis-none": None, "axis-1": 1, "axis-huge": 10**30}[how]
+    path.write_text(json.dumps(manifest))
+
+
+SPOILED = {
+    "stages-list": r"manifest.json': is not a manifest this surgery wrote \('stages' is list, not dict\)",
+    "outside": r"stage 0's file is '../x.safetensors', not the plain name 'stage-00000.safetensors'",
+    "other-layer": r"lists stage-00000.safetensors with other weights than model.layers.0's \(model.layers.0.",
+    "no-digest": r"stage 1 has no sha256 of its file",
+    "grids-dropped": r"stage-00001.safetensors': does not hold the stage's tensors as listed \(model.layers.1.",
+    "zeroed": r"stage-00001.safetensors': is missing or not the file the run wrote",
+    "not-json": r"manifest.json': cannot be read as JSON \(UnicodeDecodeError\)",
+    "nested": r"manifest.json': cannot be read as JSON \(RecursionError\)",
+    "axis-none": r"stage-00001.safetensors': lists axis None for model.layers.1.\S+, which its scales do not fit",
+    "axis-1": r"stage-00001.safetensors': lists axis 1 for model.layers.1.\S+, which its scales do not fit",
+    "axis-huge": r"stage-00001.safetensors': lists axis 10{30} for model.layers.1.\S+, which its scales do not fit",
+}
+
+
+@pytest.mark.parametrize("how", list(SPOILED))
+def test_a_spoiled_work_folder_is_one_line_naming_it_and_what_is_wrong(tmp_path, how):
+    llama_folder(tmp_path / "model", layers=2)
+    rtn(surgery.offloaded(tmp_path / "model"), tmp_path / "work")
+    spoil(tmp_path / "work", how)
+    source = surgery.offloaded(tmp_path / "model")
+    with pytest.raises(ConfigError, match=SPOILED[how]) as err:
+        rtn(source, tmp_path / "work")
+    assert "\n" not in str(err.value) and str(tmp_path / "work") in str(err.value)
+    assert source.overlay == {}  # nothing adopted
+
+
+def test_a_tokenizer_folder_is_saved_beside_the_export_and_a_broken_one_refused_before_writing(tmp_path):
+    from support import local_tokenizer  # tests/support.py
+
+    llama_folder(tmp_path / "model", layers=1)
+    done = surgery.quantize(surgery.offloaded(tmp_path / "model"), weights=RTN, progress=False)
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", "surgery puts every change back exactly. " * 20, 40)
+    surgery.export(done, tmp_path / "out", format="compressed-tensors", tokenizer=str(tokenizer))
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    (tokenizer / "tokenizer.json").write_text("{cut")
+    with pytest.raises(ConfigError, match=r"export.options.tokenizer='.*': cannot be loaded as a tokenizer") as err:
+        surgery.export(done, tmp_path / "again", format="compressed-tensors", tokenizer=str(tokenizer))
+    assert "\n" not in str(err.value) and not (tmp_path / "again").exists()
+
+
+def test_a_work_folder_that_is_a_file_or_holds_a_cut_stage_is_named_as_work(tmp_path):
+    folder, work = tmp_path / "model", tmp_path / "work"
+    llama_folder(folder, layers=2)
+    source = surgery.offloaded(folder)
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"^work='.*a_file': is a file; give a folder"):
+        VERBS["rtn"](source, None, work=tmp_path / "a_file")
+    VERBS["rtn"](source, None, work=work).restore()
+    stage = work / "stage-00000.safetensors"
+    stage.write_bytes(stage.read_bytes()[:100])
+    with pytest.raises(
+        ConfigError, match=r"^work='.*stage-00000.safetensors': is missing or not the file the run wrote"
+    ):
+        VERBS["rtn"](source, None, work=work)
+    assert torch.equal(logits(source.model), logits(tiny_llama(layers=2, vocab=128)))
