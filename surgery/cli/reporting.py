@@ -424,6 +424,25 @@ def _markdown_shrink(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _markdown_quantize(report: dict[str, Any]) -> list[str]:
+    """What the quantized model stores, against fp32."""
+    if "quantize" not in report:
+        return []
+    stored = report["quantize"]
+    return [
+        "",
+        "## Quantization",
+        "",
+        "| weights | share of the parameters | bits per weight | bytes | x fp32 |",
+        "| --- | --- | --- | --- | --- |",
+        f"| {stored['weights']} | {stored['share_of_parameters']:.1%} | {stored['bits_per_weight']:.3f} "
+        f"| {stored['bytes']:,} | {stored['bytes_vs_fp32']:.3f} |",
+        "",
+        "Bits per weight count the values and their scales (half precision; the MX/NV formats' block "
+        "scales at 8 bits) and zero points; parameters left float count at their own dtype.",
+    ]
+
+
 def _markdown_perplexity(report: dict[str, Any]) -> list[str]:
     """Held-out perplexity of a language model."""
     lines: list[str] = []
@@ -534,6 +553,7 @@ MARKDOWN_SECTIONS = (
     _markdown_accuracy,
     _markdown_sensitivity,
     _markdown_shrink,
+    _markdown_quantize,
     _markdown_perplexity,
     _markdown_finetune,
     _markdown_drift,
@@ -580,10 +600,18 @@ def summary_table(report: dict[str, Any]) -> str:
     """A short plain-text table for the terminal."""
     drift = report["drift"]
     width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 8
-    lines = [
-        f"recipe {report['recipe']}  model {report['model']}  sparsity {report['sparsity']:.4f}  "
-        f"params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"
-    ]
+    pruned = (report.get("sparsity_over") or {}).get("parameters", 0) > 0
+    headline = f"recipe {report['recipe']}  model {report['model']}"
+    if pruned:
+        headline += f"  sparsity {report['sparsity']:.4f}"
+    lines = [headline + f"  params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"]
+    if "quantize" in report:
+        stored = report["quantize"]
+        lines.append(
+            f"  quantize: {stored['bits_per_weight']:.3g} bits per weight over {stored['weights']} weights "
+            f"({stored['share_of_parameters']:.0%} of the parameters); the model {stored['bytes'] / 1e6:.3g} MB, "
+            f"{stored['bytes_vs_fp32']:.3f}x its fp32 bytes"
+        )
     lines += [f"  {line}" for line in selection_lines(report)]
     for c in report["checks"]:
         value = "" if c["value"] is None else f"{c['value']:.4g}"

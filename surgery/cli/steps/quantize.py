@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -16,6 +17,7 @@ from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization.storage import weight_storage
 from surgery.ops.quantization.targets import deploy_target
 
 
@@ -67,6 +69,11 @@ class QuantizeStep(Step):
 
     def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
         return handle.qparams()
+
+    def report(self, handle: Handle, settings: QuantizeConfig, run: StepRun, report: dict[str, Any]) -> None:
+        """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
+        if handle.weights and handle.model is not None:
+            report["quantize"] = weight_storage(handle)
 
     def fresh_build(
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
