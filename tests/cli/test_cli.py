@@ -553,15 +553,15 @@ def test_two_steps_saving_parameters_for_one_layer_are_refused_in_one_line():
     from support import tiny_llama
 
     import surgery as api
-    from surgery.cli.applying import saved_qparams
+    from surgery.cli.applying import AppliedSteps, saved_qparams
+    from surgery.cli.steps import step_named
     from surgery.core.errors import ConfigError
-    from surgery.core.handles import HandleGroup
 
     model = tiny_llama(layers=1)
     calibration = [torch.randint(0, 128, (2, 16))]
     inputs = api.quantize(model, weights=None, activations=api.GridSpec(bits=8), where="input", calibration=calibration)
     cache = api.quantize_kv_cache(model, calibration=calibration, progress=False)
-    group = HandleGroup([inputs, cache], model)
+    group = AppliedSteps([inputs, cache], model, [step_named("quantize"), step_named("kv_cache")])
     with pytest.raises(ConfigError, match=r"^steps='quantize, kv_cache': both quantize model.layers.0.self_attn.k_"):
         saved_qparams(group)
     group.restore()
