@@ -370,7 +370,7 @@ def _drift(config: RunConfig, models: _Models, inputs: list) -> Drift:
 def _run_checks(
     config: RunConfig,
     models: _Models,
-    handle: HandleGroup,
+    handle: AppliedSteps,
     inputs: list,
     files: _Files,
     accuracy: dict[str, float] | None,
