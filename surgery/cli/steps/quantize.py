@@ -16,7 +16,7 @@ from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.offload.offloading import Offloaded
-from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize, quantize_targets
 from surgery.ops.quantization.storage import weight_storage
 from surgery.ops.quantization.targets import deploy_target
 
@@ -72,7 +72,7 @@ class QuantizeStep(Step):
 
     def report(self, handle: Handle, settings: QuantizeConfig, run: StepRun, report: dict[str, Any]) -> None:
         """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
-        if handle.weights and handle.model is not None:
+        if isinstance(handle, QuantizeHandle) and handle.weights:  # an offloaded run's holds no quantizers
             report["quantize"] = weight_storage(handle)
 
     def fresh_build(
