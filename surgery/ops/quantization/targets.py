@@ -33,6 +33,6 @@ def deploy_target(name: str) -> DeployTarget:
     """The simulation rules of the deployment format ``name`` (``quantize.target``)."""
     if name not in DEPLOY_TARGETS:
         raise ConfigError(
-            "quantize.target", name, f"has no deployment rules; one of {', '.join(DEPLOY_TARGETS.names())}"
+            "quantize.target", name, f"has no deployment rules; one of {', '.join(sorted(DEPLOY_TARGETS))}"
         )
-    return DEPLOY_TARGETS.get(name)
+    return DEPLOY_TARGETS[name]

@@ -462,7 +462,9 @@ def test_bad_deployment_exports_are_one_line_and_write_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ConfigError, match=r"^quantize.target='safetensors': has no deployment rules; one of"):
         surgery.QuantizeSpec(target="safetensors")
-    with pytest.raises(ConfigError, match=r"^export.format='onnxx': must be one of"):
+    with pytest.raises(
+        ConfigError, match=r"^quantize.target='onnxx': has no deployment rules; one of compressed-tensors, fp8, onnx"
+    ):
         surgery.QuantizeSpec(target="onnxx")
 
 

@@ -150,7 +150,9 @@ def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line()
     with pytest.raises(ConfigError, match=r"^finetune.distill.features='layer1.0.relu': ran 2 times in one forward"):
         surgery.finetune(student, pairs, teacher=teacher, distill={"features": ["layer1.0.relu"]}, progress=False)
     spec = surgery.FinetuneSpec()
-    with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec: set the settings in it"):
+    with pytest.raises(
+        ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec: set distill in it, not also as keywords"
+    ):
         surgery.finetune(student, pairs, spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False)
     with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec"):
         surgery.finetune(student, pairs, spec, lr=5.0, progress=False)
