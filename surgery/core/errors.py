@@ -96,3 +96,10 @@ class UndoError(SurgeryError, RuntimeError):
 class ParameterReplacedError(SurgeryError, RuntimeError):
     """A parameter under surgery was replaced by a new object (``load_state_dict(assign=True)``,
     assignment), which the surgery does not reach: ``handle.enforce()`` carries it over."""
+
+
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``err``, its first line, at most ``limit`` characters: how a one-line
+    error quotes the exception a library raised beneath it."""
+    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."

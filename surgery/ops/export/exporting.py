@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
-from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError
+from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError, first_line
 from surgery.core.handles import Handle, HandleGroup, attached_to, members
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
@@ -357,7 +357,7 @@ def _written(chosen: ExportFormat, path: Path, write: Callable[[Path], Any], mod
         raise OutputWriteError("export.path", str(path), err) from err
     except Exception as err:
         raise ConfigError(
-            "export.format", chosen.name, f"cannot write {model_name} ({_one_line(err)}); nothing was written"
+            "export.format", chosen.name, f"cannot write {model_name} ({first_line(err)}); nothing was written"
         ) from err
     return notes
 
@@ -380,7 +380,7 @@ def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: li
             "export.format",
             chosen.name,
             f"the written {type(model).__name__} does not run in its runtime on export's inputs "
-            f"({_one_line(err)}); nothing was written",
+            f"({first_line(err)}); nothing was written",
         ) from err
 
 
@@ -394,15 +394,9 @@ def _refuse_inputs(model: nn.Module, calls: list[Call], name: str) -> None:
             raise ConfigError(
                 "export.inputs",
                 f"batch {index}",
-                f"{type(model).__name__} fails on it ({_one_line(err)}); give batches the model takes "
+                f"{type(model).__name__} fails on it ({first_line(err)}); give batches the model takes "
                 f"({name} was written)",
             ) from err
-
-
-def _one_line(err: BaseException) -> str:
-    """``Type: message``, its first line, at most 300 characters."""
-    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _export_streamed(

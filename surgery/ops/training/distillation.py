@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core.capture import Capture, feature_axis
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError, first_line
 from surgery.core.inputs import Call, evaluating
 from surgery.core.selection import Selection
 from surgery.core.selection import select as select_modules
@@ -223,9 +223,8 @@ def _first_output(teacher: nn.Module, student: nn.Module, call: Call) -> Any:
     except Exception as err:
         ours, theirs = _float_dtype(student), _float_dtype(teacher)
         hint = f"; it is {theirs} and the model being trained {ours}: pass teacher.to({ours})" if ours != theirs else ""
-        first = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         raise ConfigError(
-            "finetune.teacher", type(teacher).__name__, f"fails on the first training batch ({first}){hint}"
+            "finetune.teacher", type(teacher).__name__, f"fails on the first training batch ({first_line(err)}){hint}"
         ) from None
 
 

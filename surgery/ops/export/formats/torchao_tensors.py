@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from surgery.core._compat import MODULE_HOOK_DICTS, drop_forward_hooks
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, first_line
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import DeployPlan
@@ -71,8 +71,9 @@ def _unpicklable(model: nn.Module, err: Exception) -> ConfigError:
                         f"{getattr(hook, '__qualname__', type(hook).__name__)} that cannot be pickled; remove "
                         "that hook before exporting (or register a module-level function)",
                     )
-    first = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-    return ConfigError("export.format", "torchao", f"pickles the whole model, which pickle refuses ({first})")
+    return ConfigError(
+        "export.format", "torchao", f"pickles the whole model, which pickle refuses ({first_line(err, 200)})"
+    )
 
 
 def _check_dynamic(plan: DeployPlan, mode: str) -> None:
