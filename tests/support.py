@@ -174,6 +174,82 @@ def tiny_llama(
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v3", "gpt_oss")
+
+
+def tiny_moe(family: str, layers: int = 1, *, hidden: int = 32, experts: int = 4, top_k: int = 2) -> nn.Module:
+    """A random mixture-of-experts decoder of ``family`` (one of :data:`MOE_FAMILIES`), seeded, in
+    fp32, with every expert and router weight (and bias) non-trivial."""
+    import transformers
+
+    common = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        head_dim=hidden // 4,
+    )
+    width = hidden // 2 * 3
+    configs = {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **common, intermediate_size=width, num_local_experts=experts, num_experts_per_tok=top_k
+        ),
+        "phimoe": lambda: transformers.PhimoeConfig(
+            **common, intermediate_size=width, num_local_experts=experts, num_experts_per_tok=top_k
+        ),
+        "olmoe": lambda: transformers.OlmoeConfig(
+            **common, intermediate_size=width, num_experts=experts, num_experts_per_tok=top_k
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=2 * width,
+            moe_intermediate_size=width,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **common,
+            intermediate_size=2 * width,
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+        ),
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **{**{k: v for k, v in common.items() if k != "head_dim"}, "num_key_value_heads": 4},
+            intermediate_size=2 * width,
+            moe_intermediate_size=width,
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **common,
+            intermediate_size=width,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            layer_types=["full_attention"] * layers,
+        ),
+    }
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family]()).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "experts" in name or "router" in name or name.endswith("gate.weight"):
+                param.normal_(0, 0.5)
+    return model
+
+
 def plant_code(folder: Path, config_file: str, auto_map: dict, **fields: str) -> Path:
     """Add to the Hugging Face ``folder`` an ``auto_map`` in ``config_file`` naming classes of
     ``custom.py``, a file that writes the returned marker file when it is imported (``fields``:

@@ -20,6 +20,7 @@ LAYERS = {"core": 0, "ops": 1, "analysis": 1, "tasks": 2, "cli": 3}
 OPS_ORDER = {
     "numerics": 0,
     "build": 1,
+    "experts": 1,
     "second_order": 2,
     "shrink": 3,
     "offload": 3,

@@ -32,6 +32,7 @@ class _Step:
     description: str
     undo: Callable[[], None]
     bake: Callable[[], None] | None
+    check: Callable[[], None] | None = None  # raises before anything is undone or baked, if it cannot be now
 
 
 class Handle:
@@ -83,9 +84,17 @@ class Handle:
         """The model this handle modifies, or ``None`` once it has been garbage-collected."""
         return self._model()
 
-    def add(self, description: str, undo: Callable[[], None], bake: Callable[[], None] | None = None) -> None:
-        """Record a change already made: ``undo`` reverses it, ``bake`` (optional) finalises it."""
-        self._steps.append(_Step(description, undo, bake))
+    def add(
+        self,
+        description: str,
+        undo: Callable[[], None],
+        bake: Callable[[], None] | None = None,
+        *,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Record a change already made: ``undo`` reverses it, ``bake`` (optional) finalises it,
+        ``check`` (optional) raises before any step is undone or baked when this one cannot be now."""
+        self._steps.append(_Step(description, undo, bake, check))
 
     def add_record(self, record) -> None:
         """Record an undo object (``description``, ``restore()``, ``keep()``), such as a
@@ -159,6 +168,9 @@ class Handle:
         """Raise before anything is undone if undoing now would be out of order (another
         transform attached later on top of one of this handle's), or would act on a parameter
         the model no longer holds (replaced by ``load_state_dict(assign=True)``: ``enforce()`` first)."""
+        for step in self._steps:
+            if step.check is not None:
+                step.check()
         model = self.model
         current = dict(model.named_parameters(remove_duplicate=False)) if model is not None and self._records else {}
         for record in self._records:
@@ -348,6 +360,16 @@ def attached_to(model: nn.Module) -> list[Handle]:
     """
     found = {id(h): h for module in model.modules() for h in list(_on.get(module, ())) if h.state == "attached"}
     return sorted(found.values(), key=lambda h: h._order)
+
+
+def attached_after(handle: Handle) -> list[Handle]:
+    """The handles applied to ``handle``'s model after it and still attached, first applied first
+    (groups opened: a group's members count, never ``handle`` itself)."""
+    model = handle.model
+    if model is None:
+        return []
+    own = {id(h) for h in members(handle)}
+    return [h for h in attached_to(model) if h._order > handle._order and id(h) not in own]
 
 
 def members(handle: Handle) -> list[Handle]:

@@ -1,0 +1,165 @@
+"""A fused experts module as one small MLP of ``nn.Linear`` layers per expert, computing bit for bit
+what the fused module computes, and back.
+
+``LinearExperts`` replaces, say, ``model.layers.0.mlp.experts`` (a ``Qwen3MoeExperts`` holding
+``gate_up_proj (E, 2I, H)``) by ``experts.0.gate_proj``, ``experts.0.up_proj``,
+``experts.0.down_proj``, ... — the names Qwen, OLMoE and DeepSeek checkpoints use. Each expert's
+layers see exactly the tokens routed to it, so every method that works on a Linear (masks, grids,
+GPTQ's Hessian, Wanda's norms) works on each expert with its own statistics. :func:`fold_back`
+writes the layers' weights into the fused parameters again.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from surgery.ops.experts.layouts import FusedLayout
+
+
+class _Gating:
+    """The fused module's own activation (its ``_apply_gate`` or ``act_fn``), held without its
+    weights: the layers of each expert feed it the tensor the fused module would have."""
+
+    def __init__(self, fused: nn.Module, layout: FusedLayout) -> None:
+        shell = copy.copy(fused)
+        shell.__dict__["_parameters"] = {}
+        shell.__dict__["_buffers"] = {}
+        self.shell = shell
+        self.layout = layout
+
+    def __call__(self, gate: Tensor | None, up: Tensor) -> Tensor:
+        if not self.layout.gated:
+            return self.shell.act_fn(up)
+        if self.layout.concatenated:
+            joined = torch.cat([gate, up], dim=-1)
+        else:
+            joined = torch.stack([gate, up], dim=-1).flatten(-2)
+        return self.shell._apply_gate(joined)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the model sums each token's experts as transformers' batched kernels do
+        (``grouped_mm``, its default) rather than adding them in expert order (``eager``)."""
+        config = getattr(self.shell, "config", None)
+        return getattr(config, "_experts_implementation", "eager") not in (None, "eager")
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``gate_proj`` and ``up_proj`` (``up_proj`` alone when ungated), then ``down_proj``."""
+
+    def __init__(self, gate: nn.Linear | None, up: nn.Linear, down: nn.Linear, gating: _Gating) -> None:
+        super().__init__()
+        self.gated = gate is not None
+        if gate is not None:
+            self.gate_proj = gate
+        self.up_proj = up
+        self.down_proj = down
+        self.__dict__["_gating"] = gating
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate_proj(x) if self.gated else None
+        return self.down_proj(self._gating(gate, self.up_proj(x)))
+
+
+class LinearExperts(nn.ModuleList):
+    """The experts of one mixture-of-experts layer as a list of :class:`ExpertMLP`, called like the
+    fused module it replaces: ``(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))``.
+
+    Example:
+        >>> experts = LinearExperts.from_fused(mlp.experts, fused_layout(mlp.experts))
+        >>> torch.equal(experts(h, index, weights), mlp.experts(h, index, weights))
+        True
+    """
+
+    def __init__(self, experts: list[ExpertMLP], layout: FusedLayout, gating: _Gating) -> None:
+        super().__init__(experts)
+        self.layout = layout
+        self.__dict__["_gating"] = gating
+
+    @classmethod
+    def from_fused(cls, fused: nn.Module, layout: FusedLayout) -> LinearExperts:
+        """Copy each expert of ``fused`` into its own layers (the fused module is left as it was)."""
+        gating = _Gating(fused, layout)
+        up_weight, down_weight = getattr(fused, layout.up_name), fused.down_proj
+        up_bias = getattr(fused, f"{layout.up_name}_bias", None) if layout.bias else None
+        down_bias = fused.down_proj_bias if layout.bias else None
+        experts = []
+        for e in range(layout.num_experts):
+            rows = layout.matrix(up_weight, e)
+            bias_rows = up_bias[e] if up_bias is not None else None
+            if layout.gated:
+                gate_rows, up_rows = layout.halves(rows)
+                gate_bias, up_bias_e = layout.halves(bias_rows) if bias_rows is not None else (None, None)
+                gate = _linear(gate_rows, gate_bias, up_weight.requires_grad)
+            else:
+                gate, up_rows, up_bias_e = None, rows, bias_rows
+            up = _linear(up_rows, up_bias_e, up_weight.requires_grad)
+            down_e = down_bias[e] if down_bias is not None else None
+            down = _linear(layout.matrix(down_weight, e), down_e, down_weight.requires_grad)
+            experts.append(ExpertMLP(gate, up, down, gating))
+        return cls(experts, layout, gating)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        count = len(self)
+        with torch.no_grad():
+            routed = F.one_hot(top_k_index, num_classes=count + 1).permute(2, 1, 0)
+            hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        grouped = self._gating.grouped
+        dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+        if grouped:
+            out = hidden_states.new_zeros((*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype)
+        else:
+            out = torch.zeros_like(hidden_states)
+        for e in hit:
+            if e == count:
+                continue
+            position, token = torch.where(routed[e])
+            y = self[e](hidden_states[token]) * top_k_weights[token, position, None]
+            if grouped:
+                out[token, position] = y.to(out.dtype)
+            else:
+                out.index_add_(0, token, y.to(out.dtype))
+        return out.sum(dim=1).to(hidden_states.dtype) if grouped else out
+
+    def fused_tensors(self) -> dict[str, Tensor]:
+        """The fused parameters these layers hold now, by the fused module's parameter names."""
+        layout = self.layout
+        ups, downs, up_biases, down_biases = [], [], [], []
+        for expert in self:
+            up = expert.up_proj
+            gate = expert.gate_proj if layout.gated else None
+            ups.append(_stored(layout, _joined(layout, gate.weight, up.weight) if gate is not None else up.weight))
+            downs.append(_stored(layout, expert.down_proj.weight))
+            if layout.bias:
+                up_biases.append(_joined(layout, gate.bias, up.bias) if gate is not None else up.bias)
+                down_biases.append(expert.down_proj.bias)
+        tensors = {layout.up_name: torch.stack(ups), "down_proj": torch.stack(downs)}
+        if layout.bias:
+            tensors[f"{layout.up_name}_bias"] = torch.stack(up_biases)
+            tensors["down_proj_bias"] = torch.stack(down_biases)
+        return tensors
+
+
+def _linear(weight: Tensor, bias: Tensor | None, requires_grad: bool) -> nn.Linear:
+    """A Linear holding copies of ``weight`` (out, in) and ``bias``, built without initialising."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format), requires_grad)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad)
+    return layer
+
+
+def _joined(layout: FusedLayout, gate: Tensor, up: Tensor) -> Tensor:
+    """Gate and up rows (or biases) in the order the fused parameter keeps them."""
+    if layout.concatenated:
+        return torch.cat([gate, up], dim=0)
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
+
+
+def _stored(layout: FusedLayout, matrix: Tensor) -> Tensor:
+    """An ``(out, in)`` matrix in the fused parameter's axis order."""
+    return matrix.detach().transpose(0, 1) if layout.transposed else matrix.detach()
