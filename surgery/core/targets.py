@@ -80,15 +80,61 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class Left:
+    """A tensor a verb left unchanged: its size and why."""
+
+    name: str
+    numel: int
+    bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of a model a selection reaches: parameters and bytes (each tensor counted once),
+    of the weights (2-D and more) too, and the largest tensors left out with the reason."""
+
+    changed_params: int
+    total_params: int
+    changed_bytes: int
+    total_bytes: int
+    weight_bytes: int  # every weight of 2+ dimensions
+    left_weight_bytes: int  # of those, not changed, without the user excluding them
+    largest_left: tuple[Left, ...] = ()
+
+    @property
+    def share(self) -> float:
+        """The share of the model's parameters changed."""
+        return self.changed_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def left_share(self) -> float:
+        """The share of the weight bytes left unchanged without the user excluding them."""
+        return self.left_weight_bytes / self.weight_bytes if self.weight_bytes else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        found = asdict(self)
+        found["largest_left"] = [asdict(item) for item in self.largest_left]
+        found["share"] = round(self.share, 4)
+        found["left_share"] = round(self.left_share, 4)
+        return found
+
+
 @dataclass
 class Targets:
-    """The outcome of a selection: ``matched`` parameters (in model order) and ``skipped`` ones."""
+    """The outcome of a selection: ``matched`` parameters (in model order), ``skipped`` ones, and
+    the :class:`Coverage` of the model."""
 
     matched: dict[str, Target]
     skipped: list[Skipped]
+    coverage: Coverage | None = None
 
-    def as_dict(self) -> dict[str, list]:
-        return {"matched": list(self.matched), "skipped": [asdict(s) for s in self.skipped]}
+    def as_dict(self) -> dict[str, object]:
+        found: dict[str, object] = {"matched": list(self.matched), "skipped": [asdict(s) for s in self.skipped]}
+        if self.coverage is not None:
+            found["coverage"] = self.coverage.as_dict()
+        return found
 
 
 def select_parameters(
@@ -114,6 +160,7 @@ def select_parameters(
     skipped: list[Skipped] = []
     seen: dict[int, str] = {}
     embeddings = _input_embeddings(model, modules) if include is None else {}
+    routers = _routers(modules, include)
     tied_heads: list[str] = []
     for name, module in modules.items():
         own = {attr: p for attr, p in module.named_parameters(recurse=False, remove_duplicate=False) if p is not None}
@@ -122,6 +169,9 @@ def select_parameters(
             wanted = qualified not in excluded_params and (
                 qualified in chosen_params or name in chosen_modules and attr == "weight"
             )
+            if wanted and name in routers:
+                skipped.append(Skipped(qualified, type(module).__name__, routers[name]))
+                continue
             if wanted and id(param) in embeddings:
                 skipped.append(
                     Skipped(
@@ -170,7 +220,7 @@ def select_parameters(
         if name in chosen_modules and own and "weight" not in own:
             skipped.append(Skipped(_label(name, own), type(module).__name__, "has no 'weight' parameter of its own"))
     if include is None:
-        skipped += _outside_default(modules, chosen_modules, seen, verb)
+        skipped += _outside_default(modules, chosen_modules, seen, verb, routers)
     if tied_heads:
         log.warning(
             "%s: %s left out: the same tensor as an input embedding (a tied output head, which would %s the "
@@ -203,7 +253,56 @@ def select_parameters(
     )
     for item in skipped:
         log.debug("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
-    return Targets(matched, skipped)
+    return Targets(matched, skipped, coverage_of(model, matched, skipped, excluded_modules, excluded_params))
+
+
+LARGEST_LEFT = 5  # tensors named in Coverage.largest_left
+
+
+def coverage_of(
+    model: nn.Module,
+    matched: dict[str, Target],
+    skipped: list[Skipped],
+    excluded_modules: set[str] = frozenset(),
+    excluded_params: set[str] = frozenset(),
+) -> Coverage:
+    """What share of ``model`` the ``matched`` parameters are, and the largest tensors left, why."""
+    reasons = {item.name: item.reason for item in skipped}
+    changed = {id(target.param) for target in matched.values()}
+    seen: set[int] = set()
+    counts = {"changed_params": 0, "total_params": 0, "changed_bytes": 0, "total_bytes": 0}
+    weight_bytes = left_bytes = 0
+    left: list[Left] = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        counts["total_params"] += param.numel()
+        counts["total_bytes"] += size
+        if id(param) in changed:
+            counts["changed_params"] += param.numel()
+            counts["changed_bytes"] += size
+        weight_bytes += size if param.dim() >= 2 else 0
+        if id(param) in changed:
+            continue
+        owner = name.rpartition(".")[0]
+        excluded = name in excluded_params or any(owner == m or owner.startswith(f"{m}.") for m in excluded_modules)
+        reason = "excluded (exclude=)" if excluded else _why_left(name, owner, param.dim(), reasons)
+        left_bytes += size if param.dim() >= 2 and not excluded else 0
+        left.append(Left(name, param.numel(), size, reason))
+    left.sort(key=lambda item: -item.bytes)
+    return Coverage(
+        **counts, weight_bytes=weight_bytes, left_weight_bytes=left_bytes, largest_left=tuple(left[:LARGEST_LEFT])
+    )
+
+
+def _why_left(name: str, owner: str, dims: int, reasons: dict[str, str]) -> str:
+    """The reason a selection gave for leaving ``name`` (or its layer) out, else a general one."""
+    for key in (name, owner):
+        if key in reasons:
+            return reasons[key]
+    return "1-D (norm scales and biases are not selected)" if dims < 2 else "not selected"
 
 
 def _input_embeddings(model: nn.Module, modules: dict[str, nn.Module]) -> dict[int, str]:
@@ -251,7 +350,32 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
     return chosen_modules, chosen_params
 
 
-def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb: str) -> list[Skipped]:
+def _routers(modules: dict[str, nn.Module], include: Selection) -> dict[str, str]:
+    """The routers and gates of mixture-of-experts layers (a layer with a weight of its own beside an
+    ``experts`` module: Mixtral's ``gate``, PhiMoE's ``router``, Qwen2-MoE's ``shared_expert_gate``),
+    each with the reason it stays float: all of them, but those a selection pattern names."""
+    named = [p for p in as_patterns(include, "select") if isinstance(p, str)] if include is not None else []
+    found = {}
+    for name, module in modules.items():
+        children = dict(module.named_children())
+        if "experts" not in children:
+            continue
+        for local, child in children.items():
+            weight = getattr(child, "weight", None)
+            if local == "experts" or not isinstance(weight, nn.Parameter) or weight.dim() < 2:
+                continue
+            qualified = f"{name}.{local}" if name else local
+            if not any(local in pattern for pattern in named):
+                found[qualified] = (
+                    "the router of a mixture-of-experts layer: routers stay float (a small error in them "
+                    f"sends tokens to other experts); select it with a pattern naming it, such as '**.{local}'"
+                )
+    return found
+
+
+def _outside_default(
+    modules: dict, chosen: set[str], seen: dict[int, str], verb: str, routers: dict[str, str]
+) -> list[Skipped]:
     """Layers the default selection leaves out that hold 2-D+ floating weights (a weight tied to
     a matched one is named as changed with it)."""
     out = []
@@ -274,7 +398,9 @@ def _outside_default(modules: dict, chosen: set[str], seen: dict[int, str], verb
                         f"not selected itself, but it is the same tensor as {seen[id(p)]}, so it is {verb}d with it",
                     )
                 )
-        if own and default_layer(module, name):
+        if own and name in routers:
+            out.append(Skipped(_label(name, own), type(module).__name__, routers[name]))
+        elif own and default_layer(module, name):
             out.append(Skipped(_label(name, own), type(module).__name__, f"excluded ({verb}.exclude)"))
         elif own:
             example = f"{name}.{own[0]}" if name else own[0]

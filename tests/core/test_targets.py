@@ -11,6 +11,7 @@ from torch import nn
 
 import surgery
 from surgery import GridSpec
+from surgery.core.targets import select_parameters
 
 
 class Mixed(nn.Module):
@@ -210,3 +211,45 @@ def test_the_model_itself_skipped_is_named_by_its_parameters_not_an_empty_name()
     model = WithPositions()
     with surgery.prune(model, 0.5) as handle:
         assert [s.name for s in handle.skipped] == ["positions"]
+
+
+@pytest.mark.parametrize(
+    ("family", "routers"),
+    [
+        ("mixtral", ["model.layers.0.mlp.gate"]),  # a raw weight
+        ("phimoe", ["model.layers.0.mlp.router.weight"]),  # an nn.Linear subclass
+        ("qwen2_moe", ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate.weight"]),
+    ],
+)
+def test_routers_stay_float_unless_a_pattern_names_them(family, routers):
+    from tests.support import tiny_moe
+
+    model = tiny_moe(family)
+    found = select_parameters(model, None, None, verb="prune")
+    left = {item.name: item.reason for item in found.skipped}
+    for router in routers:
+        assert "router of a mixture-of-experts layer" in left[router], router
+        assert router not in found.matched
+    layers = [router.removesuffix(".weight") for router in routers]
+    named = select_parameters(model, ["**.self_attn.*", *layers], None, verb="prune")
+    for layer in layers:
+        assert f"{layer}.weight" in named.matched, layer
+
+
+def test_coverage_counts_each_tensor_once_and_names_the_largest_left():
+    from tests.support import tiny_moe
+
+    model = tiny_moe("qwen3_moe")
+    coverage = select_parameters(model, None, None, verb="quantize").coverage
+    total = sum(p.numel() for p in model.parameters())
+    attention = sum(p.numel() for n, p in model.named_parameters() if "self_attn" in n and p.dim() == 2)
+    head = model.lm_head.weight.numel()
+    assert coverage.total_params == total
+    assert coverage.changed_params == attention + head
+    assert coverage.largest_left[0].name == "model.layers.0.mlp.experts.gate_up_proj"
+    assert "not in the default selection" in coverage.largest_left[0].reason
+    assert coverage.left_share > 0.5  # the fused experts: most of the weight bytes
+
+    excluded = select_parameters(model, None, ["model.layers.0.mlp.experts", "model.embed_tokens"], verb="quantize")
+    assert excluded.coverage.left_weight_bytes < 0.02 * excluded.coverage.weight_bytes  # the router only
+    assert excluded.coverage.largest_left[0].reason == "excluded (exclude=)"
