@@ -79,6 +79,8 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         self.layout = layout
         self.__dict__["_gating"] = gating
+        self.routed = [0] * len(experts)  # tokens routed to each expert so far (a token counts once per expert)
+        self.every_token = False  # calibration: every token through every expert (see routing.every_expert_calibrated)
 
     @classmethod
     def from_fused(cls, fused: nn.Module, layout: FusedLayout) -> LinearExperts:
@@ -114,11 +116,18 @@ class LinearExperts(nn.ModuleList):
             out = hidden_states.new_zeros((*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype)
         else:
             out = torch.zeros_like(hidden_states)
-        for e in hit:
+        for e in range(count) if self.every_token else hit:
             if e == count:
                 continue
             position, token = torch.where(routed[e])
-            y = self[e](hidden_states[token]) * top_k_weights[token, position, None]
+            self.routed[e] += int(token.numel())
+            if self.every_token:
+                y = self[e](hidden_states)[token]  # statistics from every token; the routed rows go on
+            else:
+                y = self[e](hidden_states[token])
+            if token.numel() == 0:
+                continue
+            y = y * top_k_weights[token, position, None]
             if grouped:
                 out[token, position] = y.to(out.dtype)
             else:
