@@ -39,7 +39,6 @@ from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, ReducerFactory
 from surgery.core.errors import ConfigError
-from surgery.core.hessians import HessianReducer
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
@@ -236,17 +235,19 @@ def run_sequential(
     solve: Solve,
     *,
     params: Callable[[str], tuple[str, nn.Parameter]],
+    reduce: ReducerFactory,
     blocks: Selection | bool | None = None,
     field: str = "calibration",
     progress: bool = True,
-    reduce: ReducerFactory = HessianReducer,
     originals: Originals | None = None,
     settings: Any = None,
 ) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
-    ``solve`` receives each stage layer's inputs reduced by ``reduce`` (default their Hessian,
-    ``{"hessian", "rows"}``; Wanda uses per-feature squared norms). ``params(layer)`` names
+    ``solve`` receives each stage layer's inputs reduced by ``reduce`` (given by the caller, as
+    core knows no method: GPTQ and SparseGPT pass
+    :class:`surgery.ops.second_order.hessians.HessianReducer`, ``{"hessian", "rows"}``; Wanda
+    per-feature squared norms). ``params(layer)`` names
     the parameter ``solve``'s values replace for that layer (``(qualified name, parameter)``).
     Every parameter written is put back as it was before returning, unless the caller passes
     the ``originals`` store to keep them in (then the new values stay); always on an error.

@@ -24,14 +24,19 @@ def settings_from(cls: type[Settings], value: Any, field: str) -> Settings:
     raise ConfigTypeError(field, value, f"must be a {cls.__name__} or a dict of its fields")
 
 
-def spec_or_keywords(cls: type[Settings], spec: Any, keywords: Mapping[str, Any], field: str) -> Settings:
+def spec_or_keywords(
+    cls: type[Settings], spec: Any, keywords: Mapping[str, Any], field: str, also: tuple[str, ...] = ()
+) -> Settings:
     """The one door from a verb's arguments to its frozen spec: ``spec`` itself (a ``cls``), or
     the spec the ``keywords`` make; a spec given with keywords that differ from ``cls``'s defaults
-    too is refused in one line naming them (they would be ignored).
+    too is refused in one line naming them (they would be ignored). A keyword that is no field of
+    ``cls`` is refused in one line naming the allowed ones (``cls``'s fields, then the verb's own
+    keywords ``also``).
 
     Example:
         >>> spec_or_keywords(PruneSpec, None, {"amount": 0.5, "scope": "global"}, "prune.spec")
     """
+    check_keywords(cls, keywords, field.partition(".")[0], also)
     if spec is None:
         return cls(**keywords)
     if not isinstance(spec, cls):
@@ -41,6 +46,14 @@ def spec_or_keywords(cls: type[Settings], spec: Any, keywords: Mapping[str, Any]
     if differing:
         raise ConfigError(field, spec, f"is a {cls.__name__}: set {', '.join(differing)} in it, not also as keywords")
     return spec
+
+
+def check_keywords(cls: type, keywords: Mapping[str, Any], verb: str, also: tuple[str, ...] = ()) -> None:
+    """Refuse, in one line naming the allowed ones, a keyword of ``verb`` that is no field of ``cls``."""
+    fields = list(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    unknown = sorted(set(keywords) - set(fields))
+    if unknown:
+        raise ConfigTypeError(verb, unknown[0], f"unknown keyword; allowed: {', '.join([*fields, *also])}")
 
 
 def _is_default(value: Any, field: Any) -> bool:

@@ -1,1 +1,1 @@
-"""Quantization: the verb, its quantizers, QAT, activation placement, deploy targets, the KV cache, and methods/ (one file per weight method)."""
+"""Quantization: the verb (``quantization``), its settings (``spec``), quantizers and how they attach (``quantizers``, ``attaching``), its handle and saved grids (``qparams``), QAT, activation placement, deploy targets, the KV cache, and methods/ (one file per weight method)."""

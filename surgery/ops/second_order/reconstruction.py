@@ -1,7 +1,7 @@
 """Second-order weight reconstruction of one layer: SparseGPT (pruning) and GPTQ (quantization).
 
 Both see a layer as a matrix ``W`` (outputs × input columns) with the Hessian ``H = 2XᵀX`` of
-its calibration inputs (:mod:`surgery.core.hessians`), walk the columns left to right and,
+its calibration inputs (:mod:`surgery.ops.second_order.hessians`), walk the columns left to right and,
 after removing or rounding each one, spread its error over the columns not yet processed
 through the inverse Hessian (optimal brain surgeon; Frantar & Alistarh 2022, Frantar et al.
 2023), in blocks of ``block`` columns. They are plain functions on tensors; ``prune`` and

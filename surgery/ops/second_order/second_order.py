@@ -18,11 +18,11 @@ from torch import Tensor, nn
 
 from surgery.core import guards
 from surgery.core.errors import ConfigError
-from surgery.core.hessians import from_matrix, groups_of, supports_hessian, weight_matrix
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, run_sequential
 from surgery.core.targets import Target
+from surgery.ops.second_order.hessians import HessianReducer, from_matrix, groups_of, supports_hessian, weight_matrix
 
 # (layer name, matrix, hessian) -> (new matrix, per-row extras: a keep-mask, scales, zero points)
 MatrixSolver = Callable[[str, Tensor, Tensor], tuple[Tensor, tuple[Tensor, ...]]]
@@ -80,6 +80,7 @@ def reconstruct_layers(
         blocks=blocks,
         field=field,
         progress=progress,
+        reduce=HessianReducer,
         originals=originals,
         settings=settings,
     )

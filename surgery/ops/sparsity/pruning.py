@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import replace as replace_fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,27 @@ class PruneSpec:
     @property
     def criterion(self) -> Criterion:
         return as_criterion(self.method)
+
+
+class PruneKeywords(TypedDict, total=False):
+    """The keyword arguments of :func:`~surgery.prune` that build its :class:`PruneSpec` with
+    ``amount``: the spec's other fields one for one (``tests/ops/sparsity/test_pruning.py``
+    holds them equal)."""
+
+    method: str | Score | Criterion
+    scope: str
+    n: float
+    dim: int
+    seed: int
+    pattern: str | None
+    select: Selection
+    exclude: Selection
+    blocks: Selection | bool | None
+    amounts: Mapping[str, float] | None
+    originals: str
+
+
+VERB_KEYWORDS = ("calibration", "loss", "progress", "work")  # the keywords of prune() outside its spec
 
 
 class MaskEnforcer:
@@ -207,24 +228,14 @@ class PruneHandle(Handle):
 
 
 def prune(
-    model: nn.Module,
+    model: nn.Module | Offloaded,
     amount: float | PruneSpec,
     *,
-    method: str | Score = "l1_unstructured",
-    scope: str = "layer",
-    select: Selection = None,
-    exclude: Selection = None,
-    n: float = 2.0,
-    dim: int = 0,
-    seed: int = 0,
     calibration: Inputs | None = None,
     loss: Callable[[Any, Any], Tensor] | None = None,
-    pattern: str | None = None,
-    blocks: Selection | bool | None = None,
-    amounts: Mapping[str, float] | None = None,
     progress: bool = True,
-    originals: str = "memory",
     work: str | Path | None = None,
+    **keywords: Unpack[PruneKeywords],
 ) -> PruneHandle | OffloadedCompression:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
 
@@ -234,8 +245,21 @@ def prune(
             (``scope="layer"``): the result an :class:`OffloadedCompression` that
             ``surgery.export`` streams and whose ``restore()`` reads the source files again.
         amount: fraction in [0, 1] of weight entries (or of slices, for a structured
-            criterion) to set to zero; or a :class:`PruneSpec` holding every setting below
-            but ``calibration``, ``loss`` and ``progress``.
+            criterion) to set to zero; or a :class:`PruneSpec` holding the settings under
+            *Keywords* below (then give none of them as keywords).
+        calibration: batches (tensors, tuples of positional inputs or dicts of keyword
+            inputs) run through the model first; each criterion then receives the
+            :class:`~surgery.ops.sparsity.criteria.LayerStats` of its layer's inputs (``None`` without).
+            For a gradient criterion (``"taylor"``): ``(inputs, target)`` pairs, each run
+            forward and backward through ``loss``.
+        loss: ``loss(output, target) -> scalar`` for gradient criteria (default cross-entropy
+            on the logits); e.g. ``lambda out, _: out.loss`` for a Hugging Face model given labels.
+        progress: a progress bar over calibration batches (on a terminal).
+        work: for an offloaded model, the folder finished blocks are written to (kept; a run
+            that died part-way, started again with the same settings and calibration, goes on
+            after the last finished block); default a temporary folder.
+
+    Keywords (the fields of :class:`PruneSpec` but ``amount``, typed by :class:`PruneKeywords`):
         method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
             ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
             along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters),
@@ -247,18 +271,14 @@ def prune(
             Tensor`` (same shape as the weight; lowest pruned).
         scope: ``"layer"`` (each weight pruned by ``amount``) or ``"global"`` (one ranking
             across all selected weights).
+        n: the norm order by which ``"ln_structured"`` ranks slices (default 2).
+        dim: the dimension whose slices a structured criterion prunes (0: output channels).
+        seed: the seed of ``"random_unstructured"``.
         select: layers to prune (see :func:`surgery.select`; their ``weight``), or any
             floating parameter by qualified name (``"**.weight_ih_l0"``); default every
             ``nn.Conv1d/2d/3d``, ``nn.Linear`` and Hugging Face ``Conv1D``. What is left out
             and why is in :attr:`PruneHandle.skipped` (and logged).
         exclude: modules never pruned, even if selected.
-        calibration: batches (tensors, tuples of positional inputs or dicts of keyword
-            inputs) run through the model first; each criterion then receives the
-            :class:`~surgery.ops.sparsity.criteria.LayerStats` of its layer's inputs (``None`` without).
-            For a gradient criterion (``"taylor"``): ``(inputs, target)`` pairs, each run
-            forward and backward through ``loss``.
-        loss: ``loss(output, target) -> scalar`` for gradient criteria (default cross-entropy
-            on the logits); e.g. ``lambda out, _: out.loss`` for a Hugging Face model given labels.
         pattern: ``"N:M"`` semi-structured sparsity (``"2:4"``): in every group of M
             consecutive input features of each output, the N best-scored weights are kept, for
             any criterion; ``amount`` must be ``1 - N/M``.
@@ -269,14 +289,10 @@ def prune(
             or ``False`` for layer-by-layer full forwards.
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
             listed (e.g. a plan from :meth:`surgery.Sensitivity.plan`); ``scope="layer"`` only.
-        progress: a progress bar over calibration batches (on a terminal).
         originals: where the weights' original values wait for ``restore()``: ``"memory"`` (only
             the entries zeroed, or the whole weight when a method such as SparseGPT updates the
             weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
-        work: for an offloaded model, the folder finished blocks are written to (kept; a run
-            that died part-way, started again with the same settings and calibration, goes on
-            after the last finished block); default a temporary folder.
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,
@@ -287,13 +303,9 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
-    keywords = dict(
-        method=method, scope=scope, n=n, dim=dim, seed=seed, pattern=pattern, select=select, exclude=exclude
-    ) | dict(blocks=blocks, amounts=amounts, originals=originals)
     spec = amount if isinstance(amount, PruneSpec) else None
-    spec = spec_or_keywords(
-        PruneSpec, spec, keywords if spec is not None else {"amount": amount, **keywords}, "prune.amount"
-    )
+    given = keywords if spec is not None else {"amount": amount, **keywords}
+    spec = spec_or_keywords(PruneSpec, spec, given, "prune.amount", also=VERB_KEYWORDS)
     if isinstance(model, Offloaded):
         return _prune_offloaded(model, spec, calibration, loss, work, progress)
     model = compiled.in_memory("prune", model, work)

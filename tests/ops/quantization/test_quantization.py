@@ -25,6 +25,7 @@ import surgery
 from surgery import GridSpec
 from surgery.core.errors import CheckpointError, ConfigError, ConfigTypeError
 from surgery.ops.numerics.observers import NonFiniteError
+from surgery.ops.quantization import qparams as qparams_module
 from surgery.ops.quantization import quantization
 from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
@@ -661,7 +662,7 @@ def test_bake_activations_then_reattach_from_saved_qparams(convnet, convnet_fact
     fresh = convnet_factory(seed=4)
     fresh.load_state_dict(convnet.state_dict(), strict=True)
     # No calibration: computing batches at all would fail.
-    with mock.patch.object(quantization, "run_batches", side_effect=AssertionError("calibrated")):
+    with mock.patch.object(qparams_module, "run_batches", side_effect=AssertionError("calibrated")):
         for model, qparams in ((convnet, handle.qparams()), (convnet, path), (fresh, path)):
             with surgery.quantize(model, weights=None, activations=A8, qparams=qparams) as again:
                 assert list(again.activations) == list(handle.activations)

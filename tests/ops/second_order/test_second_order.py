@@ -11,8 +11,8 @@ from torch.nn import functional as F
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.core.hessians import input_columns, weight_matrix
 from surgery.core.sequential import find_blocks
+from surgery.ops.second_order.hessians import input_columns, weight_matrix
 from surgery.ops.second_order.reconstruction import sparsegpt
 from surgery.ops.sparsity.criteria import CRITERIA, register_criterion
 from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
@@ -488,7 +488,7 @@ def hessians_seen_and_true(model, data, **kwargs):
     """The Hessians the solver received at amount 0 (nothing changes) and those of the model's
     real inputs: sequential calibration must feed every layer exactly what it receives."""
     from surgery.core.capture import Capture
-    from surgery.core.hessians import HessianReducer
+    from surgery.ops.second_order.hessians import HessianReducer
 
     received = {}
 

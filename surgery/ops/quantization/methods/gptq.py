@@ -7,9 +7,9 @@ import torch
 from torch import Tensor
 
 from surgery.core import guards
-from surgery.core.hessians import weight_matrix
 from surgery.ops.numerics.observers import Grid
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
+from surgery.ops.second_order.hessians import weight_matrix
 from surgery.ops.second_order.reconstruction import gptq
 from surgery.ops.second_order.second_order import check_layers, reconstruct_layers
 

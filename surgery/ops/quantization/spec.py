@@ -1,0 +1,226 @@
+"""``QuantizeSpec``: how to quantize, validated when built, and the keywords that build it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.originals import check_place
+from surgery.core.selection import Selection
+from surgery.ops.numerics.number_formats import FORMATS
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, weight_method
+from surgery.ops.quantization import methods  # noqa: F401 - the built-in weight methods register themselves
+from surgery.ops.quantization.targets import deploy_target
+
+log = logging.getLogger("surgery")
+
+
+WHERE = ("output", "input", "both", "tensors")  # both: each layer's input and output; tensors: see placement
+
+
+DEFAULT_WEIGHTS = GridSpec(bits=8, symmetric=True, per_channel=True)
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """How to quantize, validated when built: ``QuantizeSpec(where="middle")`` raises at once.
+
+    The fields are the keyword arguments of :func:`quantize` (see there); ``weights`` and
+    ``activations`` are :class:`GridSpec` (or dicts of its fields), ``None`` turns that part off.
+    """
+
+    weights: GridSpec | None = DEFAULT_WEIGHTS
+    activations: GridSpec | None = None
+    select: Any = None
+    exclude: Any = None
+    where: str = "output"
+    train: bool = False
+    freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
+    blocks: Any = None  # sequential methods (gptq): blocks calibrated in turn; False: layer by layer
+    target: str | None = None  # a deployment format whose runtime the simulation then equals
+    originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
+
+    def __post_init__(self) -> None:
+        weights = _as_spec(self.weights, "quantize.weights")
+        activations = _as_spec(self.activations, "quantize.activations")
+        if self.target is not None:
+            weights, activations = _for_target(self, weights, activations)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "activations", activations)
+        object.__setattr__(self, "exclude", self.exclude or None)
+        if weights is None and activations is None:
+            raise ConfigError("quantize", None, "set weights, activations or both")
+        if self.where not in WHERE:
+            raise ConfigError("quantize.where", self.where, f"must be one of {', '.join(WHERE)}")
+        _validate_training(self.train, self.freeze_observers_after, activations)
+        if self.where == "tensors" and (self.train or (activations is not None and activations.per_channel)):
+            raise ConfigError(
+                "quantize.where",
+                "tensors",
+                "quantizes each tensor once, with one scale, after training: "
+                "set train=false and per-tensor activations",
+            )
+        _validate_method(weights, activations, self.train, self.blocks)
+        _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
+        check_place(self.originals, "quantize.originals")
+        if self.originals == "disk" and self.train:
+            raise ConfigError(
+                "quantize.originals",
+                "disk",
+                "spills the originals of weights rounded once; quantization-aware training "
+                "keeps its float weights in memory to train them (set originals=memory)",
+            )
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether quantizing needs calibration batches (activations, or a calibrated weight method)."""
+        folds = self.target is not None and deploy_target(self.target).fold_batchnorm
+        return (
+            folds
+            or (self.activations is not None and self.activations.dynamic is None)
+            or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
+        )
+
+
+class QuantizeKeywords(TypedDict, total=False):
+    """The keyword arguments of :func:`~surgery.quantize` that build its :class:`QuantizeSpec`:
+    its fields one for one (``tests/ops/quantization/test_spec.py`` holds them equal)."""
+
+    weights: GridSpec | dict[str, Any] | None
+    activations: GridSpec | dict[str, Any] | None
+    select: Selection
+    exclude: Selection
+    where: str
+    train: bool
+    freeze_observers_after: int | None
+    blocks: Selection | bool | None
+    target: str | None
+    originals: str
+
+
+def _for_target(spec: QuantizeSpec, weights: GridSpec | None, activations: GridSpec | None) -> tuple:
+    """The settings the target's kernels fix, put over the given ones (each change logged)."""
+    target = deploy_target(spec.target)
+    if spec.train:
+        raise ConfigError("quantize.target", spec.target, "applies to post-training quantization; train=false")
+    if spec.where != target.where and activations is not None:
+        places = "inputs and outputs" if target.where == "both" else f"{target.where}s"
+        log.info("quantize.target=%s: activations quantized at layer %s", spec.target, places)
+    object.__setattr__(spec, "where", target.where)
+    found = []
+    for part, fixed, name in ((weights, target.weights, "weights"), (activations, target.activations, "activations")):
+        if part is not None:
+            changed = {k: v for k, v in fixed.items() if getattr(part, k) != v}
+            if changed:
+                log.info("quantize.target=%s sets %s %s", spec.target, name, changed)
+            part = dataclasses.replace(part, **changed)
+        found.append(part)
+    return found[0], found[1]
+
+
+def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None:
+    """What the settings need from the call: calibration batches, or saved parameters."""
+    static = spec.activations is not None and spec.activations.dynamic is None
+    if static and calibration is None and qparams is None:
+        raise ConfigError(
+            "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
+        )
+    method = weight_method(spec.weights.method) if spec.weights is not None else None
+    if method is not None and method.needs_calibration and calibration is None:
+        raise ConfigError(
+            "quantize.calibration",
+            None,
+            f"weights.method={method.name!r} is calibrated (gptq solves each layer with its input Hessian); "
+            "pass calibration batches",
+        )
+
+
+def _validate_training(train: object, freeze_after: object, activations: GridSpec | None) -> None:
+    if not isinstance(train, bool):
+        raise ConfigTypeError("quantize.train", train, "must be true or false")
+    if freeze_after is None:
+        return
+    if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or not 0 <= freeze_after < 2**63:
+        raise ConfigError(
+            "quantize.freeze_observers_after", freeze_after, "must be null or an integer >= 0 (optimizer steps)"
+        )
+    if not train or activations is None:
+        raise ConfigError(
+            "quantize.freeze_observers_after",
+            freeze_after,
+            "applies to quantization-aware training of activations: set train=true and activations",
+        )
+
+
+def _validate_dynamic(weights: GridSpec | None, activations: GridSpec | None, where: str, freeze: Any) -> None:
+    """Dynamic scales: activations only, on layer inputs or outputs, with no range to freeze."""
+    if weights is not None and weights.dynamic is not None:
+        raise ConfigError(
+            "quantize.weights.dynamic",
+            weights.dynamic,
+            "applies to activations; weights are rounded once: leave it null",
+        )
+    if activations is None or activations.dynamic is None:
+        return
+    if where == "tensors":
+        raise ConfigError(
+            "quantize.where",
+            "tensors",
+            "places static scales as graph runtimes do; dynamic activations go on layer inputs or outputs",
+        )
+    if freeze is not None:
+        raise ConfigError(
+            "quantize.freeze_observers_after", freeze, "dynamic activations have no learned range to freeze"
+        )
+
+
+def _validate_method(weights: GridSpec | None, activations: GridSpec | None, train: bool, blocks: Any) -> None:
+    for field, spec in (("quantize.weights", weights), ("quantize.activations", activations)):
+        if spec is not None and spec.is_float and train:
+            raise ConfigError(f"{field}.format", spec.format, "quantization-aware training takes the integer format")
+    if activations is not None and not activations.number_format.activations:
+        usable = ", ".join(n for n in FORMATS.names() if FORMATS.get(n).activations)
+        raise ConfigError(
+            "quantize.activations.format",
+            activations.format,
+            f"scales per block of each tensor as it runs; activations take one static scale here: use {usable}",
+        )
+    if activations is not None and activations.method != "rtn":
+        raise ConfigError(
+            "quantize.activations.method",
+            activations.method,
+            "applies to weights; activations are rounded to nearest ('rtn')",
+        )
+    if activations is not None and activations.group_size is not None:
+        raise ConfigError(
+            "quantize.activations.group_size",
+            activations.group_size,
+            "applies to weights; activations take per_channel or one scale",
+        )
+    if weights is None:
+        if blocks is not None:
+            raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
+        return
+    method = weight_method(weights.method)
+    if train and (not method.trainable or weights.group_size is not None):
+        trainable = ", ".join(repr(n) for n in WEIGHT_METHODS.names() if weight_method(n).trainable)
+        raise ConfigError(
+            "quantize.train",
+            True,
+            "quantization-aware training rounds weights to nearest with "
+            f"per-channel or per-tensor scales; set weights.method to one of {trainable} and group_size=null",
+        )
+    if blocks is not None and not method.sequential:
+        raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
+
+
+def _as_spec(spec: Any, field: str) -> GridSpec | None:
+    if spec is None or isinstance(spec, GridSpec):
+        return spec
+    if isinstance(spec, dict):
+        return GridSpec.build(spec, field)
+    raise ConfigError(field, spec, "must be a GridSpec, a dict of its fields, or None")
