@@ -51,21 +51,25 @@ from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite
 from surgery.ops.sensitivity.sensitivity import Sensitivity, sensitivity
 from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
 from surgery.ops.sparsity.criteria import LayerStats, register_criterion
-from surgery.ops.sparsity.owl import OwlPlan, owl_amounts
+from surgery.ops.sparsity.owl import OwlAllocation, owl_amounts
 from surgery.ops.sparsity.pruning import PruneHandle, PruneSpec, prune
 from surgery.ops.training.distillation import DistillSpec
 from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
 
 
 def __getattr__(name: str) -> object:
-    """``surgery.QuantSpec``: the name :class:`GridSpec` had before 0.3 (warns)."""
-    if name == "QuantSpec":
+    """``surgery.QuantSpec`` and ``surgery.OwlPlan``: the names :class:`GridSpec` and
+    :class:`OwlAllocation` had before 0.3 (warn)."""
+    if name in ("QuantSpec", "OwlPlan"):
         import warnings
 
         from surgery.ops.numerics.observers import DEPRECATED_QUANTSPEC
+        from surgery.ops.sparsity.owl import DEPRECATED_OWLPLAN
 
-        warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
-        return GridSpec
+        renamed = {"QuantSpec": (GridSpec, DEPRECATED_QUANTSPEC), "OwlPlan": (OwlAllocation, DEPRECATED_OWLPLAN)}
+        new, message = renamed[name]
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return new
     raise AttributeError(f"module 'surgery' has no attribute {name!r}")
 
 
@@ -128,7 +132,7 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "register_criterion",
     "LayerStats",
     "owl_amounts",
-    "OwlPlan",
+    "OwlAllocation",
     # equivalence
     "smooth",
     "SmoothSpec",

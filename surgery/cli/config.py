@@ -373,7 +373,7 @@ class RunConfig:
     kv_cache: KvCacheConfig | None = None  # the keys and values attention caches, quantized
     finetune: FinetuneConfig | None = None
     shrink: ShrinkConfig | None = None
-    sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and plan (recipe=sensitivity)
+    sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and amounts (recipe=sensitivity)
     step_settings: dict[str, Any] = field(default_factory=dict)  # settings of plugin steps, by step name
     inspect: bool = False
     objective: ObjectiveConfig | None = None  # what a search (hydra/sweeper=optuna) optimises

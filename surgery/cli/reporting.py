@@ -136,7 +136,7 @@ def plot_widths(report: dict[str, Any], path: Path) -> None:
 
 
 def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
-    """The sensitivity table (score per layer and amount) and the plan, as markdown lines."""
+    """The sensitivity table (score per layer and amount) and the amounts for a target, as markdown lines."""
     result = report["sensitivity"]
     layers, amounts, grid = sensitivity_grid(report)
     lines = [
@@ -153,7 +153,7 @@ def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
         plan = result["plan"]
         lines += [
             "",
-            f"Plan reaching {plan['target_sparsity']:g} sparsity over these layers (plan.yaml, for `prune.amounts`):",
+            f"Amounts reaching {plan['target_sparsity']:g} sparsity over these layers (amounts.yaml, for `prune.amounts`):",
             "",
             "| layer | amount |",
             "| --- | --- |",
@@ -642,7 +642,7 @@ def summary_table(report: dict[str, Any]) -> str:
         lines += ["    " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
         if "plan" in result:
             lines.append(
-                f"  plan for {result['plan']['target_sparsity']:g} sparsity: "
+                f"  amounts for {result['plan']['target_sparsity']:g} sparsity: "
                 + ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items())
             )
     if "shrink" in report:

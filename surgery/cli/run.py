@@ -62,7 +62,7 @@ from surgery.tasks import task_named
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
-PLAN = "plan.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
+AMOUNTS = "amounts.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
 log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
@@ -78,7 +78,8 @@ OUTPUTS = (
     "finetune.png",
     "gradients.png",
     "sensitivity.png",
-    PLAN,
+    AMOUNTS,
+    "plan.yaml",  # AMOUNTS before 0.3: an overwrite replaces it too
     PLAN_JSON,
     "widths.png",
 )

@@ -10,7 +10,7 @@ selected layers are taken in the order they first run and grouped into *stages*:
   modules ``blocks=`` selects) form one stage. The block's inputs (positional and keyword,
   e.g. attention masks; a key/value cache is dropped) are caught by a forward stopped at the
   block; the block then runs alone on them, and its outputs become the next block's inputs
-  where the planning forward on the first batch saw that they are what the next block receives
+  where the tracing forward on the first batch saw that they are what the next block receives
   (otherwise its inputs are caught again). That check is one forward for all blocks: the work
   grows linearly with depth. Peak memory holds one block's inputs and outputs
   for the calibration batches, not the model's activations. A block called other than once
@@ -119,7 +119,7 @@ def materialise(calibration: Any, field_name: str, model: nn.Module | None = Non
     return distributed.share(calls, field_name, model, settings)  # this process's share, across processes
 
 
-def plan_stages(
+def trace_stages(
     model: nn.Module,
     layers: dict[str, nn.Module],
     block_names: list[str],
@@ -184,7 +184,7 @@ def plan_stages(
 
 
 class _ChainWatch:
-    """Hooks of the planning forward that find, for every block at once, whether the next block
+    """Hooks of trace_stages' forward that find, for every block at once, whether the next block
     receives its output in place of its hidden states (the other inputs shared)."""
 
     def __init__(self, block_names: list[str], chained: set[str]) -> None:
@@ -260,7 +260,7 @@ def run_sequential(
     try:
         with evaluating(model), torch.no_grad(), pass_ledger() as ledger:
             spilled_before = ledger.spilled
-            report.stages = plan_stages(model, layers, report.blocks, calls[0], field, report.chained)
+            report.stages = trace_stages(model, layers, report.blocks, calls[0], field, report.chained)
             cache: tuple[str, BlockCalls] | None = None  # (block, its inputs per batch)
             for stage in tqdm(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True

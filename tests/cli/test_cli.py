@@ -432,7 +432,7 @@ def test_calibrated_mnist1d_recipes_report_real_accuracy_offline(tmp_path, recip
         assert data[key] == pytest.approx(expected, abs=1e-3)
 
 
-def test_sensitivity_recipe_writes_a_table_a_heatmap_and_a_plan_the_prune_recipe_accepts(tmp_path):
+def test_sensitivity_recipe_writes_a_table_a_heatmap_and_amounts_the_prune_recipe_accepts(tmp_path):
     result = surgery("recipe=sensitivity", f"hydra.run.dir={tmp_path / 'sensitivity'}")
     assert result.returncode == 0, result.stderr[-3000:]
     data = report(tmp_path / "sensitivity")
@@ -440,26 +440,27 @@ def test_sensitivity_recipe_writes_a_table_a_heatmap_and_a_plan_the_prune_recipe
     assert {row["layer"] for row in rows} == {"conv1", "conv2", "conv3", "fc1", "fc2"} and len(rows) == 20
     assert (tmp_path / "sensitivity" / "sensitivity.png").stat().st_size > 10_000
     assert "## Sensitivity" in (tmp_path / "sensitivity" / "report.md").read_text()
-    plan = data["sensitivity"]["plan"]["amounts"]
+    amounts = data["sensitivity"]["plan"]["amounts"]
+    assert not (tmp_path / "sensitivity" / "plan.yaml").exists()  # the name before 0.3
     uniform = surgery(
         "recipe=prune_mnist1d",
         "prune.method=l1_unstructured",
         f"hydra.run.dir={tmp_path / 'uniform'}",
         "checks.drift.max_accuracy_drop=null",
     )
-    planned = surgery(
+    by_layer = surgery(
         "recipe=prune_mnist1d",
         "prune.method=l1_unstructured",
-        f"prune.amounts={tmp_path / 'sensitivity' / 'plan.yaml'}",
-        f"hydra.run.dir={tmp_path / 'planned'}",
+        f"prune.amounts={tmp_path / 'sensitivity' / 'amounts.yaml'}",
+        f"hydra.run.dir={tmp_path / 'by_layer'}",
     )
-    assert uniform.returncode == 0 and planned.returncode == 0, planned.stderr[-3000:]
-    by_plan, by_amount = report(tmp_path / "planned"), report(tmp_path / "uniform")
-    assert by_plan["sparsity"] == pytest.approx(0.7, abs=1e-3) == by_amount["sparsity"]
-    layers = {row["name"]: row["sparsity"] for row in by_plan["layers"] if row["sparsity"] is not None}
-    assert layers["conv1"] == pytest.approx(plan["conv1"], abs=0.01)
-    # measured: 0.227 with 70 % in every layer, 0.671 with the plan
-    assert by_plan["accuracy"]["candidate"] > by_amount["accuracy"]["candidate"] + 0.3
+    assert uniform.returncode == 0 and by_layer.returncode == 0, by_layer.stderr[-3000:]
+    by_amounts, by_amount = report(tmp_path / "by_layer"), report(tmp_path / "uniform")
+    assert by_amounts["sparsity"] == pytest.approx(0.7, abs=1e-3) == by_amount["sparsity"]
+    layers = {row["name"]: row["sparsity"] for row in by_amounts["layers"] if row["sparsity"] is not None}
+    assert layers["conv1"] == pytest.approx(amounts["conv1"], abs=0.01)
+    # measured: 0.227 with 70 % in every layer, 0.671 with the sensitivity's amounts
+    assert by_amounts["accuracy"]["candidate"] > by_amount["accuracy"]["candidate"] + 0.3
 
 
 def test_prune_tinylm_reports_held_out_perplexity(tmp_path):
@@ -471,16 +472,16 @@ def test_prune_tinylm_reports_held_out_perplexity(tmp_path):
     assert "perplexity (held out)" in result.stdout and "## Perplexity" in (tmp_path / "report.md").read_text()
 
 
-def test_owl_plans_block_sparsities_that_beat_uniform_wanda_on_the_trained_tiny_lm(tmp_path):
+def test_owl_allocates_block_sparsities_that_beat_uniform_wanda_on_the_trained_tiny_lm(tmp_path):
     common = ("recipe=prune_tinylm", "data.batches=4", "prune.method=wanda", "prune.amount=0.7")
     uniform = surgery(*common, f"hydra.run.dir={tmp_path / 'uniform'}")
     owl = surgery(*common, "+prune.owl={lam: 0.08, m: 5}", f"hydra.run.dir={tmp_path / 'owl'}")
     assert uniform.returncode == 0 and owl.returncode == 0, owl.stderr[-3000:]
-    plan = yaml.safe_load((tmp_path / "owl" / "owl_plan.yaml").read_text())
-    assert len(plan["blocks"]) == 4 and sum(plan["blocks"].values()) / 4 == pytest.approx(0.7)
-    assert plan["amounts"]["blocks.0.qkv"] == plan["blocks"]["blocks.0"] != 0.7
+    allocation = yaml.safe_load((tmp_path / "owl" / "owl_allocation.yaml").read_text())
+    assert len(allocation["blocks"]) == 4 and sum(allocation["blocks"].values()) / 4 == pytest.approx(0.7)
+    assert allocation["amounts"]["blocks.0.qkv"] == allocation["blocks"]["blocks.0"] != 0.7
     by_owl, by_amount = report(tmp_path / "owl"), report(tmp_path / "uniform")
-    # measured: 11.03 with 70 % in every block, 9.75 with OWL's plan (the paper's ordering)
+    # measured: 11.03 with 70 % in every block, 9.75 with OWL's allocation (the paper's ordering)
     assert by_owl["perplexity"]["candidate"] < by_amount["perplexity"]["candidate"] - 0.5
 
 

@@ -74,12 +74,12 @@ def test_rotation_rescues_4_bit_activations(model, held_out, calibration):
     assert with_rotation < plain / 3  # measured over every window: 29.4 without, 5.68 with (dense 4.59)
 
 
-def test_owl_plans_beat_uniform_wanda_at_70_percent(model, held_out, calibration):
+def test_owl_allocation_beats_uniform_wanda_at_70_percent(model, held_out, calibration):
     kwargs = dict(method="wanda", calibration=calibration, exclude=HEAD, progress=False)
     uniform = measured(model, held_out, surgery.prune(model, 0.7, **kwargs))
-    plan = surgery.owl_amounts(model, calibration, 0.7, exclude=HEAD, progress=False)
-    planned = measured(model, held_out, surgery.prune(model, 0.7, amounts=plan, **kwargs))
-    assert planned < uniform  # measured over every window: 10.75 uniform, 10.44 with OWL's plan
+    allocation = surgery.owl_amounts(model, calibration, 0.7, exclude=HEAD, progress=False)
+    allocated = measured(model, held_out, surgery.prune(model, 0.7, amounts=allocation, **kwargs))
+    assert allocated < uniform  # measured over every window: 10.75 uniform, 10.44 with OWL's allocation
 
 
 def test_restores_leave_the_shipped_model_as_loaded(model):

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-from surgery.cli.fields import positive_int, read_plan_yaml
+from surgery.cli.fields import positive_int, read_amounts_yaml
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.errors import ConfigError
@@ -21,7 +21,7 @@ from surgery.ops.sparsity.owl import check_settings, owl_amounts
 from surgery.ops.sparsity.pruning import PruneSpec, prune, prune_targets
 
 log = logging.getLogger("surgery")
-OWL_PLAN = "owl_plan.yaml"  # with prune.owl: each block's sparsity and outlier ratio, each layer's amount
+OWL_ALLOCATION = "owl_allocation.yaml"  # with prune.owl: each block's sparsity and outlier ratio, each layer's amount
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,16 @@ class OwlSettings:
 @dataclass(frozen=True)
 class PruneConfig(PruneSpec):
     """``prune:``: the fields of :class:`~surgery.PruneSpec` (``amounts`` may also be the path
-    of a ``plan.yaml`` from ``recipe=sensitivity``), the calibration batches calibrated
-    methods (wanda, sparsegpt, taylor) get, and ``owl``: each block's amount planned by OWL
-    around ``amount`` (the plan is written as ``owl_plan.yaml``)."""
+    of an ``amounts.yaml`` from ``recipe=sensitivity``), the calibration batches calibrated
+    methods (wanda, sparsegpt, taylor) get, and ``owl``: each block's amount allocated by OWL
+    around ``amount`` (written as ``owl_allocation.yaml``)."""
 
     calibration_batches: int = 8
     owl: OwlSettings | None = None
 
     def __post_init__(self) -> None:
         if self.amounts is not None and not isinstance(self.amounts, dict):
-            object.__setattr__(self, "amounts", _read_plan(self.amounts))
+            object.__setattr__(self, "amounts", _read_amounts(self.amounts))
         if isinstance(self.owl, dict):
             object.__setattr__(self, "owl", OwlSettings(**self.owl))
         super().__post_init__()
@@ -60,10 +60,11 @@ class PruneConfig(PruneSpec):
                 )
 
 
-def _read_plan(path: Any) -> dict[str, float]:
+def _read_amounts(path: Any) -> dict[str, float]:
+    """``prune.amounts`` given as a file's path: its ``{layer: amount}`` mapping."""
     if not isinstance(path, str):
-        raise ConfigError("prune.amounts", path, "must be {layer: amount} or the path of a plan.yaml")
-    loaded = read_plan_yaml(path, "prune.amounts")
+        raise ConfigError("prune.amounts", path, "must be {layer: amount} or the path of an amounts.yaml")
+    loaded = read_amounts_yaml(path, "prune.amounts")
     if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
         raise ConfigError("prune.amounts", path, "must hold a mapping {layer: amount}")
     return loaded
@@ -76,11 +77,11 @@ class PruneStep(Step):
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         gradients = settings.criterion.needs_gradients
-        settings = _planned(model, settings, run)
+        settings = _with_owl_amounts(model, settings, run)
         return prune(model, settings, calibration=run.calibration, loss=classification_loss if gradients else None)
 
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
-        return prune(source, _planned(source, settings, run), calibration=run.calibration, work=work)
+        return prune(source, _with_owl_amounts(source, settings, run), calibration=run.calibration, work=work)
 
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
@@ -102,11 +103,11 @@ class PruneStep(Step):
         return target_rows("prune", prune_targets(model, settings.select, settings.exclude, settings.dim), {}, "")
 
 
-def _planned(model: nn.Module | Offloaded, settings: PruneConfig, run: StepRun) -> PruneConfig:
-    """With ``prune.owl``: the settings with OWL's amounts (written to ``owl_plan.yaml``)."""
+def _with_owl_amounts(model: nn.Module | Offloaded, settings: PruneConfig, run: StepRun) -> PruneConfig:
+    """With ``prune.owl``: the settings with OWL's amounts (written to ``owl_allocation.yaml``)."""
     if settings.owl is None:
         return settings
-    plan = owl_amounts(
+    allocation = owl_amounts(
         model,
         run.calibration,
         settings.amount,
@@ -117,10 +118,10 @@ def _planned(model: nn.Module | Offloaded, settings: PruneConfig, run: StepRun) 
         blocks=settings.blocks,
     )
     if run.folder is not None:
-        found = {"blocks": plan.blocks, "outlier_ratios": plan.outlier_ratios, "amounts": dict(plan)}
-        (run.folder / OWL_PLAN).write_text(yaml.safe_dump(found, sort_keys=False))
-    log.info("prune.owl: block sparsities %s", ", ".join(f"{v:.3f}" for v in plan.blocks.values()))
-    return dataclasses.replace(settings, amounts=dict(plan), owl=None)
+        found = {"blocks": allocation.blocks, "outlier_ratios": allocation.outlier_ratios, "amounts": dict(allocation)}
+        (run.folder / OWL_ALLOCATION).write_text(yaml.safe_dump(found, sort_keys=False))
+    log.info("prune.owl: block sparsities %s", ", ".join(f"{v:.3f}" for v in allocation.blocks.values()))
+    return dataclasses.replace(settings, amounts=dict(allocation), owl=None)
 
 
 register_step(PruneStep())

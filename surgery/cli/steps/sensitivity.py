@@ -1,5 +1,6 @@
 """The ``sensitivity`` step: each selected layer pruned (or quantized) alone at each setting
-and measured; with a target sparsity, the per-layer plan, written as ``plan.yaml``."""
+and measured; with a target sparsity, the per-layer amounts reaching it, written as
+``amounts.yaml``."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from surgery.ops.sensitivity.sensitivity import sensitivity
 from surgery.ops.sparsity.criteria import as_criterion
 from surgery.ops.sparsity.pruning import prune_targets, validate_arguments
 
-PLAN = "plan.yaml"  # per-layer amounts, for prune.amounts
+AMOUNTS = "amounts.yaml"  # per-layer amounts, for prune.amounts
 
 
 @dataclass(frozen=True)
 class SensitivityConfig:
     """``sensitivity:``: the arguments of :func:`surgery.sensitivity`, measured by the task's
     metric (accuracy with labelled data, perplexity for ``data=tinylm``, else output drift);
-    with ``target_sparsity``, a per-layer plan written to ``plan.yaml``."""
+    with ``target_sparsity``, the per-layer amounts reaching it, written to ``amounts.yaml``."""
 
     amounts: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
     method: str = "l1_unstructured"
@@ -128,14 +129,14 @@ def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dic
         "rows": table.as_rows(),
     }
     if settings.target_sparsity is not None:
-        plan = table.plan(settings.target_sparsity)
-        result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": plan}
+        amounts = table.amounts_for(settings.target_sparsity)
+        result["plan"] = {"target_sparsity": settings.target_sparsity, "amounts": amounts}
         lines = [
             f"# per-layer amounts from recipe={run.config.recipe} ({result['metric']}, target sparsity "
             f"{settings.target_sparsity:g} over these layers); use: prune.amounts=<this file>"
         ]
-        lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in plan.items()]
-        write_atomically(run.folder / PLAN, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+        lines += [f"{json.dumps(layer)}: {amount}" for layer, amount in amounts.items()]
+        write_atomically(run.folder / AMOUNTS, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     return result
 
 

@@ -48,7 +48,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
 from surgery.core.progress import tqdm
-from surgery.core.sequential import catch_inputs, materialise, next_inputs, plan_stages, resolve_blocks
+from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, is_norm
 from surgery.ops.numerics.observers import Grid, GridSpec, Observer, fake_quantize, fake_quantize_groups
@@ -166,7 +166,7 @@ def awq(
         chained: set[str] = set()
         layers = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         inside = {n: m for n, m in layers.items() if any(n.startswith(b + ".") for b in block_names)}
-        plan_stages(model, inside, block_names, calls[0], "awq.calibration", chained)
+        trace_stages(model, inside, block_names, calls[0], "awq.calibration", chained)
         inputs = None
         for index, block in enumerate(tqdm(block_names, desc="awq", unit="block", disable=None if progress else True)):
             module = model.get_submodule(block)

@@ -87,8 +87,8 @@ def hadamard(n: int, seed: int = 0) -> Tensor:
     return h * signs.to(h.dtype)
 
 
-class _Plan(NamedTuple):
-    """What a rotation changes: the stream's ``width``, norm → readers ``pairs``, each reader's
+class _RotationSites(NamedTuple):
+    """Where a rotation acts: the stream's ``width``, norm → readers ``pairs``, each reader's
     norm, the ``writers``, the ``embeddings``, and the first batch (traced and checked)."""
 
     width: int
@@ -99,7 +99,8 @@ class _Plan(NamedTuple):
     first: Any
 
 
-def _plan(model: nn.Module, calibration: Inputs, online: Any) -> _Plan:
+def _find_sites(model: nn.Module, calibration: Inputs, online: Any) -> _RotationSites:
+    """The layers a rotation of ``model``'s residual stream changes, traced on the first batch."""
     if not isinstance(online, bool):
         raise ConfigError("rotate.online", online, "must be true or false")
     first = next(iter(batches(calibration, "rotate.calibration")), None)
@@ -119,7 +120,7 @@ def _plan(model: nn.Module, calibration: Inputs, online: Any) -> _Plan:
         and any(name.startswith(b + ".") for b in blocks)
     ]  # fmt: skip
     _check_untied(model, readers, embeddings)
-    return _Plan(width, pairs, readers, writers, embeddings, first)
+    return _RotationSites(width, pairs, readers, writers, embeddings, first)
 
 
 def rotate(
@@ -149,10 +150,9 @@ def rotate(
     if isinstance(model, Offloaded):
         return _rotate_offloaded(model, calibration, seed, online, work, progress)
     model = compiled.in_memory("rotate", model, work)
-    plan = _plan(model, calibration, online)
+    sites = _find_sites(model, calibration, online)
     named = dict(model.named_modules())
-    pairs, readers, writers, embeddings, first = plan.pairs, plan.readers, plan.writers, plan.embeddings, plan.first
-    width = plan.width
+    width, pairs, readers, writers, embeddings, first = sites
     handle = RotateHandle(model)
     handle.width, handle.embeddings, handle.readers, handle.writers = width, embeddings, sorted(readers), writers
     q = hadamard(width, seed)
@@ -189,12 +189,12 @@ def _rotate_offloaded(
     model = source.model
     calls = materialise(calibration, "rotate.calibration", model, (seed, online))
     with evaluating(model), torch.no_grad():
-        plan = _plan(model, calls, online)
-        reference = _finite_reference(_outputs(model, plan.first))
+        sites = _find_sites(model, calls, online)
+        reference = _finite_reference(_outputs(model, sites.first))
     named = dict(model.named_modules())
-    changed = {*plan.embeddings, *plan.pairs, *plan.readers, *plan.writers}
+    changed = {*sites.embeddings, *sites.pairs, *sites.readers, *sites.writers}
     layers = {name: module for name, module in named.items() if name in changed}
-    q = hadamard(plan.width, seed)
+    q = hadamard(sites.width, seed)
 
     def original_gain(norm: str) -> Tensor:
         with source.reading_source(), source.resident(named[norm]) as weights:
@@ -203,10 +203,10 @@ def _rotate_offloaded(
     def run(skeleton: nn.Module, staged: list[str], block: str | None, calls: Any) -> RotateHandle:
         here = dict(skeleton.named_modules())
         inside = {name for name in staged}
-        pairs = {norm: layers for norm, layers in plan.pairs.items() if norm in inside}
-        readers = {layer: norm for layer, norm in plan.readers.items() if layer in inside}
-        writers = [name for name in plan.writers if name in inside]
-        embeddings = [name for name in plan.embeddings if name in inside]
+        pairs = {norm: layers for norm, layers in sites.pairs.items() if norm in inside}
+        readers = {layer: norm for layer, norm in sites.readers.items() if layer in inside}
+        writers = [name for name in sites.writers if name in inside]
+        embeddings = [name for name in sites.embeddings if name in inside]
         local = _gains(here)
         values = _rotated_values(
             here, pairs, readers, writers, embeddings, q, lambda n: local(n) if n in here else original_gain(n)
@@ -219,7 +219,7 @@ def _rotate_offloaded(
     verb = OffloadedVerb("rotate", run, f"seed={seed}", sequential=False)
     handle = compress_offloaded(source, verb, layers, None, blocks=find_blocks(model), work=work, progress=progress)
     with handle.applying():
-        _check_same_function(model, plan.first, reference)
+        _check_same_function(model, sites.first, reference)
     return handle
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_field
@@ -24,11 +25,12 @@ from surgery.core.handles import Handle, HandleGroup, attached_to, members
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
 from surgery.core.safetensors_streams import write_streamed
-from surgery.ops.numerics.deployment import deploy_plan
+from surgery.ops.numerics.deployment import gather_export_parts
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")
-Write = Callable[[Any, Path, dict[str, Any]], None]  # (model, or DeployPlan with takes_plan; path; options)
+DEPRECATED_TAKES_PLAN = "register_export_format(takes_plan=) is now takes_parts=; the old name goes away in 0.4"
+Write = Callable[[Any, Path, dict[str, Any]], None]  # (model, or ExportParts with takes_parts; path; options)
 Load = Callable[[Path], Any]  # path -> the deployable object
 Run = Callable[[Any, Call], list[Tensor]]  # (deployable, one batch) -> its output tensors, in order
 
@@ -46,7 +48,7 @@ class ExportFormat:
     (``{"exact": False, "left_out": [...], "int8_ops": (n, of)}``); ``load(path)`` gives back the deployable object
     and ``run(deployable, call)`` its outputs on one batch.
 
-    ``takes_plan``: ``write`` gets the :class:`~surgery.ops.numerics.deployment.DeployPlan` (the model
+    ``takes_parts``: ``write`` gets the :class:`~surgery.ops.numerics.deployment.ExportParts` (the model
     with each quantized weight's integer grid, activation scales and masks) instead of the
     model. ``exact``: the loaded artifact computes what the model under surgery computes, bit
     for bit (a weights file, weight-only formats that dequantize); otherwise ``bound`` is the
@@ -61,7 +63,7 @@ class ExportFormat:
     load: Load
     suffix: str
     holds_hooks: bool = False  # the file keeps what hooks do (activation quantization, rewrites)
-    takes_plan: bool = False
+    takes_parts: bool = False
     folder: bool = False
     run: Run = run_module
     exact: bool = True
@@ -73,7 +75,7 @@ class ExportFormat:
     @property
     def runnable(self) -> bool:
         """Whether what ``load`` gives back runs (a deployment format), so parity can be measured."""
-        return self.takes_plan or self.run is not run_module
+        return self.takes_parts or self.run is not run_module
 
     def __call__(self, source: Any, path: Path, options: dict[str, Any]) -> dict[str, Any] | None:
         return self.write(source, path, options)
@@ -177,7 +179,7 @@ def register_export_format(
     load: Load,
     suffix: str,
     holds_hooks: bool = False,
-    takes_plan: bool = False,
+    takes_parts: bool = False,
     folder: bool = False,
     run: Run = run_module,
     exact: bool = True,
@@ -186,6 +188,7 @@ def register_export_format(
     stream: Write | None = None,
     agreement: float = 0.99,
     replace: bool = False,
+    takes_plan: bool | None = None,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
     (see :class:`ExportFormat` for the other settings).
@@ -193,11 +196,16 @@ def register_export_format(
     Example:
         >>> register_export_format("torchscript", lambda m, p, o: torch.jit.script(m).save(str(p)),
         ...                        load=torch.jit.load, suffix="pt")
+
+    ``takes_plan`` is ``takes_parts``'s name before 0.3 (warns until 0.4).
     """
+    if takes_plan is not None:
+        warnings.warn(DEPRECATED_TAKES_PLAN, DeprecationWarning, stacklevel=2)
+        takes_parts = bool(takes_plan)
     if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
     chosen = ExportFormat(
-        name, write, load, suffix, holds_hooks, takes_plan, folder, run, exact, bound, target, stream, agreement
+        name, write, load, suffix, holds_hooks, takes_parts, folder, run, exact, bound, target, stream, agreement
     )
     registered = EXPORT_FORMATS.register(name, chosen, replace=replace)
     if target is not None:
@@ -270,21 +278,21 @@ def export(
 
 
 def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Call] | None) -> tuple[Any, list[str]]:
-    """What the format's writer gets (the model, or the handles' deploy plan), and what the model
+    """What the format's writer gets (the model, or the parts the handles export), and what the model
     does as it runs — with the surgery of every handle attached to it — that the file cannot hold."""
-    if chosen.takes_plan:
+    if chosen.takes_parts:
         if not isinstance(handle, Handle):
             raise ConfigTypeError(
                 "export.handle", type(handle).__name__, f"format={chosen.name!r} needs the handle a verb returned"
             )
         _refuse_others(chosen, handle, model)
-        plan = deploy_plan(handle)
-        plan.inputs = calls
-        if plan.unexpressed:
+        parts = gather_export_parts(handle)
+        parts.inputs = calls
+        if parts.unexpressed:
             raise ConfigError(
-                "export.handle", "; ".join(plan.unexpressed), f"cannot be expressed in format={chosen.name!r}"
+                "export.handle", "; ".join(parts.unexpressed), f"cannot be expressed in format={chosen.name!r}"
             )
-        return plan, []
+        return parts, []
     if chosen.holds_hooks:
         return model, []
     mine = {id(each) for each in members(handle)} if isinstance(handle, Handle) else None

@@ -1,9 +1,12 @@
 """What a model under surgery hands to a deployment format: each quantized weight's integer grid,
-each quantized activation's scale, each pruning mask, gathered from the handles that made them."""
+each quantized activation's scale, each pruning mask, gathered from the handles that made them
+(each handle's ``export_parts()``) into one :class:`ExportParts`."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +15,11 @@ from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, members
 from surgery.core.inputs import Call
 from surgery.ops.numerics.observers import GridSpec, fake_quantize
+
+DEPRECATED_NAMES = {  # the names before 0.3 (warn until 0.4)
+    "DeployPlan": "ExportParts",
+    "deploy_plan": "gather_export_parts",
+}
 
 
 @dataclass(frozen=True)
@@ -118,8 +126,9 @@ class SparsityMask:
 
 
 @dataclass
-class DeployPlan:
-    """Everything the handles put on ``model`` that a deployment format may hold."""
+class ExportParts:
+    """Everything the handles put on ``model`` that a deployment format may hold (what a format
+    registered with ``takes_parts=True`` writes from); ``DeployPlan`` before 0.3."""
 
     model: nn.Module
     weights: dict[str, WeightGrid] = field(default_factory=dict)
@@ -144,25 +153,35 @@ class DeployPlan:
         return "dynamic" if all(grid.dynamic for grid in self.activations.values()) else "static"
 
 
-def deploy_plan(handle: Handle, field_name: str = "export.handle") -> DeployPlan:
+def gather_export_parts(handle: Handle, field_name: str = "export.handle") -> ExportParts:
     """Gather what ``handle`` (or each handle of a group) contributes to a deployed model.
 
     Raises:
         ConfigError: the handle is no longer attached (restored or baked: its grids are gone).
     """
     model = handle.model
-    plan = DeployPlan(model)
+    gathered = ExportParts(model)
     for each in members(handle):
         if each.state != "attached":
             raise ConfigError(field_name, repr(each), f"is {each.state}; export a handle while its surgery is attached")
         parts = each.export_parts()
         for part in parts:
             if isinstance(part, WeightGrid):
-                plan.weights[part.key] = part
+                gathered.weights[part.key] = part
             elif isinstance(part, ActivationGrid):
-                plan.activations[(part.layer, part.where, part.call)] = part
+                gathered.activations[(part.layer, part.where, part.call)] = part
             elif isinstance(part, SparsityMask):
-                plan.masks[part.key] = part.mask
+                gathered.masks[part.key] = part.mask
         if not parts:
-            plan.unexpressed.extend(each.outside_weights())
-    return plan
+            gathered.unexpressed.extend(each.outside_weights())
+    return gathered
+
+
+def __getattr__(name: str) -> Any:
+    """``DeployPlan`` and ``deploy_plan``: the names of :class:`ExportParts` and
+    :func:`gather_export_parts` before 0.3 (warn)."""
+    if name in DEPRECATED_NAMES:
+        new = DEPRECATED_NAMES[name]
+        warnings.warn(f"{name} is now {new}; the old name goes away in 0.4", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Verbs on an offloaded model (:func:`surgery.offloaded`), one stage at a time.
 
-``quantize`` and ``prune`` given an :class:`~surgery.ops.offload.offloading.Offloaded` handle plan
+``quantize`` and ``prune`` given an :class:`~surgery.ops.offload.offloading.Offloaded` handle trace
 their stages as sequential calibration does (:mod:`surgery.core.sequential`: a block, or a
 layer outside blocks, in the order they first run). For each stage:
 
@@ -47,7 +47,7 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
-from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, plan_stages
+from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, trace_stages
 from surgery.ops.offload.offloaded_manifest import (
     FRESH,
     check_stage,
@@ -162,7 +162,7 @@ def compress_offloaded(
         if calls is None:
             stages = _stages_in_module_order(layers, blocks)
         else:
-            stages = plan_stages(model, layers, blocks, calls[0], field_name, chained)
+            stages = trace_stages(model, layers, blocks, calls[0], field_name, chained)
     with ExitStack() as stack:
         folder = WorkFolder(work, source, f"{verb.name}: {verb.settings}", _digest(calls), stack, len(stages))
         handle = OffloadedCompression(source, verb, folder.path)

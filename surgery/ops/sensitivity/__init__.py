@@ -1,1 +1,1 @@
-"""Per-layer sensitivity scans and plans."""
+"""Per-layer sensitivity scans and the amounts they give for a target sparsity."""

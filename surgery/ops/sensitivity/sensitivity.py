@@ -1,10 +1,10 @@
-"""``surgery.sensitivity``: which layers hurt most when pruned or quantized, and a per-layer plan.
+"""``surgery.sensitivity``: which layers hurt most when pruned or quantized, and per-layer amounts.
 
 Each selected layer is pruned alone at each amount (or its weight quantized alone at each bit
 width, with ``bits=``), measured, and restored exactly. The
 measure is a user's ``evaluate(model) -> float`` (accuracy, perplexity) or, by default, the
 drift of the model's outputs from the unpruned outputs on ``inputs`` (1 − cosine similarity).
-:meth:`Sensitivity.plan` then picks non-uniform per-layer amounts that reach a target
+`Sensitivity.amounts_for(target)` then picks non-uniform per-layer amounts that reach a target
 sparsity over the selected layers with the least summed damage (greedy on damage per pruned
 parameter), the ``amounts`` that :func:`surgery.prune` and ``prune.amounts`` accept.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -33,6 +34,7 @@ from surgery.ops.quantization.quantization import quantize
 from surgery.ops.sparsity.pruning import prune, prune_targets
 
 Evaluate = Callable[[nn.Module], float]
+DEPRECATED_PLAN = "Sensitivity.plan(target) is now Sensitivity.amounts_for(target); the old name goes away in 0.4"
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,16 @@ class Sensitivity:
         return [asdict(row) | {"damage": self.damage(row)} for row in self.rows]
 
     def plan(self, target: float) -> dict[str, float]:
+        """:meth:`amounts_for`'s name before 0.3 (warns until 0.4)."""
+        warnings.warn(DEPRECATED_PLAN, DeprecationWarning, stacklevel=2)
+        return self.amounts_for(target)
+
+    def amounts_for(self, target: float) -> dict[str, float]:
         """Per-layer amounts reaching ``target`` sparsity over the measured layers' weights.
 
         Starting from nothing pruned, the layer whose next measured amount costs the least
         damage per newly pruned weight is raised, until the target is reached; the last raise
-        is interpolated so that the plan prunes ``target`` of the weights (to the rounding of
+        is interpolated so that the amounts prune ``target`` of the weights (to the rounding of
         whole entries). Layers are assumed to add up independently, the usual approximation.
         """
         if self.kind != "prune":
@@ -159,7 +166,7 @@ def sensitivity(
 
     Example:
         >>> table = surgery.sensitivity(model, inputs=batches)
-        >>> surgery.prune(model, 0.5, amounts=table.plan(0.5))
+        >>> surgery.prune(model, 0.5, amounts=table.amounts_for(0.5))
     """
     source = model  # an offloaded model's handle: each trial compresses one block of it
     model = model.model if isinstance(model, Offloaded) else model

@@ -1,1 +1,1 @@
-"""Pruning: the verb, its criteria and OWL plans."""
+"""Pruning: the verb, its criteria and OWL's sparsity allocation."""

@@ -8,16 +8,17 @@ onto ``[0, 2λ]`` and shifted so that their mean is ``1 − sparsity``; each blo
 minus its value. Blocks with more outliers keep more weights; the blocks' mean sparsity is
 ``sparsity``. This is the OWL repository's ``prune_wanda_outlier`` (``Hyper_m``, ``Lamda``).
 
-The plan is a ``{layer: amount}`` mapping that ``prune(amounts=...)`` takes:
+The allocation is a ``{layer: amount}`` mapping that ``prune(amounts=...)`` takes:
 
-    >>> plan = surgery.owl_amounts(model, batches, 0.7)
-    >>> surgery.prune(model, 0.7, method="wanda", amounts=plan, calibration=batches)
+    >>> allocation = surgery.owl_amounts(model, batches, 0.7)
+    >>> surgery.prune(model, 0.7, method="wanda", amounts=allocation, calibration=batches)
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -34,11 +35,15 @@ from surgery.ops.sparsity.criteria import wanda
 from surgery.ops.sparsity.pruning import calibrate, prune_targets
 
 log = logging.getLogger("surgery")
+DEPRECATED_OWLPLAN = (
+    "OwlPlan is now OwlAllocation (OWL's sparsity per block and amount per layer); the old name goes away in 0.4"
+)
 
 
-class OwlPlan(Mapping[str, float]):
-    """Each selected layer's amount (its block's sparsity), for ``prune(amounts=...)``;
-    ``blocks`` gives each block's sparsity and ``outlier_ratios`` its outlier percentage."""
+class OwlAllocation(Mapping[str, float]):
+    """OWL's sparsity allocation: each selected layer's amount (its block's sparsity), for
+    ``prune(amounts=...)``; ``blocks`` gives each block's sparsity and ``outlier_ratios`` its
+    outlier percentage. It was called ``OwlPlan`` before 0.3; that name warns until 0.4."""
 
     def __init__(self, amounts: dict[str, float], blocks: dict[str, float], outlier_ratios: dict[str, float]) -> None:
         self._amounts, self.blocks, self.outlier_ratios = amounts, blocks, outlier_ratios
@@ -54,7 +59,7 @@ class OwlPlan(Mapping[str, float]):
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{block}: {amount:.3f}" for block, amount in self.blocks.items())
-        return f"OwlPlan({{{shown}}})"
+        return f"OwlAllocation({{{shown}}})"
 
 
 def owl_amounts(
@@ -68,7 +73,7 @@ def owl_amounts(
     exclude: Selection = None,
     blocks: Selection | None = None,
     progress: bool = True,
-) -> OwlPlan:
+) -> OwlAllocation:
     """OWL's layer-wise amounts for an average ``sparsity`` (see the module docstring).
 
     Args:
@@ -77,11 +82,11 @@ def owl_amounts(
         sparsity: the blocks' mean sparsity, in [0, 1].
         lam: λ: the blocks' sparsities span ``2λ`` (the paper's 0.08), their mean ``sparsity``.
         m: M, the multiple of a block's mean score above which a score is an outlier (5).
-        select, exclude: the layers scored and planned, as for :func:`surgery.prune`.
+        select, exclude: the layers scored and given amounts, as for :func:`surgery.prune`.
         blocks: the blocks (default: the model's repeated blocks, found as sequential
             calibration finds them).
 
-    Selected layers outside every block (a language model's head) are left out of the plan
+    Selected layers outside every block (a language model's head) are left out of the allocation
     (logged): ``prune``'s own amount applies to them, unless they are excluded there.
     """
     check_settings(sparsity, lam, m)
@@ -116,11 +121,11 @@ def owl_amounts(
     amounts = {selection.matched[n].module_name: per_block[block] for block, names in members.items() for n in names}
     if outside:
         log.info(
-            "owl: %d selected layer(s) outside the blocks (%s...) are not in the plan: prune's amount applies to them",
+            "owl: %d selected layer(s) outside the blocks (%s...) are not in the allocation: prune's amount applies to them",
             len(outside),
             selection.matched[outside[0]].module_name,
         )
-    return OwlPlan(amounts, per_block, ratios)
+    return OwlAllocation(amounts, per_block, ratios)
 
 
 def _scores(source: Offloaded | None, weight: nn.Parameter, stats: Any) -> torch.Tensor:
@@ -151,7 +156,7 @@ def _sparsities(ratios: dict[str, float], sparsity: float, lam: float) -> dict[s
 def check_settings(
     sparsity: float, lam: float, m: float, *, field: str = "owl", sparsity_field: str = "owl.sparsity"
 ) -> None:
-    """Refuse settings OWL cannot plan with, naming ``{field}.lam`` / ``{field}.m``."""
+    """Refuse settings OWL cannot allocate with, naming ``{field}.lam`` / ``{field}.m``."""
     for name, value in ((sparsity_field, sparsity), (f"{field}.lam", lam), (f"{field}.m", m)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(name, value, "must be a finite number")
@@ -167,3 +172,11 @@ def check_settings(
             lam,
             f"moves a block's sparsity outside [0, 1] around {sparsity}; use lam <= {min(sparsity, 1 - sparsity):g}",
         )
+
+
+def __getattr__(name: str) -> Any:
+    """``OwlPlan``: the name :class:`OwlAllocation` had before 0.3 (warns)."""
+    if name == "OwlPlan":
+        warnings.warn(DEPRECATED_OWLPLAN, DeprecationWarning, stacklevel=2)
+        return OwlAllocation
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

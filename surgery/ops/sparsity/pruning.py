@@ -88,7 +88,7 @@ class PruneSpec:
         object.__setattr__(self, "exclude", self.exclude or None)
         if self.amounts is not None and not isinstance(self.amounts, Mapping):
             raise ConfigTypeError(
-                "prune.amounts", self.amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)"
+                "prune.amounts", self.amounts, "must be a dict {layer: amount} (or an amounts YAML file in recipes)"
             )
 
     @property
@@ -288,7 +288,8 @@ def prune(
             found automatically (:func:`surgery.core.sequential.find_blocks`), a selection,
             or ``False`` for layer-by-layer full forwards.
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
-            listed (e.g. a plan from :meth:`surgery.Sensitivity.plan`); ``scope="layer"`` only.
+            listed (e.g. from :meth:`surgery.Sensitivity.amounts_for` or :func:`surgery.owl_amounts`);
+            ``scope="layer"`` only.
         originals: where the weights' original values wait for ``restore()``: ``"memory"`` (only
             the entries zeroed, or the whole weight when a method such as SparseGPT updates the
             weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
@@ -605,7 +606,7 @@ def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, flo
         return per_layer
     if not isinstance(amounts, Mapping):
         raise ConfigTypeError(
-            "prune.amounts", amounts, "must be a dict {layer: amount} (or a plan YAML file in recipes)"
+            "prune.amounts", amounts, "must be a dict {layer: amount} (or an amounts YAML file in recipes)"
         )
     if spec.scope != "layer" or spec.pattern is not None:
         raise ConfigError("prune.amounts", dict(amounts), "sets one amount per layer: use scope='layer' and no pattern")
@@ -614,7 +615,7 @@ def layer_amounts(selection: Targets, spec: PruneSpec, amounts: Mapping[str, flo
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0.0 <= amount <= 1.0:
             raise ConfigError(f"prune.amounts[{layer!r}]", amount, "must be a number in [0, 1]")
         if layer not in layers:
-            if amount == 0:  # a plan may list layers this run leaves dense anyway (an excluded head)
+            if amount == 0:  # amounts may list layers this run leaves dense anyway (an excluded head)
                 continue
             close = difflib.get_close_matches(str(layer), list(layers), n=3)
             raise ConfigError(

@@ -259,3 +259,26 @@ def test_a_writer_that_fails_unexpectedly_is_one_line_naming_the_format_and_leav
     with pytest.raises(ConfigError, match=r"^export.format='broken_for_test': cannot write Linear \(KeyError: 'surp"):
         surgery.export(nn.Linear(2, 2), tmp_path / "m.bin", format="broken_for_test")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_format_registered_with_the_old_takes_plan_gets_the_export_parts_and_warns(tmp_path):
+    from surgery.ops.numerics.deployment import ExportParts
+
+    given = []
+
+    def write(parts, path, options):
+        given.append(parts)
+        path.write_bytes(b"x")
+
+    with pytest.deprecated_call(match=r"takes_plan=\) is now takes_parts="):
+        chosen = surgery.register_export_format(
+            "test_takes_plan", write, load=lambda path: None, suffix="bin", takes_plan=True
+        )
+    try:
+        assert chosen.takes_parts
+        model = nn.Sequential(nn.Linear(4, 3))
+        with surgery.prune(model, 0.5) as handle:
+            surgery.export(handle, tmp_path / "m.bin", format="test_takes_plan")
+        assert type(given[0]) is ExportParts and list(given[0].masks) == ["0.weight"]
+    finally:
+        surgery.ops.export.exporting.EXPORT_FORMATS.unregister("test_takes_plan")

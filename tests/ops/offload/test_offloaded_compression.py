@@ -129,7 +129,7 @@ def test_a_run_that_died_part_way_goes_on_from_its_work_folder(tmp_path):
     source = surgery.offloaded(folder)
     runs = []
 
-    def die_in_the_third_blocks_stage(module, args):  # its first run is the planning forward
+    def die_in_the_third_blocks_stage(module, args):  # its first run is the tracing forward (trace_stages)
         runs.append(1)
         if len(runs) == 2:
             raise KeyboardInterrupt

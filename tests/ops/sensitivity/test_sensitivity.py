@@ -1,4 +1,4 @@
-"""surgery.sensitivity: each layer pruned alone, measured, restored; the plan and prune(amounts=)."""
+"""surgery.sensitivity: each layer pruned alone, measured, restored; the amounts for a target and prune(amounts=)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,22 @@ def synthetic(rows):
     return Sensitivity([SensitivityRow(*row) for row in rows], "accuracy", 1.0, True)
 
 
-def test_the_plan_prunes_the_robust_layer_first_and_hits_the_target_exactly():
+def test_the_amounts_prune_the_robust_layer_first_and_hit_the_target_exactly():
     table = synthetic(
         [("fragile", 0.5, 100, 0.5), ("fragile", 0.9, 100, 0.1), ("robust", 0.5, 100, 0.99), ("robust", 0.9, 100, 0.98)]
     )
-    assert table.plan(0.45) == {"fragile": 0.0, "robust": 0.9}
-    plan = table.plan(0.6)
-    assert plan["robust"] == 0.9 and plan["fragile"] == pytest.approx(0.3)
-    assert (plan["robust"] * 100 + plan["fragile"] * 100) / 200 == pytest.approx(0.6)
+    assert table.amounts_for(0.45) == {"fragile": 0.0, "robust": 0.9}
+    amounts = table.amounts_for(0.6)
+    assert amounts["robust"] == 0.9 and amounts["fragile"] == pytest.approx(0.3)
+    assert (amounts["robust"] * 100 + amounts["fragile"] * 100) / 200 == pytest.approx(0.6)
     with pytest.raises(ConfigError, match="sensitivity.target_sparsity=0.95: must be a number in \\[0, 0.9\\]"):
-        table.plan(0.95)
+        table.amounts_for(0.95)
+
+
+def test_the_old_name_plan_still_gives_the_amounts_and_warns():
+    table = synthetic([("a", 0.5, 100, 0.9), ("b", 0.5, 100, 0.5)])
+    with pytest.deprecated_call(match="Sensitivity.plan\\(target\\) is now Sensitivity.amounts_for\\(target\\)"):
+        assert table.plan(0.25) == table.amounts_for(0.25) == {"a": 0.5, "b": 0.0}
 
 
 def test_prune_takes_per_layer_amounts_for_every_method():
@@ -92,10 +98,10 @@ def test_bad_amounts_are_refused_before_anything_changes(kwargs, message):
     assert snapshot_differences(before, snapshot(model)) == []
 
 
-def test_a_plan_may_list_layers_left_dense_and_a_nan_score_is_refused():
+def test_amounts_may_list_layers_left_dense_and_a_nan_score_is_refused():
     model = mlp()
     handle = surgery.prune(model, 0.5, exclude="4", amounts={"0": 0.25, "4": 0.0}, progress=False)
-    assert handle.layer_sparsity() == {"0.weight": 0.25, "2.weight": 0.5}  # "4" is excluded and planned dense
+    assert handle.layer_sparsity() == {"0.weight": 0.25, "2.weight": 0.5}  # "4" is excluded and listed dense
     handle.restore()
     with pytest.raises(ConfigError, match="prune.amounts='4': is not a selected layer"):
         surgery.prune(model, 0.5, exclude="4", amounts={"4": 0.5}, progress=False)
@@ -124,6 +130,6 @@ def test_quantizing_each_layer_alone_at_several_bit_widths():
         assert 0.0 < at[8.0] < at[2.0]  # fewer bits move the outputs more
     assert snapshot_differences(before, snapshot(model)) == []
     with pytest.raises(ConfigError, match="plans pruning amounts"):
-        table.plan(0.5)
+        table.amounts_for(0.5)
     with pytest.raises(ConfigError, match="sensitivity.bits=9"):
         surgery.sensitivity(model, inputs=[torch.randn(2, 8)], bits=[9], progress=False)

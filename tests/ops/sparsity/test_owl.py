@@ -1,5 +1,5 @@
 """OWL's layer-wise sparsity against a re-implementation of the OWL repository's
-``prune_wanda_outlier`` ratio pass, and the plan as ``prune(amounts=...)`` uses it."""
+``prune_wanda_outlier`` ratio pass, and the allocation as ``prune(amounts=...)`` uses it."""
 
 from __future__ import annotations
 
@@ -54,23 +54,23 @@ def reference_owl(model: nn.Module, data: list[torch.Tensor], sparsity: float, l
 @pytest.mark.parametrize(("sparsity", "lam", "m"), [(0.7, 0.08, 5.0), (0.5, 0.2, 3.0)])
 def test_block_sparsities_equal_the_reference_ratio_pass(sparsity, lam, m):
     model = tiny_llama(layers=6, vocab=128)
-    plan = surgery.owl_amounts(model, batches(), sparsity, lam=lam, m=m, progress=False)
+    allocation = surgery.owl_amounts(model, batches(), sparsity, lam=lam, m=m, progress=False)
     expected = reference_owl(model, batches(), sparsity, lam, m)
-    assert list(plan.blocks) == [f"model.layers.{i}" for i in range(6)]
+    assert list(allocation.blocks) == [f"model.layers.{i}" for i in range(6)]
     # measured equal to 1e-16; a score a rounding away from the threshold could move one count
-    assert list(plan.blocks.values()) == pytest.approx(expected, abs=1e-6)
-    assert np.mean(list(plan.blocks.values())) == pytest.approx(sparsity)
-    assert max(plan.blocks.values()) - min(plan.blocks.values()) == pytest.approx(2 * lam)  # the span is 2λ
-    assert plan["model.layers.2.mlp.down_proj"] == plan.blocks["model.layers.2"]
-    assert "lm_head" not in plan  # outside the blocks: prune's own amount applies
+    assert list(allocation.blocks.values()) == pytest.approx(expected, abs=1e-6)
+    assert np.mean(list(allocation.blocks.values())) == pytest.approx(sparsity)
+    assert max(allocation.blocks.values()) - min(allocation.blocks.values()) == pytest.approx(2 * lam)  # the span is 2λ
+    assert allocation["model.layers.2.mlp.down_proj"] == allocation.blocks["model.layers.2"]
+    assert "lm_head" not in allocation  # outside the blocks: prune's own amount applies
 
 
-def test_prune_with_the_plan_reaches_each_blocks_sparsity_and_restores():
+def test_prune_with_the_allocation_reaches_each_blocks_sparsity_and_restores():
     model = tiny_llama(layers=4, vocab=128)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    plan = surgery.owl_amounts(model, batches(), 0.6, progress=False)
-    handle = surgery.prune(model, 0.6, method="wanda", amounts=plan, calibration=batches(), exclude="lm_head")
-    for block, amount in plan.blocks.items():
+    allocation = surgery.owl_amounts(model, batches(), 0.6, progress=False)
+    handle = surgery.prune(model, 0.6, method="wanda", amounts=allocation, calibration=batches(), exclude="lm_head")
+    for block, amount in allocation.blocks.items():
         weights = [
             mod.weight
             for name, mod in model.named_modules()
@@ -82,7 +82,7 @@ def test_prune_with_the_plan_reaches_each_blocks_sparsity_and_restores():
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
-def test_an_offloaded_model_gets_the_same_plan(tmp_path):
+def test_an_offloaded_model_gets_the_same_allocation(tmp_path):
     model = tiny_llama(layers=3, vocab=128)
     model.save_pretrained(tmp_path)
     in_memory = surgery.owl_amounts(model, batches(), 0.5, progress=False)
@@ -90,15 +90,15 @@ def test_an_offloaded_model_gets_the_same_plan(tmp_path):
     assert dict(offloaded) == dict(in_memory) and offloaded.outlier_ratios == in_memory.outlier_ratios
 
 
-def test_a_timm_vision_transformer_gets_a_plan_for_its_blocks():
+def test_a_timm_vision_transformer_gets_an_allocation_for_its_blocks():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8).eval()
     images = [torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    plan = surgery.owl_amounts(model, images, 0.5, lam=0.1, progress=False)
-    assert list(plan.blocks) == [f"blocks.{i}" for i in range(12)]
-    assert np.mean(list(plan.blocks.values())) == pytest.approx(0.5)
-    assert "head" not in plan and "blocks.0.attn.qkv" in plan
+    allocation = surgery.owl_amounts(model, images, 0.5, lam=0.1, progress=False)
+    assert list(allocation.blocks) == [f"blocks.{i}" for i in range(12)]
+    assert np.mean(list(allocation.blocks.values())) == pytest.approx(0.5)
+    assert "head" not in allocation and "blocks.0.attn.qkv" in allocation
 
 
 @pytest.mark.parametrize(
@@ -129,3 +129,12 @@ def test_a_block_pushed_outside_0_1_by_the_span_is_refused_naming_it():
     surgery.ops.sparsity.owl.check_settings(0.95, 0.05, 5.0)  # passes: 0.95 ± 0.05 is inside [0, 1] ...
     with pytest.raises(ConfigError, match=r"owl.lam=0.05: puts a at sparsity 1.025, outside \[0, 1\]"):
         _sparsities({"a": 1.0, "b": 10.0, "c": 10.0, "d": 10.0}, 0.95, 0.05)  # ... but one block stands apart
+
+
+def test_the_old_name_owl_plan_is_the_allocation_and_warns():
+    import surgery.ops.sparsity.owl as owl
+
+    for module in (surgery, owl):
+        with pytest.deprecated_call(match="OwlPlan is now OwlAllocation"):
+            assert module.OwlPlan is surgery.OwlAllocation
+    assert "OwlPlan" not in surgery.__all__ and "OwlAllocation" in surgery.__all__

@@ -18,7 +18,7 @@ from surgery.core.sequential import find_blocks
 from surgery.core.targets import is_hf_conv1d
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
-from surgery.ops.numerics.deployment import ActivationGrid, DeployPlan, WeightGrid
+from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import output_axis
@@ -45,14 +45,14 @@ def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
 linear_or_conv1d.__name__ = "Linear|Conv1D"
 
 
-def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """Write ``plan.model`` as a compressed-tensors folder at ``path`` (see the module doc)."""
+def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write ``parts.model`` as a compressed-tensors folder at ``path`` (see the module doc)."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='compressed-tensors' takes {', '.join(OPTIONS)}")
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
-    model = plan.model
+    model = parts.model
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
             "export.format",
@@ -61,19 +61,19 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
             "(use format='torchao', 'onnx' or 'safetensors')",
         )
     ct = required("compressed_tensors", "compressed-tensors")
-    mode = options.get("activations", plan.activation_mode)
+    mode = options.get("activations", parts.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
-    scheme, layers = _scheme(plan, ct, mode)
+    scheme, layers = _scheme(parts, ct, mode)
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     compressor = _compressor(ct, scheme.format)
     for layer in layers:
-        grid = plan.layer_weight(layer)
+        grid = parts.layer_weight(layer)
         local = _local_state(grid, model.get_submodule(layer).weight, is_hf_conv1d(model.get_submodule(layer)))
         del state[f"{layer}.weight"]
         for key, value in compressor.compress(local, scheme).items():
             state[f"{layer}.{key}"] = value.contiguous()
-        activation = plan.activation(layer, "input")
+        activation = parts.activation(layer, "input")
         if activation is not None and mode == "static":
             state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
             if not activation.spec.symmetric and not activation.spec.is_float:
@@ -85,8 +85,8 @@ def write_compressed_tensors(plan: DeployPlan, path: Path, options: dict[str, An
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     _add_quantization_config(path, ct, scheme, model, layers)
-    dropped = mode == "none" and plan.activations
-    left_out = [f"input scales of {len(plan.activations)} layer(s) (activations='none')"] if dropped else []
+    dropped = mode == "none" and parts.activations
+    left_out = [f"input scales of {len(parts.activations)} layer(s) (activations='none')"] if dropped else []
     # static int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours);
     # dynamic ones as ours for float32 (batch, tokens, features) inputs only: compressed-tensors takes
     # a 2-d input's scale over the whole tensor, and a bfloat16 one's in bfloat16
@@ -204,39 +204,39 @@ def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module,
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
+def _scheme(parts: ExportParts, ct: Any, mode: str) -> tuple[Any, list[str]]:
     """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    if any(grid.step == "kv_cache" for grid in plan.activations.values()):  # never dropped silently
+    if any(grid.step == "kv_cache" for grid in parts.activations.values()):  # never dropped silently
         raise ConfigError(
             "kv_cache",
             "k_proj/v_proj outputs",
             "format='compressed-tensors' holds no KV-cache scales from surgery; export a run without the kv_cache step",
         )
-    if plan.masks and not plan.weights:
+    if parts.masks and not parts.weights:
         raise ConfigError(
             "export.format",
             "compressed-tensors",
             f"compressed-tensors {ct.__version__} has no sparse compressor (bitmask, 2:4); "
             "pruned weights are held only as zeros of quantized weights, or use format='safetensors'",
         )
-    if not plan.weights:
+    if not parts.weights:
         raise ConfigError(
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
-    spec, layers = _weight_layers(plan.model, {key: grid.spec for key, grid in plan.weights.items()})
+    spec, layers = _weight_layers(parts.model, {key: grid.spec for key, grid in parts.weights.items()})
     weights = _weight_args(spec, QuantizationArgs)
     inputs = None
     if mode == "static":
-        inputs = _input_args(plan, layers, QuantizationArgs)
+        inputs = _input_args(parts, layers, QuantizationArgs)
         if inputs is None:
             raise ConfigError(
                 "export.options.activations", mode, "needs activations quantized at layer inputs (where='input')"
             )
     elif mode == "dynamic":
-        inputs = _dynamic_input_args(plan, layers, QuantizationArgs)
-    conv1d = [layer for layer in layers if is_hf_conv1d(plan.model.get_submodule(layer))]
+        inputs = _dynamic_input_args(parts, layers, QuantizationArgs)
+    conv1d = [layer for layer in layers if is_hf_conv1d(parts.model.get_submodule(layer))]
     if inputs is not None and conv1d:
         raise ConfigError(
             "quantize.activations",
@@ -247,7 +247,7 @@ def _scheme(plan: DeployPlan, ct: Any, mode: str) -> tuple[Any, list[str]]:
     scheme_format = (
         _FLOAT_FORMATS[spec.format] if spec.is_float else "int-quantized" if inputs is not None else "pack-quantized"
     )
-    kinds = sorted({type(plan.model.get_submodule(layer)).__name__ for layer in layers})
+    kinds = sorted({type(parts.model.get_submodule(layer)).__name__ for layer in layers})
     scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
     return scheme, layers
 
@@ -322,10 +322,10 @@ def _weight_args(spec: GridSpec, arguments: type) -> Any:
     )
 
 
-def _dynamic_input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
+def _dynamic_input_args(parts: ExportParts, layers: list[str], arguments: type) -> Any:
     """The simulation's dynamic inputs (int or fp8_e4m3, per token or per tensor); int8 per
     token for inputs the simulation left alone or calibrated."""
-    grids = _input_grids(plan, layers) if plan.activation_mode == "dynamic" else []
+    grids = _input_grids(parts, layers) if parts.activation_mode == "dynamic" else []
     if not grids:
         return arguments(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
     spec = grids[0].spec
@@ -340,16 +340,16 @@ def _dynamic_input_args(plan: DeployPlan, layers: list[str], arguments: type) ->
     return arguments(num_bits=bits, type=kind, symmetric=spec.symmetric, strategy=spec.dynamic, dynamic=True)
 
 
-def _input_grids(plan: DeployPlan, layers: list[str]) -> list[ActivationGrid]:
+def _input_grids(parts: ExportParts, layers: list[str]) -> list[ActivationGrid]:
     """The input grid of each layer (none: an empty list), refusing outputs and gaps."""
-    if any(where == "output" for _, where, _ in plan.activations):
+    if any(where == "output" for _, where, _ in parts.activations):
         raise ConfigError(
             "quantize.where",
             "output",
             "compressed-tensors quantizes the inputs of Linear layers; quantize with where='input' "
             "(or target='compressed-tensors')",
         )
-    grids = [plan.activation(layer, "input") for layer in layers]
+    grids = [parts.activation(layer, "input") for layer in layers]
     if all(g is None for g in grids):
         return []
     missing = [layer for layer, g in zip(layers, grids) if g is None]
@@ -360,8 +360,8 @@ def _input_grids(plan: DeployPlan, layers: list[str]) -> list[ActivationGrid]:
     return grids
 
 
-def _input_args(plan: DeployPlan, layers: list[str], arguments: type) -> Any:
-    grids = _input_grids(plan, layers)
+def _input_args(parts: ExportParts, layers: list[str], arguments: type) -> Any:
+    grids = _input_grids(parts, layers)
     if not grids:
         return None
     if grids[0].dynamic:
@@ -516,7 +516,7 @@ register_export_format(
     write_compressed_tensors,
     load=load_compressed_tensors,
     suffix="",
-    takes_plan=True,
+    takes_parts=True,
     folder=True,
     holds_hooks=True,
     exact=False,

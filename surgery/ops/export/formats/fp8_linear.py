@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.ops.export.exporting import DeployTarget, register_export_format
-from surgery.ops.numerics.deployment import ActivationGrid, DeployPlan, WeightGrid
+from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 
 
@@ -67,16 +67,16 @@ class Float8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 inputs {inputs}"
 
 
-def write_fp8(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """Swap each FP8-quantized Linear of a copy of ``plan.model`` for a :class:`Float8Linear`."""
+def write_fp8(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Swap each FP8-quantized Linear of a copy of ``parts.model`` for a :class:`Float8Linear`."""
     if options:
         raise ConfigError("export.options", sorted(options), "format='fp8' takes no options")
-    layers = _layers(plan)
-    plain = copy.deepcopy(plan.model).eval()
+    layers = _layers(parts)
+    plain = copy.deepcopy(parts.model).eval()
     drop_forward_hooks(plain)
     for layer in layers:
         module = plain.get_submodule(layer)
-        grid, inputs = plan.layer_weight(layer), plan.activation(layer, "input")
+        grid, inputs = parts.layer_weight(layer), parts.activation(layer, "input")
         weight_scale = grid.scale.float().reshape(-1, 1)
         values = (module.weight.detach().float() / weight_scale).to(torch.float8_e4m3fn)
         input_scale = None if inputs.dynamic else inputs.scale.detach().float()
@@ -87,23 +87,23 @@ def write_fp8(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str
     return {"exact": False}
 
 
-def _layers(plan: DeployPlan) -> list[str]:
-    if not plan.weights:
+def _layers(parts: ExportParts) -> list[str]:
+    if not parts.weights:
         raise ConfigError("export.handle", "no quantized weights", "format='fp8' holds FP8 Linear weights")
     layers = []
-    for key, grid in plan.weights.items():
+    for key, grid in parts.weights.items():
         layer, _, attribute = key.rpartition(".")
-        if attribute != "weight" or not isinstance(plan.model.get_submodule(layer), nn.Linear):
+        if attribute != "weight" or not isinstance(parts.model.get_submodule(layer), nn.Linear):
             raise ConfigError("export.handle", key, "format='fp8' replaces nn.Linear weights only")
         _check_weights(key, grid)
-        module = plan.model.get_submodule(layer)
+        module = parts.model.get_submodule(layer)
         if module.in_features % 16 or module.out_features % 16:
             raise ConfigError(
                 "export.handle",
                 f"{layer} ({module.in_features} -> {module.out_features})",
                 "the FP8 kernels take inputs and outputs in multiples of 16; exclude the layer from quantize",
             )
-        _check_inputs(layer, plan.activation(layer, "input"), plan)
+        _check_inputs(layer, parts.activation(layer, "input"), parts)
         layers.append(layer)
     return layers
 
@@ -117,8 +117,8 @@ def _check_weights(key: str, grid: WeightGrid) -> None:
         )
 
 
-def _check_inputs(layer: str, grid: ActivationGrid | None, plan: DeployPlan) -> None:
-    if plan.activation(layer, "output") is not None:
+def _check_inputs(layer: str, grid: ActivationGrid | None, parts: ExportParts) -> None:
+    if parts.activation(layer, "output") is not None:
         raise ConfigError(
             "quantize.where", "output", "the FP8 kernel rounds Linear inputs; quantize with where='input'"
         )
@@ -141,7 +141,7 @@ register_export_format(
     write_fp8,
     load=load_fp8,
     suffix="pt",
-    takes_plan=True,
+    takes_parts=True,
     holds_hooks=True,
     exact=False,
     bound=0.9999,

@@ -23,7 +23,7 @@ from surgery.core.inputs import Call
 from surgery.ops.equivalence.folding import batchnorm_pairs, is_neutral
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
-from surgery.ops.numerics.deployment import ActivationGrid, DeployPlan, WeightGrid
+from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 
 log = logging.getLogger("surgery")
 OPTIONS = ("opset",)
@@ -37,21 +37,21 @@ ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors
 FLOAT_REFUSAL = "ONNX Runtime's int8 kernels take integer weights; export it with format='compressed-tensors' (fp8_e4m3) or 'safetensors'"
 
 
-def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """Trace ``plan.model`` without surgery's hooks, then put surgery's grids into the graph."""
+def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Trace ``parts.model`` without surgery's hooks, then put surgery's grids into the graph."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='onnx' takes {', '.join(OPTIONS)}")
     opset = _opset(options)
     onnx = required("onnx", "onnx")
     onnxscript = required("onnxscript", "onnxscript")
-    if not plan.inputs:
+    if not parts.inputs:
         raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
-    _check_grids(plan)
-    plain = copy.deepcopy(plan.model).eval()
+    _check_grids(parts)
+    plain = copy.deepcopy(parts.model).eval()
     drop_forward_hooks(plain)
-    _refuse_unfolded(plain, plan)
-    call = plan.inputs[0]
+    _refuse_unfolded(plain, parts)
+    call = parts.inputs[0]
     # the exporter's optimizer would fuse a neutral BatchNorm subclass into the convolution
     # before it as a new node, losing the module name that finds the convolution's grids
     neutral = any(isinstance(m, BATCH_NORMS) and is_neutral(m) for m in plain.modules())
@@ -70,10 +70,10 @@ def write_onnx(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[st
         onnxscript.optimizer.fold_constants(program.model)
     program.save(str(path))
     model = onnx.load(str(path))
-    _QDQ(model, plan).insert()
+    _QDQ(model, parts).insert()
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
-    return {"exact": False, "int8_ops": _int8_ops_said(path, len(plan.weights))}
+    return {"exact": False, "int8_ops": _int8_ops_said(path, len(parts.weights))}
 
 
 def _int8_ops_said(path: Path, quantized: int) -> tuple[int, int]:
@@ -127,10 +127,10 @@ def _any_batch(model: nn.Module, call: Call) -> dict[str, Any]:
     }
 
 
-def _check_grids(plan: DeployPlan) -> None:
-    if not plan.weights and not plan.activations:
+def _check_grids(parts: ExportParts) -> None:
+    if not parts.weights and not parts.activations:
         raise ConfigError("export.handle", "nothing quantized", "format='onnx' holds quantized weights and activations")
-    for key, grid in plan.weights.items():
+    for key, grid in parts.weights.items():
         if grid.spec.is_float:
             raise ConfigError(
                 "quantize.weights.format",
@@ -144,7 +144,7 @@ def _check_grids(plan: DeployPlan) -> None:
                 f"{f' group {grid.group_size}' if grid.group_size else ''}",
                 "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
             )
-    for (layer, where, _), grid in plan.activations.items():
+    for (layer, where, _), grid in parts.activations.items():
         if grid.dynamic:
             raise ConfigError(
                 "quantize.activations.dynamic",
@@ -160,9 +160,9 @@ def _check_grids(plan: DeployPlan) -> None:
             )
 
 
-def _refuse_unfolded(plain: nn.Module, plan: DeployPlan) -> None:
-    for conv, norm in batchnorm_pairs(plain, plan.inputs[0]):
-        if plan.layer_weight(conv) is not None and not is_neutral(plain.get_submodule(norm)):
+def _refuse_unfolded(plain: nn.Module, parts: ExportParts) -> None:
+    for conv, norm in batchnorm_pairs(plain, parts.inputs[0]):
+        if parts.layer_weight(conv) is not None and not is_neutral(plain.get_submodule(norm)):
             raise ConfigError(
                 "export.handle",
                 f"{conv} feeds BatchNorm {norm}",
@@ -173,17 +173,17 @@ def _refuse_unfolded(plain: nn.Module, plan: DeployPlan) -> None:
 class _QDQ:
     """Surgery's grids put into a traced float graph, node by node."""
 
-    def __init__(self, model: Any, plan: DeployPlan) -> None:
+    def __init__(self, model: Any, parts: ExportParts) -> None:
         from onnx import numpy_helper
 
-        self.model, self.plan, self.graph = model, plan, model.graph
+        self.model, self.parts, self.graph = model, parts, model.graph
         self.numpy = numpy_helper
         self.initializers = {i.name: i for i in self.graph.initializer}
         self.count = 0
         self.grids: dict[str, ActivationGrid] = {}  # each DequantizeLinear output -> its grid
 
     def insert(self) -> None:
-        layers = {layer for layer, _, _ in self.plan.activations} | {k.rpartition(".")[0] for k in self.plan.weights}
+        layers = {layer for layer, _, _ in self.parts.activations} | {k.rpartition(".")[0] for k in self.parts.weights}
         found: set[tuple[str, int]] = set()
         runs: dict[str, int] = {}
         for node in list(self.graph.node):
@@ -191,14 +191,14 @@ class _QDQ:
             if layer is not None and node.op_type in ACTIVATION_OPS:
                 call = runs[layer] = runs.get(layer, -1) + 1  # the graph lists a module's runs in order
                 found.add((layer, call))
-                outputs = self.plan.activation(layer, "output", call)
+                outputs = self.parts.activation(layer, "output", call)
                 if outputs is not None:
                     self._activation(node.output[0], outputs)
             if layer is None or node.op_type not in WEIGHT_LAYOUT:
                 continue
             found.add((layer, 0))
-            inputs = self.plan.activation(layer, "input")
-            weight = self.plan.layer_weight(layer)
+            inputs = self.parts.activation(layer, "input")
+            weight = self.parts.layer_weight(layer)
             if weight is not None:
                 self._weight(node, weight)
             if inputs is not None:  # a follower (a max-pooled quantized tensor) is on its grid for every reader
@@ -206,11 +206,11 @@ class _QDQ:
             read = self.grids.get(node.input[0])  # its own quantizer, or the one that wrote the tensor
             if read is not None and weight is not None and len(node.input) > 2 and node.input[2] in self.initializers:
                 self._bias(node, read, weight)
-            outputs = self.plan.activation(layer, "output")
+            outputs = self.parts.activation(layer, "output")
             if outputs is not None:
                 self._activation(self._written(node, layer), outputs)
-        wanted = {(layer, call) for layer, _, call in self.plan.activations}
-        wanted |= {(k.rpartition(".")[0], 0) for k in self.plan.weights}
+        wanted = {(layer, call) for layer, _, call in self.parts.activations}
+        wanted |= {(k.rpartition(".")[0], 0) for k in self.parts.weights}
         missing = sorted(wanted - found)
         if missing:
             layer, call = missing[0]
@@ -358,7 +358,7 @@ register_export_format(
     write_onnx,
     load=load_onnx,
     suffix="onnx",
-    takes_plan=True,
+    takes_parts=True,
     holds_hooks=True,
     run=run_onnx,
     exact=False,

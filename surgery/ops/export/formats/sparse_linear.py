@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.ops.export.exporting import register_export_format
-from surgery.ops.numerics.deployment import DeployPlan
+from surgery.ops.numerics.deployment import ExportParts
 
 LAYOUTS = ("csr", "2:4")
 OPTIONS = ("layout", "min_sparsity")
@@ -80,8 +80,8 @@ def is_two_four(weight: Tensor) -> bool:
     return bool((weight.reshape(weight.shape[0], -1, 4).ne(0).sum(-1) <= 2).all())
 
 
-def write_sparse(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """Swap each pruned Linear of a copy of ``plan.model`` for a :class:`SparseLinear`."""
+def write_sparse(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Swap each pruned Linear of a copy of ``parts.model`` for a :class:`SparseLinear`."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='sparse' takes {', '.join(OPTIONS)}")
@@ -91,16 +91,16 @@ def write_sparse(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[
     threshold = options.get("min_sparsity", 0.9)
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
         raise ConfigError("export.options.min_sparsity", threshold, "must be a number in [0, 1]")
-    if plan.activations:
+    if parts.activations:
         raise ConfigError(
             "export.handle",
             "activation quantization",
             "format='sparse' holds weights only; export quantized activations with format='onnx' or 'torchao'",
         )
-    layers = _sparse_layers(plan, layout, threshold)
-    plain = copy.deepcopy(plan.model).eval()
+    layers = _sparse_layers(parts, layout, threshold)
+    plain = copy.deepcopy(parts.model).eval()
     drop_forward_hooks(plain)
-    for name, mask in plan.masks.items():
+    for name, mask in parts.masks.items():
         with torch.no_grad():
             weight = plain.get_parameter(name)
             weight.mul_(mask.to(weight.device, weight.dtype))  # the masked values, whatever the enforcer keeps
@@ -108,18 +108,18 @@ def write_sparse(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[
         module = plain.get_submodule(layer)
         plain.set_submodule(layer, SparseLinear(module.weight, module.bias, layout))
     torch.save(plain, str(path))
-    left_out = sorted({name.rpartition(".")[0] for name in plan.masks} - set(layers))
+    left_out = sorted({name.rpartition(".")[0] for name in parts.masks} - set(layers))
     return {"exact": False, "left_out": [f"{layer} (dense: below min_sparsity or not 2:4)" for layer in left_out]}
 
 
-def _sparse_layers(plan: DeployPlan, layout: str, threshold: float) -> list[str]:
+def _sparse_layers(parts: ExportParts, layout: str, threshold: float) -> list[str]:
     """The pruned ``nn.Linear`` layers sparse enough (``csr``) or 2:4 (``2:4``) to become sparse."""
-    if not plan.masks:
+    if not parts.masks:
         raise ConfigError("export.handle", "no pruning masks", "format='sparse' holds pruned Linear weights")
     layers = []
-    for key, mask in plan.masks.items():
+    for key, mask in parts.masks.items():
         layer, _, attribute = key.rpartition(".")
-        if attribute != "weight" or type(plan.model.get_submodule(layer)) is not nn.Linear:
+        if attribute != "weight" or type(parts.model.get_submodule(layer)) is not nn.Linear:
             continue
         sparsity = 1.0 - mask.float().mean().item()
         if (layout == "csr" and sparsity >= threshold) or (layout == "2:4" and is_two_four(mask)):
@@ -128,7 +128,7 @@ def _sparse_layers(plan: DeployPlan, layout: str, threshold: float) -> list[str]
         need = f"at least {threshold:g} sparsity" if layout == "csr" else "a 2:4 pattern"
         raise ConfigError(
             "export.handle",
-            f"{len(plan.masks)} pruned weight(s)",
+            f"{len(parts.masks)} pruned weight(s)",
             f"no nn.Linear weight has {need}; sparse kernels would be slower than dense here",
         )
     return layers
@@ -152,5 +152,5 @@ def semi_structured(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.
 
 
 register_export_format(
-    "sparse", write_sparse, load=load_sparse, suffix="pt", takes_plan=True, exact=False, bound=0.99999
+    "sparse", write_sparse, load=load_sparse, suffix="pt", takes_parts=True, exact=False, bound=0.99999
 )

@@ -16,7 +16,7 @@ from surgery.core._compat import MODULE_HOOK_DICTS, drop_forward_hooks
 from surgery.core.errors import ConfigError, first_line
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
-from surgery.ops.numerics.deployment import DeployPlan
+from surgery.ops.numerics.deployment import ExportParts
 
 ACTIVATIONS = ("static", "dynamic", "none")
 
@@ -26,24 +26,24 @@ FLOAT_REFUSAL = (
 )
 
 
-def write_torchao(plan: DeployPlan, path: Path, options: dict[str, Any]) -> dict[str, Any]:
-    """Swap each quantized Linear weight of a copy of ``plan.model`` for an ``Int8Tensor``."""
+def write_torchao(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Swap each quantized Linear weight of a copy of ``parts.model`` for an ``Int8Tensor``."""
     unknown = sorted(set(options) - {"activations"})
     if unknown:
         raise ConfigError("export.options", unknown, "format='torchao' takes activations")
     torchao = required("torchao", "torchao")
-    mode = options.get("activations", plan.activation_mode)
+    mode = options.get("activations", parts.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
-    if mode == "static" and not plan.activations:
+    if mode == "static" and not parts.activations:
         raise ConfigError("export.options.activations", mode, "needs activations quantized (where='input')")
-    _check_dynamic(plan, mode)
-    layers = _layers(plan, torchao.__version__)
-    plain = copy.deepcopy(plan.model).eval()
+    _check_dynamic(parts, mode)
+    layers = _layers(parts, torchao.__version__)
+    plain = copy.deepcopy(parts.model).eval()
     drop_forward_hooks(plain)
     for layer in layers:
         module = plain.get_submodule(layer)
-        tensor = _int8_tensor(plan, layer, module.weight, mode)
+        tensor = _int8_tensor(parts, layer, module.weight, mode)
         module.weight = nn.Parameter(tensor, requires_grad=False)
         if mode == "static":
             module.__class__ = StaticInt8Linear  # same parameters; inputs of any rank
@@ -76,9 +76,9 @@ def _unpicklable(model: nn.Module, err: Exception) -> ConfigError:
     )
 
 
-def _check_dynamic(plan: DeployPlan, mode: str) -> None:
+def _check_dynamic(parts: ExportParts, mode: str) -> None:
     """Dynamic inputs in the simulation are torchao's: 8-bit symmetric, one scale per token."""
-    for (layer, where, _), grid in plan.activations.items():
+    for (layer, where, _), grid in parts.activations.items():
         if not grid.dynamic:
             continue
         if mode == "static":
@@ -106,13 +106,13 @@ class StaticInt8Linear(nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _layers(plan: DeployPlan, version: str) -> list[str]:
-    if not plan.weights:
+def _layers(parts: ExportParts, version: str) -> list[str]:
+    if not parts.weights:
         raise ConfigError("export.handle", "no quantized weights", "format='torchao' holds quantized Linear weights")
     layers = []
-    for key, grid in plan.weights.items():
+    for key, grid in parts.weights.items():
         layer, _, attribute = key.rpartition(".")
-        if attribute != "weight" or not isinstance(plan.model.get_submodule(layer), nn.Linear):
+        if attribute != "weight" or not isinstance(parts.model.get_submodule(layer), nn.Linear):
             raise ConfigError("export.handle", key, "torchao's int8 tensors replace nn.Linear weights only")
         if grid.spec.bits == 4 and not torch.cuda.is_available():
             raise ConfigError(
@@ -132,7 +132,7 @@ def _layers(plan: DeployPlan, version: str) -> list[str]:
                 f"{key}: {grid.spec.bits}-bit {'symmetric' if grid.spec.symmetric else 'affine'}",
                 "torchao's Int8Tensor holds 8-bit symmetric weights, per channel or per tensor",
             )
-        if plan.activation(layer, "output") is not None:
+        if parts.activation(layer, "output") is not None:
             raise ConfigError(
                 "quantize.where", "output", "torchao quantizes Linear inputs; quantize with where='input'"
             )
@@ -140,11 +140,11 @@ def _layers(plan: DeployPlan, version: str) -> list[str]:
     return layers
 
 
-def _int8_tensor(plan: DeployPlan, layer: str, weight: torch.Tensor, mode: str) -> Any:
+def _int8_tensor(parts: ExportParts, layer: str, weight: torch.Tensor, mode: str) -> Any:
     from torchao.quantization import Int8Tensor, MappingType, PerRow, PerTensor
     from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
-    grid = plan.layer_weight(layer)
+    grid = parts.layer_weight(layer)
     integers = grid.integers(weight).to(torch.int8)
     rows, columns = integers.shape
     scale = grid.scale.float().reshape(-1, 1).expand(rows, 1).contiguous()
@@ -152,7 +152,7 @@ def _int8_tensor(plan: DeployPlan, layer: str, weight: torch.Tensor, mode: str) 
     if mode == "dynamic":
         extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=MappingType.SYMMETRIC)
     elif mode == "static":
-        activation = plan.activation(layer, "input")
+        activation = parts.activation(layer, "input")
         if activation is None or activation.axis is not None or activation.spec.is_float or activation.spec.bits != 8:
             raise ConfigError("quantize.activations", layer, "static torchao activations need one 8-bit input scale")
         symmetric = activation.spec.symmetric
@@ -176,7 +176,7 @@ register_export_format(
     write_torchao,
     load=load_torchao,
     suffix="pt",
-    takes_plan=True,
+    takes_parts=True,
     holds_hooks=True,
     exact=False,
     bound=0.9999,
