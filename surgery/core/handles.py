@@ -96,6 +96,17 @@ class Handle:
         ``check`` (optional) raises before any step is undone or baked when this one cannot be now."""
         self._steps.append(_Step(description, undo, bake, check))
 
+    def add_first(
+        self,
+        description: str,
+        undo: Callable[[], None],
+        bake: Callable[[], None] | None = None,
+        *,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Record a change made before every step recorded so far: it is undone and baked after them all."""
+        self._steps.insert(0, _Step(description, undo, bake, check))
+
     def add_record(self, record) -> None:
         """Record an undo object (``description``, ``restore()``, ``keep()``), such as a
         :class:`~surgery.core.transforms.AttachedTransform`, before the change it undoes."""

@@ -42,6 +42,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
+from surgery.core.routing import routed_as
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
@@ -75,11 +76,14 @@ class SequentialReport:
 def find_blocks(model: nn.Module) -> list[str]:
     """Names of the repeated blocks of a model: the entries of the ``nn.ModuleList`` or
     ``nn.Sequential`` holding the most parameters in a run of two or more same-class
-    children that hold parameters themselves (a transformer's decoder layers); ``[]`` if none."""
+    children that hold parameters themselves (a transformer's decoder layers), never a list that
+    is called as a layer itself; ``[]`` if none."""
     best: tuple[int, list[str]] = (0, [])
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
             continue
+        if isinstance(module, nn.ModuleList) and type(module).forward is not nn.ModuleList.forward:
+            continue  # a list that is itself a layer (a mixture-of-experts layer's experts): its entries are not blocks
         children = list(module.named_children())
         kinds = {type(child) for _, child in children}
         if len(kinds) != 1 or not any(True for _ in children[0][1].children()):
@@ -156,7 +160,8 @@ def trace_stages(
             hooks.append(block.register_forward_pre_hook(watch.receives(name), with_kwargs=True))
             hooks.append(block.register_forward_hook(watch.finished(name), with_kwargs=True))
         try:
-            first(model)
+            with routed_as("trace"):  # every expert of a mixture-of-experts layer runs, whatever the router says
+                first(model)
         except (RuntimeError, TypeError) as err:
             _explain_dtype(model, first, err, field)
             raise

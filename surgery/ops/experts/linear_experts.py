@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from surgery.core.routing import routing
 from surgery.ops.experts.layouts import FusedLayout
 
 
@@ -79,8 +80,8 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         self.layout = layout
         self.__dict__["_gating"] = gating
-        self.routed = [0] * len(experts)  # tokens routed to each expert so far (a token counts once per expert)
-        self.every_token = False  # calibration: every token through every expert (see routing.every_expert_calibrated)
+        self.routed = [0] * len(experts)  # tokens the router sent to each expert so far
+        self.seen = [0] * len(experts)  # tokens each expert ran on so far (all of them, calibrating every expert)
 
     @classmethod
     def from_fused(cls, fused: nn.Module, layout: FusedLayout) -> LinearExperts:
@@ -111,17 +112,21 @@ class LinearExperts(nn.ModuleList):
             routed = F.one_hot(top_k_index, num_classes=count + 1).permute(2, 1, 0)
             hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
         grouped = self._gating.grouped
+        mode = routing()
+        every = mode != "routed"
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
         if grouped:
             out = hidden_states.new_zeros((*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype)
         else:
             out = torch.zeros_like(hidden_states)
-        for e in range(count) if self.every_token else hit:
+        for e in range(count) if every else hit:
             if e == count:
                 continue
             position, token = torch.where(routed[e])
-            self.routed[e] += int(token.numel())
-            if self.every_token:
+            if mode != "trace":
+                self.routed[e] += int(token.numel())
+                self.seen[e] += int(hidden_states.shape[0] if every else token.numel())
+            if every:
                 y = self[e](hidden_states)[token]  # statistics from every token; the routed rows go on
             else:
                 y = self[e](hidden_states[token])

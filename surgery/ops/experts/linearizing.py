@@ -1,6 +1,6 @@
 """Swap every fused experts module of a model for :class:`LinearExperts` and back, owned by a handle.
 
-Verbs call :func:`own_linear_experts` first, so that each expert of a mixture-of-experts layer is a
+Verbs run inside :func:`with_linear_experts`, so that each expert of a mixture-of-experts layer is a
 layer of its own for them; restoring or baking the verb folds the layers back into the fused
 parameters (bit for bit when every change was undone) and puts the model's own class back.
 """
@@ -8,6 +8,8 @@ parameters (bit for bit when every change was undone) and puts the model's own c
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -17,8 +19,10 @@ from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.core.handles import Handle, attached_after
 from surgery.ops.experts.layouts import check_splittable, fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
+from surgery.ops.experts.routing import check_tokens, since, tokens_per_expert
 
 log = logging.getLogger("surgery")
+H = TypeVar("H", bound=Handle)
 
 
 class LinearExpertsHandle(Handle):
@@ -32,54 +36,113 @@ class LinearExpertsHandle(Handle):
 def linear_experts(model: nn.Module) -> LinearExpertsHandle:
     """Make each expert of every fused experts module in ``model`` its own ``nn.Linear`` layers.
 
-    ``restore()`` and ``bake()`` write the layers' weights back into the fused parameters and put
-    the original modules back (their class, names and state-dict keys).
+    Every verb does this by itself for the time it is attached; call it to work on the experts
+    by hand. ``restore()`` and ``bake()`` write the layers' weights back into the fused parameters
+    and put the original modules back (their class, names and state-dict keys).
 
     Example:
         >>> with surgery.linear_experts(model):
         ...     model.model.layers[0].mlp.experts[3].down_proj   # an nn.Linear
     """
     handle = LinearExpertsHandle(model)
-    with handle.applying():
-        handle.swapped = own_linear_experts(handle, model)
+    swapped = linearize(model)
+    handle.swapped = [name for name, *_ in swapped]
+    if swapped:
+        _own(handle, swapped)
     return handle
 
 
-def own_linear_experts(handle: Handle, model: nn.Module) -> list[str]:
-    """Swap ``model``'s fused experts modules for :class:`LinearExperts`, as one step of ``handle``
-    (undone and baked after the steps ``handle`` adds later). Returns the names swapped."""
+def with_linear_experts(model: nn.Module, verb: str, apply: Callable[[], H]) -> H:
+    """Run a verb (``apply``, returning its handle) with ``model``'s fused experts made per-expert
+    layers; the handle then owns them: its ``restore()`` and ``bake()`` fold them back last. If the
+    verb fails, they are folded back at once.
+
+    When the verb calibrated, ``handle.tokens_per_expert`` holds the tokens routed to each expert
+    (summed over the passes: a block-by-block method runs each block more than once), and an
+    expert that ran on none is refused in one line (its statistics would be empty)."""
+    swapped = linearize(model)
+    if not swapped:
+        return apply()
+    before = {key: tokens_per_expert(model, key) for key in ("routed", "seen")}
+    try:
+        handle = apply()
+        seen = since(before["seen"], tokens_per_expert(model, "seen"))
+        if any(sum(per) for per in seen.values()):
+            handle.tokens_per_expert = since(before["routed"], tokens_per_expert(model, "routed"))
+            try:
+                check_tokens(seen, 1, f"{verb}.calibration", verb)
+            except ConfigError as err:
+                handle.rollback(err)
+                raise
+    except ConfigError as err:
+        _fold_back(swapped)
+        clearer = _unrouted(err, [name for name, *_ in swapped])
+        if clearer is err:
+            raise
+        raise clearer from err
+    except BaseException:
+        _fold_back(swapped)
+        raise
+    _own(handle, swapped)
+    return handle
+
+
+def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
+    """A calibration error about a layer of an expert means its router sent it no token: say so."""
+    layer = err.value if isinstance(err.value, str) else ""
+    owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
+    if owner is None or not err.field.endswith("calibration"):
+        return err
+    expert = layer[len(owner) + 1 :].split(".")[0]
+    return ConfigError(
+        err.field,
+        layer,
+        f"expert {expert} of {owner} was sent no calibration token by its router, so it has no statistics",
+        "calibrate on more tokens, or run every token through every expert: "
+        "with surgery.every_expert_calibrated(): ...",
+    )
+
+
+Swapped = tuple[str, nn.Module, str, nn.Module, LinearExperts]
+
+
+def linearize(model: nn.Module) -> list[Swapped]:
+    """Swap every fused experts module of ``model`` for :class:`LinearExperts` (all or none)."""
     found = fused_experts(model)
     for name, layout in found.items():
         check_splittable(name, layout, model.get_submodule(name))
-    swapped: list[tuple[nn.Module, str, nn.Module, LinearExperts]] = []
+        _refuse_hooked(name, model.get_submodule(name))
+    swapped: list[Swapped] = []
     try:
         for name, layout in found.items():
             fused = model.get_submodule(name)
-            _refuse_hooked(name, fused)
             linear = LinearExperts.from_fused(fused, layout)
             parent, local = _parent(model, name)
             setattr(parent, local, linear)
-            swapped.append((parent, local, fused, linear))
+            swapped.append((name, parent, local, fused, linear))
     except BaseException:
         _fold_back(swapped)
         raise
     if swapped:
-        names = list(found)
-        handle.add(
-            f"linear experts ({len(names)} layer(s))",
-            lambda: _fold_back(swapped),
-            lambda: _fold_back(swapped),
-            check=lambda: _check_nothing_on_top(handle),
-        )
-        log.debug("%s: %d experts module(s) made per-expert layers: %s", handle.kind, len(names), ", ".join(names))
-    return list(found)
+        log.debug("%d experts module(s) made per-expert layers: %s", len(swapped), ", ".join(found))
+    return swapped
 
 
-def _fold_back(swapped: list[tuple[nn.Module, str, nn.Module, LinearExperts]]) -> None:
+def _own(handle: Handle, swapped: list[Swapped]) -> None:
+    """Make ``handle`` fold ``swapped`` back after undoing (or baking) everything else it holds."""
+    handle.add_first(
+        f"per-expert layers of {len(swapped)} experts module(s)",
+        lambda: _fold_back(swapped),
+        lambda: _fold_back(swapped),
+        check=lambda: _check_nothing_on_top(handle),
+    )
+
+
+def _fold_back(swapped: list[Swapped]) -> None:
     """Write each :class:`LinearExperts`' weights into its fused module and put that back, last first.
 
     Every tensor is computed before any is written, so a failure leaves the model as it was."""
-    planned = [(parent, local, fused, linear.fused_tensors()) for parent, local, fused, linear in swapped]
+    planned = [(parent, local, fused, linear.fused_tensors()) for _, parent, local, fused, linear in swapped]
     for parent, local, fused, tensors in reversed(planned):
         with torch.no_grad():
             for attr, value in tensors.items():

@@ -1,10 +1,7 @@
-"""Which tokens reach which expert during calibration: counts per expert, every expert calibrated on
-every token on request, and a one-line refusal when an expert saw too few for a method."""
+"""Which tokens reached which expert: counts per expert, and a one-line refusal when an expert saw too
+few for a method (:func:`surgery.core.routing.every_expert_calibrated` routes every token to each)."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 from torch import nn
 
@@ -17,26 +14,17 @@ def linear_experts_in(model: nn.Module) -> dict[str, LinearExperts]:
     return {name: module for name, module in model.named_modules() if isinstance(module, LinearExperts)}
 
 
-def tokens_per_expert(model: nn.Module) -> dict[str, list[int]]:
-    """How many tokens were routed to each expert of each experts layer since it was made per-expert."""
-    return {name: list(module.routed) for name, module in linear_experts_in(model).items()}
+def tokens_per_expert(model: nn.Module, counter: str = "routed") -> dict[str, list[int]]:
+    """How many tokens each expert of each experts layer was sent by its router (``"routed"``) or ran
+    on (``"seen"``: every token, calibrating every expert) since it was made per-expert layers."""
+    return {name: list(getattr(module, counter)) for name, module in linear_experts_in(model).items()}
 
 
-@contextlib.contextmanager
-def every_expert_calibrated(model: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Inside the block every expert runs on every token, so that each gathers statistics from all
-    of them (llm-compressor's ``calibrate_all_experts``), while each layer's output still sums only
-    the experts the router chose. Outputs may differ from the routed forward in the last bit (a
-    row's product depends on how many rows a matrix multiply holds)."""
-    layers = list(linear_experts_in(model).values()) if enabled else []
-    before = [layer.every_token for layer in layers]
-    for layer in layers:
-        layer.every_token = True
-    try:
-        yield
-    finally:
-        for layer, was in zip(layers, before, strict=True):
-            layer.every_token = was
+def since(before: dict[str, list[int]], now: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The counts of ``now`` less those of ``before``, expert by expert."""
+    return {
+        name: [n - b for n, b in zip(per, before.get(name, [0] * len(per)), strict=True)] for name, per in now.items()
+    }
 
 
 def check_tokens(counts: dict[str, list[int]], needed: int, field: str, method: str) -> None:
@@ -49,5 +37,5 @@ def check_tokens(counts: dict[str, list[int]], needed: int, field: str, method: 
             field,
             shown,
             f"saw fewer than {needed} calibration token(s) each, too few for {method}; calibrate on more "
-            "tokens, or route them through every expert (experts='all')",
+            "tokens, or run every token through every expert (with surgery.every_expert_calibrated(): ...)",
         )

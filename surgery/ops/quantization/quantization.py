@@ -17,6 +17,7 @@ from surgery.core.sequential import find_blocks, resolve_blocks
 from surgery.core.settings import spec_or_keywords
 from surgery.core.transforms import own_step_hook
 from surgery.ops.equivalence.folding import fold_batchnorms
+from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
@@ -135,6 +136,15 @@ def quantize(
     if isinstance(model, Offloaded):
         return _quantize_offloaded(model, spec, calibration, work, progress)
     model = compiled.in_memory("quantize", model, work)
+    return with_linear_experts(
+        model, "quantize", lambda: _quantize_in_memory(model, spec, calibration, qparams, progress)
+    )
+
+
+def _quantize_in_memory(
+    model: nn.Module, spec: QuantizeSpec, calibration: Any, qparams: Any, progress: bool
+) -> QuantizeHandle:
+    """:func:`quantize` on a model in memory (its fused experts already per-expert layers)."""
     weights, activations, select, exclude, where = spec.weights, spec.activations, spec.select, spec.exclude, spec.where
     train, freeze_observers_after, blocks = spec.train, spec.freeze_observers_after, spec.blocks
     _validate_inputs(spec, calibration, qparams)

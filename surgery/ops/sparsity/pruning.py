@@ -26,6 +26,7 @@ from surgery.core.sequential import SequentialReport, find_blocks, resolve_block
 from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
+from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.numerics.deployment import SparsityMask
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
@@ -310,6 +311,11 @@ def prune(
     if isinstance(model, Offloaded):
         return _prune_offloaded(model, spec, calibration, loss, work, progress)
     model = compiled.in_memory("prune", model, work)
+    return with_linear_experts(model, "prune", lambda: _prune_in_memory(model, spec, calibration, loss, progress))
+
+
+def _prune_in_memory(model: nn.Module, spec: PruneSpec, calibration: Any, loss: Any, progress: bool) -> PruneHandle:
+    """:func:`prune` on a model in memory (its fused experts already per-expert layers)."""
     select, exclude, blocks, amounts = spec.select, spec.exclude, spec.blocks, spec.amounts
     criterion = spec.criterion
     if criterion.needs_gradients and calibration is None:

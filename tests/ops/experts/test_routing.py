@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from surgery.core.errors import ConfigError
+from surgery.core.routing import every_expert_calibrated
 from surgery.ops.experts.linearizing import linear_experts
-from surgery.ops.experts.routing import check_tokens, every_expert_calibrated, tokens_per_expert
+from surgery.ops.experts.routing import check_tokens, tokens_per_expert
 from tests.support import tiny_moe
 
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -43,11 +44,14 @@ def test_every_expert_calibrated_feeds_every_token_and_keeps_the_routed_output()
     model = tiny_moe("mixtral")
     with linear_experts(model):
         _, routed = _rows_seen(model)
-        with every_expert_calibrated(model):
+        first = tokens_per_expert(model)["model.layers.0.mlp.experts"]
+        with every_expert_calibrated():
             seen, everything = _rows_seen(model)
         assert seen == {e: 32 for e in range(4)}
         torch.testing.assert_close(everything, routed, rtol=1e-5, atol=1e-5)  # last-bit differences only
-        assert not model.model.layers[0].mlp.experts.every_token
+        assert tokens_per_expert(model, "seen")["model.layers.0.mlp.experts"] == [n + 32 for n in first]
+        _, again = _rows_seen(model)
+        assert torch.equal(again, routed)  # routed again after the block
 
 
 def test_experts_with_too_few_tokens_are_named():

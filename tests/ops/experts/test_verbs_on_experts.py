@@ -1,0 +1,90 @@
+"""Every verb reaches each expert of a fused experts module as a layer of its own, restores bit for
+bit, bakes into the model's own classes, and says in one line when an expert got no tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import surgery
+from surgery import GridSpec
+from surgery.core.errors import ConfigError
+from surgery.core.routing import every_expert_calibrated
+from surgery.ops.experts.linear_experts import LinearExperts
+from tests.support import tiny_moe
+
+BATCHES = [{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)]
+
+VERBS = {
+    "rtn": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, group_size=16)),
+    "gptq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=BATCHES),
+    "magnitude": lambda model: surgery.prune(model, 0.5),
+    "wanda": lambda model: surgery.prune(model, 0.5, method="wanda", calibration=BATCHES),
+    "sparsegpt": lambda model: surgery.prune(model, 0.5, method="sparsegpt", calibration=BATCHES),
+}
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_each_expert_is_a_layer_and_restore_is_exact(family, verb):
+    model = tiny_moe(family, layers=2)
+    before = _state(model)
+    with every_expert_calibrated():  # GPT-OSS routes no token of these batches to some experts
+        handle = VERBS[verb](model)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, LinearExperts)
+    matched = handle.selection.matched
+    assert {
+        f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")
+    } <= set(matched)
+    assert handle.selection.coverage.left_share < 0.2  # the embedding and routers only
+    changed = experts[2].down_proj.weight
+    assert not torch.equal(
+        changed,
+        before["model.layers.1.mlp.experts.down_proj"][2].T
+        if family == "gpt_oss"
+        else before["model.layers.1.mlp.experts.down_proj"][2],
+    )
+    handle.restore()
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bake_leaves_the_model_s_own_classes_holding_the_change(family):
+    model = tiny_moe(family, layers=2)
+    fused_class = type(model.model.layers[0].mlp.experts)
+    handle = surgery.prune(model, 0.5)
+    handle.bake()
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts) is fused_class
+    share = float((experts.down_proj == 0).float().mean())
+    assert share == 0.5
+
+
+def test_an_expert_its_router_never_chose_is_named_with_the_way_out():
+    model = tiny_moe("gpt_oss", layers=2)
+    before = _state(model)
+    with pytest.raises(
+        ConfigError,
+        match=r"expert \d+ of model.layers.\d.mlp.experts was sent no calibration token.*every_expert_calibrated",
+    ):
+        VERBS["gptq"](model)
+    assert not isinstance(model.model.layers[0].mlp.experts, LinearExperts)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_tokens_per_expert_are_on_the_handle():
+    model = tiny_moe("qwen3_moe", layers=2)
+    with VERBS["wanda"](model) as handle:
+        counts = handle.tokens_per_expert
+    assert set(counts) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    routed_per_pass = (
+        4 * 2 * 16 * 2
+    )  # batches x rows x tokens x top-2; a block-by-block walk runs a block more than once
+    assert all(sum(per) % routed_per_pass == 0 and min(per) > 0 for per in counts.values())
