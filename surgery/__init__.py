@@ -23,7 +23,7 @@ from surgery.core.errors import (
     UndoError,
 )
 from surgery.core.handles import Handle, HandleGroup, compose
-from surgery.core.heads import HeadLayout, register_heads
+from surgery.core.layer_kinds import LayerKind, register_layer_kind
 from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
 from surgery.ops.build import rules
@@ -49,7 +49,9 @@ from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
 from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity.sensitivity import Sensitivity, sensitivity
-from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, rebuild, register_importance, shrink
+from surgery.ops.shrink.heads import HeadLayout, register_heads
+from surgery.ops.shrink.rebuilding import rebuild
+from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, register_importance, shrink
 from surgery.ops.sparsity.criteria import LayerStats, register_criterion
 from surgery.ops.sparsity.owl import OwlAllocation, owl_amounts
 from surgery.ops.sparsity.pruning import PruneHandle, PruneSpec, prune
@@ -84,6 +86,8 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "attach_transform",
     "register_heads",
     "HeadLayout",
+    "LayerKind",
+    "register_layer_kind",
     "distributed_calibration",
     "activation_budget",
     # errors

@@ -25,9 +25,9 @@ from torch.nn import functional as F
 
 from surgery.analysis.attribution_memory import check_attribution_memory
 from surgery.analysis.metrics import logits_of
-from surgery.core._compat import CONVOLUTIONS
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, Inputs, as_call, batches, evaluating, flatten_tensors
+from surgery.core.layer_kinds import is_kind
 from surgery.core.registry import Registry
 from surgery.core.selection import select as select_modules
 from surgery.core.settings import settings_from
@@ -253,7 +253,9 @@ def _channel_axis(layer: nn.Module, output: Tensor) -> int:
         widths = {getattr(m, "normalized_shape", (None,))[-1] for m in modules} | {
             getattr(m, "out_features", None) for m in modules
         }
-        channels_last = not any(isinstance(m, CONVOLUTIONS) for m in modules) and output.shape[-1] in widths
+        channels_last = (
+            not any(is_kind(m, lambda kind: kind.convolution) for m in modules) and output.shape[-1] in widths
+        )
         return output.dim() - 1 if channels_last else 1
     if any(isinstance(m, nn.Conv1d) for m in modules):
         return 1

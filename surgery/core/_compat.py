@@ -17,6 +17,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_globals
 
+from surgery.core.layer_kinds import classes_where
+
 _log = logging.getLogger("surgery")
 
 GLOBAL_HOOK_DICTS = (
@@ -187,10 +189,10 @@ def functionalize_hiding_mutation(mode: Any, func: Any, args: tuple, kwargs: dic
     return result
 
 
-# Public stand-ins for torch's private base classes (every concrete torch subclass of
-# _ConvNd, _BatchNorm and _NormBase is a subclass of one of these).
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# Thin views of the layer-kind table (surgery.core.layer_kinds, which code should read) for the
+# places that still test isinstance against a fixed tuple: the built-in kinds only.
+CONVOLUTIONS = classes_where(lambda kind: kind.convolution)
+BATCH_NORMS = classes_where(lambda kind: kind.normalises == "channel")
 CHANNEL_NORMS = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 

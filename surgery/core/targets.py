@@ -21,6 +21,7 @@ from torch import nn
 
 from surgery.core._compat import get_slot
 from surgery.core.errors import ConfigError, SelectionError
+from surgery.core.layer_kinds import is_hf_conv1d, is_kind  # noqa: F401 - is_hf_conv1d: its old home
 from surgery.core.selection import Selection, as_patterns, closest, describe, matches
 
 log = logging.getLogger("surgery")
@@ -38,20 +39,10 @@ def selections_logged_at(level: int) -> Iterator[None]:
         _SELECTION_LEVEL.reset(token)
 
 
-LINEAR_LIKE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-
-
-def is_hf_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2 and relatives): a linear layer with a transposed weight
-    of shape ``(in_features, out_features)``."""
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
 def default_layer(module: nn.Module, name: str = "") -> bool:
-    """The default selection of prune and quantize: ``nn.Conv1d/2d/3d``, ``nn.Linear`` and
-    Hugging Face's ``Conv1D``."""
-    return isinstance(module, LINEAR_LIKE) or is_hf_conv1d(module)
+    """The default selection of prune and quantize: layers of a kind marked ``default`` in
+    :mod:`surgery.core.layer_kinds` (``nn.Conv1d/2d/3d``, ``nn.Linear``, Hugging Face's ``Conv1D``)."""
+    return is_kind(module, lambda kind: kind.default)
 
 
 default_layer.__name__ = "Conv*d|Linear|Conv1D"

@@ -18,19 +18,15 @@ from surgery.cli.outputs import batch_of, first_sample
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call
+from surgery.core.layer_kinds import is_kind
 from surgery.core.selection import select
-from surgery.ops.shrink.shrinking import ShrinkHandle, ShrinkSpec, rebuild, shrink
+from surgery.ops.shrink.rebuilding import rebuild
+from surgery.ops.shrink.shrinking import ShrinkHandle, ShrinkSpec, shrink
 
-PRODUCERS = (
-    nn.Linear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-    nn.Embedding,
-)
+
+def _producer(module: nn.Module) -> bool:
+    """A layer whose output channels shrink may remove: a kind it rebuilds smaller that is not a norm."""
+    return is_kind(module, lambda kind: kind.smaller is not None and kind.normalises is None)
 
 
 @dataclass(frozen=True)
@@ -47,7 +43,8 @@ class ShrinkConfig(ShrinkSpec):
             positive_int("shrink.latency_batches", size)
 
 
-PLAN_JSON = "model.plan.json"  # the shrunk layers' shapes, for surgery.rebuild
+STRUCTURE_JSON = "model.plan.json"  # the recorded shrunk structure, for surgery.rebuild (file name kept)
+PLAN_JSON = STRUCTURE_JSON  # its old name, read by cli/run.py
 
 
 class ShrinkStep(Step):
@@ -68,11 +65,11 @@ class ShrinkStep(Step):
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
     ) -> Callable[[], nn.Module]:
         """The original class built at the smaller shapes (:func:`surgery.rebuild`)."""
-        plan = handle.plan()
-        return lambda: rebuild(architecture, plan)
+        recorded = handle.structure()
+        return lambda: rebuild(architecture, recorded)
 
     def files(self, handle: Handle) -> dict[str, str]:
-        return {PLAN_JSON: json.dumps(handle.plan(), indent=2) + "\n"}
+        return {STRUCTURE_JSON: json.dumps(handle.structure(), indent=2) + "\n"}
 
     def preview(self, model: nn.Module, settings: ShrinkConfig) -> list[Row]:
         """The layers whose output channels shrink may remove (which go is known only after the trace)."""
@@ -88,7 +85,7 @@ class ShrinkStep(Step):
         return [
             ("shrink", "matched", name or "(root)", type(m).__name__, "output channels may go")
             for name, m in layers.items()
-            if isinstance(m, PRODUCERS)
+            if _producer(m)
         ]
 
     def report(self, handle: Handle, settings: ShrinkConfig, run: StepRun, report: dict[str, Any]) -> None:

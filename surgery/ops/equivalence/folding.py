@@ -11,12 +11,16 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import guards
-from surgery.core._compat import BATCH_NORMS, get_slot, set_slot
+from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call
+from surgery.core.layer_kinds import classes_where, is_kind
 
-FOLDABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # a transposed convolution's weight holds outputs on axis 1
+
+def _batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm (SyncBatchNorm included) by the layer-kind table."""
+    return is_kind(module, lambda kind: kind.normalises == "channel")
 
 
 def batchnorm_pairs(model: nn.Module, call: Call) -> list[tuple[str, str]]:
@@ -38,9 +42,9 @@ def batchnorm_pairs(model: nn.Module, call: Call) -> list[tuple[str, str]]:
 
     keep: list[Tensor] = []
     for module in model.modules():
-        if isinstance(module, FOLDABLE):
+        if is_kind(module, lambda kind: kind.foldable):  # not a transposed convolution: outputs on axis 1
             hooks.append(module.register_forward_hook(conv_output))
-        elif isinstance(module, BATCH_NORMS) and module.track_running_stats and module.running_var is not None:
+        elif _batch_norm(module) and module.track_running_stats and module.running_var is not None:
             hooks.append(module.register_forward_pre_hook(norm_input))
     training = model.training
     try:
@@ -92,7 +96,7 @@ def _fold_one(
     parent_name, _, child = norm_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     set_slot(conv, "bias", nn.Parameter(new_bias, requires_grad=weight.requires_grad))
-    kept = _neutralize(norm) if type(norm) not in BATCH_NORMS else None
+    kept = _neutralize(norm) if type(norm) not in classes_where(lambda k: k.normalises == "channel") else None
     if kept is None:
         setattr(parent, child, nn.Identity())
 
@@ -156,6 +160,8 @@ def folded_structure(model: nn.Module, pairs: list[tuple[str, str]]) -> nn.Modul
         if get_slot(conv, "bias") is None:
             set_slot(conv, "bias", nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype)))
         parent_name, _, child = norm_name.rpartition(".")
-        if type(model.get_submodule(norm_name)) in BATCH_NORMS:  # a subclass keeps its neutral statistics
+        if type(model.get_submodule(norm_name)) in classes_where(
+            lambda k: k.normalises == "channel"
+        ):  # a subclass keeps its neutral statistics
             setattr(model.get_submodule(parent_name), child, nn.Identity())
     return model

@@ -32,8 +32,8 @@ from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_batches
+from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks, materialise
-from surgery.core.targets import is_hf_conv1d
 from surgery.core.transforms import attach_all
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
@@ -118,11 +118,12 @@ def is_norm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return False
-    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
+    return is_kind(module, lambda kind: kind.renormalises) or type(module).__name__.endswith("RMSNorm")
 
 
 def _reads_last_axis(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+    """A matrix-like layer reading features on the last axis (Linear, HF Conv1D), as its kind says."""
+    return is_kind(module, lambda k: not k.convolution and k.activation_axis == -1 and k.input_axis is not None)
 
 
 def find_pairs(model: nn.Module, sample: Inputs, *, views: bool = False) -> dict[str, list[str]]:
@@ -304,7 +305,7 @@ def _rescaled(
             updates[f"{norm}.{attribute}"] = (param, Rescaled(param.detach() / scales.to(param.dtype)))
     for layer in layers:
         weight = named[layer].weight
-        column = scales.view(-1, 1) if is_hf_conv1d(named[layer]) else scales
+        column = scales.view(-1, 1) if input_axis_of(named[layer]) == 0 else scales
         updates[f"{layer}.weight"] = (weight, Rescaled(weight.detach() * column.to(weight.dtype)))
     return updates, scales
 
@@ -399,7 +400,7 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
             module = named.get(layer)
             if module is None or not _reads_last_axis(module):
                 raise ConfigError("smooth.pairs", layer, "is not a Linear or Conv1D layer of the model")
-            inputs = module.weight.shape[0] if is_hf_conv1d(module) else module.weight.shape[1]
+            inputs = module.weight.shape[input_axis_of(module)]
             if inputs != features:
                 raise ConfigError("smooth.pairs", layer, f"reads {inputs} features; {norm} produces {features}")
         if not layers:
@@ -440,9 +441,7 @@ def _scales(
     ``max|W|`` times ``weight_factor``), clamped away from zero; 1 for dead channels."""
     weights = [named[layer].weight.detach().float() for layer in layers]
     columns = (
-        torch.stack(
-            [(w.abs().amax(1) if is_hf_conv1d(named[layer]) else w.abs().amax(0)) for w, layer in zip(weights, layers)]
-        ).amax(0)
+        torch.stack([w.abs().amax(1 - input_axis_of(named[layer])) for w, layer in zip(weights, layers)]).amax(0)
         * weight_factor
     )
     scales = activation.clamp(min=1e-5).pow(alpha) / columns.clamp(min=1e-5).pow(1 - alpha)

@@ -14,25 +14,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch import Tensor, nn
 
 from surgery.core import guards
-from surgery.core.errors import ConfigError
+from surgery.core.layer_kinds import channel_axis, weight_axis_of
 from surgery.core.originals import Originals
 from surgery.core.registry import Registry
-from surgery.core.targets import Target, Targets, is_hf_conv1d
+from surgery.core.targets import Target, Targets
 
 if TYPE_CHECKING:
     from surgery.core.sequential import SequentialReport
     from surgery.ops.numerics.observers import GridSpec
-
-WEIGHT_AXIS = (
-    (nn.ConvTranspose1d, 1),
-    (nn.ConvTranspose2d, 1),
-    (nn.ConvTranspose3d, 1),
-    (nn.Conv1d, 0),
-    (nn.Conv2d, 0),
-    (nn.Conv3d, 0),
-    (nn.Linear, 0),
-    (nn.Embedding, 0),
-)
 
 
 class QuantizedWeight(NamedTuple):
@@ -125,32 +114,14 @@ def weight_method(name: object) -> WeightMethod:
 
 
 def weight_axis(target: Target, name: str) -> int:
-    """The output-channel axis of a weight: 0, except transposed layouts (ConvTranspose, Conv1D)."""
+    """The output-channel axis of a weight, as its layer kind gives it (:mod:`surgery.core.layer_kinds`):
+    0, except transposed layouts (ConvTranspose, Conv1D); a one-line error for a kind without one."""
     if target.attribute != "weight":
         return 0  # e.g. an LSTM's weight_ih_l0 or attention's in_proj_weight: rows are outputs
-    if is_hf_conv1d(target.module):
-        return 1  # (in_features, out_features)
-    return layer_axis(target.module, WEIGHT_AXIS, target.module_name, "quantize.weights")
+    return channel_axis(target.module, "output_axis", target.module_name, "quantize.weights")
 
 
 def output_axis(module: nn.Module, attribute: str) -> int:
     """The output axis of ``module``'s ``attribute`` as :func:`weight_axis` gives it, 0 for
-    types without a channel axis: how a per-tensor grid lays the weight out in rows."""
-    if attribute != "weight":
-        return 0
-    if is_hf_conv1d(module):
-        return 1
-    return next((axis for kind, axis in WEIGHT_AXIS if isinstance(module, kind)), 0)
-
-
-def layer_axis(module: nn.Module, table: tuple, name: str, field: str) -> int:
-    """The channel axis ``table`` gives ``module``'s type; a one-line error for other types."""
-    for kind, axis in table:
-        if isinstance(module, kind):
-            return axis
-    allowed = ", ".join(sorted({k.__name__ for k, _ in table}))
-    raise ConfigError(
-        f"{field}.per_channel",
-        True,
-        f"{name} ({type(module).__name__}) has no channel axis; per-channel works on {allowed}",
-    )
+    kinds without a channel axis: how a per-tensor grid lays the weight out in rows."""
+    return weight_axis_of(module, attribute)

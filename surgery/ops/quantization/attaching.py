@@ -13,12 +13,13 @@ from surgery.core import guards
 from surgery.core._compat import CONVOLUTIONS, forward_hook_functions
 from surgery.core.errors import AlreadyModifiedError, CheckpointError, ConfigError
 from surgery.core.inputs import batches
+from surgery.core.layer_kinds import channel_axis
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection, describe, select
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all
 from surgery.ops.numerics.observers import GridSpec, NonFiniteError
-from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, layer_axis, weight_axis, weight_method
+from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, weight_axis, weight_method
 from surgery.ops.quantization.placement import ACTIVATIONS, Site, saved_sites, tensor_sites
 from surgery.ops.quantization.qat import ShadowWeight, attach_shadows
 from surgery.ops.quantization.qparams import QuantizeHandle, _check_qparam_values
@@ -31,16 +32,6 @@ from surgery.ops.quantization.quantizers import (
 )
 from surgery.ops.quantization.spec import QuantizeSpec
 from surgery.ops.quantization.targets import DeployTarget
-
-ACTIVATION_AXIS = (
-    (nn.Conv1d, 1),
-    (nn.Conv2d, 1),
-    (nn.Conv3d, 1),
-    (nn.ConvTranspose1d, 1),
-    (nn.ConvTranspose2d, 1),
-    (nn.ConvTranspose3d, 1),
-    (nn.Linear, -1),
-)
 
 
 @contextlib.contextmanager
@@ -92,7 +83,7 @@ def quantize_targets(
         )
     for name, module in layers.items():
         if activations.per_channel and not is_hf_conv1d(module):
-            layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+            channel_axis(module, "activation_axis", name, "quantize.activations")
         sides = activation_sides(where)
         if any(isinstance(h, ActivationQuantizer) and h.where in sides for h in forward_hook_functions(module)):
             raise AlreadyModifiedError(
@@ -208,7 +199,7 @@ def _attach_activations(
             if not spec.per_channel
             else -1
             if is_hf_conv1d(module)
-            else layer_axis(module, ACTIVATION_AXIS, name, "quantize.activations")
+            else channel_axis(module, "activation_axis", name, "quantize.activations")
         )
         for side in activation_sides(where):
             quantizer = ActivationQuantizer(spec, axis, name, side, learning)

@@ -17,35 +17,41 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core import distributed
-from surgery.core._compat import CONVOLUTIONS, conv_padding
+from surgery.core._compat import conv_padding
 from surgery.core.capture import register_reduction
 from surgery.core.errors import ConfigError
-from surgery.core.targets import is_hf_conv1d
+from surgery.core.layer_kinds import LAYER_KINDS, input_axis_of, is_kind
 
 
 def supports_hessian(module: nn.Module) -> bool:
-    """Whether :func:`input_columns` handles this layer (Linear, Conv1d, Conv2d, HF Conv1D)."""
-    return isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d)) or is_hf_conv1d(module)
+    """Whether :func:`input_columns` handles this layer: a kind marked ``hessian`` in
+    :mod:`surgery.core.layer_kinds` (Linear, Conv1d, Conv2d, HF Conv1D; not Conv3d)."""
+    return is_kind(module, lambda kind: kind.hessian)
+
+
+def _transposed(module: nn.Module) -> bool:
+    """A matrix-like weight stored ``(in, out)`` (HF ``Conv1D``), as its kind says."""
+    return not is_kind(module, lambda kind: kind.convolution) and input_axis_of(module) == 0
 
 
 def weight_matrix(module: nn.Module, weight: Tensor) -> Tensor:
     """``weight`` as the (outputs, input columns) matrix the Hessian's columns match (a copy
     for HF ``Conv1D``, whose weight is stored transposed; a view otherwise)."""
-    if is_hf_conv1d(module):
+    if _transposed(module):
         return weight.t()
     return weight.reshape(weight.shape[0], -1)
 
 
 def from_matrix(module: nn.Module, matrix: Tensor, like: Tensor) -> Tensor:
     """Invert :func:`weight_matrix`: the (outputs, columns) matrix in the weight's own shape."""
-    if is_hf_conv1d(module):
+    if _transposed(module):
         return matrix.t().contiguous().to(like.dtype)
     return matrix.reshape(like.shape).to(like.dtype)
 
 
 def groups_of(module: nn.Module) -> int:
     """How many independent Hessians a layer has: a convolution's ``groups``, else 1."""
-    return module.groups if isinstance(module, CONVOLUTIONS) else 1
+    return module.groups if is_kind(module, lambda kind: kind.convolution) else 1
 
 
 def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
@@ -54,11 +60,11 @@ def input_columns(module: nn.Module, name: str, x: Tensor) -> Tensor:
         raise ConfigError(
             "calibration",
             name,
-            f"is a {type(module).__name__}; second-order methods need nn.Linear, "
-            "nn.Conv1d, nn.Conv2d or Hugging Face Conv1D (exclude the layer)",
+            f"is a {type(module).__name__}; second-order methods need a layer kind they can unfold: "
+            f"{', '.join(k for k in LAYER_KINDS if LAYER_KINDS.get(k).hessian)} (exclude the layer)",
         )
     x = x.detach().float()
-    if not isinstance(module, CONVOLUTIONS):
+    if not is_kind(module, lambda kind: kind.convolution):
         return x.reshape(1, -1, x.shape[-1])
     dims = len(module.kernel_size)
     if x.dim() == dims + 1:  # unbatched

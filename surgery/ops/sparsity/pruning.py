@@ -15,16 +15,16 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from surgery.core import compiled, guards
-from surgery.core._compat import CONVOLUTIONS
 from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
+from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks, run_sequential
 from surgery.core.settings import spec_or_keywords
-from surgery.core.targets import Skipped, Target, Targets, is_hf_conv1d, select_parameters
+from surgery.core.targets import Skipped, Target, Targets, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
 from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.numerics.deployment import SparsityMask
@@ -431,7 +431,7 @@ def _masks(
     """Keep-masks by parameter name for the weights in ``current``, from the criterion's scores."""
     criterion = spec.criterion
     scores = compute_scores(criterion, current, stats, n=spec.n, dim=spec.dim, scope=spec.scope, seed=spec.seed)
-    inputs = [0 if is_hf_conv1d(chosen[name].module) and chosen[name].attribute == "weight" else 1 for name in current]
+    inputs = [input_axis_of(chosen[name].module) if chosen[name].attribute == "weight" else 1 for name in current]
     if spec.pattern is not None:
         masks = masks_n_m(scores, list(current), inputs, *parse_pattern(spec.pattern))
     else:
@@ -476,7 +476,7 @@ def _prune_sequentially(
         current = {name: guards.current_value(chosen[name].param) for name in names}
         stats = {
             by_layer[layer]: LayerStats(
-                layer, found["sq_norms"], found["rows"], 0 if is_hf_conv1d(chosen[by_layer[layer]].module) else 1
+                layer, found["sq_norms"], found["rows"], input_axis_of(chosen[by_layer[layer]].module)
             )
             for layer, found in reduced.items()
         }
@@ -575,7 +575,7 @@ def _prune_reconstructing(
         masks_n_m(
             [torch.zeros(p.param.shape) for p in selection.matched.values()],
             list(selection.matched),
-            [0 if is_hf_conv1d(t.module) else 1 for t in selection.matched.values()],
+            [input_axis_of(t.module) for t in selection.matched.values()],
             *pattern,
         )
     originals = Originals(spec.originals)
@@ -597,7 +597,7 @@ def _prune_reconstructing(
         made = {}
         for name, target in selection.matched.items():  # the updated weights are in the model already
             (keep,) = results[name]
-            keep = keep if not is_hf_conv1d(target.module) else keep.t()
+            keep = keep if input_axis_of(target.module) != 0 else keep.t()  # stored (in, out): HF Conv1D
             mask = keep.reshape(target.param.shape).contiguous()
             made[name] = (target.param, MaskEnforcer(mask, saved=originals.saved(name)))
         return made
@@ -646,7 +646,7 @@ def _share(amount: float, size: int, group: int, groups: int) -> float:
 def _input_major(module: nn.Module, columns: int) -> Tensor | None:
     """For a convolution, the column order that puts the input channels of each kernel position
     next to each other (``N:M`` groups run along input channels); ``None`` for linear layers."""
-    if not isinstance(module, CONVOLUTIONS):
+    if not is_kind(module, lambda kind: kind.convolution):
         return None
     positions = math.prod(module.kernel_size)
     return torch.arange(columns).view(columns // positions, positions).t().flatten()
@@ -679,7 +679,7 @@ def calibrate(
                 "give batches that run through it, or exclude it",
             )
         stats[name] = LayerStats(
-            target.module_name, captured["sq_norms"], captured["rows"], 0 if is_hf_conv1d(target.module) else 1
+            target.module_name, captured["sq_norms"], captured["rows"], input_axis_of(target.module)
         )
     return stats
 
@@ -720,7 +720,7 @@ def calibrate_with_gradients(
             target.module_name,
             captured["sq_norms"],
             captured["rows"],
-            0 if is_hf_conv1d(target.module) else 1,
+            input_axis_of(target.module),
             grads.get("taylor"),
             grads.get("grad_sq"),
         )
@@ -728,7 +728,8 @@ def calibrate_with_gradients(
 
 
 def _has_input_features(target: Target) -> bool:
-    return isinstance(target.module, (nn.Linear, *CONVOLUTIONS)) or is_hf_conv1d(target.module)
+    """A layer whose kind has an input-channel axis (Linear, convolutions, HF Conv1D, registered kinds)."""
+    return is_kind(target.module, lambda kind: kind.input_axis is not None)
 
 
 def check_pattern(pattern: object, amount: float, criterion: Criterion) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_group_norm_and_grouped_convolutions_lose_whole_groups():
     assert all(kept[i] // 4 == kept[i - i % 4] // 4 for i in range(len(kept)))  # whole groups of 4
     with torch.no_grad():
         torch.testing.assert_close(model(x), masked_like(original, handle)(x), rtol=1e-4, atol=1e-5)
-    fresh = surgery.rebuild(GroupedBlock, json.loads(json.dumps(handle.plan())))
+    fresh = surgery.rebuild(GroupedBlock, json.loads(json.dumps(handle.structure())))
     baked = handle.bake()
     fresh.load_state_dict(baked.state_dict(), strict=True)
     assert torch.equal(fresh.eval()(x), baked(x))
@@ -133,7 +134,7 @@ def test_bake_rebuild_strict_load_gives_identical_outputs(name):
     size = 224 if name == "swin_t" else 64
     x = torch.randn(1, 3, size, size)
     handle = surgery.shrink(model, 0.5, example_inputs=x)
-    plan = json.loads(json.dumps(handle.plan()))  # JSON-serialisable
+    plan = json.loads(json.dumps(handle.structure()))  # JSON-serialisable
     baked = handle.bake()
     assert_no_hooks(baked)
     fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None, num_classes=10), plan)
@@ -288,15 +289,15 @@ def test_whole_attention_heads_are_removed_and_the_model_rebuilds(name):
     handle = surgery.shrink(model, 0.5, example_inputs=example)
     module = model.get_submodule(attention)
     assert {attr: getattr(module, attr) for attr in attributes} == attributes
-    assert handle.plan().get(attention, {}).get("attributes", {}) == attributes
-    layout = surgery.core.heads.layout_of(module)
+    assert handle.structure().get(attention, {}).get("attributes", {}) == attributes
+    layout = surgery.ops.shrink.heads.layout_of(module)
     rows = {p: getattr(module, p).out_features for p in layout.projections}
     full = {p: getattr(original.get_submodule(attention), p).out_features for p in layout.projections}
     assert all(rows[p] == full[p] * kept for p in rows)  # the same heads in every projection (GQA: whole groups)
     with torch.no_grad():
         shrunk = _logits(model, example)
         torch.testing.assert_close(shrunk, _logits(masked_like(original, handle), example), rtol=1e-4, atol=1e-5)
-    plan = json.loads(json.dumps(handle.plan()))
+    plan = json.loads(json.dumps(handle.structure()))
     baked = handle.bake()
     fresh = surgery.rebuild(factory, plan).eval()
     fresh.load_state_dict(baked.state_dict(), strict=True)
@@ -334,7 +335,7 @@ def test_embeddings_and_the_pooler_slice_let_bert_lose_hidden_width_but_tied_wei
         assert model.bert.encoder.layer[1].output.LayerNorm.normalized_shape == (width,)
         assert model.bert.encoder.layer[0].attention.self.num_attention_heads == 2
         assert model(**ids).logits.shape == reference.shape
-        plan = json.loads(json.dumps(handle.plan()))
+        plan = json.loads(json.dumps(handle.structure()))
         baked = handle.bake()
         fresh = surgery.rebuild(lambda cls=cls: cls(config), plan).eval()
         fresh.load_state_dict(baked.state_dict(), strict=True)
@@ -378,7 +379,7 @@ def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered()
         handle.restore()
         assert model[1].n_heads == 4 and torch.equal(model(x), reference)
     finally:
-        surgery.core.heads.unregister_heads(TinyAttention)
+        surgery.ops.shrink.heads.unregister_heads(TinyAttention)
 
 
 def test_a_module_that_fails_once_shrunk_is_kept_whole_and_the_rest_still_shrinks():
@@ -396,7 +397,7 @@ def test_a_module_that_fails_once_shrunk_is_kept_whole_and_the_rest_still_shrink
     try:
         handle = surgery.shrink(model, 0.5, example_inputs=x)
     finally:
-        surgery.core.heads.unregister_heads(TinyAttention)
+        surgery.ops.shrink.heads.unregister_heads(TinyAttention)
     assert "1 (fails when its channels shrink: kept whole)" in handle.frozen_ops
     assert model[1].n_heads == 4 and model[1].q.in_features == 16 and model[2].out_features == 16
     assert model(x).shape == reference.shape
@@ -452,7 +453,7 @@ def test_importance_by_registered_name_and_bad_scores_are_refused():
 
 def test_rebuild_refuses_a_factory_that_builds_another_model_each_time():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
-    plan = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4)).plan()
+    plan = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4)).structure()
     builds = iter([[], [nn.Dropout()]])  # the second build attaches one more module: the order shifts
     with pytest.raises(surgery.ShrinkError, match="2 does not have its planned shape"):
         surgery.rebuild(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), *next(builds), nn.Linear(8, 3)), plan)
@@ -502,10 +503,10 @@ def test_the_trace_is_deterministic_where_many_temporaries_are_freed():
     model = torchvision.models.get_model("maxvit_t", weights=None, num_classes=10).eval()
     x = torch.randn(1, 3, 224, 224)
     first = surgery.shrink(model, 0.3, example_inputs=x)
-    plan = first.plan()
+    plan = first.structure()
     first.restore()
     second = surgery.shrink(model, 0.3, example_inputs=x)
-    assert second.plan() == plan and len(plan) > 100
+    assert second.structure() == plan and len(plan) > 100
     assert sum("kept whole" in op for op in second.frozen_ops) == 4  # each stage's attention reads its input width
     second.restore()
 
@@ -628,7 +629,7 @@ def test_selection_of_containers_and_hostile_arguments():
         surgery.shrink(model, 0.5, example_inputs=[])
     handle = surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.norm(dim=1).tolist())
     assert handle.replaced  # a list of scores is fine
-    plan = handle.plan()
+    plan = handle.structure()
     handle.restore()
     text = json.dumps(plan)
     fresh = surgery.rebuild(lambda: torchvision.models.resnet18(weights=None, num_classes=10), text)
@@ -666,7 +667,7 @@ def test_timm_norms_with_their_own_constructor_are_resized_in_place(name):
     assert 1 - handle.params()["after"] / handle.params()["before"] > 0.3
     with torch.no_grad():
         torch.testing.assert_close(model(x), masked_like(original, handle)(x), rtol=1e-4, atol=1e-5)
-    plan = json.loads(json.dumps(handle.plan()))
+    plan = json.loads(json.dumps(handle.structure()))
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == [] and norm.num_features == 32
     baked = surgery.shrink(model, 0.3, example_inputs=x).bake()
@@ -674,3 +675,16 @@ def test_timm_norms_with_their_own_constructor_are_resized_in_place(name):
     fresh.load_state_dict(baked.state_dict(), strict=True)
     with torch.no_grad():
         assert torch.equal(fresh(x), baked(x))
+
+
+def test_plan_is_a_deprecated_alias_of_structure_that_warns_once(monkeypatch):
+    from surgery.ops.shrink import replacing
+
+    monkeypatch.setattr(replacing, "_WARNED", set())
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert handle.plan() == handle.structure()
+        handle.plan()
+    assert [type(w.message) for w in caught] == [DeprecationWarning]

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
+from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks
-from surgery.core.targets import is_hf_conv1d
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
@@ -38,11 +38,16 @@ _FP4_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
 
 
 def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
-    """The layers compressed-tensors holds: ``nn.Linear`` and transformers' ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_hf_conv1d(module)
+    """The layers compressed-tensors holds, by the layer-kind table: ``nn.Linear`` and transformers' ``Conv1D``."""
+    return is_kind(module, lambda kind: kind.name in ("linear", "hf_conv1d"))
 
 
 linear_or_conv1d.__name__ = "Linear|Conv1D"
+
+
+def _transposed(module: nn.Module) -> bool:
+    """A weight stored ``(in, out)`` (HF ``Conv1D``), as its layer kind says."""
+    return input_axis_of(module) == 0
 
 
 def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +74,7 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     compressor = _compressor(ct, scheme.format)
     for layer in layers:
         grid = parts.layer_weight(layer)
-        local = _local_state(grid, model.get_submodule(layer).weight, is_hf_conv1d(model.get_submodule(layer)))
+        local = _local_state(grid, model.get_submodule(layer).weight, _transposed(model.get_submodule(layer)))
         del state[f"{layer}.weight"]
         for key, value in compressor.compress(local, scheme).items():
             state[f"{layer}.{key}"] = value.contiguous()
@@ -143,7 +148,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
             layer = name.rpartition(".")[0]
             scale, zero_point, axis = handle.grids[name]
             grid = WeightGrid(name, spec, scale, zero_point, axis, output_axis(model.get_submodule(layer), "weight"))
-            local = _local_state(grid, value, is_hf_conv1d(model.get_submodule(layer)))
+            local = _local_state(grid, value, _transposed(model.get_submodule(layer)))
             tensors.update({f"{layer}.{key}": v.contiguous() for key, v in compressor.compress(local, scheme).items()})
         file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(path / file), metadata={"format": "pt"})
@@ -199,7 +204,7 @@ def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[st
 def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> None:
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
-    conv1d = any(is_hf_conv1d(model.get_submodule(layer)) for layer in layers)
+    conv1d = any(_transposed(model.get_submodule(layer)) for layer in layers)
     config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -236,7 +241,7 @@ def _scheme(parts: ExportParts, ct: Any, mode: str) -> tuple[Any, list[str]]:
             )
     elif mode == "dynamic":
         inputs = _dynamic_input_args(parts, layers, QuantizationArgs)
-    conv1d = [layer for layer in layers if is_hf_conv1d(parts.model.get_submodule(layer))]
+    conv1d = [layer for layer in layers if _transposed(parts.model.get_submodule(layer))]
     if inputs is not None and conv1d:
         raise ConfigError(
             "quantize.activations",
@@ -261,7 +266,7 @@ def _weight_layers(model: nn.Module, specs: dict[str, GridSpec]) -> tuple[GridSp
         module = model.get_submodule(layer)
         if attribute != "weight" or not linear_or_conv1d(module):
             raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
-        if is_hf_conv1d(module) and (spec.group_size or not (spec.symmetric or spec.is_float)):  # floats: no zero point
+        if _transposed(module) and (spec.group_size or not (spec.symmetric or spec.is_float)):  # floats: no zero point
             setting = f"group_size={spec.group_size}" if spec.group_size else "symmetric=False"
             raise ConfigError(
                 "quantize.weights",

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from surgery.core._compat import BATCH_NORMS, drop_forward_hooks
+from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call
+from surgery.core.layer_kinds import is_kind
 from surgery.ops.equivalence.folding import batchnorm_pairs, is_neutral
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
@@ -35,6 +36,15 @@ ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors
 
 
 FLOAT_REFUSAL = "ONNX Runtime's int8 kernels take integer weights; export it with format='compressed-tensors' (fp8_e4m3) or 'safetensors'"
+
+
+def onnx_layer(module: nn.Module, name: str = "") -> bool:
+    """The layers the QDQ writer quantizes, by the layer-kind table: ``nn.Linear`` (Gemm/MatMul) and
+    the convolutions holding outputs on weight axis 0 (Conv1d/2d/3d); others stay float."""
+    return is_kind(module, lambda kind: kind.name == "linear" or (kind.convolution and kind.output_axis == 0))
+
+
+onnx_layer.__name__ = "Conv1d|Conv2d|Conv3d|Linear"
 
 
 def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +64,7 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     call = parts.inputs[0]
     # the exporter's optimizer would fuse a neutral BatchNorm subclass into the convolution
     # before it as a new node, losing the module name that finds the convolution's grids
-    neutral = any(isinstance(m, BATCH_NORMS) and is_neutral(m) for m in plain.modules())
+    neutral = any(is_kind(m, lambda k: k.normalises == "channel") and is_neutral(m) for m in plain.modules())
     with torch.no_grad():
         program = torch.onnx.export(
             plain,
@@ -364,7 +374,7 @@ register_export_format(
     exact=False,
     target=DeployTarget(
         fold_batchnorm=True,
-        layers=(nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear),
+        layers=onnx_layer,
         weights={"bits": 8, "symmetric": True, "group_size": None},
         activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
         where="tensors",  # each tensor quantized once, where ONNX Runtime fuses DQ -> op (-> Relu) -> Q

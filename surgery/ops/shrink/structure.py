@@ -1,6 +1,6 @@
-"""Shrink plans as untrusted input: the seal a plan carries and the checks ``rebuild`` runs.
+"""The recorded shrunk structure (what ``rebuild`` reads) as untrusted input: its seal and the checks ``rebuild`` runs.
 
-``ShrinkHandle.plan()`` adds a ``"$model"`` entry holding a fingerprint of the original model
+``ShrinkHandle.structure()`` adds a ``"$model"`` entry holding a fingerprint of the original model
 (every module's name and class, every parameter's name and shape) and a digest of the layer
 entries. :func:`read_entries` checks a plan's form (known keys, numbers in range, nesting
 bounded) and its digest; :func:`check_model` refuses a plan made for another model, and
@@ -17,14 +17,18 @@ from typing import Any
 
 from torch import nn
 
-from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.heads import layout_of
+from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
+from surgery.ops.shrink.heads import layout_of
 
 log = logging.getLogger("surgery")
 SEAL = "$model"
 ENTRY_KEYS = ("class", "args", "attributes", "parameters", "buffers")
 NORM_WIDTH = {"num_features": int, "num_channels": int, "normalized_shape": tuple}
 LARGEST = 2**31 - 1  # a width, a kernel size or a head count beyond this is no layer shrink made
+
+
+class ShrinkError(SurgeryError, RuntimeError):
+    """The shrunk model does not run or changed its output shapes (the model was restored)."""
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -62,7 +66,7 @@ def read_entries(plan: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], str |
         raise ConfigError(
             f"rebuild.plan['{SEAL}']",
             type(sealed).__name__,
-            "must be the {'fingerprint', 'digest'} dict ShrinkHandle.plan() writes",
+            "must be the {'fingerprint', 'digest'} dict ShrinkHandle.structure() writes",
         )
     if _digest(entries) != sealed["digest"]:
         raise ConfigError(
@@ -125,7 +129,7 @@ def _check_entry(name: str, entry: Any) -> None:
         raise ConfigTypeError(
             field,
             type(entry).__name__,
-            "must be a {'class', 'args' | 'attributes' | 'parameters'} dict from ShrinkHandle.plan()",
+            "must be a {'class', 'args' | 'attributes' | 'parameters'} dict from ShrinkHandle.structure()",
         )
     unknown = set(entry) - set(ENTRY_KEYS)
     if unknown:

@@ -17,19 +17,27 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from surgery.core._compat import CONVOLUTIONS, module_has_hooks, tree_leaves
-from surgery.core.heads import HeadLayout, head_counts, layout_of
+from surgery.core._compat import module_has_hooks, tree_leaves
 from surgery.core.inputs import Call, evaluating, flatten_tensors
+from surgery.core.layer_kinds import is_kind
+from surgery.ops.shrink.coupling import AttentionHeads, Channels, ChannelTrace, LayerChannels, Slots
+from surgery.ops.shrink.following import (
+    couple_heads,
+    indexed_axis,
+    kept_axis,
+    moved_axis,
+    read_axis,
+    union_groups,
+)
+from surgery.ops.shrink.heads import head_counts, layout_of
+from surgery.ops.shrink.smaller import is_norm, rebuildable
 
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-RENORMALISING = (nn.LayerNorm, nn.RMSNorm)  # statistics over all channels: fewer channels change them
 PASSTHROUGH = (
     nn.ReLU,
     nn.ReLU6,
@@ -123,116 +131,12 @@ IGNORED = {
 CASTS = {"to", "float", "double", "half", "bfloat16", "type", "cpu", "cuda"}  # same values, maybe another dtype
 
 
-class Slots:
-    """Union-find over channel slots, with a frozen flag per class."""
-
-    def __init__(self) -> None:
-        self.parent: list[int] = []
-        self.frozen: set[int] = set()
-
-    def new(self, count: int) -> list[int]:
-        start = len(self.parent)
-        self.parent.extend(range(start, start + count))
-        return list(range(start, start + count))
-
-    def find(self, slot: int) -> int:
-        while self.parent[slot] != slot:
-            self.parent[slot] = self.parent[self.parent[slot]]
-            slot = self.parent[slot]
-        return slot
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-            if rb in self.frozen:
-                self.frozen.add(ra)
-
-    def freeze(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.frozen.add(self.find(slot))
-
-    def is_frozen(self, slot: int) -> bool:
-        return self.find(slot) in self.frozen
-
-
-@dataclass
-class Channels:
-    """A tensor's channels: the slot of each index along ``dim``."""
-
-    slots: list[int]
-    dim: int
-
-
-@dataclass
-class LayerChannels:
-    """What the trace found for one layer: the slot of each output channel (producers: Conv,
-    Linear), of each input channel it reads, and whether it passes channels through (norms,
-    depthwise convolutions: their parameters are indexed by the same slots)."""
-
-    name: str
-    module: nn.Module
-    outputs: list[int] | None = None
-    inputs: list[int] | None = None
-    passthrough: bool = False
-    positions: int = 0  # output values per output channel, summed over calls (for MACs)
-
-
-@dataclass
-class AttentionHeads:
-    """An attention module traced as one unit: its projections' rows are coupled per *unit*
-    (a head; with grouped key/value heads, one key/value head and the query heads it serves)."""
-
-    name: str
-    module: nn.Module
-    layout: HeadLayout
-    counts: dict[str, int]  # heads per projection
-
-    @property
-    def units(self) -> int:
-        return min(self.counts.values())
-
-
-@dataclass
-class ChannelTrace:
-    """The result of :func:`trace_channels`."""
-
-    slots: Slots
-    layers: dict[str, LayerChannels] = field(default_factory=dict)
-    attention: dict[str, AttentionHeads] = field(default_factory=dict)
-    output_shapes: list[tuple[int, ...]] = field(default_factory=list)
-    module_inputs: dict[str, list[int]] = field(default_factory=dict)  # any module's first input's slots
-    parameters: dict[tuple[str, str], Channels] = field(default_factory=dict)  # (module, name) sliced per channel
-    unsliceable: set[tuple[str, str]] = field(default_factory=set)  # parameters also used by other ops
-
-    def can_keep_whole(self, name: str) -> bool:
-        """Whether :meth:`keep_whole` of module ``name`` would freeze anything not yet frozen."""
-        return any(not self.slots.is_frozen(s) for s in self._whole(name))
-
-    def keep_normalised(self) -> None:
-        """Freeze every channel a LayerNorm/RMSNorm normalises (its statistics then never change)."""
-        for layer in self.layers.values():
-            if isinstance(layer.module, RENORMALISING) and layer.inputs is not None:
-                self.slots.freeze(layer.inputs)
-
-    def keep_whole(self, name: str) -> None:
-        """Freeze every channel module ``name`` reads or its layers produce (none is removed)."""
-        self.slots.freeze(self._whole(name))
-        self.unknown.append(f"{name or 'the model'} (fails when its channels shrink: kept whole)")
-
-    def _whole(self, name: str) -> list[int]:
-        inside = [layer for key, layer in self.layers.items() if not name or key == name or key.startswith(f"{name}.")]
-        return self.module_inputs.get(name, []) + [s for layer in inside for s in (layer.outputs or [])]
-
-    unknown: list[str] = field(default_factory=list)  # why slots were frozen, for the report
+def _convolution(module: nn.Module) -> bool:
+    return is_kind(module, lambda kind: kind.convolution)
 
 
 def _is_depthwise(module: nn.Module) -> bool:
-    return (
-        isinstance(module, CONVOLUTIONS)
-        and module.groups > 1
-        and module.groups == module.in_channels == module.out_channels
-    )
+    return _convolution(module) and module.groups > 1 and module.groups == module.in_channels == module.out_channels
 
 
 class _Op(NamedTuple):
@@ -353,9 +257,9 @@ class _Tracer(TorchFunctionMode):
         if first is not op.args[0]:
             return False
         if op.name == "__getitem__":
-            moved = _indexed_axis(op.args[1], first, channels.dim)
+            moved = indexed_axis(op.args[1], first, channels.dim)
         else:
-            moved = _moved_axis(op.name, op.args, op.kwargs, first, channels.dim)
+            moved = moved_axis(op.name, op.args, op.kwargs, first, channels.dim)
         if moved is not None and op.result.shape[moved] == len(channels.slots):
             self._track(op.result, Channels(channels.slots, moved))
             return True
@@ -366,7 +270,7 @@ class _Tracer(TorchFunctionMode):
         if op.name not in {"flatten", "view", "reshape", "unflatten"}:
             return False
         first, channels = op.tracked[0]
-        kept = _kept_axis(first, op.result, channels.dim) if first is op.args[0] else None
+        kept = kept_axis(first, op.result, channels.dim) if first is op.args[0] else None
         if kept is not None:
             self._track(op.result, Channels(channels.slots, kept))
             return True
@@ -487,7 +391,7 @@ class _LayerHooks:
             self.axes.append(None)
             return
         layer = trace.layers.setdefault(name, LayerChannels(name, module))
-        axis = _channel_axis(module, x)
+        axis = read_axis(module, x)
         self.axes.append(axis)
         if info is not None and (axis is None or info.dim != axis):
             trace.slots.freeze(info.slots)
@@ -503,7 +407,7 @@ class _LayerHooks:
         self.tracer.depth -= 1
         info, axis = self.calls.pop(), self.axes.pop()
         if name in self.heads:
-            _couple_heads(self.trace, self.heads[name], output, self.known, self.keep_alive)
+            couple_heads(self.trace, self.heads[name], output, self.known, self.keep_alive)
         elif isinstance(module, PASSTHROUGH):
             self._passed(info, output)
         elif not isinstance(output, Tensor):
@@ -530,7 +434,7 @@ class _LayerHooks:
     def _produced(self, layer: LayerChannels, module: nn.Module, axis: int | None, output: Tensor) -> None:
         """A traced layer's output channels: its inputs' (norms, depthwise) or its own."""
         trace = self.trace
-        if isinstance(module, NORMS) or _is_depthwise(module):
+        if is_norm(module) or _is_depthwise(module):
             layer.passthrough = True
             if (
                 layer.inputs is not None
@@ -541,108 +445,25 @@ class _LayerHooks:
                 self.known[id(output)] = Channels(layer.inputs, axis)
                 layer.outputs = layer.inputs
                 if isinstance(module, nn.GroupNorm):  # statistics per group: whole groups go together
-                    _union_groups(trace.slots, layer.inputs, module.num_groups)
+                    union_groups(trace.slots, layer.inputs, module.num_groups)
             return
-        last = isinstance(module, (nn.Linear, nn.Embedding))  # channels on the last axis
+        # channels on the last axis: a matrix-like kind, or an embedding (its input holds indices)
+        last = is_kind(module, lambda kind: kind.activation_axis == -1) or isinstance(module, nn.Embedding)
         channels = output.shape[-1 if last else 1]
         layer.positions += output.numel() // max(channels, 1)
         if layer.outputs is None:
             layer.outputs = trace.slots.new(channels)
-        if isinstance(module, CONVOLUTIONS) and module.groups > 1:
+        if _convolution(module) and module.groups > 1:
             if layer.inputs is None:  # whole groups must go, with their inputs: unknown inputs freeze
                 trace.slots.freeze(layer.outputs)
             else:  # a group's inputs and outputs are one unit: removed together, groups shrink
-                _union_groups(
+                union_groups(
                     trace.slots,
                     layer.inputs + layer.outputs,
                     module.groups,
                     sizes=(len(layer.inputs) // module.groups, len(layer.outputs) // module.groups),
                 )
         self.known[id(output)] = Channels(layer.outputs, output.dim() - 1 if last else 1)
-
-
-def _moved_axis(name: str, args: tuple, kwargs: dict, x: Tensor, axis: int) -> int | None:
-    """Where ``axis`` of ``x`` goes in a permute/transpose, or in a view/reshape/flatten that
-    keeps it whole: the leading axes up to it unchanged (``(B, C, H, W) -> (B, C, H*W)``), or it
-    stays the last axis (channels-last window partitions)."""
-    rest = args[1:]
-    if name in {"permute"}:
-        dims = kwargs.get("dims", rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)
-        dims = [d % x.dim() for d in dims]
-        return dims.index(axis) if sorted(dims) == list(range(x.dim())) else None
-    if name in {"transpose", "swapaxes", "swapdims"} and len(rest) == 2:
-        a, b = (d % x.dim() for d in rest)
-        return b if axis == a else a if axis == b else axis
-    return None
-
-
-def _indexed_axis(index: Any, x: Tensor, axis: int) -> int | None:
-    """Where ``axis`` goes in ``x[index]`` when the index leaves it whole (ints, slices and
-    ``None`` on other axes, a full ``:`` on it), else ``None``."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if (
-        any(
-            not (item is None or item is Ellipsis or isinstance(item, (int, slice))) or isinstance(item, bool)
-            for item in items
-        )
-        or items.count(Ellipsis) > 1
-    ):
-        return None
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        used = sum(item is not None for item in items if item is not Ellipsis)
-        items[at : at + 1] = [slice(None)] * (x.dim() - used)
-    dim, out = 0, 0
-    for item in items:
-        if item is None:
-            out += 1
-            continue
-        if dim == axis:
-            return out if item == slice(None) else None
-        dim += 1
-        out += not isinstance(item, int)
-    return out + (axis - dim) if axis >= dim else None
-
-
-def _kept_axis(x: Tensor, result: Tensor, axis: int) -> int | None:
-    """The channel axis of a reshaped tensor, when the reshape keeps it whole."""
-    if result.numel() != x.numel():
-        return None
-    if result.dim() > axis and result.shape[: axis + 1] == x.shape[: axis + 1]:
-        return axis
-    if axis == x.dim() - 1 and result.shape[-1] == x.shape[-1]:
-        return result.dim() - 1
-    return None
-
-
-def _channel_axis(module: nn.Module, x: Tensor | None) -> int | None:
-    """The axis of ``x`` whose channels ``module`` reads (``None``: not one it can follow)."""
-    if x is None or x.dim() < 2:
-        return None
-    if isinstance(module, nn.Linear):
-        return x.dim() - 1
-    if isinstance(module, RENORMALISING):
-        if len(module.normalized_shape) != 1:
-            return None
-        width = module.normalized_shape[0]
-        if type(module).forward in (nn.LayerNorm.forward, nn.RMSNorm.forward):
-            return x.dim() - 1
-        last, first = x.shape[-1] == width, x.shape[1] == width  # a subclass: channels first (LayerNorm2d) or last
-        return x.dim() - 1 if last and not first else 1 if first and not last else None
-    return 1
-
-
-def _union_groups(slots: Slots, channels: list[int], groups: int, sizes: tuple[int, ...] | None = None) -> None:
-    """Tie the channels of each of ``groups`` groups together. ``channels`` is one list per
-    part laid end to end (a grouped convolution's inputs then outputs), each part split into
-    ``groups`` equal runs of ``sizes[part]``."""
-    sizes = sizes or (len(channels) // groups,)
-    start = 0
-    for size in sizes:
-        for group in range(groups):
-            for slot in channels[start + group * size : start + (group + 1) * size]:
-                slots.union(channels[group * sizes[0]], slot)
-        start += size * groups
 
 
 def _leaves(output: Any) -> list[Tensor]:
@@ -654,61 +475,13 @@ def output_shapes(output: Any) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in _leaves(output) if isinstance(t, Tensor)]
 
 
-def _couple_heads(
-    trace: ChannelTrace, unit: AttentionHeads, output: Any, known: dict[int, Channels], keep_alive: list[Tensor]
-) -> None:
-    """After an attention module ran: tie each head's rows across its projections, give the
-    output projection (or the module's merged output) the query's head slots."""
-    layout, slots = unit.layout, trace.slots
-    head_dim = getattr(unit.module, layout.head_dim)
-    rows: dict[str, LayerChannels] = {}
-    for projection in layout.projections:
-        layer = trace.layers.get(f"{unit.name}.{projection}")
-        if layer is None or layer.outputs is None:  # not called: the layout does not describe this forward
-            return
-        rows[projection] = layer
-    trace.attention[unit.name] = unit
-    first: dict[int, int] = {}
-    for projection, layer in rows.items():
-        per_unit = unit.counts[projection] // unit.units
-        for row, slot in enumerate(layer.outputs):
-            head = (row % (unit.counts[projection] * head_dim)) // head_dim
-            group = head // per_unit
-            slots.union(first.setdefault(group, slot), slot)
-    query = rows[layout.projections[0]].outputs
-    merged = query[: len(query) // layout.packed]
-    if layout.output is not None:
-        reader = trace.layers.get(f"{unit.name}.{layout.output}")
-        if reader is not None:
-            if reader.inputs is None:
-                reader.inputs = list(merged)
-            for a, b in zip(reader.inputs, merged):
-                slots.union(a, b)
-        return
-    for tensor in tree_leaves(output):
-        if isinstance(tensor, Tensor) and tensor.dim() > 1 and tensor.shape[-1] == len(merged):
-            keep_alive.append(tensor)
-            known[id(tensor)] = Channels(list(merged), tensor.dim() - 1)
-            return
-
-
-LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding) + NORMS
-
-
 def replaceable(module: nn.Module) -> bool:
     """A layer shrink may replace by a smaller one: a rebuildable class, with no hooks (a user's
     forward hook, legacy ``weight_norm``) and no parametrizations, which a new layer would lose."""
     hooked = module_has_hooks(module)
     if hooked or hasattr(module, "parametrizations"):
         return False
-    return rebuildable(type(module)) or isinstance(module, NORMS)  # a norm of another constructor: resized in place
-
-
-def rebuildable(cls: type) -> bool:
-    """A layer class shrink can rebuild smaller: one of :data:`LAYERS`, or a subclass that keeps
-    its base's constructor (a subclass with its own, e.g. timm's ``Conv2dSame``, is not)."""
-    base = next((b for b in LAYERS if issubclass(cls, b)), None)
-    return base is not None and cls.__init__ is base.__init__
+    return rebuildable(type(module)) or is_norm(module)  # a norm of another constructor: resized in place
 
 
 def _traced(module: nn.Module) -> bool:
