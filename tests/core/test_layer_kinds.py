@@ -10,11 +10,11 @@ from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError
-from surgery.ops.second_order.hessians import input_columns, supports_hessian
 from surgery.core.layer_kinds import LAYER_KINDS, LayerKind, kind_of, weight_axis_of
 from surgery.core.targets import default_layer
 from surgery.ops.equivalence.folding import _batch_norm
 from surgery.ops.export.formats.onnx_qdq import onnx_layer
+from surgery.ops.second_order.hessians import input_columns, supports_hessian
 from surgery.ops.shrink.smaller import is_norm, rebuildable
 
 
