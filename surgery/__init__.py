@@ -24,6 +24,7 @@ from surgery.core.errors import (
 )
 from surgery.core.handles import Handle, HandleGroup, compose
 from surgery.core.layer_kinds import LayerKind, register_layer_kind
+from surgery.core.routing import every_expert_calibrated
 from surgery.core.selection import select
 from surgery.core.transforms import attach_transform
 from surgery.ops.build import rules
@@ -38,6 +39,8 @@ from surgery.ops.build.intercept import (
 from surgery.ops.equivalence.awq import AwqHandle, AwqSpec, awq
 from surgery.ops.equivalence.rotation import RotateHandle, rotate
 from surgery.ops.equivalence.smoothing import SmoothHandle, SmoothSpec, smooth
+from surgery.ops.experts.linearizing import LinearExpertsHandle, linear_experts
+from surgery.ops.experts.routing import tokens_per_expert
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
 from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
 from surgery.ops.numerics.number_formats import NumberFormat, register_number_format
@@ -119,6 +122,11 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "rules",
     "Event",
     "InterceptLog",
+    # experts: a mixture-of-experts layer's experts as layers of their own
+    "linear_experts",
+    "LinearExpertsHandle",
+    "every_expert_calibrated",
+    "tokens_per_expert",
     # shrink
     "shrink",
     "ShrinkSpec",

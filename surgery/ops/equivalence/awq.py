@@ -51,6 +51,7 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, is_norm
+from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.numerics.observers import Grid, GridSpec, Observer, fake_quantize, fake_quantize_groups
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
@@ -154,6 +155,11 @@ def awq(
     if isinstance(model, Offloaded):
         return _awq_offloaded(model, spec, calibration, work, progress)
     model = compiled.in_memory("awq", model, work)
+    return with_linear_experts(model, "awq", lambda: _awq_in_memory(model, spec, calibration, progress))
+
+
+def _awq_in_memory(model: nn.Module, spec: AwqSpec, calibration: Inputs, progress: bool) -> AwqHandle:
+    """:func:`awq` on a model in memory (its fused experts already per-expert layers)."""
     calls = materialise(calibration, "awq.calibration", model, spec)
     block_names = resolve_blocks(model, spec.blocks, "awq.blocks")
     if not block_names:

@@ -37,6 +37,7 @@ from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
+from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -150,6 +151,13 @@ def rotate(
     if isinstance(model, Offloaded):
         return _rotate_offloaded(model, calibration, seed, online, work, progress)
     model = compiled.in_memory("rotate", model, work)
+    return with_linear_experts(
+        model, "rotate", lambda: _rotate_in_memory(model, calibration, seed, online), per_expert_statistics=False
+    )
+
+
+def _rotate_in_memory(model: nn.Module, calibration: Inputs, seed: int, online: bool) -> RotateHandle:
+    """:func:`rotate` on a model in memory (its fused experts already per-expert layers)."""
     sites = _find_sites(model, calibration, online)
     named = dict(model.named_modules())
     width, pairs, readers, writers, embeddings, first = sites

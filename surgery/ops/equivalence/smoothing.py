@@ -35,6 +35,7 @@ from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -230,6 +231,13 @@ def smooth(
     if isinstance(model, Offloaded):
         return _smooth_offloaded(model, spec, calibration, work, progress)
     model = compiled.in_memory("smooth", model, work)
+    return with_linear_experts(
+        model, "smooth", lambda: _smooth_in_memory(model, spec, calibration, progress), per_expert_statistics=False
+    )
+
+
+def _smooth_in_memory(model: nn.Module, spec: SmoothSpec, calibration: Inputs, progress: bool) -> SmoothHandle:
+    """:func:`smooth` on a model in memory (its fused experts already per-expert layers)."""
     alpha, pairs = spec.alpha, spec.pairs
     reducer, weight_factor = STATISTICS[spec.statistic]
     calibration = materialise(calibration, "smooth.calibration", model, spec)  # read more than once

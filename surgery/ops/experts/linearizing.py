@@ -52,14 +52,17 @@ def linear_experts(model: nn.Module) -> LinearExpertsHandle:
     return handle
 
 
-def with_linear_experts(model: nn.Module, verb: str, apply: Callable[[], H]) -> H:
+def with_linear_experts(
+    model: nn.Module, verb: str, apply: Callable[[], H], *, per_expert_statistics: bool = True
+) -> H:
     """Run a verb (``apply``, returning its handle) with ``model``'s fused experts made per-expert
     layers; the handle then owns them: its ``restore()`` and ``bake()`` fold them back last. If the
     verb fails, they are folded back at once.
 
     When the verb calibrated, ``handle.tokens_per_expert`` holds the tokens routed to each expert
     (summed over the passes: a block-by-block method runs each block more than once), and an
-    expert that ran on none is refused in one line (its statistics would be empty)."""
+    expert that ran on none is refused in one line when the verb gathers statistics per expert
+    layer (``per_expert_statistics``: its statistics would be empty)."""
     swapped = linearize(model)
     if not swapped:
         return apply()
@@ -69,6 +72,7 @@ def with_linear_experts(model: nn.Module, verb: str, apply: Callable[[], H]) -> 
         seen = since(before["seen"], tokens_per_expert(model, "seen"))
         if any(sum(per) for per in seen.values()):
             handle.tokens_per_expert = since(before["routed"], tokens_per_expert(model, "routed"))
+        if per_expert_statistics and any(sum(per) for per in seen.values()):
             try:
                 check_tokens(seen, 1, f"{verb}.calibration", verb)
             except ConfigError as err:
@@ -89,7 +93,7 @@ def with_linear_experts(model: nn.Module, verb: str, apply: Callable[[], H]) -> 
 
 def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
     """A calibration error about a layer of an expert means its router sent it no token: say so."""
-    layer = err.value if isinstance(err.value, str) else ""
+    layer = err.value if isinstance(err.value, str) and " " not in err.value else ""
     owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
     if owner is None or not err.field.endswith("calibration"):
         return err

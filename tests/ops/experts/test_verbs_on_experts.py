@@ -9,7 +9,6 @@ import torch
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.core.routing import every_expert_calibrated
 from surgery.ops.experts.linear_experts import LinearExperts
 from tests.support import tiny_moe
 
@@ -33,7 +32,7 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_each_expert_is_a_layer_and_restore_is_exact(family, verb):
     model = tiny_moe(family, layers=2)
     before = _state(model)
-    with every_expert_calibrated():  # GPT-OSS routes no token of these batches to some experts
+    with surgery.every_expert_calibrated():  # GPT-OSS routes no token of these batches to some experts
         handle = VERBS[verb](model)
     experts = model.model.layers[1].mlp.experts
     assert isinstance(experts, LinearExperts)
@@ -88,3 +87,23 @@ def test_tokens_per_expert_are_on_the_handle():
         4 * 2 * 16 * 2
     )  # batches x rows x tokens x top-2; a block-by-block walk runs a block more than once
     assert all(sum(per) % routed_per_pass == 0 and min(per) > 0 for per in counts.values())
+
+
+def test_awq_scales_each_expert_s_down_proj_through_its_up_proj():
+    model = tiny_moe("qwen3_moe", layers=2)
+    before = _state(model)
+    handle = surgery.awq(model, calibration=BATCHES, weights=GridSpec(bits=4, group_size=16), progress=False)
+    scaled = {(group.producer, tuple(group.layers)) for group in handle.groups}
+    for e in range(4):
+        assert (f"mlp.experts.{e}.up_proj", (f"model.layers.1.mlp.experts.{e}.down_proj",)) in scaled
+    handle.restore()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_rotate_refuses_in_one_line_while_routers_read_the_stream_unrotated():
+    model = tiny_moe("mixtral", layers=2)
+    before = _state(model)
+    with pytest.raises(ConfigError, match="computes another function"):
+        surgery.rotate(model, calibration=BATCHES)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
