@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from surgery.core import guards
 from surgery.core._compat import hook_dicts
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, ParameterReplacedError, UndoError
+from surgery.core.targets import Coverage
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
@@ -142,6 +143,14 @@ class Handle:
         failures = _run_all([step.undo for step in reversed(self._steps)])
         self._forget()
         _raise(failures)
+
+    @property
+    def coverage(self) -> Coverage | None:
+        """How much of the model the verb's selection reached (:class:`~surgery.core.targets.Coverage`:
+        the share of parameters and bytes, the largest tensors left and why); ``None`` for a verb
+        that selects no weights."""
+        selection = getattr(self, "selection", None)
+        return getattr(selection, "coverage", None)
 
     def outside_weights(self) -> list[str]:
         """What this change keeps outside the weights, so that baking or saving the weights

@@ -107,3 +107,11 @@ def test_rotate_refuses_in_one_line_while_routers_read_the_stream_unrotated():
         surgery.rotate(model, calibration=BATCHES)
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_every_weight_handle_states_its_coverage():
+    model = tiny_moe("olmoe", layers=2)
+    with surgery.prune(model, 0.5) as pruned, surgery.quantize(model) as quantized:
+        for handle in (pruned, quantized):
+            assert handle.coverage.share > 0.8  # the experts are reached
+            assert handle.coverage.largest_left[0].name == "model.embed_tokens.weight"
