@@ -322,16 +322,23 @@ def _named_parameters(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> tuple[set[str], set[str]]:
-    """(module names, parameter names) a selection picks; a string pattern matching no module
-    is matched against parameter names; one matching neither raises."""
+    """(module names, parameter names) a selection picks. A string pattern takes the modules it
+    names, the parameters it names whose module it does not (a fused expert tensor beside a Linear
+    of the same name), and the layers a module stands in for under a name it no longer has (a
+    mixture-of-experts layer's per-expert layers under their fused parameter's name, through the
+    module's ``selection_aliases``); one matching none of these raises."""
     chosen_modules: set[str] = set()
     chosen_params: set[str] = set()
+    aliases = _aliases(modules)
     for pattern in as_patterns(selection, field_):
         hits = {n for n, m in modules.items() if matches(pattern, n, m)}
-        if not hits and isinstance(pattern, str):
+        if isinstance(pattern, str):
             param_hits = {n for n, owner in params.items() if matches(pattern, n, owner)}
-            if param_hits:
-                chosen_params |= param_hits
+            chosen_params |= {n for n in param_hits if n.rpartition(".")[0] not in hits}
+            for alias, (owner, layers) in aliases.items():
+                if matches(pattern, alias, owner):
+                    hits |= set(layers)
+            if param_hits and not hits:
                 continue
         if not hits:
             raise SelectionError(
@@ -339,6 +346,16 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
             )
         chosen_modules |= hits
     return chosen_modules, chosen_params
+
+
+def _aliases(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, list[str]]]:
+    """``alias -> (module, the layers it names)`` for modules that answer to names they stand in for."""
+    found = {}
+    for name, module in modules.items():
+        for alias, layers in getattr(module, "selection_aliases", {}).items():
+            prefix = f"{name}." if name else ""
+            found[f"{prefix}{alias}"] = (module, [f"{prefix}{layer}" for layer in layers])
+    return found
 
 
 def _routers(modules: dict[str, nn.Module], include: Selection) -> dict[str, str]:

@@ -253,3 +253,19 @@ def test_coverage_counts_each_tensor_once_and_names_the_largest_left():
     excluded = select_parameters(model, None, ["model.layers.0.mlp.experts", "model.embed_tokens"], verb="quantize")
     assert excluded.coverage.left_weight_bytes < 0.02 * excluded.coverage.weight_bytes  # the router only
     assert excluded.coverage.largest_left[0].reason == "excluded (exclude=)"
+
+
+def test_a_pattern_naming_a_linear_and_a_fused_expert_tensor_takes_both():
+    """DeepSeek-V3: `experts.down_proj` is a fused tensor of the routed experts (per-expert layers
+    while a verb runs) and `shared_experts.down_proj` a Linear; the pattern names both."""
+    from tests.support import tiny_moe
+
+    model = tiny_moe("deepseek_v3", layers=2)
+    with surgery.prune(model, 0.5, select=r"re:.*experts\.down_proj$") as handle:
+        matched = set(handle.selection.matched)
+    routed = {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" for i in range(2) for e in range(4)}
+    shared = {f"model.layers.{i}.mlp.shared_experts.down_proj.weight" for i in range(2)}
+    assert matched == routed | shared
+
+    fused = select_parameters(model, [r"re:.*experts\.down_proj$"], None, verb="prune")  # no verb: still fused
+    assert set(fused.matched) == {f"model.layers.{i}.mlp.experts.down_proj" for i in range(2)} | shared

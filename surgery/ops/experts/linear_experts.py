@@ -139,6 +139,18 @@ class LinearExperts(nn.ModuleList):
                 out.index_add_(0, token, y.to(out.dtype))
         return out.sum(dim=1).to(hidden_states.dtype) if grouped else out
 
+    @property
+    def selection_aliases(self) -> dict[str, list[str]]:
+        """The fused parameters' names, each standing for the per-expert layers that hold it now
+        (a selection of ``experts.down_proj`` takes every ``experts.N.down_proj``)."""
+        up = ["gate_proj", "up_proj"] if self.layout.gated else ["up_proj"]
+        names = {self.layout.up_name: up, "down_proj": ["down_proj"]}
+        if self.layout.bias:
+            names.update({f"{self.layout.up_name}_bias": up, "down_proj_bias": ["down_proj"]})
+        return {
+            alias: [f"{e}.{layer}" for e in range(len(self)) for layer in layers] for alias, layers in names.items()
+        }
+
     def fused_tensors(self) -> dict[str, Tensor]:
         """The fused parameters these layers hold now, by the fused module's parameter names."""
         layout = self.layout
