@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test lint docs docs-commands bench tour clean
+.PHONY: run test lint docs docs-commands family-coverage bench tour clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)  ## the whole test suite
 lint: $(STAMP)  ## ruff: lint and formatting (what the pre-commit hooks check)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+family-coverage: $(STAMP)  ## docs/models.md's table of every verb and export on each decoder family, checked (minutes)
+	SURGERY_FAMILY_SWEEP=1 $(PY) -m pytest -q tests/test_family_coverage.py
 
 docs-commands: $(STAMP)  ## every command the docs quote, run as written (sweeps and full-size models: minutes)
 	SURGERY_DOCS_COMMANDS=all $(PY) -m pytest -q tests/test_docs_examples.py -k runs_as_written

@@ -38,6 +38,7 @@ from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
 from surgery.ops.experts.linearizing import with_linear_experts
+from surgery.ops.experts.routing import linear_experts_in
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -108,8 +109,12 @@ def _find_sites(model: nn.Module, calibration: Inputs, online: Any) -> _Rotation
     if first is None:
         raise ConfigError("rotate.calibration", "0 batches", "must hold at least one batch")
     named = dict(model.named_modules())
-    pairs = find_pairs(model, [first], views=True)
     width, embeddings = _stream(model, named)
+    pairs = {  # norms inside a layer at another width (MLA's q_a_layernorm) do not normalise the stream
+        norm: layers
+        for norm, layers in find_pairs(model, [first], views=True).items()
+        if getattr(named[norm], "weight", None) is None or named[norm].weight.shape[-1] == width
+    }
     readers = {layer: norm for norm, layers in pairs.items() for layer in layers}
     for norm in pairs:
         _check_norm(norm, named[norm])
@@ -158,6 +163,14 @@ def rotate(
 
 def _rotate_in_memory(model: nn.Module, calibration: Inputs, seed: int, online: bool) -> RotateHandle:
     """:func:`rotate` on a model in memory (its fused experts already per-expert layers)."""
+    experts = list(linear_experts_in(model))
+    if experts:
+        raise ConfigError(
+            "rotate",
+            type(model).__name__,
+            f"has mixture-of-experts layers ({experts[0]}{' ...' if len(experts) > 1 else ''}): their router and "
+            "experts read the stream through a gather this rotation does not follow yet; rotate a dense model",
+        )
     sites = _find_sites(model, calibration, online)
     named = dict(model.named_modules())
     width, pairs, readers, writers, embeddings, first = sites

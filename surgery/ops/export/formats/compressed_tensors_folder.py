@@ -508,7 +508,9 @@ def load_compressed_tensors(path: Path) -> nn.Module:
         transformers.AutoModel if architecture is None else model_class(transformers, architecture, "export.load", path)
     )
     model, info = from_pretrained(loader, path, "export.load", output_loading_info=True)
-    wrong = [k for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])]
+    wrong = sorted(
+        str(k) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])
+    )
     if wrong:
         raise ConfigError(
             "export.load", str(path), f"transformers loaded it with {len(wrong)} wrong key(s): {wrong[0]}"
