@@ -30,11 +30,13 @@ def apply_steps(
     (prune amount 0, quantization off, identity rewrite): the ``identity`` check.
     ``checking=True`` leaves out steps that change nothing (sensitivity): the checks apply the
     steps again on copies. ``runs`` holds what each step is given (its calibration batches...).
+    The verbs' selection lines are logged at DEBUG: the run's summary (and ``report.md``) says
+    what each step matched and skipped, once; a Python caller of the verbs still sees them at INFO.
     """
     handles: list[Handle] = []
     steps: list[Step] = []
     try:
-        with selections_logged_at(logging.DEBUG if checking else logging.INFO):
+        with selections_logged_at(logging.DEBUG):  # the summary says each step's selection once
             _apply_each(model, config, handles, steps, neutral, checking, runs)
     except BaseException as err:
         _undo(handles, model, err)

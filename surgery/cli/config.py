@@ -31,12 +31,15 @@ from surgery.core.importing import import_module_named
 from surgery.ops.export.exporting import EXPORT_FORMATS
 from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
+from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER
 
 log = logging.getLogger("surgery")
 
 MODEL_SOURCES = ("torchvision", "digits_cnn", "mnist1d_cnn", "tinylm", "timm", "hf", "factory")
 HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
+
+SHIPPED_FOLDER = "shipped"  # model.path (model=hf): surgery's trained tiny Llama (surgery.tasks.tinyllama)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class ModelConfig:
     num_classes: int = 1000
     task: str = "causal_lm"  # hf: which head (HF_TASKS)
     config: dict[str, Any] | None = None  # hf: AutoConfig.for_model(name, **config)
-    path: str | None = None  # hf: a local pretrained folder (local_files_only, safetensors)
+    path: str | None = None  # hf: a local pretrained folder (local_files_only, safetensors); shipped: the tiny Llama
     kwargs: dict[str, Any] | None = None  # timm.create_model / the factory's arguments
     _target_: str | None = None  # factory: the dotted path of a callable returning the model
     offload: bool = False  # hf with path: weights stay in the folder's files, read block by block
@@ -62,6 +65,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         one_of("model.source", self.source, MODEL_SOURCES)
+        shipped = self.source == "hf" and self.path == SHIPPED_FOLDER
+        if shipped:  # the trained tiny Llama (surgery/assets/tinyllama), wherever surgery is installed
+            self.path = str(TINYLLAMA_FOLDER)
         if not isinstance(self.offload, bool):
             raise ConfigError("model.offload", self.offload, "must be true or false")
         if self.offload and (self.source != "hf" or self.path is None):
@@ -87,8 +93,8 @@ class ModelConfig:
             raise ConfigError("model.name", self.name, f"model={self.source} needs a model name")
         if self.path is not None and self.source != "hf":
             raise ConfigError("model.path", self.path, "applies to model=hf only (a local pretrained folder)")
-        if self.path is not None:
-            self.name = self.path  # what the report calls the model (not a recipe's default name)
+        if self.path is not None:  # what the report calls the model (not a recipe's default name)
+            self.name = "tinyllama" if shipped else self.path
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,35 +20,27 @@ import torch
 
 from surgery.analysis.comparison import compare
 from surgery.cli import checks
+from surgery.cli.calibration import Metric, perplexity_of, step_calibration, task_metric
 from surgery.cli.config import RunConfig
 from surgery.cli.data import Data, load_data, with_model_defaults
-from surgery.cli.reporting import checks_rows
-from surgery.cli.steps import StepRun, step_named
-from surgery.cli.steps.base import STEPS
+from surgery.cli.report_builder import add_export, add_perplexity, add_step_sections, build_report
+from surgery.cli.steps import STEPS, Step, StepRun, step_named
 from surgery.core.activations import activation_budget
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.core.interrupts import raise_pending
-from surgery.ops.offload.offloaded_compression import OffloadedCompression, peak_resident_bytes, resident_bytes
+from surgery.ops.offload.offloaded_compression import peak_resident_bytes, resident_bytes
 from surgery.ops.offload.offloading import Offloaded, offloaded
 
 log = logging.getLogger("surgery")
-CalibrationOf = Callable[[str], Any]  # step name -> its calibration batches (None if it needs none)
 
 
-def execute_offloaded(
-    config: RunConfig, folder: Path, calibration_of: CalibrationOf, metric_of: Callable[[Data], tuple | None]
-) -> dict[str, Any]:
+def execute_offloaded(config: RunConfig, folder: Path) -> dict[str, Any]:
     """Run ``config`` on ``model.path`` offloaded; write the export into ``folder``; the report."""
     started, resident = time.perf_counter(), resident_bytes()
-    for name in config.steps:
-        if not step_named(name).offloadable:
-            usable = [step for step in STEPS.names() if STEPS.get(step).offloadable]
-            raise ConfigError(
-                "steps", name, f"does not run on an offloaded model (model.offload=true); use {', '.join(usable)}"
-            )
+    _refuse_in_memory_steps(config)
     if config.model.config:
         log.info("model.offload: %s/config.json builds the model; model.config is not used", config.model.path)
     refuse_custom_code(config.model.path, "model.path")  # named as the user wrote it
@@ -57,78 +48,65 @@ def execute_offloaded(
     config.data = with_model_defaults(config.data, source.model)  # the vocabulary of data=tokens, for calibration too
     data = load_data(config.data)
     inputs = list(data.inputs)
-    metric = metric_of(data)
+    metric = task_metric(config, data)
+    perplexity = perplexity_of(metric)
     expected = _outputs(source, inputs)
-    perplexity = {"reference": metric[1](source.model)} if metric is not None and metric[0] == "perplexity" else None
+    before = perplexity(source.model) if perplexity is not None else None
     built = time.perf_counter()
-    handles = _apply(config, source, folder, calibration_of, data, inputs, metric)
+    pairs = _apply(config, source, folder, data, inputs, metric)
     operated = time.perf_counter()
-    last = next((h for h in reversed(handles) if isinstance(h, OffloadedCompression)), None)
+    walked = [handle for step, handle in pairs if step.offloaded_stages(handle) is not None]
     record = None
-    if config.export.format is not None:
-        record = checks.export_checked(last or source, folder / config.export.file_name, config, inputs)
+    if config.export.format is not None:  # from the last step's compressed weights, or the source's
+        last = walked[-1] if walked else source
+        record = checks.export_checked(last, folder / config.export.file_name, config, inputs)
     drift = compare(_Outputs(expected), source.model, inputs)
     results = [checks.check_drift(drift, config.checks.drift)] if "drift" in config.checks.enabled else []
-    if perplexity is not None:
-        perplexity["candidate"] = metric[1](source.model)
+    after = perplexity(source.model) if perplexity is not None else None
     if "restore" in config.checks.enabled:
-        results.append(_check_restore(handles, source, inputs, expected))
-    report = {
-        "recipe": config.recipe,
-        "model": config.model.name,
-        "ok": all(c.passed for c in results),
-        "params": _parameter_counts(source),
-        "sparsity": 0.0,
-        "sparsity_over": {"parameters": 0, "entries": 0},
-        "selection": {},
-        "checks": checks_rows(results),
-        "drift": drift.as_dict(),
-        "layers": [],
-        "timings_s": {"build": built - started, "surgery": operated - built, "checks": time.perf_counter() - operated},
-        "build": [],
-        "steps": list(config.steps),
-        "checkpoint": None,
-        "qparams": None,
-        "offloaded": _offloaded_section(source, handles, resident),
-    }
+        results.append(_check_restore([handle for _, handle in pairs], source, inputs, expected))
+    timings = {"build": built - started, "surgery": operated - built, "checks": time.perf_counter() - operated}
+    report = build_report(config, results, drift, _parameter_counts(source), timings)
+    report["offloaded"] = _offloaded_section(source, pairs, resident)
     skipped = sorted(set(config.checks.enabled) - {"drift", "restore", "deploy"})
     if skipped:
         log.info("model.offload: checks %s need the model in memory; drift and restore ran", ", ".join(skipped))
-    if perplexity is not None:
-        report["perplexity"] = perplexity
-    for name, handle in zip(config.steps, handles):
-        step_named(name).report(handle, config.settings(name), StepRun(config), report)
-    if record is not None:
-        report["export"] = checks.export_section(record)
-        if record.parity is not None:
-            result = checks.check_deploy(record)
-            report["checks"].append(checks_rows([result])[0])
-            report["ok"] = report["ok"] and result.passed
+    add_perplexity(report, before, after)
+    add_step_sections(report, config, [handle for _, handle in pairs])
+    add_export(report, record)
     return report
 
 
+def _refuse_in_memory_steps(config: RunConfig) -> None:
+    """A one-line error for a step that cannot run on an offloaded model, naming those that can."""
+    for name in config.steps:
+        if not step_named(name).offloadable:
+            usable = [step for step in STEPS.names() if STEPS.get(step).offloadable]
+            raise ConfigError(
+                "steps", name, f"does not run on an offloaded model (model.offload=true); use {', '.join(usable)}"
+            )
+
+
 def _apply(
-    config: RunConfig,
-    source: Offloaded,
-    folder: Path,
-    calibration_of: CalibrationOf,
-    data: Data,
-    inputs: list,
-    metric: tuple | None,
-) -> list[Handle]:
+    config: RunConfig, source: Offloaded, folder: Path, data: Data, inputs: list, metric: Metric | None
+) -> list[tuple[Step, Handle]]:
+    """Each step applied to the offloaded model, in order, beside its handle; on a failure
+    those applied are restored, last first."""
     handles: list[Handle] = []
+    steps: list[Step] = []
     try:
         with activation_budget(config.data.activation_budget, folder=config.data.activation_folder):
             for name in config.steps:
                 raise_pending()  # a safe point for an interrupt: between steps
-                run = StepRun(config, calibration_of(name), None, folder, None, inputs, data, metric)
+                run = StepRun(config, step_calibration(config, name), None, folder, None, inputs, data, metric)
                 work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
-                handles.append(step_named(name).apply_offloaded(source, config.settings(name), run, work))
+                steps.append(step_named(name))
+                handles.append(steps[-1].apply_offloaded(source, config.settings(name), run, work))
     except BaseException:
         for handle in reversed(handles):
             handle.restore()
         raise
-    return handles
+    return list(zip(steps, handles))
 
 
 def _outputs(source: Offloaded, inputs: list) -> list[list[torch.Tensor]]:
@@ -168,28 +146,17 @@ def _parameter_counts(source: Offloaded) -> dict[str, int]:
     return {"total": total, "nonzero": nonzero}
 
 
-def _offloaded_section(source: Offloaded, handles: list[Handle], resident: int) -> dict[str, Any]:
+def _offloaded_section(source: Offloaded, pairs: list[tuple[Step, Handle]], resident: int) -> dict[str, Any]:
     """Peak resident memory (and what the run added to the process it started in) against the
-    model's bytes, and the seconds per block of each step."""
+    model's bytes, and the seconds per block of each step that walked blocks."""
     model_bytes = sum(p.numel() * p.element_size() for p in source.model.parameters())
     peak = peak_resident_bytes()
-    steps = {}
-    for handle in handles:
-        if isinstance(handle, OffloadedCompression):
-            blocks = [s for stage, s in zip(handle.stages[handle.resumed :], handle.seconds) if stage.block]
-            steps[handle.kind.split()[-1]] = {
-                "stages": len(handle.stages),
-                "blocks": handle.blocks,
-                "resumed": handle.resumed,
-                "seconds_per_block": sum(blocks) / len(blocks) if blocks else None,
-                "spilled_bytes": handle.spilled_bytes,
-                "work": str(handle.work),
-            }
+    stages = ((step.name, step.offloaded_stages(handle)) for step, handle in pairs)
     return {
         "files": sorted(str(p) for p in source.files.paths),
         "model_bytes": model_bytes,
         "peak_memory_bytes": peak,
         "added_memory_bytes": peak - resident,
         "added_over_model": (peak - resident) / model_bytes if model_bytes else None,
-        "steps": steps,
+        "steps": {name: found for name, found in stages if found is not None},
     }

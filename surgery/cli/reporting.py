@@ -12,6 +12,8 @@ from torch import nn
 
 from surgery.analysis.attribution import AttributionDrift
 from surgery.cli.checks import CheckResult
+from surgery.cli.formatting import fmt, pyplot, save_figure
+from surgery.cli.steps.base import Step, step_named
 from surgery.core.checkpoints import write_atomically
 
 
@@ -78,25 +80,38 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
     if plots and any(row["share"] is not None for row in report.get("gradients", {}).get("layers", [])):
         written.append(out_dir / "gradients.png")
         write_atomically(written[-1], lambda tmp: plot_gradients(report, tmp))
-    if plots and any(point["score"] is not None for point in report.get("finetune", {}).get("curve", [])):
-        written.append(out_dir / "finetune.png")
-        write_atomically(written[-1], lambda tmp: plot_finetune(report, tmp))
-    if plots and report.get("shrink", {}).get("widths"):
-        written.append(out_dir / "widths.png")
-        write_atomically(written[-1], lambda tmp: plot_widths(report, tmp))
-    if plots and report.get("sensitivity", {}).get("rows"):
-        written.append(out_dir / "sensitivity.png")
-        write_atomically(written[-1], lambda tmp: plot_sensitivity(report, tmp))
+    for step in steps_of(report) if plots else []:
+        for name, draw in step.plots(report).items():
+            written.append(out_dir / name)
+            write_atomically(written[-1], lambda tmp, draw=draw: draw(report, tmp))
     return written
+
+
+def steps_of(report: dict[str, Any]) -> list[Step]:
+    """The registered steps a report's run applied, in order (each once)."""
+    return [step_named(name) for name in dict.fromkeys(report.get("steps", []))]
+
+
+def headline(report: dict[str, Any]) -> list[str]:
+    """What the run did, step by step (each step's own words), and the task's metric before and
+    after; an indented line continues the one above (``report.md`` shows it in the step's section)."""
+    lines = [line for step in steps_of(report) for line in step.summary(report)]
+    if "accuracy" in report:
+        acc = report["accuracy"]
+        if "before_finetune" in acc:
+            told = f"unmodified {acc['reference']:.4f}  after surgery {acc['before_finetune']:.4f}  after fine-tuning"
+        else:
+            told = f"reference {acc['reference']:.4f}  candidate"
+        lines.append(f"accuracy: {told} {acc['candidate']:.4f}  drop {acc['drop_points']:.2f} points")
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        lines.append(f"perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")
+    return lines
 
 
 def plot_gradients(report: dict[str, Any], path: Path) -> None:
     """Each layer's share of the loss sensitivity (Σ|w·∂L/∂w|) and its gradient norm, in model order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = pyplot()
     rows = [row for row in report["gradients"]["layers"] if row["share"] is not None]
     height = max(3.0, 0.16 * len(rows) + 1.2)
     fig, (share, norm) = plt.subplots(1, 2, figsize=(11, height), sharey=True)
@@ -109,151 +124,12 @@ def plot_gradients(report: dict[str, Any], path: Path) -> None:
     norm.set_xscale("log")
     norm.set_xlabel("‖∂L/∂w‖ (RMS over batches)")
     fig.suptitle(f"{report['recipe']}: gradients of {report['model']} ({report['gradients']['loss']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-
-
-def plot_widths(report: dict[str, Any], path: Path) -> None:
-    """Each shrunk layer's output width before and after, in model order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    widths = report["shrink"]["widths"]
-    names = list(widths)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.12 * len(names) + 2), 4.5))
-    ax.bar(range(len(names)), [w[0] for w in widths.values()], color="#C8C8C8", label="before")
-    ax.bar(range(len(names)), [w[1] for w in widths.values()], color="#4C72B0", label="after")
-    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=5)
-    ax.set_ylabel("output channels / features")
-    ax.legend()
-    ax.set_title(f"{report['recipe']}: {report['model']} layer widths")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-
-
-def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
-    """The sensitivity table (score per layer and amount) and the amounts for a target, as markdown lines."""
-    result = report["sensitivity"]
-    layers, amounts, grid = sensitivity_grid(report)
-    lines = [
-        f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
-        f"unchanged {result['baseline']:.4g})",
-        "",
-        f"Each layer {'quantized' if result.get('kind') == 'quantize' else 'pruned'} alone by {result['method']}.",
-        "",
-        "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |",
-        "| --- |" + " --- |" * len(amounts),
-    ]
-    lines += [f"| {layer} | " + " | ".join(_fmt(v) for v in row) + " |" for layer, row in zip(layers, grid)]
-    if "plan" in result:
-        plan = result["plan"]
-        lines += [
-            "",
-            f"Amounts reaching {plan['target_sparsity']:g} sparsity over these layers (amounts.yaml, for `prune.amounts`):",
-            "",
-            "| layer | amount |",
-            "| --- | --- |",
-        ]
-        lines += [f"| {layer} | {amount:.4g} |" for layer, amount in plan["amounts"].items()]
-    return lines
-
-
-def sensitivity_grid(report: dict[str, Any]) -> tuple[list[str], list[float], list[list[float | None]]]:
-    """(layers, amounts, score per layer and amount) of a sensitivity report."""
-    rows = report["sensitivity"]["rows"]
-    layers = list(dict.fromkeys(row["layer"] for row in rows))
-    amounts = sorted({row["setting"] for row in rows}, reverse=report["sensitivity"].get("kind") == "quantize")
-    found = {(row["layer"], row["setting"]): row["score"] for row in rows}
-    return layers, amounts, [[found.get((layer, amount)) for amount in amounts] for layer in layers]
-
-
-def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
-    """Heatmap of the damage (score worse than unpruned) of each layer pruned alone at each amount."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    result = report["sensitivity"]
-    layers, amounts, _ = sensitivity_grid(report)
-    damage = {(row["layer"], row["setting"]): row["damage"] for row in result["rows"]}
-    grid = [[damage.get((layer, amount), float("nan")) for amount in amounts] for layer in layers]
-    fig, ax = plt.subplots(figsize=(1.4 * len(amounts) + 3.5, 0.35 * len(layers) + 1.8))
-    image = ax.imshow(grid, aspect="auto", cmap="magma_r")
-    ax.set_xticks(range(len(amounts)), [f"{a:g}" for a in amounts])
-    ax.set_yticks(range(len(layers)), layers)
-    ax.set_xlabel(
-        "weight bits (this layer alone)" if result.get("kind") == "quantize" else "amount pruned (this layer alone)"
-    )
-    top = max((v for row in grid for v in row if v == v), default=0.0)
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            ax.text(
-                j,
-                i,
-                f"{value:.3g}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if value > 0.6 * top else "black",
-            )
-    fig.colorbar(
-        image, ax=ax, label=f"damage ({result['metric']} {'lost' if result['higher_is_better'] else 'gained'})"
-    )
-    ax.set_title(f"{report['recipe']}: which layers of {report['model']} hurt most ({result['method']})")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-
-
-def plot_finetune(report: dict[str, Any], path: Path) -> None:
-    """Accuracy (and training loss) against optimizer steps while fine-tuning, with the
-    unmodified model's accuracy as a reference line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    curve = report["finetune"]["curve"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(
-        [p["step"] for p in curve],
-        [p["score"] for p in curve],
-        marker="o",
-        color="#4C72B0",
-        label="accuracy (modified, fine-tuning)",
-    )
-    if "accuracy" in report:
-        ax.axhline(report["accuracy"]["reference"], color="#55A868", linestyle="--", label="accuracy (unmodified)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("top-1 accuracy")
-    ax.grid(alpha=0.3)
-    losses = [(p["step"], p["loss"]) for p in curve if p["loss"] is not None]
-    if losses:
-        twin = ax.twinx()
-        twin.plot(*zip(*losses), color="#DD8452", alpha=0.6, label="training loss")
-        twin.set_ylabel("training loss")
-        twin.legend(loc="center right")
-    ax.legend(loc="lower right")
-    ax.set_title(
-        f"{report['recipe']}: fine-tuning {report['model']} with {', '.join(report['steps'][:-1]) or 'it'} attached"
-    )
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_layer_drift(report: dict[str, Any], path: Path) -> None:
     """Per-layer drift by depth (cosine and SQNR), with per-layer sparsity when pruned."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = pyplot()
     rows = [row for row in report["layers"] if row.get("cosine") is not None]
     depth = list(range(len(rows)))
     pruned = any(row["sparsity"] is not None for row in rows)
@@ -273,18 +149,12 @@ def plot_layer_drift(report: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{report['recipe']}: per-layer drift of {report['model']}")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_sparsity(report: dict[str, Any], path: Path) -> None:
     """Horizontal bar chart of per-layer sparsity, in model order."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = pyplot()
     rows = [row for row in report["layers"] if row["sparsity"] is not None]
     height = max(3.0, 0.16 * len(rows) + 1.2)
     fig, ax = plt.subplots(figsize=(8, height))
@@ -296,23 +166,7 @@ def plot_sparsity(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("fraction of weights pruned")
     ax.set_title(f"{report['recipe']}: per-layer sparsity of {report['model']}")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "**NO**"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
-
-
-def _over(over: dict[str, int] | None) -> str:
-    return f" ({over['parameters']} weights, {over['entries']:,} entries)" if over and over["parameters"] else ""
+    save_figure(fig, path)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -324,16 +178,14 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _markdown_header(report: dict[str, Any]) -> list[str]:
-    """Outcome, parameters and the checks."""
-    lines: list[str] = []
-    lines += [
+    """Outcome, parameters, each step's headline and the task's metric, and the checks."""
+    lines = [
         f"# surgery report: {report['recipe']}",
         "",
-        f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**.",
+        f"Model `{report['model']}` — **{'all checks passed' if report['ok'] else 'a check FAILED'}**; "
+        f"{report['params']['total']:,} parameters.",
         "",
-        f"Parameters: {report['params']['total']:,} total, {report['params']['nonzero']:,} non-zero; "
-        f"sparsity over selected weights: {report['sparsity']:.4f}"
-        f"{_over(report.get('sparsity_over'))}.",
+        *[f"- {line.removesuffix(':')}" for line in headline(report) if not line.startswith(" ")],
         "",
         "## Checks",
         "",
@@ -341,7 +193,7 @@ def _markdown_header(report: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| {c['name']} | {_fmt(c['passed'])} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {c['detail']} |"
+        f"| {c['name']} | {fmt(c['passed'])} | {fmt(c['value'])} | {fmt(c['threshold'])} | {c['detail']} |"
         for c in report["checks"]
     ]
     return lines
@@ -374,75 +226,6 @@ def _markdown_accuracy(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _markdown_sensitivity(report: dict[str, Any]) -> list[str]:
-    return ["", *sensitivity_markdown(report)] if "sensitivity" in report else []
-
-
-def _markdown_shrink(report: dict[str, Any]) -> list[str]:
-    """Parameters, MACs, latency, families and heads of a shrink step."""
-    lines: list[str] = []
-    if "shrink" in report:
-        shrunk = report["shrink"]
-        lines += ["", "## Shrink", "", "| | before | after | ratio |", "| --- | --- | --- | --- |"]
-        lines += [
-            f"| {key} | {shrunk[key]['before']:,} | {shrunk[key]['after']:,} | "
-            f"{shrunk[key]['after'] / max(shrunk[key]['before'], 1):.3f} |"
-            for key in ("params", "macs")
-        ]
-        lines += [
-            f"| latency, batch {size} (ms, 1 thread) | {row['dense_ms']:.1f} | {row['shrunk_ms']:.1f} | "
-            f"{row['ratio']:.3f} |"
-            for size, row in shrunk["latency"].items()
-        ]
-        lines += [
-            "",
-            "Coupled families (layers producing the same channels):",
-            "",
-            "| layers | channels | removed | frozen |",
-            "| --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
-            f"{f['removed']} | {f['frozen']} |"
-            for f in shrunk["families"]
-        ]
-        if shrunk.get("heads"):
-            lines += [
-                "",
-                "Attention heads:",
-                "",
-                "| module | attribute | before | after |",
-                "| --- | --- | --- | --- |",
-            ]
-            lines += [
-                f"| {name} | {attr} | {old} | {new} |"
-                for name, changes in shrunk["heads"].items()
-                for attr, (old, new) in changes.items()
-            ]
-        if shrunk.get("frozen_ops"):
-            lines += ["", f"Channels kept by: {', '.join(shrunk['frozen_ops'])}."]
-    return lines
-
-
-def _markdown_quantize(report: dict[str, Any]) -> list[str]:
-    """What the quantized model stores, against fp32."""
-    if "quantize" not in report:
-        return []
-    stored = report["quantize"]
-    return [
-        "",
-        "## Quantization",
-        "",
-        "| weights | share of the parameters | bits per weight | bytes | x fp32 |",
-        "| --- | --- | --- | --- | --- |",
-        f"| {stored['weights']} | {stored['share_of_parameters']:.1%} | {stored['bits_per_weight']:.3f} "
-        f"| {stored['bytes']:,} | {stored['bytes_vs_fp32']:.3f} |",
-        "",
-        "Bits per weight count the values and their scales (half precision; the MX/NV formats' block "
-        "scales at 8 bits) and zero points; parameters left float count at their own dtype.",
-    ]
-
-
 def _markdown_perplexity(report: dict[str, Any]) -> list[str]:
     """Held-out perplexity of a language model."""
     lines: list[str] = []
@@ -459,37 +242,18 @@ def _markdown_perplexity(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _markdown_finetune(report: dict[str, Any]) -> list[str]:
-    """The fine-tuning curve."""
-    lines: list[str] = []
-    if "finetune" in report:
-        tuned = report["finetune"]
-        lines += [
-            "",
-            "## Fine-tuning",
-            "",
-            f"{tuned['steps']} steps of {tuned['optimizer']} (lr {tuned['lr']}, "
-            f"{tuned['epochs']} epochs, batch {tuned['batch_size']}), the earlier steps attached.",
-            "",
-            "| step | mean training loss | accuracy |",
-            "| --- | --- | --- |",
-        ]
-        lines += [f"| {p['step']} | {_fmt(p['loss'])} | {_fmt(p['score'])} |" for p in tuned["curve"]]
-    return lines
-
-
 def _markdown_drift(report: dict[str, Any]) -> list[str]:
     """Drift, timings and the per-layer table."""
     lines: list[str] = []
     drift = report["drift"]
-    sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else _fmt(drift["sqnr_db"])
+    sqnr = "∞ (identical)" if drift["sqnr_db"] is None and drift["max_abs"] == 0 else fmt(drift["sqnr_db"])
     lines += [
         "",
         "## Drift (original vs modified)",
         "",
         "| max abs | cosine | SQNR dB | top-1 agreement |",
         "| --- | --- | --- | --- |",
-        f"| {_fmt(drift['max_abs'])} | {_fmt(drift['cosine'])} | {sqnr} | {_fmt(drift['top1_agreement'])} |",
+        f"| {fmt(drift['max_abs'])} | {fmt(drift['cosine'])} | {sqnr} | {fmt(drift['top1_agreement'])} |",
         "",
         "## Timings (s)",
         "",
@@ -503,8 +267,8 @@ def _markdown_drift(report: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| `{row['name']}` | {row['type']} | {_fmt(row['sparsity'])} | {_fmt(row.get('cosine'))} | "
-        f"{_fmt(row.get('sqnr_db'))} | {_fmt(row.get('max_abs'))} |"
+        f"| `{row['name']}` | {row['type']} | {fmt(row['sparsity'])} | {fmt(row.get('cosine'))} | "
+        f"{fmt(row.get('sqnr_db'))} | {fmt(row.get('max_abs'))} |"
         for row in report["layers"]
     ]
     return lines
@@ -534,11 +298,16 @@ def _markdown_selection_and_inspection(report: dict[str, Any]) -> list[str]:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         lines += [
-            f"| `{r['name']}` | {r['type']} | {_fmt(r['share'])} | {_fmt(r['sensitivity'])} | "
-            f"{_fmt(r['weight_grad_norm'])} | {_fmt(r['grad_output_norm'])} |"
+            f"| `{r['name']}` | {r['type']} | {fmt(r['share'])} | {fmt(r['sensitivity'])} | "
+            f"{fmt(r['weight_grad_norm'])} | {fmt(r['grad_output_norm'])} |"
             for r in top
         ]
     return lines
+
+
+def _markdown_steps(report: dict[str, Any]) -> list[str]:
+    """Each step's own sections, in step order."""
+    return [line for step in steps_of(report) for line in step.markdown(report)]
 
 
 def _markdown_offloaded(report: dict[str, Any]) -> list[str]:
@@ -551,11 +320,8 @@ MARKDOWN_SECTIONS = (
     _markdown_header,
     _markdown_offloaded,
     _markdown_accuracy,
-    _markdown_sensitivity,
-    _markdown_shrink,
-    _markdown_quantize,
     _markdown_perplexity,
-    _markdown_finetune,
+    _markdown_steps,
     _markdown_drift,
     _markdown_selection_and_inspection,
 )
@@ -597,21 +363,12 @@ def offloaded_lines(report: dict[str, Any]) -> list[str]:
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    """A short plain-text table for the terminal."""
+    """A short plain-text table for the terminal: the run, each step's headline and the task's
+    metric, the selections, the checks and the drift."""
     drift = report["drift"]
     width = max(len(c["name"]) for c in report["checks"]) if report["checks"] else 8
-    pruned = (report.get("sparsity_over") or {}).get("parameters", 0) > 0
-    headline = f"recipe {report['recipe']}  model {report['model']}"
-    if pruned:
-        headline += f"  sparsity {report['sparsity']:.4f}"
-    lines = [headline + f"  params {report['params']['nonzero']:,}/{report['params']['total']:,} non-zero"]
-    if "quantize" in report:
-        stored = report["quantize"]
-        lines.append(
-            f"  quantize: {stored['bits_per_weight']:.3g} bits per weight over {stored['weights']} weights "
-            f"({stored['share_of_parameters']:.0%} of the parameters); the model {stored['bytes'] / 1e6:.3g} MB, "
-            f"{stored['bytes_vs_fp32']:.3f}x its fp32 bytes"
-        )
+    lines = [f"recipe {report['recipe']}  model {report['model']}  params {report['params']['total']:,}"]
+    lines += [f"  {line}" for line in headline(report)]
     lines += [f"  {line}" for line in selection_lines(report)]
     for c in report["checks"]:
         value = "" if c["value"] is None else f"{c['value']:.4g}"
@@ -619,48 +376,6 @@ def summary_table(report: dict[str, Any]) -> str:
     sqnr = "inf" if drift["sqnr_db"] is None else f"{drift['sqnr_db']:.2f}"
     top1 = "n/a" if drift["top1_agreement"] is None else f"{drift['top1_agreement']:.3f}"
     lines.append(f"  drift: cosine {drift['cosine']:.4f}  SQNR {sqnr} dB  max abs {drift['max_abs']:.4g}  top-1 {top1}")
-    if "accuracy" in report:
-        acc = report["accuracy"]
-        if "before_finetune" in acc:
-            lines.append(
-                f"  accuracy: unmodified {acc['reference']:.4f}  after surgery {acc['before_finetune']:.4f}  "
-                f"after fine-tuning {acc['candidate']:.4f}  drop {acc['drop_points']:.2f} points"
-            )
-        else:
-            lines.append(
-                f"  accuracy: reference {acc['reference']:.4f}  candidate {acc['candidate']:.4f}  "
-                f"drop {acc['drop_points']:.2f} points"
-            )
-    if "sensitivity" in report:
-        result = report["sensitivity"]
-        layers, amounts, grid = sensitivity_grid(report)
-        lines.append(
-            f"  sensitivity ({result['metric']}, unchanged {result['baseline']:.4g}), layer x "
-            f"{'weight bits' if result.get('kind') == 'quantize' else 'amount'}:"
-        )
-        lines.append("    " + " " * 24 + "".join(f"{a:>9g}" for a in amounts))
-        lines += ["    " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
-        if "plan" in result:
-            lines.append(
-                f"  amounts for {result['plan']['target_sparsity']:g} sparsity: "
-                + ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items())
-            )
-    if "shrink" in report:
-        shrunk = report["shrink"]
-        params, macs = shrunk["params"], shrunk["macs"]
-        lines.append(
-            f"  shrink: params {params['before']:,} -> {params['after']:,} "
-            f"({params['after'] / params['before']:.3f}x), MACs {macs['before']:,} -> {macs['after']:,} "
-            f"({macs['after'] / max(macs['before'], 1):.3f}x)"
-        )
-        lines += [
-            f"  latency batch {size}: dense {row['dense_ms']:.1f} ms, shrunk {row['shrunk_ms']:.1f} ms "
-            f"({row['ratio']:.3f}x, 1 thread)"
-            for size, row in shrunk["latency"].items()
-        ]
-    if "perplexity" in report:
-        ppl = report["perplexity"]
-        lines.append(f"  perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")
     lines += offloaded_lines(report)
     lines.append(f"  result: {'OK' if report['ok'] else 'CHECK FAILED'}")
     return "\n".join(lines)
@@ -669,11 +384,7 @@ def summary_table(report: dict[str, Any]) -> str:
 def plot_attribution(found: AttributionDrift, path: Path) -> None:
     """The overlay grid: per input, the input, the reference's map, the modified model's map
     and their difference (images); for token maps, heat strips of the three per input."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = pyplot()
     reference, candidate = found.reference_maps.float(), found.candidate_maps.float()
     rows = reference.shape[0]
     spatial = reference.dim() == 3
@@ -703,9 +414,7 @@ def plot_attribution(found: AttributionDrift, path: Path) -> None:
         f"top-{found.top_k:.0%} overlap {found.mean_overlap:.3f}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _image_row(axes: Any, image: Any, reference: Any, candidate: Any) -> None:

@@ -25,29 +25,16 @@ from surgery.analysis.inspection import (
 from surgery.cli import checks
 from surgery.cli.applying import AppliedSteps, apply_steps, reattach, saved_qparams
 from surgery.cli.build import neutral, rules_from_config
+from surgery.cli.calibration import Metric, perplexity_of, step_calibration, task_metric
 from surgery.cli.config import ExportConfig, RunConfig
-from surgery.cli.data import (
-    Data,
-    calibration_batches,
-    calibration_pairs,
-    load_data,
-    training_data,
-    with_model_defaults,
-)
+from surgery.cli.data import Data, load_data, training_data, with_model_defaults
 from surgery.cli.failures import os_error_as_config_error, with_cli_field
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
-from surgery.cli.reporting import (
-    checks_rows,
-    layer_rows,
-    parameter_counts,
-    plot_attribution,
-    summary_table,
-    write_reports,
-)
-from surgery.cli.steps import Calibration, StepRun, step_named
-from surgery.cli.steps.shrink import PLAN_JSON
+from surgery.cli.report_builder import NO_SPARSITY, add_export, add_perplexity, add_step_sections, build_report
+from surgery.cli.reporting import layer_rows, parameter_counts, plot_attribution, summary_table, write_reports
+from surgery.cli.steps import STEPS, StepRun, step_named
 from surgery.core._compat import global_hook_counts
 from surgery.core.activations import activation_budget
 from surgery.core.checkpoints import Staging, refuse_existing, save_checkpoint, save_tensors, write_atomically
@@ -58,15 +45,14 @@ from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
 from surgery.ops.export.deploy_summary import deploy_summary
 from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
-from surgery.tasks import task_named
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"
-AMOUNTS = "amounts.yaml"  # per-layer amounts from recipe=sensitivity, for prune.amounts
 log = logging.getLogger("surgery")
 # Every file any run may write: a run refuses a folder holding one of them (unless overwriting)
 # and, when overwriting, replaces the whole earlier set, so no stale file of another run stays.
-OUTPUTS = (
+# A step names its own files (Step.outputs): a new step's plots are refused and replaced alike.
+RUN_OUTPUTS = (
     "report.json",
     "report.md",
     "model.safetensors",
@@ -75,13 +61,7 @@ OUTPUTS = (
     "sparsity.png",
     "drift.png",
     "attribution.png",
-    "finetune.png",
     "gradients.png",
-    "sensitivity.png",
-    AMOUNTS,
-    "plan.yaml",  # AMOUNTS before 0.3: an overwrite replaces it too
-    PLAN_JSON,
-    "widths.png",
 )
 
 
@@ -124,7 +104,7 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     stage = Staging(out_dir)
     try:
         with claimed(out_dir):  # from the existence check through publishing: a second run is refused
-            outputs = (*OUTPUTS, *export_names())
+            outputs = run_outputs()
             refuse_existing([out_dir / name for name in outputs], config.output.overwrite)
             with stage:
                 report = _execute(config, stage)
@@ -151,6 +131,13 @@ def run(config: RunConfig, out_dir: str | Path, *, echo: bool = True) -> RunResu
     return RunResult(report, files)
 
 
+def run_outputs() -> tuple[str, ...]:
+    """Every file a run may write: its own, those the registered steps name
+    (:attr:`~surgery.cli.steps.Step.outputs`, a plugin's included) and each export's."""
+    steps = sorted({name for step in STEPS.names() for name in STEPS.get(step).outputs})
+    return (*RUN_OUTPUTS, *steps, *export_names())
+
+
 def export_names() -> list[str]:
     """The file name an export of each registered format gets: any of them is an earlier run's
     output (an ``export.pt`` left by a run that exported is replaced by one that does not)."""
@@ -160,12 +147,7 @@ def export_names() -> list[str]:
 def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     """Build, operate, check; write every output into ``stage``; return the report."""
     if config.model.offload:
-        report = execute_offloaded(
-            config,
-            stage.path,
-            lambda name: _calibration_of(config, name),
-            lambda data: _metric(config, data),
-        )
+        report = execute_offloaded(config, stage.path)
         write_reports(report, stage.path, plots=config.output.plots)
         return report
     started = time.perf_counter()
@@ -174,7 +156,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
     data = load_data(config.data)
     inputs = data.inputs
     check_runs(models.reference, inputs, config.model.name)
-    metric = _metric(config, data)
+    metric = task_metric(config, data)
     runs = _step_runs(config, models, data, stage.path, metric)
     calls = inspect_model(models.model, inputs) if config.inspect else None
     gradients = _gradients(models.model, data) if config.inspect else None
@@ -188,42 +170,44 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
         accuracy = _accuracy(models, data)
         record = _export(config, stage, handle, inputs) if config.export.format is not None else None
         results, drift = _run_checks(config, models, handle, inputs, files, accuracy)
-        finished = time.perf_counter()
-        report = {
-            "recipe": config.recipe,
-            "model": config.model.name,
-            "ok": all(c.passed for c in results),
-            "params": parameter_counts(models.model),
-            "sparsity": sparsity["overall"],
-            "sparsity_over": sparsity["over"],
-            "selection": selections(handle),
-            "checks": checks_rows(results),
-            "drift": drift.as_dict(),
-            "layers": layer_rows(models.model, sparsity["layers"], drift.layers),
-            "timings_s": {"build": built - started, "surgery": operated - built, "checks": finished - operated},
-            "build": [vars(event) for event in models.builder.events],
-            "steps": list(config.steps),
-            "checkpoint": files.checkpoint.name if files.checkpoint.exists() else None,
-            "qparams": files.qparams.name if files.qparams.exists() else None,
-        }
-        if drift.attribution is not None:
-            report["attribution"] = drift.attribution.as_dict()
-        if accuracy is not None:
-            report["accuracy"] = accuracy
-        if metric is not None and metric[0] == "perplexity":  # accuracy has its own section, from the labels
-            report["perplexity"] = {"reference": metric[1](models.reference), "candidate": metric[1](models.model)}
+        timings = {"build": built - started, "surgery": operated - built, "checks": time.perf_counter() - operated}
+        report = build_report(
+            config,
+            results,
+            drift,
+            parameter_counts(models.model),
+            timings,
+            sparsity=sparsity,
+            selection=selections(handle),
+            layers=layer_rows(models.model, sparsity["layers"], drift.layers),
+            build=[vars(event) for event in models.builder.events],
+            checkpoint=files.checkpoint.name if files.checkpoint.exists() else None,
+            qparams=files.qparams.name if files.qparams.exists() else None,
+        )
+        _add_measurements(report, models, drift, accuracy, metric)
         if calls is not None:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)
         if gradients is not None:
             report["gradients"] = gradients
-        for name, part in zip(config.steps, handle.handles):
-            step_named(name).report(part, config.settings(name), runs[name], report)
-        if record is not None:
-            _report_export(config, record, models.reference, inputs, metric, report)
+        add_step_sections(report, config, handle.handles, runs)
+        add_export(report, record, lambda: deploy_summary(record, models.reference, inputs, metric))
     write_reports(report, stage.path, plots=config.output.plots)
     if config.output.plots and drift.attribution is not None:
         write_atomically(stage.path / "attribution.png", lambda tmp: plot_attribution(drift.attribution, tmp))
     return report
+
+
+def _add_measurements(
+    report: dict[str, Any], models: _Models, drift: Drift, accuracy: dict[str, float] | None, metric: Metric | None
+) -> None:
+    """``attribution``, ``accuracy`` and a language model's ``perplexity``, when measured."""
+    if drift.attribution is not None:
+        report["attribution"] = drift.attribution.as_dict()
+    if accuracy is not None:
+        report["accuracy"] = accuracy
+    perplexity = perplexity_of(metric)
+    if perplexity is not None:
+        add_perplexity(report, perplexity(models.reference), perplexity(models.model))
 
 
 def _export(config: RunConfig, stage: Staging, handle: HandleGroup, inputs: list) -> ExportRecord:
@@ -231,24 +215,6 @@ def _export(config: RunConfig, stage: Staging, handle: HandleGroup, inputs: list
     the ``deploy`` check, its parity with the model under surgery is measured on ``inputs`` and
     an artifact that misses it is not written (:func:`checks.export_checked`)."""
     return checks.export_checked(handle, stage / config.export.file_name, config, inputs)
-
-
-def _report_export(
-    config: RunConfig,
-    record: ExportRecord,
-    reference: nn.Module,
-    inputs: list,
-    metric: tuple | None,
-    report: dict[str, Any],
-) -> None:
-    """``report.json`` ``export``, and for a deployment format ``deploy`` and its check row."""
-    report["export"] = checks.export_section(record)
-    if record.parity is not None:
-        if record.parity.holds:  # else there is no artifact to time or evaluate
-            report["deploy"] = deploy_summary(record, reference, inputs, metric)
-        result = checks.check_deploy(record)
-        report["checks"].append(checks_rows([result])[0])
-        report["ok"] = report["ok"] and result.passed
 
 
 @dataclass
@@ -265,10 +231,9 @@ def _step_runs(
     than asked), the training data, the reference model and the task's metric."""
     runs = {}
     for name in config.steps:
-        need = step_named(name).calibration(config.settings(name))
         runs[name] = StepRun(
             config,
-            calibration=None if need is None else _calibration(config, name, need),
+            calibration=step_calibration(config, name),
             training=lambda batch_size: training_data(config.data, batch_size),
             folder=folder,
             reference=models.reference,
@@ -277,36 +242,6 @@ def _step_runs(
             metric=metric,
         )
     return runs
-
-
-def _calibration_of(config: RunConfig, step: str) -> Any:
-    need = step_named(step).calibration(config.settings(step))
-    return None if need is None else _calibration(config, step, need)
-
-
-def _calibration(config: RunConfig, step: str, need: Calibration) -> Any:
-    if need.labelled:
-        batches = calibration_pairs(config.data, need.batches, need.field)
-    else:
-        batches = calibration_batches(config.data, need.batches)
-    if len(batches) < need.batches:
-        log.warning(
-            "%s.calibration_batches=%d: the %s training split holds %d batches of %d; using those",
-            step,
-            need.batches,
-            config.data.kind,
-            len(batches),
-            config.data.batch_size,
-        )
-    return batches
-
-
-def _metric(config: RunConfig, data: Data) -> tuple[str, Any, bool] | None:
-    """The task's metric (name, evaluate(model), higher is better); None: output drift."""
-    metric = task_named(config.data.kind).metric
-    if metric is None or data.labels is None:
-        return None
-    return metric.name, lambda m: metric.evaluate(m, list(data.labelled())), metric.higher_is_better
 
 
 def _gradients(model: nn.Module, data: Data) -> dict[str, Any]:
@@ -349,8 +284,7 @@ def _build(config: RunConfig) -> _Models:
 def _sparsity(handle: AppliedSteps) -> dict[str, Any]:
     """``report.json``'s sparsity, from the first step that prunes."""
     found = (step.sparsity(part) for step, part in handle.pairs())
-    none = {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
-    return next((section for section in found if section is not None), none)
+    return next((section for section in found if section is not None), NO_SPARSITY)
 
 
 def selections(handle: HandleGroup) -> dict[str, dict[str, list]]:

@@ -258,7 +258,7 @@ def test_a_run_into_a_new_folder_that_fails_does_not_leave_the_folder(tmp_path):
 def test_a_run_refuses_any_existing_output_before_doing_anything(tmp_path, existing):
     checkpoint = "pt" if existing == "model.pt" else "safetensors"
     config = pipeline_config(plots=True, checkpoint=checkpoint)
-    assert existing in run_module.OUTPUTS
+    assert existing in run_module.run_outputs()
     (tmp_path / existing).write_bytes(PREVIOUS)
     with (
         mock.patch.object(run_module, "_build", side_effect=AssertionError("the run started")),
@@ -335,7 +335,7 @@ def test_a_publish_failing_at_any_rename_leaves_the_whole_earlier_set(tmp_path, 
         real_replace(source, destination)
 
     with mock.patch.object(checkpoints.os, "replace", replace), pytest.raises(error, match="interrupted"):
-        stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+        stage.publish(overwrite=True, last="report.json", replaces=run_module.run_outputs())
     stage.__exit__(None, None, None)
     assert listing(tmp_path) == earlier  # not one new file, not one earlier file missing, nothing hidden
 
@@ -345,7 +345,7 @@ def test_overwrite_removes_an_earlier_runs_outputs_of_another_format(tmp_path):
     for name in ("report.json", "report.md", "model.safetensors", "sparsity.png", "drift.png", "notes.txt"):
         (tmp_path / name).write_bytes(PREVIOUS)
     stage = stage_set(tmp_path, ["report.json", "report.md", "model.pt"])
-    stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+    stage.publish(overwrite=True, last="report.json", replaces=run_module.run_outputs())
     stage.__exit__(None, None, None)
     assert sorted(listing(tmp_path)) == ["model.pt", "notes.txt", "report.json", "report.md"]
 
@@ -360,7 +360,7 @@ def test_the_earlier_report_is_moved_aside_first_and_the_new_one_published_last(
         "replace",
         lambda s, d: (moves.append((Path(s).parent == tmp_path, Path(d).name)), real_replace(s, d)),
     ):
-        stage.publish(overwrite=True, last="report.json", replaces=run_module.OUTPUTS)
+        stage.publish(overwrite=True, last="report.json", replaces=run_module.run_outputs())
     stage.__exit__(None, None, None)
     moves = [move for move in moves if move[1] != checkpoints.MANIFEST]  # written first, into the backup
     assert moves[0] == (True, "report.json") and moves[-1] == (False, "report.json")
@@ -433,7 +433,7 @@ def test_a_run_killed_while_publishing_is_undone_by_the_next_one(tmp_path, die_a
 def test_publishing_without_overwrite_never_removes_the_files_it_would_replace(tmp_path):
     (tmp_path / "drift.png").write_bytes(PREVIOUS)
     stage = stage_set(tmp_path, ["report.json"])
-    stage.publish(overwrite=False, last="report.json", replaces=run_module.OUTPUTS)
+    stage.publish(overwrite=False, last="report.json", replaces=run_module.run_outputs())
     stage.__exit__(None, None, None)
     assert listing(tmp_path)["drift.png"] == PREVIOUS
 

@@ -1094,7 +1094,7 @@ def busy(folder: Path) -> tuple[str, ...]:
 
 LAUGHS = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b]\n"
 
-OFFLOAD = ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.group_size=32")
+OFFLOAD = ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.group_size=32", "data=tokens")
 
 
 def offload_folder(kind: str) -> Callable[[Path], tuple[str, ...]]:
@@ -1298,7 +1298,11 @@ CLI_CASES = [
         "activation-budget", (*FAST, "data.activation_folder=/no/such"), "data.activation_folder='/no/such': must be"
     ),
     CliCase("nonfinite-weights", QUANTIZE, "quantize.weights='layer1.0.conv1.weight'", resnet18_checkpoint("nan")),
-    CliCase("offload", ("recipe=quantize_gptq_llama", "model.offload=true"), "model.offload=True: needs model=hf"),
+    CliCase(
+        "offload",
+        ("recipe=quantize_gptq_llama", "model.path=null", "model.offload=true"),
+        "model.offload=True: needs model=hf",
+    ),
     CliCase(
         "offload",
         ("recipe=quantize_gptq_llama", "model.offload=true", "steps=[shrink]", "+shrink={}"),

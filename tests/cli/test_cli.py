@@ -547,7 +547,25 @@ def test_dynamic_inputs_with_training_export_and_say_each_selection_once(tmp_pat
     assert data["ok"] and data["qparams"] is None and data["deploy"]["format"] == "torchao"
     assert {c["name"] for c in data["checks"] if c["passed"]} >= {"save_load", "deploy"}
     logged = result.stdout + result.stderr
-    assert logged.count("parameter(s) matched") == 1 and "torch._dynamo" not in logged
+    assert logged.count("weight(s) matched") == 1 and "parameter(s) matched" not in logged  # the summary's line
+    assert "torch._dynamo" not in logged
+
+
+def test_the_llama_recipe_quantizes_the_shipped_tiny_llama_and_its_headline_says_what_it_cost(tmp_path):
+    """By default the recipe loads the trained tiny Llama on its corpus: the summary's first lines
+    give bits per weight, bytes against fp32 and the perplexity before and after, nothing about
+    sparsity, and the selection once."""
+    result = surgery("recipe=quantize_gptq_llama", "data.batches=1", "quantize.calibration_batches=1",
+                     f"hydra.run.dir={tmp_path}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["model"] == "tinyllama" and 3 < data["perplexity"]["reference"] < 6  # trained (random: ~256)
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("recipe quantize_gptq_llama  model tinyllama  params ")
+    assert "bits per weight" in lines[1] and "x its fp32 bytes" in lines[1]
+    assert any(line.startswith("  perplexity (held out): reference ") for line in lines[2:4])
+    logged = result.stdout + result.stderr
+    assert "sparsity" not in logged and logged.count("weight(s) matched") == 1
 
 
 def test_two_steps_saving_parameters_for_one_layer_are_refused_in_one_line():

@@ -18,6 +18,9 @@ from surgery.cli.models import _optional
 from surgery.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
+# quantize_gptq_llama runs the shipped tiny Llama on its byte corpus; a random Llama of the tests
+# (vocabulary 128) takes random token ids, and drifts more at W4 (0.978-0.988 measured)
+RANDOM_TOKENS = ("data=tokens", "data.batches=2", "checks.drift.min_cosine=0.97")
 
 
 def surgery(*args: str) -> subprocess.CompletedProcess:
@@ -231,7 +234,7 @@ def test_an_offloaded_llama_folder_is_quantized_block_by_block_and_streamed_as_t
     tiny_llama(layers=3).save_pretrained(folder, max_shard_size="100KB")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "export.format=compressed-tensors")
-    common += ("quantize.weights.group_size=32",)  # the tiny Llama is 64 wide
+    common += ("quantize.weights.group_size=32", *RANDOM_TOKENS)  # the tiny Llama is 64 wide
     memory = surgery(*common, "~model.config", f"hydra.run.dir={tmp_path / 'memory'}")
     assert memory.returncode == 0, memory.stderr[-2000:]
     work = tmp_path / "blocks"
@@ -262,6 +265,7 @@ def test_an_offloaded_llama_rotated_then_quantized_streams_the_same_tensors_as_i
     tiny_llama(layers=2).save_pretrained(folder)
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "export.format=compressed-tensors")
     common += ("quantize.weights.group_size=32", "quantize.weights.method=rtn", "steps=[rotate,quantize]", "+rotate={}")
+    common += RANDOM_TOKENS
     memory = surgery(*common, "~model.config", f"hydra.run.dir={tmp_path / 'memory'}")
     offloaded = surgery(*common, "model.offload=true", f"hydra.run.dir={tmp_path / 'off'}")
     assert memory.returncode == 0 and offloaded.returncode == 0, offloaded.stderr[-2000:]

@@ -69,6 +69,7 @@ class Step:
     changes_model: ClassVar[bool] = True  # False: it measures (sensitivity); the checks do not run it again
     needs_labels: ClassVar[bool] = False  # it trains on labelled data (finetune)
     offloadable: ClassVar[bool] = False  # apply_offloaded runs it on an offloaded model (model.offload=true)
+    outputs: ClassVar[tuple[str, ...]] = ()  # every file it may write into a run's folder (plots, plans)
 
     def __call__(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         return self.apply(model, settings, run)
@@ -121,6 +122,27 @@ class Step:
 
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         """``report.json``'s ``sparsity`` (overall, per layer, over what) from the step that prunes."""
+        return None
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The step's headline in the printed summary and atop ``report.md``: what it did, told
+        from its section of ``report`` in a line or two; a line starting with a space continues
+        the one above in the terminal only (``report.md`` has the step's own section); by
+        default nothing."""
+        return []
+
+    def markdown(self, report: dict[str, Any]) -> list[str]:
+        """The step's sections of ``report.md`` (``## ...`` headings, tables), from ``report``."""
+        return []
+
+    def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
+        """The plots the step draws from ``report``: file name (one of :attr:`outputs`) -> draw(report, path)."""
+        return {}
+
+    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
+        """On an offloaded model: the blocks the step walked and the seconds each took (the
+        report's ``offloaded.steps``); None when it walks no blocks. The last step that walked
+        them holds the compressed weights an export streams."""
         return None
 
 

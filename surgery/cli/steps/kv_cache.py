@@ -62,6 +62,17 @@ class KvCacheStep(Step):
             "layers": len(kv_projections(model)),
         }
 
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The cache's bytes per token before and after."""
+        found = report.get("kv_cache")
+        if found is None:
+            return []
+        size = found["bytes_per_token"]
+        return [
+            f"kv_cache: {size['before']:,} -> {size['after']:,} bytes per token over {found['layers']} cached "
+            f"projections ({size['after'] / max(size['before'], 1):.3f}x)"
+        ]
+
     def reattach(self, model: nn.Module, settings: KvCacheConfig, qparams: dict[str, Tensor] | Any) -> Handle | None:
         layers = list(kv_projections(model))
         return quantize(model, weights=None, activations=settings.spec, select=layers, qparams=qparams, progress=False)

@@ -14,6 +14,7 @@ from torch import nn
 from surgery.cli.fields import positive_int, read_amounts_yaml
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.blocks import block_stages
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.offload.offloading import Offloaded
@@ -73,7 +74,7 @@ def _read_amounts(path: Any) -> dict[str, float]:
 class PruneStep(Step):
     """Masks on the selected weights, scored by the settings' criterion."""
 
-    name, settings, offloadable = "prune", PruneConfig, True
+    name, settings, offloadable, outputs = "prune", PruneConfig, True, (OWL_ALLOCATION,)
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         gradients = settings.criterion.needs_gradients
@@ -83,9 +84,23 @@ class PruneStep(Step):
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
         return prune(source, _with_owl_amounts(source, settings, run), calibration=run.calibration, work=work)
 
+    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
+        return block_stages(handle)
+
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
         return {"overall": handle.sparsity(), "layers": handle.layer_sparsity(), "over": over}
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The sparsity over the selected weights and the non-zero parameters left."""
+        over = report.get("sparsity_over") or {}
+        if not over.get("parameters"):  # an offloaded run measures no masks
+            return []
+        params = report["params"]
+        return [
+            f"prune: sparsity {report['sparsity']:.4f} over {over['entries']:,} selected entries; "
+            f"params {params['nonzero']:,}/{params['total']:,} non-zero"
+        ]
 
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.blocks import block_stages
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
@@ -74,6 +75,38 @@ class QuantizeStep(Step):
         """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
         if isinstance(handle, QuantizeHandle) and handle.weights:  # an offloaded run's holds no quantizers
             report["quantize"] = weight_storage(handle)
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """Bits per quantized weight, and the model's bytes against fp32."""
+        if "quantize" not in report:
+            return []
+        stored = report["quantize"]
+        return [
+            f"quantize: {stored['bits_per_weight']:.3g} bits per weight on {stored['share_of_parameters']:.0%} of the "
+            f"parameters; the model {stored['bytes'] / 1e6:.3g} MB, "
+            f"{stored['bytes_vs_fp32']:.3f}x its fp32 bytes"
+        ]
+
+    def markdown(self, report: dict[str, Any]) -> list[str]:
+        """What the quantized model stores, against fp32."""
+        if "quantize" not in report:
+            return []
+        stored = report["quantize"]
+        return [
+            "",
+            "## Quantization",
+            "",
+            "| weights | share of the parameters | bits per weight | bytes | x fp32 |",
+            "| --- | --- | --- | --- | --- |",
+            f"| {stored['weights']} | {stored['share_of_parameters']:.1%} | {stored['bits_per_weight']:.3f} "
+            f"| {stored['bytes']:,} | {stored['bytes_vs_fp32']:.3f} |",
+            "",
+            "Bits per weight count the values and their scales (half precision; the MX/NV formats' block "
+            "scales at 8 bits) and zero points; parameters left float count at their own dtype.",
+        ]
+
+    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
+        return block_stages(handle)
 
     def fresh_build(
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]

@@ -5,6 +5,7 @@ and measured; with a target sparsity, the per-layer amounts reaching it, written
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from surgery.cli.fields import positive_int
+from surgery.cli.formatting import fmt, pyplot, save_figure
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.checkpoints import write_atomically
 from surgery.core.errors import ConfigError
@@ -78,6 +80,7 @@ class SensitivityStep(Step):
     """Measures and changes nothing: every trial is restored."""
 
     name, settings, changes_model, offloadable = "sensitivity", SensitivityConfig, False, True
+    outputs = (AMOUNTS, "plan.yaml", "sensitivity.png")  # plan.yaml: AMOUNTS before 0.3, replaced on overwrite
 
     def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
         handle = Handle(self.name, model)
@@ -99,6 +102,16 @@ class SensitivityStep(Step):
 
     def report(self, handle: Handle, settings: SensitivityConfig, run: StepRun, report: dict[str, Any]) -> None:
         report["sensitivity"] = handle.result
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The score of each layer at each amount (or bit width), and the plan."""
+        return sensitivity_summary(report) if "sensitivity" in report else []
+
+    def markdown(self, report: dict[str, Any]) -> list[str]:
+        return ["", *sensitivity_markdown(report)] if "sensitivity" in report else []
+
+    def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
+        return {"sensitivity.png": plot_sensitivity} if report.get("sensitivity", {}).get("rows") else {}
 
 
 def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dict[str, Any]:
@@ -141,3 +154,81 @@ def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dic
 
 
 register_step(SensitivityStep())
+
+
+def sensitivity_summary(report: dict[str, Any]) -> list[str]:
+    """The grid as text lines for the terminal, and the plan."""
+    result = report["sensitivity"]
+    layers, amounts, grid = sensitivity_grid(report)
+    lines = [
+        f"sensitivity ({result['metric']}, unchanged {result['baseline']:.4g}), layer x "
+        f"{'weight bits' if result.get('kind') == 'quantize' else 'amount'}:",
+        "  " + " " * 24 + "".join(f"{a:>9g}" for a in amounts),
+    ]
+    lines += ["  " + f"{layer[:24]:<24}" + "".join(f"{v:>9.4g}" for v in row) for layer, row in zip(layers, grid)]
+    if "plan" in result:
+        lines.append(
+            f"amounts for {result['plan']['target_sparsity']:g} sparsity: "
+            + ", ".join(f"{k} {v:.3g}" for k, v in result["plan"]["amounts"].items())
+        )
+    return lines
+
+
+def sensitivity_markdown(report: dict[str, Any]) -> list[str]:
+    """The sensitivity table (score per layer and amount) and the plan, as markdown lines."""
+    result = report["sensitivity"]
+    layers, amounts, grid = sensitivity_grid(report)
+    lines = [
+        f"## Sensitivity ({result['metric']}; {'higher' if result['higher_is_better'] else 'lower'} is better; "
+        f"unchanged {result['baseline']:.4g})",
+        "",
+        f"Each layer {'quantized' if result.get('kind') == 'quantize' else 'pruned'} alone by {result['method']}.",
+        "",
+        "| layer | " + " | ".join(f"{a:g}" for a in amounts) + " |",
+        "| --- |" + " --- |" * len(amounts),
+    ]
+    lines += [f"| {layer} | " + " | ".join(fmt(v) for v in row) + " |" for layer, row in zip(layers, grid)]
+    if "plan" in result:
+        plan = result["plan"]
+        lines += [
+            "",
+            f"Amounts reaching {plan['target_sparsity']:g} sparsity over these layers (amounts.yaml, for `prune.amounts`):",
+            "",
+            "| layer | amount |",
+            "| --- | --- |",
+        ]
+        lines += [f"| {layer} | {amount:.4g} |" for layer, amount in plan["amounts"].items()]
+    return lines
+
+
+def sensitivity_grid(report: dict[str, Any]) -> tuple[list[str], list[float], list[list[float | None]]]:
+    """(layers, amounts, score per layer and amount) of a sensitivity report."""
+    rows = report["sensitivity"]["rows"]
+    layers = list(dict.fromkeys(row["layer"] for row in rows))
+    amounts = sorted({row["setting"] for row in rows}, reverse=report["sensitivity"].get("kind") == "quantize")
+    found = {(row["layer"], row["setting"]): row["score"] for row in rows}
+    return layers, amounts, [[found.get((layer, amount)) for amount in amounts] for layer in layers]
+
+
+def plot_sensitivity(report: dict[str, Any], path: Path) -> None:
+    """Heatmap of the damage (score worse than unpruned) of each layer pruned alone at each amount."""
+    plt = pyplot()
+    result = report["sensitivity"]
+    layers, amounts, _ = sensitivity_grid(report)
+    damage = {(row["layer"], row["setting"]): row["damage"] for row in result["rows"]}
+    grid = [[damage.get((layer, amount), float("nan")) for amount in amounts] for layer in layers]
+    fig, ax = plt.subplots(figsize=(1.4 * len(amounts) + 3.5, 0.35 * len(layers) + 1.8))
+    image = ax.imshow(grid, aspect="auto", cmap="magma_r")
+    ax.set_xticks(range(len(amounts)), [f"{a:g}" for a in amounts])
+    ax.set_yticks(range(len(layers)), layers)
+    quantized = result.get("kind") == "quantize"
+    ax.set_xlabel("weight bits (this layer alone)" if quantized else "amount pruned (this layer alone)")
+    top = max((v for row in grid for v in row if v == v), default=0.0)
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            color = "white" if value > 0.6 * top else "black"
+            ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=7, color=color)
+    lost = "lost" if result["higher_is_better"] else "gained"
+    fig.colorbar(image, ax=ax, label=f"damage ({result['metric']} {lost})")
+    ax.set_title(f"{report['recipe']}: which layers of {report['model']} hurt most ({result['method']})")
+    save_figure(fig, path)

@@ -8,12 +8,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from surgery.cli.fields import positive_int
+from surgery.cli.formatting import pyplot, save_figure
 from surgery.cli.outputs import batch_of, first_sample
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
@@ -44,13 +46,12 @@ class ShrinkConfig(ShrinkSpec):
 
 
 STRUCTURE_JSON = "model.plan.json"  # the recorded shrunk structure, for surgery.rebuild (file name kept)
-PLAN_JSON = STRUCTURE_JSON  # its old name, read by cli/run.py
 
 
 class ShrinkStep(Step):
     """Coupled channels removed for real: smaller layers of the same classes."""
 
-    name, settings = "shrink", ShrinkConfig
+    name, settings, outputs = "shrink", ShrinkConfig, (STRUCTURE_JSON, "widths.png")
 
     def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
         return shrink(model, settings, example_inputs=run.calibration[0])
@@ -91,6 +92,29 @@ class ShrinkStep(Step):
     def report(self, handle: Handle, settings: ShrinkConfig, run: StepRun, report: dict[str, Any]) -> None:
         if isinstance(handle, ShrinkHandle):
             report["shrink"] = shrink_report(handle, run.reference, run.inputs, settings.latency_batches)
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """Parameters and MACs before and after, and the measured latency."""
+        if "shrink" not in report:
+            return []
+        shrunk = report["shrink"]
+        params, macs = shrunk["params"], shrunk["macs"]
+        lines = [
+            f"shrink: params {params['before']:,} -> {params['after']:,} "
+            f"({params['after'] / params['before']:.3f}x), MACs {macs['before']:,} -> {macs['after']:,} "
+            f"({macs['after'] / max(macs['before'], 1):.3f}x)"
+        ]
+        return lines + [
+            f"  latency batch {size}: dense {row['dense_ms']:.1f} ms, shrunk {row['shrunk_ms']:.1f} ms "
+            f"({row['ratio']:.3f}x, 1 thread)"
+            for size, row in shrunk["latency"].items()
+        ]
+
+    def markdown(self, report: dict[str, Any]) -> list[str]:
+        return shrink_markdown(report["shrink"]) if "shrink" in report else []
+
+    def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
+        return {"widths.png": plot_widths} if report.get("shrink", {}).get("widths") else {}
 
 
 def shrink_report(handle: ShrinkHandle, reference: nn.Module, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:
@@ -137,6 +161,52 @@ def _width(layer: nn.Module) -> int | None:
             return getattr(layer, attr)
     shape = getattr(layer, "normalized_shape", None)
     return shape[-1] if shape else None
+
+
+def shrink_markdown(shrunk: dict[str, Any]) -> list[str]:
+    """Parameters, MACs, latency, families and heads of a shrink step."""
+    lines = ["", "## Shrink", "", "| | before | after | ratio |", "| --- | --- | --- | --- |"]
+    lines += [
+        f"| {key} | {shrunk[key]['before']:,} | {shrunk[key]['after']:,} | "
+        f"{shrunk[key]['after'] / max(shrunk[key]['before'], 1):.3f} |"
+        for key in ("params", "macs")
+    ]
+    lines += [
+        f"| latency, batch {size} (ms, 1 thread) | {row['dense_ms']:.1f} | {row['shrunk_ms']:.1f} | {row['ratio']:.3f} |"
+        for size, row in shrunk["latency"].items()
+    ]
+    lines += ["", "Coupled families (layers producing the same channels):", ""]
+    lines += ["| layers | channels | removed | frozen |", "| --- | --- | --- | --- |"]
+    lines += [
+        f"| {', '.join(f['layers'][:4])}{' ...' if len(f['layers']) > 4 else ''} | {f['channels']} | "
+        f"{f['removed']} | {f['frozen']} |"
+        for f in shrunk["families"]
+    ]
+    if shrunk.get("heads"):
+        lines += ["", "Attention heads:", "", "| module | attribute | before | after |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {name} | {attr} | {old} | {new} |"
+            for name, changes in shrunk["heads"].items()
+            for attr, (old, new) in changes.items()
+        ]
+    if shrunk.get("frozen_ops"):
+        lines += ["", f"Channels kept by: {', '.join(shrunk['frozen_ops'])}."]
+    return lines
+
+
+def plot_widths(report: dict[str, Any], path: Path) -> None:
+    """Each shrunk layer's output width before and after, in model order."""
+    plt = pyplot()
+    widths = report["shrink"]["widths"]
+    names = list(widths)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.12 * len(names) + 2), 4.5))
+    ax.bar(range(len(names)), [w[0] for w in widths.values()], color="#C8C8C8", label="before")
+    ax.bar(range(len(names)), [w[1] for w in widths.values()], color="#4C72B0", label="after")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=5)
+    ax.set_ylabel("output channels / features")
+    ax.legend()
+    ax.set_title(f"{report['recipe']}: {report['model']} layer widths")
+    save_figure(fig, path)
 
 
 register_step(ShrinkStep())
