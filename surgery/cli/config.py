@@ -25,7 +25,7 @@ from surgery.cli.steps.rotate import RotateConfig
 from surgery.cli.steps.sensitivity import SensitivityConfig
 from surgery.cli.steps.shrink import ShrinkConfig
 from surgery.cli.steps.smooth import SmoothConfig
-from surgery.core.errors import NO_VALUE, ConfigError
+from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.importing import import_module_named
 from surgery.ops.export.exporting import EXPORT_FORMATS
@@ -237,15 +237,22 @@ def _describe_range(low: float, high: float) -> str:
 
 @dataclass
 class ChecksConfig:
-    """Round-trip checks: which run (all five by default) and the drift bounds."""
+    """Round-trip checks: which run (all five by default), the drift bounds, and how much of the
+    weights a step may leave unchanged without being told to (``max_untouched``: a ``coverage`` row
+    fails above it)."""
 
     enabled: list[str] = field(default_factory=lambda: list(CHECK_NAMES))
     drift: DriftThresholds = field(default_factory=DriftThresholds)
     per_layer: bool = True
+    max_untouched: float = 0.5  # the share of the weight bytes a step may leave unchanged unless excluded
 
     def __post_init__(self) -> None:
         for name in self.enabled:
             one_of("checks.enabled", name, CHECK_NAMES)
+        if isinstance(self.max_untouched, bool) or not isinstance(self.max_untouched, (int, float)):
+            raise ConfigTypeError("checks.max_untouched", self.max_untouched, "must be a number from 0 to 1")
+        if not 0.0 <= self.max_untouched <= 1.0:
+            raise ConfigError("checks.max_untouched", self.max_untouched, "must be from 0 to 1 (1: allow any share)")
 
 
 @dataclass

@@ -48,6 +48,28 @@ def build_report(
     }
 
 
+def add_coverage(report: dict[str, Any], max_untouched: float) -> None:
+    """A ``coverage`` check row when a step's selection reports its coverage: it fails when the
+    step left more than ``max_untouched`` of the weight bytes unchanged without an exclusion."""
+    covered = {kind: s["coverage"] for kind, s in report.get("selection", {}).items() if s.get("coverage")}
+    if not covered:
+        return
+    kind, worst = max(covered.items(), key=lambda item: item[1]["left_share"])
+    passed = worst["left_share"] <= max_untouched
+    largest = next((t for t in worst["largest_left"] if t["reason"] != "excluded (exclude=)"), None)
+    detail = (
+        ""
+        if passed or largest is None
+        else (
+            f"{kind} left {worst['left_share']:.0%} of the weight bytes unchanged, e.g. {largest['name']}: "
+            f"{largest['reason']} (select or exclude them, or raise checks.max_untouched)"
+        )
+    )
+    result = CheckResult("coverage", passed, worst["left_share"], max_untouched, detail)
+    report["checks"].append(checks_rows([result])[0])
+    report["ok"] = report["ok"] and passed
+
+
 def add_perplexity(report: dict[str, Any], reference: float | None, candidate: float | None) -> None:
     """``perplexity``: the language model's held-out perplexity before and after (when measured)."""
     if reference is not None and candidate is not None:

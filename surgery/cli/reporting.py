@@ -278,7 +278,17 @@ def _markdown_selection_and_inspection(report: dict[str, Any]) -> list[str]:
     """What each step selected and skipped; module calls and gradients."""
     lines: list[str] = []
     for kind, selection in report.get("selection", {}).items():
-        lines += ["", f"## Selection: {kind}", "", f"{len(selection['matched'])} weight(s) matched.", ""]
+        coverage = selection.get("coverage")
+        reach = (
+            f" ({coverage['share']:.1%} of the parameters, {coverage['changed_bytes']:,} of {coverage['total_bytes']:,} bytes)"
+            if coverage
+            else ""
+        )
+        lines += ["", f"## Selection: {kind}", "", f"{len(selection['matched'])} weight(s) matched{reach}.", ""]
+        if coverage and coverage["largest_left"]:
+            lines += ["| largest left unchanged | bytes | why |", "| --- | --- | --- |"]
+            lines += [f"| `{t['name']}` | {t['bytes']:,} | {t['reason']} |" for t in coverage["largest_left"]]
+            lines.append("")
         if selection["skipped"]:
             lines += ["| skipped | type | why |", "| --- | --- | --- |"]
             lines += [f"| `{s['name']}` | {s['type']} | {s['reason']} |" for s in selection["skipped"]]
@@ -333,8 +343,10 @@ def selection_lines(report: dict[str, Any]) -> list[str]:
     for kind, selection in report.get("selection", {}).items():
         skipped = selection["skipped"]
         names = ", ".join(f"{s['name']} ({s['type']})" for s in skipped[:4]) + (" ..." if len(skipped) > 4 else "")
+        coverage = selection.get("coverage")
+        reach = f" ({coverage['share']:.0%} of the parameters)" if coverage else ""
         lines.append(
-            f"{kind}: {len(selection['matched'])} weight(s) matched, {len(skipped)} skipped"
+            f"{kind}: {len(selection['matched'])} weight(s) matched{reach}, {len(skipped)} skipped"
             f"{': ' + names if skipped else ''}"
         )
     return lines

@@ -32,7 +32,14 @@ from surgery.cli.failures import os_error_as_config_error, with_cli_field
 from surgery.cli.models import ModelBuilder, check_runs
 from surgery.cli.offloaded_run import execute_offloaded
 from surgery.cli.outputs import classification_loss, logits_of
-from surgery.cli.report_builder import NO_SPARSITY, add_export, add_perplexity, add_step_sections, build_report
+from surgery.cli.report_builder import (
+    NO_SPARSITY,
+    add_coverage,
+    add_export,
+    add_perplexity,
+    add_step_sections,
+    build_report,
+)
 from surgery.cli.reporting import layer_rows, parameter_counts, plot_attribution, summary_table, write_reports
 from surgery.cli.steps import STEPS, StepRun, step_named
 from surgery.core._compat import global_hook_counts
@@ -184,6 +191,7 @@ def _execute(config: RunConfig, stage: Staging) -> dict[str, Any]:
             checkpoint=files.checkpoint.name if files.checkpoint.exists() else None,
             qparams=files.qparams.name if files.qparams.exists() else None,
         )
+        add_coverage(report, config.checks.max_untouched)
         _add_measurements(report, models, drift, accuracy, metric)
         if calls is not None:
             report["modules"], report["modules_table"] = calls_as_rows(calls), format_table(calls)

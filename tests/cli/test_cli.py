@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -636,3 +637,47 @@ def test_attribution_on_a_timm_vit_and_a_torchvision_resnet_from_the_command_lin
     )
     assert resnet.returncode == 0, resnet.stderr[-3000:]
     assert report(tmp_path / "r")["attribution"]["method"] == "gradcam_plus_plus"
+
+
+MOE = [
+    "recipe=quantize_gptq_llama",
+    "model.path=null",
+    "model.name=qwen3_moe",
+    "+model.config={hidden_size: 64, intermediate_size: 128, moe_intermediate_size: 64, num_experts: 8, "
+    "num_experts_per_tok: 2, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}",
+    "data=tokens",
+    "data.batches=2",
+    "quantize.calibration_batches=2",
+    "quantize.weights.group_size=32",
+    "checks.drift.min_cosine=0.9",
+]
+
+
+def test_a_mixture_of_experts_run_quantizes_every_expert_and_states_its_coverage(tmp_path):
+    result = surgery(*MOE, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = report(tmp_path)
+    coverage = data["selection"]["quantize"]["coverage"]
+    assert coverage["share"] > 0.8  # the experts are most of the model
+    experts = [n for n in data["selection"]["quantize"]["matched"] if ".mlp.experts." in n]
+    assert len(experts) == 2 * 8 * 3  # layers x experts x (gate, up, down)
+    assert {c["name"]: c["passed"] for c in data["checks"]}["coverage"] is True
+    assert "% of the parameters)" in result.stdout
+
+
+def test_a_selection_leaving_most_weights_untouched_fails_the_coverage_check(tmp_path):
+    result = surgery(
+        *MOE, "+quantize.select=[model.layers.*.self_attn.*_proj]", "checks.enabled=[drift]", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    data = report(tmp_path)
+    failed = {c["name"]: c for c in data["checks"] if not c["passed"]}
+    assert list(failed) == ["coverage"]
+    assert re.fullmatch(
+        r"quantize left \d+% of the weight bytes unchanged, e\.g\. \S+: not selected \(select or exclude them, or "
+        r"raise checks\.max_untouched\)",
+        failed["coverage"]["detail"],
+    )
+    allowed = surgery(*MOE, "+quantize.select=[model.layers.*.self_attn.*_proj]", "checks.enabled=[drift]",
+                      "checks.max_untouched=1.0", f"hydra.run.dir={tmp_path / 'allowed'}")  # fmt: skip
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr

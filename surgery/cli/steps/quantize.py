@@ -17,7 +17,7 @@ from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.offload.offloading import Offloaded
-from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize, quantize_targets
+from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
 from surgery.ops.quantization.storage import weight_storage
 from surgery.ops.quantization.targets import deploy_target
 
@@ -42,7 +42,10 @@ class QuantizeStep(Step):
     name, settings, offloadable = "quantize", QuantizeConfig, True
 
     def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
-        return quantize(model, settings, calibration=run.calibration)
+        handle = quantize(model, settings, calibration=run.calibration)
+        if handle.weights:  # measured now: the checks bake the handle (a MoE's per-expert layers fold back)
+            handle.storage = weight_storage(handle)
+        return handle
 
     def apply_offloaded(self, source: Offloaded, settings: QuantizeConfig, run: StepRun, work: Path | None) -> Handle:
         return quantize(source, settings, calibration=run.calibration, work=work)
@@ -73,8 +76,9 @@ class QuantizeStep(Step):
 
     def report(self, handle: Handle, settings: QuantizeConfig, run: StepRun, report: dict[str, Any]) -> None:
         """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
-        if isinstance(handle, QuantizeHandle) and handle.weights:  # an offloaded run's holds no quantizers
-            report["quantize"] = weight_storage(handle)
+        stored = getattr(handle, "storage", None)  # an offloaded run's handle holds no quantizers
+        if stored is not None:
+            report["quantize"] = stored
 
     def summary(self, report: dict[str, Any]) -> list[str]:
         """Bits per quantized weight, and the model's bytes against fp32."""
