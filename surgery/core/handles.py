@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from surgery.core import guards
 from surgery.core._compat import hook_dicts
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError, ParameterReplacedError, UndoError
-from surgery.core.targets import Coverage
+from surgery.core.targets import Coverage, coverage_of
 
 State = Literal["attached", "restored", "baked"]
 Revert = Callable[[], None]
@@ -146,11 +146,17 @@ class Handle:
 
     @property
     def coverage(self) -> Coverage | None:
-        """How much of the model the verb's selection reached (:class:`~surgery.core.targets.Coverage`:
-        the share of parameters and bytes, the largest tensors left and why); ``None`` for a verb
-        that selects no weights."""
+        """How much of the model the verb changed (:class:`~surgery.core.targets.Coverage`: the share
+        of parameters and bytes, the largest tensors left and why): its selection's, or else the
+        parameters its records hold (smooth, awq, rotate); ``None`` when it changes no parameter."""
         selection = getattr(self, "selection", None)
-        return getattr(selection, "coverage", None)
+        if getattr(selection, "coverage", None) is not None:
+            return selection.coverage
+        model = self.model
+        if model is None or not self._records:
+            return None
+        changed = {record.name: record.param for record in self._records}
+        return coverage_of(model, changed, [], left_reason=f"not changed by {self.kind}")
 
     def outside_weights(self) -> list[str]:
         """What this change keeps outside the weights, so that baking or saving the weights

@@ -252,14 +252,17 @@ LARGEST_LEFT = 5  # tensors named in Coverage.largest_left
 
 def coverage_of(
     model: nn.Module,
-    matched: dict[str, Target],
+    matched: dict[str, Target | nn.Parameter],
     skipped: list[Skipped],
     excluded_modules: set[str] = frozenset(),
     excluded_params: set[str] = frozenset(),
+    *,
+    left_reason: str = "not selected",
 ) -> Coverage:
-    """What share of ``model`` the ``matched`` parameters are, and the largest tensors left, why."""
+    """What share of ``model`` the ``matched`` parameters (targets, or the parameters themselves)
+    are, and the largest tensors left, why (``left_reason`` when no skip names one)."""
     reasons = {item.name: item.reason for item in skipped}
-    changed = {id(target.param) for target in matched.values()}
+    changed = {id(t.param if isinstance(t, Target) else t) for t in matched.values()}
     seen: set[int] = set()
     counts = {"changed_params": 0, "total_params": 0, "changed_bytes": 0, "total_bytes": 0}
     weight_bytes = left_bytes = 0
@@ -279,7 +282,7 @@ def coverage_of(
             continue
         owner = name.rpartition(".")[0]
         excluded = name in excluded_params or any(owner == m or owner.startswith(f"{m}.") for m in excluded_modules)
-        reason = "excluded (exclude=)" if excluded else _why_left(name, owner, param.dim(), reasons)
+        reason = "excluded (exclude=)" if excluded else _why_left(name, owner, param.dim(), reasons, left_reason)
         left_bytes += size if param.dim() >= 2 and not excluded else 0
         left.append(Left(name, param.numel(), size, reason))
     left.sort(key=lambda item: -item.bytes)
@@ -288,12 +291,12 @@ def coverage_of(
     )
 
 
-def _why_left(name: str, owner: str, dims: int, reasons: dict[str, str]) -> str:
+def _why_left(name: str, owner: str, dims: int, reasons: dict[str, str], otherwise: str) -> str:
     """The reason a selection gave for leaving ``name`` (or its layer) out, else a general one."""
     for key in (name, owner):
         if key in reasons:
             return reasons[key]
-    return "1-D (norm scales and biases are not selected)" if dims < 2 else "not selected"
+    return "1-D (norm scales and biases are not selected)" if dims < 2 and otherwise == "not selected" else otherwise
 
 
 def _input_embeddings(model: nn.Module, modules: dict[str, nn.Module]) -> dict[int, str]:

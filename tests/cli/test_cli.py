@@ -667,7 +667,10 @@ def test_a_mixture_of_experts_run_quantizes_every_expert_and_states_its_coverage
 
 def test_a_selection_leaving_most_weights_untouched_fails_the_coverage_check(tmp_path):
     result = surgery(
-        *MOE, "+quantize.select=[model.layers.*.self_attn.*_proj]", "checks.enabled=[drift]", f"hydra.run.dir={tmp_path}"
+        *MOE,
+        "+quantize.select=[model.layers.*.self_attn.*_proj]",
+        "checks.enabled=[drift]",
+        f"hydra.run.dir={tmp_path}",
     )
     assert result.returncode == 1, result.stdout + result.stderr
     data = report(tmp_path)

@@ -115,3 +115,19 @@ def test_every_weight_handle_states_its_coverage():
         for handle in (pruned, quantized):
             assert handle.coverage.share > 0.8  # the experts are reached
             assert handle.coverage.largest_left[0].name == "model.embed_tokens.weight"
+
+
+def test_handles_without_a_selection_state_the_coverage_of_what_they_changed():
+    model = tiny_moe("qwen3_moe", layers=2)
+    with surgery.smooth(model, calibration=BATCHES) as handle:
+        coverage = handle.coverage
+    assert 0 < coverage.share < 0.2  # norms and attention projections only: experts read the norm with the router
+    assert coverage.largest_left[0].reason == "not changed by smooth"
+
+
+def test_onnx_refuses_a_mixture_of_experts_in_one_line_before_tracing(tmp_path):
+    model = tiny_moe("mixtral", layers=2)
+    with surgery.quantize(model, weights=GridSpec(bits=8, symmetric=True)) as handle:
+        with pytest.raises(ConfigError, match="writes no mixture-of-experts layer yet"):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=BATCHES[0])
+    assert not (tmp_path / "m.onnx").exists()
