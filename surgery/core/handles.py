@@ -92,21 +92,12 @@ class Handle:
         bake: Callable[[], None] | None = None,
         *,
         check: Callable[[], None] | None = None,
+        first: bool = False,
     ) -> None:
         """Record a change already made: ``undo`` reverses it, ``bake`` (optional) finalises it,
-        ``check`` (optional) raises before any step is undone or baked when this one cannot be now."""
-        self._steps.append(_Step(description, undo, bake, check))
-
-    def add_first(
-        self,
-        description: str,
-        undo: Callable[[], None],
-        bake: Callable[[], None] | None = None,
-        *,
-        check: Callable[[], None] | None = None,
-    ) -> None:
-        """Record a change made before every step recorded so far: it is undone and baked after them all."""
-        self._steps.insert(0, _Step(description, undo, bake, check))
+        ``check`` (optional) raises before any step is undone or baked when this one cannot be now;
+        ``first``: a change made before every step recorded so far (undone and baked after them all)."""
+        self._steps.insert(0 if first else len(self._steps), _Step(description, undo, bake, check))
 
     def add_record(self, record) -> None:
         """Record an undo object (``description``, ``restore()``, ``keep()``), such as a

@@ -134,11 +134,12 @@ def linearize(model: nn.Module) -> list[Swapped]:
 
 def _own(handle: Handle, swapped: list[Swapped]) -> None:
     """Make ``handle`` fold ``swapped`` back after undoing (or baking) everything else it holds."""
-    handle.add_first(
+    handle.add(
         f"per-expert layers of {len(swapped)} experts module(s)",
         lambda: _fold_back(swapped),
         lambda: _fold_back(swapped),
         check=lambda: _check_nothing_on_top(handle),
+        first=True,
     )
 
 
