@@ -72,6 +72,7 @@ class Handle:
             for scope in getattr(_scopes, "stack", []):
                 scope.append(self)
 
+    _baking = False  # a composed group's member whose steps are baked while the group finishes
     _tracked = True  # recorded by an open restored_on_error() block (a group's members are, instead)
     undo_first = False  # True: every handle applied before this one refuses restore() while it is attached
 
@@ -334,11 +335,18 @@ class HandleGroup(Handle):
         return revert
 
     def _bake_steps(self) -> None:
-        for handle in reversed(self.handles):
-            if handle.state == "restored":
-                raise RuntimeError(f"cannot bake {self.kind}: {handle.kind} was already restored")
-            if handle.state == "attached":
-                handle._bake_steps()
+        done: list[Handle] = []
+        try:
+            for handle in reversed(self.handles):
+                if handle.state == "restored":
+                    raise RuntimeError(f"cannot bake {self.kind}: {handle.kind} was already restored")
+                if handle.state == "attached":
+                    handle._bake_steps()
+                    handle._baking = True  # baked but for its state: no longer "on top" of earlier members
+                    done.append(handle)
+        finally:
+            for handle in done:
+                handle._baking = False
 
     def _baked(self) -> None:
         for handle in self.handles:
@@ -386,7 +394,7 @@ def attached_after(handle: Handle) -> list[Handle]:
     if model is None:
         return []
     own = {id(h) for h in members(handle)}
-    return [h for h in attached_to(model) if h._order > handle._order and id(h) not in own]
+    return [h for h in attached_to(model) if h._order > handle._order and id(h) not in own and not h._baking]
 
 
 def members(handle: Handle) -> list[Handle]:

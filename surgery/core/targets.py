@@ -145,6 +145,7 @@ def select_parameters(
     params = _named_parameters(model)
     chosen_modules, chosen_params = _resolve(modules, params, default_layer if include is None else include, field_)
     excluded_modules, excluded_params = _resolve(modules, params, exclude, exclude_field) if exclude else (set(), set())
+    excluded_modules = _with_descendants(modules, excluded_modules)  # excluding a block excludes its layers
     chosen_modules -= excluded_modules
     chosen_params = {p for p in chosen_params - excluded_params if p.rpartition(".")[0] not in excluded_modules}
     matched: dict[str, Target] = {}
@@ -337,10 +338,11 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
         hits = {n for n, m in modules.items() if matches(pattern, n, m)}
         if isinstance(pattern, str):
             param_hits = {n for n, owner in params.items() if matches(pattern, n, owner)}
-            chosen_params |= {n for n in param_hits if n.rpartition(".")[0] not in hits}
-            for alias, (owner, layers) in aliases.items():
+            for alias, (owner, names) in aliases.items():
                 if matches(pattern, alias, owner):
-                    hits |= set(layers)
+                    hits |= {n for n in names if n in modules}
+                    param_hits |= {n for n in names if n not in modules and n in params}
+            chosen_params |= {n for n in param_hits if n.rpartition(".")[0] not in hits}
             if param_hits and not hits:
                 continue
         if not hits:
@@ -349,6 +351,13 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
             )
         chosen_modules |= hits
     return chosen_modules, chosen_params
+
+
+def _with_descendants(modules: dict[str, nn.Module], names: set[str]) -> set[str]:
+    """``names`` and every module below one of them."""
+    if "" in names:
+        return set(modules)
+    return {n for n in modules if n in names or any(n.startswith(f"{name}.") for name in names)}
 
 
 def _aliases(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, list[str]]]:

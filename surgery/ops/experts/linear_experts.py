@@ -49,6 +49,16 @@ class _Gating:
         return getattr(config, "_experts_implementation", "eager") not in (None, "eager")
 
 
+class BiasAfterLinear(nn.Linear):
+    """A Linear that adds its bias after the product, as transformers' fused experts do
+    (``x @ W`` then ``+ b``; ``nn.Linear`` adds it inside the product, which rounds otherwise in
+    half precision)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight)
+        return out.add_(self.bias) if self.bias is not None else out
+
+
 class ExpertMLP(nn.Module):
     """One expert: ``gate_proj`` and ``up_proj`` (``up_proj`` alone when ungated), then ``down_proj``."""
 
@@ -80,6 +90,8 @@ class LinearExperts(nn.ModuleList):
         super().__init__(experts)
         self.layout = layout
         self.__dict__["_gating"] = gating
+        self.register_state_dict_post_hook(_fused_state)  # saved while attached: the model's own keys
+        self.register_load_state_dict_pre_hook(_split_state)
         self.routed = [0] * len(experts)  # tokens the router sent to each expert so far
         self.seen = [0] * len(experts)  # tokens each expert ran on so far (all of them, calibrating every expert)
 
@@ -141,12 +153,15 @@ class LinearExperts(nn.ModuleList):
 
     @property
     def selection_aliases(self) -> dict[str, list[str]]:
-        """The fused parameters' names, each standing for the per-expert layers that hold it now
-        (a selection of ``experts.down_proj`` takes every ``experts.N.down_proj``)."""
+        """The fused parameters' names, each standing for the per-expert layers (or, for a bias,
+        their bias parameters) that hold it now (``experts.down_proj`` takes every
+        ``experts.N.down_proj``; ``experts.down_proj_bias`` every ``experts.N.down_proj.bias``)."""
         up = ["gate_proj", "up_proj"] if self.layout.gated else ["up_proj"]
         names = {self.layout.up_name: up, "down_proj": ["down_proj"]}
-        if self.layout.bias:
-            names.update({f"{self.layout.up_name}_bias": up, "down_proj_bias": ["down_proj"]})
+        if self.layout.bias:  # a bias names the layers' bias parameters, not the layers
+            names.update(
+                {f"{self.layout.up_name}_bias": [f"{n}.bias" for n in up], "down_proj_bias": ["down_proj.bias"]}
+            )
         return {
             alias: [f"{e}.{layer}" for e in range(len(self)) for layer in layers] for alias, layers in names.items()
         }
@@ -172,7 +187,8 @@ class LinearExperts(nn.ModuleList):
 
 def _linear(weight: Tensor, bias: Tensor | None, requires_grad: bool) -> nn.Linear:
     """A Linear holding copies of ``weight`` (out, in) and ``bias``, built without initialising."""
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    kind = nn.Linear if bias is None else BiasAfterLinear
+    layer = kind(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight.detach().clone(memory_format=torch.contiguous_format), requires_grad)
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().clone(), requires_grad)
@@ -189,3 +205,42 @@ def _joined(layout: FusedLayout, gate: Tensor, up: Tensor) -> Tensor:
 def _stored(layout: FusedLayout, matrix: Tensor) -> Tensor:
     """An ``(out, in)`` matrix in the fused parameter's axis order."""
     return matrix.detach().transpose(0, 1) if layout.transposed else matrix.detach()
+
+
+def split_tensors(layout: FusedLayout, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Fused parameters by name (``gate_up_proj``, ...) as each expert's layers hold them
+    (``"3.gate_proj.weight"``, ...): the inverse of :meth:`LinearExperts.fused_tensors`."""
+    found: dict[str, Tensor] = {}
+    up_name = layout.up_name
+    for e in range(layout.num_experts):
+        rows = layout.matrix(tensors[up_name], e)
+        names = ["gate_proj", "up_proj"] if layout.gated else ["up_proj"]
+        parts = layout.halves(rows) if layout.gated else (rows,)
+        found.update({f"{e}.{n}.weight": part for n, part in zip(names, parts, strict=True)})
+        found[f"{e}.down_proj.weight"] = layout.matrix(tensors["down_proj"], e)
+        if layout.bias:
+            bias = tensors[f"{up_name}_bias"][e]
+            found.update(
+                {
+                    f"{e}.{n}.bias": part
+                    for n, part in zip(names, layout.halves(bias) if layout.gated else (bias,), strict=True)
+                }
+            )
+            found[f"{e}.down_proj.bias"] = tensors["down_proj_bias"][e]
+    return found
+
+
+def _fused_state(module: LinearExperts, state: dict[str, Tensor], prefix: str, local_metadata: dict) -> None:
+    """``state_dict()`` hook: the per-expert entries replaced by the fused parameters they make now."""
+    for key in [k for k in state if k.startswith(prefix) and k[len(prefix) :].split(".")[0].isdigit()]:
+        del state[key]
+    for name, value in module.fused_tensors().items():
+        state[f"{prefix}{name}"] = value.clone()
+
+
+def _split_state(module: LinearExperts, state: dict, prefix: str, *args: object) -> None:
+    """``load_state_dict()`` hook: fused parameters in ``state`` split into the per-expert entries."""
+    names = list(module.fused_tensors())
+    if all(f"{prefix}{name}" in state for name in names):
+        tensors = {name: state.pop(f"{prefix}{name}") for name in names}
+        state.update({f"{prefix}{key}": value for key, value in split_tensors(module.layout, tensors).items()})

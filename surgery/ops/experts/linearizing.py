@@ -7,8 +7,9 @@ parameters (bit for bit when every change was undone) and puts the model's own c
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -74,7 +75,7 @@ def with_linear_experts(
             handle.tokens_per_expert = since(before["routed"], tokens_per_expert(model, "routed"))
         if per_expert_statistics and any(sum(per) for per in seen.values()):
             try:
-                check_tokens(seen, 1, f"{verb}.calibration", verb)
+                check_tokens(_reached(handle, seen), 1, f"{verb}.calibration", verb)
             except ConfigError as err:
                 handle.rollback(err)
                 raise
@@ -89,6 +90,18 @@ def with_linear_experts(
         raise
     _own(handle, swapped)
     return handle
+
+
+def _reached(handle: Handle, seen: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The counts of the experts whose layers ``handle`` selected (all, for a handle that selects none)."""
+    selection = getattr(handle, "selection", None)
+    if selection is None:
+        return seen
+    layers = {target.module_name for target in selection.matched.values()}
+    return {
+        name: [n if any(layer.startswith(f"{name}.{e}.") for layer in layers) else 1 for e, n in enumerate(per)]
+        for name, per in seen.items()
+    }
 
 
 def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
@@ -108,6 +121,17 @@ def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
 
 
 Swapped = tuple[str, nn.Module, str, nn.Module, LinearExperts]
+
+
+@contextlib.contextmanager
+def linearized(model: nn.Module) -> Iterator[list[str]]:
+    """Inside the block, ``model``'s fused experts are per-expert layers (for work that attaches and
+    restores several handles, such as a sensitivity scan); they fold back when it ends."""
+    swapped = linearize(model)
+    try:
+        yield [name for name, *_ in swapped]
+    finally:
+        _fold_back(swapped)
 
 
 def linearize(model: nn.Module) -> list[Swapped]:

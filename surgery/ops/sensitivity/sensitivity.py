@@ -27,6 +27,7 @@ from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.progress import tqdm
 from surgery.core.selection import Selection
 from surgery.core.targets import Target
+from surgery.ops.experts.linearizing import linearized
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
@@ -194,20 +195,21 @@ def sensitivity(
             )
         return prune(source, setting, method=method, select=[target.name], calibration=calibration, progress=False)
 
-    targets = prune_targets(model, select, exclude).matched
-    baseline = _score(evaluate, model, "baseline")
-    rows: list[SensitivityRow] = []
-    trials = [(target, setting) for target in targets.values() for setting in settings]
-    for target, setting in tqdm(
-        trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True
-    ):
-        with _quiet():  # one selection log line per trial would drown the table
-            handle = change(target, setting)
-        try:
-            score = _score(evaluate, model, f"{target.module_name} at {setting:g}")
-        finally:
-            handle.restore()
-        rows.append(SensitivityRow(target.module_name, setting, target.param.numel(), score))
+    with contextlib.nullcontext() if isinstance(source, Offloaded) else linearized(model):  # each expert a row
+        targets = prune_targets(model, select, exclude).matched
+        baseline = _score(evaluate, model, "baseline")
+        rows: list[SensitivityRow] = []
+        trials = [(target, setting) for target in targets.values() for setting in settings]
+        for target, setting in tqdm(
+            trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True
+        ):
+            with _quiet():  # one selection log line per trial would drown the table
+                handle = change(target, setting)
+            try:
+                score = _score(evaluate, model, f"{target.module_name} at {setting:g}")
+            finally:
+                handle.restore()
+            rows.append(SensitivityRow(target.module_name, setting, target.param.numel(), score))
     return Sensitivity(rows, metric, baseline, higher_is_better, "prune" if bits is None else "quantize")
 
 

@@ -131,3 +131,67 @@ def test_onnx_refuses_a_mixture_of_experts_in_one_line_before_tracing(tmp_path):
         with pytest.raises(ConfigError, match="writes no mixture-of-experts layer yet"):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=BATCHES[0])
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_composed_prune_and_quantize_bake_together_into_the_model_s_own_classes():
+    model = tiny_moe("gpt_oss", layers=2)
+    fused_class = type(model.model.layers[0].mlp.experts)
+    group = surgery.compose(surgery.prune(model, 0.5), surgery.quantize(model, weights=GridSpec(bits=4, group_size=16)))
+    with torch.no_grad():
+        hooked = model(**BATCHES[0]).logits
+    group.bake()
+    assert type(model.model.layers[0].mlp.experts) is fused_class
+    with torch.no_grad():
+        assert torch.equal(model(**BATCHES[0]).logits, hooked)
+
+
+def test_a_fused_bias_selects_the_biases_and_excluding_a_block_excludes_its_layers():
+    model = tiny_moe("gpt_oss", layers=2)
+    before = _state(model)
+    surgery.quantize(model, weights=GridSpec(bits=4), select=r"re:.*down_proj_bias").bake()
+    changed = {name for name, value in model.state_dict().items() if not torch.equal(value, before[name])}
+    assert changed == {f"model.layers.{i}.mlp.experts.down_proj_bias" for i in range(2)}
+    with surgery.prune(model, 0.5, exclude="**.experts") as handle:
+        assert not any(".experts." in name for name in handle.selection.matched)
+        assert handle.coverage.left_share < 0.2  # excluded by the user: not counted as left untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_biased_experts_add_their_bias_after_the_product_as_the_fused_module_does(dtype):
+    model = tiny_moe("gpt_oss", layers=2).to(dtype)
+    with torch.no_grad():
+        plain = model(**BATCHES[0]).logits
+        with surgery.prune(model, 0.0):
+            assert torch.equal(model(**BATCHES[0]).logits, plain)
+
+
+def test_state_dict_and_save_pretrained_while_attached_give_the_model_s_own_keys(tmp_path):
+    import transformers
+
+    model = tiny_moe("qwen3_moe", layers=2)
+    keys = list(model.state_dict())
+    with surgery.prune(model, 0.5):
+        state = model.state_dict()
+        assert list(state) == keys
+        with torch.no_grad():
+            pruned = model(**BATCHES[0]).logits
+        model.save_pretrained(tmp_path)
+        model.load_state_dict(state)  # the fused entries split back into the per-expert layers
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(**BATCHES[0]).logits, pruned)
+
+
+def test_sensitivity_ranks_each_expert_s_layers():
+    model = tiny_moe("mixtral", layers=1)
+    before = _state(model)
+    table = surgery.sensitivity(model, (0.5,), inputs=BATCHES[:1], progress=False)
+    layers = {row.layer for row in table.rows}
+    assert {f"model.layers.0.mlp.experts.{e}.down_proj" for e in range(4)} <= layers
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_the_kv_cache_needs_no_tokens_in_every_expert():
+    model = tiny_moe("gpt_oss", layers=2)  # these batches reach only some experts
+    with surgery.quantize_kv_cache(model, calibration=BATCHES) as handle:
+        assert handle is not None
