@@ -6,12 +6,30 @@ from __future__ import annotations
 from torch import nn
 
 from surgery.core.errors import ConfigError
+from surgery.ops.experts.layouts import fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
 
 
 def linear_experts_in(model: nn.Module) -> dict[str, LinearExperts]:
     """Every :class:`LinearExperts` in ``model`` by name."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LinearExperts)}
+
+
+def experts_modules(model: nn.Module) -> list[str]:
+    """The names of ``model``'s experts modules, fused or standing in as per-expert layers."""
+    return sorted(set(linear_experts_in(model)) | set(fused_experts(model)))
+
+
+def refuse_experts(model: nn.Module, format_name: str, why: str) -> None:
+    """Raise in one line when an export format cannot hold ``model``'s mixture-of-experts layers yet."""
+    found = experts_modules(model)
+    if found:
+        raise ConfigError(
+            "export.format",
+            format_name,
+            f"writes no mixture-of-experts layer yet ({found[0]}{' ...' if len(found) > 1 else ''}: {why}); "
+            "format='torchao' holds them",
+        )
 
 
 def tokens_per_expert(model: nn.Module, counter: str = "routed") -> dict[str, list[int]]:

@@ -16,6 +16,7 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks
+from surgery.ops.experts.routing import refuse_experts
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
@@ -58,6 +59,7 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
     model = parts.model
+    refuse_experts(model, "compressed-tensors", "transformers merges per-expert checkpoint entries its own way")
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
             "export.format",

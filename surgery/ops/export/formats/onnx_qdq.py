@@ -22,8 +22,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call
 from surgery.core.layer_kinds import is_kind
 from surgery.ops.equivalence.folding import batchnorm_pairs, is_neutral
-from surgery.ops.experts.layouts import fused_experts
-from surgery.ops.experts.routing import linear_experts_in
+from surgery.ops.experts.routing import refuse_experts
 from surgery.ops.export.exporting import DeployTarget, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
@@ -60,14 +59,7 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     if not parts.inputs:
         raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
     _check_grids(parts)
-    experts = list(linear_experts_in(parts.model)) or list(fused_experts(parts.model))
-    if experts:
-        raise ConfigError(
-            "export.format",
-            "onnx",
-            f"writes no mixture-of-experts layer yet ({experts[0]}: data-dependent routing does not trace); "
-            "format='torchao' holds them",
-        )
+    refuse_experts(parts.model, "onnx", "data-dependent routing does not trace")
     plain = copy.deepcopy(parts.model).eval()
     drop_forward_hooks(plain)
     _refuse_unfolded(plain, parts)
