@@ -23,7 +23,7 @@ import pytest
 import torch
 import torchvision
 from safetensors.torch import save_file
-from support import image_folder, local_tokenizer, tiny_llama  # tests/support.py
+from support import image_folder, local_tokenizer, tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
 
 import surgery
@@ -861,6 +861,28 @@ API_CASES = [
         "attribution.target=1.5",
         "must be a class index",
     ),
+    ApiCase(
+        "experts-calibration",
+        lambda m, *_: surgery.quantize(
+            m,
+            weights=GridSpec(bits=4, method="gptq"),
+            calibration=[{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))}],
+            progress=False,
+        ),
+        ConfigError,
+        "quantize.calibration='model.layers.0.mlp.experts.",
+        "was sent no calibration token by its router",
+        build=lambda: tiny_moe("gpt_oss", layers=2),
+    ),
+    ApiCase(
+        "experts-export",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "folder", format="compressed-tensors"),
+        ConfigError,
+        "export.format='compressed-tensors'",
+        "writes no mixture-of-experts layer yet",
+        build=lambda: tiny_moe("qwen3_moe", layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=8, symmetric=True)),
+    ),
 ]
 
 
@@ -1324,6 +1346,7 @@ CLI_CASES = [
         "export.options.max_shard_size='banana'",
     ),
     CliCase("attribution", ("recipe=explain", "attribution.target=1.5"), "attribution.target=1.5"),
+    CliCase("coverage-bound", (*FAST, "checks.max_untouched=2"), "checks.max_untouched=2"),
     CliCase(
         "offload",
         ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.method=rtn"),

@@ -81,7 +81,7 @@ def with_linear_experts(
                 raise
     except ConfigError as err:
         _fold_back(swapped)
-        clearer = _unrouted(err, [name for name, *_ in swapped])
+        clearer = _unrouted(err, [name for name, *_ in swapped], verb)
         if clearer is err:
             raise
         raise clearer from err
@@ -104,7 +104,7 @@ def _reached(handle: Handle, seen: dict[str, list[int]]) -> dict[str, list[int]]
     }
 
 
-def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
+def _unrouted(err: ConfigError, swapped: list[str], verb: str) -> ConfigError:
     """A calibration error about a layer of an expert means its router sent it no token: say so."""
     layer = err.value if isinstance(err.value, str) and " " not in err.value else ""
     owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
@@ -112,7 +112,7 @@ def _unrouted(err: ConfigError, swapped: list[str]) -> ConfigError:
         return err
     expert = layer[len(owner) + 1 :].split(".")[0]
     return ConfigError(
-        err.field,
+        f"{verb}.calibration",
         layer,
         f"expert {expert} of {owner} was sent no calibration token by its router, so it has no statistics",
         "calibrate on more tokens, or run every token through every expert: "
