@@ -98,7 +98,7 @@ def _reached(handle: Handle, seen: dict[str, list[int]]) -> dict[str, list[int]]
     if selection is None:
         return seen
     layers = {target.module_name for target in selection.matched.values()}
-    return {
+    return {  # an expert the handle did not select counts as served (1): only the selected ones need tokens
         name: [n if any(layer.startswith(f"{name}.{e}.") for layer in layers) else 1 for e, n in enumerate(per)]
         for name, per in seen.items()
     }
