@@ -46,7 +46,7 @@ def test_headline_recipe_passes_all_checks_and_writes_every_output(tmp_path):
     for key, kind in SCHEMA.items():
         assert isinstance(data[key], kind), key
     assert data["recipe"] == "prune_resnet50" and data["model"] == "resnet50" and data["ok"] is True
-    assert [c["name"] for c in data["checks"]] == ["identity", "restore", "bake", "save_load", "drift"]
+    assert [c["name"] for c in data["checks"]] == ["identity", "restore", "bake", "save_load", "drift", "coverage"]
     assert all(c["passed"] for c in data["checks"])
     assert abs(data["sparsity"] - 0.5) < 1e-3  # round(0.5 * numel) per layer: exact up to odd sizes
     assert data["params"]["nonzero"] < 0.55 * data["params"]["total"]
