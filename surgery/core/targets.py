@@ -91,7 +91,7 @@ class Coverage:
     changed_bytes: int
     total_bytes: int
     weight_bytes: int  # every weight of 2+ dimensions
-    left_weight_bytes: int  # of those, not changed, without the user excluding them
+    left_weight_bytes: int  # of those, not changed, not excluded by the user, not an embedding table
     largest_left: tuple[Left, ...] = ()
 
     @property
@@ -245,7 +245,9 @@ def select_parameters(
     )
     for item in skipped:
         log.debug("%s: skipped %s (%s): %s", verb, item.name, item.type, item.reason)
-    return Targets(matched, skipped, coverage_of(model, matched, skipped, excluded_modules, excluded_params))
+    lookups = set(_input_embeddings(model, modules))  # tables read by index: not counted as weights left
+    coverage = coverage_of(model, matched, skipped, excluded_modules, excluded_params, lookups=lookups)
+    return Targets(matched, skipped, coverage)
 
 
 LARGEST_LEFT = 5  # tensors named in Coverage.largest_left
@@ -259,9 +261,12 @@ def coverage_of(
     excluded_params: set[str] = frozenset(),
     *,
     left_reason: str = "not selected",
+    lookups: set[int] = frozenset(),
 ) -> Coverage:
     """What share of ``model`` the ``matched`` parameters (targets, or the parameters themselves)
-    are, and the largest tensors left, why (``left_reason`` when no skip names one)."""
+    are, and the largest tensors left, why (``left_reason`` when no skip names one). Embedding
+    tables (``lookups``, by id) are listed when left but not counted in ``left_weight_bytes``: a
+    table read by index is left out by default, not missed."""
     reasons = {item.name: item.reason for item in skipped}
     changed = {id(t.param if isinstance(t, Target) else t) for t in matched.values()}
     seen: set[int] = set()
@@ -284,7 +289,7 @@ def coverage_of(
         owner = name.rpartition(".")[0]
         excluded = name in excluded_params or any(owner == m or owner.startswith(f"{m}.") for m in excluded_modules)
         reason = "excluded (exclude=)" if excluded else _why_left(name, owner, param.dim(), reasons, left_reason)
-        left_bytes += size if param.dim() >= 2 and not excluded else 0
+        left_bytes += size if param.dim() >= 2 and not excluded and id(param) not in lookups else 0
         left.append(Left(name, param.numel(), size, reason))
     left.sort(key=lambda item: -item.bytes)
     return Coverage(
@@ -342,15 +347,30 @@ def _resolve(modules: dict, params: dict, selection: Selection, field_: str) -> 
                 if matches(pattern, alias, owner):
                     hits |= {n for n in names if n in modules}
                     param_hits |= {n for n in names if n not in modules and n in params}
-            chosen_params |= {n for n in param_hits if n.rpartition(".")[0] not in hits}
             if param_hits and not hits:
+                chosen_params |= param_hits
                 continue
+            _say_untaken(pattern, field_, param_hits, hits, params)
         if not hits:
             raise SelectionError(
                 field_, describe(pattern), "matches no module or parameter", closest(pattern, {**modules, **params})
             )
         chosen_modules |= hits
     return chosen_modules, chosen_params
+
+
+def _say_untaken(pattern: str, field_: str, names: set[str], hits: set[str], params: dict[str, nn.Module]) -> None:
+    """A pattern naming layers takes the layers; say so when it also names weights of other layers."""
+    other = sorted(
+        n for n in names
+        if n.rpartition(".")[0] not in hits and getattr(params[n], n.rpartition(".")[2]).dim() >= 2
+    )  # fmt: skip
+    if other:
+        log.warning(
+            "%s: %r names layers and also %d weight(s) of other layers (%s%s); it takes the layers: name those "
+            "weights in a pattern of their own to take them too",
+            field_, pattern, len(other), ", ".join(other[:3]), " ..." if len(other) > 3 else "",
+        )  # fmt: skip
 
 
 def _with_descendants(modules: dict[str, nn.Module], names: set[str]) -> set[str]:

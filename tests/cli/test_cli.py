@@ -368,7 +368,7 @@ def test_a_run_reports_what_each_step_matched_and_skipped(tmp_path):
     assert data["sparsity_over"]["entries"] == sum(
         p.numel() for n, p in torchvision.models.resnet18().named_parameters() if p.dim() > 1
     )
-    assert "prune: 21 weight(s) matched, 0 skipped" in result.stdout
+    assert "prune: 21 weight(s) matched (100% of the parameters), 0 skipped" in result.stdout
 
 
 @pytest.mark.parametrize("recipe", ["prune_finetune_digits", "qat_digits"])

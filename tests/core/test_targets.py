@@ -255,9 +255,9 @@ def test_coverage_counts_each_tensor_once_and_names_the_largest_left():
     assert excluded.coverage.largest_left[0].reason == "excluded (exclude=)"
 
 
-def test_a_pattern_naming_a_linear_and_a_fused_expert_tensor_takes_both():
+def test_a_pattern_naming_layers_and_other_layers_weights_takes_the_layers_and_says_so(caplog):
     """DeepSeek-V3: `experts.down_proj` is a fused tensor of the routed experts (per-expert layers
-    while a verb runs) and `shared_experts.down_proj` a Linear; the pattern names both."""
+    while a verb runs, which the pattern then names too) and `shared_experts.down_proj` a Linear."""
     from tests.support import tiny_moe
 
     model = tiny_moe("deepseek_v3", layers=2)
@@ -267,5 +267,7 @@ def test_a_pattern_naming_a_linear_and_a_fused_expert_tensor_takes_both():
     shared = {f"model.layers.{i}.mlp.shared_experts.down_proj.weight" for i in range(2)}
     assert matched == routed | shared
 
-    fused = select_parameters(model, [r"re:.*experts\.down_proj$"], None, verb="prune")  # no verb: still fused
-    assert set(fused.matched) == {f"model.layers.{i}.mlp.experts.down_proj" for i in range(2)} | shared
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        fused = select_parameters(model, [r"re:.*experts\.down_proj$"], None, verb="prune")  # no verb: still fused
+    assert set(fused.matched) == shared
+    assert "also 2 weight(s) of other layers (model.layers.0.mlp.experts.down_proj" in caplog.text

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from torch import Tensor, nn
 
+from surgery.cli.steps.blocks import block_stages
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.registry import Registry
@@ -142,8 +143,8 @@ class Step:
     def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
         """On an offloaded model: the blocks the step walked and the seconds each took (the
         report's ``offloaded.steps``); None when it walks no blocks. The last step that walked
-        them holds the compressed weights an export streams."""
-        return None
+        them holds the compressed weights an export streams. An offloadable step walks blocks."""
+        return block_stages(handle) if self.offloadable else None
 
 
 STEPS: Registry[Step] = Registry("steps")

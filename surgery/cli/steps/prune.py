@@ -14,7 +14,6 @@ from torch import nn
 from surgery.cli.fields import positive_int, read_amounts_yaml
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
-from surgery.cli.steps.blocks import block_stages
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.offload.offloading import Offloaded
@@ -83,9 +82,6 @@ class PruneStep(Step):
 
     def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
         return prune(source, _with_owl_amounts(source, settings, run), calibration=run.calibration, work=work)
-
-    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
-        return block_stages(handle)
 
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}

@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
-from surgery.cli.steps.blocks import block_stages
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
@@ -108,9 +107,6 @@ class QuantizeStep(Step):
             "Bits per weight count the values and their scales (half precision; the MX/NV formats' block "
             "scales at 8 bits) and zero points; parameters left float count at their own dtype.",
         ]
-
-    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
-        return block_stages(handle)
 
     def fresh_build(
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]

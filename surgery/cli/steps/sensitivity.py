@@ -82,6 +82,10 @@ class SensitivityStep(Step):
     name, settings, changes_model, offloadable = "sensitivity", SensitivityConfig, False, True
     outputs = (AMOUNTS, "plan.yaml", "sensitivity.png")  # plan.yaml: AMOUNTS before 0.3, replaced on overwrite
 
+    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
+        """A scan compresses each block of an offloaded model on its own: no block walk to report."""
+        return None
+
     def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
         handle = Handle(self.name, model)
         handle.result = _measure(model, settings, run)

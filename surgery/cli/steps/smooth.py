@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
-from surgery.cli.steps.blocks import block_stages
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.smoothing import SmoothSpec, smooth
 from surgery.ops.offload.offloading import Offloaded
@@ -39,9 +37,6 @@ class SmoothStep(Step):
 
     def apply_offloaded(self, source: Offloaded, settings: SmoothConfig, run: StepRun, work: Path | None) -> Handle:
         return smooth(source, settings, calibration=run.calibration, work=work)
-
-    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
-        return block_stages(handle)
 
     def neutral(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
         """Smoothing keeps outputs only up to float rounding, and the identity check asks for
