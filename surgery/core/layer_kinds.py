@@ -155,35 +155,30 @@ def _conv_args(module: nn.Module) -> dict[str, Any]:
     }
 
 
+def _attributes(module: nn.Module, *names: str) -> dict[str, Any]:
+    """``{name: module.name}``: the constructor arguments a layer keeps as attributes of the same name."""
+    return {name: getattr(module, name) for name in names}
+
+
 def _embedding_args(module: nn.Embedding) -> dict[str, Any]:
-    return {
-        "num_embeddings": module.num_embeddings,
-        "embedding_dim": module.embedding_dim,
-        "padding_idx": module.padding_idx,
-        "max_norm": module.max_norm,
-        "norm_type": module.norm_type,
-        "scale_grad_by_freq": module.scale_grad_by_freq,
-        "sparse": module.sparse,
-    }
+    return _attributes(
+        module,
+        "num_embeddings",
+        "embedding_dim",
+        "padding_idx",
+        "max_norm",
+        "norm_type",
+        "scale_grad_by_freq",
+        "sparse",
+    )
 
 
 def _batchnorm_args(module: nn.Module) -> dict[str, Any]:
-    return {
-        "num_features": module.num_features,
-        "eps": module.eps,
-        "momentum": module.momentum,
-        "affine": module.affine,
-        "track_running_stats": module.track_running_stats,
-    }
+    return _attributes(module, "num_features", "eps", "momentum", "affine", "track_running_stats")
 
 
 def _groupnorm_args(module: nn.GroupNorm) -> dict[str, Any]:
-    return {
-        "num_groups": module.num_groups,
-        "num_channels": module.num_channels,
-        "eps": module.eps,
-        "affine": module.affine,
-    }
+    return _attributes(module, "num_groups", "num_channels", "eps", "affine")
 
 
 def _layernorm_args(module: nn.LayerNorm) -> dict[str, Any]:
