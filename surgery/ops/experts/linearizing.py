@@ -71,11 +71,14 @@ def with_linear_experts(
     try:
         handle = apply()
         seen = since(before["seen"], tokens_per_expert(model, "seen"))
-        if any(sum(per) for per in seen.values()):
+        calibrated = any(sum(per) for per in seen.values())
+        if calibrated:
             handle.tokens_per_expert = since(before["routed"], tokens_per_expert(model, "routed"))
-        if per_expert_statistics and any(sum(per) for per in seen.values()):
+        if calibrated and per_expert_statistics:
+            selection = getattr(handle, "selection", None)
+            layers = {t.module_name for t in selection.matched.values()} if selection is not None else None
             try:
-                check_tokens(_reached(handle, seen), 1, f"{verb}.calibration", verb)
+                check_tokens(seen, 1, f"{verb}.calibration", verb, layers=layers)
             except ConfigError as err:
                 handle.rollback(err)
                 raise
@@ -90,18 +93,6 @@ def with_linear_experts(
         raise
     _own(handle, swapped)
     return handle
-
-
-def _reached(handle: Handle, seen: dict[str, list[int]]) -> dict[str, list[int]]:
-    """The counts of the experts whose layers ``handle`` selected (all, for a handle that selects none)."""
-    selection = getattr(handle, "selection", None)
-    if selection is None:
-        return seen
-    layers = {target.module_name for target in selection.matched.values()}
-    return {  # an expert the handle did not select counts as served (1): only the selected ones need tokens
-        name: [n if any(layer.startswith(f"{name}.{e}.") for layer in layers) else 1 for e, n in enumerate(per)]
-        for name, per in seen.items()
-    }
 
 
 def _unrouted(err: ConfigError, swapped: list[str], verb: str) -> ConfigError:

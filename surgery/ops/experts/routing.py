@@ -45,10 +45,22 @@ def since(before: dict[str, list[int]], now: dict[str, list[int]]) -> dict[str, 
     }
 
 
-def check_tokens(counts: dict[str, list[int]], needed: int, field: str, method: str) -> None:
+def check_tokens(
+    counts: dict[str, list[int]], needed: int, field: str, method: str, *, layers: set[str] | None = None
+) -> None:
     """Raise naming the experts that saw fewer than ``needed`` tokens (``counts`` as
-    :func:`tokens_per_expert` gives them, for the calibration just run)."""
-    short = [f"{name}.{e} ({n})" for name, per in counts.items() for e, n in enumerate(per) if n < needed]
+    :func:`tokens_per_expert` gives them, for the calibration just run); with ``layers``, only the
+    experts holding one of those layers (the ones a verb selected) need tokens."""
+
+    def selected(name: str, e: int) -> bool:
+        return layers is None or any(layer.startswith(f"{name}.{e}.") for layer in layers)
+
+    short = [
+        f"{name}.{e} ({n})"
+        for name, per in counts.items()
+        for e, n in enumerate(per)
+        if n < needed and selected(name, e)
+    ]
     if short:
         shown = ", ".join(short[:4]) + (f" and {len(short) - 4} more" if len(short) > 4 else "")
         raise ConfigError(
