@@ -99,23 +99,23 @@ class LinearExperts(nn.ModuleList):
     def from_fused(cls, fused: nn.Module, layout: FusedLayout) -> LinearExperts:
         """Copy each expert of ``fused`` into its own layers (the fused module is left as it was)."""
         gating = _Gating(fused, layout)
-        up_weight, down_weight = getattr(fused, layout.up_name), fused.down_proj
-        up_bias = getattr(fused, f"{layout.up_name}_bias", None) if layout.bias else None
-        down_bias = fused.down_proj_bias if layout.bias else None
-        experts = []
-        for e in range(layout.num_experts):
-            rows = layout.matrix(up_weight, e)
-            bias_rows = up_bias[e] if up_bias is not None else None
-            if layout.gated:
-                gate_rows, up_rows = layout.halves(rows)
-                gate_bias, up_bias_e = layout.halves(bias_rows) if bias_rows is not None else (None, None)
-                gate = _linear(gate_rows, gate_bias, up_weight.requires_grad)
-            else:
-                gate, up_rows, up_bias_e = None, rows, bias_rows
-            up = _linear(up_rows, up_bias_e, up_weight.requires_grad)
-            down_e = down_bias[e] if down_bias is not None else None
-            down = _linear(layout.matrix(down_weight, e), down_e, down_weight.requires_grad)
-            experts.append(ExpertMLP(gate, up, down, gating))
+        names = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.bias else [])
+        tensors = {name: getattr(fused, name) for name in names}
+        parts = split_tensors(layout, tensors)
+        grad = {name: tensors[name].requires_grad for name in names}
+
+        def layer(e: int, name: str, source: str) -> nn.Linear:
+            return _linear(parts[f"{e}.{name}.weight"], parts.get(f"{e}.{name}.bias"), grad[source])
+
+        experts = [
+            ExpertMLP(
+                layer(e, "gate_proj", layout.up_name) if layout.gated else None,
+                layer(e, "up_proj", layout.up_name),
+                layer(e, "down_proj", "down_proj"),
+                gating,
+            )
+            for e in range(layout.num_experts)
+        ]
         return cls(experts, layout, gating)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
