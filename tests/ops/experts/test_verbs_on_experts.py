@@ -196,3 +196,21 @@ def test_the_kv_cache_needs_no_tokens_in_every_expert():
     model = tiny_moe("gpt_oss", layers=2)  # these batches reach only some experts
     with surgery.quantize_kv_cache(model, calibration=BATCHES) as handle:
         assert handle is not None
+
+
+def test_finetune_and_distill_train_each_expert_while_its_mask_holds():
+    model = tiny_moe("mixtral", layers=2)
+    teacher = tiny_moe("mixtral", layers=2)
+    before = _state(model)
+    pruned = surgery.prune(model, 0.5)
+    experts = model.model.layers[0].mlp.experts
+    masks = [(expert.down_proj.weight == 0).clone() for expert in experts]
+    pruned_weights = [expert.down_proj.weight.detach().clone() for expert in experts]
+    batches = [(batch["input_ids"], batch["input_ids"]) for batch in BATCHES]
+    tuned = surgery.finetune(model, batches, lr=1e-2, teacher=teacher, progress=False)
+    for expert, mask, old in zip(experts, masks, pruned_weights, strict=True):
+        assert torch.equal(expert.down_proj.weight[mask], torch.zeros(int(mask.sum())))
+        assert not torch.equal(expert.down_proj.weight, old)  # every expert trained: each was routed tokens
+    tuned.restore()
+    pruned.restore()
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
