@@ -119,7 +119,10 @@ class GridSpec:
     its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
     ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
     and moves each column's error onto the columns not yet rounded, through the inverse
-    Hessian of the layer's calibration inputs; Frantar et al. 2023).
+    Hessian of the layer's calibration inputs; Frantar et al. 2023). ``actorder`` (GPTQ):
+    ``None`` walks the columns in order; ``"weight"`` walks them by decreasing activation energy
+    (the Hessian's diagonal) while each column keeps its own group's grid, so the stored format
+    is unchanged (llm-compressor's ``actorder="weight"``, its default).
     """
 
     bits: int = 8
@@ -135,6 +138,7 @@ class GridSpec:
     )
     dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
+    actorder: str | None = None  # GPTQ's column order: None (as stored) or "weight" (by activation energy)
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
@@ -220,6 +224,21 @@ def _check(spec: Any, field: str) -> None:
         )
     _check_format(spec, field)
     _check_dynamic(spec, field)
+    _check_actorder(spec, field)
+
+
+ACTORDER = ("weight",)
+
+
+def _check_actorder(spec: Any, field: str) -> None:
+    if spec.actorder is None:
+        return
+    if spec.actorder not in ACTORDER:
+        raise ConfigError(f"{field}.actorder", spec.actorder, f"must be null or {', '.join(map(repr, ACTORDER))}")
+    if spec.method != "gptq":
+        raise ConfigError(
+            f"{field}.actorder", spec.actorder, f"orders GPTQ's walk over the columns; method is {spec.method!r}"
+        )
 
 
 DYNAMIC = ("token", "tensor")

@@ -119,6 +119,7 @@ def gptq(
     block: int = 128,
     damping: float = 0.01,
     name: str = "",
+    actorder: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
@@ -128,13 +129,24 @@ def gptq(
     that grid. With ``group_size``, every ``group_size`` consecutive columns get their own
     scales, computed when the walk reaches the group's first column from the group's values as
     they stood at the start of the current block (the columns the walk updated inside the block
-    are not used), as the original GPTQ code and llm-compressor do. Returns
+    are not used), as the original GPTQ code does (llm-compressor 0.14 takes every group's scales
+    before the walk, as ``actorder="weight"`` does here). Returns
     ``(quantized matrix, scales, zero points)``: scales ``(outputs, groups)`` with groups, else
     whatever ``qparams_of`` returned for the whole matrix. With ``keep`` (a pruning mask), pruned
     entries stay exactly zero and their share of the error goes to the entries kept.
+
+    ``actorder="weight"`` walks the columns in order of decreasing Hessian diagonal (the inputs
+    with the most energy first) while each keeps the grid of its own group in the original
+    order, every group's scales taken from the weights before the walk: llm-compressor's
+    ``actorder="weight"`` (its default, ``"static"``), which stores nothing extra.
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
+    fixed = _static_groups(w, qparams_of, group_size) if actorder == "weight" and group_size else None
+    order = torch.argsort(torch.diagonal(hessian), descending=True) if actorder == "weight" else None
+    if order is not None:
+        w, hessian = w[:, order].contiguous(), hessian[order][:, order]
+        keep = None if keep is None else keep[:, order]
     scratch = torch.empty(rows * block, device=w.device)  # each column's update, written in place
     factor = inverse_factor(hessian, damping, name)
     scale, zero_point = (None, None) if group_size else qparams_of(w)
@@ -145,7 +157,10 @@ def gptq(
         local = factor[start:end, start:end]
         for i in range(end - start):
             column_index = start + i
-            if group_size and column_index % group_size == 0:  # the group's values at the block's start
+            if fixed is not None:  # the column's own group, in the original order
+                group = int(order[column_index]) // group_size
+                scale, zero_point = fixed[0][:, group], fixed[1][:, group]
+            elif group_size and column_index % group_size == 0:  # the group's values at the block's start
                 scale, zero_point = qparams_of(w[:, column_index : column_index + group_size])
                 scales.append(scale)
                 zero_points.append(zero_point)
@@ -159,6 +174,16 @@ def gptq(
             errors[:, i] = error
         w[:, start:end] = part
         w[:, end:] -= errors @ factor[start:end, end:]
+    if order is not None:
+        w = w[:, torch.argsort(order)]
+    if fixed is not None:
+        return w, fixed[0], fixed[1]
     if group_size:
         return w, torch.stack(scales, dim=1), torch.stack(zero_points, dim=1)
     return w, scale, zero_point
+
+
+def _static_groups(w: Tensor, qparams_of: Callable[[Tensor], QParams], group_size: int) -> QParams:
+    """Every group's (outputs, groups) scales and zero points from the weights as they are."""
+    found = [qparams_of(w[:, start : start + group_size]) for start in range(0, w.shape[1], group_size)]
+    return torch.stack([s for s, _ in found], dim=1), torch.stack([z for _, z in found], dim=1)

@@ -7,6 +7,8 @@ Wanda's ``prune_wanda``), not taken from surgery, and fed the same inputs as sur
 from __future__ import annotations
 
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +73,76 @@ def test_gptq_by_groups_agrees_with_the_original_walk(group_size):
     assert scales.shape == (64, 512 // group_size)
     error = lambda w: ((w - weight) @ x.t()).pow(2).sum().item()
     assert error(ours) <= 1.005 * error(theirs)
+
+
+def reference_gptq_weight_order(weight, hessian, qparams_of, fake_quantize, group_size, block=128, damping=0.01):
+    """llm-compressor 0.14's ``actorder="weight"``: every group's scale from ``W`` before the walk,
+    the columns walked by decreasing ``diag(H)``, each rounded on its own group's grid."""
+    groups = [qparams_of(weight[:, g : g + group_size]) for g in range(0, weight.shape[1], group_size)]
+    perm = torch.argsort(torch.diag(hessian), descending=True)
+    group_of = (torch.arange(weight.shape[1]) // group_size)[perm]
+    w, h = weight.clone().float()[:, perm], hessian[perm][:, perm].clone()
+    h += torch.eye(h.shape[0]) * damping * torch.diag(h).mean()
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    quantized = torch.zeros_like(w)
+    for start in range(0, w.shape[1], block):
+        end = min(start + block, w.shape[1])
+        w1, err1 = w[:, start:end].clone(), torch.zeros(w.shape[0], end - start)
+        hinv1 = hinv[start:end, start:end]
+        for i in range(end - start):
+            scale, zero = groups[int(group_of[start + i])]
+            q = fake_quantize(w1[:, i], scale, zero)
+            quantized[:, start + i] = q
+            err = (w1[:, i] - q) / hinv1[i, i]
+            w1[:, i:] -= err.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = err
+        w[:, end:] -= err1 @ hinv[start:end, end:]
+    return quantized[:, torch.argsort(perm)]
+
+
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_gptq_in_activation_order_agrees_with_the_weight_order_walk_and_keeps_static_groups(group_size):
+    x = correlated_inputs(2048, 512)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    grid = Grid(GridSpec(bits=4, symmetric=False, group_size=group_size), per_row=True)
+    ours, scales, _ = gptq(weight, hessian, grid.qparams_of, grid.round, group_size=group_size, actorder="weight")
+    theirs = reference_gptq_weight_order(weight, hessian, grid.qparams_of, grid.round, group_size)
+    same = (ours == theirs).float().mean().item()
+    assert same >= 0.99, f"{same:.2%} identical at group {group_size}"  # measured 100 %
+    static = torch.stack([grid.qparams_of(weight[:, g : g + group_size])[0] for g in range(0, 512, group_size)], 1)
+    assert torch.equal(scales, static)  # the stored groups are the plain ones: no g_idx to carry
+    in_order, _, _ = gptq(weight, hessian, grid.qparams_of, grid.round, group_size=group_size)
+    error = lambda w: ((w - weight) @ x.t()).pow(2).sum().item()
+    assert error(ours) < error(in_order)  # the energetic inputs first: the point of the ordering
+
+
+PEER = Path(__file__).resolve().parents[3] / "benchmarks" / ".venv-llmcompressor" / "bin" / "python"
+
+
+@pytest.mark.skipif(not PEER.exists(), reason="llm-compressor's venv (made by benchmarks/bench_scale.py) is absent")
+def test_gptq_in_activation_order_equals_llm_compressor_on_the_same_layer(tmp_path):
+    x = correlated_inputs(2048, 256)
+    hessian = 2 * x.t() @ x / x.shape[0]
+    weight = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    torch.save(
+        {"weight": weight, "hessian": hessian, "bits": 4, "group_size": 32, "actorder": "weight"}, tmp_path / "in.pt"
+    )
+    script = Path(__file__).with_name("llmcompressor_gptq_layer.py")
+    subprocess.run([str(PEER), str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], check=True)
+    theirs = torch.load(tmp_path / "out.pt")
+    grid = Grid(GridSpec(bits=4, symmetric=False, group_size=32), per_row=True)
+    ours, scales, _ = gptq(weight, hessian, grid.qparams_of, grid.round, group_size=32, actorder="weight")
+    assert torch.allclose(scales, theirs["scale"].float(), rtol=1e-6)
+    same = (ours == theirs["weight"]).float().mean().item()
+    assert same >= 0.99, f"{same:.2%} identical to llm-compressor's"
+
+
+def test_activation_order_is_a_gptq_setting_refused_elsewhere_in_one_line():
+    with pytest.raises(ConfigError, match=r"weights.actorder.*orders GPTQ's walk.*'rtn'"):
+        GridSpec.build({"actorder": "weight"}, "weights")
+    with pytest.raises(ConfigError, match=r"weights.actorder.*must be null or 'weight'"):
+        GridSpec.build({"actorder": "dynamic", "method": "gptq"}, "weights")
 
 
 def reference_wanda_masks(weight, inputs, sparsity):

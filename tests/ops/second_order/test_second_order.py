@@ -371,6 +371,25 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
     assert snapshot_differences(before, snapshot(model)) == []
 
 
+def test_gptq_in_activation_order_keeps_the_plain_groups_on_a_llama_and_restores_exactly():
+    model = tiny_llama(layers=2, vocab=64, hidden=32)
+    data = token_batches()
+    before = snapshot(model)
+    spec = dict(bits=4, method="gptq", group_size=16)
+    ordered = surgery.quantize(model, weights=GridSpec(**spec, actorder="weight"), calibration=data, progress=False)
+    quantizer = ordered.weights["model.layers.1.mlp.down_proj.weight"]
+    weight = model.model.layers[1].mlp.down_proj.weight.detach()
+    grouped = weight.reshape(weight.shape[0], -1, 16)
+    on_grid = grouped / quantizer.scale.unsqueeze(-1) + quantizer.zero_point.unsqueeze(-1)
+    assert torch.allclose(on_grid, on_grid.round(), atol=1e-3)  # each column on its own plain group's grid
+    walked = weight.clone()
+    ordered.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+    plain = surgery.quantize(model, weights=GridSpec(**spec), calibration=data, progress=False)
+    assert not torch.equal(model.model.layers[1].mlp.down_proj.weight, walked)
+    plain.restore()
+
+
 # ------------------------------------------------------------------ refusals
 
 

@@ -48,6 +48,7 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
             layer_grid.round,
             group_size=spec.group_size,
             name=layer,
+            actorder=spec.actorder,
             keep=None if keep is None else keep[rows],
         )
         return new, (
