@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,17 @@ class Tied(nn.Module):
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
+
+
+@functools.cache
+def peer_python(package: str) -> Path | None:
+    """The interpreter of a peer's own environment made by the benchmarks
+    (``benchmarks/.venv-<package>``), or None when it is absent or cannot import ``package``."""
+    python = Path(__file__).resolve().parents[1] / "benchmarks" / f".venv-{package}" / "bin" / "python"
+    if not python.exists():
+        return None
+    found = subprocess.run([str(python), "-c", f"import {package}"], capture_output=True, check=False)
+    return python if found.returncode == 0 else None
 
 
 def tiny_gpt2() -> nn.Module:
