@@ -49,6 +49,7 @@ from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, 
 from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
 from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
+from surgery.ops.quantization.low_rank_branch import LowRankBranchHandle, low_rank_branch
 from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity.sensitivity import Sensitivity, sensitivity
@@ -159,6 +160,8 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "QuantizeSpec",
     "QuantizeHandle",
     "quantize_kv_cache",
+    "low_rank_branch",
+    "LowRankBranchHandle",
     "kv_cache_bytes",
     # training
     "finetune",

@@ -508,6 +508,3 @@ def __getattr__(name: str) -> Any:
         warnings.warn(DEPRECATED_QUANTSPEC, DeprecationWarning, stacklevel=2)
         return GridSpec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-from surgery.ops.numerics import searched_ranges  # noqa: E402, F401  (registers the "mse" observer)

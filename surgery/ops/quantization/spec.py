@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.originals import check_place
 from surgery.core.selection import Selection
+from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
 from surgery.ops.numerics.number_formats import FORMATS
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, weight_method

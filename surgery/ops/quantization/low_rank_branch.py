@@ -1,0 +1,180 @@
+"""EoRA (Liu et al. 2024): a rank-``r`` branch beside each quantized ``nn.Linear`` that gives back
+the part of its quantization error its inputs see most, kept apart from the weights.
+
+For a layer with original weights ``W``, quantized ``Wq`` and inputs whose second moment is
+``M = E[xᵀx] = Q Λ Qᵀ``, the error ``ΔW = W − Wq`` is projected onto the inputs' eigenspace
+(``ΔW Q Λ^½``), truncated to its ``r`` largest singular directions ``U S Vᵀ`` and brought back:
+``B = U S^½`` (outputs × r), ``A = S^½ Vᵀ (Q Λ^½)⁻¹`` (r × inputs); the layer then computes
+``Wq x + B (A x)``. The branch is a forward hook, never part of the weights, so the quantized
+weights still export as they are; :meth:`LowRankBranchHandle.save` writes the branches as a
+PEFT LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.handles import Handle
+from surgery.core.inputs import run_batches
+
+FIELD = "low_rank_branch"
+
+
+class LowRankBranchHandle(Handle):
+    """The branches :func:`low_rank_branch` added: ``branches[layer] = (A, B)``. ``restore()``
+    removes them; they are not weights, so ``bake()`` refuses (save them with :meth:`save`)."""
+
+    undo_first = True  # the branches compensate the quantized weights: restoring those first would leave them wrong
+
+    def __init__(self, model: nn.Module, rank: int) -> None:
+        super().__init__("low_rank_branch", model)
+        self.rank = rank
+        self.branches: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def bake(self) -> nn.Module:
+        raise ConfigError(
+            f"{FIELD}.bake",
+            "bake",
+            "a low-rank branch is a separate adapter, not a weight: save it with handle.save(folder) "
+            "(a PEFT LoRA adapter), or restore() it",
+        )
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the branches as a PEFT LoRA adapter (``adapter_model.safetensors`` and
+        ``adapter_config.json``; ``lora_alpha`` = ``r``, so its scaling is 1)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer, (down, up) in self.branches.items():
+            tensors[f"base_model.model.{layer}.lora_A.weight"] = down.contiguous()
+            tensors[f"base_model.model.{layer}.lora_B.weight"] = up.contiguous()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        config = {
+            "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.rank,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": sorted(self.branches),
+            "task_type": None,
+        }
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return folder
+
+
+def low_rank_branch(quantized: Handle, rank: int, calibration: Any, *, progress: bool = True) -> LowRankBranchHandle:
+    """Add an EoRA branch of rank ``rank`` beside every ``nn.Linear`` weight ``quantized`` (a
+    :func:`surgery.quantize` handle, still attached) rounded, from the second moment of the layer's
+    inputs over ``calibration`` (the quantized model run on it).
+
+    Example:
+        >>> q = surgery.quantize(model, weights=GridSpec(bits=3, group_size=64, method="gptq"), calibration=batches)
+        >>> branch = surgery.low_rank_branch(q, rank=16, calibration=batches)
+        >>> branch.save("eora-adapter")   # a PEFT LoRA adapter beside the quantized export
+    """
+    model = quantized.model
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ConfigTypeError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
+    if rank < 1:
+        raise ConfigError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
+    if model is None or quantized.state != "attached":
+        raise ConfigError(f"{FIELD}.quantized", quantized.kind, "must be an attached quantize handle")
+    errors = _quantization_errors(model, quantized)
+    for layer, delta in errors.items():
+        if rank > min(delta.shape):
+            raise ConfigError(
+                f"{FIELD}.rank",
+                rank,
+                f"is larger than {layer} ({delta.shape[0]} x {delta.shape[1]}): at most {min(delta.shape)}",
+            )
+    moments = _input_moments(model, list(errors), calibration, progress)
+    handle = LowRankBranchHandle(model, rank)
+    for layer, delta in errors.items():
+        down, up = eora_factors(delta, moments[layer], rank)
+        module = model.get_submodule(layer)
+        handle.branches[layer] = (down.to(module.weight.dtype), up.to(module.weight.dtype))
+        handle.add_hook(f"remove the low-rank branch of {layer}", module.register_forward_hook(_Branch(down, up)))
+    return handle
+
+
+def eora_factors(delta: Tensor, moment: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` of rank ``rank`` with ``B A`` the best approximation of ``delta`` (outputs ×
+    inputs) as inputs of second moment ``moment`` see it (EoRA's eigenspace projection)."""
+    eigenvalues, vectors = torch.linalg.eigh(moment.double())
+    positive = eigenvalues[eigenvalues > 0]
+    floor = positive.min() if positive.numel() else torch.tensor(1.0, dtype=torch.float64)
+    eigenvalues = torch.where(eigenvalues > 0, eigenvalues, floor)  # too few calibration inputs
+    project = vectors * eigenvalues.sqrt()
+    left, values, right = torch.linalg.svd(delta.double() @ project, full_matrices=False)
+    root = values[:rank].sqrt()
+    up = left[:, :rank] * root
+    down = (root.unsqueeze(1) * right[:rank]) @ torch.linalg.inv(project)
+    return down.float(), up.float()
+
+
+class _Branch:
+    """The forward hook adding ``B (A x)`` to a Linear layer's output."""
+
+    def __init__(self, down: Tensor, up: Tensor) -> None:
+        self.down, self.up = down, up
+
+    def __call__(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        x = args[0]
+        down, up = self.down.to(x.device, x.dtype), self.up.to(x.device, x.dtype)
+        return output + torch.nn.functional.linear(torch.nn.functional.linear(x, down), up)
+
+
+def _quantization_errors(model: nn.Module, quantized: Handle) -> dict[str, Tensor]:
+    """``W − Wq`` (float32, outputs × inputs) of each ``nn.Linear`` weight the handle quantized."""
+    errors = {}
+    for record in quantized.records:
+        layer, _, name = record.name.rpartition(".")
+        module = model.get_submodule(layer)
+        if getattr(record.transform, "kind", None) != "quantize" or name != "weight":
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ConfigError(
+                f"{FIELD}.quantized", layer, f"is a {type(module).__name__}; EoRA branches go beside nn.Linear layers"
+            )
+        current = record.param.detach().float()
+        original = record.param.detach().clone()
+        with torch.no_grad():
+            record.saved.put_back(original)
+        errors[layer] = original.float() - current
+    if not errors:
+        raise ConfigError(f"{FIELD}.quantized", quantized.kind, "rounded no nn.Linear weight: nothing to compensate")
+    return errors
+
+
+def _input_moments(model: nn.Module, layers: list[str], calibration: Any, progress: bool) -> dict[str, Tensor]:
+    """``E[xᵀx]`` of each layer's inputs over the calibration batches."""
+    sums: dict[str, Tensor] = {}
+    counts = dict.fromkeys(layers, 0)
+
+    def observe(layer: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            sums[layer] = sums.get(layer, 0) + x.t() @ x
+            counts[layer] += x.shape[0]
+
+        return hook
+
+    hooks = [model.get_submodule(layer).register_forward_pre_hook(observe(layer)) for layer in layers]
+    try:
+        run_batches(model, calibration, field=f"{FIELD}.calibration", progress=progress)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    missing = [layer for layer in layers if not counts[layer]]
+    if missing:
+        raise ConfigError(
+            f"{FIELD}.calibration", missing[0], "saw no calibration input; give batches that run through it"
+        )
+    return {layer: sums[layer] / counts[layer] for layer in layers}
