@@ -26,7 +26,9 @@ from torch.overrides import TorchFunctionMode
 from surgery.core._compat import module_has_hooks, tree_leaves
 from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.layer_kinds import is_kind
+from surgery.core.routing import routed_as
 from surgery.ops.shrink.coupling import AttentionHeads, Channels, ChannelTrace, LayerChannels, Slots
+from surgery.ops.shrink.experts import couple_expert, is_expert
 from surgery.ops.shrink.following import (
     couple_heads,
     indexed_axis,
@@ -258,6 +260,7 @@ class _Tracer(TorchFunctionMode):
             return False
         if op.name == "__getitem__":
             moved = indexed_axis(op.args[1], first, channels.dim)
+            moved = moved % op.result.dim() if moved is not None and op.result.dim() else moved
         else:
             moved = moved_axis(op.name, op.args, op.kwargs, first, channels.dim)
         if moved is not None and op.result.shape[moved] == len(channels.slots):
@@ -326,7 +329,7 @@ def trace_channels(model: nn.Module, example: Call) -> ChannelTrace:
     }
     layers = _LayerHooks(trace, _Tracer(trace, {}, [], loose))
     known = layers.known
-    with layers.installed(model), evaluating(model), torch.no_grad(), layers.tracer:
+    with layers.installed(model), evaluating(model), torch.no_grad(), routed_as("trace"), layers.tracer:
         output = example(model)
     layers.keep_alive.append(output)
     for layer in trace.layers.values():  # a weight tied to another module's (an LM head) cannot be resized alone
@@ -349,6 +352,7 @@ class _LayerHooks:
         self.trace, self.tracer = trace, tracer
         self.known, self.keep_alive = tracer.known, tracer.alive  # ids must stay unique while the trace runs
         self.heads: dict[str, AttentionHeads] = {}
+        self.experts: dict[str, nn.Module] = {}  # experts of mixture-of-experts layers, traced as units
         self.calls: list[Channels | None] = []  # the input of each traced call in progress (a module may nest)
         self.axes: list[int | None] = []  # and the channel axis its layer reads
 
@@ -364,7 +368,9 @@ class _LayerHooks:
                 counts = head_counts(module, layout) if layout is not None else None
                 if counts is not None:
                     self.heads[name] = AttentionHeads(name, module, layout, counts)
-                if name in traced or counts is not None:
+                if is_expert(module):
+                    self.experts[name] = module
+                if name in traced or counts is not None or name in self.experts:
                     hooks.append(
                         module.register_forward_pre_hook(functools.partial(self.before, name), with_kwargs=True)
                     )
@@ -386,7 +392,7 @@ class _LayerHooks:
         info = self.known.get(id(x)) if x is not None else None
         self.calls.append(info)
         if (
-            isinstance(module, PASSTHROUGH) or name in self.heads
+            isinstance(module, PASSTHROUGH) or name in self.heads or name in self.experts
         ):  # no parameters: each call passes its own input's channels
             self.axes.append(None)
             return
@@ -408,6 +414,8 @@ class _LayerHooks:
         info, axis = self.calls.pop(), self.axes.pop()
         if name in self.heads:
             couple_heads(self.trace, self.heads[name], output, self.known, self.keep_alive)
+        elif name in self.experts:
+            couple_expert(self.trace, name, module)
         elif isinstance(module, PASSTHROUGH):
             self._passed(info, output)
         elif not isinstance(output, Tensor):

@@ -93,6 +93,7 @@ class ChannelTrace:
     module_inputs: dict[str, list[int]] = field(default_factory=dict)  # any module's first input's slots
     parameters: dict[tuple[str, str], Channels] = field(default_factory=dict)  # (module, name) sliced per channel
     unsliceable: set[tuple[str, str]] = field(default_factory=set)  # parameters also used by other ops
+    equal_widths: dict[str, list[str]] = field(default_factory=dict)  # layers whose inputs keep one count
 
     def can_keep_whole(self, name: str) -> bool:
         """Whether :meth:`keep_whole` of module ``name`` would freeze anything not yet frozen."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from surgery.core._compat import tree_leaves
@@ -31,6 +32,8 @@ def indexed_axis(index: Any, x: Tensor, axis: int) -> int | None:
     """Where ``axis`` goes in ``x[index]`` when the index leaves it whole (ints, slices and
     ``None`` on other axes, a full ``:`` on it), else ``None``."""
     items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(item, Tensor) for item in items):
+        return _gathered_axis(items, x, axis)
     if (
         any(
             not (item is None or item is Ellipsis or isinstance(item, (int, slice))) or isinstance(item, bool)
@@ -53,6 +56,17 @@ def indexed_axis(index: Any, x: Tensor, axis: int) -> int | None:
         dim += 1
         out += not isinstance(item, int)
     return out + (axis - dim) if axis >= dim else None
+
+
+def _gathered_axis(items: list, x: Tensor, axis: int) -> int | None:
+    """Where the last axis goes when ``x`` is indexed by tensors (gathering tokens, ``x[token]``)
+    on leading axes only: it stays the last axis (``-1``); anything else is not followed."""
+    if axis != x.dim() - 1 or any(item is Ellipsis or item is None for item in items):
+        return None
+    if any(isinstance(item, Tensor) and item.dtype not in (torch.long, torch.int, torch.bool) for item in items):
+        return None
+    used = sum(item.dim() if isinstance(item, Tensor) and item.dtype == torch.bool else 1 for item in items)
+    return -1 if used < x.dim() else None
 
 
 def kept_axis(x: Tensor, result: Tensor, axis: int) -> int | None:

@@ -159,10 +159,15 @@ register_heads(
     "transformers.models.vit.modeling_vit.ViTAttention",
     HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", heads={"num_attention_heads": "q_proj"}, output="o_proj"),
 )
-register_heads(
-    "transformers.models.llama.modeling_llama.LlamaAttention",
-    HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", output="o_proj"),
-)
+LLAMA_ATTENTION = HeadLayout(("q_proj", "k_proj", "v_proj"), "head_dim", output="o_proj")
+for _path in (  # transformers' own copies of Llama's attention (modular code: no common base class)
+    "llama.modeling_llama.LlamaAttention",
+    "mixtral.modeling_mixtral.MixtralAttention",
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention",
+    "phimoe.modeling_phimoe.PhimoeAttention",
+):
+    register_heads(f"transformers.models.{_path}", LLAMA_ATTENTION)
 register_heads(
     "timm.layers.attention.Attention",
     HeadLayout(("qkv",), "head_dim", heads={"num_heads": "qkv"}, output="proj", derived={"attn_dim": "qkv"}, packed=3),

@@ -14,6 +14,7 @@ from surgery.core import guards
 from surgery.core._compat import forward_hook_functions, get_slot, set_slot
 from surgery.core.errors import AlreadyModifiedError
 from surgery.core.handles import Handle
+from surgery.core.targets import Coverage, coverage_of
 from surgery.ops.shrink import structure
 from surgery.ops.shrink.channels import AttentionHeads, ChannelTrace
 from surgery.ops.shrink.smaller import describe, rebuildable, smaller
@@ -48,6 +49,7 @@ class ShrinkHandle(Handle):
         self.frozen_ops: list[str] = []
         self.renormalised: list[str] = []  # LayerNorm/RMSNorm layers that normalise over fewer channels
         self.counts: dict[str, dict[str, int]] = {}
+        self.config_changes: dict[str, tuple[Any, Any]] = {}  # model.config field -> (old, new): experts width
         self.fingerprint = structure.fingerprint(model)  # of the original: made before anything is replaced
 
     def restore(self) -> None:
@@ -68,6 +70,23 @@ class ShrinkHandle(Handle):
                         "hooks); restore or bake that first (undo in reverse order)"
                     )
         super().restore()
+
+    @property
+    def coverage(self) -> Coverage | None:
+        """The share of the model's parameters shrink changed (every parameter of a smaller layer,
+        every sliced one); ``None`` when it changed none or is no longer attached."""
+        model = self.model
+        changed = {
+            f"{name}.{attr}": param
+            for name, (_, new) in self.replaced.items()
+            for attr, param in new.named_parameters(recurse=False)
+        }
+        changed.update(
+            {f"{name}.{attr}": new for name, params in self.parameters.items() for attr, (_, new) in params.items()}
+        )
+        if model is None or not changed or self.state != "attached":
+            return None
+        return coverage_of(model, changed, [], left_reason="not changed by shrink")
 
     def structure(self) -> dict[str, dict[str, Any]]:
         """Every new layer's class and constructor arguments, and every changed attribute

@@ -33,6 +33,8 @@ from surgery.ops.shrink.channels import (
     output_shapes,
     trace_channels,
 )
+from surgery.ops.shrink.experts import equalised
+from surgery.ops.shrink.fused import shrink_experts
 from surgery.ops.shrink.rebuilding import rebuild  # noqa: F401 - surgery.ops.shrink.shrinking.rebuild, its old home
 from surgery.ops.shrink.replacing import ShrinkHandle, replace_layers
 from surgery.ops.shrink.structure import ShrinkError
@@ -123,29 +125,26 @@ def shrink(
         if isinstance(amount, ShrinkSpec)
         else ShrinkSpec(amount, select, exclude, importance, scope, round_to, renormalise)
     )
-    amount, select, exclude, importance, scope, round_to, renormalise = (
-        spec.amount,
-        spec.select,
-        spec.exclude,
-        spec.importance,
-        spec.scope,
-        spec.round_to,
-        spec.renormalise,
-    )
     example = next(iter(batches(example_inputs, "shrink.example_inputs")), None)
     if example is None:
         raise ConfigError("shrink.example_inputs", "no batch", "must hold one batch to trace the model on")
     for name, param in model.named_parameters():
         if guards.transforms_of(param):
             raise ConfigError("shrink", name, "has surgery attached (prune, quantize...); restore or bake it first")
-    allowed = _allowed(model, select, exclude)
+    return shrink_experts(model, lambda: _shrink(model, spec, example))
+
+
+def _shrink(model: nn.Module, spec: ShrinkSpec, example: Any) -> ShrinkHandle:
+    """:func:`shrink` on a model whose experts (if any) are per-expert layers."""
+    amount, importance, scope, round_to = spec.amount, spec.importance, spec.scope, spec.round_to
+    allowed = _allowed(model, spec.select, spec.exclude)
     trace = trace_channels(model, example)
     if not trace.output_shapes:
         raise ShrinkError(
             "shrink: the model's output holds no tensor shrink can find (tensors, tuples, lists, "
             "dicts, dataclasses and ModelOutputs are searched), so its shape cannot be kept"
         )
-    if not renormalise:
+    if not spec.renormalise:
         trace.keep_normalised()
     expected = trace.output_shapes
     before = _counts(model, trace)
@@ -311,7 +310,8 @@ def _choose(
         for key, roots in families.items()
     }
     if scope == "layer":
-        return {r for key, roots in families.items() for r in sorted(roots, key=scores.__getitem__)[: quota[key]]}
+        chosen = {r for key, roots in families.items() for r in sorted(roots, key=scores.__getitem__)[: quota[key]]}
+        return equalised(trace, chosen, scores)
     ranked = sorted(((scores[r], r, key) for key, roots in families.items() for r in roots), key=lambda t: t[0])
     total = sum(quota.values())
     limit = {
@@ -333,7 +333,7 @@ def _choose(
         if extra > 0:
             mine = sorted((r for r in roots if r in removed), key=scores.__getitem__, reverse=True)
             removed.difference_update(mine[:extra])
-    return removed
+    return equalised(trace, removed, scores)
 
 
 def _removable(count: int, amount: float, round_to: int) -> int:

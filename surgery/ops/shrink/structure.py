@@ -18,7 +18,10 @@ from typing import Any
 from torch import nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError, SurgeryError
+from surgery.ops.experts.layouts import fused_layout
 from surgery.ops.shrink.heads import layout_of
+
+FUSED_WIDTHS = ("intermediate_dim", "intermediate_size")  # a fused experts class's attribute for its width
 
 log = logging.getLogger("surgery")
 SEAL = "$model"
@@ -94,6 +97,8 @@ def check_attributes(name: str, module: nn.Module, attributes: dict[str, Any]) -
     """Only widths and head counts shrink changes, as integers in [1, the module's own value]."""
     layout = layout_of(module)
     allowed = set(NORM_WIDTH) | {"num_groups"} if any(hasattr(module, a) for a in NORM_WIDTH) else set()
+    if fused_layout(module) is not None:  # a fused experts module's width (its tensors are planned shapes)
+        allowed |= set(FUSED_WIDTHS)
     if layout is not None:
         allowed |= set(layout.heads) | set(layout.derived)
     for attr, value in attributes.items():
