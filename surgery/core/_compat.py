@@ -234,12 +234,17 @@ def forward_hook_functions(module: nn.Module) -> list[Callable[..., Any]]:
     return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
 
 
-def module_has_hooks(module: nn.Module) -> bool:
-    """Whether a forward, backward, state-dict or load hook is registered on ``module`` itself
-    (what a replacement layer would silently lose)."""
+def module_hooks(module: nn.Module) -> list[Any]:
+    """Every forward, backward, state-dict or load hook registered on ``module`` itself (what a
+    replacement layer would silently lose)."""
     names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
              "_load_state_dict_pre_hooks")  # fmt: skip
-    return any(getattr(module, name, None) for name in names)
+    return [hook for name in names for hook in (getattr(module, name, None) or {}).values()]
+
+
+def module_has_hooks(module: nn.Module) -> bool:
+    """Whether any hook of :func:`module_hooks` is registered on ``module`` itself."""
+    return bool(module_hooks(module))
 
 
 def hook_dicts(handle: Any) -> list[dict]:

@@ -305,3 +305,30 @@ def test_a_folder_asking_to_run_its_code_is_refused_on_a_terminal_answered_yes(t
     assert re.search(r"error: \S+='[^']*': asks to run its own code \('auto_map' in \w+\.json\)", output), output[
         -2000:
     ]
+
+
+def test_an_offloaded_mixtral_folder_transformers_saved_is_quantized_and_its_export_reloads(tmp_path):
+    """A Mixtral folder holds its experts per expert (``block_sparse_moe.experts.0.w1``), as
+    ``save_pretrained`` writes them: the offloaded run reads them through transformers' conversion,
+    quantizes each expert as a layer of its own, and streams fused tensors transformers loads."""
+    import transformers
+    from safetensors.torch import load_file
+    from support import tiny_moe  # tests/support.py
+
+    folder, out = tmp_path / "mixtral", tmp_path / "off"
+    model = tiny_moe("mixtral", layers=2)
+    model.save_pretrained(folder)
+    common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "model.offload=true", "export.format=safetensors")
+    tokens = (*RANDOM_TOKENS[:2], "checks.drift.min_cosine=0.9")  # 4 bits on a random 32-wide model: 0.958
+    run = surgery(*common, "quantize.weights.group_size=16", *tokens, f"hydra.run.dir={out}")
+    passed(run, out)
+    assert report(out)["offloaded"]["steps"]["quantize"]["blocks"] == 2
+    exported = load_file(out / "export.safetensors")
+    experts = exported["model.layers.1.mlp.experts.down_proj"]
+    assert not torch.equal(experts, model.model.layers[1].mlp.experts.down_proj)
+    assert all(len(row[:16].unique()) <= 16 for row in experts[3])  # each expert's rows on their own 4-bit grids
+    reload = tmp_path / "reload"
+    model.config.save_pretrained(reload)
+    (reload / "model.safetensors").write_bytes((out / "export.safetensors").read_bytes())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(reload)
+    assert all(torch.equal(reloaded.state_dict()[name], value) for name, value in exported.items())

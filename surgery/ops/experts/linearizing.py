@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from surgery.core._compat import module_has_hooks
+from surgery.core._compat import module_has_hooks, module_hooks
 from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.core.handles import Handle, attached_after
 from surgery.ops.experts.layouts import check_splittable, fused_experts
@@ -189,8 +189,10 @@ def _check_nothing_on_top(owner: Handle) -> None:
 
 
 def _refuse_hooked(name: str, module: nn.Module) -> None:
-    """A hook on the fused module would stop firing while the per-expert layers stand in for it."""
-    if module_has_hooks(module):
+    """A hook on the fused module would stop firing while the per-expert layers stand in for it
+    (an offloaded model's hooks that only bring its weights in are not missed: a verb swaps a
+    module whose weights are held in memory, or one on ``meta`` that never runs)."""
+    if module_has_hooks(module) and not _only_moves_weights(module):
         raise ConfigError(
             "experts", name, "has hooks of its own; remove them first (they would not run on per-expert layers)"
         )
@@ -199,3 +201,8 @@ def _refuse_hooked(name: str, module: nn.Module) -> None:
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, local = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), local
+
+
+def _only_moves_weights(module: nn.Module) -> bool:
+    """Whether every hook on ``module`` is a method of an object marked ``only_moves_weights``."""
+    return all(getattr(getattr(hook, "__self__", None), "only_moves_weights", False) for hook in module_hooks(module))

@@ -48,6 +48,7 @@ from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, trace_stages
+from surgery.ops.experts.routing import experts_modules
 from surgery.ops.offload.offloaded_manifest import (
     FRESH,
     check_stage,
@@ -163,6 +164,7 @@ def compress_offloaded(
             stages = _stages_in_module_order(layers, blocks)
         else:
             stages = trace_stages(model, layers, blocks, calls[0], field_name, chained)
+    stages = _experts_together(model, stages)
     with ExitStack() as stack:
         folder = WorkFolder(work, source, f"{verb.name}: {verb.settings}", _digest(calls), stack, len(stages))
         handle = OffloadedCompression(source, verb, folder.path)
@@ -195,7 +197,7 @@ def _run_stages(
     with evaluating(model), torch.no_grad(), pass_ledger() as ledger:
         spilled_before = ledger.spilled
         for index, stage in enumerate(bar):
-            where = stage.block or stage.layers[0]
+            where = stage_module(model, stage)
             bar.set_postfix_str(where, refresh=False)
             if folder.done(index):
                 _adopt(handle, folder.finished(index, where, source.names_in(model.get_submodule(where))))
@@ -231,7 +233,7 @@ def _compress_stage(
 ) -> tuple[StageFiles, tuple[str, BlockCalls] | None]:
     """One stage: its weights brought in, the verb applied to it alone and baked, the result
     written; returns the stage's file and the next block's inputs where they chain."""
-    where = stage.block or stage.layers[0]
+    where = stage_module(source.model, stage)
     cache = None
     with source.resident(module) as weights:
         if not verb.sequential:  # the next block's inputs as the unchanged block gives them
@@ -240,12 +242,43 @@ def _compress_stage(
             _skeleton(where, module), stage.layers, stage.block, None if inputs is None else inputs.calls()
         )
         grids = verb.grids(applied) if verb.grids is not None else {}
+        grids = {key: grid for key, grid in grids.items() if key in weights}  # an expert's layer is baked fused
         applied.bake()
         del applied  # and with it the originals it kept (the source files hold them)
         written = folder.write(index, where, {name: p.detach() for name, p in weights.items()}, grids)
         if verb.sequential:
             cache = _outputs_for_next(following, module, inputs)
     return written, cache
+
+
+def stage_layers(model: nn.Module, names: list[str] | dict[str, Any]) -> dict[str, nn.Module]:
+    """Each layer a verb selected (with :func:`~surgery.ops.experts.linearizing.linearized`: each
+    expert's own layers) by the module of the offloaded model that runs it: the layer, or for a
+    layer of an expert, its fused experts module (a verb makes it per-expert layers in its stage)."""
+    experts = experts_modules(model)
+    return {name: model.get_submodule(_owner(name, experts)) for name in names}
+
+
+def stage_module(model: nn.Module, stage: Stage) -> str:
+    """The module a stage brings in and runs the verb on: its block, or its layer's module."""
+    return stage.block or _owner(stage.layers[0], experts_modules(model))
+
+
+def _owner(name: str, experts: list[str]) -> str:
+    """``name``, or the fused experts module whose per-expert layer it is."""
+    return next((module for module in experts if name.startswith(module + ".")), name)
+
+
+def _experts_together(model: nn.Module, stages: list[Stage]) -> list[Stage]:
+    """The layers of the experts of one experts module outside blocks made one stage, as one module."""
+    merged: list[Stage] = []
+    for stage in stages:
+        alone = merged and stage.block is None and merged[-1].block is None
+        if alone and stage_module(model, stage) == stage_module(model, merged[-1]) != stage.layers[0]:
+            merged[-1].layers.extend(stage.layers)
+        else:
+            merged.append(stage)
+    return merged
 
 
 def _outputs_for_next(

@@ -44,6 +44,7 @@ from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
 from surgery.ops.build.rules import on_parameter
+from surgery.ops.offload.offloaded_conversion import ModelNamedFiles, model_named, unmapped_hint
 
 log = logging.getLogger("surgery")
 FIELD = "offloaded.source"
@@ -151,7 +152,7 @@ class Offloaded(Handle):
     ``files`` where they are read from. ``restore()`` removes the hooks (the model stays on
     ``meta``); :meth:`materialise` loads every weight and removes them."""
 
-    def __init__(self, model: nn.Module, files: WeightFiles, names: dict[int, str]) -> None:
+    def __init__(self, model: nn.Module, files: ModelNamedFiles, names: dict[int, str]) -> None:
         super().__init__("offload", model)
         self._owned = model  # the handle owns the model it built (other handles only watch theirs)
         self.files = files
@@ -239,8 +240,9 @@ def offloaded(
         >>> logits = handle.model(input_ids).logits
     """
     paths, build = _source(source, factory)
-    files = WeightFiles(paths)
+    raw = WeightFiles(paths)
     model = _build_on_meta(build)
+    files = model_named(model, raw)  # the files' tensors by the model's names, as transformers loads them
     names = _check_against(model, files)
     _load_buffers(model, files)
     handle = Offloaded(model, files, names)
@@ -351,12 +353,14 @@ def _to_meta(param: nn.Parameter) -> Tensor:
     return torch.empty_like(param, device="meta")
 
 
-def _check_against(model: nn.Module, files: WeightFiles) -> dict[int, str]:
+def _check_against(model: nn.Module, files: ModelNamedFiles) -> dict[int, str]:
     """Every parameter's name in the files, checked for presence, shape and dtype."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         if name not in files:
-            raise ConfigError(FIELD, name, f"is a parameter of the model but in none of {_listed(files)}")
+            raise ConfigError(
+                FIELD, name, f"is a parameter of the model but in none of {_listed(files)}{unmapped_hint(files)}"
+            )
         shape, dtype, file = files.describe(name)
         if shape != tuple(param.shape) or dtype != param.dtype:
             raise ConfigError(
@@ -367,18 +371,19 @@ def _check_against(model: nn.Module, files: WeightFiles) -> dict[int, str]:
             )
         names[id(param)] = name
         param.offloaded_to = file  # said by a verb that cannot run on it
-    unused = len(set(files.names()) - set(dict(model.state_dict(keep_vars=True))))
+    unused = len(files.unmapped)
     if unused:
         log.warning("offloaded: %d tensors in the files are not the model's (ignored)", unused)
     return names
 
 
-def _listed(files: WeightFiles) -> str:
+def _listed(files: ModelNamedFiles) -> str:
     shown = ", ".join(p.name for p in files.paths[:3])
-    return shown + (f" and {len(files.paths) - 3} more" if len(files.paths) > 3 else "")
+    more = f" and {len(files.paths) - 3} more" if len(files.paths) > 3 else ""
+    return f"{shown}{more} in {files.paths[0].parent}" if files.paths else "the files"
 
 
-def _load_buffers(model: nn.Module, files: WeightFiles) -> None:
+def _load_buffers(model: nn.Module, files: ModelNamedFiles) -> None:
     """Persistent buffers (running statistics) are small: read once, checked like weights."""
     buffers = dict(model.named_buffers())
     for name in model.state_dict(keep_vars=True):
@@ -407,6 +412,8 @@ def _loaded(handle: Offloaded, name: str, placeholder: nn.Parameter) -> nn.Param
 class _Onload:
     """The pre-hook and hook of one group: bring in its weights not already in (a block being
     run brings its layers' in), then put back the placeholders of those it brought."""
+
+    only_moves_weights = True  # a verb may stand a module in for its owner while the weights are held
 
     def __init__(self, handle: Offloaded, slots: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
         self.handle, self.slots = handle, slots

@@ -17,9 +17,14 @@ from surgery.core.sequential import find_blocks, resolve_blocks
 from surgery.core.settings import spec_or_keywords
 from surgery.core.transforms import own_step_hook
 from surgery.ops.equivalence.folding import fold_batchnorms
-from surgery.ops.experts.linearizing import with_linear_experts
+from surgery.ops.experts.linearizing import linearized, with_linear_experts
 from surgery.ops.numerics.weight_methods import weight_method
-from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offload.offloaded_compression import (
+    OffloadedCompression,
+    OffloadedVerb,
+    compress_offloaded,
+    stage_layers,
+)
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.attaching import (
     _attach_activations,
@@ -210,7 +215,7 @@ def _quantize_offloaded(
     _validate_inputs(spec, calibration, None)
     method = weight_method(spec.weights.method)
     select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
-    with _target_selection(model, spec, rules):
+    with _target_selection(model, spec, rules), linearized(model):  # each expert's layers, as in memory
         targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)
     keys: dict[str, list[str]] = {}
     for key, target in targets.matched.items():
@@ -232,6 +237,6 @@ def _quantize_offloaded(
 
     verb = OffloadedVerb("quantize", run, repr(spec), spec.weights, grids)
     blocks = resolve_blocks(model, spec.blocks, "quantize.blocks") if method.sequential else find_blocks(model)
-    layers = {name: model.get_submodule(name) for name in keys}
+    layers = stage_layers(model, keys)
     calibration = calibration if method.needs_calibration else None
     return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)

@@ -26,9 +26,14 @@ from surgery.core.sequential import SequentialReport, find_blocks, resolve_block
 from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Skipped, Target, Targets, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
-from surgery.ops.experts.linearizing import with_linear_experts
+from surgery.ops.experts.linearizing import linearized, with_linear_experts
 from surgery.ops.numerics.deployment import SparsityMask
-from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
+from surgery.ops.offload.offloaded_compression import (
+    OffloadedCompression,
+    OffloadedVerb,
+    compress_offloaded,
+    stage_layers,
+)
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.second_order.second_order import check_layers, reconstruct_layers
 from surgery.ops.sparsity.criteria import (
@@ -389,7 +394,8 @@ def _prune_offloaded(
     if criterion.needs_calibration and calibration is None:
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} needs calibration batches")
     model = source.model
-    selection = prune_targets(model, spec.select, spec.exclude, spec.dim)
+    with linearized(model):  # each expert's layers, as in memory
+        selection = prune_targets(model, spec.select, spec.exclude, spec.dim)
     layer_amounts(selection, spec, spec.amounts)  # checked once, against the whole model
     keys: dict[str, list[str]] = {}
     for key, target in selection.matched.items():
@@ -410,7 +416,7 @@ def _prune_offloaded(
 
     verb = OffloadedVerb("prune", run, repr(spec))
     blocks = resolve_blocks(model, spec.blocks, "prune.blocks") if layered else find_blocks(model)
-    layers = {name: model.get_submodule(name) for name in keys}
+    layers = stage_layers(model, keys)
     calibration = calibration if criterion.needs_calibration else None
     return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)
 

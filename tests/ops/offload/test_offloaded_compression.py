@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import tiny_llama  # tests/support.py
+from support import tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
 
 import surgery
@@ -374,3 +374,60 @@ def test_a_work_folder_that_is_a_file_or_holds_a_cut_stage_is_named_as_work(tmp_
     ):
         VERBS["rtn"](source, None, work=work)
     assert torch.equal(logits(source.model), logits(tiny_llama(layers=2, vocab=128)))
+
+
+MOE_VERBS = {
+    "gptq": lambda m, **kw: surgery.quantize(
+        m, weights=GridSpec(bits=4, method="gptq", group_size=16), calibration=batches(), progress=False, **kw
+    ),
+    "rtn": lambda m, **kw: surgery.quantize(m, weights=GridSpec(bits=4, group_size=16), progress=False, **kw),
+    "wanda": lambda m, **kw: surgery.prune(m, 0.5, method="wanda", calibration=batches(), progress=False, **kw),
+}
+
+
+@pytest.mark.parametrize(
+    "family, verb", [("mixtral", "gptq"), ("mixtral", "rtn"), ("qwen3_moe", "gptq"), ("qwen3_moe", "rtn")]
+)
+def test_a_verb_on_an_offloaded_moe_folder_equals_it_in_memory_and_its_export_reloads(tmp_path, family, verb):
+    """Each expert is a layer of its own (own grid, own Hessian) as in memory; the folder's experts are
+    read under the per-expert names transformers saved them with; the export is fused and reloads."""
+    folder, out = tmp_path / "model", tmp_path / "out"
+    reference = tiny_moe(family, layers=2)
+    reference.save_pretrained(folder)
+    in_memory = MOE_VERBS[verb](reference)
+    expert_layers = [k for k in in_memory.selection.matched if ".mlp.experts.3.down_proj" in k]
+    assert len(expert_layers) == 2  # in both layers
+    in_memory.bake()
+    source = surgery.offloaded(folder)
+    done = MOE_VERBS[verb](source)
+    assert torch.equal(logits(source.model), logits(reference))
+    state = source.model.state_dict(keep_vars=True)
+    assert all(torch.equal(done.value_of(state[name]), value) for name, value in reference.state_dict().items())
+    assert all(p.is_meta for p in source.model.parameters())
+    surgery.export(done, out / "model.safetensors")
+    source.model.config.save_pretrained(out)
+    reloaded = type(reference).from_pretrained(out)
+    assert torch.equal(logits(reloaded), logits(reference))
+    done.restore()
+    assert torch.equal(logits(source.model), logits(tiny_moe(family, layers=2)))
+
+
+def test_an_offloaded_gpt_oss_folder_with_fused_names_is_pruned_like_in_memory_and_resumes(tmp_path):
+    folder, work = tmp_path / "model", tmp_path / "work"
+    reference = tiny_moe("gpt_oss", layers=2)
+    reference.save_pretrained(folder)
+    with surgery.every_expert_calibrated():  # these batches reach only some experts
+        MOE_VERBS["wanda"](reference).bake()
+        done = MOE_VERBS["wanda"](surgery.offloaded(folder), work=work)
+        again = MOE_VERBS["wanda"](surgery.offloaded(folder), work=work)
+    assert again.resumed == len(again.stages) == len(done.stages)
+    for handle in (done, again):
+        assert torch.equal(logits(handle.model), logits(reference))
+
+
+def test_an_offloaded_moe_quantized_is_refused_by_compressed_tensors_as_in_memory(tmp_path):
+    tiny_moe("mixtral", layers=1).save_pretrained(tmp_path / "model")
+    done = MOE_VERBS["rtn"](surgery.offloaded(tmp_path / "model"))
+    with pytest.raises(ConfigError, match="writes no mixture-of-experts layer yet") as err:
+        surgery.export(done, tmp_path / "out", format="compressed-tensors")
+    assert err.value.field == "export.format" and not (tmp_path / "out").exists()

@@ -8,20 +8,24 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torchvision
 from safetensors.torch import load_file, save_file
-from support import tiny_llama  # tests/support.py
+from support import tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
 
 import surgery
 from surgery.core._compat import global_hook_counts
 from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.ops.offload.offloading import WeightFiles
 from surgery.testing import assert_no_hooks
 
 PROBE = Path(__file__).with_name("peak_memory_probe.py")
+W1 = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+GATE = "model.layers.1.block_sparse_moe.gate.weight"
 
 
 def llama_folder(folder: Path, shard: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -269,4 +273,69 @@ def test_an_index_whose_weight_map_is_not_plain_file_names_is_one_line(tmp_path,
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     with pytest.raises(ConfigError, match=r"model.safetensors.index.json': (is not a safetensors index|lists )") as err:
         surgery.offloaded(tmp_path / "model")
+    assert "\n" not in str(err.value)
+
+
+def moe_folder(folder: Path, family: str) -> nn.Module:
+    """A random 2-layer mixture-of-experts model saved as transformers saves it (experts per expert)."""
+    model = tiny_moe(family, layers=2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "phimoe", "gpt_oss"])
+def test_a_moe_folder_saved_by_transformers_runs_offloaded_equal_to_the_model_in_memory(tmp_path, family):
+    model = moe_folder(tmp_path, family)
+    source = surgery.offloaded(tmp_path)
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(source.model, tokens), logits(model, tokens))
+    assert all(p.is_meta for p in source.model.parameters())
+    state = source.model.state_dict(keep_vars=True)
+    assert all(torch.equal(source.value_of(state[name]), value) for name, value in model.state_dict().items())
+
+
+def test_a_block_brought_in_reads_only_its_own_experts(tmp_path):
+    moe_folder(tmp_path, "mixtral")
+    source = surgery.offloaded(tmp_path)
+    with mock.patch.object(WeightFiles, "load", autospec=True, side_effect=WeightFiles.load) as load:
+        with source.resident(source.model.model.layers[1]) as weights:
+            assert weights["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 96, 32)
+    read = {call.args[1] for call in load.call_args_list}
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in read
+    assert all(name.startswith("model.layers.1.") for name in read)  # nothing of layer 0's experts
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (
+            lambda t: t.update({"model.layers.1.block_sparse_moe.gat.weight": t.pop(GATE)}),
+            r"offloaded.source='model\.layers\.1\.mlp\.gate\.weight': is a parameter of the model but in none of "
+            r"model.safetensors in .*; model\.layers\.1\.block_sparse_moe\.gat\.weight in the files is no tensor",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.block_sparse_moe.experts.0.w9.weight": t.pop(W1)}),
+            r"'model\.layers\.1\.mlp\.experts\.gate_up_proj': cannot be made from .*experts\.0\.w3\.weight .*; "
+            r"model\.layers\.1\.block_sparse_moe\.experts\.0\.w9\.weight in the files is no tensor",
+        ),
+        (
+            lambda t: t.update({W1: t[W1][:, :16].contiguous()}),
+            r"'model\.layers\.1\.mlp\.experts\.gate_up_proj'.*cannot be made from "
+            r"model\.layers\.1\.block_sparse_moe\.experts\.0\.w1\.weight",
+        ),
+        (
+            lambda t: t.update(
+                {"model.layers.0.mlp.gate.weight": t["model.layers.0.block_sparse_moe.gate.weight"].clone()}
+            ),
+            r"offloaded.source='model\.layers\.0\.mlp\.gate\.weight': is model\.layers\.0\.mlp\.gate\.weight of "
+            r"the model as transformers renames it, and so is model\.layers\.0\.block_sparse_moe\.gate\.weight",
+        ),
+    ],
+    ids=["unmapped-router", "unmapped-expert", "unstackable-experts", "two-names-for-one"],
+)
+def test_a_moe_folder_whose_names_transformers_cannot_map_is_one_line(tmp_path, spoil, message):
+    moe_folder(tmp_path, "mixtral")
+    edit_shard(tmp_path, spoil)
+    with pytest.raises(ConfigError, match=message) as err:
+        surgery.offloaded(tmp_path)
     assert "\n" not in str(err.value)

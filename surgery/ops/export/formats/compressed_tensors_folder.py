@@ -117,6 +117,7 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
     model = handle.model
+    refuse_experts(model, "compressed-tensors", "transformers merges per-expert checkpoint entries its own way")
     if not hasattr(model, "config"):
         raise ConfigError(
             "export.format",
