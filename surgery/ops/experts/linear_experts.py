@@ -12,6 +12,7 @@ writes the layers' weights into the fused parameters again.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -166,18 +167,25 @@ class LinearExperts(nn.ModuleList):
             alias: [f"{e}.{layer}" for e in range(len(self)) for layer in layers] for alias, layers in names.items()
         }
 
-    def fused_tensors(self) -> dict[str, Tensor]:
-        """The fused parameters these layers hold now, by the fused module's parameter names."""
+    def fused_tensors(self, value: Callable[[str, Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+        """The fused parameters these layers hold now, by the fused module's parameter names; with
+        ``value``, each layer's parameter is ``value(name, parameter)`` instead (``name`` as
+        ``"3.gate_proj.weight"``), a tensor of its shape (to trace where each lands)."""
         layout = self.layout
+        get = value or (lambda name, tensor: tensor)
         ups, downs, up_biases, down_biases = [], [], [], []
-        for expert in self:
-            up = expert.up_proj
-            gate = expert.gate_proj if layout.gated else None
-            ups.append(_stored(layout, _joined(layout, gate.weight, up.weight) if gate is not None else up.weight))
-            downs.append(_stored(layout, expert.down_proj.weight))
+        for e, expert in enumerate(self):
+
+            def of(layer: str, kind: str, expert: ExpertMLP = expert, e: int = e) -> Tensor:
+                return get(f"{e}.{layer}.{kind}", getattr(getattr(expert, layer), kind))
+
+            up = of("up_proj", "weight")
+            ups.append(_stored(layout, _joined(layout, of("gate_proj", "weight"), up) if layout.gated else up))
+            downs.append(_stored(layout, of("down_proj", "weight")))
             if layout.bias:
-                up_biases.append(_joined(layout, gate.bias, up.bias) if gate is not None else up.bias)
-                down_biases.append(expert.down_proj.bias)
+                up_bias = of("up_proj", "bias")
+                up_biases.append(_joined(layout, of("gate_proj", "bias"), up_bias) if layout.gated else up_bias)
+                down_biases.append(of("down_proj", "bias"))
         tensors = {layout.up_name: torch.stack(ups), "down_proj": torch.stack(downs)}
         if layout.bias:
             tensors[f"{layout.up_name}_bias"] = torch.stack(up_biases)

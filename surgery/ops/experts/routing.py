@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from surgery.core.errors import ConfigError
+from surgery.core.targets import _routers
 from surgery.ops.experts.layouts import fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
 
@@ -18,6 +19,11 @@ def linear_experts_in(model: nn.Module) -> dict[str, LinearExperts]:
 def experts_modules(model: nn.Module) -> list[str]:
     """The names of ``model``'s experts modules, fused or standing in as per-expert layers."""
     return sorted(set(linear_experts_in(model)) | set(fused_experts(model)))
+
+
+def routers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s routers and gates (a layer with a weight beside an experts module)."""
+    return sorted(_routers(dict(model.named_modules()), None))
 
 
 def refuse_experts(model: nn.Module, format_name: str, why: str) -> None:

@@ -379,7 +379,17 @@ def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: li
     """:func:`_parity` of the written copy ``tmp``; an artifact its runtime cannot load or run (or
     inputs the model cannot take) is said in one line, and nothing is moved into place."""
     try:
-        return _parity(chosen, chosen.load(tmp), model, calls, exact)
+        deployable = chosen.load(tmp)
+    except (SurgeryError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"its runtime cannot load the written {type(model).__name__} ({first_line(err)}); nothing was written",
+        ) from err
+    try:
+        return _parity(chosen, deployable, model, calls, exact)
     except (SurgeryError, KeyboardInterrupt):
         raise
     except Exception as err:

@@ -125,13 +125,20 @@ def test_handles_without_a_selection_state_the_coverage_of_what_they_changed():
     assert coverage.largest_left[0].reason == "not changed by smooth"
 
 
-@pytest.mark.parametrize(("format_name", "path"), [("onnx", "m.onnx"), ("compressed-tensors", "folder")])
-def test_formats_that_cannot_hold_experts_yet_refuse_in_one_line_before_writing(tmp_path, format_name, path):
+def test_onnx_cannot_hold_experts_yet_and_refuses_in_one_line_before_writing(tmp_path):
     model = tiny_moe("mixtral", layers=2)
     with surgery.quantize(model, weights=GridSpec(bits=8, symmetric=True)) as handle:
         with pytest.raises(ConfigError, match="writes no mixture-of-experts layer yet .*format='torchao' holds them"):
-            surgery.export(handle, tmp_path / path, format=format_name, inputs=BATCHES[0])
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=BATCHES[0])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compressed_tensors_holds_the_experts_of_a_default_selection(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    model = tiny_moe("mixtral", layers=2)
+    with surgery.quantize(model, weights=GridSpec(bits=8, symmetric=True)) as handle:
+        record = surgery.export(handle, tmp_path / "folder", format="compressed-tensors", inputs=BATCHES[0])
+    assert record.parity.equal and record.parity.holds
 
 
 def test_a_composed_prune_and_quantize_bake_together_into_the_model_s_own_classes():

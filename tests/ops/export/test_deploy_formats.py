@@ -637,7 +637,8 @@ def test_an_artifact_its_runtime_cannot_run_is_one_line_and_removed(tmp_path, fm
     ids = torch.randint(0, 64, (2, 8))
     spec = surgery.GridSpec(**weights)  # lm_head is tied to the embeddings: left out
     with surgery.quantize(model, weights=spec, activations=None, target=fmt, exclude=["lm_head"]) as handle:
-        with pytest.raises(ConfigError, match=rf"^export.format='{fmt}': the written FalconForCausalLM does not run"):
+        written = r"(the written FalconForCausalLM does not run|its runtime cannot load the written FalconForCausalLM)"
+        with pytest.raises(ConfigError, match=rf"^export.format='{fmt}': {written}"):
             surgery.export(handle, tmp_path / name, format=fmt, inputs=[ids])
     assert list(tmp_path.iterdir()) == []
 

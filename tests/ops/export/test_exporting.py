@@ -282,3 +282,33 @@ def test_a_format_registered_with_the_old_takes_plan_gets_the_export_parts_and_w
         assert type(given[0]) is ExportParts and list(given[0].masks) == ["0.weight"]
     finally:
         surgery.ops.export.exporting.EXPORT_FORMATS.unregister("test_takes_plan")
+
+
+def test_a_failed_reload_leaves_the_target_as_it_was_and_says_why_in_one_line(tmp_path):
+    """The written folder is reloaded before it is moved into place: transformers failing to
+    load it leaves an earlier folder at the path untouched, and the error is one line."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    from unittest import mock
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    target = tmp_path / "llama"
+    target.mkdir()
+    (target / "keep.txt").write_text("earlier")
+    broken = RuntimeError("We encountered some issues\nduring automatic conversion of the weights")
+    spec = surgery.GridSpec(bits=4, symmetric=True, group_size=16)
+    with surgery.quantize(model, weights=spec, select="**.*_proj", progress=False) as handle:
+        with mock.patch.object(transformers.LlamaForCausalLM, "from_pretrained", side_effect=broken):
+            with pytest.raises(ConfigError) as caught:
+                surgery.export(
+                    handle, target, format="compressed-tensors", inputs=[torch.randint(0, 64, (1, 8))], overwrite=True
+                )
+    assert str(caught.value) == (
+        "export.format='compressed-tensors': its runtime cannot load the written LlamaForCausalLM "
+        "(RuntimeError: We encountered some issues); nothing was written"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["llama"] and [p.name for p in target.iterdir()] == ["keep.txt"]

@@ -16,8 +16,14 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks
-from surgery.ops.experts.routing import refuse_experts
+from surgery.ops.experts.routing import experts_modules
 from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.formats.compressed_tensors_experts import (
+    WHY_PER_EXPERT,
+    checkpoint_state,
+    ignored,
+    refuse_expert_settings,
+)
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
@@ -59,7 +65,6 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
     model = parts.model
-    refuse_experts(model, "compressed-tensors", "transformers merges per-expert checkpoint entries its own way")
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(
             "export.format",
@@ -72,23 +77,14 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
     scheme, layers = _scheme(parts, ct, mode)
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    refuse_expert_settings(model, layers, scheme)
     compressor = _compressor(ct, scheme.format)
-    for layer in layers:
-        grid = parts.layer_weight(layer)
-        local = _local_state(grid, model.get_submodule(layer).weight, _transposed(model.get_submodule(layer)))
-        del state[f"{layer}.weight"]
-        for key, value in compressor.compress(local, scheme).items():
-            state[f"{layer}.{key}"] = value.contiguous()
-        activation = parts.activation(layer, "input")
-        if activation is not None and mode == "static":
-            state[f"{layer}.input_scale"] = activation.scale.detach().float().reshape(1)
-            if not activation.spec.symmetric and not activation.spec.is_float:
-                offset = 1 << (activation.spec.bits - 1)
-                state[f"{layer}.input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
-    _refuse_tied(model, [layer for layer in layers if f"{layer}.weight" not in state])  # packed: renamed
+    compressed = {layer: _compressed(parts, layer, compressor, scheme, mode) for layer in layers}
+    _refuse_tied(model, [layer for layer in layers if "weight" not in compressed[layer]])  # packed: renamed
+    state = checkpoint_state(model, compressed, WHY_PER_EXPERT)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, state_dict=state, max_shard_size=options.get("max_shard_size", "5GB"))
+    max_shard_size = options.get("max_shard_size", "5GB")
+    model.save_pretrained(path, state_dict=state, max_shard_size=max_shard_size, save_original_format=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     _add_quantization_config(path, ct, scheme, model, layers)
@@ -101,6 +97,21 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
     exact = exact and scheme.format not in _FP4_FORMATS  # FP4 weights load in bfloat16, scales ÷ a global one
     return {"exact": exact and not left_out, "left_out": left_out}
+
+
+def _compressed(parts: ExportParts, layer: str, compressor: Any, scheme: Any, mode: str) -> dict[str, Tensor]:
+    """``layer``'s tensors as compressed-tensors stores them, by their names inside the layer
+    (``weight_packed``, ``weight_scale``, ..., ``input_scale`` for static inputs)."""
+    module = parts.model.get_submodule(layer)
+    local = _local_state(parts.layer_weight(layer), module.weight, _transposed(module))
+    found = {key: value.contiguous() for key, value in compressor.compress(local, scheme).items()}
+    activation = parts.activation(layer, "input")
+    if activation is not None and mode == "static":
+        found["input_scale"] = activation.scale.detach().float().reshape(1)
+        if not activation.spec.symmetric and not activation.spec.is_float:
+            offset = 1 << (activation.spec.bits - 1)
+            found["input_zero_point"] = (activation.zero_point.reshape(1) - offset).to(torch.int8)
+    return found
 
 
 def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +128,14 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
     model = handle.model
-    refuse_experts(model, "compressed-tensors", "transformers merges per-expert checkpoint entries its own way")
+    experts = experts_modules(model)
+    if experts:
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"the streamed export of an offloaded model writes no mixture-of-experts layer yet ({experts[0]}); "
+            "export the model in memory, where compressed-tensors holds its experts",
+        )
     if not hasattr(model, "config"):
         raise ConfigError(
             "export.format",
@@ -444,8 +462,7 @@ def _compressor(ct: Any, name: str) -> Any:
 def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str], conv1d: bool) -> dict[str, Any]:
     from compressed_tensors.quantization import QuantizationConfig
 
-    quantized = set(layers)
-    ignore = [name for name, m in model.named_modules() if linear_or_conv1d(m) and name not in quantized]
+    ignore = ignored(model, layers, linear_or_conv1d)
     config = QuantizationConfig(
         config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
     )
