@@ -263,6 +263,23 @@ def tiny_moe(family: str, layers: int = 1, *, hidden: int = 32, experts: int = 4
     return model
 
 
+def routed(model: nn.Module, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``model``'s logits on ``batch`` and the experts each mixture-of-experts layer's router chose
+    for each token (sorted), read from the experts module's arguments."""
+    chosen: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(lambda m, args: chosen.append(args[1].sort(-1).values))
+        for layer in model.model.layers
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(**batch).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, chosen
+
+
 def plant_code(folder: Path, config_file: str, auto_map: dict, **fields: str) -> Path:
     """Add to the Hugging Face ``folder`` an ``auto_map`` in ``config_file`` naming classes of
     ``custom.py``, a file that writes the returned marker file when it is imported (``fields``:

@@ -143,7 +143,7 @@ def _export(cell: str, model: nn.Module, batches: list, folder: Path) -> str:
     """Quantize ``model`` for the format of ``cell``, export it and restore it; ``ok`` and what the
     export left out."""
     grids = {
-        "compressed-tensors": GridSpec(bits=4, group_size=16),
+        "compressed-tensors": GridSpec(bits=4, symmetric=True, group_size=16),
         "onnx": GridSpec(bits=8, symmetric=True, per_channel=True),
     }
     paths = {"compressed-tensors": folder / "model", "torchao": folder / "model.pt", "onnx": folder / "model.onnx"}

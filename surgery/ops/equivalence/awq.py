@@ -12,7 +12,11 @@ share of the quantization grid. Block by block, as the reference code (``llm-awq
    weight and bias absorb ``1/s``), or a Linear layer whose output channels can be divided by
    ``s`` without changing the block's output (``up_proj`` before ``down_proj``; ``v_proj``
    before ``o_proj`` when there are as many key/value heads as query heads), found by trying a
-   random scale. A group with neither is left out, and listed in ``handle.skipped``.
+   random scale. A group with neither is left out, and listed in ``handle.skipped``. A
+   mixture-of-experts block's router and every expert's input layers read its input (a reshape
+   of the norm's output) as one group: the router takes the scales exactly but stays float (not
+   rounded in the search, not clipped), and the group's statistic is the router's input, every
+   token (one scale serves every expert; each expert's own tokens still drive its clipping).
 3. For each group, on the unchanged block, ``s = mean|x|^r`` normalised by
    ``sqrt(max s · min s)``, for ``r`` in ``0, 1/n_grid, …``: the group's weights times ``s``
    are rounded onto ``weights``'s grid and divided by ``s`` again, the inspected module runs,
@@ -50,8 +54,10 @@ from surgery.core.inputs import Inputs, evaluating
 from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
 from surgery.core.transforms import attach_all
-from surgery.ops.equivalence.smoothing import Rescaled, is_norm
+from surgery.ops.equivalence.smoothing import Rescaled, is_norm, whole
+from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.linearizing import with_linear_experts
+from surgery.ops.experts.routing import expert_inputs, gates_in, moe_blocks
 from surgery.ops.numerics.observers import Grid, GridSpec, Observer, fake_quantize, fake_quantize_groups
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
@@ -69,12 +75,15 @@ class AwqScaled(Rescaled):
 @dataclass
 class AwqGroup:
     """Layers reading one input, what produces it (``None``: nothing foldable), the module
-    whose output the search compares, and the ratio and scales found."""
+    whose output the search compares, and the ratio and scales found. ``gates``: the routers and
+    gates of a mixture-of-experts block reading the same input, which take the scales exactly
+    (the function stays the same) but are not rounded in the search: they stay float."""
 
     block: str
     layers: list[str]
     producer: str | None
     inspected: str
+    gates: list[str] = field(default_factory=list)
     ratio: float = 0.0
     loss: float = 0.0
     scales: Tensor | None = field(default=None, repr=False)
@@ -263,7 +272,12 @@ def _block(
     current = _keeping_function(handle, mine, module, block, original, features, calls[0])
     if spec.clip:
         for local, layer in module.named_modules():
-            if isinstance(layer, nn.Linear) and not any(part in local for part in NO_CLIP) and local in features:
+            if (
+                isinstance(layer, nn.Linear)
+                and not any(part in local for part in NO_CLIP)
+                and local in features
+                and local not in seen.gates  # routers stay float
+            ):
                 name = f"{block}.{local}.weight"
                 limit = _clip_limits(current[name], features[local], spec)
                 handle.clipped[name] = limit
@@ -324,6 +338,10 @@ class _Recorded:
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
+        named = dict(block.named_modules())
+        self.gates = set(gates_in(named))
+        self.moe = moe_blocks(named)
+        self.claimed: set[str] = set()  # layers already a reader of some input
         self.inputs: dict[str, list[Tensor]] = {}
         self.calls: dict[str, list[tuple[tuple, dict]]] = {}
         self.readers: dict[int, list[str]] = {}  # id(input) -> Linear layers reading it (first call only)
@@ -335,7 +353,7 @@ class _Recorded:
         for name, sub in self.block.named_modules():
             if not name:
                 continue
-            if any(isinstance(m, nn.Linear) for m in sub.modules()):  # what a group's search may run again
+            if name in self.gates or any(isinstance(m, nn.Linear) for m in sub.modules()):  # what a search may run
                 self._hooks.append(sub.register_forward_pre_hook(self._called(name), with_kwargs=True))
             if isinstance(sub, nn.Linear) or is_norm(sub):
                 self._hooks.append(sub.register_forward_hook(self._produced(name)))
@@ -348,12 +366,24 @@ class _Recorded:
     def _called(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.calls.setdefault(name, []).append((args, kwargs))
-            if isinstance(module, nn.Linear) and args:
+            if not args or not isinstance(args[0], Tensor):
+                return
+            if isinstance(module, nn.Linear) or name in self.gates:
                 self.inputs.setdefault(name, []).append(args[0].detach())
-                if len(self.inputs[name]) == 1:
-                    self.readers.setdefault(id(args[0]), []).append(name)
+                self._read(name, args[0], [name])
+            elif isinstance(module, LinearExperts):  # every expert's input layers read its input's rows
+                self._read(name, args[0], expert_inputs(name, module))
 
         return hook
+
+    def _read(self, name: str, tensor: Tensor, layers: list[str]) -> None:
+        """``layers`` read ``tensor`` (a reshape of all of another inside a mixture-of-experts block:
+        that one), where they read nothing yet: the first call tells."""
+        fresh = [layer for layer in layers if layer not in self.claimed]
+        if fresh:
+            inside = any(name.startswith(f"{block}.") for block in self.moe)
+            self.readers.setdefault(id(whole(tensor) if inside else tensor), []).extend(fresh)
+            self.claimed.update(fresh)
 
     def _produced(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -376,7 +406,10 @@ def _groups(block: str, module: nn.Module, seen: _Recorded, first: tuple[tuple, 
         if producer is None:
             producer = _linear_producer(module, named, order, readers, first)
         inspected = _common_parent(readers)
-        groups.append(AwqGroup(block, [f"{block}.{r}" for r in readers], producer, inspected))
+        layers = [f"{block}.{r}" for r in readers if r not in seen.gates]
+        gates = [f"{block}.{r}" for r in readers if r in seen.gates]
+        if layers:
+            groups.append(AwqGroup(block, layers, producer, inspected, gates))
     return groups
 
 
@@ -386,7 +419,7 @@ def _linear_producer(
     """The Linear layer before ``readers`` whose output channels can carry the scales: dividing
     them by a random scale and multiplying the readers' columns by it leaves the block's output
     as it was (to float rounding)."""
-    width = named[readers[0]].in_features
+    width = named[readers[0]].weight.shape[1]
     before = order[: order.index(readers[0])]
     candidates = [n for n in reversed(before) if isinstance(named[n], nn.Linear) and named[n].out_features == width]
     if not candidates:
@@ -451,7 +484,8 @@ def _search(group: AwqGroup, module: nn.Module, block: str, seen: _Recorded, blo
     locals_ = [layer[len(block) + 1 :] for layer in group.layers]
     inspected = named[group.inspected] if group.inspected else module
     calls = seen.calls[group.inspected] if group.inspected else block_calls
-    x_mean = _mean_abs(seen.inputs[locals_[0]])
+    # every token: a router reads them all, an expert's layers only those routed to it, and one scale serves every expert
+    x_mean = _mean_abs(seen.inputs[(group.gates or group.layers)[0][len(block) + 1 :]])
     reference = [_flat(inspected(*a, **k)) for a, k in calls]
     count = sum(r.numel() for r in reference)
     originals = {name: named[name].weight.detach().clone() for name in locals_}
@@ -509,10 +543,11 @@ def _apply(group: AwqGroup, module: nn.Module, block: str, current: dict, featur
         current[f"{producer}.weight"] = current[f"{producer}.weight"] / scales.view(-1, 1)
         if f"{producer}.bias" in current:
             current[f"{producer}.bias"] = current[f"{producer}.bias"] / scales
-    for layer in group.layers:
+    for layer in [*group.layers, *group.gates]:
         current[f"{layer}.weight"] = current[f"{layer}.weight"] * scales.view(1, -1)
         local = layer[len(block) + 1 :]
-        features[local] = features[local] / scales.view(1, -1)
+        if local in features:  # an expert sent no token has none
+            features[local] = features[local] / scales.view(1, -1)
 
 
 def _clip_limits(weight: Tensor, inputs: Tensor, spec: AwqSpec) -> Tensor:

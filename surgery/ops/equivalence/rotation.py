@@ -16,6 +16,10 @@ orthogonal ``Q`` (a random Hadamard matrix: ``H / sqrt(n)`` with random signs on
    their outliers too. ``H`` is block-diagonal with Hadamard blocks of the largest power of two
    dividing the width (QuaRot uses a full Hadamard of that order).
 
+A mixture-of-experts block reads the stream through its router (a raw weight Parameter, or a
+Linear) and every expert's input layers, and writes it through every expert's ``down_proj``
+(made Linear layers while the verb is attached): they are readers and writers like any other.
+
 The model is checked to compute what it did (float32 rounding) on a sample batch; a model this
 cannot rotate (a LayerNorm, which subtracts the mean; a stream layer the trace cannot place) is
 refused in one line naming the layer, and nothing changes.
@@ -38,7 +42,6 @@ from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
 from surgery.ops.experts.linearizing import with_linear_experts
-from surgery.ops.experts.routing import linear_experts_in
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -163,14 +166,6 @@ def rotate(
 
 def _rotate_in_memory(model: nn.Module, calibration: Inputs, seed: int, online: bool) -> RotateHandle:
     """:func:`rotate` on a model in memory (its fused experts already per-expert layers)."""
-    experts = list(linear_experts_in(model))
-    if experts:
-        raise ConfigError(
-            "rotate",
-            type(model).__name__,
-            f"has mixture-of-experts layers ({experts[0]}{' ...' if len(experts) > 1 else ''}): their router and "
-            "experts read the stream through a gather this rotation does not follow yet; rotate a dense model",
-        )
     sites = _find_sites(model, calibration, online)
     named = dict(model.named_modules())
     width, pairs, readers, writers, embeddings, first = sites

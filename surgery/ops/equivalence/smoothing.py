@@ -35,7 +35,9 @@ from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.linearizing import with_linear_experts
+from surgery.ops.experts.routing import expert_inputs, gates_in, moe_blocks
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 
@@ -127,11 +129,33 @@ def _reads_last_axis(module: nn.Module) -> bool:
     return is_kind(module, lambda k: not k.convolution and k.activation_axis == -1 and k.input_axis is not None)
 
 
+def whole(tensor: Tensor) -> Tensor:
+    """The tensor ``tensor`` is a view of all of (a mixture-of-experts block's ``x.view(-1, H)``),
+    else ``tensor`` itself: the same values either way."""
+    base = tensor._base
+    return base if base is not None and base.numel() == tensor.numel() else tensor
+
+
+def readers_of(named: dict[str, nn.Module]) -> dict[str, list[str]]:
+    """The modules a traced forward checks the inputs of, each with the layers that read that input:
+    a Linear / Conv1D layer itself; a mixture-of-experts block's router or gate (a raw weight
+    Parameter read by ``F.linear``, or a Linear) itself; an experts module every expert's input
+    layers (they read the gathered rows of its input, the same values)."""
+    found = {name: [name] for name, module in named.items() if _reads_last_axis(module)}
+    found.update({name: [name] for name in gates_in(named)})
+    for name, module in named.items():
+        if isinstance(module, LinearExperts):
+            found[name] = expert_inputs(name, module)
+    return found
+
+
 def find_pairs(model: nn.Module, sample: Inputs, *, views: bool = False) -> dict[str, list[str]]:
-    """``{norm: [layers]}``: each normalisation layer whose output tensor itself is the input
-    of Linear / Conv1D layers, seen in one forward on the first batch of ``sample``; with
-    ``views``, also a view of it that keeps every channel (a language model's head reading
-    the last positions)."""
+    """``{norm: [layers]}``: each normalisation layer whose output tensor itself is the input of
+    Linear / Conv1D layers, seen in one forward on the first
+    batch of ``sample``; with ``views``, also a view of it that keeps every channel (a language
+    model's head reading the last positions). Inside a mixture-of-experts block, a reshape of all
+    of it counts too (the block reads ``x.view(-1, H)``), and its router and experts module are
+    readers (every expert's input layers read its gathered rows)."""
     named = dict(model.named_modules())
     produced: dict[int, tuple[str, Tensor]] = {}  # id(output) -> (norm, output): kept alive, so ids stay unique
     pairs: dict[str, list[str]] = {}
@@ -144,25 +168,28 @@ def find_pairs(model: nn.Module, sample: Inputs, *, views: bool = False) -> dict
 
         return hook
 
-    def match_input(name: str):
+    def match_input(layers: list[str], reshaped: bool):
         def hook(module: nn.Module, args: tuple) -> None:
             arg = args[0] if args and isinstance(args[0], Tensor) else None
-            found = None if arg is None else produced.get(id(arg))
+            found = None if arg is None else produced.get(id(whole(arg) if reshaped else arg))
             if found is None and views and arg is not None and arg._base is not None:
                 base = produced.get(id(arg._base))
                 keeps = base is not None and arg.shape[-1] == base[1].shape[-1] and arg.stride(-1) == base[1].stride(-1)
-                found = (base[0], arg) if keeps else None
-            if found is not None and found[1] is arg and name not in pairs.get(found[0], []):
-                pairs.setdefault(found[0], []).append(name)
+                found = (base[0], base[1]) if keeps else None
+            if found is not None:
+                known = pairs.setdefault(found[0], [])
+                known.extend(layer for layer in layers if layer not in known)
 
         return hook
 
     try:
+        readers, blocks = readers_of(named), moe_blocks(named)
         for name, module in named.items():
             if is_norm(module):
                 hooks.append(module.register_forward_hook(record_output(name)))
-            elif _reads_last_axis(module):
-                hooks.append(module.register_forward_pre_hook(match_input(name)))
+            elif name in readers:
+                reshaped = any(name.startswith(f"{block}.") for block in blocks)
+                hooks.append(module.register_forward_pre_hook(match_input(readers[name], reshaped)))
         first = next(iter(batches(sample, "smooth.calibration")))
         with evaluating(model), torch.no_grad():
             first(model)
@@ -253,8 +280,14 @@ def _smooth_in_memory(model: nn.Module, spec: SmoothSpec, calibration: Inputs, p
     named = dict(model.named_modules())
     maxima = _input_maxima(model, named, found, calibration, reducer, progress)
     handle = SmoothHandle(model)
+    gates = gates_in(named)
     rescaled = {
-        norm: _rescaled(named, norm, layers, _scales(named, norm, layers, maxima[layers[0]], alpha, weight_factor))
+        norm: _rescaled(
+            named,
+            norm,
+            layers,
+            _scales(named, norm, layers, maxima[_every_token(named, layers)], alpha, weight_factor, gates),
+        )
         for norm, layers in found.items()
     }
     for updates, _ in rescaled.values():
@@ -398,6 +431,7 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
     if not isinstance(pairs, Mapping):
         raise ConfigTypeError("smooth.pairs", pairs, "must be a dict {norm: [layers reading its output]}")
     named = dict(model.named_modules())
+    gates = gates_in(named)
     checked: dict[str, list[str]] = {}
     for norm, layers in pairs.items():
         if norm not in named or not is_norm(named[norm]):
@@ -406,8 +440,12 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
         features = named[norm].weight.numel()
         for layer in layers:
             module = named.get(layer)
-            if module is None or not _reads_last_axis(module):
-                raise ConfigError("smooth.pairs", layer, "is not a Linear or Conv1D layer of the model")
+            if module is None or not (_reads_last_axis(module) or layer in gates):
+                raise ConfigError(
+                    "smooth.pairs",
+                    layer,
+                    "is not a Linear or Conv1D layer, or a mixture-of-experts router, of the model",
+                )
             inputs = module.weight.shape[input_axis_of(module)]
             if inputs != features:
                 raise ConfigError("smooth.pairs", layer, f"reads {inputs} features; {norm} produces {features}")
@@ -415,6 +453,13 @@ def _check_pairs(model: nn.Module, pairs: Mapping[str, Iterable[str]]) -> dict[s
             raise ConfigError("smooth.pairs", norm, "lists no layer")
         checked[norm] = layers
     return checked
+
+
+def _every_token(named: dict[str, nn.Module], layers: list[str]) -> str:
+    """The first of ``layers`` that reads every token (not an expert's layer, which reads only the rows
+    routed to it): the one whose input statistic is the norm's output's."""
+    experts = [name for name, module in named.items() if isinstance(module, LinearExperts)]
+    return next((layer for layer in layers if not any(layer.startswith(f"{e}.") for e in experts)), layers[0])
 
 
 def _input_maxima(
@@ -425,7 +470,7 @@ def _input_maxima(
     reducer: type,
     progress: bool,
 ) -> dict[str, Tensor]:
-    layers = {pair[0]: named[pair[0]] for pair in found.values()}
+    layers = {_every_token(named, pair): named[_every_token(named, pair)] for pair in found.values()}
     with Capture(model, layers, ("inputs",), reducer) as seen:
         count = run_batches(model, calibration, field="smooth.calibration", progress=progress)
     if not count:
@@ -444,9 +489,13 @@ def _scales(
     activation: Tensor,
     alpha: float,
     weight_factor: float = 1.0,
+    gates: Mapping[str, nn.Module] | None = None,
 ) -> Tensor:
     """``s_j = max|X_j|^α / max|W_:,j|^(1−α)`` (``activation`` is the chosen statistic,
-    ``max|W|`` times ``weight_factor``), clamped away from zero; 1 for dead channels."""
+    ``max|W|`` times ``weight_factor``), clamped away from zero; 1 for dead channels. A
+    mixture-of-experts router (in ``gates``) stays float: it takes the scales, but its weights
+    have no say in them."""
+    layers = [layer for layer in layers if layer not in (gates or {})] or layers
     weights = [named[layer].weight.detach().float() for layer in layers]
     columns = (
         torch.stack([w.abs().amax(1 - input_axis_of(named[layer])) for w, layer in zip(weights, layers)]).amax(0)

@@ -3,6 +3,8 @@ few for a method (:func:`surgery.core.routing.every_expert_calibrated` routes ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 from surgery.core.errors import ConfigError
@@ -14,6 +16,32 @@ from surgery.ops.experts.linear_experts import LinearExperts
 def linear_experts_in(model: nn.Module) -> dict[str, LinearExperts]:
     """Every :class:`LinearExperts` in ``model`` by name."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LinearExperts)}
+
+
+def moe_blocks(named: Mapping[str, nn.Module]) -> list[str]:
+    """The mixture-of-experts blocks in ``named`` (its modules by name): those holding a :class:`LinearExperts`."""
+    return [name for name, module in named.items() if any(isinstance(c, LinearExperts) for c in module.children())]
+
+
+def gates_in(named: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """The routers and gates of every mixture-of-experts block in ``named`` (its modules by name): the
+    children with a 2-D ``weight`` of their own beside a :class:`LinearExperts` (Mixtral's ``gate``,
+    PhiMoE's ``router``, Qwen2-MoE's ``shared_expert_gate``). They read the block's input as its
+    experts do, through ``F.linear`` on that weight or as a Linear, and stay float."""
+    found: dict[str, nn.Module] = {}
+    for name in moe_blocks(named):
+        for local, child in named[name].named_children():
+            weight = child._parameters.get("weight")
+            if not isinstance(child, LinearExperts) and isinstance(weight, nn.Parameter) and weight.dim() == 2:
+                found[f"{name}.{local}" if name else local] = child
+    return found
+
+
+def expert_inputs(name: str, experts: LinearExperts) -> list[str]:
+    """The layers of every expert of ``experts`` (named ``name``) that read its input: ``gate_proj`` and
+    ``up_proj`` (``up_proj`` alone when ungated)."""
+    local = ["gate_proj", "up_proj"] if experts.layout.gated else ["up_proj"]
+    return [f"{name}.{e}.{layer}" for e in range(len(experts)) for layer in local]
 
 
 def experts_modules(model: nn.Module) -> list[str]:

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from support import tiny_llama  # tests/support.py
+from support import routed, tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
 
 import surgery
@@ -241,3 +241,52 @@ def test_awq_that_would_change_nothing_is_refused():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3)]).eval()
     with pytest.raises(ConfigError, match=r"awq='Sequential': found no group .* it would change nothing"):
         surgery.awq(model, weights=GridSpec(bits=4, group_size=32), calibration=[torch.randn(8, 32)], clip=False)
+
+
+MOE_BATCHES = [
+    {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "router", "clip"),
+    [("mixtral", "gate", False), ("deepseek_v3", "gate", False), ("phimoe", "router", True)],
+)
+def test_a_mixture_of_experts_norm_is_balanced_with_every_expert_and_its_float_router(family, router, clip):
+    model = tiny_moe(family, layers=2)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    logits, chosen = routed(model, MOE_BATCHES[1])
+    gate = model.model.layers[1].mlp.get_submodule(router)
+    weight = gate.weight.detach().clone()
+    spec = GridSpec(bits=4, group_size=16)
+    handle = surgery.awq(model, weights=spec, calibration=MOE_BATCHES, n_grid=4, clip=clip, progress=False)
+    group = next(g for g in handle.groups if g.producer == "post_attention_layernorm" and g.block == "model.layers.1")
+    assert group.gates == [f"model.layers.1.mlp.{router}"] and group.inspected == "mlp"
+    experts = {f"model.layers.1.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")}
+    assert experts <= set(group.layers)
+    # the router takes the scales exactly, neither rounded nor clipped (PhiMoE's is a Linear): it stays float
+    torch.testing.assert_close(gate.weight, weight * group.scales, rtol=1e-6, atol=0)
+    if not clip:  # the scales alone leave the function as it was
+        after, rerouted = routed(model, MOE_BATCHES[1])
+        assert (after - logits).abs().max().item() <= 1e-5
+        assert all(torch.equal(a, b) for a, b in zip(chosen, rerouted, strict=True))
+    handle.restore()
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_the_awq_statistic_of_a_mixture_of_experts_group_is_over_every_token():
+    model = tiny_moe("mixtral", layers=2)
+    seen = []
+    hook = model.model.layers[0].mlp.gate.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        for batch in MOE_BATCHES:
+            model(**batch)
+    hook.remove()
+    mean = torch.cat(seen).abs().mean(0)
+    handle = surgery.awq(
+        model, weights=GridSpec(bits=4, group_size=16), calibration=MOE_BATCHES, n_grid=4, progress=False
+    )
+    group = next(g for g in handle.groups if g.producer == "post_attention_layernorm")
+    expected = mean.pow(group.ratio).clamp(min=1e-4)
+    torch.testing.assert_close(group.scales, expected / (expected.max() * expected.min()).sqrt())
+    handle.restore()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import tiny_llama  # tests/support.py
+from support import routed, tiny_llama, tiny_moe  # tests/support.py
 
 import surgery
 from surgery.core.errors import ConfigError
@@ -175,3 +175,40 @@ def test_a_model_whose_outputs_are_nan_is_refused_before_rotating():
         surgery.rotate(model, calibration=[torch.randint(0, 128, (1, 8))], online=False)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param, before[name], rtol=0, atol=0, equal_nan=True)
+
+
+MOE_BATCHES = [
+    {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)
+]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_a_mixture_of_experts_rotates_its_routers_and_experts_with_the_stream(family):
+    model = tiny_moe(family, layers=2)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    logits, chosen = routed(model, MOE_BATCHES[1])
+    handle = surgery.rotate(model, calibration=MOE_BATCHES[:1], progress=False)
+    assert {"model.layers.1.mlp.gate", "model.layers.1.mlp.router"} & set(handle.readers)  # the router
+    assert {f"model.layers.1.mlp.experts.{e}.up_proj" for e in range(4)} <= set(handle.readers)
+    assert {f"model.layers.1.mlp.experts.{e}.down_proj" for e in range(4)} <= set(handle.writers)
+    rotated, rerouted = routed(model, MOE_BATCHES[1])
+    assert ((rotated - logits).abs().max() / logits.abs().max()).item() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(chosen, rerouted, strict=True))
+    handle.restore()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[n], v) for n, v in before.items())
+
+
+def test_a_rotated_mixture_of_experts_bakes_into_its_own_fused_classes():
+    model = tiny_moe("qwen3_moe", layers=2)
+    fused = type(model.model.layers[0].mlp.experts)
+    logits, _ = routed(model, MOE_BATCHES[1])
+    surgery.rotate(model, calibration=MOE_BATCHES[:1], online=False, progress=False).bake()
+    assert type(model.model.layers[0].mlp.experts) is fused
+    baked, _ = routed(model, MOE_BATCHES[1])
+    assert ((baked - logits).abs().max() / logits.abs().max()).item() <= 1e-4
+
+
+def test_a_mixture_of_experts_with_layer_norms_is_refused_for_its_norms():
+    with pytest.raises(ConfigError, match=r"^rotate='model.layers.0.input_layernorm': is a LayerNorm, which subtracts"):
+        surgery.rotate(tiny_moe("phimoe", layers=1), calibration=MOE_BATCHES[:1], progress=False)

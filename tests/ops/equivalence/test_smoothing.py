@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import edit_in_place, tiny_gpt2  # tests/support.py
+from support import edit_in_place, routed, tiny_gpt2, tiny_moe  # tests/support.py
 from support import tiny_llama as support_llama  # tests/support.py
 from torch import nn
 
@@ -237,3 +237,49 @@ def test_the_range_statistic_gives_llm_compressors_scales():
         torch.testing.assert_close(found, x.abs().amax(0).pow(0.5) / weights.abs().amax(0).pow(0.5), rtol=1e-6, atol=0)
     with pytest.raises(ConfigError, match="smooth.statistic='max': must be one of absmax, range"):
         surgery.smooth(model, 0.5, calibration=data, statistic="max")
+
+
+MOE_BATCHES = [
+    {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)
+]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_a_mixture_of_experts_norm_is_smoothed_into_its_router_and_every_expert(family):
+    model = tiny_moe(family, layers=2)
+    before = snapshot(model)
+    logits, chosen = routed(model, MOE_BATCHES[1])
+    router = model.model.layers[1].mlp.gate if family != "gpt_oss" else model.model.layers[1].mlp.router
+    weight = router.weight.detach().clone()
+    handle = surgery.smooth(model, calibration=MOE_BATCHES[:1], progress=False)
+    pairs = {pair.norm: pair for pair in handle.pairs}
+    pair = pairs["model.layers.1.post_attention_layernorm"]
+    router_name = "model.layers.1.mlp.gate" if family != "gpt_oss" else "model.layers.1.mlp.router"
+    assert router_name in pair.layers
+    assert {f"model.layers.1.mlp.experts.{e}.up_proj" for e in range(4)} <= set(pair.layers)
+    torch.testing.assert_close(router.weight, weight * pair.scales, rtol=1e-6, atol=0)  # the router, exactly
+    smoothed, rerouted = routed(model, MOE_BATCHES[1])
+    assert (smoothed - logits).abs().max().item() <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(chosen, rerouted, strict=True))
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_the_smoothing_scales_of_a_mixture_of_experts_take_every_token_and_the_experts_weights():
+    model = tiny_moe("mixtral", layers=1)
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.gate.weight.mul_(10)  # larger than every expert's: were it counted, it would set the scales
+    seen = []
+    hook = mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().abs().amax((0, 1))))
+    with torch.no_grad():
+        model(**MOE_BATCHES[0])
+    hook.remove()
+    with surgery.linear_experts(model):
+        columns = torch.stack([
+            torch.cat([e.gate_proj.weight, e.up_proj.weight]).abs().amax(0) for e in mlp.experts
+        ]).amax(0)  # fmt: skip
+    handle = surgery.smooth(model, calibration=MOE_BATCHES[:1], progress=False)
+    scales = next(p.scales for p in handle.pairs if p.norm == "model.layers.0.post_attention_layernorm")
+    torch.testing.assert_close(scales, seen[0].sqrt() / columns.sqrt())  # the router's weights have no say
+    handle.restore()

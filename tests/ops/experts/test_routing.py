@@ -9,7 +9,7 @@ import torch
 from surgery.core.errors import ConfigError
 from surgery.core.routing import every_expert_calibrated
 from surgery.ops.experts.linearizing import linear_experts
-from surgery.ops.experts.routing import check_tokens, tokens_per_expert
+from surgery.ops.experts.routing import check_tokens, expert_inputs, gates_in, moe_blocks, tokens_per_expert
 from tests.support import tiny_moe
 
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -58,3 +58,23 @@ def test_experts_with_too_few_tokens_are_named():
     with pytest.raises(ConfigError, match=r"quantize.experts=.*mlp.experts.2 \(0\).*too few for gptq"):
         check_tokens({"model.layers.0.mlp.experts": [40, 12, 0, 9]}, 10, "quantize.experts", "gptq")
     check_tokens({"model.layers.0.mlp.experts": [40, 12, 10, 9]}, 9, "quantize.experts", "gptq")
+
+
+@pytest.mark.parametrize(
+    ("family", "gates"),
+    [
+        ("mixtral", ["gate"]),
+        ("phimoe", ["router"]),
+        ("qwen2_moe", ["gate", "shared_expert_gate"]),
+        ("gpt_oss", ["router"]),
+    ],
+)
+def test_the_routers_and_gates_beside_the_experts_are_found_raw_or_linear(family, gates):
+    model = tiny_moe(family, layers=1)
+    with linear_experts(model):
+        named = dict(model.named_modules())
+        assert moe_blocks(named) == ["model.layers.0.mlp"]
+        assert sorted(gates_in(named)) == [f"model.layers.0.mlp.{gate}" for gate in gates]
+        experts = model.model.layers[0].mlp.experts
+        assert expert_inputs("e", experts) == [f"e.{i}.{p}" for i in range(4) for p in ("gate_proj", "up_proj")]
+    assert gates_in(dict(model.named_modules())) == {}  # fused experts: no block holds per-expert layers

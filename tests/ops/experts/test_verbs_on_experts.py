@@ -100,15 +100,6 @@ def test_awq_scales_each_expert_s_down_proj_through_its_up_proj():
     assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
 
 
-def test_rotate_refuses_in_one_line_while_routers_read_the_stream_unrotated():
-    model = tiny_moe("mixtral", layers=2)
-    before = _state(model)
-    with pytest.raises(ConfigError, match="has mixture-of-experts layers .*: their router and experts read the stream"):
-        surgery.rotate(model, calibration=BATCHES)
-    assert model.state_dict().keys() == before.keys()
-    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
-
-
 def test_every_weight_handle_states_its_coverage():
     model = tiny_moe("olmoe", layers=2)
     with surgery.prune(model, 0.5) as pruned, surgery.quantize(model) as quantized:
@@ -121,7 +112,7 @@ def test_handles_without_a_selection_state_the_coverage_of_what_they_changed():
     model = tiny_moe("qwen3_moe", layers=2)
     with surgery.smooth(model, calibration=BATCHES) as handle:
         coverage = handle.coverage
-    assert 0 < coverage.share < 0.2  # norms and attention projections only: experts read the norm with the router
+    assert 0.5 < coverage.share < 0.7  # norms, attention projections, routers and experts' gate and up projections
     assert coverage.largest_left[0].reason == "not changed by smooth"
 
 
