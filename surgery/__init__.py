@@ -39,6 +39,8 @@ from surgery.ops.build.intercept import (
 from surgery.ops.equivalence.awq import AwqHandle, AwqSpec, awq
 from surgery.ops.equivalence.rotation import RotateHandle, rotate
 from surgery.ops.equivalence.smoothing import SmoothHandle, SmoothSpec, smooth
+from surgery.ops.experts.expert_pruning import ExpertPruneHandle, prune_experts, register_router
+from surgery.ops.experts.expert_scores import ExpertStats, register_expert_criterion
 from surgery.ops.experts.linearizing import LinearExpertsHandle, linear_experts
 from surgery.ops.experts.routing import tokens_per_expert
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
@@ -128,6 +130,11 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "LinearExpertsHandle",
     "every_expert_calibrated",
     "tokens_per_expert",
+    "prune_experts",
+    "ExpertPruneHandle",
+    "register_expert_criterion",
+    "ExpertStats",
+    "register_router",
     # shrink
     "shrink",
     "ShrinkSpec",

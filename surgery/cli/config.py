@@ -32,6 +32,7 @@ from surgery.ops.export.exporting import EXPORT_FORMATS
 from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
 from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER
+from surgery.tasks.tinymoe import FOLDER as TINYMOE_FOLDER
 
 log = logging.getLogger("surgery")
 
@@ -40,6 +41,7 @@ HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 SHIPPED_FOLDER = "shipped"  # model.path (model=hf): surgery's trained tiny Llama (surgery.tasks.tinyllama)
+SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER}  # model.name with model.path=shipped: another shipped model
 
 
 @dataclass
@@ -66,8 +68,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         one_of("model.source", self.source, MODEL_SOURCES)
         shipped = self.source == "hf" and self.path == SHIPPED_FOLDER
-        if shipped:  # the trained tiny Llama (surgery/assets/tinyllama), wherever surgery is installed
-            self.path = str(TINYLLAMA_FOLDER)
+        shipped_name = (self.name if self.name in SHIPPED_FOLDERS else "tinyllama") if shipped else None
+        if shipped:  # the trained tiny Llama (surgery/assets/tinyllama), or model.name=tinymoe's MoE
+            self.path = str(SHIPPED_FOLDERS.get(self.name, TINYLLAMA_FOLDER))
         if not isinstance(self.offload, bool):
             raise ConfigError("model.offload", self.offload, "must be true or false")
         if self.offload and (self.source != "hf" or self.path is None):
@@ -94,7 +97,7 @@ class ModelConfig:
         if self.path is not None and self.source != "hf":
             raise ConfigError("model.path", self.path, "applies to model=hf only (a local pretrained folder)")
         if self.path is not None:  # what the report calls the model (not a recipe's default name)
-            self.name = "tinyllama" if shipped else self.path
+            self.name = shipped_name or self.path
 
 
 @dataclass

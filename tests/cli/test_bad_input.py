@@ -883,6 +883,14 @@ API_CASES = [
         build=lambda: tiny_moe("gpt_oss", layers=1),
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=8, symmetric=True)),
     ),
+    ApiCase(
+        "experts-amount",
+        lambda m, *_: surgery.prune_experts(m, 0.75, calibration=[torch.randint(0, 128, (2, 16))]),
+        ConfigError,
+        "prune_experts.amount=0.75",
+        "leaves 1 experts per layer, fewer than the top_k=2",
+        build=lambda: tiny_moe("qwen3_moe", layers=1),
+    ),
 ]
 
 
@@ -1358,6 +1366,11 @@ CLI_CASES = [
         (*FAST, "output.checkpoint=pt"),
         "model.pt': cannot be written (",
         user_module("sitecustomize", TORCH_DISK_FULL),
+    ),
+    CliCase(
+        "experts-amount",
+        ("recipe=prune_experts_moe", "prune_experts.amount=7", "prune_experts.calibration_batches=1", "data.batches=1"),
+        "prune_experts.amount=7: leaves 1 experts per layer",
     ),
 ]
 

@@ -684,3 +684,24 @@ def test_a_selection_leaving_most_weights_untouched_fails_the_coverage_check(tmp
     allowed = surgery(*MOE, "+quantize.select=[model.layers.*.self_attn.*_proj]", "checks.enabled=[drift]",
                       "checks.max_untouched=1.0", f"hydra.run.dir={tmp_path / 'allowed'}")  # fmt: skip
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+
+
+def test_prune_experts_recipe_shrinks_the_shipped_moe_and_reports_each_expert(tmp_path):
+    fast = ("data.batches=2", "prune_experts.calibration_batches=2", "prune_experts.amount=2")
+    result = surgery("recipe=prune_experts_moe", *fast, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)
+    assert data["ok"] and {c["name"] for c in data["checks"]} >= {"identity", "restore", "bake", "save_load"}
+    pruned = data["prune_experts"]
+    assert pruned["num_experts"] == {"before": 8, "after": 6} and pruned["criterion"] == "reap"
+    layer = pruned["layers"]["model.layers.0.mlp.experts"]
+    assert len(layer["removed"]) == 2 and sum(layer["tokens_per_expert"]) == 2 * 16 * 128 * 2  # top-2
+    assert "prune_experts: 8 -> 6 experts" in result.stdout
+    import transformers
+    from safetensors.torch import load_file
+
+    from surgery.tasks.tinymoe import FOLDER
+
+    config = transformers.AutoConfig.from_pretrained(FOLDER, num_experts=6)
+    smaller = transformers.AutoModelForCausalLM.from_config(config)
+    smaller.load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: the pruned shapes

@@ -83,3 +83,13 @@ def test_a_config_without_sensitivity_runs_none():
 def test_export_options_without_a_format_are_refused():
     with pytest.raises(ConfigError, match=r"^export.options=\{'tokenizer': 'tok'\}: apply to an export; set export"):
         load_config({"export": {"options": {"tokenizer": "tok"}}})
+
+
+def test_model_name_picks_which_shipped_folder_model_path_shipped_loads():
+    from surgery.tasks.tinyllama import FOLDER as LLAMA
+    from surgery.tasks.tinymoe import FOLDER as MOE
+
+    moe = load_config(composed("recipe=prune_experts_moe"))
+    assert (moe.model.path, moe.model.name) == (str(MOE), "tinymoe")
+    llama = load_config(composed("recipe=quantize_gptq_llama"))  # model.name=llama: the tiny Llama, as before
+    assert (llama.model.path, llama.model.name) == (str(LLAMA), "tinyllama")

@@ -1,5 +1,5 @@
 """The command line's steps: the protocol and registry (:mod:`.base`) and the built-in steps,
-each one file that registers itself: prune, quantize, rewrite, smooth, awq, rotate, kv_cache,
+each one file that registers itself: prune, prune_experts, quantize, rewrite, smooth, awq, rotate, kv_cache,
 shrink, finetune, sensitivity."""
 
 from surgery.cli.steps import (  # noqa: F401
@@ -7,6 +7,7 @@ from surgery.cli.steps import (  # noqa: F401
     finetune,
     kv_cache,
     prune,
+    prune_experts,
     quantize,
     rewrite,
     rotate,

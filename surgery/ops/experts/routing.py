@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from surgery.core._compat import get_slot
 from surgery.core.errors import ConfigError
 from surgery.core.targets import _routers
 from surgery.ops.experts.layouts import fused_experts
@@ -31,7 +32,7 @@ def gates_in(named: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
     found: dict[str, nn.Module] = {}
     for name in moe_blocks(named):
         for local, child in named[name].named_children():
-            weight = child._parameters.get("weight")
+            weight = get_slot(child, "weight")
             if not isinstance(child, LinearExperts) and isinstance(weight, nn.Parameter) and weight.dim() == 2:
                 found[f"{name}.{local}" if name else local] = child
     return found
