@@ -10,10 +10,11 @@ undo record needs them.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import weakref
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +64,22 @@ class Originals:
 
     def __contains__(self, name: str) -> bool:
         return name in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @contextlib.contextmanager
+    def originals_in(self) -> Iterator[None]:
+        """For the block, every kept parameter holds its original values again (the new ones after)."""
+        with torch.no_grad():
+            current = [(param, param.detach().clone()) for param, _ in self._kept.values()]
+            for param, saved in self._kept.values():
+                saved.put_back(param)
+            try:
+                yield
+            finally:
+                for param, value in current:
+                    param.copy_(value)
 
     def keep(self, name: str, param: Tensor) -> None:
         """Keep ``param``'s current values under ``name`` (a second call keeps the first values)."""

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
-from surgery.core.capture import Capture, ReducerFactory
+from surgery.core.capture import Capture, Keep, ReducerFactory
 from surgery.core.errors import ConfigError
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.originals import Originals
@@ -47,6 +47,8 @@ from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
 Solve = Callable[[dict[str, Any]], Mapping[str, Tensor]]  # {layer: its reduced inputs} -> {param name: new value}
+# (layer, module, its inputs in the model before compression, its inputs here) -> its reduced inputs
+Paired = Callable[[str, nn.Module, list[Tensor], list[Tensor]], Any]
 
 
 class _Stop(Exception):
@@ -246,6 +248,7 @@ def run_sequential(
     progress: bool = True,
     originals: Originals | None = None,
     settings: Any = None,
+    paired: Paired | None = None,
 ) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
@@ -257,6 +260,9 @@ def run_sequential(
     Every parameter written is put back as it was before returning, unless the caller passes
     the ``originals`` store to keep them in (then the new values stay); always on an error.
     ``settings`` (the verb's spec) must be the same on every process calibrating together.
+    With ``paired``, each stage's layers are also run as the model was before any compression
+    (a float stream beside the compressed one, block to block) and ``paired`` reduces each
+    layer's two lists of inputs instead of ``reduce`` (GPTAQ).
     """
     calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
@@ -267,21 +273,24 @@ def run_sequential(
             spilled_before = ledger.spilled
             report.stages = trace_stages(model, layers, report.blocks, calls[0], field, report.chained)
             cache: tuple[str, BlockCalls] | None = None  # (block, its inputs per batch)
+            floats = None if paired is None else _FloatStream(model, calls, store, report, paired)
             for stage in tqdm(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
             ):
                 stage_layers = {name: layers[name] for name in stage.layers}
                 if stage.block is None:
-                    cache = None
-                    reduced = _reduced(model, stage_layers, reduce, lambda calls=calls: [call(model) for call in calls])
+                    cache, block, inputs = None, None, None
+                    run = lambda calls=calls: [call(model) for call in calls]  # noqa: E731
                 else:
                     block = model.get_submodule(stage.block)
                     inputs = (
                         cache[1] if cache is not None and cache[0] == stage.block else catch_inputs(model, block, calls)
                     )
-                    reduced = _reduced(
-                        model, stage_layers, reduce, lambda block=block, inputs=inputs: run_each(block, inputs)
-                    )
+                    run = lambda block=block, inputs=inputs: run_each(block, inputs)  # noqa: E731
+                if floats is None:
+                    reduced = _reduced(model, stage_layers, reduce, run)
+                else:
+                    reduced = floats.reduced(stage, stage_layers, block, inputs, run)
                 _write(solve(reduced), stage, params, store)
                 if stage.block is not None:
                     cache = _outputs_for_next(report, stage.block, block, inputs)
@@ -336,7 +345,55 @@ def _reduced(
 ) -> dict[str, Any]:
     with Capture(model, layers, ("inputs",), reduce) as seen:
         run()
-    found = seen.inputs
+    return _every_layer_ran(seen.inputs, layers)
+
+
+class _FloatStream:
+    """The inputs each stage's layers receive in the model as it was before compression, carried
+    block to block beside the compressed stream (GPTAQ calibrates against both)."""
+
+    def __init__(
+        self, model: nn.Module, calls: list, store: Originals, report: SequentialReport, paired: Paired
+    ) -> None:
+        self.model, self.calls, self.store, self.report, self.paired = model, calls, store, report, paired
+        self.cache: tuple[str, BlockCalls] | None = None  # (block, its float inputs per batch)
+
+    def reduced(
+        self, stage: Stage, layers: dict[str, nn.Module], block: nn.Module | None, inputs: Any, run: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """Each layer's two input lists reduced by ``paired``: the float model's, then this model's."""
+        with Capture(self.model, layers, ("inputs",), Keep) as seen:
+            following = self._run(stage, block, inputs)
+        floats = seen.inputs
+        with Capture(self.model, layers, ("inputs",), Keep) as seen:
+            run()
+        found = _every_layer_ran(seen.inputs, layers)
+        self.cache = following
+        return {name: self.paired(name, module, floats.get(name) or [], found[name]) for name, module in layers.items()}
+
+    def _run(self, stage: Stage, block: nn.Module | None, inputs: Any) -> tuple[str, BlockCalls] | None:
+        """Run the stage as the float model would; the next block's float inputs where they chain."""
+        if block is None:
+            with self.store.originals_in():
+                for call in self.calls:
+                    call(self.model)
+            return None
+        if self.cache is not None and self.cache[0] == stage.block:
+            floats = self.cache[1]
+        elif len(self.store):  # layers before it are compressed: catch what the float model gives it
+            with self.store.originals_in():
+                floats = catch_inputs(self.model, block, self.calls)
+        else:
+            floats = inputs
+        following = _following(self.report.blocks, stage.block)
+        if following is None or stage.block not in self.report.chained:
+            run_each(block, floats)
+            return None
+        outputs = outputs_as_next_inputs(block, floats)
+        return None if outputs is None else (following, outputs)
+
+
+def _every_layer_ran(found: dict[str, Any], layers: dict[str, nn.Module]) -> dict[str, Any]:
     for name in layers:
         if found.get(name) is None:
             raise ConfigError(

@@ -99,8 +99,8 @@ def _unrouted(err: ConfigError, swapped: list[str], verb: str) -> ConfigError:
     """A calibration error about a layer of an expert means its router sent it no token: say so."""
     layer = err.value if isinstance(err.value, str) and " " not in err.value else ""
     owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
-    if owner is None or not err.field.endswith("calibration"):
-        return err
+    if owner is None or not err.field.endswith("calibration") or "received no floating-point input" not in str(err):
+        return err  # another calibration error (NaN, GPTAQ's pairing) says what it is itself
     expert = layer[len(owner) + 1 :].split(".")[0]
     return ConfigError(
         f"{verb}.calibration",

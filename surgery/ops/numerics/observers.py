@@ -119,7 +119,8 @@ class GridSpec:
     its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
     ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
     and moves each column's error onto the columns not yet rounded, through the inverse
-    Hessian of the layer's calibration inputs; Frantar et al. 2023). ``actorder`` (GPTQ):
+    Hessian of the layer's calibration inputs; Frantar et al. 2023) or ``"gptaq"`` (GPTQ fitted
+    to the float model's outputs; Li et al. 2025). ``actorder`` (GPTQ, GPTAQ):
     ``None`` walks the columns in order; ``"weight"`` walks them by decreasing activation energy
     (the Hessian's diagonal) while each column keeps its own group's grid, so the stored format
     is unchanged (llm-compressor's ``actorder="weight"``, its default).
@@ -235,7 +236,7 @@ def _check_actorder(spec: Any, field: str) -> None:
         return
     if spec.actorder not in ACTORDER:
         raise ConfigError(f"{field}.actorder", spec.actorder, f"must be null or {', '.join(map(repr, ACTORDER))}")
-    if spec.method != "gptq":
+    if spec.method not in ("gptq", "gptaq"):
         raise ConfigError(
             f"{field}.actorder", spec.actorder, f"orders GPTQ's walk over the columns; method is {spec.method!r}"
         )

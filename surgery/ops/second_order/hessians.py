@@ -122,3 +122,35 @@ class HessianReducer:
 
 
 register_reduction("hessian", HessianReducer)
+
+
+def asymmetric_hessians(name: str, module: nn.Module, floats: list[Tensor], inputs: list[Tensor]) -> dict[str, Any]:
+    """GPTAQ's statistics of a layer (a ``run_sequential`` pairing): the Hessian ``2 XᵀX / rows``
+    of its inputs here and ``2 (X̃ − X)ᵀX / rows``, ``X̃`` its inputs in the model before
+    compression, row for row (one per group)."""
+    if len(floats) != len(inputs) or any(f.shape != x.shape for f, x in zip(floats, inputs, strict=False)):
+        raise ConfigError(
+            "calibration",
+            name,
+            "received other inputs in the model before compression than after it (a router chose other "
+            "experts), so GPTAQ cannot pair them row for row; run every token through every expert "
+            "(with surgery.every_expert_calibrated(): ...) or use method='gptq'",
+        )
+    hessian = asymmetry = None
+    rows = 0
+    for original, given in zip(floats, inputs, strict=True):
+        columns = input_columns(module, name, given)
+        if not torch.isfinite(columns).all():
+            raise ConfigError("calibration", name, "NaN or Inf reached this layer; clean the calibration data")
+        shift = input_columns(module, name, original) - columns
+        product, cross = columns.transpose(1, 2) @ columns, shift.transpose(1, 2) @ columns
+        hessian = product if hessian is None else hessian + product
+        asymmetry = cross if asymmetry is None else asymmetry + cross
+        rows += columns.shape[1]
+    rows = distributed.summed_count(rows)
+    scale = 2.0 / rows
+    return {
+        "hessian": distributed.summed(hessian) * scale,
+        "asymmetry": distributed.summed(asymmetry) * scale,
+        "rows": rows,
+    }

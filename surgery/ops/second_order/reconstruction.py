@@ -18,6 +18,7 @@ from torch import Tensor
 from surgery.core.errors import ConfigError
 
 QParams = tuple[Tensor, Tensor]  # (scale, zero point), one per row
+GPTAQ_ALPHA = 0.25  # the weight of the float model's outputs in GPTAQ's update, as the authors' code
 
 
 def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
@@ -120,6 +121,7 @@ def gptq(
     damping: float = 0.01,
     name: str = "",
     actorder: str | None = None,
+    asymmetry: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
@@ -139,6 +141,12 @@ def gptq(
     with the most energy first) while each keeps the grid of its own group in the original
     order, every group's scales taken from the weights before the walk: llm-compressor's
     ``actorder="weight"`` (its default, ``"static"``), which stores nothing extra.
+
+    ``asymmetry`` (GPTAQ, Li et al. 2025): ``2 (X̃ − X)ᵀX / rows``, with ``X̃`` the layer's inputs
+    in the model before compression and ``X`` (the Hessian's) its inputs here; each column's
+    update then also moves the later columns by ``w Pᵢ`` with ``P = α triu₁(ΔXᵀX Uᵀ) U``
+    as the authors' code computes it (``α = 0.25``, ``U`` the inverse Hessian's upper factor), so
+    the layer reproduces the float model's outputs, not only its own.
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
@@ -147,8 +155,10 @@ def gptq(
     if order is not None:
         w, hessian = w[:, order].contiguous(), hessian[order][:, order]
         keep = None if keep is None else keep[:, order]
+        asymmetry = None if asymmetry is None else asymmetry[order][:, order]
     scratch = torch.empty(rows * block, device=w.device)  # each column's update, written in place
     factor = inverse_factor(hessian, damping, name)
+    shift = None if asymmetry is None else _asymmetric_shift(asymmetry, hessian, factor)
     scale, zero_point = (None, None) if group_size else qparams_of(w)
     scales, zero_points = [], []
     for start in range(0, cols, block):
@@ -169,11 +179,19 @@ def gptq(
             if keep is not None:
                 rounded = torch.where(keep[:, column_index], rounded, torch.zeros_like(rounded))
             error = (column - rounded) / local[i, i]
-            part[:, i:] -= _outer(error, local[i, i:], scratch)
+            if shift is None:
+                part[:, i:] -= _outer(error, local[i, i:], scratch)
+            else:  # GPTAQ: towards the float model's outputs too, in the authors' order of operations
+                part[:, i:] -= _outer(error, local[i, i:], scratch) - torch.outer(
+                    column, shift[column_index, start + i : end]
+                )
             part[:, i] = rounded
             errors[:, i] = error
         w[:, start:end] = part
-        w[:, end:] -= errors @ factor[start:end, end:]
+        if shift is None:
+            w[:, end:] -= errors @ factor[start:end, end:]
+        else:
+            w[:, end:] -= errors @ factor[start:end, end:] - part @ shift[start:end, end:]
     if order is not None:
         w = w[:, torch.argsort(order)]
     if fixed is not None:
@@ -181,6 +199,15 @@ def gptq(
     if group_size:
         return w, torch.stack(scales, dim=1), torch.stack(zero_points, dim=1)
     return w, scale, zero_point
+
+
+def _asymmetric_shift(asymmetry: Tensor, hessian: Tensor, factor: Tensor) -> Tensor:
+    """GPTAQ's ``P = α triu₁(ΔXᵀX Uᵀ) U`` (``U``: the inverse Hessian's upper Cholesky factor),
+    with the columns no input reached left out, as the authors' code has it."""
+    dead = torch.diagonal(hessian) == 0
+    cross = asymmetry.float().clone()
+    cross[:, dead] = 0
+    return GPTAQ_ALPHA * torch.triu(cross @ factor.t(), diagonal=1) @ factor
 
 
 def _static_groups(w: Tensor, qparams_of: Callable[[Tensor], QParams], group_size: int) -> QParams:

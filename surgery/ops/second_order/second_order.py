@@ -20,12 +20,12 @@ from surgery.core import guards
 from surgery.core.errors import ConfigError
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection
-from surgery.core.sequential import SequentialReport, run_sequential
+from surgery.core.sequential import Paired, SequentialReport, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.second_order.hessians import HessianReducer, from_matrix, groups_of, supports_hessian, weight_matrix
 
-# (layer name, matrix, hessian) -> (new matrix, per-row extras: a keep-mask, scales, zero points)
-MatrixSolver = Callable[[str, Tensor, Tensor], tuple[Tensor, tuple[Tensor, ...]]]
+# (layer name, matrix, hessian, **extra statistics) -> (new matrix, per-row extras: a keep-mask, scales, zero points)
+MatrixSolver = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
 
 
 def check_layers(targets: dict[str, Target], field: str, method: str) -> None:
@@ -52,10 +52,14 @@ def reconstruct_layers(
     field: str = "calibration",
     progress: bool = True,
     settings: Any = None,
+    paired: Paired | None = None,
 ) -> tuple[dict[str, tuple[Tensor, ...]], SequentialReport]:
     """Solve every target's weight in sequence, writing the new values in (the originals kept in
     ``originals``; all put back on an error); returns, by parameter name, the solver's extras
-    (concatenated over a grouped convolution's groups), and the pass's report."""
+    (concatenated over a grouped convolution's groups), and the pass's report. ``paired``
+    reduces each layer's inputs beside those of the model before compression instead of the
+    Hessian alone (see :func:`~surgery.core.sequential.run_sequential`); what it adds beside
+    ``hessian`` (GPTAQ's ``asymmetry``) reaches the solver as a keyword."""
     by_layer = {target.module_name: (name, target) for name, target in targets.items()}
     results: dict[str, tuple[Tensor, ...]] = {}
 
@@ -64,8 +68,9 @@ def reconstruct_layers(
         for layer, found in hessians.items():
             name, target = by_layer[layer]
             value = guards.current_value(target.param)
+            extra = {key: found[key] for key in ("asymmetry",) if key in found}
             matrix, extras = _solve_groups(
-                layer, target.module, weight_matrix(target.module, value), found["hessian"], solver
+                layer, target.module, weight_matrix(target.module, value), found["hessian"], solver, extra
             )
             written[name] = from_matrix(target.module, matrix, value)
             results[name] = extras
@@ -83,16 +88,20 @@ def reconstruct_layers(
         reduce=HessianReducer,
         originals=originals,
         settings=settings,
+        paired=paired,
     )
     return results, report
 
 
 def _solve_groups(
-    layer: str, module: nn.Module, matrix: Tensor, hessian: Tensor, solver: MatrixSolver
+    layer: str, module: nn.Module, matrix: Tensor, hessian: Tensor, solver: MatrixSolver, extra: dict[str, Tensor]
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     groups = groups_of(module)
     rows = matrix.shape[0] // groups
-    parts = [solver(layer, matrix[g * rows : (g + 1) * rows], hessian[g]) for g in range(groups)]
+    parts = [
+        solver(layer, matrix[g * rows : (g + 1) * rows], hessian[g], **{k: v[g] for k, v in extra.items()})
+        for g in range(groups)
+    ]
     if groups == 1:
         return parts[0]
     merged = torch.cat([p[0] for p in parts])

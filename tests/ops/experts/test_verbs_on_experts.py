@@ -212,3 +212,20 @@ def test_finetune_and_distill_train_each_expert_while_its_mask_holds():
     tuned.restore()
     pruned.restore()
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_gptaq_pairs_each_expert_s_inputs_when_every_expert_is_calibrated_and_says_why_not_otherwise():
+    model = tiny_moe("qwen3_moe", layers=2)
+    before = _state(model)
+    batches = [
+        {"input_ids": torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(i))} for i in range(8)
+    ]
+    spec = GridSpec(bits=3, group_size=16, method="gptaq")
+    with pytest.raises(ConfigError, match=r"experts.*GPTAQ cannot pair them row for row.*every_expert_calibrated"):
+        surgery.quantize(model, weights=spec, calibration=batches)  # the quantized layer 0 routes layer 1 otherwise
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    with surgery.every_expert_calibrated():  # every token through every expert, in both streams
+        handle = surgery.quantize(model, weights=spec, calibration=batches)
+    assert handle.coverage.share > 0.9
+    handle.restore()
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from surgery.core import guards
+from surgery.core.sequential import Paired
 from surgery.ops.numerics.observers import Grid
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import weight_matrix
@@ -16,6 +17,12 @@ from surgery.ops.second_order.second_order import check_layers, reconstruct_laye
 
 def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
     """GPTQ on every selected layer; a pruned layer keeps its zeros and compensates on the kept entries."""
+    return solve_columns(problem)
+
+
+def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[str, QuantizedWeight]:
+    """GPTQ's walk on every selected layer, with the statistics ``paired`` gives where it is set
+    (the float model's inputs beside the compressed one's: GPTAQ)."""
     targets, spec = problem.targets, problem.spec
     check_layers(targets.matched, "quantize.select", "gptq")
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
@@ -33,7 +40,9 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         if mask is not None:
             masks[layer] = weight_matrix(target.module, mask)
 
-    def solver(layer: str, matrix: Tensor, hessian: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def solver(
+        layer: str, matrix: Tensor, hessian: Tensor, asymmetry: Tensor | None = None
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
         offsets[layer] = rows.stop
         fixed = None if spec.group_size else whole[layer]
@@ -49,6 +58,7 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
             group_size=spec.group_size,
             name=layer,
             actorder=spec.actorder,
+            asymmetry=asymmetry,
             keep=None if keep is None else keep[rows],
         )
         return new, (
@@ -66,6 +76,7 @@ def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         field="quantize.calibration",
         progress=problem.progress,
         settings=spec,
+        paired=paired,
     )
     found = {}
     for key in targets.matched:  # the rounded weights are in the model already
