@@ -888,8 +888,30 @@ API_CASES = [
         lambda m, *_: surgery.prune_experts(m, 0.75, calibration=[torch.randint(0, 128, (2, 16))]),
         ConfigError,
         "prune_experts.amount=0.75",
-        "leaves 1 experts per layer, fewer than the top_k=2",
+        "leaves 1 expert per layer, fewer than the top_k=2",
         build=lambda: tiny_moe("qwen3_moe", layers=1),
+    ),
+    ApiCase(
+        "actorder",
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4, method="gptq", actorder="dynamic")),
+        ConfigError,
+        "GridSpec.actorder",
+        "dynamic",
+    ),
+    ApiCase(
+        "actorder",
+        lambda m, *_: surgery.quantize(m, weights={"bits": 4, "actorder": "weight"}),
+        ConfigError,
+        "quantize.weights.actorder",
+        "weight",
+    ),
+    ApiCase(
+        "low-rank-rank",
+        lambda m, tmp, handle: surgery.low_rank_branch(handle, rank=20, calibration=[batch(4, 8)], progress=False),
+        ConfigError,
+        "low_rank_branch.rank",
+        "20",
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), progress=False),
     ),
 ]
 
@@ -1367,10 +1389,11 @@ CLI_CASES = [
         "model.pt': cannot be written (",
         user_module("sitecustomize", TORCH_DISK_FULL),
     ),
+    CliCase("actorder", (*LLAMA_RTN, "quantize.weights.actorder=dynamic"), "quantize.weights.actorder='dynamic'"),
     CliCase(
         "experts-amount",
         ("recipe=prune_experts_moe", "prune_experts.amount=7", "prune_experts.calibration_batches=1", "data.batches=1"),
-        "prune_experts.amount=7: leaves 1 experts per layer",
+        "prune_experts.amount=7: leaves 1 expert per layer",
     ),
 ]
 

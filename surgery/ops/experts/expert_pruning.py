@@ -151,7 +151,7 @@ def _check_count(
     reasons += [ROUTERS.get(type(router).__name__)(router, left) for _, router in layers.values()]
     reason = next((r for r in reasons if r), None)
     if reason:
-        raise ConfigError(*given, f"leaves {left} experts per layer, {reason}")
+        raise ConfigError(*given, f"leaves {left} expert{'' if left == 1 else 's'} per layer, {reason}")
 
 
 def _layers(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
