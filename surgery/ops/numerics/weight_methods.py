@@ -78,6 +78,7 @@ class WeightMethod:
     needs_calibration: bool = False
     trainable: bool = False
     sequential: bool = False  # calibrates block after block (takes ``blocks=``)
+    float_stream: bool = False  # also needs each layer's inputs in the model before compression (GPTAQ)
 
     def __call__(self, problem: WeightProblem) -> dict[str, QuantizedWeight]:
         return self.solve(problem)
@@ -93,6 +94,7 @@ def register_weight_method(
     needs_calibration: bool = False,
     trainable: bool = False,
     sequential: bool = False,
+    float_stream: bool = False,
     replace: bool = False,
 ) -> WeightMethod:
     """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``GridSpec(method=name)``
@@ -104,7 +106,7 @@ def register_weight_method(
         ...             for key in problem.targets.matched}
         >>> register_weight_method("halves", halves)
     """
-    method = WeightMethod(name, solve, needs_calibration, trainable, sequential)
+    method = WeightMethod(name, solve, needs_calibration, trainable, sequential, float_stream)
     return WEIGHT_METHODS.register(name, method, replace=replace)
 
 

@@ -214,6 +214,13 @@ def _quantize_offloaded(
         )
     _validate_inputs(spec, calibration, None)
     method = weight_method(spec.weights.method)
+    if method.float_stream:
+        raise ConfigError(
+            "quantize.weights.method",
+            method.name,
+            "needs every block's inputs in the float model beside the compressed ones, which an offloaded "
+            "run does not carry yet; quantize in memory, or use method='gptq'",
+        )
     select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
     with _target_selection(model, spec, rules), linearized(model):  # each expert's layers, as in memory
         targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)

@@ -434,3 +434,10 @@ def test_the_streamed_compressed_tensors_export_of_an_offloaded_moe_refuses_in_o
     ) as err:
         surgery.export(done, tmp_path / "out", format="compressed-tensors")
     assert err.value.field == "export.format" and not (tmp_path / "out").exists()
+
+
+def test_gptaq_on_an_offloaded_model_is_refused_in_one_line_not_run_as_gptq(tmp_path):
+    llama_folder(tmp_path / "model", layers=2)
+    offloaded = surgery.offloaded(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"quantize.weights.method='gptaq'.*float model.*quantize in memory"):
+        surgery.quantize(offloaded, weights=GridSpec(bits=4, method="gptaq"), calibration=batches(), progress=False)

@@ -14,4 +14,4 @@ def solve_gptaq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
     return solve_columns(problem, paired=asymmetric_hessians)
 
 
-register_weight_method("gptaq", solve_gptaq, needs_calibration=True, sequential=True)
+register_weight_method("gptaq", solve_gptaq, needs_calibration=True, sequential=True, float_stream=True)
