@@ -48,12 +48,15 @@ from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, trace_stages
+from surgery.ops.experts.layouts import fused_experts
+from surgery.ops.experts.linear_experts import split_tensors
 from surgery.ops.experts.routing import experts_modules
 from surgery.ops.offload.offloaded_manifest import (
     FRESH,
     check_stage,
     checked,
     file_sha256,
+    grid_held,
     mismatch,
     stage_name,
     state_digest,
@@ -200,7 +203,8 @@ def _run_stages(
             where = stage_module(model, stage)
             bar.set_postfix_str(where, refresh=False)
             if folder.done(index):
-                _adopt(handle, folder.finished(index, where, source.names_in(model.get_submodule(where))))
+                module = model.get_submodule(where)
+                _adopt(handle, folder.finished(index, where, source.names_in(module), expert_shapes(module, where)))
                 handle.resumed += 1
                 cache = None
                 continue
@@ -242,7 +246,7 @@ def _compress_stage(
             _skeleton(where, module), stage.layers, stage.block, None if inputs is None else inputs.calls()
         )
         grids = verb.grids(applied) if verb.grids is not None else {}
-        grids = {key: grid for key, grid in grids.items() if key in weights}  # an expert's layer is baked fused
+        grids = {key: grid for key, grid in grids.items() if grid_held(key, weights)}  # experts' layers' too
         applied.bake()
         del applied  # and with it the originals it kept (the source files hold them)
         written = folder.write(index, where, {name: p.detach() for name, p in weights.items()}, grids)
@@ -262,6 +266,19 @@ def stage_layers(model: nn.Module, names: list[str] | dict[str, Any]) -> dict[st
 def stage_module(model: nn.Module, stage: Stage) -> str:
     """The module a stage brings in and runs the verb on: its block, or its layer's module."""
     return stage.block or _owner(stage.layers[0], experts_modules(model))
+
+
+def expert_shapes(module: nn.Module, where: str) -> dict[str, tuple[int, ...]]:
+    """The weight shape of each expert's layer of the fused experts modules in ``module`` (named
+    ``where``), by the layer's qualified name (``...experts.3.gate_proj.weight``)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, layout in fused_experts(module).items():
+        fused = module.get_submodule(name)
+        params = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.bias else [])
+        tensors = {param: torch.empty(getattr(fused, param).shape, device="meta") for param in params}
+        owner = ".".join(part for part in (where, name) if part)
+        shapes |= {f"{owner}.{key}": tuple(value.shape) for key, value in split_tensors(layout, tensors).items()}
+    return shapes
 
 
 def _owner(name: str, experts: list[str]) -> str:
@@ -405,8 +422,9 @@ class WorkFolder:
     def done(self, index: int) -> bool:
         return str(index) in self.manifest["stages"]
 
-    def finished(self, index: int, where: str, names: list[str]) -> StageFiles:
-        """Finished stage ``index`` (of module ``where``, weights ``names``), checked to be it."""
+    def finished(self, index: int, where: str, names: list[str], shapes: dict[str, tuple[int, ...]]) -> StageFiles:
+        """Finished stage ``index`` (of module ``where``, weights ``names``; ``shapes``: those of its
+        experts' layers, whose grids it holds too), checked to be it."""
         entry = self.manifest["stages"][str(index)]
         path = self.path / stage_name(index)
         check_stage(entry, path, where, names)
@@ -425,7 +443,8 @@ class WorkFolder:
             for key, axis in entry["grids"].items()
         }
         for key, (scale, _zero_point, axis) in grids.items():
-            if not _grid_fits(files.describe(key)[0], scale, axis):
+            shape = files.describe(key)[0] if key in names else shapes.get(key)
+            if shape is None or not _grid_fits(shape, scale, axis):
                 raise ConfigError(
                     "work", str(path), f"lists axis {axis!r} for {key}, which its scales do not fit; {FRESH}"
                 )

@@ -19,12 +19,24 @@ from surgery.ops.offload.offloading import WeightFiles
 
 FRESH = "give a fresh folder, or delete this one to resume nothing"
 SHA256 = re.compile(r"[0-9a-f]{64}")
+EXPERT_GRID = re.compile(r"(?P<owner>.+)\.\d+\.(?P<layer>gate_proj|up_proj|down_proj)\.weight")
+FUSED = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_proj"), "down_proj": ("down_proj",)}
 FIELDS = (("settings", str), ("calibration", str), ("source", list), ("before", str), ("stages", dict))
 
 
 def stage_name(index: int) -> str:
     """The file of stage ``index`` in the work folder."""
     return f"stage-{index:05d}.safetensors"
+
+
+def grid_held(key: str, names: Any) -> bool:
+    """Whether a stage holding the weights ``names`` holds the weight a grid ``key`` quantizes: one
+    of them, or one expert's layer of a fused experts weight among them (``experts.3.gate_proj.weight``
+    of ``experts.gate_up_proj``: a verb quantizes each expert as a layer of its own, baked fused)."""
+    if key in names:
+        return True
+    found = EXPERT_GRID.fullmatch(key)
+    return found is not None and any(f"{found['owner']}.{fused}" in names for fused in FUSED[found["layer"]])
 
 
 def file_sha256(path: Path) -> str:
@@ -75,7 +87,7 @@ def _check_entry(entry: Any, index: int, wrong: Callable[[str], NoReturn]) -> No
     names, grids = entry.get("names"), entry.get("grids")
     if not isinstance(entry.get("module"), str) or not isinstance(names, list) or not isinstance(grids, dict):
         wrong(f"{where} needs 'module' (a string), 'names' (a list) and 'grids' (an object)")
-    if not all(isinstance(name, str) for name in names) or not set(grids) <= set(names):
+    if not all(isinstance(name, str) for name in names) or not all(grid_held(key, names) for key in grids):
         wrong(f"{where}'s names are not strings, or its grids name weights it does not hold")
     if not all(axis is None or type(axis) is int for axis in grids.values()):
         wrong(f"{where}'s grid axes are not integers")

@@ -425,15 +425,88 @@ def test_an_offloaded_gpt_oss_folder_with_fused_names_is_pruned_like_in_memory_a
         assert torch.equal(logits(handle.model), logits(reference))
 
 
-def test_the_streamed_compressed_tensors_export_of_an_offloaded_moe_refuses_in_one_line(tmp_path):
-    tiny_moe("mixtral", layers=1).save_pretrained(tmp_path / "model")
-    done = MOE_VERBS["rtn"](surgery.offloaded(tmp_path / "model"))
-    with pytest.raises(
-        ConfigError,
-        match="streamed export of an offloaded model writes no mixture-of-experts layer yet.*export the model in memory",
-    ) as err:
+CHECKPOINT_GATE = {  # the first expert's gate projection of the last layer, as each family's checkpoints name it
+    "mixtral": "model.layers.1.block_sparse_moe.experts.0.w1",
+    "qwen3_moe": "model.layers.1.mlp.experts.0.gate_proj",
+}
+
+
+W4_SYM = {  # compressed-tensors experts load symmetric weights
+    "rtn": lambda m, **kw: surgery.quantize(
+        m, weights=GridSpec(bits=4, symmetric=True, group_size=16), progress=False, **kw
+    ),
+    "gptq": lambda m, **kw: surgery.quantize(
+        m,
+        weights=GridSpec(bits=4, symmetric=True, method="gptq", group_size=16),
+        calibration=batches(),
+        progress=False,
+        **kw,
+    ),
+}
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors shards, by name."""
+    return {key: value for file in sorted(folder.glob("*.safetensors")) for key, value in load_file(file).items()}
+
+
+@pytest.mark.parametrize(
+    "family, verb", [("mixtral", "rtn"), ("mixtral", "gptq"), ("qwen3_moe", "rtn"), ("qwen3_moe", "gptq")]
+)
+def test_the_streamed_compressed_tensors_export_of_an_offloaded_moe_equals_the_in_memory_one(tmp_path, family, verb):
+    """Each expert's layers written per expert under the family's checkpoint names, from the grids its
+    stage kept (read back by a resumed run): the tensors and config the in-memory export writes, and
+    the same logits in transformers."""
+    folder, out = tmp_path / "model", tmp_path / "out"
+    reference = tiny_moe(family, layers=2)
+    reference.save_pretrained(folder)
+    with W4_SYM[verb](reference) as in_memory:
+        surgery.export(in_memory, out / "memory", format="compressed-tensors")
+    W4_SYM[verb](surgery.offloaded(folder), work=tmp_path / "work")
+    done = W4_SYM[verb](surgery.offloaded(folder), work=tmp_path / "work")
+    assert done.resumed == len(done.stages)  # every stage's grids read back from the work folder
+    surgery.export(done, out / "streamed", format="compressed-tensors")
+    memory, streamed = folder_tensors(out / "memory"), folder_tensors(out / "streamed")
+    assert memory.keys() == streamed.keys() and f"{CHECKPOINT_GATE[family]}.weight_packed" in streamed
+    assert all(memory[k].dtype == streamed[k].dtype and torch.equal(memory[k], streamed[k]) for k in memory)
+    configs = [json.loads((out / name / "config.json").read_text()) for name in ("memory", "streamed")]
+    assert configs[0]["quantization_config"] == configs[1]["quantization_config"]
+    loaded = [load_compressed_tensors(out / name) for name in ("memory", "streamed")]
+    assert torch.equal(logits(loaded[0]), logits(loaded[1]))
+
+
+@pytest.mark.parametrize(
+    ("family", "weights", "match"),
+    [
+        (
+            "gpt_oss",
+            GridSpec(bits=4, symmetric=True, group_size=16),
+            r"^export.format='compressed-tensors': gpt_oss experts \(model",
+        ),
+        ("qwen3_moe", GridSpec(bits=4, group_size=16, symmetric=False), r"^quantize.weights.symmetric=False: .* zero"),
+        ("qwen3_moe", GridSpec(format="nvfp4"), r"^quantize.weights.format='nvfp4': .* global scales"),
+    ],
+    ids=["gpt_oss_fused", "asymmetric", "nvfp4"],
+)
+def test_the_streamed_export_of_offloaded_experts_refuses_what_the_in_memory_one_does(tmp_path, family, weights, match):
+    model = tiny_moe(family, hidden=64 if weights.is_float else 32)
+    (model.to(torch.bfloat16) if weights.is_float else model).save_pretrained(tmp_path / "model")
+    done = surgery.quantize(surgery.offloaded(tmp_path / "model"), weights=weights, progress=False)
+    with pytest.raises(ConfigError, match=match) as err:
         surgery.export(done, tmp_path / "out", format="compressed-tensors")
-    assert err.value.field == "export.format" and not (tmp_path / "out").exists()
+    assert "\n" not in str(err.value) and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert type(done.model.model.layers[0].mlp.experts) is type(model.model.layers[0].mlp.experts)  # fused again
+
+
+def test_an_expert_grid_whose_axis_its_scales_do_not_fit_spoils_the_work_folder(tmp_path):
+    tiny_moe("qwen3_moe", layers=1).save_pretrained(tmp_path / "model")
+    W4_SYM["rtn"](surgery.offloaded(tmp_path / "model"), work=tmp_path / "work")
+    manifest = json.loads((tmp_path / "work" / "manifest.json").read_text())
+    stage = next(entry for entry in manifest["stages"].values() if "mlp.experts.2.down_proj.weight" in str(entry))
+    stage["grids"]["model.layers.0.mlp.experts.2.down_proj.weight"] = 1
+    (tmp_path / "work" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"lists axis 1 for model.layers.0.mlp.experts.2.down_proj.weight, which its"):
+        W4_SYM["rtn"](surgery.offloaded(tmp_path / "model"), work=tmp_path / "work")
 
 
 def test_gptaq_on_an_offloaded_model_is_refused_in_one_line_not_run_as_gptq(tmp_path):

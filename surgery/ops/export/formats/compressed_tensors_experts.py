@@ -9,6 +9,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
+from surgery.ops.experts.layouts import FusedLayout
+from surgery.ops.experts.linear_experts import split_tensors
 from surgery.ops.experts.routing import linear_experts_in, routers
 from surgery.ops.export.formats.checkpoint_names import checkpoint_names, reverted
 
@@ -30,6 +32,19 @@ def checkpoint_state(model: nn.Module, compressed: dict[str, dict[str, Tensor]],
         del state[f"{names[layer]}.weight"]
         state.update({f"{names[layer]}.{key}": value for key, value in tensors.items()})
     return state
+
+
+def expert_weights(layouts: dict[str, FusedLayout], values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The weight of each expert's layer (``{experts}.3.gate_proj.weight``, as a verb names what it
+    quantized) split from the fused experts tensors among ``values`` (by the model's names; views);
+    ``layouts``: the model's fused experts modules by name."""
+    found: dict[str, Tensor] = {}
+    for name, layout in layouts.items():
+        params = [layout.up_name, "down_proj"] + ([f"{layout.up_name}_bias", "down_proj_bias"] if layout.bias else [])
+        if all(f"{name}.{param}" in values for param in params):
+            parts = split_tensors(layout, {param: values[f"{name}.{param}"] for param in params})
+            found |= {f"{name}.{key}": value for key, value in parts.items() if key.endswith(".weight")}
+    return found
 
 
 def ignored(model: nn.Module, layers: list[str], holds: Any) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,16 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
 from surgery.core.layer_kinds import input_axis_of, is_kind
+from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import find_blocks
-from surgery.ops.experts.routing import experts_modules
+from surgery.ops.experts.layouts import FusedLayout, fused_experts
+from surgery.ops.experts.linearizing import linearized
 from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.formats.checkpoint_names import checkpoint_names, reverted
 from surgery.ops.export.formats.compressed_tensors_experts import (
     WHY_PER_EXPERT,
     checkpoint_state,
+    expert_weights,
     ignored,
     refuse_expert_settings,
 )
@@ -117,10 +122,9 @@ def _compressed(parts: ExportParts, layer: str, compressor: Any, scheme: Any, mo
 def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Write an offloaded model's quantized result (:func:`surgery.quantize` given
     :func:`surgery.offloaded`'s handle) as a compressed-tensors folder, a shard per block, each
-    tensor read from disk as its shard is written: memory holds one block."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from safetensors.torch import save_file
-
+    tensor read from disk as its shard is written: memory holds one block. Its tensors are named
+    as the family's checkpoints name them, each quantized expert's layer written per expert, as
+    the in-memory export writes them (:mod:`~surgery.ops.export.formats.compressed_tensors_experts`)."""
     if set(options) - {"tokenizer"}:
         raise ConfigError(
             "export.options", sorted(options), "an offloaded model streams to compressed-tensors with tokenizer= only"
@@ -128,14 +132,6 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
     options = _checked_options(options)
     tokenizer = options.get("tokenizer")
     model = handle.model
-    experts = experts_modules(model)
-    if experts:
-        raise ConfigError(
-            "export.format",
-            "compressed-tensors",
-            f"the streamed export of an offloaded model writes no mixture-of-experts layer yet ({experts[0]}); "
-            "export the model in memory, where compressed-tensors holds its experts",
-        )
     if not hasattr(model, "config"):
         raise ConfigError(
             "export.format",
@@ -147,43 +143,86 @@ def stream_compressed_tensors(handle: Any, path: Path, options: dict[str, Any]) 
         raise ConfigError(
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
-    spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
-    _refuse_tied(model, layers)
-    kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
-    weights = _weight_args(spec, QuantizationArgs)
-    scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
-    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=None, format=scheme_format)
-    compressor = _compressor(ct, scheme.format)
-    state = model.state_dict(keep_vars=True)
-    shards = _shards_by_block(model, state)
+    state = model.state_dict(keep_vars=True)  # the model's own names (experts fused), each read from its file
+    plan = _streamed_plan(handle, model, ct)
     path.mkdir(parents=True, exist_ok=True)
+    shards = _shards_by_block(model, state)
     weight_map: dict[str, str] = {}
     total = 0
     for index, names in enumerate(shards):
-        tensors: dict[str, Tensor] = {}
-        for name in names:
-            value = handle.value_of(state[name])
-            if name not in handle.grids:
-                tensors[name] = value.contiguous()
-                continue
-            layer = name.rpartition(".")[0]
-            scale, zero_point, axis = handle.grids[name]
-            grid = WeightGrid(name, spec, scale, zero_point, axis, output_axis(model.get_submodule(layer), "weight"))
-            local = _local_state(grid, value, _transposed(model.get_submodule(layer)))
-            tensors.update({f"{layer}.{key}": v.contiguous() for key, v in compressor.compress(local, scheme).items()})
+        tensors = _shard_state(model, {name: handle.value_of(state[name]) for name in names}, handle.grids, plan)
         file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        entries = [(key, tuple(value.shape), value.dtype) for key, value in tensors.items()]
+        write_streamed(path / file, entries, tensors.__getitem__, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
     index_file = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (path / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2) + "\n")
     model.config.save_pretrained(path)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(path)
-    _add_quantization_config(path, ct, scheme, model, layers)
+    _write_quantization_config(path, plan.config)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-    return {"exact": scheme_format not in _FP4_FORMATS, "left_out": []}
+    return {"exact": plan.scheme.format not in _FP4_FORMATS, "left_out": []}
+
+
+@dataclass(frozen=True)
+class _StreamPlan:
+    """What the streamed export writes of each quantized layer (by the model's names, an expert's
+    layers as a verb names them): its scheme, compressor, checkpoint name, (output axis, whether
+    stored transposed), and the folder's ``quantization_config``; the fused experts' layouts."""
+
+    spec: GridSpec
+    scheme: Any
+    compressor: Any
+    names: dict[str, str]
+    axes: dict[str, tuple[int, bool]]
+    config: dict[str, Any]
+    layouts: dict[str, FusedLayout]
+
+
+def _streamed_plan(handle: Any, model: nn.Module, ct: Any) -> _StreamPlan:
+    """The scheme and names of an offloaded model's quantized layers, refused as the in-memory
+    export refuses them; its experts made per-expert layers meanwhile (placeholders: no copy)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    layouts = fused_experts(model)
+    with linearized(model):
+        spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
+        _refuse_tied(model, layers)
+        kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
+        scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
+        weights = _weight_args(spec, QuantizationArgs)
+        scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=None, format=scheme_format)
+        refuse_expert_settings(model, layers, scheme)
+        compressor = _compressor(ct, scheme.format)
+        names = checkpoint_names(model, layers, WHY_PER_EXPERT)
+        modules = {layer: model.get_submodule(layer) for layer in layers}
+        axes = {layer: (output_axis(module, "weight"), _transposed(module)) for layer, module in modules.items()}
+        config = _quantization_config_of(ct, scheme, model, layers)
+    return _StreamPlan(spec, scheme, compressor, names, axes, config, layouts)
+
+
+def _shard_state(
+    model: nn.Module, values: dict[str, Tensor], grids: dict[str, tuple[Tensor, Tensor, int | None]], plan: _StreamPlan
+) -> dict[str, Tensor]:
+    """One shard's tensors (``values``, by the model's names) under the checkpoint's names, each
+    quantized layer's ``weight`` replaced by its compressed tensors, as the in-memory export does."""
+    state = reverted(model, values)
+    weights = {**values, **expert_weights(plan.layouts, values)}
+    for key, (scale, zero_point, axis) in grids.items():
+        if key not in weights:  # another shard's
+            continue
+        layer = key.rpartition(".")[0]
+        out_axis, transposed = plan.axes[layer]
+        grid = WeightGrid(key, plan.spec, scale, zero_point, axis, out_axis)
+        local = _local_state(grid, weights[key], transposed)
+        del state[f"{plan.names[layer]}.weight"]
+        compressed = plan.compressor.compress(local, plan.scheme).items()
+        state.update({f"{plan.names[layer]}.{name}": value.contiguous() for name, value in compressed})
+    return state
 
 
 def _refuse_tied(model: nn.Module, layers: list[str]) -> None:
@@ -223,10 +262,20 @@ def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[st
 
 
 def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> None:
+    _write_quantization_config(path, _quantization_config_of(ct, scheme, model, layers))
+
+
+def _quantization_config_of(ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> dict[str, Any]:
+    """The folder's ``quantization_config``: ``scheme`` for ``layers``, the other layers ignored."""
+    conv1d = any(_transposed(model.get_submodule(layer)) for layer in layers)
+    return _quantization_config(ct, scheme, model, layers, conv1d)
+
+
+def _write_quantization_config(path: Path, found: dict[str, Any]) -> None:
+    """``found`` written into the folder's config.json as its ``quantization_config``."""
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
-    conv1d = any(_transposed(model.get_submodule(layer)) for layer in layers)
-    config["quantization_config"] = _quantization_config(ct, scheme, model, layers, conv1d)
+    config["quantization_config"] = found
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
