@@ -64,6 +64,17 @@ class Stage:
 
 
 @dataclass
+class StageInputs:
+    """What ``solve`` receives when :func:`run_sequential` is given no reducer: the module the
+    stage runs (its block, or its one layer), that module's calls, and the block whose outputs
+    those calls are (``None``: they were caught by forwards of the model)."""
+
+    module: nn.Module
+    calls: BlockCalls
+    follows: str | None = None
+
+
+@dataclass
 class SequentialReport:
     """What a sequential pass did: its stages, and the most bytes of cached block inputs and
     outputs held at once (the pass's activation memory)."""
@@ -242,7 +253,7 @@ def run_sequential(
     solve: Solve,
     *,
     params: Callable[[str], tuple[str, nn.Parameter]],
-    reduce: ReducerFactory,
+    reduce: ReducerFactory | None,
     blocks: Selection | bool | None = None,
     field: str = "calibration",
     progress: bool = True,
@@ -255,7 +266,8 @@ def run_sequential(
     ``solve`` receives each stage layer's inputs reduced by ``reduce`` (given by the caller, as
     core knows no method: GPTQ and SparseGPT pass
     :class:`surgery.ops.second_order.hessians.HessianReducer`, ``{"hessian", "rows"}``; Wanda
-    per-feature squared norms). ``params(layer)`` names
+    per-feature squared norms); with ``reduce=None`` it receives the stage's
+    :class:`StageInputs` instead, to run the block itself (AutoRound). ``params(layer)`` names
     the parameter ``solve``'s values replace for that layer (``(qualified name, parameter)``).
     Every parameter written is put back as it was before returning, unless the caller passes
     the ``originals`` store to keep them in (then the new values stay); always on an error.
@@ -274,26 +286,29 @@ def run_sequential(
             report.stages = trace_stages(model, layers, report.blocks, calls[0], field, report.chained)
             cache: tuple[str, BlockCalls] | None = None  # (block, its inputs per batch)
             floats = None if paired is None else _FloatStream(model, calls, store, report, paired)
+            previous: str | None = None  # the block of the stage before
             for stage in tqdm(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
             ):
                 stage_layers = {name: layers[name] for name in stage.layers}
-                if stage.block is None:
+                if stage.block is None and reduce is not None:
                     cache, block, inputs = None, None, None
                     run = lambda calls=calls: [call(model) for call in calls]  # noqa: E731
                 else:
-                    block = model.get_submodule(stage.block)
-                    inputs = (
-                        cache[1] if cache is not None and cache[0] == stage.block else catch_inputs(model, block, calls)
-                    )
+                    block = model.get_submodule(stage.block) if stage.block else stage_layers[stage.layers[0]]
+                    follows = previous if cache is not None and cache[0] == stage.block else None
+                    inputs = cache[1] if follows is not None else catch_inputs(model, block, calls)
                     run = lambda block=block, inputs=inputs: run_each(block, inputs)  # noqa: E731
-                if floats is None:
+                if reduce is None:
+                    reduced = StageInputs(block, inputs, follows)
+                elif floats is None:
                     reduced = _reduced(model, stage_layers, reduce, run)
                 else:
                     reduced = floats.reduced(stage, stage_layers, block, inputs, run)
                 _write(solve(reduced), stage, params, store)
-                if stage.block is not None:
-                    cache = _outputs_for_next(report, stage.block, block, inputs)
+                previous = stage.block
+                cache = None if stage.block is None else _outputs_for_next(report, stage.block, block, inputs)
+                if stage.block is not None or reduce is None:
                     del inputs
             report.peak_cached_bytes, report.spilled_bytes = ledger.peak_held, ledger.spilled - spilled_before
             if report.spilled_bytes:

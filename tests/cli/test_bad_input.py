@@ -913,6 +913,13 @@ API_CASES = [
         "20",
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), progress=False),
     ),
+    ApiCase(
+        "autoround-iterations",
+        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "iterations": 0}),
+        ConfigError,
+        "quantize.weights.iterations",
+        "0",
+    ),
 ]
 
 
@@ -1394,6 +1401,11 @@ CLI_CASES = [
         "experts-amount",
         ("recipe=prune_experts_moe", "prune_experts.amount=7", "prune_experts.calibration_batches=1", "data.batches=1"),
         "prune_experts.amount=7: leaves 1 expert per layer",
+    ),
+    CliCase(
+        "autoround-iterations",
+        ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.iterations=0"),
+        "quantize.weights.iterations=0",
     ),
 ]
 

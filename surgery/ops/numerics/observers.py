@@ -123,7 +123,9 @@ class GridSpec:
     to the float model's outputs; Li et al. 2025). ``actorder`` (GPTQ, GPTAQ):
     ``None`` walks the columns in order; ``"weight"`` walks them by decreasing activation energy
     (the Hessian's diagonal) while each column keeps its own group's grid, so the stored format
-    is unchanged (llm-compressor's ``actorder="weight"``, its default).
+    is unchanged (llm-compressor's ``actorder="weight"``, its default). ``"autoround"`` tunes
+    each weight's rounding and its groups' ranges by signed gradient descent on every block's
+    output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block.
     """
 
     bits: int = 8
@@ -140,6 +142,7 @@ class GridSpec:
     dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
     actorder: str | None = None  # GPTQ's column order: None (as stored) or "weight" (by activation energy)
+    iterations: int = 200  # AutoRound's signed-gradient steps per block (its learning rate is 1 / iterations)
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
@@ -226,6 +229,13 @@ def _check(spec: Any, field: str) -> None:
     _check_format(spec, field)
     _check_dynamic(spec, field)
     _check_actorder(spec, field)
+    _check_iterations(spec, field)
+
+
+def _check_iterations(spec: Any, field: str) -> None:
+    steps = spec.iterations
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"{field}.iterations", steps, "must be a whole number of tuning steps >= 1 (e.g. 200)")
 
 
 ACTORDER = ("weight",)

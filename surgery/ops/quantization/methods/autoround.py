@@ -1,0 +1,307 @@
+"""AutoRound (Cheng et al. 2024, intel/auto-round's SignRound) as a weight method.
+
+Block after block (a transformer's decoder layers, as sequential calibration finds them), every
+selected weight ``W`` gets rounding offsets ``V`` (its shape, starting at 0) and, per group, two
+factors in [0, 1] on its range's minimum and maximum (starting at 1). The block runs with each
+weight fake-quantized as ``scale * (clamp(round(W / scale + V) + zero, qmin, qmax) - zero)``,
+``scale`` and ``zero`` from the scaled range, rounding passing gradients straight through, and
+signed gradient descent (each step moves every value by the learning rate against its
+gradient's sign) lowers the mean squared error between that output and the block's float output
+on the float model's inputs (on hidden states, each sequence's last position left out, as
+auto-round 0.16 does). As auto-round 0.16 does by default: ``iterations`` steps (200), a
+learning rate of ``1 / iterations`` for both kinds of values decaying linearly to 0, a batch of 8
+calibration samples (here: calibration batches) drawn in a shuffled order seeded with 42, the
+values of the step with the least loss kept, and the next block fed by the quantized block.
+
+The rounded weights are written into the model (their originals kept, as GPTQ does) and each
+weight's scales and zero points are returned, so ``restore()`` is exact and exports hold the
+tuned integers. Asymmetric grids are auto-round's ``int_asym``; a symmetric grid is surgery's
+(``max |range| / ((qmax - qmin) / 2)``, not auto-round's ``int_sym`` full range).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from surgery.core import guards
+from surgery.core.errors import ConfigError
+from surgery.core.progress import tqdm
+from surgery.core.sequential import StageInputs, next_inputs, run_sequential
+from surgery.core.targets import Target
+from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
+from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
+
+BATCH = 8  # auto-round's batch_size: samples per step
+SEED = 42  # auto-round's seed
+SMALLEST_SCALE = 1e-8  # auto-round's q_scale_thresh for float32 scales
+
+
+class SignSGD(torch.optim.Optimizer):
+    """Each step moves every parameter by its group's ``lr`` against its gradient's sign."""
+
+    def __init__(self, params: list[dict[str, Any]], lr: Tensor) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - the Optimizer signature
+        """One signed step of every parameter with a gradient."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(torch.sign(param.grad), alpha=-float(group["lr"]))
+
+
+class IndexSampler:
+    """auto-round's sampler: batches taken in a shuffled order, reshuffled when fewer than a batch are left."""
+
+    def __init__(self, count: int, batch: int, shuffler: random.Random) -> None:
+        self.count, self.batch, self.index = count, min(batch, count), 0
+        self.random = shuffler
+        self.order = list(range(count))
+        self.random.shuffle(self.order)
+
+    def next_batch(self) -> list[int]:
+        """The next batch of indices."""
+        if self.index + self.batch > self.count:
+            self.random.shuffle(self.order)
+            self.index = 0
+        chosen = self.order[self.index : self.index + self.batch]
+        self.index += self.batch
+        return chosen
+
+
+def round_ste(x: Tensor) -> Tensor:
+    """Rounded to nearest (half to even), the gradient passing straight through."""
+    return (x.round() - x).detach() + x
+
+
+@dataclass
+class TunedWeight:
+    """One weight in groups (rows of ``rows``) with its rounding offsets and range factors."""
+
+    key: str  # qualified parameter name
+    name: str  # the parameter's name inside the stage's module
+    module: nn.Module
+    value: Tensor  # its current value
+    rows: Tensor  # (groups, group size), float32, the last group padded with zeros
+    outputs: int  # the weight matrix's rows
+    columns: int  # the weight matrix's columns before padding
+    offsets: nn.Parameter
+    low: nn.Parameter  # factor on each group's minimum
+    high: nn.Parameter  # factor on each group's maximum
+
+    def quantized(self, spec: GridSpec) -> tuple[Tensor, Tensor, Tensor]:
+        """The fake-quantized weight in its own shape, with each group's scale and zero point."""
+        with torch.no_grad():
+            self.low.clamp_(0.0, 1.0)
+            self.high.clamp_(0.0, 1.0)
+        rounded, scale, zero = qdq(self.rows, self.offsets, self.low, self.high, spec)
+        matrix = rounded.reshape(self.outputs, -1)[:, : self.columns]
+        return from_matrix(self.module, matrix, self.value), scale, zero
+
+
+def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """auto-round's ``quant_tensor_asym`` on (groups, size) ``rows`` (surgery's symmetric grid
+    when ``spec.symmetric``): the rounded rows, and each group's scale and zero point."""
+    quant_min, quant_max = spec.quant_range
+    smallest = rows.min(1).values.clamp(max=0) * low
+    largest = rows.max(1).values.clamp(min=0) * high
+    if spec.symmetric:
+        scale = (torch.maximum(-smallest, largest) / ((quant_max - quant_min) / 2)).clamp(min=SMALLEST_SCALE)
+        zero = torch.zeros_like(scale)
+    else:
+        scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
+        zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
+    integers = torch.clamp(round_ste(rows / scale[:, None] + offsets) + zero[:, None], quant_min, quant_max)
+    return scale[:, None] * (integers - zero[:, None]), scale, zero
+
+
+def tuned_weight(key: str, name: str, target: Target, spec: GridSpec) -> TunedWeight:
+    """A weight's tuning state: zero offsets, range factors of 1."""
+    value = guards.current_value(target.param).detach()
+    matrix = weight_matrix(target.module, value).float()
+    columns = matrix.shape[1]
+    if spec.group_size:
+        size = spec.group_size
+        rows = torch.nn.functional.pad(matrix, (0, (-columns) % size)).reshape(-1, size)
+    else:
+        rows = matrix if spec.per_channel else matrix.reshape(1, -1)
+    groups = rows.shape[0]
+    return TunedWeight(
+        key,
+        name,
+        target.module,
+        value,
+        rows,
+        matrix.shape[0],
+        columns,
+        nn.Parameter(torch.zeros_like(rows)),
+        nn.Parameter(torch.ones(groups, device=rows.device)),
+        nn.Parameter(torch.ones(groups, device=rows.device)),
+    )
+
+
+def hidden_of(output: Any) -> Tensor:
+    """A block's hidden states: its output, or the output's first entry."""
+    return output if isinstance(output, Tensor) else output[0]
+
+
+class BlockTuner:
+    """AutoRound's pass over the stages of a sequential walk: each stage's weights tuned on its
+    calls against the float stage's outputs on the float model's inputs."""
+
+    def __init__(self, problem: WeightProblem) -> None:
+        self.problem, self.spec = problem, problem.spec
+        self.by_module = {id(t.module): (key, t) for key, t in problem.targets.matched.items()}
+        self.found: dict[str, tuple[Tensor, Tensor]] = {}  # key -> (scale, zero point), per group
+        self.float_outputs: list[Tensor] | None = None  # the last stage's float outputs, on float inputs
+        self.losses: list[float] = []  # each stage's least loss
+        self.shuffler = random.Random(SEED)  # one for the whole pass, as auto-round's seeded global one
+
+    def __call__(self, stage: StageInputs) -> dict[str, Tensor]:
+        """The stage's new weights (and their grids in ``found``)."""
+        weights = self._weights(stage.module)
+        calls = list(stage.calls)
+        targets = self._targets(stage, calls)
+        with torch.enable_grad():
+            best = self._tune(stage.module, calls, targets, weights)
+        written = {}
+        with torch.no_grad():
+            for weight, (offsets, low, high) in zip(weights, best):
+                weight.offsets.copy_(offsets), weight.low.copy_(low), weight.high.copy_(high)
+                value, scale, zero = weight.quantized(self.spec)
+                written[weight.key] = value.detach()
+                self.found[weight.key] = (scale.detach(), zero.detach())
+        return written
+
+    def _weights(self, module: nn.Module) -> list[TunedWeight]:
+        """The tuning state of every selected weight inside ``module``."""
+        found = []
+        for name, inner in module.named_modules():
+            if id(inner) in self.by_module:
+                key, target = self.by_module[id(inner)]
+                found.append(
+                    tuned_weight(key, f"{name}.{target.attribute}" if name else target.attribute, target, self.spec)
+                )
+        return found
+
+    def _targets(self, stage: StageInputs, calls: list[tuple[tuple, dict]]) -> list[Tensor]:
+        """The float stage's outputs on the float model's inputs: where the calls are the last
+        stage's outputs, the last stage's float outputs in their place; otherwise the calls."""
+        floats = calls
+        if self.float_outputs is not None and stage.follows is not None:
+            pairs = zip(self.float_outputs, calls)
+            floats = [next_inputs(out, args, kwargs) or (args, kwargs) for out, (args, kwargs) in pairs]
+        self.float_outputs = [hidden_of(stage.module(*args, **kwargs)).detach() for args, kwargs in floats]
+        return self.float_outputs
+
+    def _tune(
+        self, block: nn.Module, calls: list[tuple[tuple, dict]], targets: list[Tensor], weights: list[TunedWeight]
+    ) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Signed gradient descent on the weights' offsets and range factors; the values of the
+        step with the least loss (measured before that step moves them)."""
+        steps = self.spec.iterations
+        rate = torch.tensor(1.0 / steps)
+        groups = [{"params": [w.offsets for w in weights], "lr": rate.clone()}]
+        groups.append({"params": [p for w in weights for p in (w.low, w.high)], "lr": rate.clone()})
+        optimizer = SignSGD(groups, rate)
+        schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=steps)
+        sampler = IndexSampler(len(calls), BATCH, self.shuffler)
+        frozen = {name: p.detach() for name, p in block.named_parameters()}
+        best_loss, best = float("inf"), _snapshot(weights)
+        bar = tqdm(
+            range(steps), desc="autoround", unit="step", leave=False, disable=None if self.problem.progress else True
+        )
+        for _ in bar:
+            chosen = sampler.next_batch()
+            total = sum(targets[i].numel() for i in chosen)
+            loss_sum = 0.0
+            for index in chosen:
+                replaced = {**frozen, **{w.name: w.quantized(self.spec)[0] for w in weights}}
+                args, kwargs = calls[index]
+                output = hidden_of(functional_call(block, replaced, args, kwargs))
+                loss = squared_error(output, targets[index]) / total
+                loss.backward()
+                loss_sum += loss.item()
+            if loss_sum < best_loss:
+                best_loss, best = loss_sum, _snapshot(weights)
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+        self.losses.append(best_loss)
+        return best
+
+
+def squared_error(output: Tensor, target: Tensor) -> Tensor:
+    """The summed squared error of a block's output, in float32; on (batch, sequence, features)
+    hidden states without each sequence's last position, as auto-round leaves it out of its
+    loss (it has no next token to predict). Divided by every entry's count, it is auto-round's
+    masked mean."""
+    error = output.float() - target.float()
+    if error.dim() == 3:
+        error = error[:, :-1]
+    return error.pow(2).sum()
+
+
+def _snapshot(weights: list[TunedWeight]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """A copy of every weight's tuned values."""
+    return [(w.offsets.detach().clone(), w.low.detach().clone(), w.high.detach().clone()) for w in weights]
+
+
+def check_problem(problem: WeightProblem) -> None:
+    """AutoRound tunes the weights of Linear, convolution and Conv1D layers onto integer grids."""
+    spec = problem.spec
+    if spec.is_float:
+        raise ConfigError(
+            "quantize.weights.format", spec.format, "autoround rounds onto integer grids; use method rtn or gptq for it"
+        )
+    for name, target in problem.targets.matched.items():
+        if target.attribute != "weight" or not supports_hessian(target.module):
+            raise ConfigError(
+                "quantize.select",
+                name,
+                "autoround tunes Linear, Conv1d, Conv2d and Hugging Face Conv1D weights; this is "
+                f"{type(target.module).__name__}.{target.attribute} (exclude it)",
+            )
+
+
+def solve_autoround(problem: WeightProblem) -> dict[str, QuantizedWeight]:
+    """AutoRound on every selected weight, block after block (see the module docstring)."""
+    check_problem(problem)
+    tuner = BlockTuner(problem)
+    by_layer = {t.module_name: (key, t) for key, t in problem.targets.matched.items()}
+    problem.sequential = run_sequential(
+        problem.model,
+        {layer: target.module for layer, (_, target) in by_layer.items()},
+        problem.calibration,
+        tuner,
+        params=lambda layer: (by_layer[layer][0], by_layer[layer][1].param),
+        reduce=None,
+        blocks=problem.blocks,
+        field="quantize.calibration",
+        progress=problem.progress,
+        originals=problem.originals,
+        settings=problem.spec,
+    )
+    return {key: _answer(problem, key, *tuner.found[key]) for key in problem.targets.matched}
+
+
+def _answer(problem: WeightProblem, key: str, scale: Tensor, zero: Tensor) -> QuantizedWeight:
+    """The grid in surgery's layout: (outputs, groups), (outputs,) per channel, or scalars."""
+    spec, zero = problem.spec, zero.to(torch.int32)
+    if not spec.group_size and not spec.per_channel:
+        return QuantizedWeight(scale.reshape(()), zero.reshape(()), None)
+    outputs = weight_matrix(problem.targets.matched[key].module, problem.value(key)).shape[0]
+    if spec.group_size:
+        return QuantizedWeight(scale.reshape(outputs, -1), zero.reshape(outputs, -1), problem.axis(key))
+    return QuantizedWeight(scale, zero, problem.axis(key))
+
+
+register_weight_method("autoround", solve_autoround, needs_calibration=True, sequential=True, float_stream=True)

@@ -1,0 +1,107 @@
+"""AutoRound as a weight method: exact restore, a lower block error than round to nearest,
+auto-round 0.16's own weights when its environment is present, and its settings refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from support import peer_python, tiny_llama, token_batches  # tests/support.py
+
+import surgery
+from surgery import GridSpec
+from surgery.core.errors import ConfigError
+from surgery.ops.numerics.observers import fake_quantize_groups
+from surgery.testing import snapshot, snapshot_differences
+
+SCRIPT = Path(__file__).with_name("autoround_peer.py")
+PEER = peer_python("auto_round")  # benchmarks/.venv-auto_round, as autoround_peer.py says how to make it
+
+
+def first_block_error(model: torch.nn.Module, reference: list[torch.Tensor], data: list[dict]) -> float:
+    """Mean squared error of the first decoder layer's outputs against the float model's."""
+    with torch.no_grad():
+        found = [model(**batch, output_hidden_states=True).hidden_states[1] for batch in data]
+    return sum(((a - b) ** 2).mean().item() for a, b in zip(found, reference)) / len(found)
+
+
+def test_autoround_lowers_the_block_error_below_rtn_and_restores_bit_for_bit():
+    model = tiny_llama(layers=2, vocab=64, hidden=32)
+    data = token_batches()
+    with torch.no_grad():
+        reference = [model(**batch, output_hidden_states=True).hidden_states[1] for batch in data]
+    before = snapshot(model)  # after transformers' hooks that record hidden states are in place
+    rtn = surgery.quantize(model, weights=GridSpec(bits=4, group_size=16), exclude="lm_head", progress=False)
+    rtn_error = first_block_error(model, reference, data)
+    rtn.restore()
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20)
+    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    tuned_error = first_block_error(model, reference, data)
+    assert [s.block for s in handle.sequential.stages] == ["model.layers.0", "model.layers.1"]
+    assert tuned_error < 0.9 * rtn_error
+    quantizer = handle.weights["model.layers.1.mlp.down_proj.weight"]
+    weight = model.model.layers[1].mlp.down_proj.weight.detach()
+    assert quantizer.scale.shape == (32, 4)
+    on_grid = fake_quantize_groups(weight, quantizer.scale, quantizer.zero_point, 0, spec)
+    assert torch.equal(on_grid, weight)  # the written weights are the tuned integers on the returned grid
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+@pytest.mark.slow  # auto-round's import alone takes seconds
+@pytest.mark.skipif(PEER is None, reason="auto-round's venv (benchmarks/.venv-auto_round) is absent")
+def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path):
+    model = tiny_llama(layers=2, vocab=64, hidden=32, kv_heads=4)  # auto-round leaves 16-wide k/v out
+    generator = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 64, (1, 16), generator=generator) for _ in range(12)]  # 12 > a batch of 8
+    for ids in samples:
+        ids[0, -1] = (ids[0, -2] + 1) % 64  # no trailing repeat, which auto-round would take for padding
+    config = {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "vocab_size")}
+    config |= {k: getattr(model.config, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
+    given = {"config": config, "state": model.state_dict(), "samples": samples, "bits": 4, "group_size": 16}
+    torch.save({**given, "iters": 10}, tmp_path / "in.pt")
+    subprocess.run([str(PEER), str(SCRIPT), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], check=True)
+    theirs = torch.load(tmp_path / "out.pt")
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=10)
+    calibration = [{"input_ids": ids} for ids in samples]
+    handle = surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+    assert len(theirs) == 14  # every Linear of both blocks; measured: all bit-identical
+    for name, found in theirs.items():
+        assert torch.equal(model.get_submodule(name).weight, found["weight"]), name
+        assert torch.equal(handle.weights[f"{name}.weight"].scale, found["scale"]), name
+        assert torch.equal(handle.weights[f"{name}.weight"].zero_point, found["zp"].to(torch.int32)), name
+
+
+def test_autoround_weights_export_to_compressed_tensors_and_load_with_equal_logits(tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    data = token_batches()
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20)
+    ids = data[0]["input_ids"]
+    with surgery.quantize(model, weights=spec, calibration=data, select="**.*_proj", progress=False) as handle:
+        expected = model(ids).logits
+        record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal and record.parity.expected == "exact"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama", local_files_only=True).eval()
+    assert torch.equal(loaded(ids).logits, expected)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, True])
+def test_autoround_refuses_a_count_of_steps_that_is_not_a_whole_number_above_zero(steps):
+    with pytest.raises(
+        ConfigError, match=r"^quantize.weights.iterations=.*must be a whole number of tuning steps >= 1"
+    ):
+        GridSpec.build({"method": "autoround", "iterations": steps}, "quantize.weights")
+
+
+def test_autoround_refuses_a_floating_point_grid_and_leaves_the_model_as_it_was():
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    before = snapshot(model)
+    with pytest.raises(ConfigError, match=r"^quantize.weights.format='fp8_e4m3': autoround rounds onto integer grids"):
+        surgery.quantize(
+            model, weights=GridSpec(format="fp8_e4m3", method="autoround"), calibration=token_batches(1), progress=False
+        )
+    assert snapshot_differences(before, snapshot(model)) == []
