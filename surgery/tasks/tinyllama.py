@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from surgery.core.hf_loading import from_pretrained
-from surgery.tasks.tinylm import ASSETS, CONTEXT, train_on_corpus
+from surgery.tasks.tinylm import ASSETS, CONTEXT, seeded, train_on_corpus
 
 FOLDER: Path = ASSETS / "tinyllama"
 SHAPE = {
@@ -32,9 +30,7 @@ def build_llama(seed: int = 0) -> Any:
     import transformers
 
     config = transformers.LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"], bos_token_id=None, eos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.LlamaForCausalLM(config).eval()
+    return seeded(lambda: transformers.LlamaForCausalLM(config), seed)
 
 
 def train_llama(seed: int = 0, steps: int = 2000, *, batch_size: int = 32, lr: float = 3e-3) -> Any:

@@ -118,6 +118,13 @@ def train(seed: int = 0, steps: int = 3000, *, batch_size: int = 32, lr: float =
     return train_on_corpus(TinyLM, seed, steps, batch_size=batch_size, lr=lr)
 
 
+def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` with its initialisation seeded by ``seed`` (the global generator left as it was), in eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
 def train_on_corpus(build: Callable[[], nn.Module], seed: int, steps: int, *, batch_size: int, lr: float) -> Any:
     """Train ``build()`` (a next-byte model: logits, or an output with ``.logits``) on random
     windows of the training bytes with AdamW and a one-cycle schedule, seeded, on the caller's

@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from surgery.core.hf_loading import from_pretrained
-from surgery.tasks.tinylm import ASSETS, CONTEXT, train_on_corpus
+from surgery.tasks.tinylm import ASSETS, CONTEXT, seeded, train_on_corpus
 
 FOLDER: Path = ASSETS / "tinymoe"
 SHAPE = {
@@ -39,9 +37,7 @@ def build_moe(seed: int = 0) -> Any:
     config = transformers.Qwen3MoeConfig(
         **SHAPE, architectures=["Qwen3MoeForCausalLM"], bos_token_id=None, eos_token_id=None, pad_token_id=None
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.Qwen3MoeForCausalLM(config).eval()
+    return seeded(lambda: transformers.Qwen3MoeForCausalLM(config), seed)
 
 
 def train_moe(seed: int = 0, steps: int = 400, *, batch_size: int = 16, lr: float = 3e-3) -> Any:
