@@ -152,7 +152,7 @@ def select_parameters(
     skipped: list[Skipped] = []
     seen: dict[int, str] = {}
     embeddings = _input_embeddings(model, modules) if include is None else {}
-    routers = _routers(modules, include)
+    routers = routers_in(modules, include)
     tied_heads: list[str] = []
     for name, module in modules.items():
         own = {attr: p for attr, p in module.named_parameters(recurse=False, remove_duplicate=False) if p is not None}
@@ -390,7 +390,7 @@ def _aliases(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, list[s
     return found
 
 
-def _routers(modules: dict[str, nn.Module], include: Selection) -> dict[str, str]:
+def routers_in(modules: dict[str, nn.Module], include: Selection) -> dict[str, str]:
     """The routers and gates of mixture-of-experts layers (a layer with a weight of its own beside an
     ``experts`` module: Mixtral's ``gate``, PhiMoE's ``router``, Qwen2-MoE's ``shared_expert_gate``),
     each with the reason it stays float: all of them, but those a selection pattern names."""

@@ -83,13 +83,13 @@ def with_linear_experts(
                 handle.rollback(err)
                 raise
     except ConfigError as err:
-        _fold_back(swapped)
+        fold_back(swapped)
         clearer = _unrouted(err, [name for name, *_ in swapped], verb)
         if clearer is err:
             raise
         raise clearer from err
     except BaseException:
-        _fold_back(swapped)
+        fold_back(swapped)
         raise
     _own(handle, swapped)
     return handle
@@ -122,7 +122,7 @@ def linearized(model: nn.Module) -> Iterator[list[str]]:
     try:
         yield [name for name, *_ in swapped]
     finally:
-        _fold_back(swapped)
+        fold_back(swapped)
 
 
 def linearize(model: nn.Module) -> list[Swapped]:
@@ -140,7 +140,7 @@ def linearize(model: nn.Module) -> list[Swapped]:
             setattr(parent, local, linear)
             swapped.append((name, parent, local, fused, linear))
     except BaseException:
-        _fold_back(swapped)
+        fold_back(swapped)
         raise
     if swapped:
         log.debug("%d experts module(s) made per-expert layers: %s", len(swapped), ", ".join(found))
@@ -151,14 +151,14 @@ def _own(handle: Handle, swapped: list[Swapped]) -> None:
     """Make ``handle`` fold ``swapped`` back after undoing (or baking) everything else it holds."""
     handle.add(
         f"per-expert layers of {len(swapped)} experts module(s)",
-        lambda: _fold_back(swapped),
-        lambda: _fold_back(swapped),
+        lambda: fold_back(swapped),
+        lambda: fold_back(swapped),
         check=lambda: _check_nothing_on_top(handle),
         first=True,
     )
 
 
-def _fold_back(swapped: list[Swapped]) -> None:
+def fold_back(swapped: list[Swapped]) -> None:
     """Write each :class:`LinearExperts`' weights into its fused module and put that back, last first.
 
     Every tensor is computed before any is written, so a failure leaves the model as it was."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from surgery.core._compat import get_slot
 from surgery.core.errors import ConfigError
-from surgery.core.targets import _routers
+from surgery.core.targets import routers_in
 from surgery.ops.experts.layouts import fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
 
@@ -52,7 +52,7 @@ def experts_modules(model: nn.Module) -> list[str]:
 
 def routers(model: nn.Module) -> list[str]:
     """The names of ``model``'s routers and gates (a layer with a weight beside an experts module)."""
-    return sorted(_routers(dict(model.named_modules()), None))
+    return sorted(routers_in(dict(model.named_modules()), None))
 
 
 def refuse_experts(model: nn.Module, format_name: str, why: str) -> None:

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from torch import Tensor, nn
 
 from surgery.core._compat import get_slot, set_slot
-from surgery.ops.experts.linearizing import Swapped, linearize
-from surgery.ops.experts.linearizing import _fold_back as fold_back
+from surgery.ops.experts.linearizing import Swapped, fold_back, linearize
 from surgery.ops.shrink.replacing import ShrinkHandle
 from surgery.ops.shrink.structure import FUSED_WIDTHS, ShrinkError, fingerprint
 
