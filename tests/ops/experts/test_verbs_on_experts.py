@@ -20,6 +20,10 @@ VERBS = {
     "magnitude": lambda model: surgery.prune(model, 0.5),
     "wanda": lambda model: surgery.prune(model, 0.5, method="wanda", calibration=BATCHES),
     "sparsegpt": lambda model: surgery.prune(model, 0.5, method="sparsegpt", calibration=BATCHES),
+    "gptaq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, method="gptaq"), calibration=BATCHES),
+    "autoround": lambda model: surgery.quantize(
+        model, weights=GridSpec(bits=4, group_size=16, method="autoround", iterations=5), calibration=BATCHES
+    ),
 }
 
 
