@@ -111,3 +111,16 @@ def test_gpt_oss_exports_with_its_experts_left_float(tmp_path):
         record = surgery.export(handle, tmp_path / "gpt_oss", format="compressed-tensors", inputs=[ids])
     assert record.parity.equal and record.parity.holds
     assert "model.layers.0.mlp.experts.gate_up_proj" in keys(tmp_path / "gpt_oss")
+
+
+@pytest.mark.parametrize(
+    "select", ["**.down_proj", "model.layers.0.mlp.experts.**"], ids=["one-projection", "one-layer"]
+)
+def test_experts_quantized_in_part_are_refused_before_writing_a_folder_transformers_cannot_load(tmp_path, select):
+    """transformers converts every experts module one way: a folder mixing float and quantized
+    expert entries fails in its loader, so the export says so first."""
+    model = tiny_moe("mixtral", layers=2)
+    with surgery.quantize(model, weights=surgery.GridSpec(**W4_GROUP), select=select, progress=False) as handle:
+        with pytest.raises(ConfigError, match=r"every expert layer is quantized or none.*stay float") as caught:
+            surgery.export(handle, tmp_path / "moe", format="compressed-tensors")
+    assert "\n" not in str(caught.value) and list(tmp_path.iterdir()) == []

@@ -69,6 +69,7 @@ def refuse_expert_settings(model: nn.Module, layers: list[str], scheme: Any) -> 
     if not experts:
         return
     checkpoint_names(model, experts, WHY_PER_EXPERT)  # a family whose checkpoints keep experts fused first
+    _refuse_some_experts(model, experts)
     lost = _lost(scheme)
     if lost:
         field, setting, what = lost
@@ -90,3 +91,26 @@ def _lost(scheme: Any) -> tuple[str, object, str] | None:
     if not scheme.weights.symmetric:
         return "quantize.weights.symmetric", False, "zero points (symmetric weights load)"
     return None
+
+
+def _refuse_some_experts(model: nn.Module, quantized: list[str]) -> None:
+    """transformers converts every experts module of a model one way as it loads it (a quantized
+    checkpoint: every expert entry dequantized and merged), so a folder with some expert layers
+    float and others quantized does not load: every expert layer is quantized, or none."""
+    chosen = set(quantized)
+    every = [
+        f"{name}.{e}.{layer}"
+        for name, experts in linear_experts_in(model).items()
+        for e, expert in enumerate(experts)
+        for layer in ("gate_proj", "up_proj", "down_proj")
+        if hasattr(expert, layer)
+    ]
+    left = [layer for layer in every if layer not in chosen]
+    if left:
+        raise ConfigError(
+            "export.format",
+            "compressed-tensors",
+            f"transformers loads a model's quantized experts all one way, so every expert layer is quantized "
+            f"or none; {left[0]} (and {len(left) - 1} more of {len(every)}) stay float: select every expert "
+            "layer, or leave them all float (exclude='**.experts')",
+        )
