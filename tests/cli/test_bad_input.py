@@ -919,6 +919,12 @@ API_CASES = [
         ConfigError,
         "quantize.weights.iterations",
         "0",
+        "experts-in-memory",
+        lambda m, *_: surgery.prune_experts(tiny_moe("qwen3_moe", layers=1).to("meta"), 1, criterion="random"),
+        ConfigError,
+        "prune_experts='model.layers.0.mlp.experts.gate_up_proj'",
+        "is on the meta device",
+        build=lambda: tiny_moe("qwen3_moe", layers=1),
     ),
 ]
 

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from surgery.core import guards
 from surgery.core._compat import get_slot, set_slot
-from surgery.core.errors import ConfigError
-from surgery.core.handles import Handle
+from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
+from surgery.core.handles import Handle, attached_after
 from surgery.core.inputs import Inputs
 from surgery.core.registry import Registry
 from surgery.ops.experts.expert_scores import EXPERT_CRITERIA, ExpertStats, observe
@@ -71,6 +71,18 @@ class ExpertPruneHandle(Handle):
         self.tokens_per_expert: dict[str, list[int]] = {}
         self.num_experts: dict[str, int] = {}  # {"before": E, "after": E'}
 
+    def restore(self) -> None:
+        """Put the original experts, router rows and counts back; refused (nothing changed) while a
+        handle applied after it is still attached: it holds the smaller tensors, or was fitted to them."""
+        later = attached_after(self) if self.state == "attached" else []
+        if later:
+            kinds = ", ".join(h.kind for h in later)
+            raise AlreadyModifiedError(
+                f"prune_experts: {kinds} was applied after it and is still attached (on the experts left); "
+                f"restore {kinds} first (undo in reverse order), or compose them"
+            )
+        super().restore()
+
 
 def prune_experts(
     model: nn.Module,
@@ -93,13 +105,17 @@ def prune_experts(
         >>> handle.restore()          # the model as it was, bit for bit
     """
     score = EXPERT_CRITERIA.get(criterion)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigTypeError("prune_experts.seed", seed, "must be an integer")
     layers = _layers(model)
     total = _common_count(layers)
     drop = _drop_count(amount, total)
     _check_count(model, layers, total - drop, ("prune_experts.amount", amount))
+    _check_in_memory(layers)
     stats = _statistics(model, layers, calibration, criterion, seed, progress)
     scores = {name: score(stats[name]).double() for name in layers}
-    handle = remove_experts(model, {name: _lowest_out(scores[name], drop).tolist() for name in layers})
+    kept = {name: _lowest_out(scores[name], drop, _groups(router)).tolist() for name, (_, router) in layers.items()}
+    handle = remove_experts(model, kept)
     handle.criterion = criterion
     handle.scores = {name: found.tolist() for name, found in scores.items()}
     handle.tokens_per_expert = {name: stats[name].routed.tolist() for name in layers}
@@ -112,21 +128,13 @@ def remove_experts(model: nn.Module, kept: dict[str, list[int]]) -> ExpertPruneH
     scored, and how a fresh model of the family is given a pruned one's shapes."""
     layers = _layers(model)
     total = _common_count(layers)
-    if set(kept) != set(layers) or len({len(set(k)) for k in kept.values()}) != 1:
-        raise ConfigError(
-            "prune_experts.kept",
-            sorted(kept),
-            f"must name every experts module ({', '.join(layers)}) with as many experts each",
-        )
-    left = len(next(iter(kept.values())))
+    left = _check_kept(kept, layers, total)
     _check_count(model, layers, left, ("prune_experts.kept", left))
     handle = ExpertPruneHandle(model, "given")
     handle.num_experts = {"before": total, "after": left}
     with handle.applying():
         for name, (experts, router) in layers.items():
             keep = torch.tensor(sorted(set(kept[name])), dtype=torch.long)
-            if keep.min() < 0 or keep.max() >= total:
-                raise ConfigError("prune_experts.kept", kept[name], f"must be expert indices in [0, {total})")
             handle.kept[name] = keep.tolist()
             handle.removed[name] = sorted(set(range(total)) - set(handle.kept[name]))
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
@@ -137,6 +145,22 @@ def remove_experts(model: nn.Module, kept: dict[str, list[int]]) -> ExpertPruneH
         for config in _configs(model):
             _set_counts(handle, config, total, left)
     return handle
+
+
+def _check_kept(kept: dict[str, list[int]], layers: dict[str, tuple[nn.Module, nn.Module]], total: int) -> int:
+    """Refuse a ``kept`` that misses a layer, keeps unequal counts, names no expert of ``total`` or
+    unbalances a grouped router's groups; returns how many experts each layer keeps."""
+    if set(kept) != set(layers) or len({len(set(k)) for k in kept.values()}) != 1:
+        raise ConfigError(
+            "prune_experts.kept",
+            sorted(kept),
+            f"must name every experts module ({', '.join(layers)}) with as many experts each",
+        )
+    for name, (_, router) in layers.items():
+        if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < total for e in kept[name]):
+            raise ConfigError("prune_experts.kept", kept[name], f"must be expert indices in [0, {total})")
+        _check_groups_kept(kept[name], total, _groups(router))
+    return len(set(next(iter(kept.values()))))
 
 
 def _check_count(
@@ -157,6 +181,13 @@ def _check_count(
 def _layers(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
     """Every fused experts module of ``model`` with its router (the block's child of a registered
     router class); refuses in one line when there is none, or a router is unknown."""
+    if not isinstance(model, nn.Module):
+        raise ConfigTypeError(
+            "prune_experts.model",
+            type(model).__name__,
+            "must be a torch.nn.Module held in memory (an offloaded model, surgery.offloaded, has no experts "
+            "removed yet: load it in memory)",
+        )
     if linear_experts_in(model):
         raise ConfigError(
             "prune_experts",
@@ -195,6 +226,21 @@ def _check_unmodified(name: str, *modules: nn.Module) -> None:
                     "prune_experts",
                     f"{name}.{attr}",
                     "has surgery applied to it still attached; restore or bake that first",
+                )
+
+
+def _check_in_memory(layers: dict[str, tuple[nn.Module, nn.Module]]) -> None:
+    """Refuse experts or routers whose weights are on ``meta`` (an offloaded model's skeleton brings
+    full-size ones in per block, so rows removed there would not stay removed)."""
+    for name, modules in layers.items():
+        for module in modules:
+            meta = next((attr for attr, p in module.named_parameters(recurse=False) if p.is_meta), None)
+            if meta is not None:
+                raise ConfigError(
+                    "prune_experts",
+                    f"{name}.{meta}" if module is modules[0] else f"{name} router.{meta}",
+                    "is on the meta device (an offloaded model's skeleton, or a model not loaded yet); "
+                    "prune_experts needs the weights in memory",
                 )
 
 
@@ -247,10 +293,36 @@ def _statistics(
     return stats
 
 
-def _lowest_out(scores: Tensor, drop: int) -> Tensor:
-    """The indices kept, in order, once the ``drop`` lowest scores go (ties: the later expert goes)."""
-    order = sorted(range(len(scores)), key=lambda e: (float(scores[e]), -e))
-    return torch.tensor(sorted(order[drop:]), dtype=torch.long)
+def _groups(router: nn.Module) -> int:
+    """How many groups ``router`` first picks among (DeepSeek-V3's ``n_group`` when ``topk_group`` is
+    fewer; 1 otherwise): an expert's group is its index // group size, so each group loses as many."""
+    groups = int(getattr(router, "num_group", 1) or 1)
+    return groups if int(getattr(router, "topk_group", groups)) < groups else 1
+
+
+def _check_groups_kept(kept: list[int], total: int, groups: int) -> None:
+    """Refuse keeping unequal counts from the groups of a grouped router: the experts left would be
+    regrouped by position, and tokens that never reached a removed expert would route elsewhere."""
+    size = total // groups
+    counts = [sum(1 for e in set(kept) if e // size == g) for g in range(groups)]
+    if len(set(counts)) > 1:
+        raise ConfigError(
+            "prune_experts.kept",
+            sorted(set(kept)),
+            f"keeps {counts} experts from the n_group={groups} groups of {size}; keep as many from each "
+            "(grouped routing picks whole groups by position)",
+        )
+
+
+def _lowest_out(scores: Tensor, drop: int, groups: int = 1) -> Tensor:
+    """The indices kept, in order, once the ``drop`` lowest scores go (ties: the later expert goes),
+    as many from each of ``groups`` consecutive groups."""
+    size = len(scores) // groups
+    kept: list[int] = []
+    for start in range(0, size * groups, size):
+        order = sorted(range(start, start + size), key=lambda e: (float(scores[e]), -e))
+        kept += sorted(order[drop // groups :])
+    return torch.tensor(kept, dtype=torch.long)
 
 
 def _slice_rows(handle: ExpertPruneHandle, module: nn.Module, keep: Tensor, total: int) -> None:
@@ -266,8 +338,22 @@ def _slice_rows(handle: ExpertPruneHandle, module: nn.Module, keep: Tensor, tota
             set_slot(module, attr, value, kind)
             handle.add(
                 f"put back {type(module).__name__}.{attr}",
-                lambda m=module, a=attr, t=original, k=kind: set_slot(m, a, t, k),
+                lambda m=module, a=attr, t=original, k=kind: _put_back(m, a, t, k),
             )
+
+
+def _put_back(module: nn.Module, attr: str, original: Tensor, kind: str) -> None:
+    """Put ``original`` back in ``module``'s slot, moved to the dtype and device the slot holds now (the
+    model was moved, ``model.to(torch.bfloat16)`` say, while the experts were removed): a Parameter
+    stays the same object, its data moved as ``Module.to`` moves it."""
+    current = get_slot(module, attr, kind)
+    if current is not None and (current.dtype, current.device) != (original.dtype, original.device):
+        moved = original.detach().to(device=current.device, dtype=current.dtype)
+        if isinstance(original, nn.Parameter):
+            original.data = moved
+        else:
+            original = moved
+    set_slot(module, attr, original, kind)
 
 
 def _set_counts(handle: ExpertPruneHandle, owner: Any, total: int, left: int) -> None:

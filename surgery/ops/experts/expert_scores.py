@@ -89,10 +89,12 @@ def observe(
             hooks.append(router.register_forward_hook(_keep_gates(gates)))
             hooks.append(experts.register_forward_pre_hook(_accumulate(gates, stats[name])))
         with routed_as("routed"):
-            run_batches(model, calibration, field="prune_experts.calibration", progress=progress)
+            count = run_batches(model, calibration, field="prune_experts.calibration", progress=progress)
     finally:
         for hook in hooks:
             hook.remove()
+    if not count:
+        raise ConfigError("prune_experts.calibration", "0 batches", "must hold at least one batch")
     return stats
 
 

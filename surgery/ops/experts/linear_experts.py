@@ -127,6 +127,8 @@ class LinearExperts(nn.ModuleList):
         grouped = self._gating.grouped
         mode = routing()
         every = mode != "routed"
+        if grouped and not every:
+            return self._as_grouped_kernel(hidden_states, top_k_index, top_k_weights)
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
         if grouped:
             out = hidden_states.new_zeros((*top_k_index.shape, hidden_states.shape[-1]), dtype=dtype)
@@ -151,6 +153,34 @@ class LinearExperts(nn.ModuleList):
             else:
                 out.index_add_(0, token, y.to(out.dtype))
         return out.sum(dim=1).to(hidden_states.dtype) if grouped else out
+
+    def _as_grouped_kernel(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The routed forward as transformers' grouped kernel computes it: the (token, choice) rows
+        sorted by expert, each expert's layers on its run of rows, the gate applied once over all
+        rows (an elementwise kernel rounds by where a row sits in the tensor), then each row
+        weighted, put back in token order and the choices summed."""
+        k = top_k_index.shape[-1]
+        with torch.no_grad():
+            experts, order = torch.sort(top_k_index.reshape(-1))
+            ends = torch.bincount(experts, minlength=len(self) + 1).cumsum(0).tolist()
+        rows = hidden_states[torch.div(order, k, rounding_mode="floor")]
+        spans = [(e, ends[e - 1] if e else 0, ends[e]) for e in range(len(self))]
+        spans = [(e, start, end) for e, start, end in spans if end > start]
+        gates, ups = [], []
+        for e, start, end in spans:
+            self.routed[e] += end - start
+            self.seen[e] += end - start
+            gates.append(self[e].gate_proj(rows[start:end]) if self[e].gated else None)
+            ups.append(self[e].up_proj(rows[start:end]))
+        if not spans:
+            return torch.zeros_like(hidden_states)
+        gate = torch.cat(gates) if self.layout.gated else None
+        active = self._gating(gate, torch.cat(ups))
+        down = torch.cat([self[e].down_proj(active[start:end]) for e, start, end in spans])
+        weighted = down * top_k_weights.reshape(-1)[order][: down.shape[0], None]
+        out = weighted.new_zeros((order.numel(), weighted.shape[-1]))
+        out[order[: down.shape[0]]] = weighted
+        return out.view(*top_k_index.shape, -1).sum(dim=1).to(hidden_states.dtype)
 
     @property
     def selection_aliases(self) -> dict[str, list[str]]:

@@ -95,15 +95,16 @@ def with_linear_experts(
     return handle
 
 
-def _unrouted(err: ConfigError, swapped: list[str], verb: str) -> ConfigError:
-    """A calibration error about a layer of an expert means its router sent it no token: say so."""
+def _unrouted(err: ConfigError, swapped: list[str], verb: str | None) -> ConfigError:
+    """A calibration error about a layer of an expert means its router sent it no token: say so
+    (under ``verb.calibration``, or the error's own field without ``verb``)."""
     layer = err.value if isinstance(err.value, str) and " " not in err.value else ""
     owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
     if owner is None or not err.field.endswith("calibration") or "received no floating-point input" not in str(err):
         return err  # another calibration error (NaN, GPTAQ's pairing) says what it is itself
     expert = layer[len(owner) + 1 :].split(".")[0]
     return ConfigError(
-        f"{verb}.calibration",
+        f"{verb}.calibration" if verb else err.field,
         layer,
         f"expert {expert} of {owner} was sent no calibration token by its router, so it has no statistics",
         "calibrate on more tokens, or run every token through every expert: "
@@ -119,8 +120,14 @@ def linearized(model: nn.Module) -> Iterator[list[str]]:
     """Inside the block, ``model``'s fused experts are per-expert layers (for work that attaches and
     restores several handles, such as a sensitivity scan); they fold back when it ends."""
     swapped = linearize(model)
+    names = [name for name, *_ in swapped]
     try:
-        yield [name for name, *_ in swapped]
+        yield names
+    except ConfigError as err:  # a layer of an expert without input: its router sent it no token
+        clearer = _unrouted(err, names, None)
+        if clearer is err:
+            raise
+        raise clearer from err
     finally:
         fold_back(swapped)
 

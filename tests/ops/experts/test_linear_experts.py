@@ -44,6 +44,22 @@ def test_per_expert_layers_compute_what_the_fused_module_computes(family):
         assert after[name] is param and torch.equal(param, value), name
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_many_tokens_per_expert_still_give_the_grouped_kernel_s_bits(family):
+    """About a thousand rows per expert: an elementwise kernel (the gate) splits its work by where a
+    row sits in the tensor, so the gate must run over every expert's rows at once, in the order the
+    grouped kernel sorts them, to round as it does."""
+    fused = tiny_moe(family).model.layers[0].mlp.experts
+    experts = LinearExperts.from_fused(fused, fused_experts(tiny_moe(family))["model.layers.0.mlp.experts"])
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2048, 32, generator=generator)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(2048)])
+    weights = torch.rand(2048, 2, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(experts(hidden, index, weights), fused(hidden, index, weights))
+    assert experts.routed == torch.bincount(index.flatten(), minlength=4).tolist()
+
+
 @pytest.mark.parametrize(
     ("family", "where"),
     [

@@ -4,6 +4,7 @@ an offloaded model's hooks, which only bring its weights in, are not."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import surgery
 from surgery.core.errors import ConfigError
@@ -30,3 +31,16 @@ def test_an_offloaded_model_s_weight_hooks_let_its_experts_be_made_layers(tmp_pa
         assert isinstance(source.model.model.layers[0].mlp.experts, LinearExperts)
     assert source.model.model.layers[0].mlp.experts is fused
     assert all(p.is_meta for p in source.model.parameters())
+
+
+def test_a_calibration_error_about_an_expert_s_layer_says_its_router_sent_it_nothing():
+    model = tiny_moe("gpt_oss", 1)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match="was sent no calibration token by its router") as err:
+        surgery.sensitivity(model, (0.5,), inputs=tokens, method="wanda", calibration=[tokens], select="**.experts.**")
+    assert str(err.value).startswith("calibration='model.layers.0.mlp.experts.") and "every_expert_calibrated" in str(
+        err.value
+    )
+    assert type(model.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    with pytest.raises(ConfigError, match="^calibration='0 batches'"), linearized(model):
+        raise ConfigError("calibration", "0 batches", "must hold at least one batch")  # not about an expert: as it was
