@@ -152,7 +152,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--llama", action="store_true", help="the shipped tiny Llama beside llm-compressor instead")
     parser.add_argument("--no-peer", action="store_true", help="with --llama: our rows only")
-    parser.add_argument("--rows", help="with --llama: only the rows whose name holds this text (e.g. W4A)")
+    parser.add_argument(
+        "--rows", help="with --llama: only rows whose name holds one of these comma-separated texts (W4A,GPTQ)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.llama:

@@ -28,14 +28,24 @@ from surgery.testing import snapshot, snapshot_differences
 
 HERE = Path(__file__).resolve().parent
 HEAD = "lm_head"
+AUTOROUND_PYTHON = HERE / ".venv-auto_round" / "bin" / "python"  # python3.11 -m venv; pip install 'auto-round==0.16.*'
 
 # (row, our recipe, llm-compressor's method name for llmcompressor_quality.py, note)
 Recipe = Callable[[torch.nn.Module, list], list]
 
 
-def _quantize(bits: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
-    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method=method)
+def _quantize(bits: int, method: str = "rtn", symmetric: bool = True, **options: object) -> Recipe:
+    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method=method, **options)
     return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
+
+
+def _autoround(bits: int, symmetric: bool) -> Recipe:
+    """AutoRound with every calibration window a sample of its own, as auto-round samples them
+    (a step tunes on 8 of the 32 windows, drawn by its seeded sampler)."""
+    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method="autoround", iterations=200)
+    return lambda m, cal: [
+        surgery.quantize(m, weights=spec, calibration=[w[None] for b in cal for w in b], exclude=HEAD, progress=False)
+    ]
 
 
 def _awq(bits: int, method: str = "rtn") -> Recipe:
@@ -68,14 +78,26 @@ def _prune(method: str, amount: float, pattern: str | None = None, owl: bool = F
 
 
 FP8 = GridSpec(format="fp8_e4m3")
+ACTORDER = 'theirs: GPTQModifier\'s default (actorder="static", an alias of "weight")'
+NO_GPTAQ = "ours only: llm-compressor 0.14 has no GPTAQ"
+AUTOROUND = "theirs: the auto-round 0.16 package, same settings"
 ROWS: list[tuple[str, Recipe, str, str]] = [
     ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
-    ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4", ""),
+    ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4,actorder=none", "both without activation order"),
+    ("GPTQ W4 g128, actorder=weight", _quantize(4, "gptq", actorder="weight"), "gptq:w4", ACTORDER),
+    ("GPTQ W4 g128, observer=mse", _quantize(4, "gptq", observer="mse"), "gptq:w4,actorder=none,observer=mse", ""),
+    ("GPTAQ W4 g128", _quantize(4, "gptaq"), "", NO_GPTAQ),
+    ("AutoRound W4 g128 (affine)", _autoround(4, False), "autoround:w4,sym=0", AUTOROUND),
     ("AWQ + RTN W4 g128 (affine)", _awq(4), "awq:w4", "llm-compressor: paper scales (duo_scaling=False)"),
     ("RTN W3 g128", _quantize(3), "rtn:w3", ""),
-    ("GPTQ W3 g128", _quantize(3, "gptq"), "gptq:w3", ""),
+    ("GPTQ W3 g128", _quantize(3, "gptq"), "gptq:w3,actorder=none", "both without activation order"),
+    ("GPTQ W3 g128, actorder=weight", _quantize(3, "gptq", actorder="weight"), "gptq:w3", ACTORDER),
+    ("GPTQ W3 g128, observer=mse", _quantize(3, "gptq", observer="mse"), "gptq:w3,actorder=none,observer=mse", ""),
+    ("GPTAQ W3 g128", _quantize(3, "gptaq"), "", NO_GPTAQ),
+    ("AutoRound W3 g128 (affine)", _autoround(3, False), "autoround:w3,sym=0", AUTOROUND),
+    ("AutoRound W3 g128", _autoround(3, True), "autoround:w3,sym=1", "symmetric grids differ: theirs is int_sym"),
     ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
-    ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3", ""),
+    ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3,actorder=none", "both without activation order"),
     ("W4A8 (inputs dynamic per token)", _activations(8, False), "w4a8", ""),
     ("W4A8, rotated", _activations(8, True), "w4a8-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
     ("W4A4 (inputs dynamic per token)", _activations(4, False), "w4a4", ""),
@@ -118,8 +140,15 @@ def ours(name: str, recipe: Recipe, model: torch.nn.Module, calibration: list, h
 
 
 def theirs(python: Path, method: str, data: Path) -> dict:
+    """llm-compressor's ``method`` (``autoround:...``: the auto-round package's) in its own venv."""
+    command = [str(python), str(HERE / "llmcompressor_quality.py"), str(FOLDER), str(data), method]
+    if method.startswith("autoround:"):
+        if not AUTOROUND_PYTHON.exists():
+            return {"error": f"{AUTOROUND_PYTHON} is absent (see autoround_quality.py)"}
+        bits, symmetric = method[len("autoround:w")], method.rpartition("=")[2]
+        command = [str(AUTOROUND_PYTHON), str(HERE / "autoround_quality.py"), str(FOLDER), str(data), bits, symmetric]
     found = subprocess.run(
-        [str(python), str(HERE / "llmcompressor_quality.py"), str(FOLDER), str(data), method],
+        command,
         capture_output=True,
         text=True,
         check=False,
@@ -132,8 +161,8 @@ def theirs(python: Path, method: str, data: Path) -> dict:
 
 
 def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
-    """Every row (``only``: those whose name holds it), ours then llm-compressor's;
-    ``peer_python`` None: ours only."""
+    """Every row (``only``: those whose name holds one of its comma-separated parts), ours then
+    the peer's; ``peer_python`` None: ours only."""
     torch.set_num_threads(1)
     model = load_llama()
     held_out = token_batches("test", 16)
@@ -150,11 +179,11 @@ def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
             data,
         )
         for name, recipe, method, note in ROWS:
-            if only is not None and only not in name:
+            if only is not None and not any(part in name for part in only.split(",")):
                 continue
             row = {"row": name, "ours": ours(name, recipe, model, calibration, held_out), "note": note}
             if peer_python is not None and method:
-                row["llm-compressor"] = theirs(peer_python, method, data)
+                row[_peer(method)] = theirs(peer_python, method, data)
             rows.append(row)
             print(_line(row), flush=True)
     return rows
@@ -165,13 +194,21 @@ def _cell(found: dict | None) -> str:
         return ""
     if "error" in found:
         return f"fails: {found['error']}"
-    return f"{found['perplexity']:.3f}"
+    seconds = f" ({found['seconds']:.1f} s)" if found.get("seconds") else ""
+    return f"{found['perplexity']:.3f}{seconds}"
+
+
+def _peer(method: str) -> str:
+    """Whose implementation a peer method name runs."""
+    return "auto-round" if method.startswith("autoround:") else "llm-compressor"
 
 
 def _line(row: dict) -> str:
-    return f"| {row['row']} | {_cell(row['ours'])} | {_cell(row.get('llm-compressor'))} | {row.get('note', '')} |"
+    peer = row.get("llm-compressor") or row.get("auto-round")
+    return f"| {row['row']} | {_cell(row['ours'])} | {_cell(peer)} | {row.get('note', '')} |"
 
 
 def table(rows: list[dict]) -> str:
-    head = "| tiny Llama, held-out perplexity | surgery | llm-compressor 0.14 | note |\n| --- | --- | --- | --- |"
+    """The rows as a Markdown table: perplexity (seconds) per side."""
+    head = "| tiny Llama, held-out perplexity (s) | surgery | peer | note |\n| --- | --- | --- | --- |"
     return "\n".join([head, *(_line(row) for row in rows)])

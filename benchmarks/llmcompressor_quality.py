@@ -5,6 +5,9 @@ Usage (by the benchmark)::
 
     benchmarks/.venv-llmcompressor/bin/python benchmarks/llmcompressor_quality.py FOLDER DATA METHOD
 
+``METHOD`` is a name and a setting (``gptq:w3``), optionally followed by ``,key=value`` options
+for the weights' ``QuantizationArgs`` (``gptq:w3,observer=mse``; ``actorder=none`` turns
+GPTQModifier's default activation order, ``"static"`` = ``"weight"``, off).
 ``DATA`` is a ``torch.save`` of ``{"calibration": int64 (n, 128), "inputs": ..., "targets": ...}``
 made by the benchmark from the tiny-LM corpus; the last line printed is
 ``{"perplexity": ..., "seconds": ...}`` (held-out perplexity of the model as llm-compressor
@@ -25,7 +28,9 @@ import torch.nn.functional as F
 HEAD = ["re:.*lm_head"]  # llm-compressor 0.14's pruning modifiers do not match a bare "lm_head"
 
 
-def weights(bits: int, symmetric: bool) -> dict:
+def weights(bits: int, symmetric: bool, options: dict[str, str]) -> dict:
+    """One config group: every Linear's weights on a grid with a scale per 128 inputs."""
+    extra = {key: value for key, value in options.items() if key != "actorder"}  # GPTQModifier's own
     return {
         "group_0": {
             "targets": ["Linear"],
@@ -35,6 +40,7 @@ def weights(bits: int, symmetric: bool) -> dict:
                 "symmetric": symmetric,
                 "strategy": "group",
                 "group_size": 128,
+                **extra,
             },
         }
     }
@@ -46,12 +52,15 @@ def recipe(method: str) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SpinQuantModifier
 
+    method, *pairs = method.split(",")
+    options = dict(pair.split("=", 1) for pair in pairs)
     name, _, setting = method.partition(":")
     if name in ("rtn", "gptq", "awq", "awq-gptq"):
         bits, symmetric = int(setting[1]), name == "rtn" or name == "gptq"
-        groups = weights(bits, symmetric)
+        groups = weights(bits, symmetric, options)
         quantize = GPTQModifier if name.endswith("gptq") else QuantizationModifier
-        steps = [quantize(config_groups=groups, ignore=HEAD)]
+        order = {"actorder": None} if options.get("actorder") == "none" else {}  # None in the group: "static"
+        steps = [quantize(config_groups=groups, ignore=HEAD, **order)]
         if name.startswith("awq"):  # the paper's scales (no duo scaling), then the same grid
             steps.insert(0, AWQModifier(duo_scaling=False, offload_device=None))  # its grid is the next modifier's
         return steps

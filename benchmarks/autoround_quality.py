@@ -1,0 +1,85 @@
+"""auto-round 0.16's AutoRound on the shipped tiny Llama, in auto-round's own virtual environment:
+run by ``bench_calibrated.py --llama``, as ``llmcompressor_quality.py`` runs llm-compressor.
+
+Usage (by the benchmark)::
+
+    benchmarks/.venv-auto_round/bin/python benchmarks/autoround_quality.py FOLDER DATA BITS SYMMETRIC
+
+``DATA`` is the benchmark's ``torch.save`` of ``{"calibration": int64 (n, 128), "inputs": ...,
+"targets": ...}``; every calibration window is one sample. The settings are those
+``tests/ops/quantization/methods/autoround_peer.py`` checks bit for bit against surgery's
+``method="autoround"``: groups of 128, 200 iterations, a batch of 8 samples, seed 42 (its
+default), float32 scales, no autocast, no compile, the last position of each sample left out.
+``SYMMETRIC`` is ``1`` for auto-round's ``int_sym`` grid (its own full range, not surgery's)
+or ``0`` for ``int_asym`` (the grid surgery's affine rows use). The last line printed is
+``{"perplexity": ..., "seconds": ...}``: held-out perplexity of the model as ``quantize()``
+leaves it (its Linear weights rounded in place), and the wall time of the tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZE = 128
+ITERATIONS = 200
+BATCH = 8
+
+
+class Tokens:
+    """A stand-in tokenizer: the calibration samples are token ids already."""
+
+    pad_token, pad_token_id = None, -1  # no padding among the windows (and no guessing it from repeats)
+    eos_token_id = 0
+
+
+def held_out_perplexity(model: torch.nn.Module, data: dict) -> float:
+    """exp of the mean cross-entropy over every held-out window."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in zip(data["inputs"], data["targets"]):
+            logits = model(inputs).logits
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+            count += targets.numel()
+    return math.exp(total / count)
+
+
+def main() -> None:
+    """Tune the model in FOLDER on DATA's calibration windows and print its held-out perplexity."""
+    import transformers
+    from auto_round import AutoRound
+
+    folder, data_file, bits, symmetric = sys.argv[1:5]
+    torch.set_num_threads(1)
+    data = torch.load(data_file, weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    samples = [row.unsqueeze(0) for row in data["calibration"]]
+    start = time.perf_counter()
+    tuner = AutoRound(
+        model,
+        tokenizer=Tokens(),
+        bits=int(bits),
+        group_size=GROUP_SIZE,
+        sym=symmetric == "1",
+        dataset=samples,
+        nsamples=len(samples),
+        seqlen=samples[0].shape[1],
+        iters=ITERATIONS,
+        batch_size=BATCH,
+        scale_dtype="fp32",
+        amp=False,
+        device_map="cpu",
+        enable_torch_compile=False,
+    )
+    tuner.quantize()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"perplexity": held_out_perplexity(model, data), "seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main()
