@@ -222,14 +222,13 @@ class BlockTuner:
         for _ in bar:
             chosen = sampler.next_batch()
             total = sum(targets[i].numel() for i in chosen)
-            loss_sum = 0.0
-            for index in chosen:
-                replaced = {**frozen, **{w.name: w.quantized(self.spec)[0] for w in weights}}
-                args, kwargs = calls[index]
-                output = hidden_of(functional_call(block, replaced, args, kwargs))
-                loss = squared_error(output, targets[index]) / total
-                loss.backward()
-                loss_sum += loss.item()
+            replaced = {**frozen, **{w.name: w.quantized(self.spec)[0] for w in weights}}  # once a step
+            loss = sum(
+                squared_error(hidden_of(functional_call(block, replaced, *calls[index])), targets[index]) / total
+                for index in chosen
+            )
+            loss.backward()  # one pass back through the rounding for the whole batch, as auto-round's
+            loss_sum = loss.item()
             if loss_sum < best_loss:
                 best_loss, best = loss_sum, _snapshot(weights)
             optimizer.step()
