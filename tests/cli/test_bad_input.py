@@ -919,6 +919,8 @@ API_CASES = [
         ConfigError,
         "quantize.weights.iterations",
         "0",
+    ),
+    ApiCase(
         "experts-in-memory",
         lambda m, *_: surgery.prune_experts(tiny_moe("qwen3_moe", layers=1).to("meta"), 1, criterion="random"),
         ConfigError,
