@@ -56,7 +56,6 @@ from surgery.ops.offload.offloaded_manifest import (
     check_stage,
     checked,
     file_sha256,
-    grid_held,
     mismatch,
     stage_name,
     state_digest,
@@ -246,7 +245,8 @@ def _compress_stage(
             _skeleton(where, module), stage.layers, stage.block, None if inputs is None else inputs.calls()
         )
         grids = verb.grids(applied) if verb.grids is not None else {}
-        grids = {key: grid for key, grid in grids.items() if grid_held(key, weights)}  # experts' layers' too
+        # every grid of the stage's layers, those of each expert's layers and of a head tied to the
+        # embeddings included (held under another name: the export must still see it quantized)
         applied.bake()
         del applied  # and with it the originals it kept (the source files hold them)
         written = folder.write(index, where, {name: p.detach() for name, p in weights.items()}, grids)
