@@ -99,7 +99,9 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
 
 
 def test_a_weight_method_that_is_not_registered_names_the_registered_ones():
-    with pytest.raises(surgery.ConfigError, match=r"GridSpec.method='absmaxx': must be one of autoround, gptq, gptaq, rtn \(or a"):
+    with pytest.raises(
+        surgery.ConfigError, match=r"GridSpec.method='absmaxx': must be one of autoround, gptq, gptaq, rtn \(or a"
+    ):
         surgery.GridSpec(method="absmaxx")
 
 
