@@ -19,12 +19,11 @@ leaves it (its Linear weights rounded in place), and the wall time of the tuning
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
+from peer_perplexity import held_out_perplexity  # beside this script
 
 GROUP_SIZE = 128
 ITERATIONS = 200
@@ -36,17 +35,6 @@ class Tokens:
 
     pad_token, pad_token_id = None, -1  # no padding among the windows (and no guessing it from repeats)
     eos_token_id = 0
-
-
-def held_out_perplexity(model: torch.nn.Module, data: dict) -> float:
-    """exp of the mean cross-entropy over every held-out window."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for inputs, targets in zip(data["inputs"], data["targets"]):
-            logits = model(inputs).logits
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
-            count += targets.numel()
-    return math.exp(total / count)
 
 
 def main() -> None:

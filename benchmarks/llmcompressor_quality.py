@@ -17,13 +17,12 @@ leaves it after ``oneshot``: fake-quantized or pruned in place).
 from __future__ import annotations
 
 import json
-import math
 import sys
 import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
+from peer_perplexity import held_out_perplexity  # beside this script
 
 HEAD = ["re:.*lm_head"]  # llm-compressor 0.14's pruning modifiers do not match a bare "lm_head"
 
@@ -120,13 +119,7 @@ def main() -> None:
         pipeline="sequential",
     )
     seconds = time.perf_counter() - start
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for inputs, targets in zip(data["inputs"], data["targets"]):
-            logits = model(inputs).logits
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
-            count += targets.numel()
-    print(json.dumps({"perplexity": math.exp(total / count), "seconds": seconds}))
+    print(json.dumps({"perplexity": held_out_perplexity(model, data), "seconds": seconds}))
 
 
 if __name__ == "__main__":
