@@ -45,6 +45,11 @@ class SelectionError(ConfigError):
     """A selection pattern matched no module of the model."""
 
 
+class NoCalibrationInputError(ConfigError):
+    """A selected layer received no floating-point input while calibrating (for a layer of an
+    expert: its router sent it no token)."""
+
+
 class OutputExistsError(ConfigError, FileExistsError):
     """An output file already exists and replacing it was not asked for."""
 

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, Keep, ReducerFactory
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, NoCalibrationInputError
 from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
@@ -411,7 +411,7 @@ class _FloatStream:
 def _every_layer_ran(found: dict[str, Any], layers: dict[str, nn.Module]) -> dict[str, Any]:
     for name in layers:
         if found.get(name) is None:
-            raise ConfigError(
+            raise NoCalibrationInputError(
                 "calibration",
                 name,
                 "this layer received no floating-point input during calibration",

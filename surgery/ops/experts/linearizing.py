@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from surgery.core._compat import module_has_hooks, module_hooks
-from surgery.core.errors import AlreadyModifiedError, ConfigError
+from surgery.core.errors import AlreadyModifiedError, ConfigError, NoCalibrationInputError
 from surgery.core.handles import Handle, attached_after
 from surgery.ops.experts.layouts import check_splittable, fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
@@ -100,7 +100,7 @@ def _unrouted(err: ConfigError, swapped: list[str], verb: str | None) -> ConfigE
     (under ``verb.calibration``, or the error's own field without ``verb``)."""
     layer = err.value if isinstance(err.value, str) and " " not in err.value else ""
     owner = next((name for name in swapped if layer.startswith(f"{name}.")), None)
-    if owner is None or not err.field.endswith("calibration") or "received no floating-point input" not in str(err):
+    if owner is None or not isinstance(err, NoCalibrationInputError):
         return err  # another calibration error (NaN, GPTAQ's pairing) says what it is itself
     expert = layer[len(owner) + 1 :].split(".")[0]
     return ConfigError(

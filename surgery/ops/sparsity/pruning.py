@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from surgery.core import compiled, guards
 from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError, NoCalibrationInputError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
 from surgery.core.layer_kinds import input_axis_of, is_kind
@@ -678,7 +678,7 @@ def calibrate(
     for name, target in weights.items():
         captured = seen.get(target.module_name)
         if captured is None:
-            raise ConfigError(
+            raise NoCalibrationInputError(
                 "prune.calibration",
                 target.module_name,
                 "this layer received no floating-point input during calibration",
@@ -716,7 +716,7 @@ def calibrate_with_gradients(
     for name, target in weights.items():
         captured, grads = seen.get(target.module_name), gradients.get(target.module_name) or {}
         if captured is None:
-            raise ConfigError(
+            raise NoCalibrationInputError(
                 "prune.calibration",
                 target.module_name,
                 "this layer received no floating-point input during calibration",
