@@ -50,6 +50,9 @@ from surgery.ops.numerics.observers import GridSpec, NonFiniteError, ObservedRan
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
+from surgery.ops.planning.choices import Choice, register_choice
+from surgery.ops.planning.planning import plan
+from surgery.ops.planning.plans import Plan
 from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
 from surgery.ops.quantization.low_rank_branch import LowRankBranchHandle, low_rank_branch
 from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
@@ -182,6 +185,11 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     # sensitivity
     "sensitivity",
     "Sensitivity",
+    # planning: one budget across every knob
+    "plan",
+    "Plan",
+    "Choice",
+    "register_choice",
     # rewrite
     "rewrite_inputs",
     "RewriteSpec",

@@ -31,6 +31,7 @@ OPS_ORDER = {
     "export": 6,
     "sensitivity": 6,
     "rewrite": 6,
+    "planning": 7,
 }
 OPS_SHIMS = {"rewriting.py", "formats"}
 APP_ONLY = ("hydra", "omegaconf", "matplotlib", "sklearn")

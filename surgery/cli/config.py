@@ -19,6 +19,7 @@ from surgery.cli.steps import STEPS, step_named
 from surgery.cli.steps.awq import AwqConfig
 from surgery.cli.steps.finetune import FinetuneConfig
 from surgery.cli.steps.kv_cache import KvCacheConfig
+from surgery.cli.steps.plan import PlanConfig
 from surgery.cli.steps.prune import PruneConfig
 from surgery.cli.steps.quantize import QuantizeConfig
 from surgery.cli.steps.rotate import RotateConfig
@@ -29,6 +30,7 @@ from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.importing import import_module_named
 from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.planning.budget import ALLOWED as BUDGET_ALLOWED
 from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
 from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER
@@ -390,6 +392,8 @@ class RunConfig:
     finetune: FinetuneConfig | None = None
     shrink: ShrinkConfig | None = None
     sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and amounts (recipe=sensitivity)
+    plan: PlanConfig | None = None  # a choice per layer within one budget (recipe=plan_llama)
+    budget: Any = None  # a recipe's plan budget, interpolated into plan.budget (budget=4.5bpw)
     step_settings: dict[str, Any] = field(default_factory=dict)  # settings of plugin steps, by step name
     inspect: bool = False
     objective: ObjectiveConfig | None = None  # what a search (hydra/sweeper=optuna) optimises
@@ -429,6 +433,12 @@ class RunConfig:
             )
         if self.sensitivity is not None and "sensitivity" not in self.steps:
             raise ConfigError("sensitivity", NO_VALUE, "has settings but is not in steps; add it: steps=[sensitivity]")
+        if "plan" in self.steps and self.plan is not None and self.plan.budget is None:
+            raise ConfigError("plan.budget", None, f"is required: {BUDGET_ALLOWED} (or a top-level budget=4.5bpw)")
+        if self.budget is not None and "plan" not in self.steps:
+            raise ConfigError(
+                "budget", self.budget, "is the plan step's budget; add it: steps=[plan] (recipe=plan_llama)"
+            )
         if self.objective is not None:
             self._check_objective()
         self._target_export()
@@ -481,6 +491,7 @@ BUILT_IN_STEPS = (
     "finetune",
     "shrink",
     "sensitivity",
+    "plan",
 )
 
 

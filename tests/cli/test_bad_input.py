@@ -928,6 +928,13 @@ API_CASES = [
         "is on the meta device",
         build=lambda: tiny_moe("qwen3_moe", layers=1),
     ),
+    ApiCase(
+        "plan-budget",
+        lambda m, *_: surgery.plan(m, "1bpw", ["w4g128"], calibration=[batch(4, 8)]),
+        ConfigError,
+        "plan.budget",
+        "smallest reachable: 5.29 bpw",
+    ),
 ]
 
 
@@ -1415,6 +1422,12 @@ CLI_CASES = [
         ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.iterations=0"),
         "quantize.weights.iterations=0",
     ),
+    CliCase(
+        "plan-budget",
+        ("recipe=plan_llama", "budget=1bpw", "plan.calibration_batches=1", "data.batches=1"),
+        "plan.budget='1bpw': no plan fits; smallest reachable:",
+    ),
+    CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
 ]
 
 

@@ -1,11 +1,12 @@
 """The command line's steps: the protocol and registry (:mod:`.base`) and the built-in steps,
 each one file that registers itself: prune, prune_experts, quantize, rewrite, smooth, awq, rotate, kv_cache,
-shrink, finetune, sensitivity."""
+shrink, finetune, sensitivity, plan."""
 
 from surgery.cli.steps import (  # noqa: F401
     awq,
     finetune,
     kv_cache,
+    plan,
     prune,
     prune_experts,
     quantize,

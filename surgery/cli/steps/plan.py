@@ -1,0 +1,107 @@
+"""The ``plan`` step: :func:`surgery.plan` under a recipe's ``plan:`` settings (one budget, a
+choice per layer), the plan written as ``plan.json`` in the run's folder and applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from surgery.cli.fields import positive_int
+from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.core.checkpoints import write_atomically
+from surgery.core.handles import Handle
+from surgery.ops.planning.budget import budget_bytes
+from surgery.ops.planning.choices import choice_named
+from surgery.ops.planning.planning import DEFAULT_CHOICES, plan
+from surgery.ops.sparsity.pruning import prune_targets
+
+PLAN = "plan.json"
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """``plan:``: the arguments of :func:`surgery.plan`; ``budget`` as bytes (``12MB``) or bits
+    per weight (``4.5bpw``), a recipe's top-level ``budget`` by default."""
+
+    budget: Any = None
+    choices: list[str] = field(default_factory=lambda: list(DEFAULT_CHOICES))
+    select: Any = None
+    exclude: Any = None
+    method: str = "rtn"
+    estimate: str = "auto"  # auto (gradient on a causal LM's next-token loss, else drift) | gradient | drift
+    calibration_batches: int = 4
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:  # the form only: what it reaches is known once the model is built
+            budget_bytes(self.budget, 1)
+        for name in self.choices:
+            choice_named(name)
+        positive_int("plan.calibration_batches", self.calibration_batches)
+
+
+def next_token_loss(output: Any, ids: Tensor) -> Tensor:
+    """Mean cross-entropy of each position's logits against the next input token."""
+    logits = getattr(output, "logits", output)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+class PlanStep(Step):
+    """A choice per layer within the budget, applied with one verb call per choice."""
+
+    name, settings = "plan", PlanConfig
+    outputs = (PLAN,)
+
+    def apply(self, model: nn.Module, settings: PlanConfig, run: StepRun) -> Handle:
+        causal = getattr(run.config.model, "task", None) == "causal_lm" and settings.estimate != "drift"
+        calibration = [(x, x) for x in run.calibration] if causal else run.calibration
+        chosen = plan(
+            model,
+            settings.budget,
+            settings.choices,
+            calibration=calibration,
+            loss=next_token_loss if causal else None,
+            estimate=settings.estimate,
+            method=settings.method,
+            select=settings.select,
+            exclude=settings.exclude or None,
+        )
+        write_atomically(run.folder / PLAN, chosen.save)
+        handle = chosen.apply(model, calibration=list(run.calibration))
+        handle.result = chosen
+        return handle
+
+    def calibration(self, settings: PlanConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="plan")
+
+    def preview(self, model: nn.Module, settings: PlanConfig) -> list[Row]:
+        return target_rows("plan", prune_targets(model, settings.select, settings.exclude), {}, "")
+
+    def report(self, handle: Handle, settings: PlanConfig, run: StepRun, report: dict[str, Any]) -> None:
+        """``report.json`` ``plan``: the totals and how many layers take each choice."""
+        chosen = handle.result
+        report["plan"] = {
+            "file": PLAN,
+            "budget_bytes": chosen.budget,
+            "bytes": chosen.total_bytes,
+            "bits_per_weight": chosen.bits_per_weight,
+            "estimate": chosen.estimate,
+            "solver": chosen.solver,
+            "counts": chosen.counts(),
+        }
+
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The plan's bits per weight and its choices."""
+        found = report.get("plan")
+        if found is None:
+            return []
+        counts = ", ".join(f"{name} x{n}" for name, n in found["counts"].items())
+        return [
+            f"plan: {found['bits_per_weight']:.3f} bits per weight ({found['bytes']:,} of {found['budget_bytes']:,} "
+            f"bytes; {found['estimate']} scores, {found['solver']} solve): {counts}"
+        ]
+
+
+register_step(PlanStep())

@@ -1,0 +1,154 @@
+"""``surgery.plan``: one bytes budget across every knob. Each selected layer may take any of
+``choices`` (a weight format, N:M sparsity, or nothing: :mod:`.choices`); each (layer, choice)
+is scored (:mod:`.scores`: gradient-weighted error where a loss exists, output drift
+otherwise); the plan is the one option per layer with the least summed score whose bytes fit
+the budget (:mod:`.solver`). What counts: the selected layers' weights (every Linear but the
+output head by default; embeddings, norms and biases are outside the budget)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.inputs import as_call, evaluating
+from surgery.core.selection import Selection
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, weight_method
+from surgery.ops.planning.budget import budget_bytes
+from surgery.ops.planning.choices import Choice, Shape, choice_named
+from surgery.ops.planning.plans import Plan, PlanRow
+from surgery.ops.planning.scores import ESTIMATES
+from surgery.ops.planning.solver import Option, smallest, solve
+from surgery.ops.sparsity.pruning import prune_targets
+
+DEFAULT_CHOICES = ("dense", "int8", "w4g128", "w3g128")
+
+
+def plan(
+    model: nn.Module,
+    budget: int | str,
+    choices: Sequence[str] = DEFAULT_CHOICES,
+    *,
+    calibration: Sequence,
+    loss: Callable[[Any, Any], Tensor] | None = None,
+    estimate: str = "auto",
+    method: str = "rtn",
+    select: Selection = None,
+    exclude: Selection = None,
+) -> Plan:
+    """Choose one of ``choices`` for every selected layer: least summed score within ``budget``.
+
+    Args:
+        model: left exactly as it was (every trial is restored).
+        budget: bytes (``12_000_000``, ``"12MB"``, ``"3.5MiB"``) or bits per weight
+            (``"4.5bpw"``) over the selected layers' weights.
+        choices: registered choice names (:func:`register_choice`): ``dense``, ``int8``,
+            ``w4g128``, ``w3g128``, ``fp8``, ``mxfp4``, ``nvfp4``, ``2:4``.
+        calibration: input batches; with ``loss``, ``(inputs, target)`` pairs.
+        loss: ``loss(output, target) -> scalar``: gradient scores. Without it, a model whose
+            output holds a ``loss`` (a Hugging Face model given labels) gives gradient scores
+            too; any other, drift scores.
+        estimate: ``"auto"`` (as above), ``"gradient"`` or ``"drift"``.
+        method: the integer choices' weight method (``rtn``, ``gptq``...).
+        select, exclude: the layers planned (see :func:`surgery.select`); default every
+            Linear and convolution but the model's output head.
+
+    Example:
+        >>> p = surgery.plan(model, "4.5bpw", ["w4g128", "w3g128", "int8"], calibration=batches)
+        >>> handle = p.apply(model, calibration=batches); p.save("plan.json")
+    """
+    picked = _choices(choices, method)
+    if calibration is None or isinstance(calibration, (str, bytes)) or not list(calibration):
+        raise ConfigError(
+            "plan.calibration", None, "pass calibration batches (inputs; with loss, (inputs, target) pairs)"
+        )
+    layers = _layers(model, select, exclude)
+    options = {name: [c for c, choice in picked.items() if choice.fits(shape)] for name, shape in layers.items()}
+    empty = next((name for name, fit in options.items() if not fit), None)
+    if empty is not None:
+        raise ConfigError("plan.choices", list(picked), f"none fits {empty} {layers[empty]}; add e.g. 'dense'")
+    limit = _check_budget(budget, layers, options, picked)
+    context = _context(model, calibration, loss, estimate, method)
+    scores = ESTIMATES[context["estimate"]](model, list(layers), picked, options, context)
+    table = [[Option(picked[c].bytes_of(layers[n]), scores[n][c]) for c in options[n]] for n in layers]
+    picks, solver = solve(table, limit)
+    rows = [
+        PlanRow(name, options[name][k], layers[name], table[i][k].bytes, table[i][k].score)
+        for i, (name, k) in enumerate(zip(layers, picks))
+    ]
+    return Plan(rows, limit, context["estimate"], solver, method, list(picked))
+
+
+def _choices(choices: object, method: object) -> dict[str, Choice]:
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices:
+        raise ConfigTypeError("plan.choices", choices, "must be a non-empty list of choice names")
+    if method not in WEIGHT_METHODS:
+        raise ConfigError("plan.method", method, f"must be one of {', '.join(WEIGHT_METHODS.names())}")
+    return {name: choice_named(name) for name in choices}
+
+
+def _layers(model: nn.Module, select: Selection, exclude: Selection) -> dict[str, Shape]:
+    """The planned layers and their weights' (outputs, inputs) shapes."""
+    if select is None and exclude is None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        exclude = [name for name, module in model.named_modules() if head is not None and module is head] or None
+    targets = prune_targets(model, select, exclude).matched
+    found = {}
+    for target in targets.values():
+        if target.param.dim() >= 2:
+            found[target.module_name] = (target.param.shape[0], target.param[0].numel())
+    if not found:
+        raise ConfigError("plan.select", select, "matches no layer with a weight matrix")
+    return found
+
+
+def _check_budget(budget: object, layers: dict[str, Shape], options: dict[str, list[str]], picked: dict) -> int:
+    """The budget in bytes; one no plan can meet raises, naming the smallest reachable one."""
+    weights = sum(rows * columns for rows, columns in layers.values())
+    limit = budget_bytes(budget, weights)
+    sizes = [[picked[c].bytes_of(layers[n]) for c in options[n]] for n in layers]
+    least = smallest([[Option(b, 0.0) for b in row] for row in sizes])
+    if limit < least:
+        smallest_choice = {min(options[n], key=lambda c: picked[c].bytes_of(layers[n])) for n in layers}
+        how = f"every layer at {smallest_choice.pop()}" if len(smallest_choice) == 1 else "each layer at its smallest"
+        raise ConfigError(
+            "plan.budget",
+            budget,
+            f"no plan fits; smallest reachable: {8 * least / weights:.2f} bpw ({least:,} bytes) with {how}",
+        )
+    return limit
+
+
+def _context(model: nn.Module, calibration: Sequence, loss: Any, estimate: str, method: str) -> dict[str, Any]:
+    """Which estimate runs, and what it needs: the verbs' input batches, the (inputs, target) pairs and the loss."""
+    if estimate not in ("auto", *ESTIMATES):
+        raise ConfigError("plan.estimate", estimate, "must be one of auto, gradient, drift")
+    batches = list(calibration)
+    inputs = [pair[0] for pair in batches] if loss is not None else batches
+    pairs = batches if loss is not None else [(batch, None) for batch in batches]
+    if loss is None and estimate != "drift" and _gives_loss(model, batches[0]):
+        loss = lambda output, _: output.loss  # noqa: E731
+    if estimate == "gradient" and loss is None:
+        raise ConfigError(
+            "plan.estimate", estimate, "needs a loss: pass loss=fn(output, target), or a model giving one"
+        )
+    chosen = estimate if estimate != "auto" else "gradient" if loss is not None else "drift"
+    needs = weight_method(method).needs_calibration
+    return {
+        "estimate": chosen,
+        "inputs": inputs,
+        "pairs": pairs,
+        "loss": loss,
+        "method": method,
+        "calibration": inputs if needs else None,
+    }
+
+
+def _gives_loss(model: nn.Module, batch: Any) -> bool:
+    """Whether the model's output for ``batch`` holds a ``loss`` tensor (Hugging Face, given labels)."""
+    with evaluating(model), torch.no_grad():
+        output = as_call(batch, "plan.calibration")(model)
+    return isinstance(getattr(output, "loss", None), Tensor)

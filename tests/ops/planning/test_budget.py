@@ -1,0 +1,21 @@
+"""Budgets: bytes, sizes and bits per weight; anything else a one-line error naming plan.budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from surgery.core.errors import ConfigError
+from surgery.ops.planning.budget import budget_bytes
+
+
+def test_bytes_sizes_and_bits_per_weight():
+    assert budget_bytes(1000, 10) == 1000
+    assert budget_bytes("12MB", 10) == 12_000_000
+    assert budget_bytes("2KiB", 10) == 2048
+    assert budget_bytes("4.5bpw", 1600) == 900
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1MB", 0, True, "4.5 parsecs", None])
+def test_anything_else_is_refused_by_name(bad):
+    with pytest.raises(ConfigError, match=r"^plan\.budget="):
+        budget_bytes(bad, 10)

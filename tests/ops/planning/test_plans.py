@@ -1,0 +1,61 @@
+"""A plan as a file: round trip, one run applied and restored bit for bit, its export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import tiny_llama  # tests/support.py
+
+import surgery
+from surgery.core.errors import ConfigError
+from surgery.ops.planning.plans import Plan, PlanRow
+from surgery.testing import snapshot, snapshot_differences
+
+LAYERS = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+
+
+def mixed_plan() -> Plan:
+    rows = [
+        PlanRow(LAYERS[0], "w4g128", (64, 64), 2176, 0.1),
+        PlanRow(LAYERS[1], "2:4", (128, 64), 9216, 0.2),
+        PlanRow(LAYERS[2], "nvfp4", (64, 128), 4612, 0.3),
+        PlanRow("model.layers.1.mlp.up_proj", "dense", (128, 64), 16384, 0.0),
+    ]
+    return Plan(rows, 40_000, "drift", "exact", "rtn", ["dense", "w4g128", "2:4", "nvfp4"])
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_a_saved_plan_loads_back_equal(tmp_path, suffix):
+    plan = mixed_plan()
+    loaded = Plan.load(plan.save(tmp_path / f"plan{suffix}"))
+    assert loaded == plan and loaded.as_dict() == plan.as_dict()
+    assert "total" in str(loaded) and loaded.counts() == {"w4g128": 1, "2:4": 1, "nvfp4": 1, "dense": 1}
+
+
+def test_a_file_that_is_no_plan_is_refused_by_name(tmp_path):
+    (tmp_path / "plan.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^plan\.file="):
+        Plan.load(tmp_path / "plan.json")
+
+
+def test_apply_changes_the_layers_in_one_run_and_restore_is_bit_exact():
+    model = tiny_llama(layers=2)
+    before = snapshot(model)
+    handle = mixed_plan().apply(model)
+    assert len(handle.handles) == 3  # one verb call per choice; dense takes none
+    assert (model.get_submodule(LAYERS[1]).weight == 0).float().mean() == 0.5
+    assert snapshot_differences(before, snapshot(model)) != []
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_mixed_formats_refuse_to_export_to_compressed_tensors_in_one_line(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    model = tiny_llama(layers=1).to(torch.bfloat16)
+    rows = [PlanRow(LAYERS[0], "w4g128", (64, 64), 2176, 0.1), PlanRow(LAYERS[2], "int8", (64, 128), 8320, 0.1)]
+    handle = Plan(rows, 20_000, "drift", "exact").apply(model)
+    with pytest.raises(ConfigError) as raised:
+        surgery.export(handle, tmp_path / "out", format="compressed-tensors")
+    assert "weight settings differ between layers; one scheme is held" in str(raised.value)
+    assert len(str(raised.value).splitlines()) == 1
+    handle.restore()
