@@ -935,6 +935,14 @@ API_CASES = [
         "plan.budget",
         "smallest reachable: 5.29 bpw",
     ),
+    ApiCase(
+        "rotate-learn",
+        lambda m, *_: surgery.rotate(m, calibration=[torch.randint(0, 128, (1, 8))], learn={"steps": 0}),
+        ConfigError,
+        "rotate.learn.steps",
+        "0",
+        build=lambda: tiny_llama(layers=2),
+    ),
 ]
 
 
@@ -1428,6 +1436,7 @@ CLI_CASES = [
         "plan.budget='1bpw': no plan fits; smallest reachable:",
     ),
     CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
+    CliCase("rotate-learn", (*LLAMA_RTN, "steps=[rotate,quantize]", "+rotate={learn: {lr: 0}}"), "rotate.learn.lr=0"),
 ]
 
 

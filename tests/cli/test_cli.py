@@ -535,6 +535,17 @@ def test_rotate_quantize_and_kv_cache_steps_run_on_the_shipped_llama_and_pass_ev
     assert data["perplexity"]["candidate"] < data["perplexity"]["reference"] * 1.1
 
 
+def test_a_learned_rotation_runs_before_quantize_and_passes_every_check(tmp_path):
+    folder = REPO / "surgery" / "assets" / "tinyllama"
+    common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "~model.config", "data=tinylm", "data.batches=1")
+    rtn = ("quantize.weights.method=rtn", "quantize.calibration_batches=1")
+    learned = ("steps=[rotate,quantize]", "+rotate={learn: {steps: 2, activations: null}}")
+    result = surgery(*common, *rtn, *learned, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = report(tmp_path)  # restore, bake and save_load learn it again: the same rotation, deterministic
+    assert data["ok"] and {c["name"] for c in data["checks"] if c["passed"]} >= {"restore", "bake", "save_load"}
+
+
 def test_dynamic_inputs_with_training_export_and_say_each_selection_once(tmp_path):
     """W8A8 with per-token inputs saves no activation parameters (save_load reads none back), a
     quantization-aware handle exports to a runtime, the selection is logged once (the checks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -12,18 +13,22 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.ops.equivalence.learned_rotation import LearnSpec
 from surgery.ops.equivalence.rotation import rotate
 from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)
 class RotateConfig:
-    """``rotate:``: the random signs' ``seed``, ``online`` (refused here: see below) and the
-    calibration batches the first of which traces the stream's readers and checks the outputs."""
+    """``rotate:``: the random signs' ``seed``, ``online`` (refused here: see below), the
+    calibration batches the first of which traces the stream's readers and checks the outputs,
+    and ``learn`` (null, true, or a dict of :class:`LearnSpec`'s fields: the rotation trained on
+    every calibration batch through the quantized forward, SpinQuant's R1 and R2)."""
 
     seed: int = 0
     online: bool = False
     calibration_batches: int = 1
+    learn: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -36,6 +41,7 @@ class RotateConfig:
                 "model; rotate with online=false here, or call surgery.rotate(online=True) from Python",
             )
         positive_int("rotate.calibration_batches", self.calibration_batches)
+        object.__setattr__(self, "learn", LearnSpec.of(self.learn))
 
 
 class RotateStep(Step):
@@ -45,10 +51,12 @@ class RotateStep(Step):
     name, settings, offloadable = "rotate", RotateConfig, True
 
     def apply(self, model: nn.Module, settings: RotateConfig, run: StepRun) -> Handle:
-        return rotate(model, calibration=run.calibration, seed=settings.seed, online=False)
+        return rotate(model, calibration=run.calibration, seed=settings.seed, online=False, learn=settings.learn)
 
     def apply_offloaded(self, source: Offloaded, settings: RotateConfig, run: StepRun, work: Path | None) -> Handle:
-        return rotate(source, calibration=run.calibration, seed=settings.seed, online=False, work=work)
+        return rotate(
+            source, calibration=run.calibration, seed=settings.seed, online=False, learn=settings.learn, work=work
+        )
 
     def calibration(self, settings: RotateConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="rotate")

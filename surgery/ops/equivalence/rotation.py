@@ -20,6 +20,10 @@ A mixture-of-experts block reads the stream through its router (a raw weight Par
 Linear) and every expert's input layers, and writes it through every expert's ``down_proj``
 (made Linear layers while the verb is attached): they are readers and writers like any other.
 
+With ``learn=``, the stream's rotation (and each attention's per-head value rotation) is
+trained from the Hadamard through the quantized forward first, as SpinQuant does
+(:mod:`~surgery.ops.equivalence.learned_rotation`), then fused the same way.
+
 The model is checked to compute what it did (float32 rounding) on a sample batch; a model this
 cannot rotate (a LayerNorm, which subtracts the mean; a stream layer the trace cannot place) is
 refused in one line naming the layer, and nothing changes.
@@ -27,7 +31,7 @@ refused in one line naming the layer, and nothing changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,6 +44,8 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.ops.equivalence.head_rotation import Heads, find_heads, rotate_heads
+from surgery.ops.equivalence.learned_rotation import LearnSpec, learn_rotation
 from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
 from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
@@ -54,7 +60,9 @@ class Rotated(Rescaled):
 
 class RotateHandle(Handle):
     """Handle returned by :func:`rotate`: ``width`` of the stream, ``readers``, ``writers``,
-    ``embeddings`` and ``online`` (layers whose inputs a hook rotates)."""
+    ``embeddings``, ``online`` (layers whose inputs a hook rotates), ``rotation`` (the fused
+    orthogonal matrix, random Hadamard or learned) and ``head_rotations`` (attention name → its
+    learned per-head value rotation, SpinQuant's R2; empty unless learned with ``heads``)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__("rotate", model)
@@ -63,6 +71,8 @@ class RotateHandle(Handle):
         self.writers: list[str] = []
         self.embeddings: list[str] = []
         self.online: list[str] = []
+        self.rotation: Tensor | None = None
+        self.head_rotations: dict[str, Tensor] = {}
 
     def outside_weights(self) -> list[str]:
         if not self.online or self.state != "attached":
@@ -90,6 +100,9 @@ def hadamard(n: int, seed: int = 0) -> Tensor:
     h = torch.block_diag(*[h] * (n // block)) / block**0.5
     signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
     return h * signs.to(h.dtype)
+
+
+STREAM = ""  # the residual stream's rotation among a learned rotation's matrices (the others: attentions')
 
 
 class _RotationSites(NamedTuple):
@@ -138,6 +151,7 @@ def rotate(
     calibration: Inputs,
     seed: int = 0,
     online: bool = True,
+    learn: bool | dict | LearnSpec | None = None,
     work: str | Path | None = None,
     progress: bool = True,
 ) -> RotateHandle | OffloadedCompression:
@@ -149,45 +163,134 @@ def rotate(
             or an offloaded model's handle (:func:`surgery.offloaded`), rotated stage by stage
             into ``work`` (with ``online=False``: no file holds the online hook).
         calibration: batches; the first traces which layers read the stream and checks the
-            rotated model's outputs.
+            rotated model's outputs; a learned rotation trains on all of them.
         seed: of the random signs.
         online: also rotate the inputs of layers writing to the stream from another width
             (``down_proj``) with a hook; such a handle cannot be baked.
+        learn: None or False: the random Hadamard rotation; True, a dict of settings or a
+            :class:`~surgery.ops.equivalence.learned_rotation.LearnSpec`: start from it and train
+            it through the quantized forward with Cayley SGD (SpinQuant's R1, and with ``heads``
+            each attention's per-head value rotation, R2), then fuse them alike.
         work, progress: for an offloaded model, the folder its rotated stages are written to
-            (default a temporary one) and the progress bar.
+            (default a temporary one) and the progress bar (also of the learning steps).
     """
+    spec = LearnSpec.of(learn)
     if isinstance(model, Offloaded):
+        if spec is not None:
+            raise ConfigError(
+                "rotate.learn", learn, "trains through the whole model's forward; an offloaded model is not in memory"
+            )
         return _rotate_offloaded(model, calibration, seed, online, work, progress)
     model = compiled.in_memory("rotate", model, work)
     return with_linear_experts(
-        model, "rotate", lambda: _rotate_in_memory(model, calibration, seed, online), per_expert_statistics=False
+        model,
+        "rotate",
+        lambda: _rotate_in_memory(model, calibration, seed, online, spec, progress),
+        per_expert_statistics=False,
     )
 
 
-def _rotate_in_memory(model: nn.Module, calibration: Inputs, seed: int, online: bool) -> RotateHandle:
+def _rotate_in_memory(
+    model: nn.Module, calibration: Inputs, seed: int, online: bool, spec: LearnSpec | None, progress: bool
+) -> RotateHandle:
     """:func:`rotate` on a model in memory (its fused experts already per-expert layers)."""
     sites = _find_sites(model, calibration, online)
     named = dict(model.named_modules())
-    width, pairs, readers, writers, embeddings, first = sites
     handle = RotateHandle(model)
-    handle.width, handle.embeddings, handle.readers, handle.writers = width, embeddings, sorted(readers), writers
-    q = hadamard(width, seed)
-    values = _rotated_values(named, pairs, readers, writers, embeddings, q, _gains(named))
-    inner = {name: hadamard(named[name].in_features, seed + 1) for name in writers if named[name].in_features != width}
-    if online:
-        for name, h in inner.items():
-            values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"])
+    handle.width, handle.embeddings = sites.width, sites.embeddings
+    handle.readers, handle.writers = sorted(sites.readers), sites.writers
+    inner = {
+        name: hadamard(named[name].in_features, seed + 1)
+        for name in sites.writers
+        if online and named[name].in_features != sites.width
+    }
+    heads = find_heads(named, find_blocks(model)) if spec is not None and spec.heads else {}
+    heads = {name: h for name, h in heads.items() if h.output not in inner}  # an online o_proj: its hook's order
+    rotations = {STREAM: hadamard(sites.width, seed)}
+    rotations |= {name: hadamard(h.width, seed + 2 + i) for i, (name, h) in enumerate(heads.items())}
     params = dict(model.named_parameters())
+    base = {n: guards.current_value(p).detach() for n, p in params.items()}
+    values = _all_values(named, sites, rotations, inner, heads, base)
     guards.check_editable({n: params[n] for n in values}, "rotate")
-    reference = _finite_reference(_outputs(model, first))
+    reference = _finite_reference(_outputs(model, sites.first))
+    if spec is not None:
+        calls = _all_calls(calibration, sites.first)
+        values_of = lambda r: _all_values(named, sites, r, inner, heads, base)  # noqa: E731
+        rotations = _learned(model, named, rotations, values_of, inner, calls, spec, progress)
+        values = _all_values(named, sites, rotations, inner, heads, base)
+    handle.rotation = rotations.pop(STREAM)
+    handle.head_rotations = rotations
     with handle.applying():
         attach_all(handle, model, {n: (params[n], Rotated(v)) for n, v in values.items()}, "rotate hook")
-        if online:
-            for name, h in inner.items():
-                handle.add_hook(f"online Hadamard before {name}", named[name].register_forward_pre_hook(_rotating(h)))
-                handle.online.append(name)
-        _check_same_function(model, first, reference)
+        for name, h in inner.items():
+            handle.add_hook(f"online Hadamard before {name}", named[name].register_forward_pre_hook(_rotating(h)))
+            handle.online.append(name)
+        _check_same_function(model, sites.first, reference)
     return handle
+
+
+def _stream_values(
+    named: dict[str, nn.Module], sites: _RotationSites, q: Tensor, inner: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """Every changed parameter's value for the stream rotation ``q`` (differentiable in ``q``),
+    the online Hadamards ``inner`` folded into their layers' weights."""
+    values = _rotated_values(named, sites.pairs, sites.readers, sites.writers, sites.embeddings, q, _gains(named))
+    for name, h in inner.items():
+        values[f"{name}.weight"] = values[f"{name}.weight"] @ h.to(values[f"{name}.weight"])
+    return values
+
+
+def _all_calls(calibration: Inputs, first: Any) -> list[Any]:
+    """Every calibration batch as a call (the first one again, when ``calibration`` is an
+    iterator the trace already drew it from)."""
+    if isinstance(calibration, Iterator):
+        return [first, *batches(calibration, "rotate.calibration")]
+    return list(batches(calibration, "rotate.calibration"))
+
+
+def _all_values(
+    named: dict[str, nn.Module],
+    sites: _RotationSites,
+    rotations: dict[str, Tensor],
+    inner: dict[str, Tensor],
+    heads: dict[str, Heads],
+    base: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    """The stream rotation ``rotations[STREAM]``'s values, then each attention's per-head one."""
+    values = _stream_values(named, sites, rotations[STREAM], inner)
+    for name, found in heads.items():
+        rotate_heads(values, base, found, rotations[name])
+    return values
+
+
+def _learned(
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    starts: dict[str, Tensor],
+    values_of: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+    inner: dict[str, Tensor],
+    calls: list[Any],
+    spec: LearnSpec,
+    progress: bool,
+) -> dict[str, Tensor]:
+    """``starts`` trained through the quantized forward: every Linear of the blocks quantized,
+    the online Hadamards ``inner`` rotating their layers' inputs first, as attached later."""
+    blocks = find_blocks(model)
+    layers = {
+        name: m
+        for name, m in named.items()
+        if isinstance(m, nn.Linear) and any(name.startswith(b + ".") for b in blocks)
+    }
+    return learn_rotation(
+        model,
+        starts,
+        values_of,
+        layers,
+        calls,
+        spec,
+        online={name: _rotating(h) for name, h in inner.items()},
+        progress=progress,
+    )
 
 
 def _rotate_offloaded(
