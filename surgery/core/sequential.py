@@ -86,14 +86,15 @@ class SequentialReport:
     chained: set[str] = field(default_factory=set)  # blocks whose output is the next block's input
 
 
-def find_blocks(model: nn.Module) -> list[str]:
+def find_blocks(model: nn.Module, at_least: int = 2) -> list[str]:
     """Names of the repeated blocks of a model: the entries of the ``nn.ModuleList`` or
-    ``nn.Sequential`` holding the most parameters in a run of two or more same-class
+    ``nn.Sequential`` holding the most parameters in a run of ``at_least`` or more same-class
     children that hold parameters themselves (a transformer's decoder layers), never a list that
-    is called as a layer itself; ``[]`` if none."""
+    is called as a layer itself; ``[]`` if none. ``at_least=1`` also finds the one block of a
+    one-layer decoder (whose list is otherwise indistinguishable from a wrapper)."""
     best: tuple[int, list[str]] = (0, [])
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < at_least:
             continue
         if isinstance(module, nn.ModuleList) and type(module).forward is not nn.ModuleList.forward:
             continue  # a list that is itself a layer (a mixture-of-experts layer's experts): its entries are not blocks

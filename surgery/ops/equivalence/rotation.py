@@ -134,7 +134,7 @@ def _find_sites(model: nn.Module, calibration: Inputs, online: Any) -> _Rotation
     readers = {layer: norm for norm, layers in pairs.items() for layer in layers}
     for norm in pairs:
         _check_norm(norm, named[norm])
-    blocks = find_blocks(model)
+    blocks = find_blocks(model, at_least=1)  # a one-layer decoder's stream has writers too
     writers = [
         name
         for name, m in named.items()
@@ -204,7 +204,7 @@ def _rotate_in_memory(
         for name in sites.writers
         if online and named[name].in_features != sites.width
     }
-    heads = find_heads(named, find_blocks(model)) if spec is not None and spec.heads else {}
+    heads = find_heads(named, find_blocks(model, at_least=1)) if spec is not None and spec.heads else {}
     heads = {name: h for name, h in heads.items() if h.output not in inner}  # an online o_proj: its hook's order
     rotations = {STREAM: hadamard(sites.width, seed)}
     rotations |= {name: hadamard(h.width, seed + 2 + i) for i, (name, h) in enumerate(heads.items())}
@@ -275,7 +275,7 @@ def _learned(
 ) -> dict[str, Tensor]:
     """``starts`` trained through the quantized forward: every Linear of the blocks quantized,
     the online Hadamards ``inner`` rotating their layers' inputs first, as attached later."""
-    blocks = find_blocks(model)
+    blocks = find_blocks(model, at_least=1)
     layers = {
         name: m
         for name, m in named.items()

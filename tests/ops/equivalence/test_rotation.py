@@ -50,6 +50,16 @@ def test_the_rotated_model_computes_the_same_function_and_restores_bit_for_bit(o
     assert torch.equal(logits(model), before)
 
 
+def test_a_one_layer_llama_rotates_its_writers_too():
+    model = tiny_llama(layers=1)  # one decoder layer: its list is a run of one block
+    before = logits(model)
+    handle = surgery.rotate(model, calibration=batches())
+    assert handle.writers == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+    assert ((logits(model) - before).abs().max() / before.abs().max()) < 1e-5  # as the two-layer test
+    handle.restore()
+    assert torch.equal(logits(model), before)
+
+
 def test_online_rotations_refuse_to_bake_and_offline_ones_bake():
     model = tiny_llama(layers=2)
     before = logits(model)
