@@ -943,6 +943,20 @@ API_CASES = [
         "0",
         build=lambda: tiny_llama(layers=2),
     ),
+    ApiCase(
+        "imatrix-mse",
+        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "observer": "imatrix_mse", "group_size": 4}),
+        ConfigError,
+        "quantize.weights.observer",
+        "method 'autoround' picks its own",
+    ),
+    ApiCase(
+        "imatrix-mse",
+        lambda m, *_: surgery.quantize(m, weights={"observer": "imatrix_mse", "per_channel": True}),
+        ConfigError,
+        "quantize.calibration",
+        "weighs each input column by its energy in calibration",
+    ),
 ]
 
 
@@ -1437,6 +1451,11 @@ CLI_CASES = [
     ),
     CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
     CliCase("rotate-learn", (*LLAMA_RTN, "steps=[rotate,quantize]", "+rotate={learn: {lr: 0}}"), "rotate.learn.lr=0"),
+    CliCase(
+        "imatrix-mse",
+        ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.observer=imatrix_mse"),
+        "quantize.weights.observer='imatrix_mse': weighs the clipping search of methods that pick scales",
+    ),
 ]
 
 

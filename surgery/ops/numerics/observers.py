@@ -38,21 +38,36 @@ class ObservedRange(NamedTuple):
 
 ObserverFn = Callable[[Tensor, ObservedRange | None, "GridSpec"], tuple[Tensor, Tensor]]
 OBSERVERS: Registry[ObserverFn] = Registry("quantize.observer")
+WEIGHTED_OBSERVERS: set[str] = set()  # the registered names called with each value's importance
 
 
-def register_observer(name: str, observe: ObserverFn, *, replace: bool = False) -> ObserverFn:
+def register_observer(name: str, observe: ObserverFn, *, replace: bool = False, importance: bool = False) -> ObserverFn:
     """Make ``observe(x, previous, spec) -> (low, high)`` available as ``GridSpec(observer=name)``.
 
     ``x`` is the batch as a float32 ``(channels, values)`` matrix (one row per tensor),
     ``previous`` the :class:`ObservedRange` so far (``None`` on the first batch); return the
     new per-row ``low`` and ``high``.
 
+    ``importance=True``: a weights-only observer called ``observe(x, None, spec, importance)``,
+    ``importance`` shaped as ``x``: each value's weight in the error, its input column's
+    calibration energy E[x²] relative to the layer's mean (``imatrix_mse``); the spec then
+    needs calibration batches.
+
     Example:
         >>> surgery.register_observer("absmax", lambda x, prev, spec: (-x.abs().amax(1), x.abs().amax(1)))
     """
     if not callable(observe):
         raise ConfigError("register_observer.observe", observe, "must be a function (x, previous, spec) -> (low, high)")
-    return OBSERVERS.register(name, observe, replace=replace)
+    found = OBSERVERS.register(name, observe, replace=replace)
+    (WEIGHTED_OBSERVERS.add if importance else WEIGHTED_OBSERVERS.discard)(name)
+    return found
+
+
+def relative_importance(energy: Tensor) -> Tensor:
+    """Each input column's calibration energy E[x²] over the layer's mean (llm-compressor's
+    imatrix normalisation): the ``importance`` a weighted observer receives, per column."""
+    energy = energy.float()
+    return energy / (energy.mean() + torch.finfo(torch.float32).tiny)
 
 
 def minmax(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
@@ -169,10 +184,27 @@ class GridSpec:
     def observer_name(self) -> str:
         return self.observer if isinstance(self.observer, str) else getattr(self.observer, "__name__", "custom")
 
-    def observe(self, x: Tensor, previous: ObservedRange | None) -> tuple[Tensor, Tensor]:
-        """Update a range estimate with ``x`` (``(channels, values)``) through the observer."""
+    @property
+    def weighted(self) -> bool:
+        """Whether the observer weighs each value by its input column's calibration energy (``imatrix_mse``)."""
+        return isinstance(self.observer, str) and self.observer in WEIGHTED_OBSERVERS
+
+    def observe(
+        self, x: Tensor, previous: ObservedRange | None, importance: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Update a range estimate with ``x`` (``(channels, values)``) through the observer
+        (``importance``, shaped as ``x``: each value's weight, for a :attr:`weighted` observer)."""
         fn = self.observer if callable(self.observer) else OBSERVERS.get(self.observer)
-        return fn(x, previous, self)
+        if not self.weighted:
+            return fn(x, previous, self)
+        if importance is None:
+            raise ConfigError(
+                "quantize.weights.observer",
+                self.observer,
+                "weighs each input column by its calibration energy; this weight has none "
+                "(it is quantized outside a calibrated method: use rtn, gptq or gptaq with calibration)",
+            )
+        return fn(x, previous, self, importance)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields, the observer by name (JSON-serialisable)."""
@@ -436,26 +468,37 @@ class Grid:
     def __init__(self, spec: GridSpec, per_row: bool, tensor_amax: Tensor | None = None) -> None:
         self.spec, self.per_row, self.tensor_amax = spec, per_row, tensor_amax
 
-    def qparams_of(self, columns: Tensor) -> tuple[Tensor, Tensor]:
-        """Scale and zero point of an (outputs, k) slice: one per row, or one for all."""
+    def qparams_of(self, columns: Tensor, importance: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Scale and zero point of an (outputs, k) slice: one per row, or one for all
+        (``importance``: one weight per column, or shaped as ``columns``, for a weighted observer)."""
         flat = columns.float() if self.per_row else columns.float().reshape(1, -1)
-        low, high = self.spec.observe(flat, None)
+        weighted = importance is not None and self.spec.weighted
+        weights = importance.float().to(flat.device).expand(columns.shape) if weighted else None
+        low, high = self.spec.observe(flat, None, None if weights is None else weights.reshape(flat.shape))
         scale, zero_point = compute_qparams(low, high, self.spec, self.tensor_amax)
         return (scale, zero_point) if self.per_row else (scale.reshape(()), zero_point.reshape(()))
 
-    def group_qparams(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def group_qparams(self, rows: Tensor, importance: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(outputs, groups) scales and zero points for round-to-nearest by groups (a last,
-        shorter group is observed on its own entries only)."""
+        shorter group is observed on its own entries only); ``importance``: one weight per
+        column, for a weighted observer."""
         size = self.spec.group_size
         whole = rows.shape[1] // size * size
         parts = []
         if self.spec.is_float and self.tensor_amax is None:  # a per-tensor scale over the blocks' (nvfp4)
-            return Grid(self.spec, self.per_row, rows.detach().abs().amax().float()).group_qparams(rows)
+            return Grid(self.spec, self.per_row, rows.detach().abs().amax().float()).group_qparams(rows, importance)
+        weighted = importance is not None and self.spec.weighted
+        weights = importance.float().to(rows.device).expand(rows.shape) if weighted else None
         if whole:
-            scale, zero_point = self.qparams_of(rows[:, :whole].float().reshape(-1, size))
+            scale, zero_point = self.qparams_of(
+                rows[:, :whole].float().reshape(-1, size),
+                None if weights is None else weights[:, :whole].reshape(-1, size),
+            )
             parts.append((scale.view(rows.shape[0], -1), zero_point.view(rows.shape[0], -1)))
         if whole < rows.shape[1]:
-            scale, zero_point = self.qparams_of(rows[:, whole:].float())
+            scale, zero_point = self.qparams_of(
+                rows[:, whole:].float(), None if weights is None else weights[:, whole:]
+            )
             parts.append((scale.view(-1, 1), zero_point.view(-1, 1)))
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 

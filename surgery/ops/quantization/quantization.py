@@ -245,5 +245,5 @@ def _quantize_offloaded(
     verb = OffloadedVerb("quantize", run, repr(spec), spec.weights, grids)
     blocks = resolve_blocks(model, spec.blocks, "quantize.blocks") if method.sequential else find_blocks(model)
     layers = stage_layers(model, keys)
-    calibration = calibration if method.needs_calibration else None
+    calibration = calibration if method.needs_calibration or spec.weights.weighted else None
     return compress_offloaded(source, verb, layers, calibration, blocks=blocks, work=work, progress=progress)

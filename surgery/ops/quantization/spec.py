@@ -66,6 +66,7 @@ class QuantizeSpec:
                 "set train=false and per-tensor activations",
             )
         _validate_method(weights, activations, self.train, self.blocks)
+        _validate_weighted(weights, activations, self.train)
         _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
         check_place(self.originals, "quantize.originals")
         if self.originals == "disk" and self.train:
@@ -84,6 +85,7 @@ class QuantizeSpec:
             folds
             or (self.activations is not None and self.activations.dynamic is None)
             or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
+            or (self.weights is not None and self.weights.weighted)  # imatrix_mse: its inputs' energy
         )
 
 
@@ -130,6 +132,13 @@ def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None
         raise ConfigError(
             "quantize.calibration", None, "activation quantization needs calibration batches (or saved qparams)"
         )
+    if spec.weights is not None and spec.weights.weighted and calibration is None:
+        raise ConfigError(
+            "quantize.calibration",
+            None,
+            f"weights.observer={spec.weights.observer!r} weighs each input column by its energy in calibration; "
+            "pass calibration batches",
+        )
     method = weight_method(spec.weights.method) if spec.weights is not None else None
     if method is not None and method.needs_calibration and calibration is None:
         raise ConfigError(
@@ -137,6 +146,33 @@ def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None
             None,
             f"weights.method={method.name!r} is calibrated (gptq solves each layer with its input Hessian); "
             "pass calibration batches",
+        )
+
+
+WEIGHTED_METHODS = ("rtn", "gptq", "gptaq")  # the methods that give a weighted observer its inputs' energy
+
+
+def _validate_weighted(weights: GridSpec | None, activations: GridSpec | None, train: bool) -> None:
+    """A weighted observer (``imatrix_mse``) picks weights' per-channel or per-group ranges once,
+    from calibration, in a method that gives it each input's energy."""
+    if activations is not None and activations.weighted:
+        raise ConfigError(
+            "quantize.activations.observer", activations.observer, "weighs weight columns by their inputs; weights only"
+        )
+    if weights is None or not weights.weighted:
+        return
+    if weights.method not in WEIGHTED_METHODS:
+        raise ConfigError(
+            "quantize.weights.observer",
+            weights.observer,
+            f"weighs the clipping search of methods that pick scales ({', '.join(WEIGHTED_METHODS)}); "
+            f"method {weights.method!r} picks its own: use observer=minmax",
+        )
+    if train or not (weights.per_channel or weights.group_size):
+        raise ConfigError(
+            "quantize.weights.observer",
+            weights.observer,
+            "weighs each row's inputs once, after calibration: set per_channel=true or a group_size, and train=false",
         )
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from surgery.core.errors import ConfigError
+from surgery.ops.numerics.observers import relative_importance
 
 QParams = tuple[Tensor, Tensor]  # (scale, zero point), one per row
 GPTAQ_ALPHA = 0.25  # the weight of the float model's outputs in GPTAQ's update, as the authors' code
@@ -112,7 +113,7 @@ def sparsegpt(
 def gptq(
     weight: Tensor,
     hessian: Tensor,
-    qparams_of: Callable[[Tensor], QParams],
+    qparams_of: Callable[[Tensor, Tensor], QParams],
     fake_quantize: Callable[[Tensor, Tensor, Tensor], Tensor],
     *,
     group_size: int | None = None,
@@ -126,8 +127,9 @@ def gptq(
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
 
-    ``qparams_of(columns)`` gives the scale and zero point of a (outputs, k) slice (per row, or
-    one for the tensor); ``fake_quantize(column, scale, zero_point)`` rounds one column onto
+    ``qparams_of(columns, importance)`` gives the scale and zero point of a (outputs, k) slice (per
+    row, or one for the tensor), ``importance`` its columns' Hessian diagonal over the mean
+    (their inputs' relative energy, which ``imatrix_mse`` weighs the rounding error by); ``fake_quantize(column, scale, zero_point)`` rounds one column onto
     that grid. With ``group_size``, every ``group_size`` consecutive columns get their own
     scales, computed when the walk reaches the group's first column from the group's values as
     they stood at the start of the current block (the columns the walk updated inside the block
@@ -150,16 +152,17 @@ def gptq(
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
-    fixed = _static_groups(w, qparams_of, group_size) if actorder == "weight" and group_size else None
+    energy = relative_importance(torch.diagonal(hessian))
+    fixed = _static_groups(w, energy, qparams_of, group_size) if actorder == "weight" and group_size else None
     order = torch.argsort(torch.diagonal(hessian), descending=True) if actorder == "weight" else None
     if order is not None:
-        w, hessian = w[:, order].contiguous(), hessian[order][:, order]
+        w, hessian, energy = w[:, order].contiguous(), hessian[order][:, order], energy[order]
         keep = None if keep is None else keep[:, order]
         asymmetry = None if asymmetry is None else asymmetry[order][:, order]
     scratch = torch.empty(rows * block, device=w.device)  # each column's update, written in place
     factor = inverse_factor(hessian, damping, name)
     shift = None if asymmetry is None else _asymmetric_shift(asymmetry, hessian, factor)
-    scale, zero_point = (None, None) if group_size else qparams_of(w)
+    scale, zero_point = (None, None) if group_size else qparams_of(w, energy)
     scales, zero_points = [], []
     for start in range(0, cols, block):
         end = min(start + block, cols)
@@ -171,7 +174,8 @@ def gptq(
                 group = int(order[column_index]) // group_size
                 scale, zero_point = fixed[0][:, group], fixed[1][:, group]
             elif group_size and column_index % group_size == 0:  # the group's values at the block's start
-                scale, zero_point = qparams_of(w[:, column_index : column_index + group_size])
+                group = slice(column_index, column_index + group_size)
+                scale, zero_point = qparams_of(w[:, group], energy[group])
                 scales.append(scale)
                 zero_points.append(zero_point)
             column = part[:, i]
@@ -210,7 +214,10 @@ def _asymmetric_shift(asymmetry: Tensor, hessian: Tensor, factor: Tensor) -> Ten
     return GPTAQ_ALPHA * torch.triu(cross @ factor.t(), diagonal=1) @ factor
 
 
-def _static_groups(w: Tensor, qparams_of: Callable[[Tensor], QParams], group_size: int) -> QParams:
+def _static_groups(
+    w: Tensor, energy: Tensor, qparams_of: Callable[[Tensor, Tensor], QParams], group_size: int
+) -> QParams:
     """Every group's (outputs, groups) scales and zero points from the weights as they are."""
-    found = [qparams_of(w[:, start : start + group_size]) for start in range(0, w.shape[1], group_size)]
+    groups = [slice(start, start + group_size) for start in range(0, w.shape[1], group_size)]
+    found = [qparams_of(w[:, group], energy[group]) for group in groups]
     return torch.stack([s for s, _ in found], dim=1), torch.stack([z for _, z in found], dim=1)

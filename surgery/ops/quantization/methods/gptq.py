@@ -8,7 +8,7 @@ from torch import Tensor
 
 from surgery.core import guards
 from surgery.core.sequential import Paired
-from surgery.ops.numerics.observers import Grid
+from surgery.ops.numerics.observers import Grid, relative_importance
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import weight_matrix
 from surgery.ops.second_order.reconstruction import gptq
@@ -31,7 +31,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     amax = {}  # each weight's largest magnitude, before GPTQ moves it
     for layer, target in by_layer.items():
         amax[layer] = guards.current_value(target.param).detach().abs().amax().float()
-        if not spec.group_size:
+        if not spec.group_size and not spec.weighted:  # imatrix_mse: from each part's Hessian, in the solver
             whole[layer] = grid.qparams_of(weight_matrix(target.module, guards.current_value(target.param)))
     offsets: dict[str, int] = {}
     masks = {}
@@ -45,15 +45,17 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
         offsets[layer] = rows.stop
-        fixed = None if spec.group_size else whole[layer]
-        if fixed is not None and grid.per_row:
-            fixed = (fixed[0][rows], fixed[1][rows])
         keep = masks.get(layer)
         layer_grid = Grid(spec, grid.per_row, amax[layer]) if spec.is_float else grid  # nvfp4: the tensor's scale
+        fixed = None if spec.group_size else whole.get(layer)
+        if fixed is not None and grid.per_row:
+            fixed = (fixed[0][rows], fixed[1][rows])
+        if fixed is None and not spec.group_size:  # weighted: each row's range against its inputs' energy
+            fixed = layer_grid.qparams_of(matrix, relative_importance(torch.diagonal(hessian)))
         new, scale, zero_point = gptq(
             matrix,
             hessian,
-            layer_grid.qparams_of if fixed is None else lambda _: fixed,
+            layer_grid.qparams_of if fixed is None else lambda *_: fixed,
             layer_grid.round,
             group_size=spec.group_size,
             name=layer,
