@@ -25,7 +25,7 @@ from surgery.core.handles import Handle, HandleGroup, attached_to, members
 from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
 from surgery.core.registry import Registry
 from surgery.core.safetensors_streams import write_streamed
-from surgery.ops.numerics.deployment import gather_export_parts
+from surgery.ops.numerics.deployment import ExportParts, gather_export_parts
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")
@@ -56,7 +56,9 @@ class ExportFormat:
     writes the same from an offloaded model (:func:`surgery.offloaded`, or what a verb made of
     it), given the handle, reading each tensor as it is written. ``agreement``: with a cosine
     bound, the smallest share of entries of integer and boolean outputs (an argmax, token ids)
-    that must be equal (an exact format keeps them all)."""
+    that must be equal (an exact format keeps them all). ``holds_g_idx``: the format writes a
+    weight's group index (``actorder="group"``: groups scattered over the inputs); the others
+    are refused such a weight."""
 
     name: str
     write: Write
@@ -71,6 +73,7 @@ class ExportFormat:
     target: DeployTarget | None = None
     stream: Write | None = None  # writes an offloaded model's result reading one tensor at a time
     agreement: float = 0.99  # with a cosine bound: the smallest share of integer outputs (argmax) kept equal
+    holds_g_idx: bool = False  # writes WeightGrid.g_idx (groups not of consecutive inputs)
 
     @property
     def runnable(self) -> bool:
@@ -189,6 +192,7 @@ def register_export_format(
     agreement: float = 0.99,
     replace: bool = False,
     takes_plan: bool | None = None,
+    holds_g_idx: bool = False,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
     (see :class:`ExportFormat` for the other settings).
@@ -205,7 +209,20 @@ def register_export_format(
     if not isinstance(suffix, str) or not (suffix.isidentifier() or (folder and suffix == "")):
         raise ConfigTypeError("export suffix", suffix, "must be a file extension without the dot, e.g. 'onnx'")
     chosen = ExportFormat(
-        name, write, load, suffix, holds_hooks, takes_parts, folder, run, exact, bound, target, stream, agreement
+        name,
+        write,
+        load,
+        suffix,
+        holds_hooks,
+        takes_parts,
+        folder,
+        run,
+        exact,
+        bound,
+        target,
+        stream,
+        agreement,
+        holds_g_idx,
     )
     registered = EXPORT_FORMATS.register(name, chosen, replace=replace)
     if target is not None:
@@ -287,6 +304,7 @@ def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Cal
             )
         _refuse_others(chosen, handle, model)
         parts = gather_export_parts(handle)
+        _refuse_g_idx(chosen, parts)
         parts.inputs = calls
         if parts.unexpressed:
             raise ConfigError(
@@ -301,6 +319,21 @@ def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Cal
         for each in attached_to(model)
         for item in each.outside_weights()
     ]
+
+
+def _refuse_g_idx(chosen: ExportFormat, parts: ExportParts) -> None:
+    """Refuse a weight whose groups are scattered over its inputs (GPTQ's ``actorder="group"``)
+    in a format that stores only groups of consecutive inputs: it would load with the wrong scales."""
+    if chosen.holds_g_idx:
+        return
+    for key, grid in parts.weights.items():
+        if grid.g_idx is not None:
+            raise ConfigError(
+                "export.format",
+                chosen.name,
+                f"cannot hold {key}'s group index (g_idx, from actorder='group': its groups are not consecutive "
+                "inputs); quantize with actorder='weight', or export format='safetensors'",
+            )
 
 
 def _refuse_others(chosen: ExportFormat, handle: Handle, model: nn.Module) -> None:

@@ -28,7 +28,8 @@ class WeightGrid:
     ``zero_point`` are scalars (``axis=None``), one per output channel along ``axis``, or
     (outputs, groups) for ``spec.group_size``. ``outputs`` is the weight's output axis whatever
     the grid (1 for a transformers ``Conv1D``, stored inputs x outputs), so that a per-tensor
-    grid lays the weight out as every other grid does."""
+    grid lays the weight out as every other grid does. ``g_idx`` (``actorder="group"``): the
+    group of each input column of :meth:`rows`; None: groups of consecutive columns."""
 
     key: str
     spec: GridSpec
@@ -36,6 +37,7 @@ class WeightGrid:
     zero_point: Tensor
     axis: int | None
     outputs: int = 0
+    g_idx: Tensor | None = None
 
     @property
     def group_size(self) -> int | None:
@@ -61,7 +63,7 @@ class WeightGrid:
         """Scale and zero point for every entry of an (outputs, ``columns``) matrix, broadcastable."""
         scale, zero_point = self.scale.float(), self.zero_point.to(torch.int32)
         if self.group_size:
-            index = torch.arange(columns) // self.group_size
+            index = torch.arange(columns) // self.group_size if self.g_idx is None else self.g_idx.long().cpu()
             return scale[:, index], zero_point[:, index]
         if self.axis is None:
             return scale.reshape(1, 1), zero_point.reshape(1, 1)

@@ -138,7 +138,12 @@ class GridSpec:
     to the float model's outputs; Li et al. 2025). ``actorder`` (GPTQ, GPTAQ):
     ``None`` walks the columns in order; ``"weight"`` walks them by decreasing activation energy
     (the Hessian's diagonal) while each column keeps its own group's grid, so the stored format
-    is unchanged (llm-compressor's ``actorder="weight"``, its default). ``"autoround"`` tunes
+    is unchanged (llm-compressor's ``actorder="weight"``, its default); ``"group"`` sorts the
+    columns by that diagonal first and makes every ``group_size`` consecutive columns of the
+    sorted order a group (the GPTQ authors' ``actorder=True``, AutoGPTQ's ``desc_act``,
+    llm-compressor's ``"group"``/``"dynamic"``): groups are then scattered over the inputs and
+    each weight stores ``g_idx``, the group of every input column. Without ``group_size``,
+    ``"group"`` is ``"weight"`` (one grid for all columns). ``"autoround"`` tunes
     each weight's rounding and its groups' ranges by signed gradient descent on every block's
     output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block.
     """
@@ -156,7 +161,7 @@ class GridSpec:
     )
     dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
-    actorder: str | None = None  # GPTQ's column order: None (as stored) or "weight" (by activation energy)
+    actorder: str | None = None  # GPTQ's column order: None (as stored), "weight" or "group" (by activation energy)
     iterations: int = 200  # AutoRound's signed-gradient steps per block (its learning rate is 1 / iterations)
 
     def __post_init__(self) -> None:
@@ -270,7 +275,7 @@ def _check_iterations(spec: Any, field: str) -> None:
         raise ConfigError(f"{field}.iterations", steps, "must be a whole number of tuning steps >= 1 (e.g. 200)")
 
 
-ACTORDER = ("weight",)
+ACTORDER = ("weight", "group")  # "group": groups formed in the sorted order, a g_idx stored
 
 
 def _check_actorder(spec: Any, field: str) -> None:
@@ -442,12 +447,19 @@ def compute_qparams(
     return scale, zero_point.to(torch.int32)
 
 
-def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: GridSpec) -> Tensor:
+def fake_quantize_groups(
+    x: Tensor, scale: Tensor, zero_point: Tensor, axis: int, spec: GridSpec, g_idx: Tensor | None = None
+) -> Tensor:
     """Group-wise fake quantization of a weight: ``scale`` and ``zero_point`` are (outputs,
     groups) for groups of ``spec.group_size`` consecutive entries of ``x.movedim(axis, 0)``'s
-    rows (the last group may be shorter)."""
+    rows (the last group may be shorter); with ``g_idx`` (``actorder="group"``), column ``j``
+    is in group ``g_idx[j]`` instead (each group ``group_size`` columns, as :func:`check_g_idx` says)."""
     moved = x.movedim(axis, 0)
     rows = moved.reshape(moved.shape[0], -1)
+    if g_idx is not None:  # the columns sorted by group (stably) are contiguous groups
+        order = torch.argsort(g_idx.to(rows.device), stable=True)
+        grouped = fake_quantize_groups(rows[:, order], scale, zero_point, 0, spec)
+        return torch.empty_like(grouped).index_copy_(1, order, grouped).reshape(moved.shape).movedim(0, axis)
     size = spec.group_size
     columns = rows.shape[1]
     padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
@@ -459,6 +471,19 @@ def fake_quantize_groups(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int
             padded, scale.reshape(-1), zero_point.reshape(-1), 0, quant_min, quant_max
         )
     return rounded.reshape(rows.shape[0], -1)[:, :columns].reshape(moved.shape).movedim(0, axis)
+
+
+def g_idx_problem(g_idx: Tensor, columns: int, group_size: int) -> str | None:
+    """Why ``g_idx`` is not a group index of ``columns`` inputs in groups of ``group_size`` (an
+    integer tensor, one entry per column, every group ``group_size`` columns as contiguous
+    groups would have them, the last one possibly fewer), or None when it is."""
+    if g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool:
+        return f"has dtype {g_idx.dtype}; it must be an integer tensor"
+    if tuple(g_idx.shape) != (columns,):
+        return f"has shape {tuple(g_idx.shape)}; it must be ({columns},), one group per input column"
+    if not torch.equal(torch.sort(g_idx.cpu().long()).values, torch.arange(columns) // group_size):
+        return f"does not put exactly {group_size} columns in each group (groups 0 to {(columns - 1) // group_size})"
+    return None
 
 
 class Grid:

@@ -27,12 +27,16 @@ if TYPE_CHECKING:
 class QuantizedWeight(NamedTuple):
     """A method's answer for one weight: the grid (``scale``, ``zero_point``, one per output
     channel along ``axis`` or per group, or scalars with ``axis=None``), and ``value``, the new
-    weights to round onto that grid (None: round the current weights to nearest)."""
+    weights to round onto that grid (None: round the current weights to nearest). ``g_idx``
+    (int32, one per input column of ``weight.reshape(outputs, -1)``): the group of each column
+    when groups are not ``group_size`` consecutive columns (GPTQ's ``actorder="group"``);
+    None: contiguous groups."""
 
     scale: Tensor
     zero_point: Tensor
     axis: int | None
     value: Tensor | None = None
+    g_idx: Tensor | None = None
 
 
 @dataclass

@@ -18,7 +18,7 @@ from surgery.core.originals import Originals
 from surgery.core.selection import Selection, describe, select
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all
-from surgery.ops.numerics.observers import GridSpec, NonFiniteError
+from surgery.ops.numerics.observers import GridSpec, NonFiniteError, g_idx_problem
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, weight_axis, weight_method
 from surgery.ops.quantization.placement import ACTIVATIONS, Site, saved_sites, tensor_sites
 from surgery.ops.quantization.qat import ShadowWeight, attach_shadows
@@ -117,10 +117,12 @@ def _attach_weights(
     quantizers = {}
     for key, target in targets.matched.items():
         found = _checked_answer(spec, key, solved)
+        _check_g_idx(spec, key, found, target.param)
         store.keep(key, target.param)  # unless the method kept it before writing
         saved = store.saved(key)
         scale = _scale_as_stored(found.scale, target.param.dtype, spec)
-        quantizers[key] = (target.param, WeightQuantizer(spec, scale, found.zero_point, found.axis, found.value, saved))
+        quantizer = WeightQuantizer(spec, scale, found.zero_point, found.axis, found.value, saved, found.g_idx)
+        quantizers[key] = (target.param, quantizer)
     for key, (_param, quantizer) in quantizers.items():
         handle.weights[key] = quantizer
     attach_all(handle, model, quantizers, "weight quantization hook")
@@ -169,6 +171,18 @@ def _checked_answer(spec: GridSpec, key: str, solved: Any) -> QuantizedWeight:
     except CheckpointError as err:
         raise ConfigError("quantize.weights.method", spec.method, str(err).removeprefix("quantize.qparams: ")) from None
     return found
+
+
+def _check_g_idx(spec: GridSpec, key: str, found: QuantizedWeight, weight: Tensor) -> None:
+    """A method's group index (``g_idx``) must give each input column a group of ``group_size``
+    columns: any other would quantize silently with the wrong scales."""
+    if found.g_idx is None:
+        return
+    if not spec.group_size or found.axis is None:
+        raise ConfigError("quantize.weights.method", spec.method, f"returned a g_idx for {key} without group_size")
+    problem = g_idx_problem(found.g_idx, weight.numel() // weight.shape[found.axis], spec.group_size)
+    if problem is not None:
+        raise ConfigError("quantize.weights.method", spec.method, f"returned a g_idx for {key} that {problem}")
 
 
 def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: GridSpec) -> None:

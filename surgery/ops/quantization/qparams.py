@@ -49,11 +49,14 @@ class QuantizeHandle(Handle):
     def weight_qparams(self) -> dict[str, Tensor]:
         """Weight scales and zero points by ``"<parameter>.scale"`` / ``"<parameter>.zero_point"``
         (``"fc.weight.scale"``): scalars, one per output channel, or (outputs, groups) with
-        ``group_size``; quantization-aware training gives those of the weights as they are now."""
+        ``group_size``; quantization-aware training gives those of the weights as they are now.
+        ``"<parameter>.g_idx"``: the group of each input column, for ``actorder="group"``."""
         out: dict[str, Tensor] = {}
         for key, grid in self._weight_grids().items():
             out[f"{key}.scale"] = grid.scale.detach().cpu().contiguous()
             out[f"{key}.zero_point"] = grid.zero_point.detach().cpu().contiguous()
+            if grid.g_idx is not None:
+                out[f"{key}.g_idx"] = grid.g_idx.detach().cpu().contiguous()
         return out
 
     def _weight_grids(self) -> dict[str, WeightGrid]:
@@ -62,7 +65,10 @@ class QuantizeHandle(Handle):
             scale, zero_point = quantizer.scale, quantizer.zero_point  # a shadow observes its current values
             layer, _, attribute = key.rpartition(".")
             outputs = output_axis(model.get_submodule(layer), attribute) if model is not None else 0
-            grids[key] = WeightGrid(key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis, outputs)
+            g_idx = getattr(quantizer, "g_idx", None)  # a shadow (training) has contiguous groups
+            grids[key] = WeightGrid(
+                key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis, outputs, g_idx
+            )
         return grids
 
     def export_parts(self) -> list:

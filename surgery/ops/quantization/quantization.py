@@ -221,6 +221,13 @@ def _quantize_offloaded(
             "needs every block's inputs in the float model beside the compressed ones, which an offloaded "
             "run does not carry yet; quantize in memory, or use method='gptq'",
         )
+    if spec.weights.actorder == "group" and spec.weights.group_size:
+        raise ConfigError(
+            "quantize.weights.actorder",
+            "group",
+            "stores a group index per input column (g_idx), which an offloaded run's stages do not carry yet; "
+            "quantize in memory, or use actorder='weight'",
+        )
     select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
     with _target_selection(model, spec, rules), linearized(model):  # each expert's layers, as in memory
         targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)

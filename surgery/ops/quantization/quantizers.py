@@ -49,8 +49,10 @@ class WeightQuantizer:
         axis: int | None,
         update: Tensor | None = None,
         saved: Saved | None = None,
+        g_idx: Tensor | None = None,
     ) -> None:
         self.spec, self.scale, self.zero_point, self.axis = spec, scale, zero_point, axis
+        self.g_idx = g_idx  # the group of each input column (actorder="group"); None: contiguous groups
         self.pending = update  # a method's new weights, written once when attached
         self.rewrites = update is not None
         self.saved = saved  # the original values, kept before the method wrote into the weight
@@ -68,7 +70,8 @@ class WeightQuantizer:
                 self.pending = None
             scale, zero_point = self.scale.to(param.device), self.zero_point.to(param.device)
             if self.spec.group_size:
-                param.copy_(fake_quantize_groups(param, scale, zero_point, self.axis, self.spec))
+                g_idx = None if self.g_idx is None else self.g_idx.to(param.device)
+                param.copy_(fake_quantize_groups(param, scale, zero_point, self.axis, self.spec, g_idx))
             else:
                 param.copy_(fake_quantize(param, scale, zero_point, self.axis, self.spec))
 

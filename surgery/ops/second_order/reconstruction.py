@@ -123,7 +123,7 @@ def gptq(
     name: str = "",
     actorder: str | None = None,
     asymmetry: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
 
@@ -135,14 +135,19 @@ def gptq(
     they stood at the start of the current block (the columns the walk updated inside the block
     are not used), as the original GPTQ code does (llm-compressor 0.14 takes every group's scales
     before the walk, as ``actorder="weight"`` does here). Returns
-    ``(quantized matrix, scales, zero points)``: scales ``(outputs, groups)`` with groups, else
-    whatever ``qparams_of`` returned for the whole matrix. With ``keep`` (a pruning mask), pruned
+    ``(quantized matrix, scales, zero points, g_idx)``: scales ``(outputs, groups)`` with groups, else
+    whatever ``qparams_of`` returned for the whole matrix; ``g_idx`` (int32, the group of
+    every column) with ``actorder="group"`` and groups, else None (contiguous groups). With ``keep`` (a pruning mask), pruned
     entries stay exactly zero and their share of the error goes to the entries kept.
 
     ``actorder="weight"`` walks the columns in order of decreasing Hessian diagonal (the inputs
     with the most energy first) while each keeps the grid of its own group in the original
     order, every group's scales taken from the weights before the walk: llm-compressor's
     ``actorder="weight"`` (its default, ``"static"``), which stores nothing extra.
+    ``actorder="group"`` walks the same order but forms the groups in it, every ``group_size``
+    consecutive columns of the walk, each group's scales taken when the walk reaches it (the
+    GPTQ authors' ``fasterquant(actorder=True, groupsize=g)``); column ``j`` is then in group
+    ``g_idx[j]`` = its position in the walk // ``group_size``.
 
     ``asymmetry`` (GPTAQ, Li et al. 2025): ``2 (X̃ − X)ᵀX / rows``, with ``X̃`` the layer's inputs
     in the model before compression and ``X`` (the Hessian's) its inputs here; each column's
@@ -154,7 +159,7 @@ def gptq(
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
     energy = relative_importance(torch.diagonal(hessian))
     fixed = _static_groups(w, energy, qparams_of, group_size) if actorder == "weight" and group_size else None
-    order = torch.argsort(torch.diagonal(hessian), descending=True) if actorder == "weight" else None
+    order = torch.argsort(torch.diagonal(hessian), descending=True) if actorder in ("weight", "group") else None
     if order is not None:
         w, hessian, energy = w[:, order].contiguous(), hessian[order][:, order], energy[order]
         keep = None if keep is None else keep[:, order]
@@ -199,10 +204,18 @@ def gptq(
     if order is not None:
         w = w[:, torch.argsort(order)]
     if fixed is not None:
-        return w, fixed[0], fixed[1]
+        return w, fixed[0], fixed[1], None
     if group_size:
-        return w, torch.stack(scales, dim=1), torch.stack(zero_points, dim=1)
-    return w, scale, zero_point
+        g_idx = _group_index(order, group_size) if actorder == "group" else None
+        return w, torch.stack(scales, dim=1), torch.stack(zero_points, dim=1), g_idx
+    return w, scale, zero_point, None
+
+
+def _group_index(order: Tensor, group_size: int) -> Tensor:
+    """The group of every column (int32) when the groups are ``group_size`` consecutive columns of ``order``."""
+    g_idx = torch.empty(order.numel(), dtype=torch.int32, device=order.device)
+    g_idx[order] = torch.arange(order.numel(), dtype=torch.int32, device=order.device) // group_size
+    return g_idx
 
 
 def _asymmetric_shift(asymmetry: Tensor, hessian: Tensor, factor: Tensor) -> Tensor:

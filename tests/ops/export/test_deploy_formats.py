@@ -700,3 +700,12 @@ def test_a_users_lambda_hook_at_torchao_export_is_named_and_nothing_is_written(t
         with pytest.raises(ConfigError, match=r"^export.format='torchao': pickles .* layer '1' holds a forward hook"):
             surgery.export(handle, tmp_path / "m.pt", format="torchao")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compressed_tensors_itself_refuses_actorder_group_so_no_folder_can_carry_a_g_idx():
+    """Why format='compressed-tensors' refuses a weight with a g_idx: the library (0.19, 0.20)
+    removed actorder='group' and its g_idx; if a release brings it back, this fails first."""
+    quantization = pytest.importorskip("compressed_tensors.quantization")
+    for value in ("group", "dynamic"):
+        with pytest.raises(ValueError, match="has been removed"):
+            quantization.QuantizationArgs(num_bits=4, strategy="group", group_size=16, actorder=value)

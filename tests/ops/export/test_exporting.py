@@ -312,3 +312,49 @@ def test_a_failed_reload_leaves_the_target_as_it_was_and_says_why_in_one_line(tm
         "(RuntimeError: We encountered some issues); nothing was written"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["llama"] and [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+@pytest.fixture(scope="module")
+def group_ordered():
+    """A one-block Llama quantized by GPTQ with ``actorder="group"`` (its weights carry a g_idx)."""
+    from support import tiny_llama, token_batches  # tests/support.py
+
+    model = tiny_llama(layers=1, vocab=64, hidden=64)
+    spec = surgery.GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
+    handle = surgery.quantize(model, weights=spec, calibration=token_batches(2), exclude="lm_head", progress=False)
+    yield handle, token_batches(1)
+    handle.restore()
+
+
+@pytest.mark.parametrize("name", ["compressed-tensors", "onnx", "torchao", "fp8", "sparse"])
+def test_a_format_without_a_group_index_refuses_a_group_ordered_weight_in_one_line(group_ordered, tmp_path, name):
+    handle, batches = group_ordered
+    suffix = surgery.ops.export.exporting.EXPORT_FORMATS.get(name).suffix
+    path = tmp_path / (f"out.{suffix}" if suffix else "out")
+    with pytest.raises(ConfigError, match=r"cannot hold model\.layers\.0\.\S+'s group index \(g_idx") as err:
+        surgery.export(handle, path, format=name, inputs=batches)
+    assert "\n" not in str(err.value) and f"export.format={name!r}" in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_format_holding_a_group_index_gets_it_and_safetensors_writes_the_weights_it_computes(group_ordered, tmp_path):
+    handle, _ = group_ordered
+    seen = {}
+
+    def write(parts, path, options):
+        seen.update(parts.weights)
+        path.write_bytes(b"")
+
+    surgery.register_export_format(
+        "test_g_idx", write, load=lambda p: None, suffix="bin", takes_parts=True, holds_g_idx=True
+    )
+    try:
+        surgery.export(handle, tmp_path / "out.bin", format="test_g_idx")
+    finally:
+        surgery.ops.export.exporting.EXPORT_FORMATS.unregister("test_g_idx")
+    key = "model.layers.0.mlp.down_proj.weight"
+    grid, weight = seen[key], handle.model.get_parameter(key).detach()
+    assert torch.equal(grid.g_idx, handle.weights[key].g_idx)
+    assert torch.equal(grid.dequantized(grid.integers(weight)), weight)  # the integers on the scattered groups
+    record = surgery.export(handle, tmp_path / "w.safetensors")
+    assert torch.equal(record.load()[key], weight)

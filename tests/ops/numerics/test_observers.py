@@ -368,3 +368,29 @@ def test_rounding_is_divide_or_reciprocal_and_reciprocal_multiplies_by_the_inver
     expected = torch.clamp(torch.round(x * (1.0 / scale.reshape(-1, 1))), -128, 127) * scale.reshape(-1, 1)
     assert torch.equal(found, expected)
     assert not torch.equal(found, fake_quantize_dynamic(x, dataclasses.replace(spec, rounding="divide"))[0])
+
+
+def test_actorder_group_is_accepted_for_gptq_and_a_bad_value_names_the_allowed_ones():
+    assert GridSpec(bits=4, method="gptq", group_size=32, actorder="group").actorder == "group"
+    assert GridSpec(bits=4, method="gptaq", actorder="group").actorder == "group"  # without groups: "weight"
+    with pytest.raises(ConfigError, match=r"^GridSpec.actorder='desc': must be null or 'weight', 'group'$"):
+        GridSpec(bits=4, method="gptq", actorder="desc")
+    with pytest.raises(ConfigError, match=r"orders GPTQ's walk over the columns; method is 'rtn'"):
+        GridSpec(bits=4, group_size=32, actorder="group")
+
+
+def test_groups_by_a_group_index_round_each_column_on_its_own_groups_grid():
+    from surgery.ops.numerics.observers import fake_quantize_groups, g_idx_problem
+
+    spec = GridSpec(bits=4, group_size=4)
+    weight = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    g_idx = torch.tensor([2, 0, 1, 0, 2, 1, 0, 1, 1, 0], dtype=torch.int32)  # groups of 4, 4 and 2 columns
+    scale = torch.rand(3, 3) + 0.1
+    zero_point = torch.randint(0, 16, (3, 3), dtype=torch.int32)
+    ours = fake_quantize_groups(weight, scale, zero_point, 0, spec, g_idx)
+    s, z = scale[:, g_idx.long()], zero_point[:, g_idx.long()]
+    assert torch.equal(ours, (torch.clamp(torch.round(weight / s) + z, 0, 15) - z) * s)
+    assert g_idx_problem(g_idx, 10, 4) is None
+    assert "exactly 4 columns in each group" in g_idx_problem(torch.zeros(10, dtype=torch.int32), 10, 4)
+    assert "shape (9,)" in g_idx_problem(g_idx[:9], 10, 4)
+    assert "dtype torch.float32" in g_idx_problem(g_idx.float(), 10, 4)

@@ -514,3 +514,11 @@ def test_gptaq_on_an_offloaded_model_is_refused_in_one_line_not_run_as_gptq(tmp_
     offloaded = surgery.offloaded(tmp_path / "model")
     with pytest.raises(ConfigError, match=r"quantize.weights.method='gptaq'.*float model.*quantize in memory"):
         surgery.quantize(offloaded, weights=GridSpec(bits=4, method="gptaq"), calibration=batches(), progress=False)
+
+
+def test_gptq_in_group_order_on_an_offloaded_model_is_refused_in_one_line(tmp_path):
+    llama_folder(tmp_path / "model", layers=2)
+    offloaded = surgery.offloaded(tmp_path / "model")
+    spec = GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
+    with pytest.raises(ConfigError, match=r"quantize.weights.actorder='group'.*g_idx.*quantize in memory"):
+        surgery.quantize(offloaded, weights=spec, calibration=batches(), progress=False)

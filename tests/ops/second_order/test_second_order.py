@@ -623,8 +623,8 @@ def test_gptq_on_a_pruned_weight_keeps_its_zeros_and_compensates_on_the_entries_
     weight = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     pruned, keep = sparsegpt(weight, hessian, 0.5)
     grid = Grid(GridSpec(bits=8, symmetric=True, per_channel=True), per_row=True)  # fine: updates survive rounding
-    aware, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round, keep=keep)
-    blind, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round)
+    aware, _, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round, keep=keep)
+    blind, _, _, _ = gptq(pruned, hessian, grid.qparams_of, grid.round)
     assert torch.equal(aware[~keep], torch.zeros(int((~keep).sum())))
     error = lambda w: ((w - weight) @ x.t()).pow(2).sum().item()
     # the zeros hold during the walk, at no cost: within 0.1 % of masking afterwards here
@@ -655,3 +655,54 @@ def test_a_timm_vision_transformer_is_calibrated_block_by_block_and_restored_exa
     pruned.restore()
     assert snapshot_differences(before, snapshot(model)) == []
     assert_no_hooks(model)
+
+
+def test_gptq_in_group_order_carries_its_group_index_through_forward_qparams_restore_and_bake(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    data = token_batches(2)
+    before = snapshot(model)
+    spec = GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
+    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    key = "model.layers.0.mlp.down_proj.weight"
+    quantizer, weight = handle.weights[key], model.get_parameter(key).detach().clone()
+    g_idx = quantizer.g_idx.long()
+    assert quantizer.g_idx.dtype == torch.int32 and g_idx.shape == (weight.shape[1],)
+    assert not torch.equal(g_idx, torch.arange(weight.shape[1]) // 16)  # scattered groups
+    on_grid = weight / quantizer.scale[:, g_idx] + quantizer.zero_point[:, g_idx]
+    assert torch.allclose(on_grid, on_grid.round(), atol=1e-4)  # each column on its own group's grid
+    quantizer.apply(model.get_parameter(key).data)
+    assert torch.equal(model.get_parameter(key), weight)  # the forward's weights: fake-quantized by g_idx, idempotent
+    assert torch.equal(handle.weight_qparams()[f"{key}.g_idx"], quantizer.g_idx)
+    assert torch.equal(load_file(str(handle.save_qparams(tmp_path / "q.safetensors")))[f"{key}.g_idx"], quantizer.g_idx)
+    with torch.no_grad():
+        logits = model(**data[0]).logits
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []  # bit for bit
+    baked = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False).bake()
+    assert torch.equal(baked.get_parameter(key), weight)
+    with torch.no_grad():
+        assert torch.equal(baked(**data[0]).logits, logits)
+
+
+def test_gptq_in_group_order_without_groups_quantizes_as_the_weight_order():
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    data = token_batches(2)
+    results = []
+    for order in ("group", "weight"):
+        spec = GridSpec(bits=4, method="gptq", per_channel=True, actorder=order)
+        handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+        results.append({k: p.detach().clone() for k, p in model.named_parameters()})
+        assert all(getattr(q, "g_idx", None) is None for q in handle.weights.values())
+        handle.restore()
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
+
+
+def test_gptq_in_group_order_refuses_a_grouped_convolution_in_one_line():
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    spec = GridSpec(bits=4, method="gptq", group_size=6, actorder="group")
+    before = snapshot(model)
+    with pytest.raises(ConfigError, match=r"0.weight is a grouped convolution \(groups=2\).*one g_idx cannot hold"):
+        surgery.quantize(model, weights=spec, calibration=[torch.randn(2, 4, 8, 8)], progress=False)
+    assert snapshot_differences(before, snapshot(model)) == []

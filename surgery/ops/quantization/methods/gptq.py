@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from surgery.core import guards
+from surgery.core.errors import ConfigError
 from surgery.core.sequential import Paired
 from surgery.ops.numerics.observers import Grid, relative_importance
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
@@ -25,6 +26,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     (the float model's inputs beside the compressed one's: GPTAQ)."""
     targets, spec = problem.targets, problem.spec
     check_layers(targets.matched, "quantize.select", "gptq")
+    _refuse_split_group_index(problem)
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
     by_layer = {t.module_name: t for t in targets.matched.values()}
     whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
@@ -52,7 +54,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             fixed = (fixed[0][rows], fixed[1][rows])
         if fixed is None and not spec.group_size:  # weighted: each row's range against its inputs' energy
             fixed = layer_grid.qparams_of(matrix, relative_importance(torch.diagonal(hessian)))
-        new, scale, zero_point = gptq(
+        new, scale, zero_point, g_idx = gptq(
             matrix,
             hessian,
             layer_grid.qparams_of if fixed is None else lambda *_: fixed,
@@ -63,10 +65,11 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             asymmetry=asymmetry,
             keep=None if keep is None else keep[rows],
         )
-        return new, (
+        grid_of = (
             scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
             zero_point.expand(matrix.shape[0]) if zero_point.dim() == 0 else zero_point,
         )
+        return new, grid_of if g_idx is None else (*grid_of, g_idx)
 
     results, problem.sequential = reconstruct_layers(
         problem.model,
@@ -82,12 +85,27 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     )
     found = {}
     for key in targets.matched:  # the rounded weights are in the model already
-        scale, zero_point = results[key]
+        scale, zero_point, *g_idx = results[key]
         axis = problem.axis(key) if grid.per_row else None
         if not grid.per_row:
             scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
-        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis)
+        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis, g_idx=next(iter(g_idx), None))
     return found
+
+
+def _refuse_split_group_index(problem: WeightProblem) -> None:
+    """``actorder="group"`` gives a weight one group index; a grouped convolution, solved one
+    group of channels at a time (each with its own Hessian and order), would need one per part."""
+    if problem.spec.actorder != "group" or not problem.spec.group_size:
+        return
+    for key, target in problem.targets.matched.items():
+        if getattr(target.module, "groups", 1) > 1:
+            raise ConfigError(
+                "quantize.weights.actorder",
+                "group",
+                f"{key} is a grouped convolution (groups={target.module.groups}), solved part by part, each "
+                "part in its own column order: one g_idx cannot hold them; use actorder='weight' or exclude it",
+            )
 
 
 register_weight_method("gptq", solve_gptq, needs_calibration=True, sequential=True)
