@@ -957,7 +957,25 @@ API_CASES = [
         "quantize.calibration",
         "weighs each input column by its energy in calibration",
     ),
+    ApiCase(
+        "mixed-export",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "llama", format="compressed-tensors"),
+        ConfigError,
+        "export.format",
+        "model.layers.0.mlp.gate_proj has zero points",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: _int8_beside_affine_int4(m),
+    ),
 ]
+
+
+def _int8_beside_affine_int4(model: nn.Module) -> Any:
+    """Attention on int8 per channel, the MLP on int4 with zero points: two config groups."""
+    attention = surgery.quantize(
+        model, weights=GridSpec(bits=8, symmetric=True, per_channel=True), select="**.self_attn.*"
+    )
+    mlp = surgery.quantize(model, weights=GridSpec(bits=4, symmetric=False, group_size=32), select="**.mlp.*")
+    return surgery.compose(attention, mlp)
 
 
 def _export_beside_a_rewrite(model: nn.Module, tmp: Path, handle: Any) -> Any:

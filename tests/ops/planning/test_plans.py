@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from support import tiny_llama  # tests/support.py
@@ -49,13 +51,13 @@ def test_apply_changes_the_layers_in_one_run_and_restore_is_bit_exact():
     assert snapshot_differences(before, snapshot(model)) == []
 
 
-def test_mixed_formats_refuse_to_export_to_compressed_tensors_in_one_line(tmp_path):
+def test_a_plan_mixing_formats_exports_to_compressed_tensors_a_config_group_per_choice(tmp_path):
     pytest.importorskip("compressed_tensors")
-    model = tiny_llama(layers=1).to(torch.bfloat16)
-    rows = [PlanRow(LAYERS[0], "w4g128", (64, 64), 2176, 0.1), PlanRow(LAYERS[2], "int8", (64, 128), 8320, 0.1)]
-    handle = Plan(rows, 20_000, "drift", "exact").apply(model)
-    with pytest.raises(ConfigError) as raised:
-        surgery.export(handle, tmp_path / "out", format="compressed-tensors")
-    assert "weight settings differ between layers; one scheme is held" in str(raised.value)
-    assert len(str(raised.value).splitlines()) == 1
-    handle.restore()
+    model = tiny_llama(layers=1)
+    ids = torch.randint(0, 128, (1, 8))
+    rows = [PlanRow(LAYERS[0], "int8", (64, 64), 4224, 0.1), PlanRow(LAYERS[2], "w4g128", (64, 128), 4352, 0.1)]
+    with Plan(rows, 20_000, "drift", "exact").apply(model) as handle:
+        record = surgery.export(handle, tmp_path / "out", format="compressed-tensors", inputs=[ids])
+    assert record.parity.equal, record.parity
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert [group["targets"] for group in config["config_groups"].values()] == [[LAYERS[0]], [LAYERS[2]]]

@@ -29,6 +29,13 @@ from surgery.ops.export.formats.compressed_tensors_experts import (
     ignored,
     refuse_expert_settings,
 )
+from surgery.ops.export.formats.compressed_tensors_groups import (
+    group_targets,
+    mixed_format,
+    mixed_groups,
+    refuse_pruned_floats,
+    specs_by_grid,
+)
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
@@ -81,10 +88,13 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     mode = options.get("activations", parts.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
-    scheme, layers = _scheme(parts, ct, mode)
-    refuse_expert_settings(model, layers, scheme)
-    compressor = _compressor(ct, scheme.format)
-    compressed = {layer: _compressed(parts, layer, compressor, scheme, mode) for layer in layers}
+    schemes = _scheme(parts, ct, mode)
+    layers = [layer for _, group in schemes for layer in group]
+    compressed = {}
+    for scheme, group in schemes:
+        refuse_expert_settings(model, group, scheme)
+        compressor = _compressor(ct, scheme.format)
+        compressed |= {layer: _compressed(parts, layer, compressor, scheme, mode) for layer in group}
     _refuse_tied(model, [layer for layer in layers if "weight" not in compressed[layer]])  # packed: renamed
     state = checkpoint_state(model, compressed, WHY_PER_EXPERT)
     path.mkdir(parents=True, exist_ok=True)
@@ -92,15 +102,15 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     model.save_pretrained(path, state_dict=state, max_shard_size=max_shard_size, save_original_format=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-    _add_quantization_config(path, ct, scheme, model, layers)
+    _add_quantization_config(path, ct, [scheme for scheme, _ in schemes], model, layers)
     dropped = mode == "none" and parts.activations
     left_out = [f"input scales of {len(parts.activations)} layer(s) (activations='none')"] if dropped else []
     # static int8 inputs round as x / scale, ours as x * (1 / scale) (fp8 ones as x / scale, as ours);
     # dynamic ones as ours for float32 (batch, tokens, features) inputs only: compressed-tensors takes
     # a 2-d input's scale over the whole tensor, and a bfloat16 one's in bfloat16
-    inputs = scheme.input_activations
+    inputs = schemes[0][0].input_activations  # every group's
     exact = inputs is None or (inputs.type == "float" and not inputs.dynamic)
-    exact = exact and scheme.format not in _FP4_FORMATS  # FP4 weights load in bfloat16, scales ÷ a global one
+    exact = exact and all(s.format not in _FP4_FORMATS for s, _ in schemes)  # FP4: bfloat16, scales ÷ a global one
     return {"exact": exact and not left_out, "left_out": left_out}
 
 
@@ -201,7 +211,7 @@ def _streamed_plan(handle: Any, model: nn.Module, ct: Any) -> _StreamPlan:
         names = checkpoint_names(model, layers, WHY_PER_EXPERT)
         modules = {layer: model.get_submodule(layer) for layer in layers}
         axes = {layer: (output_axis(module, "weight"), _transposed(module)) for layer, module in modules.items()}
-        config = _quantization_config_of(ct, scheme, model, layers)
+        config = _quantization_config_of(ct, [scheme], model, layers)
     return _StreamPlan(spec, scheme, compressor, names, axes, config, layouts)
 
 
@@ -261,14 +271,14 @@ def _shards_by_block(model: nn.Module, state: dict[str, Tensor]) -> list[list[st
     return shards
 
 
-def _add_quantization_config(path: Path, ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> None:
-    _write_quantization_config(path, _quantization_config_of(ct, scheme, model, layers))
+def _add_quantization_config(path: Path, ct: Any, schemes: list[Any], model: nn.Module, layers: list[str]) -> None:
+    _write_quantization_config(path, _quantization_config_of(ct, schemes, model, layers))
 
 
-def _quantization_config_of(ct: Any, scheme: Any, model: nn.Module, layers: list[str]) -> dict[str, Any]:
-    """The folder's ``quantization_config``: ``scheme`` for ``layers``, the other layers ignored."""
+def _quantization_config_of(ct: Any, schemes: list[Any], model: nn.Module, layers: list[str]) -> dict[str, Any]:
+    """The folder's ``quantization_config``: ``schemes`` for ``layers``, the other layers ignored."""
     conv1d = any(_transposed(model.get_submodule(layer)) for layer in layers)
-    return _quantization_config(ct, scheme, model, layers, conv1d)
+    return _quantization_config(ct, schemes, model, layers, conv1d)
 
 
 def _write_quantization_config(path: Path, found: dict[str, Any]) -> None:
@@ -279,9 +289,11 @@ def _write_quantization_config(path: Path, found: dict[str, Any]) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _scheme(parts: ExportParts, ct: Any, mode: str) -> tuple[Any, list[str]]:
-    """One compressed-tensors scheme for every quantized Linear and Conv1D, and those layers."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+def _scheme(parts: ExportParts, ct: Any, mode: str) -> list[tuple[Any, list[str]]]:
+    """A compressed-tensors scheme per weight grid of the quantized Linears and Conv1Ds, with
+    its layers: one scheme targeting the layer kinds, or one per grid targeting its layers by
+    name (:mod:`~surgery.ops.export.formats.compressed_tensors_groups`)."""
+    from compressed_tensors.quantization import QuantizationArgs
 
     if any(grid.step == "kv_cache" for grid in parts.activations.values()):  # never dropped silently
         raise ConfigError(
@@ -300,8 +312,9 @@ def _scheme(parts: ExportParts, ct: Any, mode: str) -> tuple[Any, list[str]]:
         raise ConfigError(
             "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
         )
-    spec, layers = _weight_layers(parts.model, {key: grid.spec for key, grid in parts.weights.items()})
-    weights = _weight_args(spec, QuantizationArgs)
+    refuse_pruned_floats(parts.masks, parts.weights, ct.__version__)
+    grids = [_weight_layers(parts.model, group) for group in specs_by_grid(_weight_specs(parts))]
+    layers = [layer for _, group in grids for layer in group]
     inputs = None
     if mode == "static":
         inputs = _input_args(parts, layers, QuantizationArgs)
@@ -319,12 +332,30 @@ def _scheme(parts: ExportParts, ct: Any, mode: str) -> tuple[Any, list[str]]:
             f"transformers loads compressed-tensors {ct.__version__} Conv1D models dequantized, without input "
             "scales; export their weights only (quantize.activations=null) or use format='onnx'",
         )
-    scheme_format = (
-        _FLOAT_FORMATS[spec.format] if spec.is_float else "int-quantized" if inputs is not None else "pack-quantized"
-    )
-    kinds = sorted({type(parts.model.get_submodule(layer)).__name__ for layer in layers})
-    scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=inputs, format=scheme_format)
-    return scheme, layers
+    named = len(grids) > 1  # one group per grid, each naming its layers
+    schemes = [(_group_scheme(parts.model, spec, group, inputs, named), group) for spec, group in grids]
+    dequantized = [_dequantized(scheme, any(layer in conv1d for layer in group)) for scheme, group in schemes]
+    return mixed_groups(parts.model, schemes, dequantized)
+
+
+def _group_scheme(model: nn.Module, spec: GridSpec, layers: list[str], inputs: Any, named: bool) -> Any:
+    """The compressed-tensors scheme of ``layers`` on ``spec`` (``inputs``: every layer's input
+    setting), targeting them by name when ``named``, else by their kinds."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = _weight_args(spec, QuantizationArgs)  # refuses the float formats it does not hold
+    if spec.is_float:
+        scheme_format = _FLOAT_FORMATS[spec.format]
+    else:
+        scheme_format = "int-quantized" if inputs is not None else "pack-quantized"
+    kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
+    targets = group_targets(model, layers) if named else kinds
+    return QuantizationScheme(targets=targets, weights=weights, input_activations=inputs, format=scheme_format)
+
+
+def _weight_specs(parts: ExportParts) -> dict[str, GridSpec]:
+    """Each quantized weight's grid, by its key."""
+    return {key: grid.spec for key, grid in parts.weights.items()}
 
 
 def _weight_layers(model: nn.Module, specs: dict[str, GridSpec]) -> tuple[GridSpec, list[str]]:
@@ -508,21 +539,29 @@ def _compressor(ct: Any, name: str) -> Any:
         ) from None
 
 
-def _quantization_config(ct: Any, scheme: Any, model: nn.Module, layers: list[str], conv1d: bool) -> dict[str, Any]:
+def _quantization_config(
+    ct: Any, schemes: list[Any], model: nn.Module, layers: list[str], conv1d: bool
+) -> dict[str, Any]:
     from compressed_tensors.quantization import QuantizationConfig
 
     ignore = ignored(model, layers, linear_or_conv1d)
+    groups = {f"group_{index}": scheme for index, scheme in enumerate(schemes)}
     config = QuantizationConfig(
-        config_groups={"group_0": scheme}, ignore=ignore, format=scheme.format, quantization_status="compressed"
+        config_groups=groups, ignore=ignore, format=mixed_format(schemes), quantization_status="compressed"
     )
     found = {"quant_method": "compressed-tensors", "version": ct.__version__}
     found |= config.model_dump(exclude=["quant_method"])
-    if conv1d or (scheme.format == "pack-quantized" and not scheme.weights.symmetric):
-        # compressed-tensors 0.20 builds the model on meta without packing the zero point, so a
-        # plain from_pretrained of an asymmetric packed folder fails; and its compressed modules
-        # are Linear-shaped, where a Conv1D is (inputs, outputs). Dequantizing on load serves both.
+    if any(_dequantized(scheme, conv1d) for scheme in schemes):  # one scheme (_scheme refuses a mix)
         found["dequantize"] = True
     return found
+
+
+def _dequantized(scheme: Any, conv1d: bool) -> bool:
+    """Whether transformers must load ``scheme``'s layers dequantized: compressed-tensors 0.20
+    builds the model on meta without packing the zero point, so a plain from_pretrained of an
+    asymmetric packed folder fails; and its compressed modules are Linear-shaped, where a Conv1D
+    is (inputs, outputs). Dequantizing on load serves both."""
+    return conv1d or (scheme.format == "pack-quantized" and not scheme.weights.symmetric)
 
 
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:

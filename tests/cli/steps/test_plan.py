@@ -1,0 +1,33 @@
+"""The ``plan`` step end to end: ``recipe=plan_llama`` on the shipped tiny Llama, its plan
+within the budget in ``plan.json`` and ``report.json``, exported to compressed-tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow  # ~60 s of CPU: the plan's gradient scores, the export and its deploy check
+def test_plan_llama_writes_its_plan_within_the_budget_and_a_compressed_tensors_folder_that_loads(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    args = ["recipe=plan_llama", "budget=4.5bpw", "data.batches=1", "plan.calibration_batches=1"]
+    args += ["export.format=compressed-tensors", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    plan, saved = report["plan"], json.loads((tmp_path / "plan.json").read_text())
+    assert plan["bits_per_weight"] <= 4.5 and plan["bytes"] <= plan["budget_bytes"] == saved["budget"]
+    assert plan["counts"] == saved["counts"] and plan["bytes"] == saved["total_bytes"]
+    checks = {check["name"]: check["passed"] for check in report["checks"]}
+    assert checks["deploy"] is True and report["deploy"]["format"] == "compressed-tensors"  # loaded by transformers
+    config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
+    quantized = {k for k, n in plan["counts"].items() if k != "dense"}
+    assert len(config["config_groups"]) == len(quantized)
