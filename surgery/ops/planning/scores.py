@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from surgery.core.errors import ConfigError
 from surgery.core.inputs import run_backward_batches
 from surgery.ops.planning.choices import Choice
-from surgery.ops.sensitivity.sensitivity import _drift, _outputs, _quiet
+from surgery.ops.sensitivity.sensitivity import model_outputs, output_drift, quiet_selection_logs
 
 Scores = dict[str, dict[str, float]]  # layer -> choice name -> score
 
@@ -37,6 +38,14 @@ def squared_gradients(
                 fisher[layer] += w.grad.detach().float() ** 2
 
     run_backward_batches(model, pairs, loss, field="plan.calibration", progress=False, after_each=collect)
+    for layer, f in fisher.items():  # a zero or non-finite Fisher would score every choice alike, silently
+        if not bool(torch.isfinite(f).all()) or not bool(f.any()):
+            raise ConfigError(
+                "plan.estimate",
+                "gradient",
+                f"{layer}'s weight got {'no' if bool(torch.isfinite(f).all()) else 'a non-finite'} gradient "
+                "from the loss; set estimate='drift' or exclude it",
+            )
     return fisher
 
 
@@ -51,7 +60,7 @@ def gradient_scores(
         if not chosen:
             continue
         before = {layer: model.get_submodule(layer).weight.detach().float().clone() for layer in chosen}
-        with _quiet():
+        with quiet_selection_logs():
             handle = choice.apply(model, chosen, context["calibration"], context["method"])
         try:
             for layer in chosen:
@@ -67,14 +76,14 @@ def drift_scores(
 ) -> Scores:
     """The output drift of each choice on each layer alone, on the calibration inputs."""
     inputs = context["inputs"]
-    reference = _outputs(model, inputs)
+    reference = model_outputs(model, inputs)
     scores: Scores = {layer: {} for layer in layers}
     for layer in layers:
         for name in options[layer]:
-            with _quiet():
+            with quiet_selection_logs():
                 handle = choices[name].apply(model, [layer], context["calibration"], context["method"])
             try:
-                drift = _drift(reference, _outputs(model, inputs))
+                drift = output_drift(reference, model_outputs(model, inputs))
                 scores[layer][name] = math.inf if math.isnan(drift) else drift
             finally:
                 handle.restore()

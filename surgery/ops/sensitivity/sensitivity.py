@@ -177,8 +177,12 @@ def sensitivity(
     if evaluate is not None and not callable(evaluate):
         raise ConfigTypeError("sensitivity.evaluate", evaluate, "must be a function model -> float")
     if evaluate is None:
-        reference = _outputs(model, inputs)
-        evaluate, higher_is_better, metric = (lambda m: _drift(reference, _outputs(m, inputs))), False, "drift"
+        reference = model_outputs(model, inputs)
+        evaluate, higher_is_better, metric = (
+            (lambda m: output_drift(reference, model_outputs(m, inputs))),
+            False,
+            "drift",
+        )
     else:
         metric = getattr(evaluate, "__name__", "score")
     template = weights or GridSpec(bits=8, symmetric=True, per_channel=True)
@@ -203,7 +207,7 @@ def sensitivity(
         for target, setting in tqdm(
             trials, unit="trial", desc="sensitivity", leave=False, disable=None if progress else True
         ):
-            with _quiet():  # one selection log line per trial would drown the table
+            with quiet_selection_logs():  # one selection log line per trial would drown the table
                 handle = change(target, setting)
             try:
                 score = _score(evaluate, model, f"{target.module_name} at {setting:g}")
@@ -223,7 +227,8 @@ def _check_bits(bits: object) -> list[float]:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_selection_logs() -> Iterator[None]:
+    """Within the block, the surgery logger says only warnings (one selection line per trial would drown a table)."""
     logger = logging.getLogger("surgery")
     level = logger.level
     logger.setLevel(max(level, logging.WARNING))
@@ -259,14 +264,15 @@ def _score(evaluate: Evaluate, model: nn.Module, what: str) -> float:
     return float(value)
 
 
-def _outputs(model: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
+def model_outputs(model: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
+    """The model's outputs on each batch, in eval mode without gradients."""
     with evaluating(model), torch.no_grad():
         return [
             t.detach().float().flatten() for call in batches(inputs, "sensitivity.inputs") for t in outputs(model, call)
         ]
 
 
-def _drift(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> float:
+def output_drift(reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> float:
     """1 − cosine similarity of all outputs together (0: unchanged); NaN if any is not finite."""
     a, b = torch.cat(reference), torch.cat(candidate)
     if not torch.isfinite(b).all():

@@ -9,7 +9,7 @@ from support import tiny_llama  # tests/support.py
 
 import surgery
 from surgery.core.errors import ConfigError
-from surgery.ops.sensitivity.sensitivity import _drift, _outputs
+from surgery.ops.sensitivity.sensitivity import model_outputs, output_drift
 from surgery.testing import snapshot, snapshot_differences
 
 CHOICES = ["dense", "int8", "w4g128", "w3g128", "nvfp4"]
@@ -52,12 +52,21 @@ def test_gradient_scores_where_the_model_gives_a_loss_and_drift_otherwise():
         assert all(row.score >= 0 for row in plan.rows) and plan.score > 0
 
 
+def test_a_loss_giving_a_layer_no_gradient_is_refused_naming_it_and_the_model_kept():
+    model = tiny_llama(layers=1)
+    before = snapshot(model)
+    pairs = [(x, x) for x in ids(0)]
+    with pytest.raises(ConfigError, match=r"plan.estimate='gradient': model\.layers\.0\..* got no gradient"):
+        surgery.plan(model, "4.5bpw", CHOICES, calibration=pairs, loss=lambda out, _: out.logits.sum() * 0)
+    assert not snapshot_differences(before, snapshot(model))
+
+
 def held_out_drift(model: torch.nn.Module, plan: surgery.Plan) -> float:
     inputs = ids(1, batches=4)
-    reference = _outputs(model, inputs)
+    reference = model_outputs(model, inputs)
     handle = plan.apply(model)
     try:
-        return _drift(reference, _outputs(model, inputs))
+        return output_drift(reference, model_outputs(model, inputs))
     finally:
         handle.restore()
 
