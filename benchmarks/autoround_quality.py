@@ -1,17 +1,20 @@
-"""auto-round 0.16's AutoRound on the shipped tiny Llama, in auto-round's own virtual environment:
-run by ``bench_calibrated.py --llama``, as ``llmcompressor_quality.py`` runs llm-compressor.
+"""auto-round 0.16's AutoRound on a shipped model (the tiny Llama or Qwen3), in auto-round's own
+virtual environment (made by ``peer_venvs.py``): run by ``bench_calibrated.py --llama``, as
+``llmcompressor_quality.py`` runs llm-compressor.
 
 Usage (by the benchmark)::
 
-    benchmarks/.venv-auto_round/bin/python benchmarks/autoround_quality.py FOLDER DATA BITS SYMMETRIC
+    benchmarks/.venv-auto_round/bin/python benchmarks/autoround_quality.py FOLDER DATA SCHEME
 
 ``DATA`` is the benchmark's ``torch.save`` of ``{"calibration": int64 (n, 128), "inputs": ...,
 "targets": ...}``; every calibration window is one sample. The settings are those
 ``tests/ops/quantization/methods/autoround_peer.py`` checks bit for bit against surgery's
 ``method="autoround"``: groups of 128, 200 iterations, a batch of 8 samples, seed 42 (its
 default), float32 scales, no autocast, no compile, the last position of each sample left out.
-``SYMMETRIC`` is ``1`` for auto-round's ``int_sym`` grid (its own full range, not surgery's)
-or ``0`` for ``int_asym`` (the grid surgery's affine rows use). The last line printed is
+``SCHEME`` is ``wBITS,sym=S`` with ``S`` ``1`` for auto-round's ``int_sym`` grid (its own full
+range, not surgery's) or ``0`` for ``int_asym`` (the grid surgery's affine rows use), optionally
+``,group_size=G`` (``w2,sym=1,group_size=64`` is its ``W2A16G64``); or ``nvfp4`` / ``mxfp4``:
+its ``NVFP4`` / ``MXFP4`` weights with activations left float (``act_bits=16``). The last line printed is
 ``{"perplexity": ..., "seconds": ...}``: held-out perplexity of the model as ``quantize()``
 leaves it (its Linear weights rounded in place), and the wall time of the tuning.
 """
@@ -26,6 +29,7 @@ import torch
 from peer_perplexity import held_out_perplexity  # beside this script
 
 GROUP_SIZE = 128
+FLOAT_SCHEMES = ("nvfp4", "mxfp4")
 ITERATIONS = 200
 BATCH = 8
 
@@ -37,12 +41,25 @@ class Tokens:
     eos_token_id = 0
 
 
+def settings(scheme: str) -> dict:
+    """AutoRound's keyword arguments for the grid ``scheme`` names."""
+    name, *pairs = scheme.split(",")
+    options = dict(pair.split("=", 1) for pair in pairs)
+    if name in FLOAT_SCHEMES:
+        return {"scheme": name.upper(), "act_bits": 16}
+    return {
+        "bits": int(name[1:]),
+        "group_size": int(options.get("group_size", GROUP_SIZE)),
+        "sym": options["sym"] == "1",
+    }
+
+
 def main() -> None:
     """Tune the model in FOLDER on DATA's calibration windows and print its held-out perplexity."""
     import transformers
     from auto_round import AutoRound
 
-    folder, data_file, bits, symmetric = sys.argv[1:5]
+    folder, data_file, scheme = sys.argv[1:4]
     torch.set_num_threads(1)
     data = torch.load(data_file, weights_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -51,9 +68,7 @@ def main() -> None:
     tuner = AutoRound(
         model,
         tokenizer=Tokens(),
-        bits=int(bits),
-        group_size=GROUP_SIZE,
-        sym=symmetric == "1",
+        **settings(scheme),
         dataset=samples,
         nsamples=len(samples),
         seqlen=samples[0].shape[1],

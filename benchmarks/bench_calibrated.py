@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python benchmarks/bench_calibrated.py              # about 2 minutes
     .venv/bin/python benchmarks/bench_calibrated.py --json /tmp/calibrated.json
     .venv/bin/python benchmarks/bench_calibrated.py --llama   # the tiny Llama beside llm-compressor
+    .venv/bin/python benchmarks/bench_calibrated.py --llama --model tinyqwen3   # the tiny dense Qwen3
 
 For the shipped MNIST-1D CNN (1000 test signals) and the shipped tiny byte-level language model
 (the held-out 10 % of its corpus), every method is applied to the dense model, measured and
@@ -153,16 +154,18 @@ def main() -> None:
     parser.add_argument("--llama", action="store_true", help="the shipped tiny Llama beside llm-compressor instead")
     parser.add_argument("--no-peer", action="store_true", help="with --llama: our rows only")
     parser.add_argument(
+        "--model", choices=("tinyllama", "tinyqwen3"), default="tinyllama", help="with --llama: which shipped model"
+    )
+    parser.add_argument(
         "--rows", help="with --llama: only rows whose name holds one of these comma-separated texts (W4A,GPTQ)"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.llama:
-        from bench_scale import peer_python
         from llama_quality import run, table
 
-        rows = run(None if args.no_peer else peer_python(), args.rows)
-        print(table(rows))
+        rows = run(not args.no_peer, args.rows, args.model)
+        print(table(rows, args.model))
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"rows": rows, "torch": torch.__version__}, handle, indent=2)

@@ -36,12 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from peer_venvs import peer_python  # beside this script
+
 HERE = Path(__file__).resolve().parent
-PEER_VENV = HERE / ".venv-llmcompressor"
-PEER_PACKAGES = (
-    ["torch==2.13.0+cpu", "--index-url", "https://download.pytorch.org/whl/cpu"],
-    ["llmcompressor==0.14.0.1"],
-)
 WIDTH = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
 ROWS = {
     "surgery, originals in memory": "memory",
@@ -151,19 +148,8 @@ def _llm_compressor(model, ids) -> None:
     )
 
 
-def peer_python() -> Path:
-    """The llm-compressor environment's interpreter, made on first use."""
-    python = PEER_VENV / "bin" / "python"
-    if not python.exists():
-        print(f"making {PEER_VENV} (torch 2.13.0+cpu, llmcompressor 0.14.0.1) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
-        for packages in PEER_PACKAGES:
-            subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
-    return python
-
-
 def measure(kind: str, layers: int) -> dict:
-    python = peer_python() if kind == "llmcompressor" else Path(sys.executable)
+    python = peer_python("llmcompressor") if kind == "llmcompressor" else Path(sys.executable)
     found = subprocess.run(
         [str(python), __file__, "--row", kind, "--layers", str(layers)],
         capture_output=True,

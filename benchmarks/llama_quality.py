@@ -1,11 +1,13 @@
-"""The methods the peers ship, on the shipped tiny Llama, beside llm-compressor's implementation of
-each: held-out perplexity over every window of the tiny-LM corpus's held-out 10 %.
+"""The methods the peers ship, on a shipped trained model (the tiny Llama, or the tiny dense Qwen3:
+``--model``), beside the peers' implementation of each: held-out perplexity over every window of
+the tiny-LM corpus's held-out 10 %.
 
 Run by ``bench_calibrated.py --llama`` (about 5 minutes). Each of our rows is applied to the
 shipped model, measured and restored (bit-exact, checked); each of llm-compressor's runs
 ``benchmarks/llmcompressor_quality.py`` in its own virtual environment (llm-compressor pins torch
-<= 2.14.0; made on first use, as ``bench_scale.py`` makes it) on the same model, calibration
-windows and held-out windows. A script, not a test.
+<= 2.14.0), and each of auto-round's ``benchmarks/autoround_quality.py`` in its own, both made on
+first use (``peer_venvs.py``), on the same model, calibration windows and held-out windows. A
+script, not a test.
 """
 
 from __future__ import annotations
@@ -18,31 +20,42 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from peer_venvs import peer_python  # beside this script
 
 import surgery
 from surgery import GridSpec
 from surgery.analysis.metrics import perplexity
-from surgery.tasks.tinyllama import FOLDER, load_llama
+from surgery.tasks import tinyllama, tinyqwen3
 from surgery.tasks.tinylm import token_batches
 from surgery.testing import snapshot, snapshot_differences
 
 HERE = Path(__file__).resolve().parent
 HEAD = "lm_head"
-AUTOROUND_PYTHON = HERE / ".venv-auto_round" / "bin" / "python"  # python3.11 -m venv; pip install 'auto-round==0.16.*'
+MODELS: dict[str, tuple[Path, Callable[[], torch.nn.Module]]] = {
+    "tinyllama": (tinyllama.FOLDER, tinyllama.load_llama),
+    "tinyqwen3": (tinyqwen3.FOLDER, tinyqwen3.load_qwen3),
+}
 
 # (row, our recipe, llm-compressor's method name for llmcompressor_quality.py, note)
 Recipe = Callable[[torch.nn.Module, list], list]
+G64 = ",group_size=64"
 
 
-def _quantize(bits: int, method: str = "rtn", symmetric: bool = True, **options: object) -> Recipe:
-    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method=method, **options)
+def _quantize(bits: int, method: str = "rtn", symmetric: bool = True, group: int = 128, **options: object) -> Recipe:
+    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, method=method, **options)
     return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
 
 
-def _autoround(bits: int, symmetric: bool) -> Recipe:
+def _float(format: str, method: str = "rtn") -> Recipe:
+    """Weights alone on a floating-point grid (``mxfp4``: E8M0 scales per 32; ``nvfp4``: E4M3 per 16)."""
+    spec = GridSpec(format=format, method=method)
+    return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
+
+
+def _autoround(bits: int, symmetric: bool, group: int = 128) -> Recipe:
     """AutoRound with every calibration window a sample of its own, as auto-round samples them
     (a step tunes on 8 of the 32 windows, drawn by its seeded sampler)."""
-    spec = GridSpec(bits=bits, group_size=128, symmetric=symmetric, method="autoround", iterations=200)
+    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, method="autoround", iterations=200)
     return lambda m, cal: [
         surgery.quantize(m, weights=spec, calibration=[w[None] for b in cal for w in b], exclude=HEAD, progress=False)
     ]
@@ -81,7 +94,8 @@ FP8 = GridSpec(format="fp8_e4m3")
 ACTORDER = 'theirs: GPTQModifier\'s default (actorder="static", an alias of "weight")'
 NO_GPTAQ = "ours only: llm-compressor 0.14 has no GPTAQ"
 AUTOROUND = "theirs: the auto-round 0.16 package, same settings"
-ROWS: list[tuple[str, Recipe, str, str]] = [
+NO_FLOAT_AUTOROUND = "theirs only: surgery's AutoRound rounds onto integer grids"
+ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
     ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4,actorder=none", "both without activation order"),
     ("GPTQ W4 g128, actorder=weight", _quantize(4, "gptq", actorder="weight"), "gptq:w4", ACTORDER),
@@ -98,6 +112,23 @@ ROWS: list[tuple[str, Recipe, str, str]] = [
     ("AutoRound W3 g128", _autoround(3, True), "autoround:w3,sym=1", "symmetric grids differ: theirs is int_sym"),
     ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
     ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3,actorder=none", "both without activation order"),
+    ("RTN W2 g64", _quantize(2, group=64), "rtn:w2" + G64, ""),
+    ("GPTQ W2 g64", _quantize(2, "gptq", group=64), "gptq:w2,actorder=none" + G64, "both without activation order"),
+    (
+        "GPTQ W2 g64, observer=mse",
+        _quantize(2, "gptq", group=64, observer="mse"),
+        "gptq:w2,actorder=none,observer=mse" + G64,
+        "",
+    ),
+    ("GPTAQ W2 g64", _quantize(2, "gptaq", group=64), "", NO_GPTAQ),
+    ("AutoRound W2 g64 (affine)", _autoround(2, False, 64), "autoround:w2,sym=0" + G64, AUTOROUND),
+    ("AutoRound W2 g64", _autoround(2, True, 64), "autoround:w2,sym=1" + G64, "theirs: W2A16G64, int_sym"),
+    ("RTN NVFP4", _float("nvfp4"), "rtn:nvfp4", "theirs: NVFP4A16"),
+    ("GPTQ NVFP4", _float("nvfp4", "gptq"), "gptq:nvfp4,actorder=none", "theirs: NVFP4A16, without activation order"),
+    ("AutoRound NVFP4", None, "autoround:nvfp4", NO_FLOAT_AUTOROUND),
+    ("RTN MXFP4", _float("mxfp4"), "rtn:mxfp4", "theirs: MXFP4A16"),
+    ("GPTQ MXFP4", _float("mxfp4", "gptq"), "gptq:mxfp4,actorder=none", "theirs: MXFP4A16, without activation order"),
+    ("AutoRound MXFP4", None, "autoround:mxfp4", NO_FLOAT_AUTOROUND),
     ("W4A8 (inputs dynamic per token)", _activations(8, False), "w4a8", ""),
     ("W4A8, rotated", _activations(8, True), "w4a8-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
     ("W4A4 (inputs dynamic per token)", _activations(4, False), "w4a4", ""),
@@ -126,7 +157,10 @@ ROWS: list[tuple[str, Recipe, str, str]] = [
 ]
 
 
-def ours(name: str, recipe: Recipe, model: torch.nn.Module, calibration: list, held_out: list) -> dict:
+def ours(name: str, recipe: Recipe | None, model: torch.nn.Module, calibration: list, held_out: list) -> dict | None:
+    """Our ``recipe`` on ``model``: its held-out perplexity and seconds, the model restored (None: no recipe)."""
+    if recipe is None:
+        return None
     before = snapshot(model)
     start = time.perf_counter()
     handles = recipe(model, calibration)
@@ -139,20 +173,14 @@ def ours(name: str, recipe: Recipe, model: torch.nn.Module, calibration: list, h
     return {"perplexity": found, "seconds": seconds}
 
 
-def theirs(python: Path, method: str, data: Path) -> dict:
-    """llm-compressor's ``method`` (``autoround:...``: the auto-round package's) in its own venv."""
-    command = [str(python), str(HERE / "llmcompressor_quality.py"), str(FOLDER), str(data), method]
+def theirs(folder: Path, method: str, data: Path) -> dict:
+    """llm-compressor's ``method`` (``autoround:...``: the auto-round package's), each in its own venv."""
+    peer, script, argument = "llmcompressor", "llmcompressor_quality.py", method
     if method.startswith("autoround:"):
-        if not AUTOROUND_PYTHON.exists():
-            return {"error": f"{AUTOROUND_PYTHON} is absent (see autoround_quality.py)"}
-        bits, symmetric = method[len("autoround:w")], method.rpartition("=")[2]
-        command = [str(AUTOROUND_PYTHON), str(HERE / "autoround_quality.py"), str(FOLDER), str(data), bits, symmetric]
-    found = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+        peer, script, argument = "auto_round", "autoround_quality.py", method.partition(":")[2]
+    python = peer_python(peer)
+    command = [str(python), str(HERE / script), str(folder), str(data), argument]
+    found = subprocess.run(command, capture_output=True, text=True, check=False)
     last = (found.stdout.strip().splitlines() or [""])[-1]
     if found.returncode != 0 or not last.startswith("{"):
         error = [line for line in found.stderr.strip().splitlines() if line and not line.startswith(" ")]
@@ -160,16 +188,17 @@ def theirs(python: Path, method: str, data: Path) -> dict:
     return json.loads(last)
 
 
-def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
-    """Every row (``only``: those whose name holds one of its comma-separated parts), ours then
-    the peer's; ``peer_python`` None: ours only."""
+def run(peers: bool, only: str | None = None, model_name: str = "tinyllama") -> list[dict]:
+    """Every row on the shipped ``model_name`` (``only``: those whose name holds one of its
+    comma-separated parts), ours then the peer's (``peers`` False: ours only)."""
     torch.set_num_threads(1)
-    model = load_llama()
+    folder, load = MODELS[model_name]
+    model = load()
     held_out = token_batches("test", 16)
     calibration = [x for x, _ in token_batches("train", 8, limit_batches=4)]  # 32 windows of 128 bytes
     rows = [{"row": "dense", "ours": {"perplexity": perplexity(model, held_out)}}]
-    with tempfile.TemporaryDirectory() as folder:
-        data = Path(folder) / "data.pt"
+    with tempfile.TemporaryDirectory() as temporary:
+        data = Path(temporary) / "data.pt"
         torch.save(
             {
                 "calibration": torch.cat(calibration),
@@ -182,8 +211,8 @@ def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
             if only is not None and not any(part in name for part in only.split(",")):
                 continue
             row = {"row": name, "ours": ours(name, recipe, model, calibration, held_out), "note": note}
-            if peer_python is not None and method:
-                row[_peer(method)] = theirs(peer_python, method, data)
+            if peers and method:
+                row[_peer(method)] = theirs(folder, method, data)
             rows.append(row)
             print(_line(row), flush=True)
     return rows
@@ -191,7 +220,7 @@ def run(peer_python: Path | None, only: str | None = None) -> list[dict]:
 
 def _cell(found: dict | None) -> str:
     if found is None:
-        return ""
+        return "–"
     if "error" in found:
         return f"fails: {found['error']}"
     seconds = f" ({found['seconds']:.1f} s)" if found.get("seconds") else ""
@@ -208,7 +237,7 @@ def _line(row: dict) -> str:
     return f"| {row['row']} | {_cell(row['ours'])} | {_cell(peer)} | {row.get('note', '')} |"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], model_name: str = "tinyllama") -> str:
     """The rows as a Markdown table: perplexity (seconds) per side."""
-    head = "| tiny Llama, held-out perplexity (s) | surgery | peer | note |\n| --- | --- | --- | --- |"
+    head = f"| {model_name}, held-out perplexity (s) | surgery | peer | note |\n| --- | --- | --- | --- |"
     return "\n".join([head, *(_line(row) for row in rows)])

@@ -6,8 +6,9 @@ Usage (by the benchmark)::
     benchmarks/.venv-llmcompressor/bin/python benchmarks/llmcompressor_quality.py FOLDER DATA METHOD
 
 ``METHOD`` is a name and a setting (``gptq:w3``), optionally followed by ``,key=value`` options
-for the weights' ``QuantizationArgs`` (``gptq:w3,observer=mse``; ``actorder=none`` turns
-GPTQModifier's default activation order, ``"static"`` = ``"weight"``, off).
+for the weights' ``QuantizationArgs`` (``gptq:w3,observer=mse``, ``rtn:w2,group_size=64``;
+``actorder=none`` turns GPTQModifier's default activation order, ``"static"`` = ``"weight"``,
+off). ``rtn:nvfp4``, ``gptq:mxfp4``: the preset weight-only schemes ``NVFP4A16``, ``MXFP4A16``.
 ``DATA`` is a ``torch.save`` of ``{"calibration": int64 (n, 128), "inputs": ..., "targets": ...}``
 made by the benchmark from the tiny-LM corpus; the last line printed is
 ``{"perplexity": ..., "seconds": ...}`` (held-out perplexity of the model as llm-compressor
@@ -24,12 +25,15 @@ import time
 import torch
 from peer_perplexity import held_out_perplexity  # beside this script
 
+FLOAT_SCHEMES = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}  # llm-compressor 0.14's weight-only FP4 presets
 HEAD = ["re:.*lm_head"]  # llm-compressor 0.14's pruning modifiers do not match a bare "lm_head"
 
 
 def weights(bits: int, symmetric: bool, options: dict[str, str]) -> dict:
-    """One config group: every Linear's weights on a grid with a scale per 128 inputs."""
-    extra = {key: value for key, value in options.items() if key != "actorder"}  # GPTQModifier's own
+    """One config group: every Linear's weights on a grid with a scale per 128 inputs (or ``group_size``)."""
+    extra = {  # actorder is GPTQModifier's own; numbers (group_size=64) as numbers
+        key: int(value) if value.isdigit() else value for key, value in options.items() if key != "actorder"
+    }
     return {
         "group_0": {
             "targets": ["Linear"],
@@ -54,6 +58,11 @@ def recipe(method: str) -> list:
     method, *pairs = method.split(",")
     options = dict(pair.split("=", 1) for pair in pairs)
     name, _, setting = method.partition(":")
+    if name in ("rtn", "gptq") and setting in FLOAT_SCHEMES:
+        if name == "rtn":
+            return [QuantizationModifier(targets="Linear", scheme=FLOAT_SCHEMES[setting], ignore=HEAD)]
+        order = {"actorder": None} if options.get("actorder") == "none" else {}
+        return [GPTQModifier(targets="Linear", scheme=FLOAT_SCHEMES[setting], ignore=HEAD, **order)]
     if name in ("rtn", "gptq", "awq", "awq-gptq"):
         bits, symmetric = int(setting[1]), name == "rtn" or name == "gptq"
         groups = weights(bits, symmetric, options)

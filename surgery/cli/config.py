@@ -35,6 +35,7 @@ from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
 from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER
 from surgery.tasks.tinymoe import FOLDER as TINYMOE_FOLDER
+from surgery.tasks.tinyqwen3 import FOLDER as TINYQWEN3_FOLDER
 
 log = logging.getLogger("surgery")
 
@@ -43,7 +44,7 @@ HF_TASKS = ("causal_lm", "sequence_classification", "image_classification")
 CHECKPOINT_FORMATS = ("safetensors", "pt")
 
 SHIPPED_FOLDER = "shipped"  # model.path (model=hf): surgery's trained tiny Llama (surgery.tasks.tinyllama)
-SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER}  # model.name with model.path=shipped: another shipped model
+SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER, "tinyqwen3": TINYQWEN3_FOLDER}  # model.name with model.path=shipped
 
 
 @dataclass
@@ -71,7 +72,7 @@ class ModelConfig:
         one_of("model.source", self.source, MODEL_SOURCES)
         shipped = self.source == "hf" and self.path == SHIPPED_FOLDER
         shipped_name = (self.name if self.name in SHIPPED_FOLDERS else "tinyllama") if shipped else None
-        if shipped:  # the trained tiny Llama (surgery/assets/tinyllama), or model.name=tinymoe's MoE
+        if shipped:  # the trained tiny Llama (surgery/assets/tinyllama), or model.name=tinymoe / tinyqwen3
             self.path = str(SHIPPED_FOLDERS.get(self.name, TINYLLAMA_FOLDER))
         if not isinstance(self.offload, bool):
             raise ConfigError("model.offload", self.offload, "must be true or false")

@@ -88,11 +88,14 @@ def test_export_options_without_a_format_are_refused():
 def test_model_name_picks_which_shipped_folder_model_path_shipped_loads():
     from surgery.tasks.tinyllama import FOLDER as LLAMA
     from surgery.tasks.tinymoe import FOLDER as MOE
+    from surgery.tasks.tinyqwen3 import FOLDER as QWEN3
 
     moe = load_config(composed("recipe=prune_experts_moe"))
     assert (moe.model.path, moe.model.name) == (str(MOE), "tinymoe")
     llama = load_config(composed("recipe=quantize_gptq_llama"))  # model.name=llama: the tiny Llama, as before
     assert (llama.model.path, llama.model.name) == (str(LLAMA), "tinyllama")
+    qwen3 = load_config(composed("recipe=quantize_gptq_llama", "model.name=tinyqwen3"))
+    assert (qwen3.model.path, qwen3.model.name) == (str(QWEN3), "tinyqwen3")
 
 
 def test_the_imatrix_mse_observer_reaches_the_spec_and_asks_for_calibration():

@@ -3,8 +3,8 @@
 
     benchmarks/.venv-auto_round/bin/python tests/ops/quantization/methods/autoround_peer.py IN OUT
 
-made with ``python3.11 -m venv benchmarks/.venv-auto_round`` and
-``benchmarks/.venv-auto_round/bin/pip install torch==2.14.0 'auto-round==0.16.*'``.
+made by the benchmarks on first use (``benchmarks/peer_venvs.py``: ``torch==2.14.1
+auto-round==0.16.1``; ``bench_calibrated.py --llama --rows AutoRound`` makes it).
 
 ``IN`` is a ``torch.save`` of ``{"config": LlamaConfig kwargs, "state": state dict, "samples":
 [(1, seq) token ids], "bits", "group_size", "iters"}``; ``OUT`` receives, for every quantized

@@ -1,0 +1,46 @@
+"""The peers' own virtual environments, made on first use by the benchmarks that compare with them
+(each peer pins versions of torch that surgery's environment does not have). Both folders are
+git-ignored; delete one to have it made again."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# folder -> pip installs, in order (llm-compressor pins torch <= 2.14.0; auto-round 0.16 runs on 2.14.1)
+VENVS: dict[str, tuple[list[str], ...]] = {
+    "llmcompressor": (
+        ["torch==2.13.0+cpu", "--index-url", "https://download.pytorch.org/whl/cpu"],
+        ["llmcompressor==0.14.0.1"],
+    ),
+    "auto_round": (["torch==2.14.1", "auto-round==0.16.1"],),
+}
+
+
+@functools.cache  # checked once a run
+def peer_python(peer: str) -> Path:
+    """The interpreter of ``benchmarks/.venv-<peer>``, made with :data:`VENVS`'s installs when
+    absent; one that exists but cannot import ``peer`` (an install cut short) is refused."""
+    folder = HERE / f".venv-{peer}"
+    python = folder / "bin" / "python"
+    if not python.exists():
+        make(folder, VENVS[peer])
+    found = subprocess.run([str(python), "-c", f"import {peer}"], capture_output=True, text=True, check=False)
+    if found.returncode != 0:
+        raise RuntimeError(f"{folder} cannot import {peer} (an install cut short?): delete it to have it made again")
+    return python
+
+
+def make(folder: Path, installs: tuple[list[str], ...]) -> None:
+    """A fresh venv in ``folder`` (a dangling link there replaced) with ``installs`` run in order."""
+    pins = ", ".join(package for step in installs for package in step if "==" in package)
+    print(f"making {folder} ({pins}) ...", flush=True)
+    if folder.is_symlink():  # a link left to a venv that is gone
+        folder.unlink()
+    subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    for packages in installs:
+        subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", *packages], check=True)
