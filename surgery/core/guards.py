@@ -166,6 +166,18 @@ class StepEnforcer:
                 guard.enforce(force=True)
 
 
+def stand_ins(module: nn.Module, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` for ``torch.func.functional_call(module, values, ...)``, each tagged as standing
+    in for the parameter of ``module`` with its name, so the replaced-parameter check lets a
+    surgery-internal call through with the tensors swapped (AutoRound's block, learned rotations)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, value in values.items():
+        source = params.get(name)
+        if source is not None and value is not source:
+            value._surgery_source = source
+    return values
+
+
 def adopt(guard: TensorGuard, param: nn.Parameter) -> None:
     """Move ``guard`` (every transform on it) to ``param``, which replaced its parameter, and
     apply the transforms to it now."""

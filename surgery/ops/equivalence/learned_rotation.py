@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from surgery.core import guards
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, evaluating
 from surgery.core.progress import tqdm
@@ -219,7 +220,9 @@ class _Objective:
             for name, layer in self.layers.items():
                 key = f"{name}.weight"
                 weights[key] = fake_quantized_weight(weights.get(key, layer.weight), self.spec.weights)
-        out = torch.func.functional_call(self.model, weights, call.args, dict(call.kwargs))
+        out = torch.func.functional_call(
+            self.model, guards.stand_ins(self.model, weights), call.args, dict(call.kwargs)
+        )
         if target is None:
             loss = getattr(out, "loss", None)
             if not isinstance(loss, Tensor):

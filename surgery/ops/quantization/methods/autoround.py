@@ -222,7 +222,7 @@ class BlockTuner:
         for _ in bar:
             chosen = sampler.next_batch()
             total = sum(targets[i].numel() for i in chosen)
-            replaced = {**frozen, **{w.name: w.quantized(self.spec)[0] for w in weights}}  # once a step
+            replaced = guards.stand_ins(block, {**frozen, **{w.name: w.quantized(self.spec)[0] for w in weights}})
             loss = sum(
                 squared_error(hidden_of(functional_call(block, replaced, *calls[index])), targets[index]) / total
                 for index in chosen

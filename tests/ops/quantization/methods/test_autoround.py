@@ -50,6 +50,22 @@ def test_autoround_lowers_the_block_error_below_rtn_and_restores_bit_for_bit():
     assert snapshot_differences(before, snapshot(model)) == []
 
 
+def test_autoround_tunes_a_pruned_model_and_the_mask_holds_through_both_restores():
+    """Its block runs with the weights swapped in by functional_call: the prune's guard must take
+    them as stand-ins, not as parameters replaced behind its back."""
+    model = tiny_llama(layers=2, vocab=64, hidden=32)
+    data = token_batches()
+    before = snapshot(model)
+    pruned = surgery.prune(model, 0.5, method="l1_unstructured", exclude="lm_head", progress=False)
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=5)
+    tuned = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    weight = model.model.layers[1].mlp.down_proj.weight.detach()
+    assert (weight == 0).float().mean().item() >= 0.5
+    tuned.restore()
+    pruned.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
 @pytest.mark.slow  # auto-round's import alone takes seconds
 @pytest.mark.skipif(PEER is None, reason="auto-round's venv (benchmarks/.venv-auto_round) is absent")
 def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path):
