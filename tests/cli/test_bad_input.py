@@ -958,6 +958,15 @@ API_CASES = [
         "weighs each input column by its energy in calibration",
     ),
     ApiCase(
+        "full-range",
+        lambda m, *_: surgery.quantize(
+            m, weights={"method": "autoround", "observer": "mse", "group_size": 4}, calibration=[batch(4, 8)]
+        ),
+        ConfigError,
+        "quantize.weights.observer",
+        "autoround tunes each group's range from its extremes",
+    ),
+    ApiCase(
         "mixed-export",
         lambda m, tmp, handle: surgery.export(handle, tmp / "llama", format="compressed-tensors"),
         ConfigError,
@@ -1469,6 +1478,11 @@ CLI_CASES = [
     ),
     CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
     CliCase("rotate-learn", (*LLAMA_RTN, "steps=[rotate,quantize]", "+rotate={learn: {lr: 0}}"), "rotate.learn.lr=0"),
+    CliCase(
+        "full-range",
+        (*LLAMA_RTN, "quantize.weights.observer=full_range", "quantize.weights.symmetric=true"),
+        "quantize.weights.observer='full_range': is symmetric about zero on an affine integer grid",
+    ),
     CliCase(
         "imatrix-mse",
         ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.observer=imatrix_mse"),

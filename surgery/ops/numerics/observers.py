@@ -102,7 +102,20 @@ def percentile(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tup
     return (previous.low * n + low) / (n + 1), (previous.high * n + high) / (n + 1)
 
 
-for _observer in (minmax, moving_average, percentile):
+def full_range(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tuple[Tensor, Tensor]:
+    """Running extremes made symmetric about zero on an affine grid of ``2^bits`` levels, the
+    extra level on the side of each row's larger magnitude ``M``: scale ``M / 2^(bits-1)``, zero
+    point ``2^(bits-1)`` (``-M`` the lowest level) or ``2^(bits-1) - 1`` (``M`` the highest):
+    llama.cpp's Q4_0/Q5_0 grids and auto-round's ``int_sym``."""
+    low, high = minmax(x, previous, spec)
+    low, high = low.clamp(max=0), high.clamp(min=0)
+    shrink = 1 - 2.0 ** (1 - spec.bits)  # the short side: (2^(bits-1) - 1) / 2^(bits-1) of M
+    largest = torch.maximum(-low, high)
+    negative = -low > high  # a tie goes to the positive side, as auto-round's int_sym
+    return torch.where(negative, -largest, -largest * shrink), torch.where(negative, largest * shrink, largest)
+
+
+for _observer in (minmax, moving_average, percentile, full_range):
     register_observer(_observer.__name__, _observer)
 
 
@@ -119,7 +132,9 @@ class GridSpec:
     (weights: output channels; activations: dim 1 of conv outputs, the last dim of linear
     outputs). ``observer`` picks how ranges are estimated: ``minmax`` (running extremes),
     ``moving_average`` (``averaging`` constant, as torch.ao), ``percentile`` (the
-    ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches), any
+    ``percentile``/``100 - percentile`` quantiles of each batch, averaged over batches),
+    ``full_range`` (affine grids: symmetric about zero with the extra level on the side of the
+    larger magnitude, as llama.cpp's Q4_0 and auto-round's ``int_sym``), any
     name added with :func:`register_observer`, or such a function itself.
 
     Activations only: ``dynamic`` computes the scale from each tensor as it runs, with no
@@ -264,9 +279,21 @@ def _check(spec: Any, field: str) -> None:
             f"{field}.group_size", size, "must be null or a whole number of inputs in [1, 1048576] (e.g. 32, 64, 128)"
         )
     _check_format(spec, field)
+    _check_full_range(spec, field)
     _check_dynamic(spec, field)
     _check_actorder(spec, field)
     _check_iterations(spec, field)
+
+
+def _check_full_range(spec: Any, field: str) -> None:
+    if spec.observer != "full_range" or not (spec.symmetric or FORMATS.get(spec.format).is_float):
+        return
+    raise ConfigError(
+        f"{field}.observer",
+        "full_range",
+        "is symmetric about zero on an affine integer grid (zero point 2^(bits-1) or 2^(bits-1) - 1); "
+        "set symmetric=false and an integer format",
+    )
 
 
 def _check_iterations(spec: Any, field: str) -> None:

@@ -394,3 +394,31 @@ def test_groups_by_a_group_index_round_each_column_on_its_own_groups_grid():
     assert "exactly 4 columns in each group" in g_idx_problem(torch.zeros(10, dtype=torch.int32), 10, 4)
     assert "shape (9,)" in g_idx_problem(g_idx[:9], 10, 4)
     assert "dtype torch.float32" in g_idx_problem(g_idx.float(), 10, 4)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_full_range_is_llama_cpps_q4_0_grid_held_as_an_affine_one(bits):
+    """llama.cpp's Q4_0 (and auto-round's int_sym): d = max / -2^(bits-1), the value of largest
+    magnitude (its sign kept) the grid's extra level; here scale |d| and a zero point."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(bits))
+    x[0] = x[0].abs()  # rows whose extreme is on either side, and one all positive
+    spec = GridSpec(bits=bits, per_channel=True, observer="full_range")
+    observer = Observer(spec, 0, "w")
+    observer.observe(x[:, :16])
+    observer.observe(x[:, 16:])  # a second batch keeps the running extremes
+    scale, zero_point = observer.qparams()
+    largest = x.abs().amax(1)
+    signed = torch.where(-x.amin(1) > x.amax(1), -largest, largest)  # the value of largest magnitude
+    d = signed / -(2 ** (bits - 1))  # llama.cpp: d = max / -8 at 4 bits
+    levels = torch.arange(-(2 ** (bits - 1)), 2 ** (bits - 1)).float()  # q - 2^(bits-1), q in [0, 2^bits)
+    theirs = (x / d[:, None]).round().clamp(levels[0], levels[-1]) * d[:, None]
+    ours = fake_quantize(x, scale, zero_point, 0, spec)
+    torch.testing.assert_close(scale, d.abs(), rtol=1e-6, atol=0)
+    assert set(zero_point.tolist()) <= {2 ** (bits - 1), 2 ** (bits - 1) - 1}
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 * float(largest.max()))
+
+
+@pytest.mark.parametrize("kwargs", [{"symmetric": True}, {"format": "fp8_e4m3"}])
+def test_full_range_refuses_a_grid_that_is_already_symmetric_or_not_integer(kwargs):
+    with pytest.raises(ConfigError, match=r"^quantize.weights.observer='full_range': is symmetric about zero on an"):
+        GridSpec.build({"observer": "full_range", **kwargs}, "quantize.weights")

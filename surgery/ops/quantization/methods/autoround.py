@@ -15,8 +15,9 @@ values of the step with the least loss kept, and the next block fed by the quant
 
 The rounded weights are written into the model (their originals kept, as GPTQ does) and each
 weight's scales and zero points are returned, so ``restore()`` is exact and exports hold the
-tuned integers. Asymmetric grids are auto-round's ``int_asym``; a symmetric grid is surgery's
-(``max |range| / ((qmax - qmin) / 2)``, not auto-round's ``int_sym`` full range).
+tuned integers. Asymmetric grids are auto-round's ``int_asym``; ``observer="full_range"`` is its
+``int_sym`` (symmetric, the extra level on the larger side, held as an affine grid); a symmetric
+grid is surgery's (``max |range| / ((qmax - qmin) / 2)``).
 """
 
 from __future__ import annotations
@@ -109,13 +110,19 @@ class TunedWeight:
 
 def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor, Tensor]:
     """auto-round's ``quant_tensor_asym`` on (groups, size) ``rows`` (surgery's symmetric grid
-    when ``spec.symmetric``): the rounded rows, and each group's scale and zero point."""
+    when ``spec.symmetric``; auto-round's ``int_sym`` with ``observer="full_range"``, its signed
+    scale ``s`` held as ``|s|`` and a zero point, its rounding offsets negated where ``s < 0``):
+    the rounded rows, and each group's scale and zero point."""
     quant_min, quant_max = spec.quant_range
     smallest = rows.min(1).values.clamp(max=0) * low
     largest = rows.max(1).values.clamp(min=0) * high
     if spec.symmetric:
         scale = (torch.maximum(-smallest, largest) / ((quant_max - quant_min) / 2)).clamp(min=SMALLEST_SCALE)
         zero = torch.zeros_like(scale)
+    elif spec.observer == "full_range":  # auto-round's int_sym, its negative scales as zero points
+        half = (quant_max + 1) // 2
+        scale = (torch.maximum(-smallest, largest) / half).clamp(min=SMALLEST_SCALE)
+        zero = torch.where(-smallest > largest, half, half - 1).to(scale.dtype).detach()
     else:
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
@@ -254,12 +261,22 @@ def _snapshot(weights: list[TunedWeight]) -> list[tuple[Tensor, Tensor, Tensor]]
     return [(w.offsets.detach().clone(), w.low.detach().clone(), w.high.detach().clone()) for w in weights]
 
 
+RANGES = ("minmax", "full_range")  # the observers whose grid AutoRound tunes from each group's extremes
+
+
 def check_problem(problem: WeightProblem) -> None:
-    """AutoRound tunes the weights of Linear, convolution and Conv1D layers onto integer grids."""
+    """AutoRound tunes the weights of Linear, convolution and Conv1D layers onto integer grids,
+    starting from each group's extremes."""
     spec = problem.spec
     if spec.is_float:
         raise ConfigError(
             "quantize.weights.format", spec.format, "autoround rounds onto integer grids; use method rtn or gptq for it"
+        )
+    if spec.observer_name not in RANGES:
+        raise ConfigError(
+            "quantize.weights.observer",
+            spec.observer_name,
+            f"autoround tunes each group's range from its extremes; use {' or '.join(RANGES)}",
         )
     for name, target in problem.targets.matched.items():
         if target.attribute != "weight" or not supports_hessian(target.module):

@@ -7,9 +7,9 @@ made by the benchmarks on first use (``benchmarks/peer_venvs.py``: ``torch==2.14
 auto-round==0.16.1``; ``bench_calibrated.py --llama --rows AutoRound`` makes it).
 
 ``IN`` is a ``torch.save`` of ``{"config": LlamaConfig kwargs, "state": state dict, "samples":
-[(1, seq) token ids], "bits", "group_size", "iters"}``; ``OUT`` receives, for every quantized
-Linear, ``{name: {"weight", "scale", "zp"}}``. Asymmetric integers, float32 scales and no
-autocast, so the two are computed alike.
+[(1, seq) token ids], "bits", "group_size", "iters", "sym" (optional: int_sym)}``; ``OUT``
+receives, for every quantized Linear, ``{name: {"weight", "scale", "zp"}}``. Float32 scales and
+no autocast, so the two are computed alike.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(source: str, target: str) -> None:
         tokenizer=Tokens(),
         bits=given["bits"],
         group_size=given["group_size"],
-        sym=False,
+        sym=given.get("sym", False),
         dataset=samples,
         nsamples=len(samples),
         seqlen=samples[0].shape[1],

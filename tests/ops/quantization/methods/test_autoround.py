@@ -68,7 +68,8 @@ def test_autoround_tunes_a_pruned_model_and_the_mask_holds_through_both_restores
 
 @pytest.mark.slow  # auto-round's import alone takes seconds
 @pytest.mark.skipif(PEER is None, reason="auto-round's venv (benchmarks/.venv-auto_round) is absent")
-def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path):
+@pytest.mark.parametrize("sym", [False, True], ids=["int_asym", "int_sym"])
+def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path, sym: bool):
     model = tiny_llama(layers=2, vocab=64, hidden=32, kv_heads=4)  # auto-round leaves 16-wide k/v out
     generator = torch.Generator().manual_seed(0)
     samples = [torch.randint(0, 64, (1, 16), generator=generator) for _ in range(12)]  # 12 > a batch of 8
@@ -76,26 +77,34 @@ def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path):
         ids[0, -1] = (ids[0, -2] + 1) % 64  # no trailing repeat, which auto-round would take for padding
     config = {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "vocab_size")}
     config |= {k: getattr(model.config, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads")}
-    given = {"config": config, "state": model.state_dict(), "samples": samples, "bits": 4, "group_size": 16}
+    given = {"config": config, "state": model.state_dict(), "samples": samples, "bits": 4, "group_size": 16, "sym": sym}
     torch.save({**given, "iters": 10}, tmp_path / "in.pt")
     subprocess.run([str(PEER), str(SCRIPT), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], check=True)
     theirs = torch.load(tmp_path / "out.pt")
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=10)
+    observer = "full_range" if sym else "minmax"  # int_sym: symmetric, the extra level on the larger side
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=10, observer=observer)
     calibration = [{"input_ids": ids} for ids in samples]
     handle = surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
     assert len(theirs) == 14  # every Linear of both blocks; measured: all bit-identical
     for name, found in theirs.items():
+        grid = handle.weights[f"{name}.weight"]
         assert torch.equal(model.get_submodule(name).weight, found["weight"]), name
-        assert torch.equal(handle.weights[f"{name}.weight"].scale, found["scale"]), name
-        assert torch.equal(handle.weights[f"{name}.weight"].zero_point, found["zp"].to(torch.int32)), name
+        if sym:  # their signed scale s is our |s| with zero point 8 (s > 0: -8 s the lowest level) or 7
+            scale = found["scale"].reshape(grid.scale.shape)
+            assert torch.equal(grid.scale, scale.abs()), name
+            assert torch.equal(grid.zero_point, torch.where(scale > 0, 8, 7).to(torch.int32)), name
+        else:
+            assert torch.equal(grid.scale, found["scale"]), name
+            assert torch.equal(grid.zero_point, found["zp"].to(torch.int32)), name
 
 
-def test_autoround_weights_export_to_compressed_tensors_and_load_with_equal_logits(tmp_path: Path):
+@pytest.mark.parametrize("observer", ["minmax", "full_range"])
+def test_autoround_weights_export_to_compressed_tensors_and_load_with_equal_logits(tmp_path: Path, observer: str):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     data = token_batches()
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20)
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20, observer=observer)
     ids = data[0]["input_ids"]
     with surgery.quantize(model, weights=spec, calibration=data, select="**.*_proj", progress=False) as handle:
         expected = model(ids).logits
@@ -111,6 +120,27 @@ def test_autoround_refuses_a_count_of_steps_that_is_not_a_whole_number_above_zer
         ConfigError, match=r"^quantize.weights.iterations=.*must be a whole number of tuning steps >= 1"
     ):
         GridSpec.build({"method": "autoround", "iterations": steps}, "quantize.weights")
+
+
+@pytest.mark.parametrize("observer", ["mse", "percentile"])
+def test_autoround_refuses_an_observer_whose_range_it_would_ignore(observer: str):
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    before = snapshot(model)
+    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=2, observer=observer)
+    with pytest.raises(ConfigError, match=rf"^quantize.weights.observer='{observer}': autoround tunes each group's"):
+        surgery.quantize(model, weights=spec, calibration=token_batches(1), progress=False)
+    assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_autoround_on_the_full_range_grid_writes_weights_on_the_grid_it_returns():
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    spec = GridSpec(bits=2, group_size=16, method="autoround", iterations=5, observer="full_range")
+    handle = surgery.quantize(model, weights=spec, calibration=token_batches(), exclude="lm_head", progress=False)
+    grid = handle.weights["model.layers.0.mlp.down_proj.weight"]
+    weight = model.model.layers[0].mlp.down_proj.weight.detach()
+    assert set(grid.zero_point.unique().tolist()) <= {1, 2}  # symmetric: -2 s or +2 s the extra level
+    assert torch.equal(fake_quantize_groups(weight, grid.scale, grid.zero_point, 0, spec), weight)
+    handle.restore()
 
 
 def test_autoround_refuses_a_floating_point_grid_and_leaves_the_model_as_it_was():
