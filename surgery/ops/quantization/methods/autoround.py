@@ -111,7 +111,8 @@ class TunedWeight:
 def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec) -> tuple[Tensor, Tensor, Tensor]:
     """auto-round's ``quant_tensor_asym`` on (groups, size) ``rows`` (surgery's symmetric grid
     when ``spec.symmetric``; auto-round's ``int_sym`` with ``observer="full_range"``, its signed
-    scale ``s`` held as ``|s|`` and a zero point, its rounding offsets negated where ``s < 0``):
+    scale ``s`` held as ``|s|`` and a zero point, its rounding offsets negated where ``s < 0``, so
+    a group whose larger side changes while tuning keeps them as auto-round does):
     the rounded rows, and each group's scale and zero point."""
     quant_min, quant_max = spec.quant_range
     smallest = rows.min(1).values.clamp(max=0) * low
@@ -119,10 +120,13 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
     if spec.symmetric:
         scale = (torch.maximum(-smallest, largest) / ((quant_max - quant_min) / 2)).clamp(min=SMALLEST_SCALE)
         zero = torch.zeros_like(scale)
-    elif spec.observer == "full_range":  # auto-round's int_sym, its negative scales as zero points
+    elif spec.observer == "full_range":  # auto-round's int_sym: its signed scale as |scale| and a zero point
         half = (quant_max + 1) // 2
+        negative = -smallest > largest  # its scale > 0: the lowest level is -half * scale
         scale = (torch.maximum(-smallest, largest) / half).clamp(min=SMALLEST_SCALE)
-        zero = torch.where(-smallest > largest, half, half - 1).to(scale.dtype).detach()
+        zero = torch.where(negative, half, half - 1).to(scale.dtype).detach()
+        # its offsets move round(w / scale); under a negative scale that is round(w / |scale|) moved back
+        offsets = offsets * torch.where(negative, 1.0, -1.0)[:, None]
     else:
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
