@@ -13,8 +13,10 @@ Usage (by the benchmark)::
 default), float32 scales, no autocast, no compile, the last position of each sample left out.
 ``SCHEME`` is ``wBITS,sym=S`` with ``S`` ``1`` for auto-round's ``int_sym`` grid (its own full
 range, not surgery's) or ``0`` for ``int_asym`` (the grid surgery's affine rows use), optionally
-``,group_size=G`` (``w2,sym=1,group_size=64`` is its ``W2A16G64``); or ``nvfp4`` / ``mxfp4``:
-its ``NVFP4`` / ``MXFP4`` weights with activations left float (``act_bits=16``). The last line printed is
+``,group_size=G`` (``w2,sym=1,group_size=64`` is its ``W2A16G64``) and ``,awq=1`` (its AWQ first:
+``alg_configs="awq,auto_round"``); or ``nvfp4`` / ``mxfp4``: its ``nv_fp`` / ``mx_fp`` 4-bit
+weights in blocks of 16 / 32 with activations left float (``act_bits=16``; its ``scheme="NVFP4"``
+would keep 4-bit activations whatever ``act_bits`` says, measured in 0.16.1). The last line printed is
 ``{"perplexity": ..., "seconds": ...}``: held-out perplexity of the model as ``quantize()``
 leaves it (its Linear weights rounded in place), and the wall time of the tuning.
 """
@@ -29,7 +31,7 @@ import torch
 from peer_perplexity import held_out_perplexity  # beside this script
 
 GROUP_SIZE = 128
-FLOAT_SCHEMES = ("nvfp4", "mxfp4")
+FLOAT_SCHEMES = {"nvfp4": 16, "mxfp4": 32}  # block sizes
 ITERATIONS = 200
 BATCH = 8
 
@@ -45,13 +47,16 @@ def settings(scheme: str) -> dict:
     """AutoRound's keyword arguments for the grid ``scheme`` names."""
     name, *pairs = scheme.split(",")
     options = dict(pair.split("=", 1) for pair in pairs)
-    if name in FLOAT_SCHEMES:
-        return {"scheme": name.upper(), "act_bits": 16}
-    return {
+    if name in FLOAT_SCHEMES:  # spelled out: scheme="NVFP4" quantizes activations to 4 bits whatever act_bits says
+        return {"bits": 4, "group_size": FLOAT_SCHEMES[name], "data_type": name[:2] + "_fp", "act_bits": 16}
+    found = {
         "bits": int(name[1:]),
         "group_size": int(options.get("group_size", GROUP_SIZE)),
         "sym": options["sym"] == "1",
     }
+    if options.get("awq") == "1":  # its AWQ pre-processing (scales, and clipping as the tuning's start), then AutoRound
+        found["alg_configs"] = "awq,auto_round"
+    return found
 
 
 def main() -> None:

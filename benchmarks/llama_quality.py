@@ -52,10 +52,26 @@ def _float(format: str, method: str = "rtn") -> Recipe:
     return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
 
 
-def _autoround(bits: int, symmetric: bool, group: int = 128) -> Recipe:
+def _autoround(bits: int, symmetric: bool, group: int = 128, observer: str = "minmax", awq: bool = False) -> Recipe:
     """AutoRound with every calibration window a sample of its own, as auto-round samples them
-    (a step tunes on 8 of the 32 windows, drawn by its seeded sampler)."""
-    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, method="autoround", iterations=200)
+    (a step tunes on 8 of the 32 windows, drawn by its seeded sampler); ``awq``: AWQ's scales
+    (and clipping search) on the same grid first."""
+    spec = GridSpec(
+        bits=bits, group_size=group, symmetric=symmetric, method="autoround", iterations=200, observer=observer
+    )
+
+    def run(m: torch.nn.Module, cal: list) -> list:
+        grid = GridSpec(bits=bits, group_size=group)
+        first = [surgery.awq(m, weights=grid, calibration=cal, progress=False)] if awq else []
+        samples = [w[None] for b in cal for w in b]
+        return [*first, surgery.quantize(m, weights=spec, calibration=samples, exclude=HEAD, progress=False)]
+
+    return run
+
+
+def _float_autoround(format: str) -> Recipe:
+    """AutoRound onto a floating-point grid (``mxfp4``, ``nvfp4``), every window a sample."""
+    spec = GridSpec(format=format, method="autoround", iterations=200)
     return lambda m, cal: [
         surgery.quantize(m, weights=spec, calibration=[w[None] for b in cal for w in b], exclude=HEAD, progress=False)
     ]
@@ -94,7 +110,10 @@ FP8 = GridSpec(format="fp8_e4m3")
 ACTORDER = 'theirs: GPTQModifier\'s default (actorder="static", an alias of "weight")'
 NO_GPTAQ = "ours only: llm-compressor 0.14 has no GPTAQ"
 AUTOROUND = "theirs: the auto-round 0.16 package, same settings"
-NO_FLOAT_AUTOROUND = "theirs only: surgery's AutoRound rounds onto integer grids"
+FULL = "full_range"
+INT_SYM = "theirs: int_sym, the same grid (ours: observer='full_range')"
+AWQ_AUTOROUND = 'theirs: alg_configs="awq,auto_round"'
+FLOAT_AUTOROUND = "theirs: nv_fp / mx_fp weights, act_bits=16"
 ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
     ("GPTQ W4 g128", _quantize(4, "gptq"), "gptq:w4,actorder=none", "both without activation order"),
@@ -102,6 +121,8 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTQ W4 g128, observer=mse", _quantize(4, "gptq", observer="mse"), "gptq:w4,actorder=none,observer=mse", ""),
     ("GPTAQ W4 g128", _quantize(4, "gptaq"), "", NO_GPTAQ),
     ("AutoRound W4 g128 (affine)", _autoround(4, False), "autoround:w4,sym=0", AUTOROUND),
+    ("AutoRound W4 g128 (full range)", _autoround(4, False, observer=FULL), "autoround:w4,sym=1", INT_SYM),
+    ("AWQ + AutoRound W4 g128 (affine)", _autoround(4, False, awq=True), "autoround:w4,sym=0,awq=1", AWQ_AUTOROUND),
     ("AWQ + RTN W4 g128 (affine)", _awq(4), "awq:w4", "llm-compressor: paper scales (duo_scaling=False)"),
     ("RTN W3 g128", _quantize(3), "rtn:w3", ""),
     ("GPTQ W3 g128", _quantize(3, "gptq"), "gptq:w3,actorder=none", "both without activation order"),
@@ -109,7 +130,8 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTQ W3 g128, observer=mse", _quantize(3, "gptq", observer="mse"), "gptq:w3,actorder=none,observer=mse", ""),
     ("GPTAQ W3 g128", _quantize(3, "gptaq"), "", NO_GPTAQ),
     ("AutoRound W3 g128 (affine)", _autoround(3, False), "autoround:w3,sym=0", AUTOROUND),
-    ("AutoRound W3 g128", _autoround(3, True), "autoround:w3,sym=1", "symmetric grids differ: theirs is int_sym"),
+    ("AutoRound W3 g128 (full range)", _autoround(3, False, observer=FULL), "autoround:w3,sym=1", INT_SYM),
+    ("AWQ + AutoRound W3 g128 (affine)", _autoround(3, False, awq=True), "autoround:w3,sym=0,awq=1", AWQ_AUTOROUND),
     ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
     ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3,actorder=none", "both without activation order"),
     ("RTN W2 g64", _quantize(2, group=64), "rtn:w2" + G64, ""),
@@ -122,13 +144,19 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ),
     ("GPTAQ W2 g64", _quantize(2, "gptaq", group=64), "", NO_GPTAQ),
     ("AutoRound W2 g64 (affine)", _autoround(2, False, 64), "autoround:w2,sym=0" + G64, AUTOROUND),
-    ("AutoRound W2 g64", _autoround(2, True, 64), "autoround:w2,sym=1" + G64, "theirs: W2A16G64, int_sym"),
+    ("AutoRound W2 g64 (full range)", _autoround(2, False, 64, FULL), "autoround:w2,sym=1" + G64, "theirs: W2A16G64"),
+    (
+        "AWQ + AutoRound W2 g64 (full range)",
+        _autoround(2, False, 64, FULL, awq=True),
+        "autoround:w2,sym=1,awq=1" + G64,
+        AWQ_AUTOROUND,
+    ),
     ("RTN NVFP4", _float("nvfp4"), "rtn:nvfp4", "theirs: NVFP4A16"),
     ("GPTQ NVFP4", _float("nvfp4", "gptq"), "gptq:nvfp4,actorder=none", "theirs: NVFP4A16, without activation order"),
-    ("AutoRound NVFP4", None, "autoround:nvfp4", NO_FLOAT_AUTOROUND),
+    ("AutoRound NVFP4", _float_autoround("nvfp4"), "autoround:nvfp4", FLOAT_AUTOROUND),
     ("RTN MXFP4", _float("mxfp4"), "rtn:mxfp4", "theirs: MXFP4A16"),
     ("GPTQ MXFP4", _float("mxfp4", "gptq"), "gptq:mxfp4,actorder=none", "theirs: MXFP4A16, without activation order"),
-    ("AutoRound MXFP4", None, "autoround:mxfp4", NO_FLOAT_AUTOROUND),
+    ("AutoRound MXFP4", _float_autoround("mxfp4"), "autoround:mxfp4", FLOAT_AUTOROUND),
     ("W4A8 (inputs dynamic per token)", _activations(8, False), "w4a8", ""),
     ("W4A8, rotated", _activations(8, True), "w4a8-rotated", "theirs: SpinQuant R1+R2 Hadamard"),
     ("W4A4 (inputs dynamic per token)", _activations(4, False), "w4a4", ""),

@@ -17,12 +17,16 @@ The rounded weights are written into the model (their originals kept, as GPTQ do
 weight's scales and zero points are returned, so ``restore()`` is exact and exports hold the
 tuned integers. Asymmetric grids are auto-round's ``int_asym``; ``observer="full_range"`` is its
 ``int_sym`` (symmetric, the extra level on the larger side, held as an affine grid); a symmetric
-grid is surgery's (``max |range| / ((qmax - qmin) / 2)``).
+grid is surgery's (``max |range| / ((qmax - qmin) / 2)``). On the FP4 formats only each block's
+largest magnitude has a factor: ``mxfp4`` is auto-round's ``mx_fp`` (E8M0 scales, equal to it bit
+for bit), ``nvfp4`` its ``nv_fp`` (E4M3 block scales under a per-tensor one; the rounding and its
+gradients equal to it on the same values, the scale in surgery's arithmetic).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +39,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
 from surgery.core.targets import Target
+from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
@@ -95,15 +100,20 @@ class TunedWeight:
     outputs: int  # the weight matrix's rows
     columns: int  # the weight matrix's columns before padding
     offsets: nn.Parameter
-    low: nn.Parameter  # factor on each group's minimum
-    high: nn.Parameter  # factor on each group's maximum
+    low: nn.Parameter  # factor on each group's minimum (integer grids)
+    high: nn.Parameter  # factor on each group's maximum (on a floating-point grid: on its largest magnitude)
+    tensor_amax: Tensor  # the whole weight's largest magnitude (nvfp4's per-tensor scale)
 
     def quantized(self, spec: GridSpec) -> tuple[Tensor, Tensor, Tensor]:
         """The fake-quantized weight in its own shape, with each group's scale and zero point."""
         with torch.no_grad():
             self.low.clamp_(0.0, 1.0)
             self.high.clamp_(0.0, 1.0)
-        rounded, scale, zero = qdq(self.rows, self.offsets, self.low, self.high, spec)
+        if spec.is_float:
+            rounded, scale = FLOAT_GRIDS[spec.format](self.rows, self.offsets, self.high, self.tensor_amax)
+            zero = torch.zeros_like(scale)
+        else:
+            rounded, scale, zero = qdq(self.rows, self.offsets, self.low, self.high, spec)
         matrix = rounded.reshape(self.outputs, -1)[:, : self.columns]
         return from_matrix(self.module, matrix, self.value), scale, zero
 
@@ -134,6 +144,70 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
     return scale[:, None] * (integers - zero[:, None]), scale, zero
 
 
+def floor_ste(x: Tensor) -> Tensor:
+    """Rounded down, the gradient passing straight through."""
+    return (x.floor() - x).detach() + x
+
+
+def e2m1_by_exponent(x: Tensor) -> Tensor:
+    """``x`` (within ±6) rounded to FP4 E2M1, ties to even, as auto-round's MX path rounds: each
+    value's own exponent ``floor(log2 |x|)`` (at least 0) taken with a straight-through floor, so
+    the gradient also flows through it."""
+    exponent = floor_ste(torch.log2(x.abs() + (x == 0).to(x.dtype))).clamp(min=0.0)
+    scaled = x / torch.exp2(exponent) * 2.0  # one mantissa bit in the integer part
+    magnitude = scaled.abs()
+    tie_to_odd = ((magnitude - 0.5) % 2 == 0).to(x.dtype)  # x.5 with an even floor: round down
+    rounded = torch.sign(scaled) * (floor_ste(magnitude + 0.5) - tie_to_odd)
+    return (rounded / 2.0 * torch.exp2(exponent)).clamp(-6.0, 6.0)
+
+
+def e2m1_by_ranges(x: Tensor) -> Tensor:
+    """``x`` (within ±6) rounded to FP4 E2M1, ties to even, as auto-round's NVFP4 path rounds:
+    steps of 0.5 below 2, of 1 below 4, of 2 above, each a straight-through rounding."""
+    magnitude = x.abs()
+    small, middle = magnitude < 2.0, magnitude < 4.0
+    stepped = (
+        round_ste(2.0 * magnitude) / 2.0 * small
+        + round_ste(magnitude) * (~small) * middle
+        + 2.0 * round_ste(magnitude / 2.0) * (~small) * (~middle)
+    )
+    return stepped.clamp(-6.0, 6.0) * torch.sign(x)
+
+
+def mxfp4_tuned(rows: Tensor, offsets: Tensor, high: Tensor, tensor_amax: Tensor) -> tuple[Tensor, Tensor]:
+    """auto-round's ``mx_fp`` (4 bits): each block's scale ``2^(floor(log2(amax * high)) - 2)``
+    (a straight-through floor), ``rows / scale + offsets`` clipped to ±6 and rounded to E2M1."""
+    amax = rows.abs().amax(1) * high
+    exponent = floor_ste(torch.where(amax == 0, torch.ones_like(amax), torch.log2(amax)))
+    scale = torch.exp2((exponent - 2.0).clamp(-127.0, 127.0))
+    values = e2m1_by_exponent((rows / scale[:, None] + offsets).clamp(-6.0, 6.0))
+    return values * scale[:, None], scale.detach()
+
+
+def nvfp4_tuned(rows: Tensor, offsets: Tensor, high: Tensor, tensor_amax: Tensor) -> tuple[Tensor, Tensor]:
+    """auto-round's ``nv_fp4``: each block's scale ``amax * high / 6`` in FP8 E4M3 (a
+    straight-through cast) relative to the per-tensor ``tensor_amax / (448 * 6)``, surgery's
+    arithmetic for it (so the written weights are on the grid the scale names), ``rows /
+    scale + offsets`` clipped to ±6 and rounded to E2M1."""
+    outer = tensor_amax / (E4M3_LARGEST * 6.0)
+    if float(outer) == 0:
+        return torch.zeros_like(rows), torch.ones(rows.shape[0], device=rows.device)
+    inner = (rows.abs().amax(1) * high / 6.0 / outer).clamp(0.0, E4M3_LARGEST)
+    inner = (inner.to(torch.float8_e4m3fn).float() - inner).detach() + inner
+    scale = inner * outer
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays zero
+    values = e2m1_by_ranges((rows / safe[:, None] + offsets).clamp(-6.0, 6.0))
+    return values * safe[:, None], safe.detach()
+
+
+# the floating-point grids AutoRound tunes: (rows, offsets, factor on the largest magnitude, the
+# weight's largest magnitude) -> (rounded rows, each block's scale)
+FLOAT_GRIDS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]] = {
+    "mxfp4": mxfp4_tuned,
+    "nvfp4": nvfp4_tuned,
+}
+
+
 def tuned_weight(key: str, name: str, target: Target, spec: GridSpec) -> TunedWeight:
     """A weight's tuning state: zero offsets, range factors of 1."""
     value = guards.current_value(target.param).detach()
@@ -156,6 +230,7 @@ def tuned_weight(key: str, name: str, target: Target, spec: GridSpec) -> TunedWe
         nn.Parameter(torch.zeros_like(rows)),
         nn.Parameter(torch.ones(groups, device=rows.device)),
         nn.Parameter(torch.ones(groups, device=rows.device)),
+        matrix.abs().amax(),
     )
 
 
@@ -272,9 +347,11 @@ def check_problem(problem: WeightProblem) -> None:
     """AutoRound tunes the weights of Linear, convolution and Conv1D layers onto integer grids,
     starting from each group's extremes."""
     spec = problem.spec
-    if spec.is_float:
+    if spec.is_float and spec.format not in FLOAT_GRIDS:
         raise ConfigError(
-            "quantize.weights.format", spec.format, "autoround rounds onto integer grids; use method rtn or gptq for it"
+            "quantize.weights.format",
+            spec.format,
+            f"autoround rounds onto integer grids and {', '.join(FLOAT_GRIDS)}; use method rtn or gptq for it",
         )
     if spec.observer_name not in RANGES:
         raise ConfigError(

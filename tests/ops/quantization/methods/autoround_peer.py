@@ -7,7 +7,8 @@ made by the benchmarks on first use (``benchmarks/peer_venvs.py``: ``torch==2.14
 auto-round==0.16.1``; ``bench_calibrated.py --llama --rows AutoRound`` makes it).
 
 ``IN`` is a ``torch.save`` of ``{"config": LlamaConfig kwargs, "state": state dict, "samples":
-[(1, seq) token ids], "bits", "group_size", "iters", "sym" (optional: int_sym)}``; ``OUT``
+[(1, seq) token ids], "bits", "group_size", "iters", "sym" (optional: int_sym), "scheme"
+(optional: ``MXFP4`` or ``NVFP4`` instead of bits and group size)}``; ``OUT``
 receives, for every quantized Linear, ``{name: {"weight", "scale", "zp"}}``. Float32 scales and
 no autocast, so the two are computed alike.
 """
@@ -19,6 +20,8 @@ import sys
 import torch
 import transformers
 from auto_round import AutoRound
+
+FLOAT_BLOCKS = {"MXFP4": 32, "NVFP4": 16}
 
 
 class Tokens:
@@ -33,12 +36,16 @@ def main(source: str, target: str) -> None:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**given["config"])).eval()
     model.load_state_dict(given["state"])
     samples = given["samples"]
+    scheme = given.get("scheme")  # "MXFP4" or "NVFP4": its floating-point weights, activations float
+    if not scheme:
+        grid = {"bits": given["bits"], "group_size": given["group_size"]}
+    else:  # spelled out: scheme="NVFP4" keeps its 4-bit activations whatever act_bits says (0.16.1)
+        grid = {"bits": 4, "group_size": FLOAT_BLOCKS[scheme], "data_type": scheme[:2].lower() + "_fp", "act_bits": 16}
     tuner = AutoRound(
         model,
         tokenizer=Tokens(),
-        bits=given["bits"],
-        group_size=given["group_size"],
-        sym=given.get("sym", False),
+        **grid,
+        sym=given.get("sym", False) if not scheme else True,
         dataset=samples,
         nsamples=len(samples),
         seqlen=samples[0].shape[1],
