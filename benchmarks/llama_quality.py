@@ -61,7 +61,7 @@ def _autoround(bits: int, symmetric: bool, group: int = 128, observer: str = "mi
     )
 
     def run(m: torch.nn.Module, cal: list) -> list:
-        grid = GridSpec(bits=bits, group_size=group)
+        grid = GridSpec(bits=bits, group_size=group, observer=observer)  # AWQ's search on the grid tuned next
         first = [surgery.awq(m, weights=grid, calibration=cal, progress=False)] if awq else []
         samples = [w[None] for b in cal for w in b]
         return [*first, surgery.quantize(m, weights=spec, calibration=samples, exclude=HEAD, progress=False)]
@@ -145,6 +145,12 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTAQ W2 g64", _quantize(2, "gptaq", group=64), "", NO_GPTAQ),
     ("AutoRound W2 g64 (affine)", _autoround(2, False, 64), "autoround:w2,sym=0" + G64, AUTOROUND),
     ("AutoRound W2 g64 (full range)", _autoround(2, False, 64, FULL), "autoround:w2,sym=1" + G64, "theirs: W2A16G64"),
+    (
+        "AWQ + AutoRound W2 g64 (affine)",
+        _autoround(2, False, 64, awq=True),
+        "autoround:w2,sym=0,awq=1" + G64,
+        AWQ_AUTOROUND,
+    ),
     (
         "AWQ + AutoRound W2 g64 (full range)",
         _autoround(2, False, 64, FULL, awq=True),
