@@ -160,7 +160,8 @@ class GridSpec:
     each weight stores ``g_idx``, the group of every input column. Without ``group_size``,
     ``"group"`` is ``"weight"`` (one grid for all columns). ``"autoround"`` tunes
     each weight's rounding and its groups' ranges by signed gradient descent on every block's
-    output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block.
+    output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block, on the
+    integer grids (``observer="full_range"``: auto-round's ``int_sym``), ``mxfp4`` and ``nvfp4``.
     """
 
     bits: int = 8
