@@ -190,8 +190,7 @@ def nvfp4_tuned(rows: Tensor, offsets: Tensor, high: Tensor, tensor_amax: Tensor
     arithmetic for it (so the written weights are on the grid the scale names), ``rows /
     scale + offsets`` clipped to ±6 and rounded to E2M1."""
     outer = tensor_amax / (E4M3_LARGEST * 6.0)
-    if float(outer) == 0:
-        return torch.zeros_like(rows), torch.ones(rows.shape[0], device=rows.device)
+    outer = torch.where(outer > 0, outer, torch.ones_like(outer))  # an all-zero weight: every block's scale 1
     inner = (rows.abs().amax(1) * high / 6.0 / outer).clamp(0.0, E4M3_LARGEST)
     inner = (inner.to(torch.float8_e4m3fn).float() - inner).detach() + inner
     scale = inner * outer
