@@ -216,3 +216,29 @@ def test_autoround_refuses_a_floating_point_grid_and_leaves_the_model_as_it_was(
             model, weights=GridSpec(format="fp8_e4m3", method="autoround"), calibration=token_batches(1), progress=False
         )
     assert snapshot_differences(before, snapshot(model)) == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GridSpec(bits=3, group_size=32, observer="full_range", method="autoround", iterations=3),
+        GridSpec(format="mxfp4", method="autoround", iterations=3),
+        GridSpec(format="nvfp4", method="autoround", iterations=3),
+    ],
+    ids=["full_range", "mxfp4", "nvfp4"],
+)
+def test_autoround_tunes_gpt2s_transposed_conv1d_weights_onto_its_grid_and_restores(spec: GridSpec):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    data = [{"input_ids": torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    before, original = snapshot(model), model.transformer.h[1].mlp.c_fc.weight.detach().clone()
+    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    assert len(handle.weights) == 8  # c_attn, c_proj, c_fc, mlp.c_proj of both blocks
+    grid = handle.weights["transformer.h.1.mlp.c_fc.weight"]
+    weight = model.transformer.h[1].mlp.c_fc.weight.detach()  # Conv1D: (inputs, outputs)
+    assert torch.equal(fake_quantize_groups(weight, grid.scale, grid.zero_point, grid.axis, spec), weight)
+    assert not torch.equal(weight, original)
+    handle.restore()
+    assert snapshot_differences(before, snapshot(model)) == []
