@@ -936,6 +936,14 @@ API_CASES = [
         "smallest reachable: 5.29 bpw",
     ),
     ApiCase(
+        "plan-kv",
+        lambda m, *_: surgery.plan(m, 10**7, ["dense", "kv_int8"], calibration=[torch.randint(0, 128, (1, 8))]),
+        ConfigError,
+        "plan.kv_tokens",
+        "must be the tokens the cache holds",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
         "rotate-learn",
         lambda m, *_: surgery.rotate(m, calibration=[torch.randint(0, 128, (1, 8))], learn={"steps": 0}),
         ConfigError,
@@ -1477,6 +1485,11 @@ CLI_CASES = [
         "plan.budget='1bpw': no plan fits; smallest reachable:",
     ),
     CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
+    CliCase(
+        "plan-kv",
+        ("recipe=plan_llama", "plan.choices=[dense,w4g128,kv16,kv_int8]", "plan.kv_tokens=4096"),
+        "plan.budget='4.5bpw': must be bytes (e.g. '12MB') when the plan counts a KV cache as well as weights",
+    ),
     CliCase("rotate-learn", (*LLAMA_RTN, "steps=[rotate,quantize]", "+rotate={learn: {lr: 0}}"), "rotate.learn.lr=0"),
     CliCase(
         "full-range",

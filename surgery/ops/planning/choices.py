@@ -15,8 +15,14 @@ What the built-ins count (``out x in`` weight, ``n = out * in``):
 - ``2:4``: half the weights kept at 16 bits, each with a 2-bit position in its group of four
   (NVIDIA's sparse metadata): (16 + 2) / 2 = 9 bits a weight.
 
-KV-cache dtypes are not choices: their bytes grow with the context and batch a deployment
-serves, not with the weights, so they do not share one weight budget honestly.
+KV-cache choices (``target="kv_cache"``) are taken per attention module with ``k_proj`` and
+``v_proj`` Linear layers. Their "shape" is ``(values cached per token, tokens)``: the key and
+value projections' outputs, and the tokens the deployment caches (context x batch, the plan's
+``kv_tokens``), since a cache's bytes grow with what is served, not with the weights:
+
+- ``kv16``: 16 bits a cached value, nothing done;
+- ``kv_int8``, ``kv_int4``: 8 (4) bits, symmetric, one static 16-bit scale per channel;
+- ``kv_fp8``: fp8 e4m3, one static scale per projection (as vLLM's ``fp8`` cache).
 """
 
 from __future__ import annotations
@@ -27,17 +33,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
+from surgery.ops.quantization.kv_cache import PROJECTIONS, quantize_kv_cache
 from surgery.ops.quantization.quantization import quantize
 from surgery.ops.quantization.storage import element_bits, scale_bits
 from surgery.ops.sparsity.pruning import prune
 
-Shape = tuple[int, int]  # (outputs, inputs) of a weight, its trailing dimensions flattened
+Shape = tuple[int, int]  # (outputs, inputs) of a weight; (values per token, tokens) of a KV cache
+TARGETS = ("weight", "kv_cache")
 Apply = Callable[[nn.Module, list[str], Any, str], Handle]  # (model, layers, calibration, method) -> handle
 DENSE_BITS = 16  # a weight left as it is, counted at half precision
 INDEX_BITS = 2  # an N:M kept value's position in its group of M (M = 4)
@@ -49,7 +57,10 @@ class Choice:
     of it: values, scales, zero points, index metadata); ``apply(model, layers, calibration,
     method)`` changes those layers through a public verb and returns its handle; ``fits(shape)``
     says whether the option can hold such a weight; ``method`` lists the weight methods it takes
-    (``"rtn"`` by default; ``"gptq"``... for the integer grids)."""
+    (``"rtn"`` by default; ``"gptq"``... for the integer grids). ``target="kv_cache"``: a choice
+    for what an attention module caches; its layers are attention modules and its shape
+    ``(values per token, tokens)``. ``reattach(model, layers, qparams)``, where set, puts back
+    what baking cannot fold into weights (a cache's rounding) from saved activation parameters."""
 
     name: str
     bits: Callable[[Shape], float]
@@ -57,6 +68,8 @@ class Choice:
     fits: Callable[[Shape], bool] = lambda shape: True
     methods: tuple[str, ...] = ("rtn",)
     description: str = ""
+    target: str = "weight"
+    reattach: Callable[[nn.Module, list[str], dict[str, Tensor]], Handle] | None = None
 
     def bytes_of(self, shape: Shape) -> int:
         """Whole bytes a weight of ``shape`` stores under this choice."""
@@ -76,6 +89,8 @@ def register_choice(choice: Choice, *, replace: bool = False) -> Choice:
         raise ConfigTypeError("register_choice.choice", choice, "must be a surgery.ops.planning.choices.Choice")
     if not isinstance(choice.name, str) or not choice.name or any(c.isspace() for c in choice.name):
         raise ConfigError("register_choice.name", choice.name, "must be a non-empty name without spaces")
+    if choice.target not in TARGETS:
+        raise ConfigError("register_choice.target", choice.target, f"must be one of {', '.join(TARGETS)}")
     if choice.name in CHOICES and not replace and CHOICES[choice.name] is not choice:
         raise ConfigError("register_choice.name", choice.name, "is already registered; pass replace=True to replace it")
     CHOICES[choice.name] = choice
@@ -115,6 +130,36 @@ def grid_choice(name: str, spec: GridSpec, description: str = "") -> Choice:
     return Choice(name, grid_bits(spec), apply, methods=methods, description=description)
 
 
+def kv_choice(name: str, spec: GridSpec | None, description: str = "") -> Choice:
+    """A KV-cache choice: the named attention modules' keys and values fake-quantized on
+    ``spec`` (:func:`surgery.quantize_kv_cache`, static scales from the calibration batches), or
+    kept at 16 bits (``spec=None``)."""
+
+    def bits(shape: Shape) -> float:
+        values, tokens = shape
+        if spec is None:
+            return values * tokens * DENSE_BITS
+        scales = values if spec.per_channel else 2  # static: one per channel, or one per projection
+        return values * tokens * element_bits(spec) + scales * scale_bits(spec)
+
+    def apply(model: nn.Module, attention: list[str], calibration: Any, method: str) -> Handle:
+        if spec is None:
+            return Handle(name, model)
+        if calibration is None:
+            raise ConfigError("plan.calibration", None, f"{name} takes its static scales from calibration batches")
+        return quantize_kv_cache(model, spec, calibration=calibration, attention=attention, progress=False)
+
+    def reattach(model: nn.Module, attention: list[str], qparams: dict[str, Tensor]) -> Handle:
+        layers = [f"{a}.{child}" if a else child for a in attention for child in PROJECTIONS]
+        handle = quantize(model, weights=None, activations=spec, select=layers, qparams=qparams, progress=False)
+        handle.kind = "kv_cache"
+        return handle
+
+    return Choice(
+        name, bits, apply, description=description, target="kv_cache", reattach=None if spec is None else reattach
+    )
+
+
 def _dense(model: nn.Module, layers: list[str], calibration: Any, method: str) -> Handle:
     return Handle("dense", model)  # nothing done: restores to itself
 
@@ -137,6 +182,11 @@ def _builtins() -> None:
     register_choice(
         Choice("2:4", sparse_bits, _two_four, fits=lambda s: s[1] % 4 == 0, description="2:4 sparse, 16-bit kept")
     )
+    register_choice(kv_choice("kv16", None, "KV cache at 16 bits, unchanged"))
+    register_choice(kv_choice("kv_int8", channel, "KV cache int8, symmetric, static per channel"))
+    kv4 = GridSpec(bits=4, symmetric=True, per_channel=True)
+    register_choice(kv_choice("kv_int4", kv4, "KV cache int4, symmetric, static per channel"))
+    register_choice(kv_choice("kv_fp8", GridSpec(format="fp8_e4m3"), "KV cache fp8 e4m3, static per projection"))
 
 
 _builtins()

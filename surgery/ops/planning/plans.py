@@ -1,5 +1,6 @@
-"""A plan as a file: each selected layer's choice, bytes and score, and the totals; saved as
-JSON or YAML, loaded back, applied in one run (one verb call per choice) with one handle."""
+"""A plan as a file: each selected layer's choice (and each attention module's KV-cache choice),
+bytes and score, and the totals; saved as JSON or YAML, loaded back, applied in one run (one
+verb call per choice) with one handle."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 @dataclass(frozen=True)
 class PlanRow:
-    """One layer of a plan: the choice, the weight's shape, the bytes it stores and the score."""
+    """One layer of a plan: the choice, the weight's shape, the bytes it stores and the score;
+    for ``target="kv_cache"`` an attention module's cache, its shape (values per token, tokens)."""
 
     layer: str
     choice: str
     shape: tuple[int, int]
     bytes: int
     score: float
+    target: str = "weight"
 
 
 @dataclass
@@ -38,18 +41,25 @@ class Plan:
     solver: str  # "exact" or "lagrangian"
     method: str = "rtn"  # the weight method of the integer choices
     choices: list[str] = field(default_factory=list)
+    kv_tokens: int | None = None  # the tokens a KV cache was counted at, when the plan chose cache dtypes
 
     @property
     def weights(self) -> int:
-        return sum(r.shape[0] * r.shape[1] for r in self.rows)
+        return sum(r.shape[0] * r.shape[1] for r in self.rows if r.target == "weight")
 
     @property
     def total_bytes(self) -> int:
+        """The weights' bytes and, when planned, the KV cache's at ``kv_tokens``."""
         return sum(r.bytes for r in self.rows)
 
     @property
+    def kv_cache_bytes(self) -> int:
+        return sum(r.bytes for r in self.rows if r.target == "kv_cache")
+
+    @property
     def bits_per_weight(self) -> float:
-        return 8 * self.total_bytes / max(self.weights, 1)
+        """Of the planned weights alone (the cache's bytes are not weights)."""
+        return 8 * (self.total_bytes - self.kv_cache_bytes) / max(self.weights, 1)
 
     @property
     def score(self) -> float:
@@ -64,7 +74,12 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         """The plan and its totals, JSON-serialisable."""
-        totals = {"total_bytes": self.total_bytes, "weights": self.weights, "bits_per_weight": self.bits_per_weight}
+        totals = {
+            "total_bytes": self.total_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "weights": self.weights,
+            "bits_per_weight": self.bits_per_weight,
+        }
         head = {k: v for k, v in asdict(self).items() if k != "rows"}
         return {
             **head,
@@ -93,11 +108,25 @@ class Plan:
         try:
             data = _read_yaml(path.read_text()) if path.suffix in YAML_SUFFIXES else json.loads(path.read_text())
             rows = [
-                PlanRow(r["layer"], r["choice"], tuple(r["shape"]), int(r["bytes"]), float(r["score"]))
+                PlanRow(
+                    r["layer"],
+                    r["choice"],
+                    tuple(r["shape"]),
+                    int(r["bytes"]),
+                    float(r["score"]),
+                    r.get("target", "weight"),
+                )
                 for r in data["layers"]
             ]
+            tokens = data.get("kv_tokens")
             return cls(
-                rows, int(data["budget"]), data["estimate"], data["solver"], data["method"], list(data["choices"])
+                rows,
+                int(data["budget"]),
+                data["estimate"],
+                data["solver"],
+                data["method"],
+                list(data["choices"]),
+                None if tokens is None else int(tokens),
             )
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ConfigError("plan.file", str(path), f"is not a plan written by Plan.save ({err})") from None
@@ -108,7 +137,8 @@ class Plan:
         was applied is restored before it propagates."""
         by_choice: dict[str, list[str]] = {}
         for row in self.rows:
-            choice_named(row.choice, "plan.layers.choice")
+            if choice_named(row.choice, "plan.layers.choice").target != row.target:
+                raise ConfigError("plan.layers.choice", row.choice, f"is no choice for a {row.target} ({row.layer})")
             model.get_submodule(row.layer)  # an AttributeError names a layer this model lacks
             by_choice.setdefault(row.choice, []).append(row.layer)
         handles: list[Handle] = []
@@ -127,9 +157,10 @@ class Plan:
         for r in self.rows:
             bpw = 8 * r.bytes / (r.shape[0] * r.shape[1])
             lines.append(f"{r.layer:<{width}}  {r.choice:<8} {bpw:>6.3f} {r.bytes:>10,} {r.score:>10.4g}")
+        cache = f"; KV cache {self.kv_cache_bytes:,} bytes at {self.kv_tokens:,} tokens" if self.kv_tokens else ""
         lines.append(
             f"{'total':<{width}}  {'':<8} {self.bits_per_weight:>6.3f} {self.total_bytes:>10,} {self.score:>10.4g}"
-            f"  (budget {self.budget:,} bytes; {self.estimate} estimate, {self.solver} solve; "
+            f"  (budget {self.budget:,} bytes{cache}; {self.estimate} estimate, {self.solver} solve; "
             f"dense counts {DENSE_BITS} bits)"
         )
         return "\n".join(lines)

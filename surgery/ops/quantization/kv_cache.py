@@ -15,7 +15,7 @@ in the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -43,17 +43,22 @@ def quantize_kv_cache(
     spec: GridSpec = DEFAULT_KV,
     *,
     calibration: Iterable,
+    attention: Sequence[str] | None = None,
     progress: bool = True,
 ) -> QuantizeHandle:
     """Quantize what the key/value cache holds (see the module docstring): int8 per channel by
-    default, or e.g. ``GridSpec(format="fp8_e4m3")``. Returns the quantize handle
-    (``restore()`` removes it exactly).
+    default, or e.g. ``GridSpec(format="fp8_e4m3")``; of the ``attention`` modules named (their
+    qualified names), every one by default. Returns the quantize handle (``restore()`` removes
+    it exactly).
 
     Raises:
         ConfigError: the model has no attention module with ``k_proj`` and ``v_proj`` Linear
-            layers (a fused ``qkv`` projection cannot be split by hooks).
+            layers (a fused ``qkv`` projection cannot be split by hooks), or ``attention`` names
+            one it lacks.
     """
     layers = kv_projections(model)
+    if attention is not None:
+        layers = _of_attention(layers, attention)
     if not layers:
         raise ConfigError(
             "kv_cache",
@@ -76,6 +81,33 @@ def quantize_kv_cache(
         VARIED_RANGES_REQUIRED.reset(required)
     handle.kind = "kv_cache"
     return handle
+
+
+def attention_modules(model: nn.Module) -> dict[str, tuple[nn.Linear, nn.Linear]]:
+    """Every attention module with ``k_proj`` and ``v_proj`` Linear layers: its qualified name
+    and the two projections."""
+    found = {}
+    for name, module in model.named_modules():
+        children = tuple(getattr(module, child, None) for child in PROJECTIONS)
+        if all(isinstance(child, nn.Linear) for child in children):
+            found[name] = children
+    return found
+
+
+def _of_attention(layers: dict[str, nn.Linear], attention: Sequence[str]) -> dict[str, nn.Linear]:
+    """The projections of the named attention modules; a name with none is refused."""
+    if isinstance(attention, str):
+        attention = [attention]
+    kept = {}
+    for name in attention:
+        found = {key: layers.get(key) for key in (f"{name}.{child}" if name else child for child in PROJECTIONS)}
+        if None in found.values():
+            known = sorted({key.rpartition(".")[0] for key in layers})
+            raise ConfigError(
+                "kv_cache.attention", name, f"is no attention module with k_proj and v_proj; these are: {known}"
+            )
+        kept.update(found)
+    return kept
 
 
 def kv_cache_bytes(model: nn.Module, spec: GridSpec | None = None) -> int:

@@ -31,3 +31,26 @@ def test_plan_llama_writes_its_plan_within_the_budget_and_a_compressed_tensors_f
     config = json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"]
     quantized = {k for k, n in plan["counts"].items() if k != "dense"}
     assert len(config["config_groups"]) == len(quantized)
+
+
+@pytest.mark.slow  # ~15 s: the plan's scores and the run's round-trip checks
+def test_plan_llama_with_cache_choices_plans_the_cache_and_its_rounding_survives_bake_and_reload(tmp_path):
+    choices = "plan.choices=[dense,int8,w4g128,w3g128,kv16,kv_int8,kv_int4]"
+    args = ["recipe=plan_llama", "budget=1.5MB", "plan.kv_tokens=4096", choices, "data.batches=1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    plan, saved = report["plan"], json.loads((tmp_path / "plan.json").read_text())
+    caches = [row for row in saved["layers"] if row["target"] == "kv_cache"]
+    assert len(caches) == 4 and plan["kv_tokens"] == saved["kv_tokens"] == 4096  # the tiny Llama's 4 attentions
+    assert 0 < plan["kv_cache_bytes"] == sum(row["bytes"] for row in caches) <= plan["bytes"] <= 1_500_000
+    assert {row["choice"] for row in caches} <= {"kv_int8", "kv_int4"}  # kv16's 4 MiB cannot fit 1.5 MB
+    checks = {check["name"]: check["passed"] for check in report["checks"]}
+    assert checks["bake"] is True and checks["save_load"] is True  # the cache's rounding is re-attached
+    assert "KV cache at 4,096 tokens" in result.stdout

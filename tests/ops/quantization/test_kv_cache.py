@@ -93,3 +93,12 @@ def test_a_cache_format_activations_cannot_take_names_the_kv_cache_field():
             model, GridSpec(format="mxfp4", group_size=32), calibration=[torch.randint(0, 128, (1, 8))]
         )
     assert "quantize." not in str(caught.value)
+
+
+def test_attention_limits_the_cache_quantized_and_an_unknown_module_is_refused_naming_the_known():
+    model = tiny_llama(layers=2)
+    with surgery.quantize_kv_cache(model, calibration=batches(), attention=["model.layers.1.self_attn"]) as handle:
+        assert sorted(handle.activations) == ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
+    with pytest.raises(ConfigError, match=r"^kv_cache\.attention='model\.layers\.1': is no attention module .*"):
+        surgery.quantize_kv_cache(model, calibration=batches(), attention=["model.layers.1"])
+    assert not any(module._forward_hooks for module in model.modules())
