@@ -14,7 +14,8 @@ default), float32 scales, no autocast, no compile, the last position of each sam
 ``SCHEME`` is ``wBITS,sym=S`` with ``S`` ``1`` for auto-round's ``int_sym`` grid (its own full
 range, not surgery's) or ``0`` for ``int_asym`` (the grid surgery's affine rows use), optionally
 ``,group_size=G`` (``w2,sym=1,group_size=64`` is its ``W2A16G64``) and ``,awq=1`` (its AWQ first:
-``alg_configs="awq,auto_round"``); or ``nvfp4`` / ``mxfp4``: its ``nv_fp`` / ``mx_fp`` 4-bit
+``alg_configs="awq,auto_round"``, smoothing only, its default; with ``,clip=1`` its clipping search
+applied too, with ``,clip=init`` that clipping as AutoRound's starting range, ``clip_as_init``); or ``nvfp4`` / ``mxfp4``: its ``nv_fp`` / ``mx_fp`` 4-bit
 weights in blocks of 16 / 32 with activations left float (``act_bits=16``; its ``scheme="NVFP4"``
 would keep 4-bit activations whatever ``act_bits`` says, measured in 0.16.1). The last line printed is
 ``{"perplexity": ..., "seconds": ...}``: held-out perplexity of the model as ``quantize()``
@@ -54,8 +55,13 @@ def settings(scheme: str) -> dict:
         "group_size": int(options.get("group_size", GROUP_SIZE)),
         "sym": options["sym"] == "1",
     }
-    if options.get("awq") == "1":  # its AWQ pre-processing (scales, and clipping as the tuning's start), then AutoRound
+    if options.get("awq") == "1" and "clip" not in options:  # its AWQ pre-processing (smoothing only), then AutoRound
         found["alg_configs"] = "awq,auto_round"
+    elif options.get("awq") == "1":  # with its clipping search: applied (clip=1) or AutoRound's start (clip=init)
+        from auto_round.algorithms.transforms.awq.config import AWQConfig
+
+        awq = AWQConfig(apply_clip=True, clip_as_init=options["clip"] == "init")
+        found["alg_configs"] = [awq, "auto_round"]
     return found
 
 

@@ -113,6 +113,7 @@ AUTOROUND = "theirs: the auto-round 0.16 package, same settings"
 FULL = "full_range"
 INT_SYM = "theirs: int_sym, the same grid (ours: observer='full_range')"
 AWQ_AUTOROUND = 'theirs: alg_configs="awq,auto_round"'
+CLIP_AS_INIT = "ours: the mse search's clipping as the start; theirs: AWQ's, clip_as_init=True"
 FLOAT_AUTOROUND = "theirs: nv_fp / mx_fp weights, act_bits=16"
 ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("RTN W4 g128", _quantize(4), "rtn:w4", ""),
@@ -122,6 +123,12 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTAQ W4 g128", _quantize(4, "gptaq"), "", NO_GPTAQ),
     ("AutoRound W4 g128 (affine)", _autoround(4, False), "autoround:w4,sym=0", AUTOROUND),
     ("AutoRound W4 g128 (full range)", _autoround(4, False, observer=FULL), "autoround:w4,sym=1", INT_SYM),
+    (
+        "AutoRound W4 g128 (affine), mse start",
+        _autoround(4, False, observer="mse"),
+        "autoround:w4,sym=0,awq=1,clip=init",
+        CLIP_AS_INIT,
+    ),
     ("AWQ + AutoRound W4 g128 (affine)", _autoround(4, False, awq=True), "autoround:w4,sym=0,awq=1", AWQ_AUTOROUND),
     ("AWQ + RTN W4 g128 (affine)", _awq(4), "awq:w4", "llm-compressor: paper scales (duo_scaling=False)"),
     ("RTN W3 g128", _quantize(3), "rtn:w3", ""),
@@ -131,6 +138,12 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTAQ W3 g128", _quantize(3, "gptaq"), "", NO_GPTAQ),
     ("AutoRound W3 g128 (affine)", _autoround(3, False), "autoround:w3,sym=0", AUTOROUND),
     ("AutoRound W3 g128 (full range)", _autoround(3, False, observer=FULL), "autoround:w3,sym=1", INT_SYM),
+    (
+        "AutoRound W3 g128 (affine), mse start",
+        _autoround(3, False, observer="mse"),
+        "autoround:w3,sym=0,awq=1,clip=init",
+        CLIP_AS_INIT,
+    ),
     ("AWQ + AutoRound W3 g128 (affine)", _autoround(3, False, awq=True), "autoround:w3,sym=0,awq=1", AWQ_AUTOROUND),
     ("AWQ + RTN W3 g128 (affine)", _awq(3), "awq:w3", "ours also searches clipping; theirs does not"),
     ("AWQ + GPTQ W3 g128 (affine)", _awq(3, "gptq"), "awq-gptq:w3,actorder=none", "both without activation order"),
@@ -145,6 +158,12 @@ ROWS: list[tuple[str, Recipe | None, str, str]] = [
     ("GPTAQ W2 g64", _quantize(2, "gptaq", group=64), "", NO_GPTAQ),
     ("AutoRound W2 g64 (affine)", _autoround(2, False, 64), "autoround:w2,sym=0" + G64, AUTOROUND),
     ("AutoRound W2 g64 (full range)", _autoround(2, False, 64, FULL), "autoround:w2,sym=1" + G64, "theirs: W2A16G64"),
+    (
+        "AutoRound W2 g64 (affine), mse start",
+        _autoround(2, False, 64, observer="mse"),
+        "autoround:w2,sym=0,awq=1,clip=init" + G64,
+        CLIP_AS_INIT,
+    ),
     (
         "AWQ + AutoRound W2 g64 (affine)",
         _autoround(2, False, 64, awq=True),

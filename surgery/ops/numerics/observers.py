@@ -162,6 +162,10 @@ class GridSpec:
     each weight's rounding and its groups' ranges by signed gradient descent on every block's
     output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block, on the
     integer grids (``observer="full_range"``: auto-round's ``int_sym``), ``mxfp4`` and ``nvfp4``.
+    ``scale_dtype`` (integer grids): ``"float16"`` or ``"bfloat16"`` rounds every scale to that
+    dtype as it is computed, so methods round the weights against the scale a format stores
+    (GGUF's fp16 block scales); ``None`` keeps float32 scales (rounded to a half-precision
+    weight's dtype once a method is done).
     """
 
     bits: int = 8
@@ -179,6 +183,7 @@ class GridSpec:
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
     actorder: str | None = None  # GPTQ's column order: None (as stored), "weight" or "group" (by activation energy)
     iterations: int = 200  # AutoRound's signed-gradient steps per block (its learning rate is 1 / iterations)
+    scale_dtype: str | None = None  # integer grids: "float16"/"bfloat16" rounds each scale as it is computed
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
@@ -284,6 +289,32 @@ def _check(spec: Any, field: str) -> None:
     _check_dynamic(spec, field)
     _check_actorder(spec, field)
     _check_iterations(spec, field)
+    _check_scale_dtype(spec, field)
+
+
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _check_scale_dtype(spec: Any, field: str) -> None:
+    if spec.scale_dtype is None:
+        return
+    if spec.scale_dtype not in SCALE_DTYPES:
+        raise ConfigError(f"{field}.scale_dtype", spec.scale_dtype, f"must be null, {' or '.join(SCALE_DTYPES)}")
+    if FORMATS.get(spec.format).is_float:
+        raise ConfigError(
+            f"{field}.scale_dtype",
+            spec.scale_dtype,
+            f"applies to integer grids; format {spec.format!r} fixes its scales",
+        )
+
+
+def stored_scale(scale: Tensor, spec: GridSpec) -> Tensor:
+    """``scale`` rounded to ``spec.scale_dtype`` (kept in float32, at least that dtype's
+    smallest normal so it stays positive); as it is without one."""
+    if spec.scale_dtype is None:
+        return scale
+    dtype = SCALE_DTYPES[spec.scale_dtype]
+    return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
 
 
 def _check_full_range(spec: Any, field: str) -> None:
@@ -467,10 +498,10 @@ def compute_qparams(
     high = torch.maximum(high.float(), torch.zeros_like(high, dtype=torch.float32))
     eps = torch.tensor(torch.finfo(torch.float32).eps)
     if spec.symmetric:
-        scale = torch.maximum(torch.maximum(-low, high) / (float(quant_max - quant_min) / 2), eps)
+        scale = stored_scale(torch.maximum(torch.maximum(-low, high) / (float(quant_max - quant_min) / 2), eps), spec)
         zero_point = torch.zeros_like(scale, dtype=torch.int32)
     else:
-        scale = torch.maximum((high - low) / float(quant_max - quant_min), eps)
+        scale = stored_scale(torch.maximum((high - low) / float(quant_max - quant_min), eps), spec)
         zero_point = torch.clamp(quant_min - torch.round(low / scale).to(torch.int32), quant_min, quant_max)
     return scale, zero_point.to(torch.int32)
 

@@ -17,7 +17,9 @@ The rounded weights are written into the model (their originals kept, as GPTQ do
 weight's scales and zero points are returned, so ``restore()`` is exact and exports hold the
 tuned integers. Asymmetric grids are auto-round's ``int_asym``; ``observer="full_range"`` is its
 ``int_sym`` (symmetric, the extra level on the larger side, held as an affine grid); a symmetric
-grid is surgery's (``max |range| / ((qmax - qmin) / 2)``). On the FP4 formats only each block's
+grid is surgery's (``max |range| / ((qmax - qmin) / 2)``). With ``observer="mse"`` the range
+factors start at the clipping the ``mse`` observer searches for each group (1 otherwise), as
+auto-round starts from AWQ's searched clipping with ``clip_as_init``. On the FP4 formats only each block's
 largest magnitude has a factor: ``mxfp4`` is auto-round's ``mx_fp`` (E8M0 scales, equal to it bit
 for bit), ``nvfp4`` its ``nv_fp`` (E4M3 block scales under a per-tensor one; the rounding and its
 gradients equal to it on the same values, the scale in surgery's arithmetic).
@@ -40,7 +42,7 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.observers import GridSpec, stored_scale
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
 
@@ -140,6 +142,10 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
     else:
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
+    if spec.scale_dtype is not None:  # the stored scale (its rounding passes the gradient straight through)
+        scale = scale + (stored_scale(scale.detach(), spec) - scale.detach())
+        if not spec.symmetric and spec.observer != "full_range":
+            zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
     integers = torch.clamp(round_ste(rows / scale[:, None] + offsets) + zero[:, None], quant_min, quant_max)
     return scale[:, None] * (integers - zero[:, None]), scale, zero
 
@@ -218,6 +224,7 @@ def tuned_weight(key: str, name: str, target: Target, spec: GridSpec) -> TunedWe
     else:
         rows = matrix if spec.per_channel else matrix.reshape(1, -1)
     groups = rows.shape[0]
+    start = searched_factors(rows, spec) if spec.observer_name == "mse" else torch.ones(groups, device=rows.device)
     return TunedWeight(
         key,
         name,
@@ -227,10 +234,20 @@ def tuned_weight(key: str, name: str, target: Target, spec: GridSpec) -> TunedWe
         matrix.shape[0],
         columns,
         nn.Parameter(torch.zeros_like(rows)),
-        nn.Parameter(torch.ones(groups, device=rows.device)),
-        nn.Parameter(torch.ones(groups, device=rows.device)),
+        nn.Parameter(start.clone()),
+        nn.Parameter(start.clone()),
         matrix.abs().amax(),
     )
+
+
+def searched_factors(rows: Tensor, spec: GridSpec) -> Tensor:
+    """Each group's clipping ``p`` (its range ``p x (min, max)``) as the ``mse`` observer searches
+    it on ``spec``'s grid: the range factors' starting values, as auto-round starts its range from
+    AWQ's searched clipping (``clip_as_init``) and tunes on top."""
+    low, high = spec.observe(rows, None)
+    largest, smallest = rows.amax(1), rows.amin(1)
+    by_low = torch.where(smallest < 0, low / smallest.clamp(max=-torch.finfo(torch.float32).tiny), 1.0)
+    return torch.where(largest > 0, high / largest.clamp(min=torch.finfo(torch.float32).tiny), by_low).clamp(0.0, 1.0)
 
 
 def hidden_of(output: Any) -> Tensor:
@@ -339,7 +356,7 @@ def _snapshot(weights: list[TunedWeight]) -> list[tuple[Tensor, Tensor, Tensor]]
     return [(w.offsets.detach().clone(), w.low.detach().clone(), w.high.detach().clone()) for w in weights]
 
 
-RANGES = ("minmax", "full_range")  # the observers whose grid AutoRound tunes from each group's extremes
+RANGES = ("minmax", "full_range", "mse")  # the observers whose range AutoRound starts from and tunes
 
 
 def check_problem(problem: WeightProblem) -> None:
@@ -352,11 +369,13 @@ def check_problem(problem: WeightProblem) -> None:
             spec.format,
             f"autoround rounds onto integer grids and {', '.join(FLOAT_GRIDS)}; use method rtn or gptq for it",
         )
-    if spec.observer_name not in RANGES:
+    allowed = ("minmax",) if spec.is_float else RANGES
+    if spec.observer_name not in allowed:
         raise ConfigError(
             "quantize.weights.observer",
             spec.observer_name,
-            f"autoround tunes each group's range from its extremes; use {' or '.join(RANGES)}",
+            f"autoround tunes each group's range from its extremes (or from the mse search's clipping on "
+            f"an integer grid); use {', '.join(allowed)}",
         )
     for name, target in problem.targets.matched.items():
         if target.attribute != "weight" or not supports_hessian(target.module):

@@ -150,14 +150,34 @@ def test_autoround_refuses_a_count_of_steps_that_is_not_a_whole_number_above_zer
         GridSpec.build({"method": "autoround", "iterations": steps}, "quantize.weights")
 
 
-@pytest.mark.parametrize("observer", ["mse", "percentile"])
-def test_autoround_refuses_an_observer_whose_range_it_would_ignore(observer: str):
+@pytest.mark.parametrize(("observer", "format"), [("percentile", "int"), ("mse", "mxfp4")])
+def test_autoround_refuses_an_observer_whose_range_it_would_ignore(observer: str, format: str):
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     before = snapshot(model)
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=2, observer=observer)
+    grid = dict(bits=4, group_size=16) if format == "int" else dict(format=format)
+    spec = GridSpec(**grid, method="autoround", iterations=2, observer=observer)
     with pytest.raises(ConfigError, match=rf"^quantize.weights.observer='{observer}': autoround tunes each group's"):
         surgery.quantize(model, weights=spec, calibration=token_batches(1), progress=False)
     assert snapshot_differences(before, snapshot(model)) == []
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_autoround_with_observer_mse_starts_from_the_searched_clipping(symmetric: bool):
+    # one step: the kept values are those measured before it moved anything, the start itself;
+    # that start is the mse search's clipping, so the weights are RTN's with observer="mse"
+    calibration = token_batches()
+    tuned, rtn = (tiny_llama(layers=1, vocab=64, hidden=32) for _ in range(2))
+    spec = dict(bits=2, group_size=16, symmetric=symmetric, observer="mse")
+    surgery.quantize(tuned, weights=GridSpec(**spec, method="autoround", iterations=1), calibration=calibration)
+    surgery.quantize(rtn, weights=GridSpec(**spec), calibration=calibration)
+    minmax = tiny_llama(layers=1, vocab=64, hidden=32)
+    surgery.quantize(minmax, weights=GridSpec(bits=2, group_size=16, symmetric=symmetric))
+    for name, weight in tuned.model.layers[0].named_parameters():
+        if name.endswith("proj.weight"):
+            other = rtn.model.layers[0].get_parameter(name)
+            assert torch.allclose(weight, other, atol=1e-6), name  # scales from p x range: float rounding apart
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(tuned.get_parameter(down), minmax.get_parameter(down))  # the search clipped somewhere
 
 
 def test_autoround_on_the_full_range_grid_writes_weights_on_the_grid_it_returns():
