@@ -5,8 +5,10 @@ git-ignored; delete one to have it made again."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -18,7 +20,11 @@ VENVS: dict[str, tuple[list[str], ...]] = {
         ["llmcompressor==0.14.0.1"],
     ),
     "auto_round": (["torch==2.14.1", "auto-round==0.16.1"],),
+    # llama.cpp through llama-cpp-python, built from its source distribution (PyPI has no wheel):
+    # for this machine's CPU (GGML_NATIVE), without the multimodal library
+    "llama_cpp": (["numpy", "gguf==0.19.0"], ["llama-cpp-python==0.3.36", "--no-binary", "llama-cpp-python"]),
 }
+ENVIRONMENT: dict[str, dict[str, str]] = {"llama_cpp": {"CMAKE_ARGS": "-DLLAVA_BUILD=OFF -DGGML_BLAS=OFF"}}
 
 
 @functools.cache  # checked once a run
@@ -28,19 +34,23 @@ def peer_python(peer: str) -> Path:
     folder = HERE / f".venv-{peer}"
     python = folder / "bin" / "python"
     if not python.exists():
-        make(folder, VENVS[peer])
+        make(folder, VENVS[peer], ENVIRONMENT.get(peer, {}))
     found = subprocess.run([str(python), "-c", f"import {peer}"], capture_output=True, text=True, check=False)
     if found.returncode != 0:
         raise RuntimeError(f"{folder} cannot import {peer} (an install cut short?): delete it to have it made again")
     return python
 
 
-def make(folder: Path, installs: tuple[list[str], ...]) -> None:
-    """A fresh venv in ``folder`` (a dangling link there replaced) with ``installs`` run in order."""
+def make(folder: Path, installs: tuple[list[str], ...], environment: dict[str, str] | None = None) -> None:
+    """A fresh venv in ``folder`` (a dangling link there replaced) with ``installs`` run in order,
+    ``environment`` added to the installer's (a source build's settings); says how long it took."""
     pins = ", ".join(package for step in installs for package in step if "==" in package)
     print(f"making {folder} ({pins}) ...", flush=True)
     if folder.is_symlink():  # a link left to a venv that is gone
         folder.unlink()
+    start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
+    env = {**os.environ, **(environment or {})}
     for packages in installs:
-        subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", *packages], check=True)
+        subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", *packages], check=True, env=env)
+    print(f"made {folder} in {time.perf_counter() - start:.0f} s", flush=True)
