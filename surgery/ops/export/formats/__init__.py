@@ -4,6 +4,7 @@ as a user's format is; their runtimes (the ``deploy`` extra) are imported only w
 from surgery.ops.export.formats import (
     compressed_tensors_folder,  # noqa: F401
     fp8_linear,  # noqa: F401
+    gguf_file,  # noqa: F401
     onnx_qdq,  # noqa: F401
     sparse_linear,  # noqa: F401
     torchao_tensors,  # noqa: F401

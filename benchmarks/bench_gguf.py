@@ -1,0 +1,115 @@
+"""GGUF files run by llama.cpp: llama.cpp's own quantization of the float model (``llama-quantize``'s
+round to nearest, no importance matrix) against surgery's RTN, GPTQ and AutoRound exports to the
+same types, the same tensors quantized (every Linear but the head; embeddings and head F32 in
+both), so the files have equal bytes. One run, one thread: held-out perplexity computed from
+llama.cpp's logits over every held-out window of the tiny-LM corpus, prefill and decode tokens/s
+(median of interleaved rounds), file bytes; beside the float file and, for surgery's rows, the
+perplexity the simulation computed in PyTorch.
+
+llama.cpp comes from llama-cpp-python built from its source distribution in
+``benchmarks/.venv-llama_cpp`` (made on first use by ``peer_venvs.py``; the build's time is printed).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_gguf.py [--model tinyllama|tinyqwen3] [--methods RTN,GPTQ,AutoRound]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import surgery
+from surgery import GridSpec
+from surgery.analysis.metrics import perplexity
+from surgery.ops.export.formats.gguf_file import write_gguf
+from surgery.ops.numerics.deployment import ExportParts
+from surgery.tasks.tinyllama import load_llama
+from surgery.tasks.tinylm import token_batches
+from surgery.tasks.tinyqwen3 import load_qwen3
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "llama_cpp_runner.py"
+MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3}
+TYPES = ("Q4_0", "Q5_0", "Q8_0")
+METHODS = {  # bits and grid are the target's; the method is ours
+    "RTN": GridSpec(bits=4),
+    "GPTQ": GridSpec(bits=4, method="gptq"),
+    "AutoRound": GridSpec(bits=4, method="autoround", iterations=200),
+}
+
+
+def runner(python: Path, *args: str) -> str:
+    result = subprocess.run([str(python), str(RUNNER), *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama_cpp_runner {args[0]} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result.stdout
+
+
+def ours(load: object, method: str, kind: str, calibration: list, path: Path) -> tuple[float, float]:
+    """Surgery's ``method`` on ``kind``'s grid, exported to ``path``: (seconds, simulated held-out perplexity)."""
+    model = load()
+    samples = [w[None] for b in calibration for w in b] if method == "AutoRound" else calibration
+    start = time.perf_counter()
+    handle = surgery.quantize(
+        model, weights=METHODS[method], target=f"gguf:{kind}", calibration=samples, exclude="lm_head", progress=False
+    )
+    seconds = time.perf_counter() - start
+    surgery.export(handle, path, format="gguf")
+    return seconds, perplexity(model, token_batches("test", 16))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), default="tinyllama")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: RTN,GPTQ,AutoRound")
+    parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    from peer_venvs import peer_python  # beside this script
+
+    python = peer_python("llama_cpp")
+    load = MODELS[options.model]
+    held_out = token_batches("test", 16)
+    windows = np.concatenate([np.concatenate([x, y[:, -1:]], axis=1) for x, y in held_out])
+    calibration = [x for x, _ in token_batches("train", 8, limit_batches=4)]
+    work = Path(tempfile.mkdtemp(prefix="bench_gguf_"))
+    np.save(work / "windows.npy", windows.astype(np.int64))
+    rows: dict[str, dict] = {}
+    write_gguf(ExportParts(load()), work / "float.gguf", {})
+    rows["float.gguf"] = {"setting": "float32 (F32 tensors)", "simulated": perplexity(load(), held_out)}
+    for kind in options.types.split(","):
+        name = f"llama.cpp-{kind}.gguf"
+        runner(python, "quantize", str(work / "float.gguf"), str(work / name), kind)
+        rows[name] = {"setting": f"llama.cpp's quantize, {kind} (round to nearest)"}
+        for method in options.methods.split(","):
+            name = f"surgery-{method}-{kind}.gguf"
+            seconds, simulated = ours(load, method, kind, calibration, work / name)
+            rows[name] = {"setting": f"surgery {method}, {kind}", "simulated": simulated, "seconds": seconds}
+    measured = json.loads(
+        runner(
+            python, "measure", str(work / "windows.npy"), str(options.rounds), *[str(work / name) for name in rows]
+        ).splitlines()[-1]
+    )
+    print(f"\n{options.model}: {len(windows)} held-out windows of {windows.shape[1] - 1} tokens, one thread")
+    print("| file | bytes | perplexity (llama.cpp) | simulated (PyTorch) | prefill tok/s | decode tok/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for found in measured:
+        row = rows[found["file"]]
+        simulated = f"{row['simulated']:.3f}" if "simulated" in row else "–"
+        print(
+            f"| {row['setting']} | {found['bytes']:,} | {found['perplexity']:.3f} | {simulated} "
+            f"| {found['prefill_tokens_per_s']:,.0f} | {found['decode_tokens_per_s']:,.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

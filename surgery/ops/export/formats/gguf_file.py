@@ -1,0 +1,196 @@
+"""``format="gguf"``: one GGUF file that llama.cpp (and ollama, LM Studio, llama-cpp-python on
+it) runs, written with gguf-py from surgery's own integers and scales: each quantized weight in
+the GGUF block type that holds its grid exactly (:mod:`.gguf_blocks`), never re-quantized;
+what stays float in the model's dtype (norms and biases in F32, as llama.cpp keeps them).
+
+The file loads back in transformers (``from_pretrained(folder, gguf_file=...)``, which
+dequantizes every tensor with gguf-py and undoes llama.cpp's query/key row order): that model
+computes the simulation's outputs bit for bit, the export's parity check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from surgery.core.errors import ConfigError
+from surgery.core.hf_loading import from_pretrained
+from surgery.ops.export.exporting import register_export_format
+from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows, tensor_name
+from surgery.ops.export.formats.requirements import required
+from surgery.ops.numerics.deployment import ExportParts, WeightGrid
+from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
+
+log = logging.getLogger("surgery")
+OPTIONS = ("type", "tokenizer")
+FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
+FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0"}
+
+
+def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write ``parts`` (a Hugging Face decoder under surgery) as one GGUF file at ``path``.
+
+    Options: ``type``, a GGUF type every quantized weight must be written as (``Q4_0``,
+    ``Q5_0``, ``Q8_0``; by default each weight's own grid picks it); ``tokenizer``: not yet
+    written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
+    writes none (llama.cpp then takes token ids)."""
+    gguf = required("gguf", "gguf")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError("export.options", unknown, f"format='gguf' takes {', '.join(OPTIONS)}")
+    wanted = _wanted_type(options.get("type"))
+    if options.get("tokenizer") is not None:
+        raise ConfigError(
+            "export.options.tokenizer",
+            type(options["tokenizer"]).__name__,
+            "format='gguf' writes a byte-level model's vocabulary; a Hugging Face tokenizer is not written yet",
+        )
+    model = parts.model
+    config = getattr(model, "config", None)
+    family = family_of(config)
+    if parts.activations:
+        layer = next(iter(parts.activations))[0]
+        raise ConfigError(
+            "export.format",
+            "gguf",
+            f"holds weight grids only; {layer}'s activations are quantized (llama.cpp rounds activations "
+            "itself): export a run without activation quantization",
+        )
+    tensors = [_tensor(name, value, parts.weights.get(name), config, wanted) for name, value in _parameters(model)]
+    writer = gguf.GGUFWriter(str(path), family.architecture)
+    writer.add_name(Path(str(getattr(config, "name_or_path", "") or "")).name or type(model).__name__)  # no local path
+    for method, value in metadata(config, family):
+        getattr(writer, method)(value)
+    quantized = Counter(kind for _, _, kind in tensors if kind in BLOCK_TYPES)
+    main = quantized.most_common(1)[0][0] if quantized else FLOAT_TYPES.get(model.dtype, "F32")
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[main]))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    notes = _tokenizer(writer, config, gguf)  # nothing the outputs depend on: the file stays exact
+    for name, data, kind in tensors:
+        raw = getattr(gguf.GGMLQuantizationType, kind)
+        writer.add_tensor(name, data, raw_dtype=raw if kind in BLOCK_TYPES or kind == "BF16" else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return notes
+
+
+def _wanted_type(name: object) -> BlockType | None:
+    if name is None:
+        return None
+    if name not in BLOCK_TYPES:
+        raise ConfigError("export.options.type", name, f"must be one of {', '.join(BLOCK_TYPES)}")
+    return BLOCK_TYPES[name]
+
+
+def _parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every parameter once (a tied head is the embedding: llama.cpp reuses ``token_embd``)."""
+    return [(name, value.detach()) for name, value in model.named_parameters()]
+
+
+def _tensor(name: str, value: Tensor, grid: WeightGrid | None, config: Any, wanted: BlockType | None) -> tuple:
+    """(GGUF name, numpy data, GGUF type name) of one parameter."""
+    gguf_name = tensor_name(name)
+    permute = permute_rows(gguf_name, config)
+    if grid is None:
+        value = value.float() if is_float_tensor(gguf_name, value) else value
+        value = value if permute is None else permute(value)
+        kind = FLOAT_TYPES.get(value.dtype)
+        if kind is None:
+            raise ConfigError("export.format", "gguf", f"{name} is {value.dtype}; GGUF holds F32, F16 and BF16")
+        data = value.cpu().contiguous()
+        array = data.view(torch.int16).numpy().view("uint8") if kind == "BF16" else data.numpy()
+        return gguf_name, array.reshape(*data.shape[:-1], -1) if kind == "BF16" else array, kind
+    integers = grid.integers(value)
+    kind = _block_type(name, grid, integers.shape[1], wanted)
+    if permute is not None:
+        grid = dataclasses.replace(
+            grid,
+            scale=permute(grid.scale.reshape(integers.shape[0], -1)),
+            zero_point=permute(grid.zero_point.reshape(integers.shape[0], -1)),
+        )
+        integers = permute(integers)
+    return gguf_name, kind.encode(grid, integers), kind.name
+
+
+def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | None) -> BlockType:
+    """The GGUF type that holds ``grid`` exactly (``wanted``, or the first of its bits that does);
+    none: refused in one line naming the weight, the type and what it needs."""
+    candidates = [wanted] if wanted is not None else [t for t in BLOCK_TYPES.values() if t.bits == grid.spec.bits]
+    reasons = []
+    for kind in candidates:
+        why = kind.holds(grid, columns)
+        if why is None:
+            return kind
+        reasons.append(f"{kind.name} needs {why}")
+    if not candidates:
+        reasons.append(f"no GGUF type here holds {grid.spec.bits}-bit integers (Q4_0, Q5_0, Q8_0)")
+    raise ConfigError(
+        "export.format",
+        "gguf",
+        f"cannot hold {name} exactly: {'; '.join(reasons)}; quantize with target='gguf:Q4_0' (or Q5_0, Q8_0)",
+    )
+
+
+def _tokenizer(writer: Any, config: Any, gguf: Any) -> dict[str, Any]:
+    """A byte-level model's 256-token vocabulary as llama.cpp's byte-level BPE (GPT-2's byte to
+    character map, no merge applies), else no vocabulary (token ids in)."""
+    if int(config.vocab_size) != 256:
+        writer.add_tokenizer_model("none")
+        log.warning(
+            "export: format='gguf' writes no tokenizer for a %d-token vocabulary; it takes token ids", config.vocab_size
+        )
+        return {}
+    characters = gguf.vocab.bytes_to_unicode()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([characters[b] for b in range(256)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * 256)
+    writer.add_token_merges(["Ġ Ġ"])  # llama.cpp needs the key; a merge whose result is no token never applies
+    return {}
+
+
+def load_gguf(path: Path) -> nn.Module:
+    """The file loaded by transformers (dequantized by gguf-py), float32, in eval mode. Its
+    GGUF loader reads no head size for Qwen2/Qwen3 (it keeps the config's default): the file's
+    ``attention.key_length`` is passed in; a tensor it would re-initialise is refused."""
+    import transformers
+
+    gguf = required("gguf", "gguf")
+    fields = gguf.GGUFReader(str(path)).fields
+    architecture = bytes(fields["general.architecture"].parts[-1]).decode()
+    key_length = fields.get(f"{architecture}.attention.key_length")
+    config = from_pretrained(transformers.AutoConfig, path.parent, "export.load", gguf_file=path.name)
+    if key_length is not None:
+        config.head_dim = int(key_length.parts[-1][0])
+    model, info = from_pretrained(
+        transformers.AutoModelForCausalLM,
+        path.parent,
+        "export.load",
+        gguf_file=path.name,
+        config=config,
+        dtype=torch.float32,
+        output_loading_info=True,
+    )
+    wrong = sorted(
+        str(k) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in info.get(kind, [])
+    )
+    if wrong:
+        raise ConfigError(
+            "export.load", path.name, f"transformers loads it with tensors missing or reshaped: {wrong[:3]}"
+        )
+    return model.eval()
+
+
+register_export_format("gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True)
+for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid
+    DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(layers=(nn.Linear,), weights=dict(_kind.target))

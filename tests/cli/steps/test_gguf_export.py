@@ -1,0 +1,33 @@
+"""``recipe=quantize_llama_gguf`` end to end: the shipped tiny Llama on llama.cpp's Q4_0 grid,
+written as Q4_0 tensors, loaded back through transformers' GGUF loader with the run's logits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow  # ~25 s: a run with its round-trip checks and the deploy check
+def test_quantize_llama_gguf_writes_q4_0_tensors_that_load_with_the_run_s_logits(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    args = ["recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    checks = {check["name"]: check for check in report["checks"]}
+    deploy = report["deploy"]
+    assert checks["deploy"]["passed"] and (deploy["expected"], deploy["max_abs"]) == ("exact", 0.0)
+    kinds = {
+        t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(tmp_path / "export.gguf").tensors
+    }
+    assert kinds["blk.0.attn_q.weight"] == kinds["blk.3.ffn_down.weight"] == "Q4_0"
+    assert kinds["output.weight"] == kinds["token_embd.weight"] == kinds["output_norm.weight"] == "F32"
+    assert sum(kind == "Q4_0" for kind in kinds.values()) == 28  # every Linear of the 4 blocks

@@ -1,0 +1,164 @@
+"""``format="gguf"``: surgery's own integers and scales in GGUF block types, read back by gguf-py
+(every tensor dequantized equals the simulation's weight bit for bit) and loaded by transformers'
+GGUF loader (outputs equal bit for bit); ``target="gguf:..."`` computes on the type's grid, and
+what a type cannot hold is refused in one line, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import tiny_gpt2  # tests/support.py
+
+import surgery
+from surgery import GridSpec
+from surgery.core.errors import ConfigError
+from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES
+from surgery.ops.export.formats.gguf_models import permute_rows, tensor_name
+from surgery.ops.numerics.deployment import WeightGrid
+from surgery.ops.numerics.observers import Grid
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+
+def tiny(family: str, vocab: int = 128) -> torch.nn.Module:
+    """A seeded tiny decoder of ``family`` (every row length a multiple of 32)."""
+    torch.manual_seed(0)
+    shapes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    shapes |= dict(num_key_value_heads=2, vocab_size=vocab, head_dim=16)
+    config = getattr(transformers, f"{family}Config")(**shapes)
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+
+
+def ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Every tensor of the file: its GGUF type name and gguf-py's dequantized (rows, columns) values."""
+    found = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        found[tensor.name] = (kind, gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    return found
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_every_tensor_reads_back_as_the_simulation_s_weight_and_transformers_computes_its_outputs(
+    tmp_path, family, kind
+):
+    model = tiny(family)
+    handle = surgery.quantize(model, weights=GridSpec(bits=4), target=f"gguf:{kind}", exclude="lm_head")
+    record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.expected == "exact" and record.parity.equal  # transformers' GGUF loader, bit for bit
+    stored = read_back(record.path)
+    for name, value in model.named_parameters():
+        found_kind, data = stored[tensor_name(name)]
+        expected = value.detach().float()
+        permute = permute_rows(tensor_name(name), model.config)
+        expected = expected if permute is None else permute(expected)
+        assert found_kind == (kind if name in handle.weights else "F32"), name
+        assert np.array_equal(data.reshape(expected.shape), expected.numpy()), name  # gguf-py's own decoder
+
+
+@pytest.mark.parametrize("method", ["gptq", "autoround"])
+def test_calibrated_methods_on_the_gguf_grid_export_exactly(tmp_path, method):
+    model = tiny("Llama")
+    spec = GridSpec(bits=4, method=method, iterations=3)
+    calibration = [ids(seed) for seed in range(2)]
+    handle = surgery.quantize(model, weights=spec, target="gguf:Q4_0", exclude="lm_head", calibration=calibration)
+    for grid in handle.weights.values():  # the method rounded against the fp16 scale GGUF stores
+        assert torch.equal(grid.scale.half().float(), grid.scale)
+    record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.equal
+
+
+def test_the_q4_0_target_is_llama_cpp_s_own_q4_0_grid_but_for_ties():
+    # llama.cpp's reference quantizer (gguf-py's transcription) rounds half up and picks the
+    # first largest value's sign; surgery rounds half to even: measured 99.95 % equal values on
+    # 256 x 1024 normal weights, every other value one step apart
+    weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    spec = GridSpec(**BLOCK_TYPES["Q4_0"].target)
+    grid = WeightGrid("w", spec, *Grid(spec, True).group_qparams(weight), 0, 0)
+    ours = grid.dequantized(grid.row_integers(weight)).numpy()
+    theirs = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_0), 2)
+    step = grid.scale.float().repeat_interleave(32, dim=1).numpy()
+    assert (ours == theirs).mean() > 0.999
+    assert np.all(np.abs(ours - theirs) <= step * 1.0001)
+
+
+def test_a_byte_level_model_carries_its_byte_vocabulary(tmp_path):
+    model = tiny("Llama", vocab=256)
+    handle = surgery.quantize(model, weights=GridSpec(bits=8), target="gguf:Q8_0", exclude="lm_head")
+    record = surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    fields = gguf.GGUFReader(str(record.path)).fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    model_kind = bytes(fields["tokenizer.ggml.model"].parts[-1]).decode()
+    assert model_kind == "gpt2" and len(tokens) == 256 == len(set(tokens))
+    assert tokens[ord("a")] == "a" and tokens[ord(" ")] == "Ġ"  # GPT-2's byte-to-character map
+
+
+@pytest.mark.parametrize(
+    ("weights", "target", "options", "message"),
+    [
+        (
+            GridSpec(bits=4, group_size=128),
+            None,
+            {},
+            r"cannot hold model\.layers\.0\.self_attn\.q_proj\.weight exactly: "
+            r"Q4_0 needs groups of 32 inputs .* quantize with target='gguf:Q4_0'",
+        ),
+        (GridSpec(bits=4, group_size=32, symmetric=True), None, {}, r"Q4_0 needs fp16 scales"),
+        (GridSpec(bits=4, group_size=32, scale_dtype="float16"), None, {}, r"Q4_0 needs signed integers"),
+        (GridSpec(bits=8), "gguf:Q8_0", {"type": "Q4_0"}, r"Q4_0 needs signed integers within \[-8, 7\] \(bits=8\)"),
+        (GridSpec(bits=4), "gguf:Q4_0", {"type": "Q4_K"}, r"^export\.options\.type='Q4_K': must be one of Q8_0"),
+        (GridSpec(bits=4), "gguf:Q4_0", {"tokenizer": object()}, r"^export\.options\.tokenizer='object'"),
+    ],
+)
+def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(tmp_path, weights, target, options, message):
+    model = tiny("Llama")  # held: a handle keeps only a weak reference to its model
+    handle = surgery.quantize(model, weights=weights, target=target, exclude="lm_head")
+    with pytest.raises(ConfigError, match=message):
+        surgery.export(handle, tmp_path / "m.gguf", format="gguf", **options)
+    assert not list(tmp_path.iterdir())
+
+
+def test_activation_quantization_and_other_models_are_refused(tmp_path):
+    batch = ids()
+    model = tiny("Llama")
+    handle = surgery.quantize(
+        model, weights=GridSpec(bits=4), activations=GridSpec(bits=8), target="gguf:Q4_0", calibration=[batch]
+    )
+    with pytest.raises(ConfigError, match=r"holds weight grids only; .* activations are quantized"):
+        surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    handle.restore()
+    other = tiny_gpt2()
+    gpt2 = surgery.quantize(other, weights=GridSpec(bits=8))
+    with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families llama, .* gpt2$"):
+        surgery.export(gpt2, tmp_path / "g.gguf", format="gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_unquantized_layers_stay_in_the_model_s_dtype_and_the_file_stays_exact(tmp_path):
+    model = tiny("Qwen3").to(torch.bfloat16)
+    handle = surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", select="**.mlp.*")
+    record = surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    kinds = {name: kind for name, (kind, _) in read_back(record.path).items()}
+    assert kinds["blk.0.ffn_up.weight"] == "Q4_0" and kinds["blk.0.attn_q.weight"] == "BF16"
+    assert kinds["blk.0.attn_norm.weight"] == "F32" and kinds["token_embd.weight"] == "BF16"
+
+
+def test_tiny_llama_rows_reach_the_llama_cpp_row_order(tmp_path):
+    # the query rows llama.cpp reads are Hugging Face's, pair-interleaved per head (its converter's permute)
+    model = tiny("Llama")
+    handle = surgery.quantize(model, weights=GridSpec(bits=8), target="gguf:Q8_0", select="**.q_proj")
+    record = surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    _, stored = read_back(record.path)["blk.0.attn_q.weight"]
+    weight = model.model.layers[0].self_attn.q_proj.weight.detach()
+    head = 16
+    first = torch.cat([weight[0:1], weight[head // 2 : head // 2 + 1]])  # rows 0 and 8 of head 0 become 0 and 1
+    assert np.array_equal(stored[:2], first.numpy())
