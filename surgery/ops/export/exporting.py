@@ -254,11 +254,11 @@ def export(
             logged and listed in ``record.left_out``.
         format: a registered format (:func:`register_export_format`): ``"safetensors"`` writes
             the weights as they compute now (pruned zeros, quantized values);
-            ``"compressed-tensors"``, ``"torchao"`` and ``"onnx"`` write integer weights for
-            their runtimes (the ``deploy`` extra).
+            ``"compressed-tensors"``, ``"torchao"``, ``"onnx"`` and ``"gguf"`` write integer
+            weights for their runtimes (the ``deploy`` extra).
             An offloaded model's handle (:func:`surgery.offloaded`), or what a verb made of
             it, is streamed: one tensor read at a time, in the formats that stream
-            (``"safetensors"``, ``"compressed-tensors"``).
+            (``"safetensors"``, ``"compressed-tensors"``, ``"gguf"``).
         inputs: batches (or one) to compare the artifact, loaded in its runtime, with the model
             under surgery as it runs (every attached surgery), every output tensor of both:
             ``record.parity``. Formats that trace the model (``"onnx"``) need them.

@@ -114,6 +114,23 @@ def test_export_streams_the_same_files_as_the_model_in_memory_gives(tmp_path):
     assert torch.equal(logits(load_compressed_tensors(out / "offloaded")), logits(done.model))
 
 
+def test_gguf_streams_the_same_tensors_as_the_model_in_memory_gives(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    folder = tmp_path / "model"
+    reference = llama_folder(folder)
+    spec = GridSpec(bits=4, method="gptq")
+    in_memory = surgery.quantize(reference, weights=spec, target="gguf:Q4_0", calibration=batches(), exclude="lm_head")
+    surgery.export(in_memory, tmp_path / "memory.gguf", format="gguf")
+    done = surgery.quantize(
+        surgery.offloaded(folder), weights=spec, target="gguf:Q4_0", calibration=batches(), exclude="lm_head"
+    )
+    record = surgery.export(done, tmp_path / "offloaded.gguf", format="gguf", inputs=[TOKENS])
+    assert record.parity.equal  # transformers' GGUF loader computes what the offloaded model does
+    read = [gguf.GGUFReader(str(tmp_path / f"{name}.gguf")).tensors for name in ("memory", "offloaded")]
+    assert [(t.name, t.tensor_type) for t in read[0]] == [(t.name, t.tensor_type) for t in read[1]]
+    assert all(bytes(a.data) == bytes(b.data) for a, b in zip(*read))  # the same blocks, bit for bit
+
+
 def test_the_offloaded_model_itself_streams_to_safetensors(tmp_path):
     reference = llama_folder(tmp_path / "model")
     source = surgery.offloaded(tmp_path / "model")

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,6 +28,7 @@ from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows, tensor_name
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
+from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")
@@ -42,6 +45,38 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     ``Q5_0``, ``Q8_0``; by default each weight's own grid picks it); ``tokenizer``: not yet
     written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
     writes none (llama.cpp then takes token ids)."""
+    if parts.activations:
+        _refuse_activations(next(iter(parts.activations))[0])
+    tensors = [(name, value, parts.weights.get(name)) for name, value in parts.model.named_parameters()]
+    return _write(parts.model, path, options, tensors, lambda value: value.detach())
+
+
+def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Write an offloaded model's quantized result (:func:`surgery.quantize` given
+    :func:`surgery.offloaded`'s handle) as one GGUF file, each tensor read from its file as it
+    is written: memory holds one tensor."""
+    spec = getattr(handle, "spec", None)  # the weights' grid (an offloaded verb quantizes weights only)
+    found = handle.grids
+    if found and not isinstance(spec, GridSpec):
+        raise ConfigError("export.handle", handle.kind, "format='gguf' streams an offloaded quantize's weights")
+    grids = {name: WeightGrid(name, spec, scale, zero_point, axis) for name, (scale, zero_point, axis) in found.items()}
+    tensors = [(name, value, grids.get(name)) for name, value in handle.model.named_parameters()]
+    return _write(handle.model, path, options, tensors, handle.value_of)
+
+
+def _refuse_activations(layer: str) -> None:
+    raise ConfigError(
+        "export.format",
+        "gguf",
+        f"holds weight grids only; {layer} activations are quantized (llama.cpp rounds activations "
+        "itself): export a run without activation quantization",
+    )
+
+
+def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list, read: Any) -> dict[str, Any]:
+    """The file, one tensor at a time: every tensor's name, type and size (and every refusal)
+    first, from shapes and grids alone; then each tensor read (``read(parameter)``), packed and
+    written."""
     gguf = required("gguf", "gguf")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -53,35 +88,48 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
             type(options["tokenizer"]).__name__,
             "format='gguf' writes a byte-level model's vocabulary; a Hugging Face tokenizer is not written yet",
         )
-    model = parts.model
     config = getattr(model, "config", None)
     family = family_of(config)
-    if parts.activations:
-        layer = next(iter(parts.activations))[0]
-        raise ConfigError(
-            "export.format",
-            "gguf",
-            f"holds weight grids only; {layer}'s activations are quantized (llama.cpp rounds activations "
-            "itself): export a run without activation quantization",
-        )
-    tensors = [_tensor(name, value, parts.weights.get(name), config, wanted) for name, value in _parameters(model)]
+    planned = [_planned(name, value, grid, wanted) for name, value, grid in tensors]
     writer = gguf.GGUFWriter(str(path), family.architecture)
     writer.add_name(Path(str(getattr(config, "name_or_path", "") or "")).name or type(model).__name__)  # no local path
     for method, value in metadata(config, family):
         getattr(writer, method)(value)
-    quantized = Counter(kind for _, _, kind in tensors if kind in BLOCK_TYPES)
+    quantized = Counter(kind.name for _, kind, _ in planned if isinstance(kind, BlockType))
     main = quantized.most_common(1)[0][0] if quantized else FLOAT_TYPES.get(model.dtype, "F32")
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[main]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     notes = _tokenizer(writer, config, gguf)  # nothing the outputs depend on: the file stays exact
-    for name, data, kind in tensors:
-        raw = getattr(gguf.GGMLQuantizationType, kind)
-        writer.add_tensor(name, data, raw_dtype=raw if kind in BLOCK_TYPES or kind == "BF16" else None)
+    for gguf_name, kind, shape in planned:
+        raw = getattr(gguf.GGMLQuantizationType, kind if isinstance(kind, str) else kind.name)
+        block, size = gguf.GGML_QUANT_SIZES[raw]
+        nbytes = math.prod(shape[:-1]) * shape[-1] // block * size
+        byte_shape = (*shape[:-1], shape[-1] // block * size)
+        if kind in ("F32", "F16"):
+            writer.add_tensor_info(gguf_name, shape, np.dtype(kind.replace("F", "float")), nbytes)
+        else:
+            writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for (name, value, grid), (_, kind, _) in zip(tensors, planned):
+        writer.write_tensor_data(_data(name, read(value), grid, config, kind))
     writer.close()
     return notes
+
+
+def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: BlockType | None) -> tuple:
+    """(GGUF name, its type: a BlockType or a float type's name, its (rows..., columns) shape)
+    of one parameter, from its shape and grid; what GGUF cannot hold is refused here."""
+    gguf_name = tensor_name(name)
+    if grid is None:
+        kind = "F32" if is_float_tensor(gguf_name, value) else FLOAT_TYPES.get(value.dtype)
+        if kind is None:
+            raise ConfigError("export.format", "gguf", f"{name} is {value.dtype}; GGUF holds F32, F16 and BF16")
+        return gguf_name, kind, tuple(value.shape)
+    rows = value.shape[grid.output_axis]
+    columns = value.numel() // rows
+    return gguf_name, _block_type(name, grid, columns, wanted), (rows, columns)
 
 
 def _wanted_type(name: object) -> BlockType | None:
@@ -92,34 +140,27 @@ def _wanted_type(name: object) -> BlockType | None:
     return BLOCK_TYPES[name]
 
 
-def _parameters(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Every parameter once (a tied head is the embedding: llama.cpp reuses ``token_embd``)."""
-    return [(name, value.detach()) for name, value in model.named_parameters()]
-
-
-def _tensor(name: str, value: Tensor, grid: WeightGrid | None, config: Any, wanted: BlockType | None) -> tuple:
-    """(GGUF name, numpy data, GGUF type name) of one parameter."""
+def _data(name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any) -> np.ndarray:
+    """One parameter's bytes as ``kind``: a float type's values, or the packed blocks of its
+    grid's integers; in llama.cpp's row order."""
     gguf_name = tensor_name(name)
     permute = permute_rows(gguf_name, config)
     if grid is None:
-        value = value.float() if is_float_tensor(gguf_name, value) else value
-        value = value if permute is None else permute(value)
-        kind = FLOAT_TYPES.get(value.dtype)
-        if kind is None:
-            raise ConfigError("export.format", "gguf", f"{name} is {value.dtype}; GGUF holds F32, F16 and BF16")
-        data = value.cpu().contiguous()
-        array = data.view(torch.int16).numpy().view("uint8") if kind == "BF16" else data.numpy()
-        return gguf_name, array.reshape(*data.shape[:-1], -1) if kind == "BF16" else array, kind
+        value = value.detach().float() if kind == "F32" else value.detach()
+        value = (value if permute is None else permute(value)).cpu().contiguous()
+        if kind == "BF16":
+            return value.view(torch.int16).numpy().view(np.uint8).reshape(*value.shape[:-1], -1)
+        return value.numpy()
     integers = grid.integers(value)
-    kind = _block_type(name, grid, integers.shape[1], wanted)
     if permute is not None:
+        rows = integers.shape[0]
         grid = dataclasses.replace(
             grid,
-            scale=permute(grid.scale.reshape(integers.shape[0], -1)),
-            zero_point=permute(grid.zero_point.reshape(integers.shape[0], -1)),
+            scale=permute(grid.scale.reshape(rows, -1)),
+            zero_point=permute(grid.zero_point.reshape(rows, -1)),
         )
         integers = permute(integers)
-    return gguf_name, kind.encode(grid, integers), kind.name
+    return kind.encode(grid, integers)
 
 
 def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | None) -> BlockType:
@@ -191,6 +232,6 @@ def load_gguf(path: Path) -> nn.Module:
     return model.eval()
 
 
-register_export_format("gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True)
+register_export_format("gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True, stream=stream_gguf)
 for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid
     DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(layers=(nn.Linear,), weights=dict(_kind.target))
