@@ -33,9 +33,31 @@ import numpy as np
 THREADS = 1
 
 
+def plain_buffers() -> None:
+    """Every weight in llama.cpp's plain CPU buffer: its extra buffer types (AMX tiles, repacked
+    Q4_0/Q8_0 layouts) off. Built for this machine's AVX-512 VM (a native build compiles AMX in
+    whatever ``GGML_AMX_*`` says), llama.cpp 0c1e570 crashed in the first decode of any Q4_0 or
+    Q8_0 file with them on, its own quantization's included; F32 and Q5_0 files ran either way.
+    Both sides of every comparison run the same kernels."""
+    import llama_cpp.llama_cpp as raw  # the bindings module Llama reads its defaults from
+
+    default = raw.llama_model_default_params
+    if getattr(default, "plain", False):
+        return
+
+    def params() -> object:
+        found = default()
+        found.use_extra_bufts = False
+        return found
+
+    params.plain = True
+    raw.llama_model_default_params = params
+
+
 def open_model(path: str, length: int, logits_all: bool) -> object:
     from llama_cpp import Llama
 
+    plain_buffers()
     return Llama(model_path=path, n_ctx=length, n_batch=length, logits_all=logits_all, n_threads=THREADS, verbose=False)
 
 

@@ -21,17 +21,14 @@ VENVS: dict[str, tuple[list[str], ...]] = {
     ),
     "auto_round": (["torch==2.14.1", "auto-round==0.16.1"],),
     # llama.cpp through llama-cpp-python, built from its source distribution (PyPI has no wheel):
-    # for this machine's CPU (GGML_NATIVE) but without AMX and without the CPU repacking of Q4_0
-    # and Q8_0 weights (with either, llama.cpp 0c1e570 crashed in its first decode of any Q4_0 or
-    # Q8_0 file on this machine's AVX-512 VM, llama.cpp's own quantization's included; F32 and Q5_0
-    # ran), and without the multimodal library
+    # for this machine's CPU (GGML_NATIVE), without the multimodal library (llama_cpp_runner.py
+    # turns llama.cpp's extra buffer types off: see there)
     "llama_cpp": (
         ["numpy", "gguf==0.19.0"],
         ["llama-cpp-python==0.3.36", "--no-binary", "llama-cpp-python", "--no-cache-dir"],
     ),
 }
-NO_AMX = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_CPU_REPACK=OFF"
-ENVIRONMENT: dict[str, dict[str, str]] = {"llama_cpp": {"CMAKE_ARGS": f"-DLLAVA_BUILD=OFF -DGGML_BLAS=OFF {NO_AMX}"}}
+ENVIRONMENT: dict[str, dict[str, str]] = {"llama_cpp": {"CMAKE_ARGS": "-DLLAVA_BUILD=OFF -DGGML_BLAS=OFF"}}
 
 
 @functools.cache  # checked once a run
