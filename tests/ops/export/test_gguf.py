@@ -162,3 +162,20 @@ def test_tiny_llama_rows_reach_the_llama_cpp_row_order(tmp_path):
     head = 16
     first = torch.cat([weight[0:1], weight[head // 2 : head // 2 + 1]])  # rows 0 and 8 of head 0 become 0 and 1
     assert np.array_equal(stored[:2], first.numpy())
+
+
+def test_a_plan_over_gguf_types_writes_a_mixed_file_of_the_bytes_it_counted(tmp_path):
+    model = tiny("Llama")
+    choices = ["dense", "gguf:Q8_0", "gguf:Q5_0", "gguf:Q4_0"]
+    plan = surgery.plan(model, "5.5bpw", choices, calibration=[ids(seed) for seed in range(2)])
+    assert len(plan.counts()) > 1  # a mix: 5.5 bits a weight sits between the types
+    with plan.apply(model) as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.equal
+    stored = {t.name: t for t in gguf.GGUFReader(str(record.path)).tensors}
+    for row in plan.rows:
+        tensor = stored[tensor_name(f"{row.layer}.weight")]
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        assert kind == (row.choice.removeprefix("gguf:") if row.choice != "dense" else "F32"), row
+        if row.choice != "dense":
+            assert tensor.n_bytes == row.bytes  # the plan counted exactly what the file holds

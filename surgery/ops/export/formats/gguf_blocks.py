@@ -44,6 +44,7 @@ class BlockType:
     pack: Callable[[np.ndarray, np.ndarray], np.ndarray]
     target: dict = field(default_factory=dict)
     bits: int = 8
+    block_bytes: int = 34  # bytes of a block of 32: the fp16 scale and the packed integers
 
     def holds(self, grid: WeightGrid, columns: int) -> str | None:
         """Why ``grid`` (of a weight with ``columns`` inputs) cannot be written as this type, or None."""
@@ -125,8 +126,9 @@ BLOCK_TYPES: dict[str, BlockType] = {
         pack_q8_0,
         {"bits": 8, "symmetric": True, "group_size": BLOCK, "scale_dtype": "float16"},
         8,
+        34,
     ),
-    "Q5_0": BlockType("Q5_0", (-16, 15), pack_q5_0, _target(5), 5),
-    "Q4_0": BlockType("Q4_0", (-8, 7), pack_q4_0, _target(4), 4),
+    "Q5_0": BlockType("Q5_0", (-16, 15), pack_q5_0, _target(5), 5, 22),
+    "Q4_0": BlockType("Q4_0", (-8, 7), pack_q4_0, _target(4), 4, 18),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")  # what stays float: norms, embeddings and unquantized layers
