@@ -463,7 +463,8 @@ def test_bad_deployment_exports_are_one_line_and_write_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"^quantize.target='safetensors': has no deployment rules; one of"):
         surgery.QuantizeSpec(target="safetensors")
     with pytest.raises(
-        ConfigError, match=r"^quantize.target='onnxx': has no deployment rules; one of compressed-tensors, fp8, onnx"
+        ConfigError,
+        match=r"^quantize.target=.onnxx.: has no deployment rules; one of compressed-tensors, fp8, gguf:Q4_0, .*, onnx",
     ):
         surgery.QuantizeSpec(target="onnxx")
 

@@ -24,13 +24,22 @@ from surgery.core.layer_kinds import is_kind
 from surgery.ops.equivalence.folding import batchnorm_pairs, is_neutral
 from surgery.ops.experts.routing import refuse_experts
 from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.formats.onnx_nbits import BLOCK_SIZES, gemm_problem, matmul_nbits, nbits_problem, uses_domain
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 
 log = logging.getLogger("surgery")
 OPTIONS = ("opset",)
 OPSETS = (18, 25)  # what the exporter's version converter writes keeping the module names (onnxscript 0.7)
-INT8_KERNELS = ("QLinearConv", "ConvInteger", "QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "QGemm")
+INT8_KERNELS = (
+    "QLinearConv",
+    "ConvInteger",
+    "QLinearMatMul",
+    "MatMulInteger",
+    "MatMulIntegerToFloat",
+    "QGemm",
+    "MatMulNBits",  # 4-bit weights: not int8, counted with the integer kernels
+)
 FLOAT_KERNELS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedGemm", "FusedMatMul")
 WEIGHT_LAYOUT = {"Conv": 0, "Gemm": 0, "MatMul": 1}  # the output-channel axis of each op's weight initializer
 ACTIVATION_OPS = ("Relu",)  # quantized at their output per call (where="tensors"): a runtime fuses them into Q
@@ -149,12 +158,21 @@ def _check_grids(parts: ExportParts) -> None:
                 grid.spec.format,
                 f"is a floating-point grid; {FLOAT_REFUSAL}",
             )
-        if grid.spec.bits != 8 or not grid.spec.symmetric or grid.group_size:
+        int8 = grid.spec.bits == 8 and grid.spec.symmetric and not grid.group_size
+        if not int8 and nbits_problem(grid) is not None:
             raise ConfigError(
                 "quantize.weights",
                 f"{key}: {grid.spec.bits}-bit {'symmetric' if grid.spec.symmetric else 'affine'}"
                 f"{f' group {grid.group_size}' if grid.group_size else ''}",
-                "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor",
+                "ONNX Runtime's int8 kernels take 8-bit symmetric weights, per channel or per tensor, and its "
+                f"MatMulNBits 4-bit weights in groups of {', '.join(map(str, BLOCK_SIZES))}",
+            )
+        layer = key.rpartition(".")[0]
+        if not int8 and any(a == layer for a, _, _ in parts.activations):
+            raise ConfigError(
+                "quantize.activations",
+                layer,
+                "its 4-bit weights run in MatMulNBits, which takes float inputs; leave its activations float",
             )
     for (layer, where, _), grid in parts.activations.items():
         if grid.dynamic:
@@ -277,7 +295,15 @@ class _QDQ:
         if node.op_type == "Gemm" and not any(a.name == "transB" and a.i == 1 for a in node.attribute):
             axis = 1
         moved = value.movedim(axis, 0)  # the traced layout's outputs first, whatever the layer's own layout
-        integers = grid.row_integers(moved.reshape(moved.shape[0], -1)).reshape(moved.shape).movedim(0, axis)
+        rows = grid.row_integers(moved.reshape(moved.shape[0], -1))
+        if grid.spec.bits != 8:  # checked: 4-bit in groups, held by MatMulNBits
+            problem = gemm_problem(node)
+            if problem is not None:
+                raise ConfigError("export.handle", grid.key, problem)
+            matmul_nbits(node, grid, rows, self._constant)
+            uses_domain(self.model)
+            return
+        integers = rows.reshape(moved.shape).movedim(0, axis)
         scale = grid.scale.float().reshape(-1).numpy()
         scale = scale.reshape(()) if grid.axis is None else scale
         zero = np.zeros(scale.shape, np.int8)
