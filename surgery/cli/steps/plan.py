@@ -97,6 +97,8 @@ class PlanStep(Step):
     def reattach(self, model: nn.Module, settings: PlanConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
         """Each attention module's KV-cache rounding, from the saved scales (baking folds the
         weight choices; a cache's rounding stays a hook)."""
+        if isinstance(qparams, (str, Path)) and not Path(qparams).exists():
+            return None  # no step saved activation parameters: the plan chose no KV-cache rounding
         saved = load_qparams(qparams) if isinstance(qparams, (str, Path)) else qparams
         by_choice: dict[str, list[str]] = {}
         for key, value in saved.items():
