@@ -13,7 +13,9 @@ What the built-ins count (``out x in`` weight, ``n = out * in``):
 - ``nvfp4``: 4 bits a weight, one 8-bit (E4M3) scale per 16 inputs, and one 32-bit tensor
   scale: 4.5 (and a little);
 - ``2:4``: half the weights kept at 16 bits, each with a 2-bit position in its group of four
-  (NVIDIA's sparse metadata): (16 + 2) / 2 = 9 bits a weight.
+  (NVIDIA's sparse metadata): (16 + 2) / 2 = 9 bits a weight;
+- ``gguf:Q4_0``, ``gguf:Q5_0``, ``gguf:Q8_0``: llama.cpp's block types (``target="gguf:..."``'s
+  grids), at a block's bytes: 18, 22, 34 bytes a block of 32 weights (4.5, 5.5, 8.5 bits).
 
 KV-cache choices (``target="kv_cache"``) are taken per attention module with ``k_proj`` and
 ``v_proj`` Linear layers. Their "shape" is ``(values cached per token, tokens)``: the key and
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.ops.export.formats.gguf_blocks import BLOCK, BLOCK_TYPES, BlockType
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.quantization.kv_cache import PROJECTIONS, quantize_kv_cache
@@ -160,6 +163,19 @@ def kv_choice(name: str, spec: GridSpec | None, description: str = "") -> Choice
     )
 
 
+def gguf_choice(kind: BlockType) -> Choice:
+    """The choice ``gguf:TYPE``: the GGUF type's grid, counted at the type's bytes (a block of 32
+    weights in ``kind.block_bytes``), for layers whose rows are whole blocks."""
+    choice = grid_choice(
+        f"gguf:{kind.name}", GridSpec(**kind.target), f"GGUF {kind.name}, {kind.block_bytes} B a block"
+    )
+    return dataclasses.replace(
+        choice,
+        bits=lambda shape: shape[0] * shape[1] // BLOCK * kind.block_bytes * 8,
+        fits=lambda shape: shape[1] % BLOCK == 0,
+    )
+
+
 def _dense(model: nn.Module, layers: list[str], calibration: Any, method: str) -> Handle:
     return Handle("dense", model)  # nothing done: restores to itself
 
@@ -182,6 +198,8 @@ def _builtins() -> None:
     register_choice(
         Choice("2:4", sparse_bits, _two_four, fits=lambda s: s[1] % 4 == 0, description="2:4 sparse, 16-bit kept")
     )
+    for kind in BLOCK_TYPES.values():
+        register_choice(gguf_choice(kind))
     register_choice(kv_choice("kv16", None, "KV cache at 16 bits, unchanged"))
     register_choice(kv_choice("kv_int8", channel, "KV cache int8, symmetric, static per channel"))
     kv4 = GridSpec(bits=4, symmetric=True, per_channel=True)

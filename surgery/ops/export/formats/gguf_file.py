@@ -29,7 +29,6 @@ from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, m
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.observers import GridSpec
-from surgery.ops.planning.choices import Choice, grid_choice, register_choice
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")
@@ -236,19 +235,5 @@ def load_gguf(path: Path) -> nn.Module:
 register_export_format("gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True, stream=stream_gguf)
 
 
-def _plan_choice(kind: BlockType) -> Choice:
-    """``surgery.plan``'s choice ``gguf:TYPE``: the type's grid, counted at the type's bytes (a
-    block of 32 weights in ``block_bytes``), for layers whose rows are whole blocks."""
-    choice = grid_choice(
-        f"gguf:{kind.name}", GridSpec(**kind.target), f"GGUF {kind.name}, {kind.block_bytes} bytes a block of 32"
-    )
-    return dataclasses.replace(
-        choice,
-        bits=lambda shape: shape[0] * shape[1] // 32 * kind.block_bytes * 8,
-        fits=lambda shape: shape[1] % 32 == 0,
-    )
-
-
 for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid
     DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(layers=(nn.Linear,), weights=dict(_kind.target))
-    register_choice(_plan_choice(_kind))
