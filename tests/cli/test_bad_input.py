@@ -983,6 +983,32 @@ API_CASES = [
         build=lambda: tiny_llama(layers=1),
         prepare=lambda m: _int8_beside_affine_int4(m),
     ),
+    ApiCase(
+        "gguf",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf"),
+        ConfigError,
+        "export.format",
+        "cannot hold model.layers.0.self_attn.q_proj.weight exactly: Q4_0 needs groups of 32",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=128), exclude="lm_head"),
+    ),
+    ApiCase(
+        "gguf",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf", type="Q4_K"),
+        ConfigError,
+        "export.options.type",
+        "Q4_K",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
+    ),
+    ApiCase(
+        "onnx-nbits",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.onnx", format="onnx", inputs=[torch.randn(2, 8)]),
+        ConfigError,
+        "quantize.weights",
+        "4-bit affine group 48",
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=48)),
+    ),
 ]
 
 
