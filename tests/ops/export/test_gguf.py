@@ -179,3 +179,14 @@ def test_a_plan_over_gguf_types_writes_a_mixed_file_of_the_bytes_it_counted(tmp_
         assert kind == (row.choice.removeprefix("gguf:") if row.choice != "dense" else "F32"), row
         if row.choice != "dense":
             assert tensor.n_bytes == row.bytes  # the plan counted exactly what the file holds
+
+
+def test_a_bfloat16_model_loads_back_in_bfloat16_with_the_simulation_s_outputs(tmp_path):
+    # the file's float tensors say the dtype; each block's values rounded to bfloat16 as the
+    # simulation rounds them (a model cast with .to(bfloat16) also casts its rotary buffers,
+    # which transformers keeps in float32: load it with from_pretrained(dtype=...) instead)
+    tiny("Llama").save_pretrained(tmp_path / "float")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.bfloat16).eval()
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.equal and record.load().dtype == torch.bfloat16

@@ -201,13 +201,18 @@ def _tokenizer(writer: Any, config: Any, gguf: Any) -> dict[str, Any]:
 
 
 def load_gguf(path: Path) -> nn.Module:
-    """The file loaded by transformers (dequantized by gguf-py), float32, in eval mode. Its
-    GGUF loader reads no head size for Qwen2/Qwen3 (it keeps the config's default): the file's
-    ``attention.key_length`` is passed in; a tensor it would re-initialise is refused."""
+    """The file loaded by transformers (dequantized by gguf-py), in eval mode, in the dtype of its
+    float weights (bfloat16 or float16 where the model was: a block's values rounded to it as the
+    simulation rounds them; float32 otherwise). Its GGUF loader reads no head size for
+    Qwen2/Qwen3 (it keeps the config's default): the file's ``attention.key_length`` is passed
+    in; a tensor it would re-initialise is refused."""
     import transformers
 
     gguf = required("gguf", "gguf")
-    fields = gguf.GGUFReader(str(path)).fields
+    reader = gguf.GGUFReader(str(path))
+    fields = reader.fields
+    kinds = {gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) > 1}
+    dtype = torch.bfloat16 if "BF16" in kinds else torch.float16 if "F16" in kinds else torch.float32
     architecture = bytes(fields["general.architecture"].parts[-1]).decode()
     key_length = fields.get(f"{architecture}.attention.key_length")
     config = from_pretrained(transformers.AutoConfig, path.parent, "export.load", gguf_file=path.name)
@@ -219,7 +224,7 @@ def load_gguf(path: Path) -> nn.Module:
         "export.load",
         gguf_file=path.name,
         config=config,
-        dtype=torch.float32,
+        dtype=dtype,
         output_loading_info=True,
     )
     wrong = sorted(
