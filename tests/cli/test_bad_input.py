@@ -1002,6 +1002,15 @@ API_CASES = [
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
     ),
     ApiCase(
+        "int4",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.pt", format="int4"),
+        ConfigError,
+        "export.format",
+        "is torch.float32: torch's CPU int4 kernel",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=32), exclude="lm_head"),
+    ),
+    ApiCase(
         "onnx-nbits",
         lambda m, tmp, handle: surgery.export(handle, tmp / "m.onnx", format="onnx", inputs=[torch.randn(2, 8)]),
         ConfigError,
