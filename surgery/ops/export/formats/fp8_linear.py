@@ -10,16 +10,15 @@ FP8 inputs are refused, as are block scales the kernel does not take."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.formats.swapped_modules import save_swapped
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 
@@ -71,20 +70,17 @@ def write_fp8(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[s
     """Swap each FP8-quantized Linear of a copy of ``parts.model`` for a :class:`Float8Linear`."""
     if options:
         raise ConfigError("export.options", sorted(options), "format='fp8' takes no options")
-    layers = _layers(parts)
-    plain = copy.deepcopy(parts.model).eval()
-    drop_forward_hooks(plain)
-    for layer in layers:
-        module = plain.get_submodule(layer)
-        grid, inputs = parts.layer_weight(layer), parts.activation(layer, "input")
-        weight_scale = grid.scale.float().reshape(-1, 1)
-        values = (module.weight.detach().float() / weight_scale).to(torch.float8_e4m3fn)
-        input_scale = None if inputs.dynamic else inputs.scale.detach().float()
-        replacement = Float8Linear(values, weight_scale.reshape(-1), module.bias, input_scale)
-        parent, _, name = layer.rpartition(".")
-        setattr(plain.get_submodule(parent) if parent else plain, name, replacement)
-    torch.save(plain, str(path))
-    return {"exact": False}
+    replacements = {layer: lambda module, layer=layer: _float8_linear(parts, layer, module) for layer in _layers(parts)}
+    return save_swapped(parts.model, path, replacements)
+
+
+def _float8_linear(parts: ExportParts, layer: str, module: nn.Module) -> Float8Linear:
+    """``module`` (the copy's ``layer``) on its FP8 grid, with its inputs' scale."""
+    grid, inputs = parts.layer_weight(layer), parts.activation(layer, "input")
+    weight_scale = grid.scale.float().reshape(-1, 1)
+    values = (module.weight.detach().float() / weight_scale).to(torch.float8_e4m3fn)
+    input_scale = None if inputs.dynamic else inputs.scale.detach().float()
+    return Float8Linear(values, weight_scale.reshape(-1), module.bias, input_scale)
 
 
 def _layers(parts: ExportParts) -> list[str]:

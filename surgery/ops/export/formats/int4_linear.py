@@ -13,16 +13,15 @@ slower, so only bfloat16 models are written."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
 from surgery.ops.export.exporting import register_export_format
+from surgery.ops.export.formats.swapped_modules import save_swapped
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU kernel takes
@@ -68,14 +67,10 @@ def write_int4(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     """Swap each 4-bit Linear of a copy of ``parts.model`` for an :class:`Int4Linear`."""
     if options:
         raise ConfigError("export.options", sorted(options), "format='int4' takes no options")
-    layers = _layers(parts)
-    plain = copy.deepcopy(parts.model).eval()
-    drop_forward_hooks(plain)
-    for layer, grid in layers.items():
-        parent, _, name = layer.rpartition(".")
-        setattr(plain.get_submodule(parent) if parent else plain, name, int4_linear(plain.get_submodule(layer), grid))
-    torch.save(plain, str(path))
-    return {"exact": False}
+    replacements = {
+        layer: lambda module, grid=grid: int4_linear(module, grid) for layer, grid in _layers(parts).items()
+    }
+    return save_swapped(parts.model, path, replacements)
 
 
 def _layers(parts: ExportParts) -> dict[str, WeightGrid]:
