@@ -98,6 +98,8 @@ def _of_attention(layers: dict[str, nn.Linear], attention: Sequence[str]) -> dic
     """The projections of the named attention modules; a name with none is refused."""
     if isinstance(attention, str):
         attention = [attention]
+    if not attention:
+        raise ConfigError("kv_cache.attention", list(attention), "names no attention module; pass None for every one")
     kept = {}
     for name in attention:
         found = {key: layers.get(key) for key in (f"{name}.{child}" if name else child for child in PROJECTIONS)}

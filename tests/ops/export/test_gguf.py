@@ -113,7 +113,7 @@ def test_a_byte_level_model_carries_its_byte_vocabulary(tmp_path):
             r"Q4_0 needs groups of 32 inputs .* quantize with target='gguf:Q4_0'",
         ),
         (GridSpec(bits=4, group_size=32, symmetric=True), None, {}, r"Q4_0 needs fp16 scales"),
-        (GridSpec(bits=4, group_size=32, scale_dtype="float16"), None, {}, r"Q4_0 needs signed integers"),
+        (GridSpec(bits=8, group_size=32, scale_dtype="float16"), None, {}, r"Q8_0 needs signed integers .*bits=8"),
         (GridSpec(bits=8), "gguf:Q8_0", {"type": "Q4_0"}, r"Q4_0 needs signed integers within \[-8, 7\] \(bits=8\)"),
         (GridSpec(bits=4), "gguf:Q4_0", {"type": "Q4_K"}, r"^export\.options\.type='Q4_K': must be one of Q8_0"),
         (GridSpec(bits=4), "gguf:Q4_0", {"tokenizer": object()}, r"^export\.options\.tokenizer='object'"),
@@ -190,3 +190,33 @@ def test_a_bfloat16_model_loads_back_in_bfloat16_with_the_simulation_s_outputs(t
     with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
         record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
     assert record.parity.equal and record.load().dtype == torch.bfloat16
+
+
+def test_a_grid_its_own_bits_cannot_hold_goes_to_the_smallest_type_that_holds_it(tmp_path, caplog):
+    model = tiny("Llama")  # 4-bit affine: zero points anywhere in [0, 15], beyond Q4_0's [-8, 7]
+    spec = GridSpec(bits=4, group_size=32, scale_dtype="float16")
+    with surgery.quantize(model, weights=spec, select="**.mlp.*") as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.equal and read_back(record.path)["blk.0.ffn_up.weight"][0] == "Q5_0"
+    assert "model.layers.0.mlp.up_proj.weight is written as Q5_0" in caplog.text
+
+
+def test_a_quantized_head_tied_to_the_embeddings_is_written_once_on_its_grid(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0") as handle:  # the head too
+        assert "lm_head.weight" in handle.weights
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    stored = read_back(record.path)
+    assert stored["token_embd.weight"][0] == "Q4_0" and "output.weight" not in stored  # llama.cpp reuses it
+    assert record.parity.equal

@@ -59,3 +59,12 @@ def test_what_the_int4_kernel_cannot_run_is_refused_in_one_line(tmp_path, dtype,
         with pytest.raises(ConfigError, match=message):
             surgery.export(handle, tmp_path / "m.pt", format="int4")
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_outputs_the_int4_layout_cannot_tile_are_refused_naming_the_layer(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).to(torch.bfloat16)
+    with surgery.quantize(model, weights=GridSpec(bits=4, group_size=32)) as handle:
+        with pytest.raises(
+            ConfigError, match=r"^export\.handle='2 \(32 -> 10\)': torch's CPU int4 layout takes outputs"
+        ):
+            surgery.export(handle, tmp_path / "m.pt", format="int4")

@@ -101,4 +101,6 @@ def test_attention_limits_the_cache_quantized_and_an_unknown_module_is_refused_n
         assert sorted(handle.activations) == ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"]
     with pytest.raises(ConfigError, match=r"^kv_cache\.attention='model\.layers\.1': is no attention module .*"):
         surgery.quantize_kv_cache(model, calibration=batches(), attention=["model.layers.1"])
+    with pytest.raises(ConfigError, match=r"^kv_cache\.attention=\[\]: names no attention module"):
+        surgery.quantize_kv_cache(model, calibration=batches(), attention=[])
     assert not any(module._forward_hooks for module in model.modules())

@@ -69,9 +69,9 @@ class BlockType:
         """The (rows, bytes per row) uint8 data of a weight's (rows, columns) ``integers`` on ``grid``
         (checked by :meth:`holds`)."""
         rows, columns = integers.shape
-        zero = grid.zero_point.to(torch.int32).reshape(rows, -1)
-        scale = grid.scale.float().reshape(rows, -1)
-        signed = (integers.reshape(rows, -1, BLOCK) - zero[..., None]).to(torch.int32)
+        zero = grid.zero_point.to(torch.int32).cpu().reshape(rows, -1)
+        scale = grid.scale.float().cpu().reshape(rows, -1)
+        signed = (integers.cpu().reshape(rows, -1, BLOCK) - zero[..., None]).to(torch.int32)
         low, high = grid.spec.quant_range
         fits = ((low - zero) >= self.signed[0]) & ((high - zero) <= self.signed[1])
         signed = torch.where(fits[..., None], signed, -signed)  # the negated block under d = -scale

@@ -47,8 +47,15 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     writes none (llama.cpp then takes token ids)."""
     if parts.activations:
         _refuse_activations(next(iter(parts.activations))[0])
-    tensors = [(name, value, parts.weights.get(name)) for name, value in parts.model.named_parameters()]
+    tensors = _with_grids(parts.model, parts.weights)
     return _write(parts.model, path, options, tensors, lambda value: value.detach())
+
+
+def _with_grids(model: nn.Module, grids: dict[str, WeightGrid]) -> list[tuple[str, Tensor, WeightGrid | None]]:
+    """Every parameter once, with its grid, found by identity: a head tied to the embeddings is
+    written once, as ``token_embd`` (llama.cpp reuses it), on the grid quantized under either name."""
+    by_identity = {id(model.get_parameter(key)): grid for key, grid in grids.items()}
+    return [(name, value, by_identity.get(id(value))) for name, value in model.named_parameters()]
 
 
 def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +67,7 @@ def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, A
     if found and not isinstance(spec, GridSpec):
         raise ConfigError("export.handle", handle.kind, "format='gguf' streams an offloaded quantize's weights")
     grids = {name: WeightGrid(name, spec, scale, zero_point, axis) for name, (scale, zero_point, axis) in found.items()}
-    tensors = [(name, value, grids.get(name)) for name, value in handle.model.named_parameters()]
+    tensors = _with_grids(handle.model, grids)
     return _write(handle.model, path, options, tensors, handle.value_of)
 
 
@@ -166,11 +173,14 @@ def _data(name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: 
 def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | None) -> BlockType:
     """The GGUF type that holds ``grid`` exactly (``wanted``, or the first of its bits that does);
     none: refused in one line naming the weight, the type and what it needs."""
-    candidates = [wanted] if wanted is not None else [t for t in BLOCK_TYPES.values() if t.bits == grid.spec.bits]
+    fewest = sorted(BLOCK_TYPES.values(), key=lambda t: t.bits)
+    candidates = [wanted] if wanted is not None else [t for t in fewest if t.bits >= grid.spec.bits]
     reasons = []
     for kind in candidates:
         why = kind.holds(grid, columns)
         if why is None:
+            if kind.bits > grid.spec.bits:
+                log.warning("export: %s is written as %s, the smallest GGUF type that holds its grid", name, kind.name)
             return kind
         reasons.append(f"{kind.name} needs {why}")
     if not candidates:

@@ -53,14 +53,15 @@ class Int4Linear(nn.Module):
 
 def int4_linear(module: nn.Linear, grid: WeightGrid) -> Int4Linear:
     """``module``'s weight (on ``grid``) in torch's CPU int4 layout."""
-    integers = grid.integers(module.weight)  # (outputs, inputs)
+    integers = grid.integers(module.weight)  # (outputs, inputs), on the CPU
     low, _ = grid.spec.quant_range
     rows, groups = integers.shape[0], integers.shape[1] // grid.group_size
-    scale = grid.scale.float().reshape(rows, groups)
-    zero = scale * (8 + low - grid.zero_point.reshape(rows, groups).float())
+    scale = grid.scale.float().cpu().reshape(rows, groups)
+    zero = scale * (8 + low - grid.zero_point.cpu().reshape(rows, groups).float())
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((integers - low).to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return Int4Linear(packed, scales_and_zeros, grid.group_size, tuple(integers.shape), module.bias)
+    bias = None if module.bias is None else module.bias.detach().cpu()
+    return Int4Linear(packed, scales_and_zeros, grid.group_size, tuple(integers.shape), bias)
 
 
 def write_int4(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -94,6 +95,12 @@ def _layers(parts: ExportParts) -> dict[str, WeightGrid]:
                 "int4",
                 f"{layer} is {module.weight.dtype}: torch's CPU int4 kernel is fast with bfloat16 inputs only; "
                 "quantize a bfloat16 model",
+            )
+        if module.out_features % 16:
+            raise ConfigError(
+                "export.handle",
+                f"{layer} ({module.in_features} -> {module.out_features})",
+                "torch's CPU int4 layout takes outputs in multiples of 16; exclude the layer from quantize",
             )
         spec = grid.spec
         if (

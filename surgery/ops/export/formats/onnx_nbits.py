@@ -63,7 +63,8 @@ def matmul_nbits(node: Any, grid: WeightGrid, integers: Tensor, constant: Any) -
     rows, columns = integers.shape
     block = grid.spec.group_size
     blocks = math.ceil(columns / block)
-    zero = grid.zero_point.to(torch.int32).reshape(rows, blocks)
+    integers = integers.cpu()
+    zero = grid.zero_point.to(torch.int32).cpu().reshape(rows, blocks)
     symmetric = grid.spec.symmetric
     stored = (integers + 8) if symmetric else integers  # symmetric: the op's default zero point 8
     pad = blocks * block - columns  # a last, shorter group: padded with its zero point (dequantized 0)
@@ -71,7 +72,7 @@ def matmul_nbits(node: Any, grid: WeightGrid, integers: Tensor, constant: Any) -
         filler = torch.full((rows, pad), 8, dtype=torch.int32) if symmetric else zero[:, -1:].expand(rows, pad)
         stored = torch.cat([stored, filler], dim=1)
     data = pack_nibbles(stored.to(torch.uint8).numpy().reshape(rows, blocks, block))
-    scales = grid.scale.float().reshape(rows * blocks).numpy()
+    scales = grid.scale.float().cpu().reshape(rows * blocks).numpy()
     inputs = [node.input[0], constant(f"{node.input[1]}_nbits", data), constant(f"{node.input[1]}_scales", scales)]
     if not symmetric:
         zeros = zero.numpy().astype(np.uint8)
