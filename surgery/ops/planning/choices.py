@@ -42,7 +42,7 @@ from surgery.core.handles import Handle
 from surgery.ops.export.formats.gguf_blocks import BLOCK, BLOCK_TYPES, BlockType
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
-from surgery.ops.quantization.kv_cache import PROJECTIONS, quantize_kv_cache
+from surgery.ops.quantization.kv_cache import projection_names, quantize_kv_cache
 from surgery.ops.quantization.quantization import quantize
 from surgery.ops.quantization.storage import element_bits, scale_bits
 from surgery.ops.sparsity.pruning import prune
@@ -153,7 +153,7 @@ def kv_choice(name: str, spec: GridSpec | None, description: str = "") -> Choice
         return quantize_kv_cache(model, spec, calibration=calibration, attention=attention, progress=False)
 
     def reattach(model: nn.Module, attention: list[str], qparams: dict[str, Tensor]) -> Handle:
-        layers = [f"{a}.{child}" if a else child for a in attention for child in PROJECTIONS]
+        layers = [layer for name in attention for layer in projection_names(name)]
         handle = quantize(model, weights=None, activations=spec, select=layers, qparams=qparams, progress=False)
         handle.kind = "kv_cache"
         return handle

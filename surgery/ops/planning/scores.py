@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.inputs import as_call, evaluating, run_backward_batches
 from surgery.ops.planning.choices import Choice
-from surgery.ops.quantization.kv_cache import PROJECTIONS
+from surgery.ops.quantization.kv_cache import projection_names
 from surgery.ops.sensitivity.sensitivity import model_outputs, output_drift, quiet_selection_logs
 
 Scores = dict[str, dict[str, float]]  # layer -> choice name -> score
@@ -88,7 +88,7 @@ def gradient_scores(
     key and value projections' outputs)."""
     caches = context.get("caches", [])
     weights = [layer for layer in layers if layer not in caches]
-    projections = [f"{name}.{child}" if name else child for name in caches for child in PROJECTIONS]
+    projections = [layer for name in caches for layer in projection_names(name)]
     fisher, at_outputs = squared_gradients(model, weights, context["pairs"], context["loss"], projections)
     scores: Scores = {layer: {} for layer in layers}
     for name, choice in choices.items():
@@ -118,7 +118,7 @@ def _cache_scores(
     rounding read on the calibration inputs between each projection and its quantizer."""
     with quiet_selection_logs():
         handle = choice.apply(model, caches, context["calibration"], context["method"])
-    totals = dict.fromkeys(caches, 0.0)
+    totals: dict[str, Any] = dict.fromkeys(caches, 0.0)
     calls: dict[str, int] = {}
     unrounded: dict[str, Tensor] = {}
 
@@ -133,15 +133,14 @@ def _cache_scores(
             index = calls.get(layer, 0)
             calls[layer] = index + 1
             error = output.detach().float() - unrounded.pop(layer)
-            totals[cache] += float(0.5 * (at_outputs[layer][index] * error.square()).sum())
+            totals[cache] = totals[cache] + 0.5 * (at_outputs[layer][index] * error.square()).sum()  # no sync a call
 
         return hook
 
     hooks = []
     try:
         for cache in caches:
-            for child in PROJECTIONS:
-                layer = f"{cache}.{child}" if cache else child
+            for layer in projection_names(cache):
                 module = model.get_submodule(layer)
                 hooks.append(module.register_forward_hook(before(layer), prepend=True))
                 hooks.append(module.register_forward_hook(after(cache, layer)))
@@ -152,7 +151,7 @@ def _cache_scores(
         for hook in hooks:
             hook.remove()
         handle.restore()
-    return totals
+    return {cache: float(total) for cache, total in totals.items()}
 
 
 def drift_scores(

@@ -31,11 +31,14 @@ def kv_projections(model: nn.Module) -> dict[str, nn.Linear]:
     """The key and value projections of every attention module (a module whose children
     ``k_proj`` and ``v_proj`` are Linear layers), by qualified name."""
     found: dict[str, nn.Linear] = {}
-    for name, module in model.named_modules():
-        children = [getattr(module, child, None) for child in PROJECTIONS]
-        if all(isinstance(child, nn.Linear) for child in children):
-            found.update({f"{name}.{child}" if name else child: c for child, c in zip(PROJECTIONS, children)})
+    for name, children in attention_modules(model).items():
+        found.update(zip(projection_names(name), children))
     return found
+
+
+def projection_names(attention: str) -> list[str]:
+    """The qualified names of an attention module's key and value projections."""
+    return [f"{attention}.{child}" if attention else child for child in PROJECTIONS]
 
 
 def quantize_kv_cache(
@@ -102,7 +105,7 @@ def _of_attention(layers: dict[str, nn.Linear], attention: Sequence[str]) -> dic
         raise ConfigError("kv_cache.attention", list(attention), "names no attention module; pass None for every one")
     kept = {}
     for name in attention:
-        found = {key: layers.get(key) for key in (f"{name}.{child}" if name else child for child in PROJECTIONS)}
+        found = {key: layers.get(key) for key in projection_names(name)}
         if None in found.values():
             known = sorted({key.rpartition(".")[0] for key in layers})
             raise ConfigError(

@@ -106,7 +106,7 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
     main = quantized.most_common(1)[0][0] if quantized else FLOAT_TYPES.get(model.dtype, "F32")
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[main]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    notes = _tokenizer(writer, config, gguf)  # nothing the outputs depend on: the file stays exact
+    _tokenizer(writer, config, gguf)  # nothing the outputs depend on: the file stays exact
     for gguf_name, kind, shape in planned:
         raw = getattr(gguf.GGMLQuantizationType, kind if isinstance(kind, str) else kind.name)
         block, size = gguf.GGML_QUANT_SIZES[raw]
@@ -116,13 +116,15 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
             writer.add_tensor_info(gguf_name, shape, np.dtype(kind.replace("F", "float")), nbytes)
         else:
             writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for (name, value, grid), (_, kind, _) in zip(tensors, planned):
-        writer.write_tensor_data(_data(name, read(value), grid, config, kind))
-    writer.close()
-    return notes
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for (_, value, grid), (gguf_name, kind, _) in zip(tensors, planned):
+            writer.write_tensor_data(_data(gguf_name, read(value), grid, config, kind))
+    finally:
+        writer.close()
+    return {}
 
 
 def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: BlockType | None) -> tuple:
@@ -147,10 +149,9 @@ def _wanted_type(name: object) -> BlockType | None:
     return BLOCK_TYPES[name]
 
 
-def _data(name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any) -> np.ndarray:
+def _data(gguf_name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any) -> np.ndarray:
     """One parameter's bytes as ``kind``: a float type's values, or the packed blocks of its
     grid's integers; in llama.cpp's row order."""
-    gguf_name = tensor_name(name)
     permute = permute_rows(gguf_name, config)
     if grid is None:
         value = value.detach().float() if kind == "F32" else value.detach()
@@ -183,8 +184,6 @@ def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | N
                 log.warning("export: %s is written as %s, the smallest GGUF type that holds its grid", name, kind.name)
             return kind
         reasons.append(f"{kind.name} needs {why}")
-    if not candidates:
-        reasons.append(f"no GGUF type here holds {grid.spec.bits}-bit integers (Q4_0, Q5_0, Q8_0)")
     raise ConfigError(
         "export.format",
         "gguf",
@@ -192,7 +191,7 @@ def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | N
     )
 
 
-def _tokenizer(writer: Any, config: Any, gguf: Any) -> dict[str, Any]:
+def _tokenizer(writer: Any, config: Any, gguf: Any) -> None:
     """A byte-level model's 256-token vocabulary as llama.cpp's byte-level BPE (GPT-2's byte to
     character map, no merge applies), else no vocabulary (token ids in)."""
     if int(config.vocab_size) != 256:
@@ -200,14 +199,13 @@ def _tokenizer(writer: Any, config: Any, gguf: Any) -> dict[str, Any]:
         log.warning(
             "export: format='gguf' writes no tokenizer for a %d-token vocabulary; it takes token ids", config.vocab_size
         )
-        return {}
+        return
     characters = gguf.vocab.bytes_to_unicode()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list([characters[b] for b in range(256)])
     writer.add_token_types([gguf.TokenType.NORMAL] * 256)
     writer.add_token_merges(["Ġ Ġ"])  # llama.cpp needs the key; a merge whose result is no token never applies
-    return {}
 
 
 def load_gguf(path: Path) -> nn.Module:
