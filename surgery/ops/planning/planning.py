@@ -8,6 +8,7 @@ choices, the cache at ``kv_tokens`` tokens."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from surgery.ops.planning.solver import Option, smallest, solve
 from surgery.ops.quantization.kv_cache import attention_modules
 from surgery.ops.sparsity.pruning import prune_targets
 
+log = logging.getLogger("surgery")
 DEFAULT_CHOICES = ("dense", "int8", "w4g128", "w3g128")
 
 
@@ -123,7 +125,22 @@ def _layers(model: nn.Module, select: Selection, exclude: Selection) -> dict[str
             found[target.module_name] = (target.param.shape[0], target.param[0].numel())
     if not found:
         raise ConfigError("plan.select", select, "matches no layer with a weight matrix")
+    _say_experts_left(model)
     return found
+
+
+def _say_experts_left(model: nn.Module) -> None:
+    """A mixture-of-experts model's fused expert weights (3-D parameters) are not planned: say so,
+    with their share of the weights, rather than let a plan look like it covered the model."""
+    experts = {name: p.numel() for name, p in model.named_parameters() if p.dim() == 3}
+    if experts:
+        share = sum(experts.values()) / sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+        log.warning(
+            "plan: %d fused expert weight(s) (%.0f%% of the weights, e.g. %s) are not planned and stay as they are",
+            len(experts),
+            100 * share,
+            next(iter(experts)),
+        )
 
 
 def _caches(model: nn.Module, picked: dict[str, Choice], kv_tokens: object) -> dict[str, Shape]:

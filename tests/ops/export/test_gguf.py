@@ -220,3 +220,13 @@ def test_a_quantized_head_tied_to_the_embeddings_is_written_once_on_its_grid(tmp
     stored = read_back(record.path)
     assert stored["token_embd.weight"][0] == "Q4_0" and "output.weight" not in stored  # llama.cpp reuses it
     assert record.parity.equal
+
+
+def test_a_mixture_of_experts_model_is_refused_naming_its_family(tmp_path):
+    from support import tiny_moe
+
+    model = tiny_moe("qwen3_moe", layers=1)  # its experts are fused 3-D parameters GGUF stacks otherwise
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="**.gate") as handle:
+        with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families .* qwen3_moe$"):
+            surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    assert not list(tmp_path.iterdir())

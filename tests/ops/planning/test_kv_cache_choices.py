@@ -141,3 +141,19 @@ def test_a_cache_choice_on_a_weight_row_is_refused_before_anything_changes():
     with pytest.raises(ConfigError, match=r"^plan\.layers\.choice='kv_int8': is no choice for a weight"):
         Plan(rows, 10, "drift", "exact").apply(model, calibration=ids())
     assert snapshot_differences(before, snapshot(model)) == []
+
+
+def test_a_mixture_of_experts_model_plans_its_caches_beside_its_linears(caplog):
+    from support import tiny_moe
+
+    model = tiny_moe("qwen3_moe", layers=2)
+    before = snapshot(model)
+    batches = [torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    plan = surgery.plan(model, 60_000, WEIGHTS + CACHES, calibration=batches, kv_tokens=TOKENS)
+    caches = [row for row in plan.rows if row.target == "kv_cache"]
+    assert [row.layer for row in caches] == ATTENTION and plan.total_bytes <= plan.budget
+    # its fused experts are not planned: said, with their share, not left to look covered
+    assert "plan: 4 fused expert weight(s)" in caplog.text and "are not planned" in caplog.text
+    with plan.apply(model, calibration=batches):
+        pass
+    assert snapshot_differences(before, snapshot(model)) == []
