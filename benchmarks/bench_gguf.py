@@ -1,17 +1,21 @@
-"""GGUF files run by llama.cpp: llama.cpp's own quantization of the float model (``llama-quantize``'s
-round to nearest, no importance matrix) against surgery's RTN, GPTQ and AutoRound exports to the
-same types, the same tensors quantized (every Linear but the head; embeddings and head F32 in
+"""GGUF files run by llama.cpp: llama.cpp's own quantization of the float model (``llama-quantize``,
+without and with an importance matrix that ``llama-imatrix`` collects from the same calibration
+text surgery calibrates on) against surgery's RTN, GPTQ and AutoRound exports to the same types, the same tensors quantized (every Linear but the head; embeddings and head F32 in
 both), so the files have equal bytes. One run, one thread: held-out perplexity computed from
 llama.cpp's logits over every held-out window of the tiny-LM corpus, prefill and decode tokens/s
 (median of interleaved rounds), file bytes; beside the float file and, for surgery's rows, the
 perplexity the simulation computed in PyTorch.
 
 llama.cpp comes from llama-cpp-python built from its source distribution in
-``benchmarks/.venv-llama_cpp`` (made on first use by ``peer_venvs.py``; the build's time is printed).
+``benchmarks/.venv-llama_cpp``, its ``llama-imatrix`` and ``llama-quantize`` built with cmake from
+the llama.cpp inside that distribution (both made on first use by ``peer_venvs.py``; the build
+times are printed). ``--model tinyllama_wide`` (the tiny Llama at width 256, trained on first use)
+is the model whose rows are whole K-quant super-blocks.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_gguf.py [--model tinyllama|tinyqwen3] [--methods RTN,GPTQ,AutoRound]
+    .venv/bin/python benchmarks/bench_gguf.py [--model tinyllama|tinyqwen3|tinyllama_wide]
+        [--methods RTN,GPTQ,AutoRound] [--types Q4_0,Q5_0,Q8_0]
 """
 
 from __future__ import annotations
@@ -31,13 +35,34 @@ from surgery import GridSpec
 from surgery.analysis.metrics import perplexity
 from surgery.ops.export.formats.gguf_file import write_gguf
 from surgery.ops.numerics.deployment import ExportParts
-from surgery.tasks.tinyllama import load_llama
-from surgery.tasks.tinylm import token_batches
+from surgery.tasks.tinyllama import SHAPE, load_llama
+from surgery.tasks.tinylm import token_batches, train_on_corpus
 from surgery.tasks.tinyqwen3 import load_qwen3
 
 HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "llama_cpp_runner.py"
-MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3}
+WIDE = HERE / ".cache" / "tinyllama_wide"  # trained on first use, kept (gitignored)
+WIDE_SHAPE = {**SHAPE, "hidden_size": 256, "intermediate_size": 768}  # every row a multiple of 256: K-quants
+
+
+def load_wide_llama() -> torch.nn.Module:
+    """The tiny Llama's recipe at twice its width, so every weight's rows are whole K-quant
+    super-blocks of 256 (the shipped model's 128 are not): trained on the same corpus on first
+    use (the time is printed) and kept in ``benchmarks/.cache``."""
+    import transformers
+
+    if not (WIDE / "model.safetensors").exists():
+        config = transformers.LlamaConfig(**WIDE_SHAPE, architectures=["LlamaForCausalLM"])
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = train_on_corpus(lambda: transformers.LlamaForCausalLM(config), 0, 2000, batch_size=32, lr=3e-3)
+        print(f"trained the wide tiny Llama in {time.perf_counter() - start:.0f} s", flush=True)
+        model.save_pretrained(WIDE)
+    return transformers.LlamaForCausalLM.from_pretrained(WIDE).eval()
+
+
+MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3, "tinyllama_wide": load_wide_llama}
 TYPES = ("Q4_0", "Q5_0", "Q8_0")
 METHODS = {  # bits and grid are the target's; the method is ours
     "RTN": GridSpec(bits=4),
@@ -66,6 +91,32 @@ def ours(load: object, method: str, kind: str, calibration: list, path: Path) ->
     return seconds, perplexity(model, token_batches("test", 16))
 
 
+def importance_matrix(tools: Path, work: Path, calibration: list) -> Path:
+    """``llama-imatrix`` over the float file on surgery's calibration windows (their bytes as the
+    text, which the byte vocabulary tokenizes back to the same ids), one chunk a window."""
+    text = work / "calibration.txt"
+    text.write_bytes(bytes(torch.cat([batch.reshape(-1) for batch in calibration]).tolist()))
+    found = work / "imatrix.gguf"
+    context = str(calibration[0].shape[1])
+    command = [str(tools / "llama-imatrix"), "-m", str(work / "float.gguf"), "-f", str(text), "-o", str(found)]
+    tool(*command, "-c", context, "-b", context, "-t", "1")
+    return found
+
+
+def quantize_with_imatrix(tools: Path, source: Path, target: Path, kind: str, imatrix: Path) -> None:
+    """``llama-quantize`` with the importance matrix: every Linear but the head as ``kind`` (as the
+    binding's ``pure`` run), the head and embeddings F32."""
+    ftype = {"Q3_K": "Q3_K_S"}.get(kind, kind)
+    flags = ["--imatrix", str(imatrix), "--pure", "--output-tensor-type", "f32", "--token-embedding-type", "f32"]
+    tool(str(tools / "llama-quantize"), *flags, str(source), str(target), ftype, "1")
+
+
+def tool(*command: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} failed ({result.returncode}): {result.stderr[-2000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), default="tinyllama")
@@ -74,9 +125,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     options = parser.parse_args()
     torch.set_num_threads(1)
-    from peer_venvs import peer_python  # beside this script
+    from peer_venvs import llama_cpp_tools, peer_python  # beside this script
 
     python = peer_python("llama_cpp")
+    tools = llama_cpp_tools()
     load = MODELS[options.model]
     held_out = token_batches("test", 16)
     windows = np.concatenate([np.concatenate([x, y[:, -1:]], axis=1) for x, y in held_out])
@@ -86,10 +138,14 @@ def main() -> None:
     rows: dict[str, dict] = {}
     write_gguf(ExportParts(load()), work / "float.gguf", {})
     rows["float.gguf"] = {"setting": "float32 (F32 tensors)", "simulated": perplexity(load(), held_out)}
+    imatrix = importance_matrix(tools, work, calibration)
     for kind in options.types.split(","):
         name = f"llama.cpp-{kind}.gguf"
         runner(python, "quantize", str(work / "float.gguf"), str(work / name), kind)
-        rows[name] = {"setting": f"llama.cpp's quantize, {kind} (round to nearest)"}
+        rows[name] = {"setting": f"llama.cpp's quantize, {kind}"}
+        name = f"llama.cpp-imatrix-{kind}.gguf"
+        quantize_with_imatrix(tools, work / "float.gguf", work / name, kind, imatrix)
+        rows[name] = {"setting": f"llama.cpp's quantize with its imatrix, {kind}"}
         for method in options.methods.split(","):
             name = f"surgery-{method}-{kind}.gguf"
             seconds, simulated = ours(load, method, kind, calibration, work / name)

@@ -72,11 +72,14 @@ def logits(model_path: str, ids_file: str, out_file: str) -> None:
     np.save(out_file, np.stack(found))
 
 
+FTYPES = {"Q3_K": "Q3_K_S"}  # the file type whose tensors are all that type (with pure)
+
+
 def quantize(source: str, target: str, kind: str) -> None:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{FTYPES.get(kind, kind)}")
     params.pure = True
     params.output_tensor_type = llama_cpp.GGML_TYPE_F32
     params.token_embedding_type = llama_cpp.GGML_TYPE_F32

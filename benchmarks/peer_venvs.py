@@ -58,3 +58,34 @@ def make(folder: Path, installs: tuple[list[str], ...], environment: dict[str, s
     for packages in installs:
         subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "-q", *packages], check=True, env=env)
     print(f"made {folder} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+LLAMA_CPP_TOOLS = ("llama-imatrix", "llama-quantize")
+
+
+@functools.cache
+def llama_cpp_tools() -> Path:
+    """The folder of llama.cpp's ``llama-imatrix`` and ``llama-quantize``, built with cmake from the
+    llama.cpp inside the same llama-cpp-python source distribution (its Python binding cannot pass
+    an importance matrix to the quantizer) into ``benchmarks/.venv-llama_cpp/tools`` on first use;
+    says how long the build took."""
+    python = peer_python("llama_cpp")
+    tools = python.parent.parent / "tools"
+    built = tools / "build" / "bin"  # beside the shared libraries they link
+    if all((built / name).exists() for name in LLAMA_CPP_TOOLS):
+        return built
+    source = tools / "source"
+    start = time.perf_counter()
+    if not source.exists():
+        download = tools / "download"
+        version = next(p for step in VENVS["llama_cpp"] for p in step if p.startswith("llama-cpp-python=="))
+        pip = [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(download)]
+        subprocess.run([*pip, version], check=True)
+        archive = next(download.glob("llama_cpp_python-*.tar.gz"))
+        subprocess.run(["tar", "-xzf", str(archive), "-C", str(download)], check=True)
+        next(download.glob("llama_cpp_python-*/vendor/llama.cpp")).rename(source)
+    flags = ["-DLLAMA_CURL=OFF", "-DGGML_BLAS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    subprocess.run(["cmake", "-S", str(source), "-B", str(tools / "build"), "-G", "Ninja", *flags], check=True)
+    subprocess.run(["cmake", "--build", str(tools / "build"), "--target", *LLAMA_CPP_TOOLS], check=True)
+    print(f"built llama.cpp's {', '.join(LLAMA_CPP_TOOLS)} in {time.perf_counter() - start:.0f} s", flush=True)
+    return built

@@ -276,12 +276,19 @@ class OutputConfig:
 @dataclass
 class ExportConfig:
     """``export:``: write the model under surgery in a registered format (``null``: none) as
-    ``export.<suffix>`` beside the report, with the format's ``options``."""
+    ``export.<suffix>`` beside the report, with the format's ``options`` (``type``: the
+    shorthand for ``options.type``, e.g. a GGUF type)."""
 
     format: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    type: str | None = None
 
     def __post_init__(self) -> None:
+        if self.type is not None:
+            given = self.options.get("type", self.type)
+            if given != self.type:
+                raise ConfigError("export.type", self.type, f"and export.options.type={given!r} disagree; set one")
+            self.options = {**self.options, "type": self.type}
         if self.format is not None:
             EXPORT_FORMATS.get(self.format)
         elif self.options:

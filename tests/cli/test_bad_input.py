@@ -1002,6 +1002,21 @@ API_CASES = [
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
     ),
     ApiCase(
+        "super-group",
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q6_K", exclude="lm_head"),
+        ConfigError,
+        "quantize.weights.super_group",
+        "does not divide the 64 inputs of model.layers.0.self_attn.q_proj.weight: super groups must be whole",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
+        "super-group",
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4, group_size=16, super_group=256, scale_bits=6)),
+        ConfigError,
+        "GridSpec.super_group",
+        "needs an integer format and scale_dtype",
+    ),
+    ApiCase(
         "int4",
         lambda m, tmp, handle: surgery.export(handle, tmp / "m.pt", format="int4"),
         ConfigError,
@@ -1454,6 +1469,11 @@ CLI_CASES = [
     ),
     CliCase(
         "float-format", (*QUANTIZE, "quantize.weights.format=fp7"), "quantize.weights.format='fp7': must be one of"
+    ),
+    CliCase(
+        "super-group",
+        (*QUANTIZE, "+quantize.weights.group_size=16", "+quantize.weights.super_group=100"),
+        "quantize.weights.super_group=100: and scale_bits are set together",
     ),
     CliCase("owl", (*FAST, "+prune.owl={lam: 0.6}"), "prune.owl.lam=0.6: moves a block's sparsity outside [0, 1]"),
     CliCase(

@@ -166,6 +166,12 @@ class GridSpec:
     dtype as it is computed, so methods round the weights against the scale a format stores
     (GGUF's fp16 block scales); ``None`` keeps float32 scales (rounded to a half-precision
     weight's dtype once a method is done).
+    ``super_group`` with ``scale_bits`` (integer grids in groups): two-level scales, as
+    llama.cpp's K-quants store them; every ``super_group`` consecutive inputs (a multiple of
+    ``group_size``) share one scale ``d`` in ``scale_dtype`` (``max group scale / (2^scale_bits
+    - 1)``), and each group's scale is ``d`` times an integer in [1, 2^scale_bits - 1], the
+    nearest to the scale the observer found. The zero point must not depend on the scale:
+    ``symmetric`` or ``observer="full_range"``.
     """
 
     bits: int = 8
@@ -184,6 +190,8 @@ class GridSpec:
     actorder: str | None = None  # GPTQ's column order: None (as stored), "weight" or "group" (by activation energy)
     iterations: int = 200  # AutoRound's signed-gradient steps per block (its learning rate is 1 / iterations)
     scale_dtype: str | None = None  # integer grids: "float16"/"bfloat16" rounds each scale as it is computed
+    super_group: int | None = None  # inputs sharing one scale_dtype scale over the groups' integer scales
+    scale_bits: int | None = None  # with super_group: each group's scale an integer in [1, 2^scale_bits - 1] x it
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
@@ -290,6 +298,7 @@ def _check(spec: Any, field: str) -> None:
     _check_actorder(spec, field)
     _check_iterations(spec, field)
     _check_scale_dtype(spec, field)
+    _check_super_group(spec, field)
 
 
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -315,6 +324,69 @@ def stored_scale(scale: Tensor, spec: GridSpec) -> Tensor:
         return scale
     dtype = SCALE_DTYPES[spec.scale_dtype]
     return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
+
+
+def _check_super_group(spec: Any, field: str) -> None:
+    size, bits = spec.super_group, spec.scale_bits
+    if size is None and bits is None:
+        return
+    if size is None or bits is None:
+        raise ConfigError(
+            f"{field}.super_group", size, "and scale_bits are set together (e.g. 256 and 6) or not at all"
+        )
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ConfigError(f"{field}.scale_bits", bits, "must be a whole number of bits in [1, 8]")
+    group = spec.group_size
+    if isinstance(size, bool) or not isinstance(size, int) or not group or size <= group or size % group:
+        raise ConfigError(
+            f"{field}.super_group", size, f"must be a multiple of group_size (group_size={group}; e.g. 256 for 16)"
+        )
+    if spec.scale_dtype is None or FORMATS.get(spec.format).is_float:
+        raise ConfigError(
+            f"{field}.super_group", size, "needs an integer format and scale_dtype (the super group's stored scale)"
+        )
+    if not spec.symmetric and spec.observer != "full_range":
+        raise ConfigError(
+            f"{field}.super_group",
+            size,
+            "rounds each group's scale, so its zero point must not depend on it: set symmetric=true "
+            "or observer='full_range'",
+        )
+    if spec.actorder == "group":
+        raise ConfigError(
+            f"{field}.actorder", "group", "scatters the groups over the inputs; super groups need consecutive ones"
+        )
+
+
+def super_grouped(scale: Tensor, spec: GridSpec) -> Tensor:
+    """(outputs, groups) ``scale`` on ``spec``'s two-level grid: every ``super_group`` inputs'
+    groups share ``d`` (their largest scale over ``2^scale_bits - 1``, in ``scale_dtype``), the
+    largest group ``d`` times that top level and every other ``d`` times the nearest integer in
+    [1, 2^scale_bits - 1] (as llama.cpp's K-quants; exact in float32)."""
+    if spec.super_group is None:
+        return scale
+    top = (1 << spec.scale_bits) - 1
+    rows, groups = scale.shape
+    per = spec.super_group // spec.group_size
+    if groups % per:
+        raise ConfigError(
+            "quantize.weights.super_group",
+            spec.super_group,
+            f"needs weights whose inputs are a multiple of it ({groups * spec.group_size} inputs)",
+        )
+    blocks = scale.float().reshape(rows, -1, per)
+    largest = blocks.amax(-1, keepdim=True)
+    d = super_scale(largest, spec)
+    levels = torch.where(blocks == largest, top, torch.clamp(torch.round(blocks / d), 1, top))
+    return (d * levels).reshape(rows, groups)
+
+
+def super_scale(largest: Tensor, spec: GridSpec) -> Tensor:
+    """The stored scale ``d`` of super groups whose largest group scale is ``largest``: over
+    the top level, in ``scale_dtype`` (a subnormal where small, as llama.cpp stores it; never 0)."""
+    dtype = SCALE_DTYPES[spec.scale_dtype]
+    info = torch.finfo(dtype)
+    return (largest / ((1 << spec.scale_bits) - 1)).to(dtype).float().clamp_min(info.smallest_normal * info.eps)
 
 
 def _check_full_range(spec: Any, field: str) -> None:
@@ -584,7 +656,8 @@ class Grid:
                 rows[:, whole:].float(), None if weights is None else weights[:, whole:]
             )
             parts.append((scale.view(-1, 1), zero_point.view(-1, 1)))
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+        scale = super_grouped(torch.cat([p[0] for p in parts], dim=1), self.spec)
+        return scale, torch.cat([p[1] for p in parts], dim=1)
 
     def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
         """One column rounded onto the grid (``scale``: one per row, or one)."""

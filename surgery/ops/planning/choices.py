@@ -15,7 +15,9 @@ What the built-ins count (``out x in`` weight, ``n = out * in``):
 - ``2:4``: half the weights kept at 16 bits, each with a 2-bit position in its group of four
   (NVIDIA's sparse metadata): (16 + 2) / 2 = 9 bits a weight;
 - ``gguf:Q4_0``, ``gguf:Q5_0``, ``gguf:Q8_0``: llama.cpp's block types (``target="gguf:..."``'s
-  grids), at a block's bytes: 18, 22, 34 bytes a block of 32 weights (4.5, 5.5, 8.5 bits).
+  grids), at a block's bytes: 18, 22, 34 bytes a block of 32 weights (4.5, 5.5, 8.5 bits);
+  ``gguf:Q3_K``, ``gguf:Q6_K``: 110, 210 bytes a super-block of 256 (3.4375, 6.5625 bits), for
+  layers whose inputs are multiples of 256.
 
 KV-cache choices (``target="kv_cache"``) are taken per attention module with ``k_proj`` and
 ``v_proj`` Linear layers. Their "shape" is ``(values cached per token, tokens)``: the key and
@@ -39,7 +41,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.ops.export.formats.gguf_blocks import BLOCK, BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.quantization.kv_cache import projection_names, quantize_kv_cache
@@ -164,15 +166,17 @@ def kv_choice(name: str, spec: GridSpec | None, description: str = "") -> Choice
 
 
 def gguf_choice(kind: BlockType) -> Choice:
-    """The choice ``gguf:TYPE``: the GGUF type's grid, counted at the type's bytes (a block of 32
-    weights in ``kind.block_bytes``), for layers whose rows are whole blocks."""
+    """The choice ``gguf:TYPE``: the GGUF type's grid, counted at the type's bytes (a block of
+    ``kind.super_block`` weights in ``kind.block_bytes``), for layers whose rows are whole blocks."""
     choice = grid_choice(
-        f"gguf:{kind.name}", GridSpec(**kind.target), f"GGUF {kind.name}, {kind.block_bytes} B a block"
+        f"gguf:{kind.name}",
+        GridSpec(**kind.target),
+        f"GGUF {kind.name}, {kind.block_bytes} B a block of {kind.super_block}",
     )
     return dataclasses.replace(
         choice,
-        bits=lambda shape: shape[0] * shape[1] // BLOCK * kind.block_bytes * 8,
-        fits=lambda shape: shape[1] % BLOCK == 0,
+        bits=lambda shape: shape[0] * shape[1] // kind.super_block * kind.block_bytes * 8,
+        fits=lambda shape: shape[1] % kind.super_block == 0,
     )
 
 

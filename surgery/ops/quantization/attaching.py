@@ -133,26 +133,33 @@ def _scale_as_stored(scale: Tensor, dtype: torch.dtype, spec: GridSpec) -> Tenso
     """An integer grid's scale rounded to a half-precision weight's dtype, the dtype
     compressed-tensors stores ``weight_scale`` in: then ``(q - zero point) x scale`` is exact
     before its one rounding to that dtype, so the simulation and an export's runtime compute the
-    same weights bit for bit. Float32 weights (and floating-point grids) keep float32 scales."""
-    if spec.is_float or dtype not in (torch.bfloat16, torch.float16):
-        return scale
+    same weights bit for bit. Float32 weights, floating-point grids and two-level grids keep
+    float32 scales."""
+    if spec.is_float or spec.super_group or dtype not in (torch.bfloat16, torch.float16):
+        return scale  # a two-level grid's scale is its super group's times an integer, kept exact
     return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
 
 
 def _check_whole_blocks(problem: WeightProblem, spec: GridSpec) -> None:
-    """A floating-point grid's blocks must tile each weight's inputs (an integer grid's last
-    group may be shorter)."""
-    if not spec.is_float or not spec.group_size:
+    """A floating-point grid's blocks, and a two-level grid's super groups, must tile each
+    weight's inputs (an integer grid's last group may be shorter)."""
+    size, name = (spec.super_group, "super_group") if spec.super_group else (spec.group_size, "group_size")
+    if not size or not (spec.is_float or spec.super_group):
         return
     for key, target in problem.targets.matched.items():
         value = target.param
         inputs = value.numel() // value.shape[problem.axis(key)]
-        if inputs % spec.group_size:
+        if inputs % size:
+            kind = "super groups" if spec.super_group else f"{spec.format} blocks"
+            hint = (
+                "exclude the layer (e.g. gguf:Q8_0 for it)"
+                if spec.super_group
+                else "pick a divisor or exclude the layer"
+            )
             raise ConfigError(
-                "quantize.weights.group_size",
-                spec.group_size,
-                f"does not divide the {inputs} inputs of {key}: {spec.format} blocks must be whole; "
-                "pick a divisor or exclude the layer",
+                f"quantize.weights.{name}",
+                size,
+                f"does not divide the {inputs} inputs of {key}: {kind} must be whole; {hint}",
             )
 
 

@@ -123,6 +123,7 @@ def gptq(
     name: str = "",
     actorder: str | None = None,
     asymmetry: Tensor | None = None,
+    groups: QParams | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Quantize a (outputs, columns) matrix column by column, compensating each column's
     rounding error in the columns after it.
@@ -154,11 +155,16 @@ def gptq(
     update then also moves the later columns by ``w Pᵢ`` with ``P = α triu₁(ΔXᵀX Uᵀ) U``
     as the authors' code computes it (``α = 0.25``, ``U`` the inverse Hessian's upper factor), so
     the layer reproduces the float model's outputs, not only its own.
+
+    ``groups``: every group's (outputs, groups) scales and zero points, fixed before the walk
+    (two-level grids, whose groups' scales share one super group scale).
     """
     rows, cols = weight.shape
     w = weight.detach().float().clone(memory_format=torch.contiguous_format)
     energy = relative_importance(torch.diagonal(hessian))
-    fixed = _static_groups(w, energy, qparams_of, group_size) if actorder == "weight" and group_size else None
+    fixed = groups
+    if fixed is None and actorder == "weight" and group_size:
+        fixed = _static_groups(w, energy, qparams_of, group_size)
     order = torch.argsort(torch.diagonal(hessian), descending=True) if actorder in ("weight", "group") else None
     if order is not None:
         w, hessian, energy = w[:, order].contiguous(), hessian[order][:, order], energy[order]
@@ -176,7 +182,7 @@ def gptq(
         for i in range(end - start):
             column_index = start + i
             if fixed is not None:  # the column's own group, in the original order
-                group = int(order[column_index]) // group_size
+                group = (column_index if order is None else int(order[column_index])) // group_size
                 scale, zero_point = fixed[0][:, group], fixed[1][:, group]
             elif group_size and column_index % group_size == 0:  # the group's values at the block's start
                 group = slice(column_index, column_index + group_size)

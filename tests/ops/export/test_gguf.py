@@ -24,11 +24,12 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 
-def tiny(family: str, vocab: int = 128) -> torch.nn.Module:
-    """A seeded tiny decoder of ``family`` (every row length a multiple of 32)."""
+def tiny(family: str, vocab: int = 128, width: int = 64) -> torch.nn.Module:
+    """A seeded tiny decoder of ``family`` (every row length a multiple of 32; of 256, the
+    K-quants' super-block, with ``width=256``)."""
     torch.manual_seed(0)
-    shapes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    shapes |= dict(num_key_value_heads=2, vocab_size=vocab, head_dim=16)
+    shapes = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4)
+    shapes |= dict(num_key_value_heads=2, vocab_size=vocab, head_dim=width // 4)
     config = getattr(transformers, f"{family}Config")(**shapes)
     return getattr(transformers, f"{family}ForCausalLM")(config).eval()
 
@@ -51,7 +52,7 @@ def read_back(path: Path) -> dict[str, tuple[str, np.ndarray]]:
 def test_every_tensor_reads_back_as_the_simulation_s_weight_and_transformers_computes_its_outputs(
     tmp_path, family, kind
 ):
-    model = tiny(family)
+    model = tiny(family, width=BLOCK_TYPES[kind].super_block if kind.endswith("_K") else 64)
     handle = surgery.quantize(model, weights=GridSpec(bits=4), target=f"gguf:{kind}", exclude="lm_head")
     record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
     assert record.parity.expected == "exact" and record.parity.equal  # transformers' GGUF loader, bit for bit
@@ -110,7 +111,7 @@ def test_a_byte_level_model_carries_its_byte_vocabulary(tmp_path):
             None,
             {},
             r"cannot hold model\.layers\.0\.self_attn\.q_proj\.weight exactly: "
-            r"Q4_0 needs groups of 32 inputs .* quantize with target='gguf:Q4_0'",
+            r"Q4_0 needs groups of 32 inputs .* quantize with target='gguf:<type>'",
         ),
         (GridSpec(bits=4, group_size=32, symmetric=True), None, {}, r"Q4_0 needs fp16 scales"),
         (GridSpec(bits=8, group_size=32, scale_dtype="float16"), None, {}, r"Q8_0 needs signed integers .*bits=8"),
@@ -125,6 +126,40 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_and_nothing_written(tmp_pa
     with pytest.raises(ConfigError, match=message):
         surgery.export(handle, tmp_path / "m.gguf", format="gguf", **options)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("width", "weights", "message"),
+    [
+        (
+            64,
+            GridSpec(bits=4),
+            r"Q6_K needs groups of 16 inputs in rows of a multiple of 256 \(group_size=32, 64 inputs",
+        ),
+        (
+            256,
+            GridSpec(bits=6, observer="full_range", group_size=16, scale_dtype="float16"),
+            r"Q6_K needs each group's scale an integer in \[1, 127\] times one fp16 scale per 256 inputs "
+            r"\(quantize with target='gguf:Q6_K'\)",
+        ),
+    ],
+)
+def test_a_grid_without_the_k_quant_s_two_level_scales_is_refused(tmp_path, width, weights, message):
+    model = tiny("Llama", width=width)
+    target = "gguf:Q4_0" if weights.bits == 4 else None
+    with (
+        surgery.quantize(model, weights=weights, target=target, exclude="lm_head") as handle,
+        pytest.raises(ConfigError, match=message) as raised,
+    ):
+        surgery.export(handle, tmp_path / "m.gguf", format="gguf", type="Q6_K")
+    assert "\n" not in str(raised.value) and not list(tmp_path.iterdir())
+
+
+def test_a_k_quant_target_refuses_a_model_whose_rows_are_not_whole_super_blocks():
+    model = tiny("Llama")  # 64 inputs a row
+    with pytest.raises(ConfigError, match=r"super_group=256: does not divide the 64 inputs of model\.layers\.0\."):
+        surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q3_K", exclude="lm_head")
+    assert not any(module._forward_pre_hooks for module in model.modules())
 
 
 def test_activation_quantization_and_other_models_are_refused(tmp_path):

@@ -35,14 +35,14 @@ log = logging.getLogger("surgery")
 OPTIONS = ("type", "tokenizer")
 FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
-FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0"}
+FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0", "Q6_K": "MOSTLY_Q6_K", "Q3_K": "MOSTLY_Q3_K_S"}
 
 
 def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Write ``parts`` (a Hugging Face decoder under surgery) as one GGUF file at ``path``.
 
-    Options: ``type``, a GGUF type every quantized weight must be written as (``Q4_0``,
-    ``Q5_0``, ``Q8_0``; by default each weight's own grid picks it); ``tokenizer``: not yet
+    Options: ``type``, a GGUF type every quantized weight must be written as (``Q3_K``,
+    ``Q4_0``, ``Q5_0``, ``Q6_K``, ``Q8_0``; by default each weight's own grid picks it); ``tokenizer``: not yet
     written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
     writes none (llama.cpp then takes token ids)."""
     if parts.activations:
@@ -187,7 +187,8 @@ def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | N
     raise ConfigError(
         "export.format",
         "gguf",
-        f"cannot hold {name} exactly: {'; '.join(reasons)}; quantize with target='gguf:Q4_0' (or Q5_0, Q8_0)",
+        f"cannot hold {name} exactly: {'; '.join(reasons)}; quantize with target='gguf:<type>' "
+        f"({', '.join(BLOCK_TYPES)})",
     )
 
 

@@ -42,7 +42,7 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import GridSpec, stored_scale
+from surgery.ops.numerics.observers import GridSpec, stored_scale, super_grouped
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
 
@@ -143,7 +143,9 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
     if spec.scale_dtype is not None:  # the stored scale (its rounding passes the gradient straight through)
-        scale = scale + (stored_scale(scale.detach(), spec) - scale.detach())
+        scale = stored_scale(scale.detach(), spec) + (scale - scale.detach())  # exactly the stored value
+    if spec.super_group:  # each group's scale an integer times its super group's (straight through too)
+        scale = super_grouped(scale.detach().reshape(1, -1), spec).reshape(-1) + (scale - scale.detach())
         if not spec.symmetric and spec.observer != "full_range":
             zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
     integers = torch.clamp(round_ste(rows / scale[:, None] + offsets) + zero[:, None], quant_min, quant_max)

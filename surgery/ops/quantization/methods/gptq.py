@@ -54,6 +54,9 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             fixed = (fixed[0][rows], fixed[1][rows])
         if fixed is None and not spec.group_size:  # weighted: each row's range against its inputs' energy
             fixed = layer_grid.qparams_of(matrix, relative_importance(torch.diagonal(hessian)))
+        groups = None  # two-level grids: the groups' scales before the walk, under their super groups' scales
+        if spec.super_group:
+            groups = layer_grid.group_qparams(matrix, relative_importance(torch.diagonal(hessian)))
         new, scale, zero_point, g_idx = gptq(
             matrix,
             hessian,
@@ -64,6 +67,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             actorder=spec.actorder,
             asymmetry=asymmetry,
             keep=None if keep is None else keep[rows],
+            groups=groups,
         )
         grid_of = (
             scale.expand(matrix.shape[0]) if scale.dim() == 0 else scale,
