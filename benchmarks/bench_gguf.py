@@ -106,7 +106,7 @@ def importance_matrix(tools: Path, work: Path, calibration: list) -> Path:
 def quantize_with_imatrix(tools: Path, source: Path, target: Path, kind: str, imatrix: Path) -> None:
     """``llama-quantize`` with the importance matrix: every Linear but the head as ``kind`` (as the
     binding's ``pure`` run), the head and embeddings F32."""
-    ftype = {"Q3_K": "Q3_K_S"}.get(kind, kind)
+    ftype = {"Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}.get(kind, kind)
     flags = ["--imatrix", str(imatrix), "--pure", "--output-tensor-type", "f32", "--token-embedding-type", "f32"]
     tool(str(tools / "llama-quantize"), *flags, str(source), str(target), ftype, "1")
 

@@ -72,7 +72,11 @@ def logits(model_path: str, ids_file: str, out_file: str) -> None:
     np.save(out_file, np.stack(found))
 
 
-FTYPES = {"Q3_K": "Q3_K_S"}  # the file type whose tensors are all that type (with pure)
+FTYPES = {
+    "Q3_K": "Q3_K_S",
+    "Q4_K": "Q4_K_S",
+    "Q5_K": "Q5_K_S",
+}  # the file type whose tensors are all that type (with pure)
 
 
 def quantize(source: str, target: str, kind: str) -> None:

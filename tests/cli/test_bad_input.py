@@ -994,10 +994,10 @@ API_CASES = [
     ),
     ApiCase(
         "gguf",
-        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf", type="Q4_K"),
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf", type="Q2_K"),
         ConfigError,
         "export.options.type",
-        "Q4_K",
+        "Q2_K",
         build=lambda: tiny_llama(layers=1),
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
     ),

@@ -579,7 +579,10 @@ def _clip_limits(weight: Tensor, inputs: Tensor, spec: AwqSpec) -> Tensor:
 def _round_groups(w: Tensor, spec: GridSpec) -> Tensor:
     """``w`` (rows, 1, groups, size) rounded with one scale per (row, group)."""
     rows = w.reshape(-1, w.shape[-1])
-    per_group = GridSpec(**{**spec.as_dict(), "group_size": None, "per_channel": True, "observer": spec.observer})
+    per_group = GridSpec(  # a two-level grid's groups searched on their own scales (the super groups' left out)
+        **{**spec.as_dict(), "group_size": None, "per_channel": True, "observer": spec.observer}
+        | {"super_group": None, "scale_bits": None}
+    )
     observer = Observer(per_group, 0, "awq.clip")
     observer.observe(rows)
     scale, zero_point = observer.qparams()

@@ -58,7 +58,8 @@ class ExportFormat:
     bound, the smallest share of entries of integer and boolean outputs (an argmax, token ids)
     that must be equal (an exact format keeps them all). ``holds_g_idx``: the format writes a
     weight's group index (``actorder="group"``: groups scattered over the inputs); the others
-    are refused such a weight."""
+    are refused such a weight. ``holds_float_offset``: the format writes grids whose groups
+    store a float offset (``GridSpec(float_offset=True)``); the others refuse them."""
 
     name: str
     write: Write
@@ -74,6 +75,7 @@ class ExportFormat:
     stream: Write | None = None  # writes an offloaded model's result reading one tensor at a time
     agreement: float = 0.99  # with a cosine bound: the smallest share of integer outputs (argmax) kept equal
     holds_g_idx: bool = False  # writes WeightGrid.g_idx (groups not of consecutive inputs)
+    holds_float_offset: bool = False  # writes grids with float offsets (GridSpec.float_offset)
 
     @property
     def runnable(self) -> bool:
@@ -193,6 +195,7 @@ def register_export_format(
     replace: bool = False,
     takes_plan: bool | None = None,
     holds_g_idx: bool = False,
+    holds_float_offset: bool = False,
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
     (see :class:`ExportFormat` for the other settings).
@@ -223,6 +226,7 @@ def register_export_format(
         stream,
         agreement,
         holds_g_idx,
+        holds_float_offset,
     )
     registered = EXPORT_FORMATS.register(name, chosen, replace=replace)
     if target is not None:
@@ -305,6 +309,8 @@ def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Cal
         _refuse_others(chosen, handle, model)
         parts = gather_export_parts(handle)
         _refuse_g_idx(chosen, parts)
+        for key, grid in parts.weights.items():
+            _refuse_float_offset(chosen, grid.spec, key)
         parts.inputs = calls
         if parts.unexpressed:
             raise ConfigError(
@@ -334,6 +340,18 @@ def _refuse_g_idx(chosen: ExportFormat, parts: ExportParts) -> None:
                 f"cannot hold {key}'s group index (g_idx, from actorder='group': its groups are not consecutive "
                 "inputs); quantize with actorder='weight', or export format='safetensors'",
             )
+
+
+def _refuse_float_offset(chosen: ExportFormat, spec: Any, key: str) -> None:
+    """Refuse a grid whose groups store a float offset in a format that stores integer zero points."""
+    if getattr(spec, "float_offset", False) and not chosen.holds_float_offset:
+        holding = [name for name in EXPORT_FORMATS.names() if EXPORT_FORMATS.get(name).holds_float_offset]
+        raise ConfigError(
+            "export.format",
+            chosen.name,
+            f"stores integer zero points; {key}'s groups have float offsets (float_offset=true): "
+            f"export format={' or '.join(map(repr, holding))}, or quantize without float_offset",
+        )
 
 
 def _refuse_others(chosen: ExportFormat, handle: Handle, model: nn.Module) -> None:
@@ -463,6 +481,7 @@ def _export_streamed(
         )
     if chosen.suffix and path.suffix != f".{chosen.suffix}":
         raise ConfigError("export.path", str(path), f"must end in .{chosen.suffix} for format={chosen.name!r}")
+    _refuse_float_offset(chosen, getattr(handle, "spec", None), "every quantized weight")
     refuse_existing([path], overwrite)
     calls = None if inputs is None else [as_call(b) for b in _listed(inputs)]
     write = lambda tmp: chosen.stream(handle, tmp, options)  # noqa: E731 - one call, named for the reader

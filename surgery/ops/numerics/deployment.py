@@ -60,8 +60,10 @@ class WeightGrid:
         return matrix.reshape(moved).movedim(0, self.output_axis)
 
     def row_scales(self, columns: int) -> tuple[Tensor, Tensor]:
-        """Scale and zero point for every entry of an (outputs, ``columns``) matrix, broadcastable."""
-        scale, zero_point = self.scale.float(), self.zero_point.to(torch.int32)
+        """Scale and zero point (a float offset with ``spec.float_offset``) for every entry of an
+        (outputs, ``columns``) matrix, broadcastable."""
+        offset = self.zero_point.float() if self.spec.float_offset else self.zero_point.to(torch.int32)
+        scale, zero_point = self.scale.float(), offset
         if self.group_size:
             index = torch.arange(columns) // self.group_size if self.g_idx is None else self.g_idx.long().cpu()
             return scale[:, index], zero_point[:, index]
@@ -86,12 +88,17 @@ class WeightGrid:
             axis = None if self.axis is None else 0
             flat = (scale.reshape(()), zero_point.reshape(())) if axis is None else (scale[:, 0], zero_point[:, 0])
             rows = fake_quantize(rows, *flat, axis, self.spec)
+        if self.spec.float_offset:
+            return torch.clamp(torch.round((rows + zero_point) / scale), low, high).to(torch.int32)
         return torch.clamp(torch.round(rows / scale) + zero_point, low, high).to(torch.int32)
 
     def dequantized(self, integers: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """(integers - zero point) × scale, as the simulation computes it (float32 matrix; in
-        float64, exact, so that rounding it back gives the same integers)."""
+        float64, exact, so that rounding it back gives the same integers); with a float offset,
+        integers × scale - offset."""
         scale, zero_point = self.row_scales(integers.shape[1])
+        if self.spec.float_offset:
+            return integers.to(dtype) * scale.to(dtype) - zero_point.to(dtype)
         return (integers - zero_point).to(dtype) * scale.to(dtype)
 
 

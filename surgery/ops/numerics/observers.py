@@ -172,6 +172,11 @@ class GridSpec:
     - 1)``), and each group's scale is ``d`` times an integer in [1, 2^scale_bits - 1], the
     nearest to the scale the observer found. The zero point must not depend on the scale:
     ``symmetric`` or ``observer="full_range"``.
+    ``float_offset`` (affine weight grids in groups): each group stores a float offset ``m``
+    instead of an integer zero point, ``value = scale × q - m`` with ``q`` in [0, 2^bits - 1]
+    and ``m = -min`` of the group's range (llama.cpp's Q4_1/Q5_1 minimum and the K-quants'
+    mins), ``m`` rounded to ``scale_dtype`` where set; with ``super_group``, every super group's
+    offsets share one stored ``dmin``, each ``dmin`` times an integer in [0, 2^scale_bits - 1].
     """
 
     bits: int = 8
@@ -192,6 +197,7 @@ class GridSpec:
     scale_dtype: str | None = None  # integer grids: "float16"/"bfloat16" rounds each scale as it is computed
     super_group: int | None = None  # inputs sharing one scale_dtype scale over the groups' integer scales
     scale_bits: int | None = None  # with super_group: each group's scale an integer in [1, 2^scale_bits - 1] x it
+    float_offset: bool = False  # affine groups: value = scale x q - offset, the offset a float (GGUF's minimums)
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
@@ -299,6 +305,7 @@ def _check(spec: Any, field: str) -> None:
     _check_iterations(spec, field)
     _check_scale_dtype(spec, field)
     _check_super_group(spec, field)
+    _check_float_offset(spec, field)
 
 
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -345,17 +352,37 @@ def _check_super_group(spec: Any, field: str) -> None:
         raise ConfigError(
             f"{field}.super_group", size, "needs an integer format and scale_dtype (the super group's stored scale)"
         )
-    if not spec.symmetric and spec.observer != "full_range":
+    if not spec.symmetric and spec.observer != "full_range" and spec.float_offset is not True:
         raise ConfigError(
             f"{field}.super_group",
             size,
-            "rounds each group's scale, so its zero point must not depend on it: set symmetric=true "
-            "or observer='full_range'",
+            "rounds each group's scale, so its zero point must not depend on it: set symmetric=true, "
+            "observer='full_range' or float_offset=true",
         )
     if spec.actorder == "group":
         raise ConfigError(
             f"{field}.actorder", "group", "scatters the groups over the inputs; super groups need consecutive ones"
         )
+
+
+def _check_float_offset(spec: Any, field: str) -> None:
+    if not isinstance(spec.float_offset, bool):
+        raise ConfigTypeError(f"{field}.float_offset", spec.float_offset, "must be true or false")
+    if not spec.float_offset:
+        return
+    problem = (
+        "applies to integer formats"
+        if FORMATS.get(spec.format).is_float
+        else "applies to affine grids (symmetric=false)"
+        if spec.symmetric
+        else "is symmetric about zero (an integer zero point); use observer='minmax' or a searched one"
+        if spec.observer == "full_range"
+        else "applies to weights per channel or in groups (set group_size)"
+        if not (spec.group_size or spec.per_channel) or spec.dynamic is not None
+        else None
+    )
+    if problem:
+        raise ConfigError(f"{field}.float_offset", True, problem)
 
 
 def super_grouped(scale: Tensor, spec: GridSpec) -> Tensor:
@@ -379,6 +406,34 @@ def super_grouped(scale: Tensor, spec: GridSpec) -> Tensor:
     d = super_scale(largest, spec)
     levels = torch.where(blocks == largest, top, torch.clamp(torch.round(blocks / d), 1, top))
     return (d * levels).reshape(rows, groups)
+
+
+def super_grouped_offsets(offset: Tensor, spec: GridSpec) -> Tensor:
+    """(outputs, groups) float offsets on the two-level grid: every super group's share
+    ``dmin`` (their largest over ``2^scale_bits - 1``, in ``scale_dtype``), the largest at that
+    top level and every other ``dmin`` times the nearest integer in [0, 2^scale_bits - 1]."""
+    if spec.super_group is None:
+        return offset
+    top = (1 << spec.scale_bits) - 1
+    rows, groups = offset.shape
+    blocks = offset.float().reshape(rows, -1, spec.super_group // spec.group_size)
+    largest = blocks.amax(-1, keepdim=True)
+    dmin = super_scale(largest, spec)
+    levels = torch.where(blocks == largest, top, torch.clamp(torch.round(blocks / dmin), 0, top))
+    return (dmin * levels).reshape(rows, groups)
+
+
+def stored_offset(offset: Tensor, spec: GridSpec) -> Tensor:
+    """A float offset rounded to ``spec.scale_dtype`` (zero stays zero); as it is without one."""
+    return offset if spec.scale_dtype is None else offset.to(SCALE_DTYPES[spec.scale_dtype]).float()
+
+
+def fake_quantize_offset(x: Tensor, scale: Tensor, offset: Tensor, spec: GridSpec) -> Tensor:
+    """``x`` on a float-offset grid: ``q = clamp(round((x + offset) / scale))``, then ``scale × q
+    - offset`` in float32, as GGUF's dequantizers compute it (``scale``, ``offset`` broadcast)."""
+    low, high = spec.quant_range
+    q = torch.clamp(torch.round((x.float() + offset) / scale), low, high)
+    return (q * scale - offset).to(x.dtype)
 
 
 def super_scale(largest: Tensor, spec: GridSpec) -> Tensor:
@@ -560,7 +615,8 @@ def compute_qparams(
 ) -> tuple[Tensor, Tensor]:
     """Scale and zero point for the range [low, high], with torch.ao's formulas; on a
     floating-point grid, the format's scale of ``max(|low|, |high|)`` and a zero point of 0
-    (``tensor_amax``: the whole tensor's, for formats with a per-tensor scale above the blocks')."""
+    (``tensor_amax``: the whole tensor's, for formats with a per-tensor scale above the blocks');
+    with ``float_offset``, the float offset ``-low`` in the zero point's place."""
     if spec.is_float:
         amax = torch.maximum(-low.float(), high.float()).clamp(min=0)
         scale = spec.number_format.scale_of(amax, tensor_amax)
@@ -569,6 +625,9 @@ def compute_qparams(
     low = torch.minimum(low.float(), torch.zeros_like(low, dtype=torch.float32))
     high = torch.maximum(high.float(), torch.zeros_like(high, dtype=torch.float32))
     eps = torch.tensor(torch.finfo(torch.float32).eps)
+    if spec.float_offset:  # the group's minimum, as a float: value = scale x q - offset
+        scale = stored_scale(torch.maximum((high - low) / float(quant_max - quant_min), eps), spec)
+        return scale, stored_offset(-low, spec)
     if spec.symmetric:
         scale = stored_scale(torch.maximum(torch.maximum(-low, high) / (float(quant_max - quant_min) / 2), eps), spec)
         zero_point = torch.zeros_like(scale, dtype=torch.int32)
@@ -596,6 +655,9 @@ def fake_quantize_groups(
     padded = torch.nn.functional.pad(rows, (0, (-columns) % size)).reshape(-1, size)
     if spec.is_float:
         rounded = spec.number_format.fake_quantize(padded, scale.reshape(-1, 1).to(padded.device))
+    elif spec.float_offset:
+        scale, offset = scale.reshape(-1, 1).to(padded.device), zero_point.reshape(-1, 1).to(padded.device)
+        rounded = fake_quantize_offset(padded, scale, offset, spec)
     else:
         quant_min, quant_max = spec.quant_range
         rounded = torch.fake_quantize_per_channel_affine(
@@ -656,13 +718,17 @@ class Grid:
                 rows[:, whole:].float(), None if weights is None else weights[:, whole:]
             )
             parts.append((scale.view(-1, 1), zero_point.view(-1, 1)))
-        scale = super_grouped(torch.cat([p[0] for p in parts], dim=1), self.spec)
-        return scale, torch.cat([p[1] for p in parts], dim=1)
+        zero_point = torch.cat([p[1] for p in parts], dim=1)
+        if self.spec.float_offset:
+            zero_point = super_grouped_offsets(zero_point, self.spec)
+        return super_grouped(torch.cat([p[0] for p in parts], dim=1), self.spec), zero_point
 
     def round(self, column: Tensor, scale: Tensor, zero_point: Tensor) -> Tensor:
         """One column rounded onto the grid (``scale``: one per row, or one)."""
         if self.spec.is_float:
             return self.spec.number_format.fake_quantize(column, scale)
+        if self.spec.float_offset:
+            return fake_quantize_offset(column, scale, zero_point, self.spec)
         quant_min, quant_max = self.spec.quant_range
         rows = column.shape[0]
         return torch.fake_quantize_per_channel_affine(
@@ -683,6 +749,11 @@ def fake_quantize(x: Tensor, scale: Tensor, zero_point: Tensor, axis: int | None
         if axis is not None:
             shape[axis] = -1
         return spec.number_format.fake_quantize(x, scale.reshape(shape) if axis is not None else scale)
+    if spec.float_offset:
+        shape = [1] * x.dim()
+        if axis is not None:
+            shape[axis] = -1
+        return fake_quantize_offset(x, scale.reshape(shape), zero_point.reshape(shape), spec)
     quant_min, quant_max = spec.quant_range
     if axis is None:
         return torch.fake_quantize_per_tensor_affine(x, scale, zero_point, quant_min, quant_max)

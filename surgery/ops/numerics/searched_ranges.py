@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from surgery.ops.numerics.observers import GridSpec, ObservedRange, compute_qparams, register_observer
+from surgery.ops.numerics.observers import GridSpec, ObservedRange, compute_qparams, fake_quantize, register_observer
 
 
 class Search(NamedTuple):
@@ -71,11 +71,7 @@ def _rounding_error(
 ) -> Tensor:
     """Each row's ``sum (importance ×) |rounded - x| ** norm`` on the grid of ``[low, high]``."""
     scale, zero_point = compute_qparams(low, high, spec)
-    if spec.is_float:
-        rounded = spec.number_format.fake_quantize(x, scale.reshape(-1, 1))
-    else:
-        quant_min, quant_max = spec.quant_range
-        rounded = torch.fake_quantize_per_channel_affine(x, scale, zero_point, 0, quant_min, quant_max)
+    rounded = fake_quantize(x, scale, zero_point, 0, spec)
     error = (rounded - x).abs().pow(norm)
     return (error if importance is None else error * importance).sum(dim=1)
 

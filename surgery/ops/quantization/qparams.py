@@ -156,6 +156,12 @@ def _check_qparam_values(name: str, scale: Any, zero_point: Any, spec: GridSpec)
             f"number in [{tiny:.3g}, {huge:.3g}] (positive, not denormal, and its grid "
             "representable in float32)"
         )
+    if spec.float_offset:  # value = scale x q - offset: a finite offset >= 0 (minus the group's minimum)
+        if not zero_point.is_floating_point() or not bool(((zero_point >= 0) & torch.isfinite(zero_point)).all()):
+            raise CheckpointError(
+                f"quantize.qparams: {name}.zero_point must hold finite float offsets >= 0 (float_offset=true)"
+            )
+        return
     if zero_point.is_floating_point() or zero_point.is_complex() or zero_point.dtype == torch.bool:
         raise CheckpointError(
             f"quantize.qparams: {name}.zero_point has dtype {zero_point.dtype}; it must be an integer tensor"

@@ -78,6 +78,18 @@ def test_calibrated_methods_on_the_gguf_grid_export_exactly(tmp_path, method):
     assert record.parity.equal
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q3_K"])
+def test_awq_then_gptq_on_a_k_quant_grid_exports_exactly(tmp_path, kind):
+    model = tiny("Llama", width=256)
+    calibration = [ids(seed) for seed in range(2)]
+    spec = GridSpec(**{**BLOCK_TYPES[kind].target, "method": "gptq"})
+    scaled = surgery.awq(model, weights=spec, calibration=calibration, progress=False)  # its clip search too
+    handle = surgery.quantize(model, weights=spec, target=f"gguf:{kind}", exclude="lm_head", calibration=calibration)
+    record = surgery.export(surgery.compose(scaled, handle), tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+    assert record.parity.equal
+    assert {kind} == {k for k, _ in read_back(record.path).values()} - {"F32"}
+
+
 def test_the_q4_0_target_is_llama_cpp_s_own_q4_0_grid_but_for_ties():
     # llama.cpp's reference quantizer (gguf-py's transcription) rounds half up and picks the
     # first largest value's sign; surgery rounds half to even: measured 99.95 % equal values on
@@ -111,12 +123,12 @@ def test_a_byte_level_model_carries_its_byte_vocabulary(tmp_path):
             None,
             {},
             r"cannot hold model\.layers\.0\.self_attn\.q_proj\.weight exactly: "
-            r"Q4_0 needs groups of 32 inputs .* quantize with target='gguf:<type>'",
+            r"Q4_1 needs groups of 32 inputs .* Q4_0 needs .* quantize with target='gguf:<type>'",
         ),
         (GridSpec(bits=4, group_size=32, symmetric=True), None, {}, r"Q4_0 needs fp16 scales"),
         (GridSpec(bits=8, group_size=32, scale_dtype="float16"), None, {}, r"Q8_0 needs signed integers .*bits=8"),
         (GridSpec(bits=8), "gguf:Q8_0", {"type": "Q4_0"}, r"Q4_0 needs signed integers within \[-8, 7\] \(bits=8\)"),
-        (GridSpec(bits=4), "gguf:Q4_0", {"type": "Q4_K"}, r"^export\.options\.type='Q4_K': must be one of Q8_0"),
+        (GridSpec(bits=4), "gguf:Q4_0", {"type": "Q2_K"}, r"^export\.options\.type='Q2_K': must be one of Q8_0"),
         (GridSpec(bits=4), "gguf:Q4_0", {"tokenizer": object()}, r"^export\.options\.tokenizer='object'"),
     ],
 )

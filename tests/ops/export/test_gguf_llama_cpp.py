@@ -1,5 +1,5 @@
 """llama.cpp itself runs surgery's GGUF files: the shipped tiny Llama and Qwen3 calibrated onto
-Q4_0, Q5_0 and Q8_0, their logits from llama-cpp-python (in the benchmark's own environment,
+the legacy types, their logits from llama-cpp-python (in the benchmark's own environment,
 ``benchmarks/peer_venvs.py``; skipped when it is absent) against the simulation's."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_llama_cpp_reads_the_float_file_as_the_model_computes(tmp_path, model_na
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
-@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_llama_cpp_computes_the_simulation_s_logits_within_its_activation_rounding(tmp_path, model_name, kind):
     python = llama_cpp_or_skip()
     model = MODELS[model_name]()
@@ -87,7 +87,7 @@ def test_llama_cpp_computes_the_simulation_s_logits_within_its_activation_roundi
     assert (found.argmax(-1) == simulated.argmax(-1)).mean() >= 0.93
 
 
-@pytest.mark.parametrize("kind", ["Q3_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_llama_cpp_computes_the_simulation_s_logits_on_the_k_quants(tmp_path, kind):
     # the shipped models' rows (128 inputs) are not whole super-blocks of 256: a seeded random
     # Llama of width 256 instead. Measured: mean cosine 0.99992, every position 0.9998 or more

@@ -74,7 +74,10 @@ def test_a_bfloat16_model_keeps_the_two_level_scales_exact():
         ({"super_group": 200}, r"super_group=200: must be a multiple of group_size \(group_size=16"),
         ({"scale_bits": 9}, r"scale_bits=9: must be a whole number of bits in \[1, 8\]"),
         ({"scale_dtype": None}, r"needs an integer format and scale_dtype"),
-        ({"observer": "minmax"}, r"its zero point must not depend on it: set symmetric=true or observer='full_range'"),
+        (
+            {"observer": "minmax"},
+            r"its zero point must not depend on it: set symmetric=true, observer='full_range' or float_offset=true",
+        ),
         ({"method": "gptq", "actorder": "group"}, r"actorder='group': scatters the groups"),
     ],
 )

@@ -114,16 +114,23 @@ def test_export_streams_the_same_files_as_the_model_in_memory_gives(tmp_path):
     assert torch.equal(logits(load_compressed_tensors(out / "offloaded")), logits(done.model))
 
 
-def test_gguf_streams_the_same_tensors_as_the_model_in_memory_gives(tmp_path):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])  # Q4_1: float offsets, saved and read back as floats
+def test_gguf_streams_the_same_tensors_as_the_model_in_memory_gives(tmp_path, kind):
     gguf = pytest.importorskip("gguf")
     folder = tmp_path / "model"
     reference = llama_folder(folder)
     spec = GridSpec(bits=4, method="gptq")
-    in_memory = surgery.quantize(reference, weights=spec, target="gguf:Q4_0", calibration=batches(), exclude="lm_head")
+    target = f"gguf:{kind}"
+    in_memory = surgery.quantize(reference, weights=spec, target=target, calibration=batches(), exclude="lm_head")
     surgery.export(in_memory, tmp_path / "memory.gguf", format="gguf")
     done = surgery.quantize(
-        surgery.offloaded(folder), weights=spec, target="gguf:Q4_0", calibration=batches(), exclude="lm_head"
+        surgery.offloaded(folder), weights=spec, target=target, calibration=batches(), exclude="lm_head"
     )
+    if kind == "Q4_1":
+        with pytest.raises(
+            ConfigError, match=r"stores integer zero points; every quantized weight's groups have float"
+        ):
+            surgery.export(done, tmp_path / "offloaded", format="compressed-tensors")
     record = surgery.export(done, tmp_path / "offloaded.gguf", format="gguf", inputs=[TOKENS])
     assert record.parity.equal  # transformers' GGUF loader computes what the offloaded model does
     read = [gguf.GGUFReader(str(tmp_path / f"{name}.gguf")).tensors for name in ("memory", "offloaded")]

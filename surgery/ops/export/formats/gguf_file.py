@@ -35,14 +35,15 @@ log = logging.getLogger("surgery")
 OPTIONS = ("type", "tokenizer")
 FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
-FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0", "Q6_K": "MOSTLY_Q6_K", "Q3_K": "MOSTLY_Q3_K_S"}
+FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q5_1": "MOSTLY_Q5_1"}
+FILE_TYPES |= {"Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K"}
 
 
 def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Write ``parts`` (a Hugging Face decoder under surgery) as one GGUF file at ``path``.
 
-    Options: ``type``, a GGUF type every quantized weight must be written as (``Q3_K``,
-    ``Q4_0``, ``Q5_0``, ``Q6_K``, ``Q8_0``; by default each weight's own grid picks it); ``tokenizer``: not yet
+    Options: ``type``, a GGUF type every quantized weight must be written as (one of
+    :data:`BLOCK_TYPES`; by default each weight's own grid picks it); ``tokenizer``: not yet
     written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
     writes none (llama.cpp then takes token ids)."""
     if parts.activations:
@@ -183,7 +184,8 @@ def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | N
             if kind.bits > grid.spec.bits:
                 log.warning("export: %s is written as %s, the smallest GGUF type that holds its grid", name, kind.name)
             return kind
-        reasons.append(f"{kind.name} needs {why}")
+        if kind.bits == candidates[0].bits:  # what the types of the grid's own bits need
+            reasons.append(f"{kind.name} needs {why}")
     raise ConfigError(
         "export.format",
         "gguf",
@@ -246,7 +248,9 @@ def load_gguf(path: Path) -> nn.Module:
     return model.eval()
 
 
-register_export_format("gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True, stream=stream_gguf)
+register_export_format(
+    "gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True, stream=stream_gguf, holds_float_offset=True
+)
 
 
 for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid

@@ -42,7 +42,13 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import GridSpec, stored_scale, super_grouped
+from surgery.ops.numerics.observers import (
+    GridSpec,
+    stored_offset,
+    stored_scale,
+    super_grouped,
+    super_grouped_offsets,
+)
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
 
@@ -139,6 +145,8 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
         zero = torch.where(negative, half, half - 1).to(scale.dtype).detach()
         # its offsets move round(w / scale); under a negative scale that is round(w / |scale|) moved back
         offsets = offsets * torch.where(negative, 1.0, -1.0)[:, None]
+    elif spec.float_offset:  # the group's minimum as a float offset: value = scale x q - offset
+        return _offset_qdq(rows, offsets, smallest, largest, spec)
     else:
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
@@ -150,6 +158,26 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
             zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
     integers = torch.clamp(round_ste(rows / scale[:, None] + offsets) + zero[:, None], quant_min, quant_max)
     return scale[:, None] * (integers - zero[:, None]), scale, zero
+
+
+def _offset_qdq(
+    rows: Tensor, offsets: Tensor, smallest: Tensor, largest: Tensor, spec: GridSpec
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`qdq` on a float-offset grid: scale ``(max - min) / (2^bits - 1)`` and offset ``-min``
+    of the tuned range, each rounded as stored (and onto the super groups' two levels), the
+    gradient straight through."""
+    quant_min, quant_max = spec.quant_range
+    scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
+    offset = -smallest
+    if spec.scale_dtype is not None:
+        scale = stored_scale(scale.detach(), spec) + (scale - scale.detach())
+        offset = stored_offset(offset.detach(), spec) + (offset - offset.detach())
+    if spec.super_group:
+        scale = super_grouped(scale.detach().reshape(1, -1), spec).reshape(-1) + (scale - scale.detach())
+        stored = super_grouped_offsets(offset.detach().reshape(1, -1), spec).reshape(-1)
+        offset = stored + (offset - offset.detach())
+    integers = torch.clamp(round_ste((rows + offset[:, None]) / scale[:, None] + offsets), quant_min, quant_max)
+    return scale[:, None] * integers - offset[:, None], scale, offset
 
 
 def floor_ste(x: Tensor) -> Tensor:
@@ -412,7 +440,8 @@ def solve_autoround(problem: WeightProblem) -> dict[str, QuantizedWeight]:
 
 def _answer(problem: WeightProblem, key: str, scale: Tensor, zero: Tensor) -> QuantizedWeight:
     """The grid in surgery's layout: (outputs, groups), (outputs,) per channel, or scalars."""
-    spec, zero = problem.spec, zero.to(torch.int32)
+    spec = problem.spec
+    zero = zero.float() if spec.float_offset else zero.to(torch.int32)
     if not spec.group_size and not spec.per_channel:
         return QuantizedWeight(scale.reshape(()), zero.reshape(()), None)
     outputs = weight_matrix(problem.targets.matched[key].module, problem.value(key)).shape[0]

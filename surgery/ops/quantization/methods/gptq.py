@@ -93,7 +93,8 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
         axis = problem.axis(key) if grid.per_row else None
         if not grid.per_row:
             scale, zero_point = scale[0].reshape(()), zero_point[0].reshape(())
-        found[key] = QuantizedWeight(scale, zero_point.to(torch.int32), axis, g_idx=next(iter(g_idx), None))
+        zero_point = zero_point if spec.float_offset else zero_point.to(torch.int32)
+        found[key] = QuantizedWeight(scale, zero_point, axis, g_idx=next(iter(g_idx), None))
     return found
 
 

@@ -1,0 +1,85 @@
+"""``GridSpec(float_offset=True)``: affine groups whose offset is a float (``scale × q - offset``,
+llama.cpp's Q4_1/Q5_1 minimum and, on two levels, the K-quants' mins). Every method lands the
+weights on that grid, the offsets are what the format stores, formats that store integer zero
+points refuse such a grid in one line, and bad settings are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import surgery
+from surgery import GridSpec
+from surgery.core.errors import ConfigError
+from surgery.ops.numerics.deployment import gather_export_parts
+from surgery.ops.numerics.observers import Grid, fake_quantize_groups
+
+Q4_1 = GridSpec(bits=4, float_offset=True, group_size=32, scale_dtype="float16")
+Q4_K = GridSpec(bits=4, float_offset=True, group_size=32, scale_dtype="float16", super_group=256, scale_bits=6)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+@pytest.mark.parametrize("spec", [Q4_1, Q4_K], ids=["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "autoround"])
+def test_every_method_puts_the_weights_on_the_float_offset_grid(spec, method):
+    net = model()
+    calibration = [torch.randn(8, 256) for _ in range(2)] if method != "rtn" else None
+    grid_spec = GridSpec(**{**spec.as_dict(), "method": method, "iterations": 3})
+    with surgery.quantize(net, weights=grid_spec, calibration=calibration, select="0", progress=False) as handle:
+        grid = gather_export_parts(handle).weights["0.weight"]
+        weight = net.get_parameter("0.weight").detach()
+        offset = grid.zero_point
+        assert offset.is_floating_point() and bool((offset >= 0).all())  # minus each group's minimum (at most 0)
+        assert torch.equal(fake_quantize_groups(weight, grid.scale, offset, 0, grid_spec), weight)
+        integers = grid.integers(weight)
+        assert integers.min() >= 0 and integers.max() <= 15
+        assert torch.equal(grid.dequantized(integers), weight)  # scale x q - offset, as GGUF computes it
+        if spec.super_group is None:
+            assert torch.equal(offset.half().float(), offset) and torch.equal(grid.scale.half().float(), grid.scale)
+        else:  # every super group's offsets: an fp16 dmin times integers in [0, 63], the largest at 63
+            blocks = offset.double().reshape(64, -1, 8)
+            dmin = blocks.amax(-1, keepdim=True) / 63
+            levels = blocks / dmin
+            assert torch.equal(dmin.half().double(), dmin) and torch.equal(levels, levels.round())
+            assert levels.min() >= 0 and levels.max() == 63
+
+
+def test_the_offset_is_minus_the_group_minimum_and_the_range_reaches_its_maximum():
+    rows = torch.tensor([[-1.0, -0.5, 0.25, 2.0] * 8])
+    scale, offset = Grid(GridSpec(bits=4, float_offset=True, group_size=32), per_row=True).group_qparams(rows)
+    assert torch.equal(offset, torch.tensor([[1.0]])) and torch.allclose(scale, torch.tensor([[3.0 / 15]]))
+    rounded = fake_quantize_groups(rows, scale, offset, 0, GridSpec(bits=4, float_offset=True, group_size=32))
+    assert rounded[0, 0] == -1.0 and rounded[0, 3] == scale[0, 0] * 15 - 1.0  # both ends on the grid
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "onnx", "int4"])
+def test_formats_that_store_integer_zero_points_refuse_a_float_offset_grid(tmp_path, fmt):
+    net = model()
+    with (
+        surgery.quantize(net, weights=Q4_1, select="0", progress=False) as handle,
+        pytest.raises(
+            ConfigError, match=r"stores integer zero points; 0\.weight's groups have float offsets"
+        ) as raised,
+    ):
+        surgery.export(handle, tmp_path / {"compressed-tensors": "m", "onnx": "m.onnx"}.get(fmt, "m.pt"), format=fmt)
+    assert "\n" not in str(raised.value) and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"symmetric": True}, r"float_offset=True: applies to affine grids \(symmetric=false\)"),
+        ({"observer": "full_range"}, r"float_offset=True: is symmetric about zero"),
+        ({"group_size": None}, r"float_offset=True: applies to weights per channel or in groups \(set group_size\)"),
+        ({"float_offset": "yes"}, r"float_offset='yes': must be true or false"),
+    ],
+)
+def test_bad_float_offset_settings_are_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError, match=message) as raised:
+        GridSpec(**{**Q4_1.as_dict(), **fields})
+    assert "\n" not in str(raised.value)
