@@ -51,6 +51,7 @@ from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, 
 from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
 from surgery.ops.planning.choices import Choice, register_choice
+from surgery.ops.planning.gguf_mixes import gguf_mix
 from surgery.ops.planning.planning import plan
 from surgery.ops.planning.plans import Plan
 from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
@@ -187,6 +188,7 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "Sensitivity",
     # planning: one budget across every knob
     "plan",
+    "gguf_mix",
     "Plan",
     "Choice",
     "register_choice",

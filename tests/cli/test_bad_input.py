@@ -988,7 +988,7 @@ API_CASES = [
         lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf"),
         ConfigError,
         "export.format",
-        "cannot hold model.layers.0.self_attn.q_proj.weight exactly: Q4_0 needs groups of 32",
+        "cannot hold model.layers.0.self_attn.q_proj.weight exactly: Q4_1 needs groups of 32",
         build=lambda: tiny_llama(layers=1),
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=128), exclude="lm_head"),
     ),
@@ -1015,6 +1015,30 @@ API_CASES = [
         ConfigError,
         "GridSpec.super_group",
         "needs an integer format and scale_dtype",
+    ),
+    ApiCase(
+        "gguf-mix",
+        lambda m, *_: surgery.gguf_mix(m, "Q4_K_M"),
+        ConfigError,
+        "plan.mix",
+        "puts model.layers.0.self_attn.q_proj.weight on gguf:Q4_K, whose blocks do not tile its 64 inputs",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
+        "float-offset",
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4, group_size=8, float_offset=True, symmetric=True)),
+        ConfigError,
+        "GridSpec.float_offset",
+        "applies to affine grids (symmetric=false)",
+    ),
+    ApiCase(
+        "float-offset",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "llama", format="compressed-tensors"),
+        ConfigError,
+        "export.format",
+        "stores integer zero points; model.layers.0.self_attn.q_proj.weight's groups have float offsets",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_1", exclude="lm_head"),
     ),
     ApiCase(
         "int4",
@@ -1469,6 +1493,12 @@ CLI_CASES = [
     ),
     CliCase(
         "float-format", (*QUANTIZE, "quantize.weights.format=fp7"), "quantize.weights.format='fp7': must be one of"
+    ),
+    CliCase("gguf-mix", ("recipe=plan_llama", "plan.mix=Q4_K_S"), "plan.mix='Q4_K_S': must be null or one of Q4_K_M"),
+    CliCase(
+        "float-offset",
+        (*QUANTIZE, "+quantize.weights.float_offset=true"),
+        "quantize.weights.float_offset=True: applies to affine grids (symmetric=false)",
     ),
     CliCase(
         "super-group",

@@ -14,9 +14,11 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.checkpoints import write_atomically
+from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, HandleGroup, restored_on_error
 from surgery.ops.planning.budget import budget_bytes
 from surgery.ops.planning.choices import choice_named
+from surgery.ops.planning.gguf_mixes import GGUF_MIXES, gguf_mix
 from surgery.ops.planning.planning import DEFAULT_CHOICES, plan
 from surgery.ops.quantization.qparams import load_qparams
 from surgery.ops.sparsity.pruning import prune_targets
@@ -39,8 +41,11 @@ class PlanConfig:
     estimate: str = "auto"  # auto (gradient on a causal LM's next-token loss, else drift) | gradient | drift
     calibration_batches: int = 4
     kv_tokens: int | None = None
+    mix: str | None = None  # a llama.cpp file type (Q4_K_M, Q5_K_M): its rules choose, no budget or scores
 
     def __post_init__(self) -> None:
+        if self.mix is not None and self.mix not in GGUF_MIXES:
+            raise ConfigError("plan.mix", self.mix, f"must be null or one of {', '.join(GGUF_MIXES)}")
         if self.budget is not None:  # the form only: what it reaches is known once the model is built
             budget_bytes(self.budget, 1)
         for name in self.choices:
@@ -65,7 +70,20 @@ class PlanStep(Step):
     def apply(self, model: nn.Module, settings: PlanConfig, run: StepRun) -> Handle:
         causal = getattr(run.config.model, "task", None) == "causal_lm" and settings.estimate != "drift"
         calibration = [(x, x) for x in run.calibration] if causal else run.calibration
-        chosen = plan(
+        if settings.mix is not None:  # llama.cpp's rules choose: no budget, no scores
+            chosen = gguf_mix(
+                model, settings.mix, method=settings.method, select=settings.select, exclude=settings.exclude or None
+            )
+        else:
+            chosen = self._searched(model, settings, calibration, causal)
+        write_atomically(run.folder / PLAN, chosen.save)
+        handle = chosen.apply(model, calibration=list(run.calibration))
+        handle.result = chosen
+        return handle
+
+    @staticmethod
+    def _searched(model: nn.Module, settings: PlanConfig, calibration: Any, causal: bool) -> Any:
+        return plan(
             model,
             settings.budget,
             settings.choices,
@@ -77,10 +95,6 @@ class PlanStep(Step):
             exclude=settings.exclude or None,
             kv_tokens=settings.kv_tokens,
         )
-        write_atomically(run.folder / PLAN, chosen.save)
-        handle = chosen.apply(model, calibration=list(run.calibration))
-        handle.result = chosen
-        return handle
 
     def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
         """The KV-cache choices' scales, and which choice each attention module took (its name

@@ -419,7 +419,8 @@ def super_grouped_offsets(offset: Tensor, spec: GridSpec) -> Tensor:
     blocks = offset.float().reshape(rows, -1, spec.super_group // spec.group_size)
     largest = blocks.amax(-1, keepdim=True)
     dmin = super_scale(largest, spec)
-    levels = torch.where(blocks == largest, top, torch.clamp(torch.round(blocks / dmin), 0, top))
+    at_top = (blocks == largest) & (largest > 0)  # a super group of zero offsets keeps them zero
+    levels = torch.where(at_top, top, torch.clamp(torch.round(blocks / dmin), 0, top))
     return (dmin * levels).reshape(rows, groups)
 
 

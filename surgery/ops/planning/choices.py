@@ -14,10 +14,11 @@ What the built-ins count (``out x in`` weight, ``n = out * in``):
   scale: 4.5 (and a little);
 - ``2:4``: half the weights kept at 16 bits, each with a 2-bit position in its group of four
   (NVIDIA's sparse metadata): (16 + 2) / 2 = 9 bits a weight;
-- ``gguf:Q4_0``, ``gguf:Q5_0``, ``gguf:Q8_0``: llama.cpp's block types (``target="gguf:..."``'s
-  grids), at a block's bytes: 18, 22, 34 bytes a block of 32 weights (4.5, 5.5, 8.5 bits);
-  ``gguf:Q3_K``, ``gguf:Q6_K``: 110, 210 bytes a super-block of 256 (3.4375, 6.5625 bits), for
-  layers whose inputs are multiples of 256.
+- ``gguf:Q4_0``, ``gguf:Q4_1``, ``gguf:Q5_0``, ``gguf:Q5_1``, ``gguf:Q8_0``: llama.cpp's block
+  types (``target="gguf:..."``'s grids), at a block's bytes: 18, 20, 22, 24, 34 bytes a block of
+  32 weights (4.5, 5, 5.5, 6, 8.5 bits); ``gguf:Q3_K``, ``gguf:Q4_K``, ``gguf:Q5_K``,
+  ``gguf:Q6_K``: 110, 144, 176, 210 bytes a super-block of 256 (3.4375, 4.5, 5.5, 6.5625 bits),
+  for layers whose inputs are multiples of 256.
 
 KV-cache choices (``target="kv_cache"``) are taken per attention module with ``k_proj`` and
 ``v_proj`` Linear layers. Their "shape" is ``(values cached per token, tokens)``: the key and

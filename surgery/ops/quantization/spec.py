@@ -68,6 +68,7 @@ class QuantizeSpec:
         _validate_method(weights, activations, self.train, self.blocks)
         _validate_weighted(weights, activations, self.train)
         _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
+        _validate_offsets(weights, activations, self.train)
         check_place(self.originals, "quantize.originals")
         if self.originals == "disk" and self.train:
             raise ConfigError(
@@ -190,6 +191,18 @@ def _validate_training(train: object, freeze_after: object, activations: GridSpe
             "quantize.freeze_observers_after",
             freeze_after,
             "applies to quantization-aware training of activations: set train=true and activations",
+        )
+
+
+def _validate_offsets(weights: GridSpec | None, activations: GridSpec | None, train: bool) -> None:
+    """Float offsets are a weight grid's, rounded once after the method (no gradient passes them)."""
+    if activations is not None and activations.float_offset:
+        raise ConfigError("quantize.activations.float_offset", True, "applies to weights; leave it false")
+    if weights is not None and weights.float_offset and train:
+        raise ConfigError(
+            "quantize.weights.float_offset",
+            True,
+            "rounds post-training (no straight-through gradient for training); set train=false",
         )
 
 

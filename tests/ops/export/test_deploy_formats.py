@@ -464,7 +464,7 @@ def test_bad_deployment_exports_are_one_line_and_write_nothing(tmp_path):
         surgery.QuantizeSpec(target="safetensors")
     with pytest.raises(
         ConfigError,
-        match=r"^quantize.target=.onnxx.: has no deployment rules; one of compressed-tensors, fp8, gguf:Q4_0, .*, onnx",
+        match=r"^quantize.target=.onnxx.: has no deployment rules; one of compressed-tensors, fp8, gguf:Q3_K, .*, onnx",
     ):
         surgery.QuantizeSpec(target="onnxx")
 

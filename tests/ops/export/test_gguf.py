@@ -277,3 +277,34 @@ def test_a_mixture_of_experts_model_is_refused_naming_its_family(tmp_path):
         with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families .* qwen3_moe$"):
             surgery.export(handle, tmp_path / "m.gguf", format="gguf")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_q4_k_m_mix_puts_llama_cpp_s_layers_on_q6_k_and_writes_one_exact_file(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2
+    )
+    config.vocab_size = 128
+    model = transformers.LlamaForCausalLM(config).eval()
+    plan = surgery.gguf_mix(model, "Q4_K_M", method="gptq")
+    more = {0, 3, 6, 9, 10, 11}  # llama.cpp's use_more_bits at 12 layers: the first and last eighth, every third
+    for row in plan.rows:
+        layer = int(row.layer.split(".")[2])
+        bumped = row.layer.endswith(("v_proj", "down_proj")) and layer in more
+        assert row.choice == ("gguf:Q6_K" if bumped else "gguf:Q4_K"), row.layer
+    assert len(plan.rows) == 7 * 12 and plan.method == "gptq"
+    with plan.apply(model, calibration=[ids(seed) for seed in range(2)]) as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+        assert record.parity.equal
+    kinds = {name: kind for name, (kind, _) in read_back(record.path).items()}
+    assert kinds["blk.3.attn_v.weight"] == kinds["blk.11.ffn_down.weight"] == "Q6_K"
+    assert kinds["blk.1.attn_v.weight"] == kinds["blk.3.attn_q.weight"] == "Q4_K"
+
+
+def test_a_mix_whose_blocks_do_not_tile_a_layer_is_refused_in_one_line():
+    with pytest.raises(
+        ConfigError, match=r"^plan\.mix='Q4_K_M': puts model\.layers\.0\.self_attn\.q_proj\.weight on gguf:Q4_K"
+    ):
+        surgery.gguf_mix(tiny("Llama"), "Q4_K_M")
+    with pytest.raises(ConfigError, match=r"^plan\.mix='Q4_K_S': must be one of Q4_K_M, Q5_K_M$"):
+        surgery.gguf_mix(tiny("Llama"), "Q4_K_S")

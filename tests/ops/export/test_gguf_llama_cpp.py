@@ -107,3 +107,46 @@ def test_llama_cpp_computes_the_simulation_s_logits_on_the_k_quants(tmp_path, ki
             simulated = model(IDS).logits.numpy()
     cosine = cosines(llama_cpp_logits(python, record.path, IDS, tmp_path), simulated)
     assert cosine.mean() > 0.9995 and cosine.min() > 0.999, (cosine.mean(), cosine.min())
+
+
+def llama_quantize_or_skip() -> Path:
+    found = REPO / "benchmarks" / ".venv-llama_cpp" / "tools" / "build" / "bin" / "llama-quantize"
+    if not found.exists():
+        pytest.skip("llama.cpp's llama-quantize is not built: run benchmarks/bench_gguf.py once (peer_venvs.py)")
+    return found
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+def test_a_gguf_mix_gives_every_tensor_the_type_llama_quantize_gives_it(tmp_path, mix):
+    import gguf
+    import transformers
+
+    tool = llama_quantize_or_skip()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    write_gguf(ExportParts(model), tmp_path / "float.gguf", {})
+    flags = ["--output-tensor-type", "f32", "--token-embedding-type", "f32"]
+    done = subprocess.run(
+        [str(tool), *flags, str(tmp_path / "float.gguf"), str(tmp_path / "theirs.gguf"), mix, "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = {
+        t.name: gguf.GGMLQuantizationType(t.tensor_type).name
+        for t in gguf.GGUFReader(tmp_path / "theirs.gguf").tensors
+        if t.name.startswith("blk.") and len(t.shape) > 1  # every block's Linear weights
+    }
+    with surgery.gguf_mix(model, mix).apply(model) as handle:
+        surgery.export(handle, tmp_path / "ours.gguf", format="gguf")
+    ours = {
+        t.name: gguf.GGMLQuantizationType(t.tensor_type).name
+        for t in gguf.GGUFReader(tmp_path / "ours.gguf").tensors
+        if t.name in theirs
+    }
+    assert ours == theirs and len(theirs) == 7 * 12  # every Linear of the 12 blocks
+    assert "Q6_K" in theirs.values()  # some layers' value and down projections get more bits

@@ -83,3 +83,32 @@ def test_bad_float_offset_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ConfigError, match=message) as raised:
         GridSpec(**{**Q4_1.as_dict(), **fields})
     assert "\n" not in str(raised.value)
+
+
+def test_a_super_group_of_zero_offsets_keeps_them_zero_and_a_zero_weight_stays_zero():
+    rows = torch.zeros(2, 256)
+    rows[0] = torch.rand(256)  # every group's minimum above zero: offsets 0 (the range starts at 0)
+    scale, offset = Grid(Q4_K, per_row=True).group_qparams(rows)
+    assert torch.equal(offset, torch.zeros_like(offset))
+    rounded = fake_quantize_groups(rows, scale, offset, 0, Q4_K)
+    assert torch.equal(rounded[1], torch.zeros(256)) and (rounded[0] >= 0).all()
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        (
+            {"weights": GridSpec(bits=4, float_offset=True, per_channel=True), "train": True},
+            r"^quantize\.weights\.float_offset=True: rounds post-training",
+        ),
+        (
+            {"weights": None, "activations": GridSpec(bits=8, float_offset=True, per_channel=True)},
+            r"applies to weights",
+        ),
+    ],
+)
+def test_float_offsets_in_training_or_on_activations_are_refused(keywords, message):
+    net = model()
+    with pytest.raises(ConfigError, match=message):
+        surgery.quantize(net, calibration=[torch.randn(4, 256)], progress=False, **keywords)
+    assert not net[0]._forward_hooks and not net[0]._forward_pre_hooks
