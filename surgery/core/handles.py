@@ -371,8 +371,8 @@ def restored_on_error() -> Iterator[list[Handle]]:
             if handle.state == "attached":
                 handle.rollback(err)
         raise
-    finally:
-        stack.remove(made)
+    finally:  # by identity: an inner block's list may equal this one's by value
+        del stack[next(i for i in range(len(stack) - 1, -1, -1) if stack[i] is made)]
 
 
 def attached_to(model: nn.Module) -> list[Handle]:

@@ -200,3 +200,21 @@ def test_applying_undoes_what_the_handle_holds_and_raises_the_error_again():
             raise KeyboardInterrupt
     assert handle.state != "attached" and torch.equal(model[0].weight, before)
     assert module_hook_counts(model) == module_hook_counts(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_nested_error_scopes_holding_the_same_handles_each_close_their_own():
+    # a verb inside a block that made nothing else: the inner scope's list equals the outer's by
+    # value; closing the inner one must not take the outer one's place (it once did, and the
+    # outer block's normal exit raised ValueError)
+    from surgery.core.handles import _scopes, restored_on_error
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with restored_on_error() as outer:
+        with restored_on_error() as inner:
+            first = surgery.prune(model, 0.5, select="0", progress=False)
+        assert inner == outer == [first]
+        second = surgery.prune(model, 0.5, select="1", progress=False)  # the outer scope's alone
+        assert outer == [first, second] and inner == [first]
+    assert not _scopes.__dict__.get("stack")
+    second.restore()
+    first.restore()

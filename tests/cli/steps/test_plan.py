@@ -54,3 +54,28 @@ def test_plan_llama_with_cache_choices_plans_the_cache_and_its_rounding_survives
     checks = {check["name"]: check["passed"] for check in report["checks"]}
     assert checks["bake"] is True and checks["save_load"] is True  # the cache's rounding is re-attached
     assert "KV cache at 4,096 tokens" in result.stdout
+
+
+@pytest.mark.slow  # ~30 s: a run on a random Llama of width 256, GPTQ on each layer's type, the export and its checks
+def test_plan_mix_writes_llama_cpp_s_q4_k_m_types_as_one_exact_gguf_file(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    shape = "{hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 256}"
+    args = ["recipe=plan_llama", "model.path=null", "model.name=llama", f"+model.config={shape}", "plan.mix=Q4_K_M"]
+    args += ["plan.method=gptq", "export.format=gguf", "data.batches=1", "plan.calibration_batches=1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    # 2 layers: use_more_bits(i, 2) holds for layer 1 alone (7 * 2 // 8 = 1), so its v and down projections
+    assert report["plan"]["counts"] == {"gguf:Q4_K": 12, "gguf:Q6_K": 2} and report["plan"]["estimate"] == "rule"
+    assert report["deploy"]["max_abs"] == 0.0
+    kinds = {
+        t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(tmp_path / "export.gguf").tensors
+    }
+    assert kinds["blk.1.attn_v.weight"] == kinds["blk.1.ffn_down.weight"] == "Q6_K"
+    assert kinds["blk.0.attn_v.weight"] == kinds["blk.1.attn_q.weight"] == "Q4_K"
