@@ -172,7 +172,7 @@ class GridSpec:
     - 1)``), and each group's scale is ``d`` times an integer in [1, 2^scale_bits - 1], the
     nearest to the scale the observer found. The zero point must not depend on the scale:
     ``symmetric`` or ``observer="full_range"``.
-    ``float_offset`` (affine weight grids in groups): each group stores a float offset ``m``
+    ``float_offset`` (affine weight grids, per channel or in groups): each group stores a float offset ``m``
     instead of an integer zero point, ``value = scale × q - m`` with ``q`` in [0, 2^bits - 1]
     and ``m = -min`` of the group's range (llama.cpp's Q4_1/Q5_1 minimum and the K-quants'
     mins), ``m`` rounded to ``scale_dtype`` where set; with ``super_group``, every super group's
@@ -390,10 +390,20 @@ def super_grouped(scale: Tensor, spec: GridSpec) -> Tensor:
     groups share ``d`` (their largest scale over ``2^scale_bits - 1``, in ``scale_dtype``), the
     largest group ``d`` times that top level and every other ``d`` times the nearest integer in
     [1, 2^scale_bits - 1] (as llama.cpp's K-quants; exact in float32)."""
+    return _on_two_levels(scale, spec, 1)
+
+
+def super_grouped_offsets(offset: Tensor, spec: GridSpec) -> Tensor:
+    """(outputs, groups) float offsets on the two-level grid, as :func:`super_grouped` puts the
+    scales, under one ``dmin`` a super group, each an integer in [0, 2^scale_bits - 1] times it."""
+    return _on_two_levels(offset, spec, 0)
+
+
+def _on_two_levels(values: Tensor, spec: GridSpec, least: int) -> Tensor:
     if spec.super_group is None:
-        return scale
+        return values
     top = (1 << spec.scale_bits) - 1
-    rows, groups = scale.shape
+    rows, groups = values.shape
     per = spec.super_group // spec.group_size
     if groups % per:
         raise ConfigError(
@@ -401,27 +411,12 @@ def super_grouped(scale: Tensor, spec: GridSpec) -> Tensor:
             spec.super_group,
             f"needs weights whose inputs are a multiple of it ({groups * spec.group_size} inputs)",
         )
-    blocks = scale.float().reshape(rows, -1, per)
+    blocks = values.float().reshape(rows, -1, per)
     largest = blocks.amax(-1, keepdim=True)
     d = super_scale(largest, spec)
-    levels = torch.where(blocks == largest, top, torch.clamp(torch.round(blocks / d), 1, top))
-    return (d * levels).reshape(rows, groups)
-
-
-def super_grouped_offsets(offset: Tensor, spec: GridSpec) -> Tensor:
-    """(outputs, groups) float offsets on the two-level grid: every super group's share
-    ``dmin`` (their largest over ``2^scale_bits - 1``, in ``scale_dtype``), the largest at that
-    top level and every other ``dmin`` times the nearest integer in [0, 2^scale_bits - 1]."""
-    if spec.super_group is None:
-        return offset
-    top = (1 << spec.scale_bits) - 1
-    rows, groups = offset.shape
-    blocks = offset.float().reshape(rows, -1, spec.super_group // spec.group_size)
-    largest = blocks.amax(-1, keepdim=True)
-    dmin = super_scale(largest, spec)
     at_top = (blocks == largest) & (largest > 0)  # a super group of zero offsets keeps them zero
-    levels = torch.where(at_top, top, torch.clamp(torch.round(blocks / dmin), 0, top))
-    return (dmin * levels).reshape(rows, groups)
+    levels = torch.where(at_top, top, torch.clamp(torch.round(blocks / d), least, top))
+    return (d * levels).reshape(rows, groups)
 
 
 def stored_offset(offset: Tensor, spec: GridSpec) -> Tensor:

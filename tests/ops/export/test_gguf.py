@@ -296,6 +296,11 @@ def test_a_q4_k_m_mix_puts_llama_cpp_s_layers_on_q6_k_and_writes_one_exact_file(
     with plan.apply(model, calibration=[ids(seed) for seed in range(2)]) as handle:
         record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
         assert record.parity.equal
+        surgery.export(handle, tmp_path / "typed.gguf", format="gguf", type="Q4_K_M")  # each tensor its mix type
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_K", exclude="lm_head") as uniform:
+        with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.v_proj\.weight exactly: Q6_K needs"):
+            surgery.export(uniform, tmp_path / "uniform.gguf", format="gguf", type="Q4_K_M")
+    assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "typed.gguf").read_bytes()
     kinds = {name: kind for name, (kind, _) in read_back(record.path).items()}
     assert kinds["blk.3.attn_v.weight"] == kinds["blk.11.ffn_down.weight"] == "Q6_K"
     assert kinds["blk.1.attn_v.weight"] == kinds["blk.3.attn_q.weight"] == "Q4_K"

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import from_pretrained
 from surgery.ops.export.exporting import register_export_format
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
 from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows, tensor_name
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
@@ -43,7 +45,8 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     """Write ``parts`` (a Hugging Face decoder under surgery) as one GGUF file at ``path``.
 
     Options: ``type``, a GGUF type every quantized weight must be written as (one of
-    :data:`BLOCK_TYPES`; by default each weight's own grid picks it); ``tokenizer``: not yet
+    :data:`BLOCK_TYPES`), or a llama.cpp file type (``Q4_K_M``, ``Q5_K_M``) whose rules give each
+    weight its type (as :func:`surgery.gguf_mix` plans them); by default each grid picks; ``tokenizer``: not yet
     written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
     writes none (llama.cpp then takes token ids)."""
     if parts.activations:
@@ -89,7 +92,7 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='gguf' takes {', '.join(OPTIONS)}")
-    wanted = _wanted_type(options.get("type"))
+    wanted = _wanted_type(options.get("type"), getattr(getattr(model, "config", None), "num_hidden_layers", 1))
     if options.get("tokenizer") is not None:
         raise ConfigError(
             "export.options.tokenizer",
@@ -128,7 +131,7 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
     return {}
 
 
-def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: BlockType | None) -> tuple:
+def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: Wanted) -> tuple:
     """(GGUF name, its type: a BlockType or a float type's name, its (rows..., columns) shape)
     of one parameter, from its shape and grid; what GGUF cannot hold is refused here."""
     gguf_name = tensor_name(name)
@@ -139,15 +142,23 @@ def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: BlockTyp
         return gguf_name, kind, tuple(value.shape)
     rows = value.shape[grid.output_axis]
     columns = value.numel() // rows
-    return gguf_name, _block_type(name, grid, columns, wanted), (rows, columns)
+    return gguf_name, _block_type(name, grid, columns, wanted(gguf_name)), (rows, columns)
 
 
-def _wanted_type(name: object) -> BlockType | None:
+Wanted = Callable[[str], "BlockType | None"]  # a tensor's GGUF name -> the type it must be written as
+
+
+def _wanted_type(name: object, layers: int) -> Wanted:
+    """``export.options.type``: one type for every quantized tensor, or a llama.cpp file type
+    (``Q4_K_M``) whose rules give each tensor its own; None: each grid picks."""
     if name is None:
-        return None
+        return lambda _: None
+    if name in GGUF_MIXES:
+        return lambda gguf_name: BLOCK_TYPES[mix_type(name, gguf_name, layers)]
     if name not in BLOCK_TYPES:
-        raise ConfigError("export.options.type", name, f"must be one of {', '.join(BLOCK_TYPES)}")
-    return BLOCK_TYPES[name]
+        allowed = ", ".join([*BLOCK_TYPES, *GGUF_MIXES])
+        raise ConfigError("export.options.type", name, f"must be one of {allowed}")
+    return lambda _: BLOCK_TYPES[name]
 
 
 def _data(gguf_name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any) -> np.ndarray:
