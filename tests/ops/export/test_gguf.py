@@ -16,8 +16,9 @@ import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES
+from surgery.ops.export.formats.gguf_file import load_gguf, write_gguf
 from surgery.ops.export.formats.gguf_models import permute_rows, tensor_name
-from surgery.ops.numerics.deployment import WeightGrid
+from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.observers import Grid
 
 gguf = pytest.importorskip("gguf")
@@ -269,13 +270,48 @@ def test_a_quantized_head_tied_to_the_embeddings_is_written_once_on_its_grid(tmp
     assert record.parity.equal
 
 
-def test_a_mixture_of_experts_model_is_refused_naming_its_family(tmp_path):
+def test_a_mixture_of_experts_family_gguf_lacks_is_refused_naming_it(tmp_path):
     from support import tiny_moe
 
-    model = tiny_moe("qwen3_moe", layers=1)  # its experts are fused 3-D parameters GGUF stacks otherwise
+    model = tiny_moe("mixtral", layers=1)
     with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="**.gate") as handle:
-        with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families .* qwen3_moe$"):
+        with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families .* mixtral$"):
             surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_qwen3_moe_experts_are_stacked_per_projection_and_read_back_as_each_expert_s_weight(tmp_path):
+    from surgery.tasks.tinymoe import load_moe
+
+    model = load_moe()  # the shipped Qwen3-MoE: 8 experts a layer, top-2 weights normalized as llama.cpp's
+    write_gguf(ExportParts(model), tmp_path / "float.gguf", {})  # the fused experts: llama.cpp's gate and up stacks
+    with torch.no_grad():
+        assert torch.equal(load_gguf(tmp_path / "float.gguf")(ids(1)).logits, model(ids(1)).logits)
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+        assert record.parity.equal
+        stored = read_back(record.path)
+        for projection in ("gate", "up", "down"):
+            kind, data = stored[f"blk.1.ffn_{projection}_exps.weight"]
+            keys = [f"model.layers.1.mlp.experts.{e}.{projection}_proj.weight" for e in range(8)]
+            expected = torch.stack([model.get_parameter(key).detach() for key in keys])
+            assert kind == "Q4_0" and np.array_equal(data.reshape(expected.shape), expected.numpy())
+        assert stored["blk.1.ffn_gate_inp.weight"][0] == "F32"  # the router, as llama.cpp keeps it
+
+
+def test_experts_partly_quantized_or_a_routing_llama_cpp_lacks_are_refused(tmp_path):
+    from support import tiny_moe
+
+    from surgery.tasks.tinymoe import load_moe
+
+    model = load_moe()
+    exclude = ["lm_head", "model.layers.0.mlp.experts.1.*"]
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude=exclude) as handle:
+        with pytest.raises(ConfigError, match=r"blk\.0\.ffn_gate_exps\.weight stacks experts some quantized, some not"):
+            surgery.export(handle, tmp_path / "m.gguf", format="gguf")
+    unnormalized = tiny_moe("qwen3_moe", layers=1)  # transformers' default: top-k weights not normalized
+    with pytest.raises(ConfigError, match=r"holds experts whose top-k weights are normalized; this model's are not"):
+        write_gguf(ExportParts(unnormalized), tmp_path / "m.gguf", {})
     assert not list(tmp_path.iterdir())
 
 

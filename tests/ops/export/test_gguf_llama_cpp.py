@@ -18,11 +18,12 @@ from surgery import GridSpec
 from surgery.ops.export.formats.gguf_file import write_gguf
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import load_llama
+from surgery.tasks.tinymoe import load_moe
 from surgery.tasks.tinyqwen3 import load_qwen3
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "benchmarks" / "llama_cpp_runner.py"
-MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3}
+MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3, "tinymoe": load_moe}  # tinymoe: Qwen3-MoE, 8 experts
 
 
 def llama_cpp_logits(python: Path, model_file: Path, ids: torch.Tensor, tmp: Path) -> np.ndarray:

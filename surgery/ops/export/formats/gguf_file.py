@@ -26,8 +26,9 @@ from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import from_pretrained
 from surgery.ops.export.exporting import register_export_format
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf_entries import Entry, entries
 from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
-from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows, tensor_name
+from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.observers import GridSpec
@@ -51,15 +52,8 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     writes none (llama.cpp then takes token ids)."""
     if parts.activations:
         _refuse_activations(next(iter(parts.activations))[0])
-    tensors = _with_grids(parts.model, parts.weights)
-    return _write(parts.model, path, options, tensors, lambda value: value.detach())
-
-
-def _with_grids(model: nn.Module, grids: dict[str, WeightGrid]) -> list[tuple[str, Tensor, WeightGrid | None]]:
-    """Every parameter once, with its grid, found by identity: a head tied to the embeddings is
-    written once, as ``token_embd`` (llama.cpp reuses it), on the grid quantized under either name."""
-    by_identity = {id(model.get_parameter(key)): grid for key, grid in grids.items()}
-    return [(name, value, by_identity.get(id(value))) for name, value in model.named_parameters()]
+    family_of(getattr(parts.model, "config", None))  # another model is refused before its names are
+    return _write(parts.model, path, options, entries(parts.model, parts.weights), lambda value: value.detach())
 
 
 def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +65,8 @@ def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, A
     if found and not isinstance(spec, GridSpec):
         raise ConfigError("export.handle", handle.kind, "format='gguf' streams an offloaded quantize's weights")
     grids = {name: WeightGrid(name, spec, scale, zero_point, axis) for name, (scale, zero_point, axis) in found.items()}
-    tensors = _with_grids(handle.model, grids)
-    return _write(handle.model, path, options, tensors, handle.value_of)
+    family_of(getattr(handle.model, "config", None))
+    return _write(handle.model, path, options, entries(handle.model, grids), handle.value_of)
 
 
 def _refuse_activations(layer: str) -> None:
@@ -84,7 +78,7 @@ def _refuse_activations(layer: str) -> None:
     )
 
 
-def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list, read: Any) -> dict[str, Any]:
+def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list[Entry], read: Any) -> dict[str, Any]:
     """The file, one tensor at a time: every tensor's name, type and size (and every refusal)
     first, from shapes and grids alone; then each tensor read (``read(parameter)``), packed and
     written."""
@@ -101,7 +95,7 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
         )
     config = getattr(model, "config", None)
     family = family_of(config)
-    planned = [_planned(name, value, grid, wanted) for name, value, grid in tensors]
+    planned = [_planned(entry, wanted) for entry in tensors]
     writer = gguf.GGUFWriter(str(path), family.architecture)
     writer.add_name(Path(str(getattr(config, "name_or_path", "") or "")).name or type(model).__name__)  # no local path
     for method, value in metadata(config, family):
@@ -124,25 +118,36 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list,
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for (_, value, grid), (gguf_name, kind, _) in zip(tensors, planned):
-            writer.write_tensor_data(_data(gguf_name, read(value), grid, config, kind))
+        for entry, (_, kind, shape) in zip(tensors, planned):
+            writer.write_tensor_data(_data(entry, read, config, kind).reshape(*shape[:-1], -1))
     finally:
         writer.close()
     return {}
 
 
-def _planned(name: str, value: Tensor, grid: WeightGrid | None, wanted: Wanted) -> tuple:
-    """(GGUF name, its type: a BlockType or a float type's name, its (rows..., columns) shape)
-    of one parameter, from its shape and grid; what GGUF cannot hold is refused here."""
-    gguf_name = tensor_name(name)
-    if grid is None:
-        kind = "F32" if is_float_tensor(gguf_name, value) else FLOAT_TYPES.get(value.dtype)
+def _planned(entry: Entry, wanted: Wanted) -> tuple:
+    """(GGUF name, its type: a BlockType or a float type's name, its ([experts,] rows..., columns)
+    shape) of one tensor, from shapes and grids; what GGUF cannot hold is refused here."""
+    first, grid = entry.sources[0], entry.grids[0]
+    if all(g is None for g in entry.grids):
+        kind = "F32" if is_float_tensor(entry.name, first) else FLOAT_TYPES.get(first.dtype)
         if kind is None:
-            raise ConfigError("export.format", "gguf", f"{name} is {value.dtype}; GGUF holds F32, F16 and BF16")
-        return gguf_name, kind, tuple(value.shape)
-    rows = value.shape[grid.output_axis]
-    columns = value.numel() // rows
-    return gguf_name, _block_type(name, grid, columns, wanted(gguf_name)), (rows, columns)
+            raise ConfigError("export.format", "gguf", f"{entry.key} is {first.dtype}; GGUF holds F32, F16 and BF16")
+        shape = tuple(first.shape) if len(entry.sources) == 1 else (len(entry.sources), *first.shape)
+        if entry.rows is not None:
+            shape = (shape[0], entry.rows.stop - entry.rows.start, *shape[2:])
+        return entry.name, kind, shape
+    if any(g is None for g in entry.grids):
+        raise ConfigError(
+            "export.format", "gguf", f"{entry.name} stacks experts some quantized, some not ({entry.key}); quantize all"
+        )
+    rows = first.shape[grid.output_axis]
+    columns = first.numel() // rows
+    kind = _block_type(entry.key, grid, columns, wanted(entry.name))
+    for source, other in zip(entry.sources[1:], entry.grids[1:]):  # one type holds every expert's grid
+        _block_type(other.key, other, source.numel() // rows, kind)
+    shape = (rows, columns) if not entry.stacked else (len(entry.sources), rows, columns)
+    return entry.name, kind, shape
 
 
 Wanted = Callable[[str], "BlockType | None"]  # a tensor's GGUF name -> the type it must be written as
@@ -161,23 +166,29 @@ def _wanted_type(name: object, layers: int) -> Wanted:
     return lambda _: BLOCK_TYPES[name]
 
 
-def _data(gguf_name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any) -> np.ndarray:
-    """One parameter's bytes as ``kind``: a float type's values, or the packed blocks of its
-    grid's integers; in llama.cpp's row order."""
-    permute = permute_rows(gguf_name, config)
+def _data(entry: Entry, read: Any, config: Any, kind: Any) -> np.ndarray:
+    """One tensor's bytes as ``kind`` (each expert's after the other): a float type's values, or
+    the packed blocks of each grid's integers; in llama.cpp's row order."""
+    return np.concatenate(
+        [_one(entry.name, read(source), grid, config, kind, entry.rows) for source, grid in zip(entry.sources, entry.grids)]
+    )
+
+
+def _one(name: str, value: Tensor, grid: WeightGrid | None, config: Any, kind: Any, rows: slice | None) -> np.ndarray:
+    permute = permute_rows(name, config)
     if grid is None:
         value = value.detach().float() if kind == "F32" else value.detach()
+        value = value if rows is None else value[:, rows]
         value = (value if permute is None else permute(value)).cpu().contiguous()
-        if kind == "BF16":
-            return value.view(torch.int16).numpy().view(np.uint8).reshape(*value.shape[:-1], -1)
-        return value.numpy()
+        data = value.view(torch.int16).numpy().view(np.uint8) if kind == "BF16" else value.numpy()
+        return data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data
     integers = grid.integers(value)
     if permute is not None:
-        rows = integers.shape[0]
+        count = integers.shape[0]
         grid = dataclasses.replace(
             grid,
-            scale=permute(grid.scale.reshape(rows, -1)),
-            zero_point=permute(grid.zero_point.reshape(rows, -1)),
+            scale=permute(grid.scale.reshape(count, -1)),
+            zero_point=permute(grid.zero_point.reshape(count, -1)),
         )
         integers = permute(integers)
     return kind.encode(grid, integers)
@@ -240,6 +251,9 @@ def load_gguf(path: Path) -> nn.Module:
     config = from_pretrained(transformers.AutoConfig, path.parent, "export.load", gguf_file=path.name)
     if key_length is not None:
         config.head_dim = int(key_length.parts[-1][0])
+    expert_length = fields.get(f"{architecture}.expert_feed_forward_length")  # its loader reads none either
+    if expert_length is not None:
+        config.moe_intermediate_size = int(expert_length.parts[-1][0])
     model, info = from_pretrained(
         transformers.AutoModelForCausalLM,
         path.parent,

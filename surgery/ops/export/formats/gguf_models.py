@@ -30,6 +30,7 @@ LAYER_NAMES = {  # inside model.layers.N: Hugging Face -> GGUF (blk.N.*)
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # a mixture-of-experts layer's router (its experts: gguf_entries)
 }
 MODEL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -39,11 +40,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 class GgufFamily:
     """How one Hugging Face ``model_type`` is written: its llama.cpp ``architecture``, whether the
     query and key rows are permuted to llama.cpp's rotary pair order, and whether the rotary
-    dimension count is written (llama.cpp's ``llama`` reads it)."""
+    dimension count is written (llama.cpp's ``llama`` reads it); ``experts``: every layer a
+    mixture of experts, as llama.cpp's graph for it computes (top-k weights normalized)."""
 
     architecture: str
     permute_qk: bool
     rope_dimensions: bool = False
+    experts: bool = False  # a mixture-of-experts family: every layer routes to experts (normalized top-k)
 
 
 GGUF_FAMILIES: dict[str, GgufFamily] = {
@@ -51,6 +54,7 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "mistral": GgufFamily("llama", permute_qk=True, rope_dimensions=True),
     "qwen2": GgufFamily("qwen2", permute_qk=False),
     "qwen3": GgufFamily("qwen3", permute_qk=False),
+    "qwen3_moe": GgufFamily("qwen3moe", permute_qk=False, experts=True),
 }
 
 
@@ -73,6 +77,8 @@ def family_of(config: Any) -> GgufFamily:
             f"writes the decoder families {', '.join(sorted(GGUF_FAMILIES))}; this model is "
             f"{model_type or 'not a Hugging Face model (no config.model_type)'}",
         )
+    if GGUF_FAMILIES[model_type].experts:
+        _check_experts(config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(
@@ -91,6 +97,16 @@ def tensor_name(name: str) -> str:
     if module in MODEL_NAMES:
         return f"{MODEL_NAMES[module]}.{kind}"
     raise ConfigError("export.format", "gguf", f"has no tensor name for {name} (a module llama.cpp's graph lacks)")
+
+
+def _check_experts(config: Any) -> None:
+    """llama.cpp's mixture-of-experts graph: every layer routed, the top-k weights normalized."""
+    if getattr(config, "norm_topk_prob", True) is not True:
+        raise ConfigError(
+            "export.format", "gguf", "holds experts whose top-k weights are normalized; this model's are not"
+        )
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        raise ConfigError("export.format", "gguf", "holds models whose every layer is a mixture of experts")
 
 
 def head_dim(config: Any) -> int:
@@ -133,9 +149,13 @@ def metadata(config: Any, family: GgufFamily) -> list[tuple[str, Any]]:
     ]
     if family.rope_dimensions:
         found.append(("add_rope_dimension_count", head_dim(config)))
+    if family.experts:
+        found.append(("add_expert_count", int(config.num_experts)))
+        found.append(("add_expert_used_count", int(config.num_experts_per_tok)))
+        found.append(("add_expert_feed_forward_length", int(config.moe_intermediate_size)))
     return found
 
 
 def is_float_tensor(name: str, value: Tensor) -> bool:
-    """What llama.cpp keeps in F32 whatever the file type: 1-D tensors (norms, biases)."""
-    return value.dim() < 2 or name.endswith(("_norm.weight", ".bias"))
+    """What llama.cpp keeps in F32 whatever the file type: 1-D tensors (norms, biases), routers."""
+    return value.dim() < 2 or name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight"))
