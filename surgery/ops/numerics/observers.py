@@ -330,7 +330,21 @@ def stored_scale(scale: Tensor, spec: GridSpec) -> Tensor:
     if spec.scale_dtype is None:
         return scale
     dtype = SCALE_DTYPES[spec.scale_dtype]
-    return scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal)
+    return _in_range(scale.to(dtype).float().clamp_min(torch.finfo(dtype).smallest_normal), scale, spec, "scale")
+
+
+def _in_range(stored: Tensor, given: Tensor, spec: GridSpec, what: str) -> Tensor:
+    """``stored``, unless rounding to ``scale_dtype`` overflowed a finite value: refused in one line."""
+    overflow = torch.isinf(stored) & torch.isfinite(given)
+    if bool(overflow.any()):
+        largest = torch.finfo(SCALE_DTYPES[spec.scale_dtype]).max
+        raise ConfigError(
+            "quantize.weights.scale_dtype",
+            spec.scale_dtype,
+            f"cannot hold a group's {what} {float(given[overflow].flatten()[0]):.6g} (its largest is {largest:g}): "
+            "a weight is too large for this grid; exclude its layer or rescale it",
+        )
+    return stored
 
 
 def _check_super_group(spec: Any, field: str) -> None:
@@ -421,7 +435,9 @@ def _on_two_levels(values: Tensor, spec: GridSpec, least: int) -> Tensor:
 
 def stored_offset(offset: Tensor, spec: GridSpec) -> Tensor:
     """A float offset rounded to ``spec.scale_dtype`` (zero stays zero); as it is without one."""
-    return offset if spec.scale_dtype is None else offset.to(SCALE_DTYPES[spec.scale_dtype]).float()
+    if spec.scale_dtype is None:
+        return offset
+    return _in_range(offset.to(SCALE_DTYPES[spec.scale_dtype]).float(), offset, spec, "offset")
 
 
 def fake_quantize_offset(x: Tensor, scale: Tensor, offset: Tensor, spec: GridSpec) -> Tensor:
@@ -630,6 +646,9 @@ def compute_qparams(
     else:
         scale = stored_scale(torch.maximum((high - low) / float(quant_max - quant_min), eps), spec)
         zero_point = torch.clamp(quant_min - torch.round(low / scale).to(torch.int32), quant_min, quant_max)
+        if spec.observer == "full_range":  # its zero point by the larger side, an all-zero range's too
+            half = (quant_max + 1) // 2
+            zero_point = torch.where(-low > high, half, half - 1).to(torch.int32)
     return scale, zero_point.to(torch.int32)
 
 

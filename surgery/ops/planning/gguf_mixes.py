@@ -11,7 +11,7 @@ from torch import nn
 
 from surgery.core.errors import ConfigError
 from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
-from surgery.ops.export.formats.gguf_models import tensor_name
+from surgery.ops.export.formats.gguf_models import family_of, tensor_name
 from surgery.ops.planning.choices import choice_named
 from surgery.ops.planning.plans import Plan, PlanRow
 from surgery.ops.sparsity.pruning import prune_targets
@@ -23,6 +23,7 @@ def gguf_mix(model: nn.Module, mix: str, *, method: str = "rtn", select: Any = N
     on the type llama.cpp gives its tensor, quantized with ``method`` when applied."""
     if mix not in GGUF_MIXES:
         raise ConfigError("plan.mix", mix, f"must be one of {', '.join(GGUF_MIXES)}")
+    family_of(getattr(model, "config", None))  # a model GGUF cannot hold is refused, not planned empty
     targets = prune_targets(model, select, "lm_head" if select is None and exclude is None else exclude).matched
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     rows = []

@@ -349,3 +349,36 @@ def test_a_mix_whose_blocks_do_not_tile_a_layer_is_refused_in_one_line():
         surgery.gguf_mix(tiny("Llama"), "Q4_K_M")
     with pytest.raises(ConfigError, match=r"^plan\.mix='Q4_K_S': must be one of Q4_K_M, Q5_K_M$"):
         surgery.gguf_mix(tiny("Llama"), "Q4_K_S")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q3_K", "Q6_K"])
+def test_all_zero_groups_stay_on_the_target_s_type(tmp_path, kind):
+    # an all-zero group's range is [0, 0]: its full-range zero point must still be the grid's own
+    # (it once came out 0, which neither orientation of Q4_0/Q3_K/Q6_K holds)
+    model = tiny("Llama", width=256 if kind.endswith("_K") else 64)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[:8] = 0  # whole rows pruned
+        model.model.layers[0].mlp.down_proj.weight[:, :32] = 0  # a whole group of inputs
+    with surgery.quantize(
+        model, weights=GridSpec(bits=4, method="gptq"), target=f"gguf:{kind}", exclude="lm_head", calibration=[ids(0)]
+    ) as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
+        assert record.parity.equal
+    assert {k for k, _ in read_back(record.path).values()} == {kind, "F32"}
+
+
+def test_a_weight_beyond_float16_is_refused_naming_the_stored_dtype_and_the_model_is_left_as_it_was():
+    model = tiny("Llama", width=256)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] = -70000.0
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        ConfigError, match=r"^quantize\.weights\.scale_dtype='float16': cannot hold a group's offset 70000"
+    ):
+        surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), target="gguf:Q4_K", calibration=[ids(0)])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_mix_for_a_model_gguf_cannot_write_is_refused():
+    with pytest.raises(ConfigError, match=r"writes the decoder families .* this model is gpt2$"):
+        surgery.gguf_mix(tiny_gpt2(), "Q4_K_M")
