@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,20 @@ class Tied(nn.Module):
 
 
 @functools.cache
+def run_recipe(folder: Path, *args: str) -> dict:
+    """``python -m surgery ARGS`` run into ``folder`` from the checkout; its ``report.json`` (the
+    run must succeed: its stderr's tail is the failure message otherwise)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={folder}"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((folder / "report.json").read_text())
+
+
 def peer_python(package: str) -> Path | None:
     """The interpreter of a peer's own environment made by the benchmarks
     (``benchmarks/.venv-<package>``), or None when it is absent or cannot import ``package``."""

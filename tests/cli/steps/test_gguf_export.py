@@ -3,25 +3,14 @@ written as Q4_0 tensors, loaded back through transformers' GGUF loader with the 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[3]
+from support import run_recipe  # tests/support.py
 
 
 @pytest.mark.slow  # ~25 s: a run with its round-trip checks and the deploy check
 def test_quantize_llama_gguf_writes_q4_0_tensors_that_load_with_the_run_s_logits(tmp_path):
     gguf = pytest.importorskip("gguf")
-    args = ["recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1", f"hydra.run.dir={tmp_path}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1")
     checks = {check["name"]: check for check in report["checks"]}
     deploy = report["deploy"]
     assert checks["deploy"]["passed"] and (deploy["expected"], deploy["max_abs"]) == ("exact", 0.0)
@@ -37,15 +26,7 @@ def test_quantize_llama_gguf_writes_q4_0_tensors_that_load_with_the_run_s_logits
 def test_export_type_writes_every_quantized_weight_as_that_type(tmp_path):
     gguf = pytest.importorskip("gguf")
     args = ["recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1", "export.type=Q8_0"]
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads((tmp_path / "report.json").read_text())["deploy"]["max_abs"] == 0.0
+    assert run_recipe(tmp_path, *args)["deploy"]["max_abs"] == 0.0
     kinds = [gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(tmp_path / "export.gguf").tensors]
     assert kinds.count("Q8_0") == 28 and "Q4_0" not in kinds  # Q8_0 holds the Q4_0 grid exactly
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import run_recipe  # tests/support.py
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -17,12 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 def test_plan_llama_writes_its_plan_within_the_budget_and_a_compressed_tensors_folder_that_loads(tmp_path):
     pytest.importorskip("compressed_tensors")
     args = ["recipe=plan_llama", "budget=4.5bpw", "data.batches=1", "plan.calibration_batches=1"]
-    args += ["export.format=compressed-tensors", f"hydra.run.dir={tmp_path}"]
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = run_recipe(tmp_path, *args, "export.format=compressed-tensors")
     plan, saved = report["plan"], json.loads((tmp_path / "plan.json").read_text())
     assert plan["bits_per_weight"] <= 4.5 and plan["bytes"] <= plan["budget_bytes"] == saved["budget"]
     assert plan["counts"] == saved["counts"] and plan["bytes"] == saved["total_bytes"]
@@ -62,15 +58,7 @@ def test_plan_mix_writes_llama_cpp_s_q4_k_m_types_as_one_exact_gguf_file(tmp_pat
     shape = "{hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, vocab_size: 256}"
     args = ["recipe=plan_llama", "model.path=null", "model.name=llama", f"+model.config={shape}", "plan.mix=Q4_K_M"]
     args += ["plan.method=gptq", "export.format=gguf", "data.batches=1", "plan.calibration_batches=1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = run_recipe(tmp_path, *args)
     # 2 layers: use_more_bits(i, 2) holds for layer 1 alone (7 * 2 // 8 = 1), so its v and down projections
     assert report["plan"]["counts"] == {"gguf:Q4_K": 12, "gguf:Q6_K": 2} and report["plan"]["estimate"] == "rule"
     assert report["deploy"]["max_abs"] == 0.0
