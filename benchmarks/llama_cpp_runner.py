@@ -7,6 +7,7 @@ Usage::
     $PY benchmarks/llama_cpp_runner.py logits MODEL.gguf IDS.json OUT.npy
     $PY benchmarks/llama_cpp_runner.py quantize F32.gguf OUT.gguf TYPE
     $PY benchmarks/llama_cpp_runner.py measure WINDOWS.npy ROUNDS MODEL.gguf [MODEL.gguf ...]
+    $PY benchmarks/llama_cpp_runner.py tokenize MODEL.gguf TEXTS.json OUT.json
 
 - ``logits``: every position's logits of each sequence in ``IDS.json`` (one length), each
   evaluated from an empty cache, saved as (sequences, length, vocabulary) float32.
@@ -59,6 +60,18 @@ def open_model(path: str, length: int, logits_all: bool) -> object:
 
     plain_buffers()
     return Llama(model_path=path, n_ctx=length, n_batch=length, logits_all=logits_all, n_threads=THREADS, verbose=False)
+
+
+def tokenize(model_path: str, texts_file: str, out_file: str) -> None:
+    """The ids llama.cpp's tokenizer gives each text of ``TEXTS.json`` (no bos added, special
+    tokens parsed as text), from the file's vocabulary alone."""
+    from llama_cpp import Llama
+
+    plain_buffers()
+    llm = Llama(model_path=model_path, vocab_only=True, verbose=False)
+    texts = json.loads(Path(texts_file).read_text())
+    found = [llm.tokenize(text.encode(), add_bos=False, special=False) for text in texts]
+    Path(out_file).write_text(json.dumps(found))
 
 
 def logits(model_path: str, ids_file: str, out_file: str) -> None:
@@ -153,6 +166,8 @@ def main() -> None:
         logits(*args)
     elif command == "quantize":
         quantize(*args)
+    elif command == "tokenize":
+        tokenize(*args)
     elif command == "measure":
         measure(args[0], int(args[1]), args[2:])
     else:

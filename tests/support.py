@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -346,3 +347,22 @@ def under_terminal(argv: list[str], cwd: Path, home: Path, answer: str = "y\n", 
     process.wait()
     os.close(main)
     return output.decode(errors="replace").replace("\r\n", "\n")
+
+
+@functools.cache
+def byte_bpe_tokenizer(size: int = 320) -> Any:
+    """A byte-level BPE tokenizer with GPT-2's split, trained offline on the tiny-LM corpus's
+    training bytes (``size`` tokens, ``<|endoftext|>`` the special one), as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from surgery.tasks.tinylm import tokens
+
+    text = bytes(tokens("train")[:100_000].tolist()).decode("utf-8", "replace")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    backend.train_from_iterator([text[i : i + 1000] for i in range(0, len(text), 1000)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")

@@ -5,6 +5,7 @@ what a type cannot hold is refused in one line, nothing written."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -382,3 +383,48 @@ def test_a_weight_beyond_float16_is_refused_naming_the_stored_dtype_and_the_mode
 def test_a_mix_for_a_model_gguf_cannot_write_is_refused():
     with pytest.raises(ConfigError, match=r"writes the decoder families .* this model is gpt2$"):
         surgery.gguf_mix(tiny_gpt2(), "Q4_K_M")
+
+
+TEXTS = ["Hello world, it's 3.14 here.", "  two  spaces\tand tabs\n", "caf\u00e9 na\u00efve <|endoftext|> end"]
+
+
+def test_a_byte_level_bpe_tokenizer_travels_with_its_tokens_merges_and_special_ids(tmp_path):
+    from support import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer()
+    model = tiny("Llama", vocab=len(tokenizer) + 4)  # four embedding rows no token uses
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", tokenizer=tokenizer, inputs=[ids(1)])
+        assert record.parity.equal
+    fields = gguf.GGUFReader(str(record.path)).fields
+    strings = lambda key: [bytes(fields[key].parts[i]).decode() for i in fields[key].data]  # noqa: E731
+    scalar = lambda key: fields[key].parts[-1][0]  # noqa: E731
+    vocab = tokenizer.get_vocab()
+    tokens = strings("tokenizer.ggml.tokens")
+    assert len(tokens) == len(tokenizer) + 4 and all(tokens[index] == token for token, index in vocab.items())
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert strings("tokenizer.ggml.merges") == [" ".join(pair) for pair in merges]
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
+    assert scalar("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    kinds = [fields["tokenizer.ggml.token_type"].parts[i][0] for i in fields["tokenizer.ggml.token_type"].data]
+    assert kinds[tokenizer.eos_token_id] == gguf.TokenType.CONTROL and kinds[-1] == gguf.TokenType.UNUSED
+    tokenizer.save_pretrained(tmp_path / "tokenizer")  # its folder, as export.options.tokenizer names it
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        again = surgery.export(handle, tmp_path / "again.gguf", format="gguf", tokenizer=str(tmp_path / "tokenizer"))
+    assert again.path.read_bytes() == record.path.read_bytes()
+
+
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    model = tiny("Llama")  # held: a handle keeps only a weak reference to its model
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        with pytest.raises(ConfigError, match=r"^export\.options\.tokenizer='tokenizer': splits text with Whitespace"):
+            surgery.export(handle, tmp_path / "m.gguf", format="gguf", tokenizer=tokenizer)
+        with pytest.raises(ConfigError, match=r"must be a folder holding a Hugging Face tokenizer\.json$"):
+            surgery.export(handle, tmp_path / "m.gguf", format="gguf", tokenizer=str(tmp_path))
+    assert not list(tmp_path.iterdir())

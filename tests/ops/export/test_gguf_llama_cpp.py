@@ -151,3 +151,38 @@ def test_a_gguf_mix_gives_every_tensor_the_type_llama_quantize_gives_it(tmp_path
     }
     assert ours == theirs and len(theirs) == 7 * 12  # every Linear of the 12 blocks
     assert "Q6_K" in theirs.values()  # some layers' value and down projections get more bits
+
+
+def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries(tmp_path):
+    import transformers
+    from support import byte_bpe_tokenizer
+
+    python = llama_cpp_or_skip()
+    tokenizer = byte_bpe_tokenizer()
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, vocab_size=len(tokenizer))).eval()
+    write_gguf(ExportParts(model), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    texts = [
+        "Hello world, it's 3.14 here.",
+        "  two  spaces\tand tabs\n",
+        "caf\u00e9 na\u00efve\u2014 emoji \U0001f600 end",
+        "The quick brown fox jumps over the lazy dog. " * 3,
+    ]
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    done = subprocess.run(
+        [
+            str(python),
+            str(SCRIPT),
+            "tokenize",
+            str(tmp_path / "m.gguf"),
+            str(tmp_path / "texts.json"),
+            str(tmp_path / "o.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads((tmp_path / "o.json").read_text())
+    assert found == [tokenizer.encode(text, add_special_tokens=False) for text in texts]

@@ -72,7 +72,9 @@ def _fused(key: str, value: Tensor, grid: WeightGrid | None, layer: int, kind: s
     """A fused experts parameter as llama.cpp's stacked tensors: ``gate_up_proj`` (experts,
     2 x rows, columns) as the gate's and the up projection's, ``down_proj`` as it is."""
     if grid is not None:
-        raise ConfigError("export.format", "gguf", f"{key} is quantized fused; quantize() gives each expert its own grid")
+        raise ConfigError(
+            "export.format", "gguf", f"{key} is quantized fused; quantize() gives each expert its own grid"
+        )
     if kind == "down_proj":
         return [Entry(f"blk.{layer}.ffn_down_exps.weight", key, (value,), (None,))]
     half = value.shape[1] // 2

@@ -29,6 +29,7 @@ from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.export.formats.gguf_entries import Entry, entries
 from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
 from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows
+from surgery.ops.export.formats.gguf_tokenizer import vocabulary, write_vocabulary
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.observers import GridSpec
@@ -47,9 +48,10 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
 
     Options: ``type``, a GGUF type every quantized weight must be written as (one of
     :data:`BLOCK_TYPES`), or a llama.cpp file type (``Q4_K_M``, ``Q5_K_M``) whose rules give each
-    weight its type (as :func:`surgery.gguf_mix` plans them); by default each grid picks; ``tokenizer``: not yet
-    written (refused): a byte-level model (256 tokens) carries its byte vocabulary, any other
-    writes none (llama.cpp then takes token ids)."""
+    weight its type (as :func:`surgery.gguf_mix` plans them); by default each grid picks;
+    ``tokenizer``: a Hugging Face fast tokenizer (or its folder) llama.cpp can reproduce
+    (:mod:`.gguf_tokenizer`); without one, a byte-level model (256 tokens) carries its byte
+    vocabulary and any other writes none (llama.cpp then takes token ids)."""
     if parts.activations:
         _refuse_activations(next(iter(parts.activations))[0])
     family_of(getattr(parts.model, "config", None))  # another model is refused before its names are
@@ -87,13 +89,8 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list[
     if unknown:
         raise ConfigError("export.options", unknown, f"format='gguf' takes {', '.join(OPTIONS)}")
     wanted = _wanted_type(options.get("type"), getattr(getattr(model, "config", None), "num_hidden_layers", 1))
-    if options.get("tokenizer") is not None:
-        raise ConfigError(
-            "export.options.tokenizer",
-            type(options["tokenizer"]).__name__,
-            "format='gguf' writes a byte-level model's vocabulary; a Hugging Face tokenizer is not written yet",
-        )
     config = getattr(model, "config", None)
+    vocab = vocabulary(options.get("tokenizer"), config, gguf.vocab.bytes_to_unicode)
     family = family_of(config)
     planned = [_planned(entry, wanted) for entry in tensors]
     writer = gguf.GGUFWriter(str(path), family.architecture)
@@ -104,7 +101,7 @@ def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list[
     main = quantized.most_common(1)[0][0] if quantized else FLOAT_TYPES.get(model.dtype, "F32")
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[main]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _tokenizer(writer, config, gguf)  # nothing the outputs depend on: the file stays exact
+    write_vocabulary(writer, vocab, gguf)  # nothing the outputs depend on: the file stays exact
     for gguf_name, kind, shape in planned:
         raw = getattr(gguf.GGMLQuantizationType, kind if isinstance(kind, str) else kind.name)
         block, size = gguf.GGML_QUANT_SIZES[raw]
@@ -170,7 +167,10 @@ def _data(entry: Entry, read: Any, config: Any, kind: Any) -> np.ndarray:
     """One tensor's bytes as ``kind`` (each expert's after the other): a float type's values, or
     the packed blocks of each grid's integers; in llama.cpp's row order."""
     return np.concatenate(
-        [_one(entry.name, read(source), grid, config, kind, entry.rows) for source, grid in zip(entry.sources, entry.grids)]
+        [
+            _one(entry.name, read(source), grid, config, kind, entry.rows)
+            for source, grid in zip(entry.sources, entry.grids)
+        ]
     )
 
 
@@ -214,23 +214,6 @@ def _block_type(name: str, grid: WeightGrid, columns: int, wanted: BlockType | N
         f"cannot hold {name} exactly: {'; '.join(reasons)}; quantize with target='gguf:<type>' "
         f"({', '.join(BLOCK_TYPES)})",
     )
-
-
-def _tokenizer(writer: Any, config: Any, gguf: Any) -> None:
-    """A byte-level model's 256-token vocabulary as llama.cpp's byte-level BPE (GPT-2's byte to
-    character map, no merge applies), else no vocabulary (token ids in)."""
-    if int(config.vocab_size) != 256:
-        writer.add_tokenizer_model("none")
-        log.warning(
-            "export: format='gguf' writes no tokenizer for a %d-token vocabulary; it takes token ids", config.vocab_size
-        )
-        return
-    characters = gguf.vocab.bytes_to_unicode()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([characters[b] for b in range(256)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * 256)
-    writer.add_token_merges(["Ġ Ġ"])  # llama.cpp needs the key; a merge whose result is no token never applies
 
 
 def load_gguf(path: Path) -> nn.Module:
