@@ -150,12 +150,9 @@ def qdq(rows: Tensor, offsets: Tensor, low: Tensor, high: Tensor, spec: GridSpec
     else:
         scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
         zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
-    if spec.scale_dtype is not None:  # the stored scale (its rounding passes the gradient straight through)
-        scale = stored_scale(scale.detach(), spec) + (scale - scale.detach())  # exactly the stored value
-    if spec.super_group:  # each group's scale an integer times its super group's (straight through too)
-        scale = super_grouped(scale.detach().reshape(1, -1), spec).reshape(-1) + (scale - scale.detach())
-        if not spec.symmetric and spec.observer != "full_range":
-            zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)
+    scale = _as_stored(scale, spec)
+    if spec.scale_dtype is not None and not spec.symmetric and spec.observer != "full_range":
+        zero = round_ste(-smallest / scale).clamp(quant_min, quant_max)  # against the stored scale
     integers = torch.clamp(round_ste(rows / scale[:, None] + offsets) + zero[:, None], quant_min, quant_max)
     return scale[:, None] * (integers - zero[:, None]), scale, zero
 
@@ -168,16 +165,21 @@ def _offset_qdq(
     gradient straight through."""
     quant_min, quant_max = spec.quant_range
     scale = ((largest - smallest) / (quant_max - quant_min)).clamp(min=SMALLEST_SCALE)
-    offset = -smallest
-    if spec.scale_dtype is not None:
-        scale = stored_scale(scale.detach(), spec) + (scale - scale.detach())
-        offset = stored_offset(offset.detach(), spec) + (offset - offset.detach())
-    if spec.super_group:
-        scale = super_grouped(scale.detach().reshape(1, -1), spec).reshape(-1) + (scale - scale.detach())
-        stored = super_grouped_offsets(offset.detach().reshape(1, -1), spec).reshape(-1)
-        offset = stored + (offset - offset.detach())
+    scale, offset = _as_stored(scale, spec), _as_stored(-smallest, spec, offsets=True)
     integers = torch.clamp(round_ste((rows + offset[:, None]) / scale[:, None] + offsets), quant_min, quant_max)
     return scale[:, None] * integers - offset[:, None], scale, offset
+
+
+def _as_stored(value: Tensor, spec: GridSpec, *, offsets: bool = False) -> Tensor:
+    """Each group's scale (or float offset) exactly as the format stores it: rounded to
+    ``scale_dtype``, then onto the super groups' two levels; the gradient passes straight through."""
+    stored = value.detach()
+    if spec.scale_dtype is not None:
+        stored = stored_offset(stored, spec) if offsets else stored_scale(stored, spec)
+    if spec.super_group:
+        two_levels = super_grouped_offsets if offsets else super_grouped
+        stored = two_levels(stored.reshape(1, -1), spec).reshape(-1)
+    return stored + (value - value.detach())  # exactly the stored value forward
 
 
 def floor_ste(x: Tensor) -> Tensor:
