@@ -54,8 +54,7 @@ def write_gguf(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     vocabulary and any other writes none (llama.cpp then takes token ids)."""
     if parts.activations:
         _refuse_activations(next(iter(parts.activations))[0])
-    family_of(getattr(parts.model, "config", None))  # another model is refused before its names are
-    return _write(parts.model, path, options, entries(parts.model, parts.weights), lambda value: value.detach())
+    return _write(parts.model, path, options, parts.weights, lambda value: value.detach())
 
 
 def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -67,8 +66,7 @@ def stream_gguf(handle: Any, path: Path, options: dict[str, Any]) -> dict[str, A
     if found and not isinstance(spec, GridSpec):
         raise ConfigError("export.handle", handle.kind, "format='gguf' streams an offloaded quantize's weights")
     grids = {name: WeightGrid(name, spec, scale, zero_point, axis) for name, (scale, zero_point, axis) in found.items()}
-    family_of(getattr(handle.model, "config", None))
-    return _write(handle.model, path, options, entries(handle.model, grids), handle.value_of)
+    return _write(handle.model, path, options, grids, handle.value_of)
 
 
 def _refuse_activations(layer: str) -> None:
@@ -80,18 +78,21 @@ def _refuse_activations(layer: str) -> None:
     )
 
 
-def _write(model: nn.Module, path: Path, options: dict[str, Any], tensors: list[Entry], read: Any) -> dict[str, Any]:
+def _write(
+    model: nn.Module, path: Path, options: dict[str, Any], grids: dict[str, WeightGrid], read: Any
+) -> dict[str, Any]:
     """The file, one tensor at a time: every tensor's name, type and size (and every refusal)
-    first, from shapes and grids alone; then each tensor read (``read(parameter)``), packed and
-    written."""
+    first, from shapes and ``grids`` alone; then each tensor read (``read(parameter)``), packed
+    and written."""
     gguf = required("gguf", "gguf")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError("export.options", unknown, f"format='gguf' takes {', '.join(OPTIONS)}")
-    wanted = _wanted_type(options.get("type"), getattr(getattr(model, "config", None), "num_hidden_layers", 1))
     config = getattr(model, "config", None)
+    family = family_of(config)  # another model is refused before its tensors are named
+    wanted = _wanted_type(options.get("type"), int(config.num_hidden_layers))
     vocab = vocabulary(options.get("tokenizer"), config, gguf.vocab.bytes_to_unicode)
-    family = family_of(config)
+    tensors = entries(model, grids)
     planned = [_planned(entry, wanted) for entry in tensors]
     writer = gguf.GGUFWriter(str(path), family.architecture)
     writer.add_name(Path(str(getattr(config, "name_or_path", "") or "")).name or type(model).__name__)  # no local path
