@@ -24,6 +24,14 @@ def gguf_mix(model: nn.Module, mix: str, *, method: str = "rtn", select: Any = N
     if mix not in GGUF_MIXES:
         raise ConfigError("plan.mix", mix, f"must be one of {', '.join(GGUF_MIXES)}")
     family_of(getattr(model, "config", None))  # a model GGUF cannot hold is refused, not planned empty
+    fused = next((name for name, p in model.named_parameters() if p.dim() == 3), None)
+    if fused is not None:  # a plan of its Linear layers would leave the experts float, and say nothing
+        raise ConfigError(
+            "plan.mix",
+            mix,
+            f"plans Linear layers; {fused} is a fused mixture-of-experts weight it would leave float: "
+            "quantize the model with target='gguf:<type>' instead",
+        )
     targets = prune_targets(model, select, "lm_head" if select is None and exclude is None else exclude).matched
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     rows = []

@@ -380,6 +380,15 @@ def test_a_weight_beyond_float16_is_refused_naming_the_stored_dtype_and_the_mode
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_mix_that_would_leave_fused_experts_float_is_refused():
+    from surgery.tasks.tinymoe import load_moe
+
+    with pytest.raises(
+        ConfigError, match=r"^plan\.mix='Q4_K_M': plans Linear layers; model\.layers\.0\.mlp\.experts\."
+    ):
+        surgery.gguf_mix(load_moe(), "Q4_K_M")
+
+
 def test_a_mix_for_a_model_gguf_cannot_write_is_refused():
     with pytest.raises(ConfigError, match=r"writes the decoder families .* this model is gpt2$"):
         surgery.gguf_mix(tiny_gpt2(), "Q4_K_M")
