@@ -31,35 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery" / "ops" / "export" / "formats"))
+import llama_cpp_worker  # noqa: E402 - surgery's own llama.cpp calls, without importing surgery (no torch here)
+
 THREADS = 1
 
 
-def plain_buffers() -> None:
-    """Every weight in llama.cpp's plain CPU buffer: its extra buffer types (AMX tiles, repacked
-    Q4_0/Q8_0 layouts) off. Built for this machine's AVX-512 VM (a native build compiles AMX in
-    whatever ``GGML_AMX_*`` says), llama.cpp 0c1e570 crashed in the first decode of any Q4_0 or
-    Q8_0 file with them on, its own quantization's included; F32 and Q5_0 files ran either way.
-    Both sides of every comparison run the same kernels."""
-    import llama_cpp.llama_cpp as raw  # the bindings module Llama reads its defaults from
-
-    default = raw.llama_model_default_params
-    if getattr(default, "plain", False):
-        return
-
-    def params() -> object:
-        found = default()
-        found.use_extra_bufts = False
-        return found
-
-    params.plain = True
-    raw.llama_model_default_params = params
-
-
 def open_model(path: str, length: int, logits_all: bool) -> object:
-    from llama_cpp import Llama
-
-    plain_buffers()
-    return Llama(model_path=path, n_ctx=length, n_batch=length, logits_all=logits_all, n_threads=THREADS, verbose=False)
+    return llama_cpp_worker.open_model(path, length, THREADS, logits_all)
 
 
 def tokenize(model_path: str, texts_file: str, out_file: str) -> None:
@@ -67,7 +46,7 @@ def tokenize(model_path: str, texts_file: str, out_file: str) -> None:
     tokens parsed as text), from the file's vocabulary alone."""
     from llama_cpp import Llama
 
-    plain_buffers()
+    llama_cpp_worker.plain_buffers()
     llm = Llama(model_path=model_path, vocab_only=True, verbose=False)
     texts = json.loads(Path(texts_file).read_text())
     found = [llm.tokenize(text.encode(), add_bos=False, special=False) for text in texts]
@@ -76,13 +55,7 @@ def tokenize(model_path: str, texts_file: str, out_file: str) -> None:
 
 def logits(model_path: str, ids_file: str, out_file: str) -> None:
     sequences = json.loads(Path(ids_file).read_text())
-    llm = open_model(model_path, len(sequences[0]), True)
-    found = []
-    for ids in sequences:
-        llm.reset()
-        llm.eval(ids)
-        found.append(np.array(llm.scores[: llm.n_tokens], dtype=np.float32))
-    np.save(out_file, np.stack(found))
+    np.save(out_file, llama_cpp_worker.logits(open_model(model_path, len(sequences[0]), True), sequences))
 
 
 FTYPES = {

@@ -96,6 +96,6 @@ def add_export(
         return
     if record.parity.holds and deploy is not None:
         report["deploy"] = deploy()
-    result = checks.check_deploy(record)
+    result = checks.check_deploy(record, report.get("deploy"))
     report["checks"].append(checks_rows([result])[0])
     report["ok"] = report["ok"] and result.passed

@@ -106,6 +106,27 @@ def headline(report: dict[str, Any]) -> list[str]:
     if "perplexity" in report:
         ppl = report["perplexity"]
         lines.append(f"perplexity (held out): reference {ppl['reference']:.3f}  candidate {ppl['candidate']:.3f}")
+    return lines + runtime_lines(report.get("deploy") or {})
+
+
+def runtime_lines(deploy: dict[str, Any]) -> list[str]:
+    """One line for each runtime the export is also made for (``deploy.llama_cpp``): its figures
+    against the simulation, or why it was not measured."""
+    lines = []
+    for name, figures in deploy.items():
+        if not isinstance(figures, dict) or not ("holds" in figures or "skipped" in figures):
+            continue
+        if "skipped" in figures or "error" in figures:
+            lines.append(
+                f"{name}: not measured ({figures['skipped']})"
+                if "skipped" in figures
+                else f"{name}: FAILED ({figures['error']})"
+            )
+            continue
+        metric = next((f"  {k} {v:.3f}" for k, v in figures.items() if k == "perplexity"), "")
+        verdict = "" if figures["holds"] else f"  MISSES {figures['expected']}"
+        told = f"cosine to the simulation mean {figures['cosine_mean']:.5f} min {figures['cosine_min']:.4f}"
+        lines.append(f"{name}: {told}  top-1 {figures['top1_agreement']:.3f}{metric}{verdict}")
     return lines
 
 

@@ -66,7 +66,9 @@ def deploy_summary(
     metric: tuple[str, Callable[[nn.Module], float], bool] | None = None,
 ) -> dict[str, Any]:
     """``report.json`` ``deploy``: format, path, bytes (and against fp32), latency against the
-    fp32 model, the parity figures, and the task's metric on the reloaded artifact."""
+    fp32 model, the parity figures, the task's metric on the reloaded artifact, and the figures
+    of each runtime the format is also made for (``ExportFormat.also_runs_in``: GGUF's llama.cpp)
+    against the reloaded artifact, which computes the simulation's outputs."""
     deployed = Deployed(record)
     found: dict[str, Any] = {
         "format": record.format,
@@ -84,4 +86,6 @@ def deploy_summary(
     if metric is not None:
         name, evaluate, _ = metric
         found[name] = evaluate(deployed)
+    for runtime, summary in EXPORT_FORMATS.get(record.format).also_runs_in:
+        found[runtime] = summary(record.path, deployed, inputs, metric)
     return found

@@ -33,6 +33,7 @@ DEPRECATED_TAKES_PLAN = "register_export_format(takes_plan=) is now takes_parts=
 Write = Callable[[Any, Path, dict[str, Any]], None]  # (model, or ExportParts with takes_parts; path; options)
 Load = Callable[[Path], Any]  # path -> the deployable object
 Run = Callable[[Any, Call], list[Tensor]]  # (deployable, one batch) -> its output tensors, in order
+RuntimeSummary = Callable[[Path, nn.Module, list, Any], dict[str, Any]]  # (path, simulation, inputs, metric) -> figures
 
 
 def run_module(deployable: Any, call: Call) -> list[Tensor]:
@@ -59,7 +60,10 @@ class ExportFormat:
     that must be equal (an exact format keeps them all). ``holds_g_idx``: the format writes a
     weight's group index (``actorder="group"``: groups scattered over the inputs); the others
     are refused such a weight. ``holds_float_offset``: the format writes grids whose groups
-    store a float offset (``GridSpec(float_offset=True)``); the others refuse them."""
+    store a float offset (``GridSpec(float_offset=True)``); the others refuse them.
+    ``also_runs_in``: (name, summary) of the runtimes the artifact is made for beyond ``load``'s,
+    measured in ``report.json`` ``deploy`` under that name: ``summary(path, simulation, inputs,
+    metric)`` gives their figures, ``holds: False`` where they miss their bound (GGUF: llama.cpp)."""
 
     name: str
     write: Write
@@ -76,6 +80,7 @@ class ExportFormat:
     agreement: float = 0.99  # with a cosine bound: the smallest share of integer outputs (argmax) kept equal
     holds_g_idx: bool = False  # writes WeightGrid.g_idx (groups not of consecutive inputs)
     holds_float_offset: bool = False  # writes grids with float offsets (GridSpec.float_offset)
+    also_runs_in: tuple[tuple[str, RuntimeSummary], ...] = ()
 
     @property
     def runnable(self) -> bool:
@@ -196,6 +201,7 @@ def register_export_format(
     takes_plan: bool | None = None,
     holds_g_idx: bool = False,
     holds_float_offset: bool = False,
+    also_runs_in: tuple[tuple[str, RuntimeSummary], ...] = (),
 ) -> ExportFormat:
     """Make ``write``/``load`` available as ``export(..., format=name)`` and ``export.format=name``
     (see :class:`ExportFormat` for the other settings).
@@ -227,6 +233,7 @@ def register_export_format(
         agreement,
         holds_g_idx,
         holds_float_offset,
+        also_runs_in,
     )
     registered = EXPORT_FORMATS.register(name, chosen, replace=replace)
     if target is not None:

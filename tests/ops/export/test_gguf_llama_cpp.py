@@ -186,3 +186,25 @@ def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads((tmp_path / "o.json").read_text())
     assert found == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+@pytest.mark.slow  # ~30 s: the recipe's run, its file then run by llama.cpp on the held-out windows
+def test_report_deploy_measures_llama_cpp_against_the_simulation_and_its_perplexity(tmp_path, monkeypatch):
+    from support import run_recipe
+
+    monkeypatch.setenv("SURGERY_LLAMA_CPP_PYTHON", str(llama_cpp_or_skip()))
+    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=2")
+    deploy, row = report["deploy"], next(check for check in report["checks"] if check["name"] == "deploy")
+    found = deploy["llama_cpp"]
+    assert row["passed"] and found["holds"] and found["cosine_mean"] > 0.9999, found
+    # the same held-out windows: llama.cpp's activation rounding moves perplexity by well under 1 %
+    assert abs(found["perplexity"] / deploy["perplexity"] - 1) < 0.01, (found["perplexity"], deploy["perplexity"])
+
+
+def test_llama_cpp_against_another_model_s_logits_misses_the_bound(tmp_path, monkeypatch):
+    from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
+
+    monkeypatch.setenv("SURGERY_LLAMA_CPP_PYTHON", str(llama_cpp_or_skip()))
+    write_gguf(ExportParts(load_llama()), tmp_path / "m.gguf", {})
+    found = llama_cpp_summary(tmp_path / "m.gguf", load_qwen3(), [IDS], None)  # the other shipped model
+    assert found["holds"] is False and found["cosine_mean"] < 0.9, found

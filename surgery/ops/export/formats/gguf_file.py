@@ -30,6 +30,7 @@ from surgery.ops.export.formats.gguf_entries import Entry, entries
 from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
 from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows
 from surgery.ops.export.formats.gguf_tokenizer import vocabulary, write_vocabulary
+from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.observers import GridSpec
@@ -258,7 +259,14 @@ def load_gguf(path: Path) -> nn.Module:
 
 
 register_export_format(
-    "gguf", write_gguf, load=load_gguf, suffix="gguf", takes_parts=True, stream=stream_gguf, holds_float_offset=True
+    "gguf",
+    write_gguf,
+    load=load_gguf,
+    suffix="gguf",
+    takes_parts=True,
+    stream=stream_gguf,
+    holds_float_offset=True,
+    also_runs_in=(("llama_cpp", llama_cpp_summary),),
 )
 
 

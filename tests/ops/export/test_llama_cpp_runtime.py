@@ -1,0 +1,73 @@
+"""``report.json`` ``deploy.llama_cpp`` where llama.cpp cannot be reached: said in one line, or
+(asked for and failing) a failed deploy check, never a silent pass. The figures themselves, from
+llama.cpp, are tested in ``test_gguf_llama_cpp.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from surgery.cli.checks import check_deploy
+from surgery.ops.export.exporting import ExportRecord, Parity
+from surgery.ops.export.formats.gguf_file import write_gguf
+from surgery.ops.export.formats.llama_cpp_runtime import PYTHON_VARIABLE, llama_cpp_summary
+from surgery.ops.numerics.deployment import ExportParts
+from surgery.tasks.tinyllama import load_llama
+
+IDS = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def written(tmp_path):
+    model = load_llama()
+    write_gguf(ExportParts(model), tmp_path / "m.gguf", {})
+    return tmp_path / "m.gguf", model
+
+
+def test_without_llama_cpp_the_section_says_how_to_get_it(written, monkeypatch):
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama_cpp is importable here: the section measures it")
+    monkeypatch.delenv(PYTHON_VARIABLE, raising=False)
+    path, model = written
+    assert llama_cpp_summary(path, model, [IDS], None) == {
+        "skipped": f"llama-cpp-python is not installed here (pip install llama-cpp-python, or {PYTHON_VARIABLE})"
+    }
+
+
+def test_a_named_python_that_is_not_there_is_said_in_one_line(written, monkeypatch, tmp_path):
+    monkeypatch.setenv(PYTHON_VARIABLE, str(tmp_path / "nowhere" / "python"))
+    path, model = written
+    assert (
+        llama_cpp_summary(path, model, [IDS], None)["skipped"]
+        == f"{PYTHON_VARIABLE}={tmp_path}/nowhere/python is not a file"
+    )
+
+
+def test_inputs_that_are_not_token_ids_are_said_in_one_line(written, monkeypatch):
+    monkeypatch.setenv(PYTHON_VARIABLE, sys.executable)
+    path, model = written
+    for batch in (torch.randn(1, 16), {"input_ids": IDS, "attention_mask": torch.zeros(1, 16)}):
+        assert llama_cpp_summary(path, model, [batch], None)["skipped"].startswith(
+            "the export's inputs are not token ids"
+        )
+
+
+def test_a_named_python_without_llama_cpp_fails_the_deploy_check_in_one_line(written, monkeypatch):
+    # this environment's own Python has no llama_cpp (it lives in the benchmark's venv): asked for
+    # by name and not run, the deploy check fails rather than reporting the file as checked
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama_cpp is importable here")
+    monkeypatch.setenv(PYTHON_VARIABLE, sys.executable)
+    path, model = written
+    section = llama_cpp_summary(path, model, [IDS], None)
+    assert section["holds"] is False
+    assert section["error"] == (
+        f"llama.cpp ({sys.executable}) did not run m.gguf: error: ModuleNotFoundError: No module named 'llama_cpp'"
+    )
+    record = ExportRecord(path, "gguf", path.stat().st_size, parity=Parity(0.0, 1.0, True, "exact"))
+    result = check_deploy(record, {"llama_cpp": section})
+    assert not result.passed and "llama_cpp misses its bound (llama.cpp runs the file): llama.cpp (" in result.detail
+    assert check_deploy(record, {"llama_cpp": {"skipped": "not installed"}}).passed  # not asked for: not a failure
