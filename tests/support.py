@@ -349,20 +349,46 @@ def under_terminal(argv: list[str], cwd: Path, home: Path, answer: str = "y\n", 
     return output.decode(errors="replace").replace("\r\n", "\n")
 
 
+SPLIT_TEXT = "In 1999, 2024 and 365 days: 12345 items. IT'S WE'LL THEY'VE (word) \"quote\",comma\r\n\n  "
+
+
 @functools.cache
-def byte_bpe_tokenizer(size: int = 320) -> Any:
-    """A byte-level BPE tokenizer with GPT-2's split, trained offline on the tiny-LM corpus's
-    training bytes (``size`` tokens, ``<|endoftext|>`` the special one), as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def byte_bpe_tokenizer(size: int = 320, split: str = "gpt-2") -> Any:
+    """A byte-level BPE tokenizer trained offline on the tiny-LM corpus's training bytes (``size``
+    tokens), as a transformers fast tokenizer, split as llama.cpp's ``split`` pre-tokenizer
+    splits: ``gpt-2`` (GPT-2's, ``<|endoftext|>`` its eos); ``llama-bpe`` (Llama 3's regex, words
+    in the vocabulary skip the merges, ``<|begin_of_text|>`` put first as its bos); ``qwen2``
+    (Qwen2's regex after NFC, ``<|endoftext|>`` its eos)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from surgery.ops.export.formats.gguf_tokenizer import SPLITS
     from surgery.tasks.tinylm import tokens
 
     text = bytes(tokens("train")[:100_000].tolist()).decode("utf-8", "replace")
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text += SPLIT_TEXT * 100  # merges where the splits cut digits, cased contractions and punctuation apart
+    backend = Tokenizer(models.BPE(ignore_merges=split == "llama-bpe"))
+    if split == "gpt-2":
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        pattern = next(regex for regex, pre in SPLITS.items() if pre.name == split)
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if split == "qwen2":
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
+    special = ["<|begin_of_text|>", "<|end_of_text|>"] if split == "llama-bpe" else ["<|endoftext|>"]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=special, initial_alphabet=alphabet)
     backend.train_from_iterator([text[i : i + 1000] for i in range(0, len(text), 1000)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    if split != "llama-bpe":
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+    bos = (special[0], backend.token_to_id(special[0]))
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A $B", special_tokens=[bos]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special[0], eos_token=special[1])

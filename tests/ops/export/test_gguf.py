@@ -423,6 +423,61 @@ def test_a_byte_level_bpe_tokenizer_travels_with_its_tokens_merges_and_special_i
     assert again.path.read_bytes() == record.path.read_bytes()
 
 
+@pytest.mark.parametrize(("split", "add_bos"), [("llama-bpe", True), ("qwen2", False)])
+def test_llama_3_and_qwen2_splits_are_named_by_llama_cpp_s_pre_tokenizers(tmp_path, split, add_bos, caplog):
+    from support import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer(split=split)
+    model = tiny("Llama", vocab=len(tokenizer))
+    write_gguf(ExportParts(model), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == split
+    # Llama 3's template puts its bos first: llama.cpp is told so; Qwen2's adds none
+    assert (
+        bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0]),
+        bool(fields["tokenizer.ggml.add_eos_token"].parts[-1][0]),
+    ) == (add_bos, False)
+    normalized = "does not apply the tokenizer's NFC normalization" in caplog.text
+    assert normalized == (split == "qwen2")  # llama.cpp's qwen2 tokenizer skips NFC, as its converter lets through
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda spec: spec["model"].update(ignore_merges=False),
+            r"keeps merges for words in its vocabulary \(ignore_merges=False\), which llama\.cpp's llama-bpe",
+        ),
+        (
+            lambda spec: spec.update(normalizer={"type": "NFKC"}),
+            r"normalizes text first \(\{\"type\": \"NFKC\"\}\), which llama\.cpp's llama-bpe tokenizer does not",
+        ),
+        (
+            lambda spec: spec["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\s+"),
+            r"splits text with Sequence \{\"pretokenizers\"",
+        ),
+        (
+            lambda spec: spec["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+            r"splits text with Sequence",
+        ),
+    ],
+)
+def test_a_split_that_only_looks_like_llama_3_s_is_refused_in_one_line(tmp_path, change, message):
+    from support import byte_bpe_tokenizer
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(byte_bpe_tokenizer(split="llama-bpe").backend_tokenizer.to_str())
+    change(spec)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    with pytest.raises(
+        ConfigError,
+        match=rf"^export\.options\.tokenizer='tokenizer': {message}.*\(llama\.cpp would split text into other tokens\)$",
+    ):
+        write_gguf(ExportParts(tiny("Llama", vocab=len(tokenizer))), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

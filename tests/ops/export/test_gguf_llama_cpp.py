@@ -153,12 +153,13 @@ def test_a_gguf_mix_gives_every_tensor_the_type_llama_quantize_gives_it(tmp_path
     assert "Q6_K" in theirs.values()  # some layers' value and down projections get more bits
 
 
-def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries(tmp_path):
+@pytest.mark.parametrize("split", ["gpt-2", "llama-bpe", "qwen2"])
+def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries(tmp_path, split):
     import transformers
     from support import byte_bpe_tokenizer
 
     python = llama_cpp_or_skip()
-    tokenizer = byte_bpe_tokenizer()
+    tokenizer = byte_bpe_tokenizer(600, split)  # enough merges that each split gives other ids than the others
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, vocab_size=len(tokenizer))).eval()
@@ -168,6 +169,8 @@ def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries
         "  two  spaces\tand tabs\n",
         "caf\u00e9 na\u00efve\u2014 emoji \U0001f600 end",
         "The quick brown fox jumps over the lazy dog. " * 3,
+        "IT'S 1234567 o'clock, WE'LL see\r\n\n  end",  # the splits differ on digits, case and line ends
+        'In 2024: 12345 (word) "quote",comma THEY\'VE\r\n\n  ',
     ]
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     done = subprocess.run(

@@ -1,8 +1,9 @@
 """The vocabulary a GGUF file carries, so llama.cpp turns text into the model's token ids: a
 byte-level model's 256 bytes (GPT-2's byte to character map, no merges), or a Hugging Face
-tokenizer that llama.cpp's tokenizers can reproduce: byte-level BPE with GPT-2's split (llama.cpp's
-``gpt2`` model, ``gpt-2`` pre-tokenizer), its tokens, merges, special tokens and chat template.
-Any other tokenizer is refused in one line (llama.cpp would split text otherwise)."""
+tokenizer that llama.cpp's tokenizers can reproduce: byte-level BPE (llama.cpp's ``gpt2`` model)
+split as GPT-2, Llama 3 or Qwen2 split text (its ``gpt-2``, ``llama-bpe`` and ``qwen2``
+pre-tokenizers), its tokens, merges, special tokens and chat template. Any other tokenizer is
+refused in one line (llama.cpp would split text otherwise)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,30 @@ GPT2_SPLIT = {"type": "ByteLevel", "use_regex": True, "add_prefix_space": False}
 SPECIAL = ("bos", "eos", "unk", "pad")
 
 
+@dataclass(frozen=True)
+class PreTokenizer:
+    """A llama.cpp pre-tokenizer (``tokenizer.ggml.pre``) and what its tokenizer does beside the
+    split: whether a word in the vocabulary skips the merges (``ignore_merges``, as the Hugging
+    Face model's own flag must say) and the normalizer llama.cpp's converter lets through."""
+
+    name: str
+    ignore_merges: bool = False
+    normalizer: dict | None = None
+
+
+GPT2 = PreTokenizer("gpt-2")
+# each Hugging Face tokenizer.json's Split regex (then byte-level) -> the llama.cpp pre-tokenizer
+# whose regex splits text as it does (llama-vocab.cpp keeps the originals beside its adaptations)
+SPLITS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": (
+        PreTokenizer("llama-bpe", ignore_merges=True)  # Llama 3
+    ),
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": (
+        PreTokenizer("qwen2", normalizer={"type": "NFC"})  # Qwen2, Qwen2.5, Qwen3
+    ),
+}
+
+
 @dataclass
 class Vocabulary:
     """What the file's ``tokenizer.ggml.*`` keys hold: ``model``/``pre`` llama.cpp's names; for
@@ -32,6 +57,7 @@ class Vocabulary:
     merges: list[str] = field(default_factory=list)
     special: dict[str, int] = field(default_factory=dict)
     add_bos: bool | None = None  # written for a tokenizer: whether llama.cpp puts its bos first
+    add_eos: bool | None = None  # ... and its eos last
     chat_template: str | None = None
 
 
@@ -50,7 +76,7 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
     if backend is None:
         raise ConfigError(FIELD, type(tokenizer).__name__, "must be a Hugging Face fast tokenizer (or its folder)")
     spec = json.loads(backend.to_str())
-    _check_bpe(spec)
+    pre = _pre_tokenizer(spec)
     tokens = dict(spec["model"]["vocab"]) | {added["content"]: added["id"] for added in spec.get("added_tokens", [])}
     if len(tokens) > size or max(tokens.values()) >= size:
         raise ConfigError(FIELD, type(tokenizer).__name__, f"has {len(tokens)} tokens; the model embeds {size}")
@@ -65,16 +91,25 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL}
     template = getattr(tokenizer, "chat_template", None)
+    bos, eos = _added_around(tokenizer, ids["bos"], ids["eos"])
     return Vocabulary(
         "gpt2",
-        "gpt-2",
+        pre.name,
         names,
         kinds,
         merges,
         {name: int(index) for name, index in ids.items() if index is not None},
-        bool(getattr(tokenizer, "add_bos_token", False)),
+        bos,
+        eos,
         template if isinstance(template, str) else None,
     )
+
+
+def _added_around(tokenizer: Any, bos: int | None, eos: int | None) -> tuple[bool, bool]:
+    """Whether ``tokenizer`` puts its bos first and its eos last when it encodes a text, as its
+    post-processor (a template, or a flag) does it: what llama.cpp's ``add_bos``/``add_eos`` say."""
+    ids = tokenizer("a")["input_ids"]
+    return bos is not None and ids[:1] == [bos], eos is not None and ids[-1:] == [eos]
 
 
 def _loaded(tokenizer: Any) -> Any:
@@ -88,26 +123,54 @@ def _loaded(tokenizer: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
 
 
-def _check_bpe(spec: dict) -> None:
-    """Refuse what llama.cpp's ``gpt2`` tokenizer with the ``gpt-2`` split would tokenize otherwise."""
+def _pre_tokenizer(spec: dict) -> PreTokenizer:
+    """The llama.cpp pre-tokenizer that splits text as ``spec`` (a tokenizer.json) does; what
+    llama.cpp's byte-level BPE would tokenize otherwise is refused in one line."""
     model, split = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    pre = _split_of(split)
+    normalizer = spec.get("normalizer")
     problem = (
         f"is a {model.get('type')} model; GGUF writes byte-level BPE"
         if model.get("type") != "BPE"
-        else "normalizes text first, which llama.cpp's byte-level BPE does not"
-        if spec.get("normalizer")
-        else f"splits text with {split.get('type')} {_shown(split)}; GGUF writes GPT-2's byte-level split"
-        if any(split.get(key) != value for key, value in GPT2_SPLIT.items())
+        else f"splits text with {split.get('type')} {_shown(split)}; GGUF writes GPT-2's, Llama 3's or Qwen2's "
+        "byte-level split"
+        if pre is None
+        else f"normalizes text first ({json.dumps(normalizer)[:120]}), which llama.cpp's {pre.name} tokenizer does not"
+        if normalizer and normalizer != pre.normalizer
         else "drops unknown bytes (byte_fallback or an unk token in a byte-level model)"
         if model.get("byte_fallback")
+        else f"{'keeps' if pre.ignore_merges else 'skips'} merges for words in its vocabulary (ignore_merges="
+        f"{bool(model.get('ignore_merges'))}), which llama.cpp's {pre.name} tokenizer does not"
+        if bool(model.get("ignore_merges")) != pre.ignore_merges
         else None
     )
     if problem:
         raise ConfigError(FIELD, "tokenizer", f"{problem} (llama.cpp would split text into other tokens)")
+    if normalizer:
+        log.warning(
+            "export: llama.cpp's %s tokenizer does not apply the tokenizer's %s normalization: text not already "
+            "normalized (decomposed accents) gives other tokens there, as with llama.cpp's own converter",
+            pre.name,
+            normalizer.get("type"),
+        )
+    return pre
 
 
-def _shown(split: dict) -> str:
-    return json.dumps({key: split.get(key) for key in GPT2_SPLIT if key != "type"})
+def _split_of(split: dict) -> PreTokenizer | None:
+    if all(split.get(key) == value for key, value in GPT2_SPLIT.items()):
+        return GPT2
+    parts = split.get("pretokenizers") or []
+    if split.get("type") != "Sequence" or len(parts) != 2:
+        return None
+    regex, byte_level = parts
+    isolated = regex.get("type") == "Split" and regex.get("behavior") == "Isolated" and not regex.get("invert")
+    plain_bytes = byte_level == byte_level | {"type": "ByteLevel", "use_regex": False, "add_prefix_space": False}
+    return SPLITS.get((regex.get("pattern") or {}).get("Regex")) if isolated and plain_bytes else None
+
+
+def _shown(part: dict) -> str:
+    shown = json.dumps({key: value for key, value in part.items() if key != "type"})
+    return shown if len(shown) <= 160 else shown[:157] + "..."
 
 
 def write_vocabulary(writer: Any, vocabulary: Vocabulary, gguf: Any) -> None:
@@ -124,5 +187,6 @@ def write_vocabulary(writer: Any, vocabulary: Vocabulary, gguf: Any) -> None:
         getattr(writer, f"add_{name}_token_id")(index)
     if vocabulary.add_bos is not None:
         writer.add_add_bos_token(vocabulary.add_bos)
+        writer.add_add_eos_token(vocabulary.add_eos)
     if vocabulary.chat_template:
         writer.add_chat_template(vocabulary.chat_template)
