@@ -138,6 +138,29 @@ def test_gguf_streams_the_same_tensors_as_the_model_in_memory_gives(tmp_path, ki
     assert all(bytes(a.data) == bytes(b.data) for a, b in zip(*read))  # the same blocks, bit for bit
 
 
+def test_a_mixture_of_experts_model_streams_its_stacked_experts_as_in_memory(tmp_path):
+    # offloaded, the experts stay fused (their grids named per expert): each expert is split from
+    # the fused tensor read from disk and packed on its own grid, the same blocks as in memory
+    gguf = pytest.importorskip("gguf")
+    from surgery.tasks.tinymoe import load_moe
+
+    model = load_moe()  # the shipped Qwen3-MoE, 8 experts a layer
+    model.save_pretrained(tmp_path / "model")
+    generator = torch.Generator().manual_seed(1)
+    calibration = [torch.randint(0, 256, (4, 64), generator=generator) for _ in range(4)]  # every expert routed to
+    settings = dict(weights=GPTQ, target="gguf:Q4_0", calibration=calibration, exclude="lm_head")
+    in_memory = surgery.quantize(model, **settings)
+    surgery.export(in_memory, tmp_path / "memory.gguf", format="gguf")
+    done = surgery.quantize(surgery.offloaded(tmp_path / "model"), **settings)
+    record = surgery.export(done, tmp_path / "offloaded.gguf", format="gguf", inputs=[calibration[0][:1]])
+    assert record.parity.equal
+    read = [gguf.GGUFReader(str(tmp_path / f"{name}.gguf")).tensors for name in ("memory", "offloaded")]
+    assert [(t.name, t.tensor_type) for t in read[0]] == [(t.name, t.tensor_type) for t in read[1]]
+    assert all(bytes(a.data) == bytes(b.data) for a, b in zip(*read))
+    stacked = {t.name: t.tensor_type.name for t in read[1] if "_exps" in t.name}
+    assert len(stacked) == 6 and set(stacked.values()) == {"Q4_0"}  # two layers' gate, up and down stacks
+
+
 def test_the_offloaded_model_itself_streams_to_safetensors(tmp_path):
     reference = llama_folder(tmp_path / "model")
     source = surgery.offloaded(tmp_path / "model")

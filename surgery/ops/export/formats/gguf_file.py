@@ -140,12 +140,17 @@ def _planned(entry: Entry, wanted: Wanted) -> tuple:
         raise ConfigError(
             "export.format", "gguf", f"{entry.name} stacks experts some quantized, some not ({entry.key}); quantize all"
         )
-    rows = first.shape[grid.output_axis]
-    columns = first.numel() // rows
+    one = entry.one_shape
+    rows = one[grid.output_axis]
+    columns = math.prod(one) // rows
     kind = _block_type(entry.key, grid, columns, wanted(entry.name))
-    for source, other in zip(entry.sources[1:], entry.grids[1:]):  # one type holds every expert's grid
-        _block_type(other.key, other, source.numel() // rows, kind)
-    shape = (rows, columns) if not entry.stacked else (len(entry.sources), rows, columns)
+    for other in entry.grids[1:]:  # one type holds every expert's grid
+        _block_type(other.key, other, columns, kind)
+    shape = (
+        (rows, columns)
+        if not entry.stacked
+        else (len(entry.grids) if entry.fused else len(entry.sources), rows, columns)
+    )
     return entry.name, kind, shape
 
 
@@ -168,11 +173,10 @@ def _wanted_type(name: object, layers: int) -> Wanted:
 def _data(entry: Entry, read: Any, config: Any, kind: Any) -> np.ndarray:
     """One tensor's bytes as ``kind`` (each expert's after the other): a float type's values, or
     the packed blocks of each grid's integers; in llama.cpp's row order."""
+    rows = None if entry.fused else entry.rows  # a fused one's experts come with their rows taken
+    values = entry.values(read)
     return np.concatenate(
-        [
-            _one(entry.name, read(source), grid, config, kind, entry.rows)
-            for source, grid in zip(entry.sources, entry.grids)
-        ]
+        [_one(entry.name, value, grid, config, kind, rows) for value, grid in zip(values, entry.grids)]
     )
 
 
