@@ -6,6 +6,7 @@ import functools
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,49 @@ def under_terminal(argv: list[str], cwd: Path, home: Path, answer: str = "y\n", 
     process.wait()
     os.close(main)
     return output.decode(errors="replace").replace("\r\n", "\n")
+
+
+@functools.cache
+def sentencepiece_tokenizer(size: int = 600, legacy: bool = False) -> Any:
+    """A SentencePiece BPE tokenizer (byte fallback, as Llama 2's and Mistral's) trained offline on
+    the tiny-LM corpus's training bytes, converted by transformers as it converts theirs (from the
+    ``tokenizer.model`` in a folder), as a fast tokenizer that puts ``<s>`` first. Its spaces go
+    through a Metaspace pre-tokenizer, as transformers 5 writes them; ``legacy``: through the
+    normalizer transformers 4 wrote (Llama 2's, Mistral 7B v0.1's and TinyLlama's tokenizer.json)."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from surgery.tasks.tinylm import tokens
+
+    with tempfile.TemporaryDirectory(prefix="surgery-spm-") as name:
+        folder = Path(name)
+        text = bytes(tokens("train")[:100_000].tolist()).decode("utf-8", "replace") + SPLIT_TEXT * 20
+        (folder / "corpus.txt").write_text("\n".join(line for line in text.split("\n") if line.strip()))
+        sentencepiece.SentencePieceTrainer.train(
+            input=str(folder / "corpus.txt"),
+            model_prefix=str(folder / "tokenizer"),
+            vocab_size=size,
+            model_type="bpe",
+            byte_fallback=True,
+            character_coverage=1.0,
+            minloglevel=2,
+        )
+        config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not legacy:
+        return tokenizer
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    prepend = {"type": "Prepend", "prepend": "\u2581"}
+    spec["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [prepend, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}],
+    }
+    spec["pre_tokenizer"] = None
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **config)
 
 
 SPLIT_TEXT = "In 1999, 2024 and 365 days: 12345 items. IT'S WE'LL THEY'VE (word) \"quote\",comma\r\n\n  "

@@ -478,6 +478,51 @@ def test_a_split_that_only_looks_like_llama_3_s_is_refused_in_one_line(tmp_path,
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_sentencepiece_tokenizer_is_written_as_llama_cpp_s_llama_model_with_scores_by_merge(tmp_path, legacy, caplog):
+    from support import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer(legacy=legacy)
+    write_gguf(ExportParts(tiny("Llama", vocab=len(tokenizer))), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    values = lambda key: [fields[key].parts[i][0] for i in fields[key].data]  # noqa: E731
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    assert "tokenizer.ggml.merges" not in fields and bool(fields["tokenizer.ggml.add_space_prefix"].parts[-1][0])
+    kinds, scores, vocab = values("tokenizer.ggml.token_type"), values("tokenizer.ggml.scores"), tokenizer.get_vocab()
+    assert kinds[vocab["<unk>"]] == gguf.TokenType.UNKNOWN and kinds[vocab["<s>"]] == gguf.TokenType.CONTROL
+    assert kinds[vocab["<0x0A>"]] == gguf.TokenType.BYTE and kinds[vocab["\u2581t"]] == gguf.TokenType.NORMAL
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    first = "".join(merges[0]) if isinstance(merges[0], list) else merges[0].replace(" ", "")
+    assert scores[tokens.index(first)] == 0.0 and scores[tokens.index("".join(merges[-1]))] == -(len(merges) - 1)
+    assert ("puts no \u2581 before a text that starts with a space" in caplog.text) == (not legacy)
+
+
+def test_a_byte_fallback_bpe_not_converted_from_sentencepiece_is_refused_in_one_line(tmp_path):
+    from support import sentencepiece_tokenizer
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(sentencepiece_tokenizer().backend_tokenizer.to_str())
+
+    def refused(change: object, message: str) -> None:
+        changed = json.loads(json.dumps(spec))
+        change(changed)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(changed)))
+        with pytest.raises(ConfigError, match=rf"^export\.options\.tokenizer='tokenizer': {message}.*other tokens\)$"):
+            write_gguf(ExportParts(tiny("Llama", vocab=len(tokenizer))), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+
+    # a merge left out: llama.cpp would still merge the two pieces, the Hugging Face BPE would not;
+    # one of "▁the"'s two merges moved last: llama.cpp scores a token once, the BPE ranks each merge
+    refused(lambda s: s["model"]["merges"].pop(5), r"has no merge '.+' \+ '.+' though both and '.+' are tokens")
+    refused(
+        lambda s: s["model"]["merges"].append(s["model"]["merges"].pop(6)), r"merges '.+' \+ '.+' into '.+' apart from"
+    )
+    refused(lambda s: s["model"]["vocab"].pop("<0x41>"), r"falls back to bytes without the byte tokens <0x41>")
+    refused(lambda s: s["pre_tokenizer"].update(split=True), r"normalizes or splits text as llama\.cpp's SentencePiece")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

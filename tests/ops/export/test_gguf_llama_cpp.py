@@ -153,13 +153,18 @@ def test_a_gguf_mix_gives_every_tensor_the_type_llama_quantize_gives_it(tmp_path
     assert "Q6_K" in theirs.values()  # some layers' value and down projections get more bits
 
 
-@pytest.mark.parametrize("split", ["gpt-2", "llama-bpe", "qwen2"])
+@pytest.mark.parametrize("split", ["gpt-2", "llama-bpe", "qwen2", "sentencepiece", "sentencepiece-legacy"])
 def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries(tmp_path, split):
     import transformers
-    from support import byte_bpe_tokenizer
+    from support import byte_bpe_tokenizer, sentencepiece_tokenizer
 
     python = llama_cpp_or_skip()
-    tokenizer = byte_bpe_tokenizer(600, split)  # enough merges that each split gives other ids than the others
+    # 600 tokens: enough merges that each split gives other ids than the others; SentencePiece's
+    # byte fallback and merges by score (Llama 2, Mistral), trained offline and converted by transformers
+    if split.startswith("sentencepiece"):
+        tokenizer = sentencepiece_tokenizer(legacy=split.endswith("legacy"))
+    else:
+        tokenizer = byte_bpe_tokenizer(600, split)
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, vocab_size=len(tokenizer))).eval()
@@ -188,7 +193,11 @@ def test_llama_cpp_tokenizes_text_as_the_hugging_face_tokenizer_the_file_carries
     )
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads((tmp_path / "o.json").read_text())
-    assert found == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    # transformers 5's Metaspace puts no ▁ before a text that starts with a space; llama.cpp (and
+    # SentencePiece) does, as the legacy normalizer does: the export warns of it
+    shifted = split == "sentencepiece"
+    expected = [" " + text if shifted and text.startswith(" ") else text for text in texts]
+    assert found == [tokenizer.encode(text, add_special_tokens=False) for text in expected]
 
 
 @pytest.mark.slow  # ~30 s: the recipe's run, its file then run by llama.cpp on the held-out windows

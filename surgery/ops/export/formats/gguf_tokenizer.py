@@ -2,8 +2,9 @@
 byte-level model's 256 bytes (GPT-2's byte to character map, no merges), or a Hugging Face
 tokenizer that llama.cpp's tokenizers can reproduce: byte-level BPE (llama.cpp's ``gpt2`` model)
 split as GPT-2, Llama 3 or Qwen2 split text (its ``gpt-2``, ``llama-bpe`` and ``qwen2``
-pre-tokenizers), its tokens, merges, special tokens and chat template. Any other tokenizer is
-refused in one line (llama.cpp would split text otherwise)."""
+pre-tokenizers), or SentencePiece BPE (its ``llama`` model, :mod:`.gguf_sentencepiece`): its
+tokens, merges or scores, special tokens and chat template. Any other tokenizer is refused in one
+line (llama.cpp would split text otherwise)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from surgery.core.errors import ConfigError
+from surgery.ops.export.formats.gguf_sentencepiece import is_sentencepiece, sentencepiece
 
 log = logging.getLogger("surgery")
 FIELD = "export.options.tokenizer"
@@ -53,8 +55,10 @@ class Vocabulary:
     model: str
     pre: str | None = None
     tokens: list[str] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # normal, control (special), user_defined (added)
+    kinds: list[str] = field(default_factory=list)  # normal, control (special), user_defined (added), byte, unknown
     merges: list[str] = field(default_factory=list)
+    scores: list[float] | None = None  # a SentencePiece model's (llama.cpp merges by them)
+    space_prefix: bool | None = None  # a SentencePiece model's: whether a space goes before the text
     special: dict[str, int] = field(default_factory=dict)
     add_bos: bool | None = None  # written for a tokenizer: whether llama.cpp puts its bos first
     add_eos: bool | None = None  # ... and its eos last
@@ -76,33 +80,54 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
     if backend is None:
         raise ConfigError(FIELD, type(tokenizer).__name__, "must be a Hugging Face fast tokenizer (or its folder)")
     spec = json.loads(backend.to_str())
-    pre = _pre_tokenizer(spec)
-    tokens = dict(spec["model"]["vocab"]) | {added["content"]: added["id"] for added in spec.get("added_tokens", [])}
+    added_tokens = spec.get("added_tokens", [])
+    piece = sentencepiece(spec, {a["content"] for a in added_tokens}) if is_sentencepiece(spec) else None
+    pre = _pre_tokenizer(spec) if piece is None else None
+    tokens = dict(spec["model"]["vocab"]) | {added["content"]: added["id"] for added in added_tokens}
     if len(tokens) > size or max(tokens.values()) >= size:
         raise ConfigError(FIELD, type(tokenizer).__name__, f"has {len(tokens)} tokens; the model embeds {size}")
     by_id = {index: token for token, index in tokens.items()}
-    special = {added["id"] for added in spec.get("added_tokens", []) if added.get("special")}
-    added = {added["id"] for added in spec.get("added_tokens", [])}
-    names = [by_id.get(index, f"[PAD{index}]") for index in range(size)]  # unused rows, as llama.cpp's converter pads
-    kinds = [
-        "control" if i in special else "user_defined" if i in added else "normal" if i in by_id else "unused"
-        for i in range(size)
-    ]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL}
+    names = [by_id.get(index, f"[PAD{index}]") for index in range(size)]  # unused rows, as llama.cpp's converter pads
+    kinds = _kinds(names, by_id, added_tokens, ids["unk"] if piece else None)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     template = getattr(tokenizer, "chat_template", None)
     bos, eos = _added_around(tokenizer, ids["bos"], ids["eos"])
     return Vocabulary(
-        "gpt2",
-        pre.name,
+        "gpt2" if piece is None else "llama",
+        "default" if piece else pre.name,
         names,
         kinds,
-        merges,
-        {name: int(index) for name, index in ids.items() if index is not None},
-        bos,
-        eos,
-        template if isinstance(template, str) else None,
+        merges=merges if piece is None else [],
+        scores=[piece.scores.get(name, 0.0) for name in names] if piece else None,
+        space_prefix=piece.space_prefix if piece else None,
+        special={name: int(index) for name, index in ids.items() if index is not None},
+        add_bos=bos,
+        add_eos=eos,
+        chat_template=template if isinstance(template, str) else None,
     )
+
+
+def _kinds(names: list[str], by_id: dict[int, str], added_tokens: list[dict], unknown: int | None) -> list[str]:
+    """Each row's llama.cpp token type: special tokens control, other added ones user-defined,
+    a SentencePiece model's (``unknown``: its unk id) byte tokens byte, rows no token uses unused."""
+    special = {added["id"] for added in added_tokens if added.get("special")}
+    added = {added["id"] for added in added_tokens}
+    sentencepiece = unknown is not None
+    return [
+        "unknown"
+        if i == unknown
+        else "control"
+        if i in special
+        else "user_defined"
+        if i in added
+        else "byte"
+        if sentencepiece and len(name) == 6 and name.startswith("<0x") and name.endswith(">")
+        else "normal"
+        if i in by_id
+        else "unused"
+        for i, name in enumerate(names)
+    ]
 
 
 def _added_around(tokenizer: Any, bos: int | None, eos: int | None) -> tuple[bool, bool]:
@@ -137,8 +162,6 @@ def _pre_tokenizer(spec: dict) -> PreTokenizer:
         if pre is None
         else f"normalizes text first ({json.dumps(normalizer)[:120]}), which llama.cpp's {pre.name} tokenizer does not"
         if normalizer and normalizer != pre.normalizer
-        else "drops unknown bytes (byte_fallback or an unk token in a byte-level model)"
-        if model.get("byte_fallback")
         else f"{'keeps' if pre.ignore_merges else 'skips'} merges for words in its vocabulary (ignore_merges="
         f"{bool(model.get('ignore_merges'))}), which llama.cpp's {pre.name} tokenizer does not"
         if bool(model.get("ignore_merges")) != pre.ignore_merges
@@ -178,11 +201,15 @@ def write_vocabulary(writer: Any, vocabulary: Vocabulary, gguf: Any) -> None:
     writer.add_tokenizer_model(vocabulary.model)
     if vocabulary.model == "none":
         return
-    kinds = {name: getattr(gguf.TokenType, name.upper()) for name in ("normal", "control", "user_defined", "unused")}
+    kinds = {name: getattr(gguf.TokenType, name.upper()) for name in set(vocabulary.kinds)}
     writer.add_tokenizer_pre(vocabulary.pre)
     writer.add_token_list(vocabulary.tokens)
     writer.add_token_types([kinds[kind] for kind in vocabulary.kinds])
-    writer.add_token_merges(vocabulary.merges or ["Ġ Ġ"])  # llama.cpp needs the key
+    if vocabulary.scores is not None:  # a SentencePiece model merges by score
+        writer.add_token_scores(vocabulary.scores)
+        writer.add_add_space_prefix(vocabulary.space_prefix)
+    else:
+        writer.add_token_merges(vocabulary.merges or ["Ġ Ġ"])  # llama.cpp needs the key
     for name, index in vocabulary.special.items():
         getattr(writer, f"add_{name}_token_id")(index)
     if vocabulary.add_bos is not None:
