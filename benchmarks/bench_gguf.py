@@ -1,10 +1,13 @@
 """GGUF files run by llama.cpp: llama.cpp's own quantization of the float model (``llama-quantize``,
 without and with an importance matrix that ``llama-imatrix`` collects from the same calibration
 text surgery calibrates on) against surgery's RTN, GPTQ and AutoRound exports to the same types, the same tensors quantized (every Linear but the head; embeddings and head F32 in
-both), so the files have equal bytes. One run, one thread: held-out perplexity computed from
-llama.cpp's logits over every held-out window of the tiny-LM corpus, prefill and decode tokens/s
-(median of interleaved rounds), file bytes; beside the float file and, for surgery's rows, the
-perplexity the simulation computed in PyTorch.
+both), so the files have equal bytes. One run, one thread (``--threads 2``: both cores): held-out
+perplexity computed from llama.cpp's logits over every held-out window of the tiny-LM corpus,
+prefill and decode tokens/s (median of interleaved rounds), file bytes; beside the float file
+and, for surgery's rows, the perplexity the simulation computed in PyTorch; and the same model in
+PyTorch, float32 eager and torchao's ``quantize_`` int8 dynamic (every Linear but the head), with
+the same figures by the same protocol (decode through the KV cache), timed interleaved in this
+process.
 
 llama.cpp comes from llama-cpp-python built from its source distribution in
 ``benchmarks/.venv-llama_cpp``, its ``llama-imatrix`` and ``llama-quantize`` built with cmake from
@@ -15,13 +18,16 @@ is the model whose rows are whole K-quant super-blocks.
 Usage::
 
     .venv/bin/python benchmarks/bench_gguf.py [--model tinyllama|tinyqwen3|tinyllama_wide]
-        [--methods RTN,GPTQ,AutoRound] [--types Q4_0,Q5_0,Q8_0]
+        [--methods RTN,GPTQ,AutoRound] [--types Q4_0,Q5_0,Q8_0] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -29,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 import surgery
 from surgery import GridSpec
@@ -92,6 +99,59 @@ def ours(load: object, method: str, kind: str, calibration: list, path: Path) ->
     return seconds, perplexity(model, token_batches("test", 16))
 
 
+def pytorch_rows(load: object, windows: np.ndarray, held_out: list, rounds: int) -> list[dict]:
+    """The model in PyTorch, float32 eager and torchao's int8 dynamic (``quantize_``, every Linear
+    but the head): bytes, held-out perplexity, prefill and decode tokens/s by llama.cpp's protocol
+    (one window at once; one token after a one-token prompt, through the KV cache), interleaved."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    eager, int8 = load(), load()
+    quantize_(
+        int8,
+        Int8DynamicActivationInt8WeightConfig(),
+        filter_fn=lambda m, name: isinstance(m, nn.Linear) and name != "lm_head",
+    )
+    models = {"PyTorch float32, eager": eager, "torchao quantize_ int8 dynamic (PyTorch)": int8}
+    window = torch.from_numpy(windows[0, :-1]).long()
+    prefill: dict[str, list[float]] = {name: [] for name in models}
+    decode: dict[str, list[float]] = {name: [] for name in models}
+    with torch.no_grad():
+        for _ in range(rounds + 1):  # the first round warms up
+            for name, model in models.items():
+                prefill[name].append(_seconds(lambda: model(window[None])))
+                decode[name].append(_decode_seconds(model, window))
+    rows = []
+    for name, model in models.items():
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        rows.append(
+            {
+                "setting": name,
+                "bytes": buffer.getbuffer().nbytes,
+                "perplexity": perplexity(model, held_out),
+                "prefill_tokens_per_s": len(window) / statistics.median(prefill[name][1:]),
+                "decode_tokens_per_s": (len(window) - 1) / statistics.median(decode[name][1:]),
+            }
+        )
+    return rows
+
+
+def _seconds(work: object) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def _decode_seconds(model: nn.Module, window: torch.Tensor) -> float:
+    """Seconds for ``len(window) - 1`` greedy single-token steps after a one-token prompt."""
+    out = model(window[None, :1], use_cache=True)
+    start = time.perf_counter()
+    for _ in range(len(window) - 1):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(token, cache=out.cache, use_cache=True)
+    return time.perf_counter() - start
+
+
 def importance_matrix(tools: Path, work: Path, calibration: list) -> Path:
     """``llama-imatrix`` over the float file on surgery's calibration windows (their bytes as the
     text, which the byte vocabulary tokenizes back to the same ids), one chunk a window."""
@@ -124,8 +184,10 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated: RTN,GPTQ,AutoRound")
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp's and PyTorch's threads")
     options = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(options.threads)
+    os.environ["LLAMA_CPP_THREADS"] = str(options.threads)  # the runner's
     from peer_venvs import llama_cpp_tools, peer_python  # beside this script
 
     python = peer_python("llama_cpp")
@@ -156,7 +218,9 @@ def main() -> None:
             python, "measure", str(work / "windows.npy"), str(options.rounds), *[str(work / name) for name in rows]
         ).splitlines()[-1]
     )
-    print(f"\n{options.model}: {len(windows)} held-out windows of {windows.shape[1] - 1} tokens, one thread")
+    pytorch = pytorch_rows(load, windows, held_out, options.rounds)
+    threads = "one thread" if options.threads == 1 else f"{options.threads} threads"
+    print(f"\n{options.model}: {len(windows)} held-out windows of {windows.shape[1] - 1} tokens, {threads}")
     print("| file | bytes | perplexity (llama.cpp) | simulated (PyTorch) | prefill tok/s | decode tok/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for found in measured:
@@ -164,6 +228,11 @@ def main() -> None:
         simulated = f"{row['simulated']:.3f}" if "simulated" in row else "–"
         print(
             f"| {row['setting']} | {found['bytes']:,} | {found['perplexity']:.3f} | {simulated} "
+            f"| {found['prefill_tokens_per_s']:,.0f} | {found['decode_tokens_per_s']:,.0f} |"
+        )
+    for found in pytorch:
+        print(
+            f"| {found['setting']} | {found['bytes']:,} | {found['perplexity']:.3f} | – "
             f"| {found['prefill_tokens_per_s']:,.0f} | {found['decode_tokens_per_s']:,.0f} |"
         )
 

@@ -18,7 +18,8 @@ Usage::
 - ``measure``: for each file, held-out perplexity over the windows (``WINDOWS.npy``: int64
   (windows, length + 1), each window's inputs and its next token), prefill tokens/s (one window
   at once) and decode tokens/s (one token at a time after a one-token prompt, ``length``
-  steps), one thread, the files' timing rounds interleaved; the last line printed is a JSON list.
+  steps), one thread (``LLAMA_CPP_THREADS``: more), the files' timing rounds interleaved; the last
+  line printed is a JSON list.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery" / "ops" / "export" / "formats"))
 import llama_cpp_worker  # noqa: E402 - surgery's own llama.cpp calls, without importing surgery (no torch here)
 
-THREADS = 1
+THREADS = int(os.environ.get("LLAMA_CPP_THREADS", "1"))  # bench_gguf.py --threads sets it
 
 
 def open_model(path: str, length: int, logits_all: bool) -> object:
