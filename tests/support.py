@@ -393,6 +393,17 @@ def sentencepiece_tokenizer(size: int = 600, legacy: bool = False) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **config)
 
 
+def devices() -> list:
+    """The devices present, as pytest parameters: the CPU, and CUDA (marked ``cuda``, so
+    ``scripts/gpu_check.sh`` selects it with ``-m cuda``) where a GPU is."""
+    import pytest
+
+    found = [pytest.param("cpu", id="cpu")]
+    if torch.cuda.is_available():
+        found.append(pytest.param("cuda", id="cuda", marks=pytest.mark.cuda))
+    return found
+
+
 SPLIT_TEXT = "In 1999, 2024 and 365 days: 12345 items. IT'S WE'LL THEY'VE (word) \"quote\",comma\r\n\n  "
 
 

@@ -52,6 +52,7 @@ def test_fp8_weights_without_fp8_inputs_or_with_block_scales_are_refused(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's FP8 kernels need a CUDA GPU (SM 8.9+)")
 def test_fp8_kernels_on_a_gpu_stay_within_the_bound(tmp_path):
     model = tiny_llama(layers=2).cuda().to(torch.bfloat16)

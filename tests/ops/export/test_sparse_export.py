@@ -57,6 +57,7 @@ def test_two_four_layout_keeps_the_pattern_and_runs_dense_on_cpu(tmp_path):
     assert torch.equal(loaded(x), expected)  # on the CPU the weights stay dense: the same kernel
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's 2:4 kernels need a CUDA GPU")
 def test_two_four_layers_run_on_semi_structured_kernels_on_a_gpu(tmp_path):
     torch.manual_seed(0)

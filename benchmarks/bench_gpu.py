@@ -1,0 +1,298 @@
+"""Surgery on a GPU, for ``scripts/gpu_check.sh``: calibration seconds per block and the kernels
+that make compressed weights pay, written as a JSON and a markdown table.
+
+- ``calibration``: GPTQ (W4, groups of 128), AWQ and AutoRound on a random Llama at TinyLlama's
+  width (hidden 2048, MLP 5632, 32 heads, 4 key/value heads; two blocks), 8 sequences of 512
+  tokens, everything on the device: seconds per block, the device's peak memory; and
+  llm-compressor's GPTQModifier on the same model in the same run, where a Python path holding
+  it is given (``--peer-path``: llm-compressor 0.14 pins other versions than surgery's, so its
+  wheels are installed apart).
+- ``kernels``: one Linear 2048 -> 5632 in bfloat16, at a decode shape (1 token) and a prefill
+  shape (2048 tokens): surgery's FP8 export (``format="fp8"``: ``torch._scaled_mm``, weights per
+  tensor and per row), its 2:4 export run on torch's semi-structured sparse kernels, and its
+  4-bit weights in torchao's int4 weight-only layout (``format="torchao"``); each with its parity
+  against the simulation (the export's own check) and its latency against the dense bfloat16
+  Linear (median of paired, interleaved rounds, the device synchronized around each call).
+
+``--dry-run``: the same code at toy sizes on this machine's device (the CPU where there is no
+GPU), one round, every row that needs CUDA reported as skipped with its reason: what a test runs.
+
+Usage::
+
+    python benchmarks/bench_gpu.py --out DIR [--dry-run] [--peer-path DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import surgery
+from surgery import GridSpec
+
+HERE = Path(__file__).resolve().parent
+PEER = HERE / "llmcompressor_gpu.py"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    layers: int
+    sequences: int
+    length: int
+    prefill: int
+    rounds: int
+    autoround_iterations: int
+    group: int
+
+
+FULL = Sizes(2048, 5632, 32, 4, 2, 8, 512, 2048, 20, 200, 128)
+TOY = Sizes(64, 128, 4, 2, 2, 2, 16, 32, 1, 2, 32)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"{platform.processor() or platform.machine()} CPU (torch {torch.__version__})"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def llama(sizes: Sizes, device: torch.device) -> nn.Module:
+    """A seeded random Llama at ``sizes``, in bfloat16 on ``device``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=sizes.hidden,
+        intermediate_size=sizes.mlp,
+        num_hidden_layers=sizes.layers,
+        num_attention_heads=sizes.heads,
+        num_key_value_heads=sizes.kv_heads,
+        vocab_size=32000 if sizes is FULL else 256,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
+def calibration_rows(sizes: Sizes, device: torch.device, peer_path: str | None) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    vocab = 32000 if sizes is FULL else 256
+    batches = [torch.randint(0, vocab, (1, sizes.length), generator=generator) for _ in range(sizes.sequences)]
+    on_device = [batch.to(device) for batch in batches]
+    methods: dict[str, Callable[[nn.Module], object]] = {
+        f"surgery GPTQ W4 g{sizes.group}": lambda m: surgery.quantize(
+            m, weights=GridSpec(bits=4, group_size=sizes.group, method="gptq"), calibration=on_device, exclude="lm_head"
+        ),
+        f"surgery AWQ W4 g{sizes.group}": lambda m: surgery.awq(
+            m, weights=GridSpec(bits=4, group_size=sizes.group), calibration=on_device, progress=False
+        ),
+        f"surgery AutoRound W4 g{sizes.group}": lambda m: surgery.quantize(
+            m,
+            weights=GridSpec(bits=4, group_size=sizes.group, method="autoround", iterations=sizes.autoround_iterations),
+            calibration=on_device,
+            exclude="lm_head",
+        ),
+    }
+    rows = []
+    for name, run in methods.items():
+        rows.append(_timed(name, lambda run=run: run(llama(sizes, device)), sizes.layers, device))
+    rows.append(_peer_row(sizes, batches, device, peer_path))
+    return rows
+
+
+def _timed(name: str, work: Callable[[], object], layers: int, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        synchronize(device)
+        start = time.perf_counter()
+        work()
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    except Exception as err:  # noqa: BLE001 - a row that failed says so; the others still run
+        return {"name": name, "error": _one_line(err), "trace": traceback.format_exc()[-2000:]}
+    row = {"name": name, "seconds_per_block": seconds / layers}
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
+
+
+def _peer_row(sizes: Sizes, batches: list, device: torch.device, peer_path: str | None) -> dict:
+    name = "llm-compressor GPTQModifier W4 g128"
+    if device.type != "cuda":
+        return {"name": name, "skipped": "runs on the GPU only here (its CPU figures are in bench_calibrated.py)"}
+    if not peer_path:
+        return {
+            "name": name,
+            "skipped": "no --peer-path holding llm-compressor 0.14 (scripts/gpu_wheels.sh carries it)",
+        }
+    with tempfile.TemporaryDirectory() as folder:
+        llama(sizes, torch.device("cpu")).save_pretrained(folder)
+        torch.save(torch.cat(batches), Path(folder) / "calibration.pt")
+        environment = os.environ | {"PYTHONPATH": os.pathsep.join([peer_path, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(
+            [sys.executable, str(PEER), folder], capture_output=True, text=True, env=environment, check=False
+        )
+    if done.returncode != 0:
+        return {"name": name, "error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"name": name, "seconds_per_block": found["seconds"] / sizes.layers, "peak_gib": found["peak_gib"]}
+
+
+def kernel_rows(sizes: Sizes, device: torch.device) -> list[dict]:
+    rows = []
+    for shape, tokens in (("decode", 1), ("prefill", sizes.prefill)):
+        for name, make in KERNELS.items():
+            rows.append({"kernel": name, "shape": shape, **_kernel(make, sizes, tokens, device)})
+    return rows
+
+
+def _kernel(make: Callable, sizes: Sizes, tokens: int, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(sizes.hidden, sizes.mlp, bias=False)).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, sizes.hidden, device=device, dtype=torch.bfloat16)
+    try:
+        deployed, parity = make(dense, x, device)
+    except Skipped as why:
+        return {"skipped": str(why)}
+    except Exception as err:  # noqa: BLE001 - a row that failed says so
+        return {"error": _one_line(err), "trace": traceback.format_exc()[-2000:]}
+    ratios = []
+    with torch.no_grad():
+        for _ in range(2):  # warm-up
+            dense(x), deployed(x)
+        for _ in range(sizes.rounds):
+            first = _call_seconds(dense, x, device)
+            second = _call_seconds(deployed, x, device)
+            ratios.append(second / max(first, 1e-9))
+    return {"cosine": parity.cosine, "max_abs": parity.max_abs, "latency_vs_bf16": statistics.median(ratios)}
+
+
+def _call_seconds(module: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    module(x)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+class Skipped(Exception):
+    """A kernel this device does not have."""
+
+
+def _fp8(per_row: bool) -> Callable:
+    def make(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+        weights = GridSpec(format="fp8_e4m3", per_channel=per_row)
+        activations = GridSpec(format="fp8_e4m3", dynamic="token" if per_row else None)
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            surgery.quantize(model, weights=weights, activations=activations, where="input", calibration=[x]) as handle,
+        ):
+            record = surgery.export(handle, Path(folder) / "m.pt", format="fp8", inputs=[x])
+            return record.load().to(device), record.parity
+
+    return make
+
+
+def _two_four(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+    if device.type != "cuda":
+        raise Skipped("torch's 2:4 semi-structured kernels need CUDA")
+    from surgery.ops.export.formats.sparse_linear import semi_structured
+
+    with tempfile.TemporaryDirectory() as folder, surgery.prune(model, 0.5, pattern="2:4") as handle:
+        record = surgery.export(handle, Path(folder) / "m.pt", format="sparse", layout="2:4", inputs=[x])
+        return semi_structured(record.load(), torch.bfloat16), record.parity
+
+
+def _int4(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+    if device.type != "cuda":
+        raise Skipped("torchao's int4 weight-only layout runs on CUDA (the CPU's int4 kernel: format='int4')")
+    weights = GridSpec(bits=4, group_size=min(128, x.shape[-1]))
+    with tempfile.TemporaryDirectory() as folder, surgery.quantize(model, weights=weights, target="torchao") as handle:
+        record = surgery.export(handle, Path(folder) / "m.pt", format="torchao", inputs=[x])
+        return record.load().to(device), record.parity
+
+
+KERNELS: dict[str, Callable] = {
+    "FP8 per tensor (format=fp8)": _fp8(per_row=False),
+    "FP8 per row, dynamic per token (format=fp8)": _fp8(per_row=True),
+    "2:4 sparse (format=sparse, layout=2:4)": _two_four,
+    "int4 weight-only g128 (format=torchao)": _int4,
+}
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def markdown(found: dict) -> str:
+    lines = [f"# gpu_check on {found['device']}", "", f"{found['when']}; dry run: {found['dry_run']}", ""]
+    lines += ["| calibration | s / block | peak GiB |", "| --- | --- | --- |"]
+    for row in found["calibration"]:
+        told = _told(row)
+        peak = f"{row['peak_gib']:.2f}" if "peak_gib" in row else "–"
+        figures = f"{row['seconds_per_block']:.2f} | {peak}" if told is None else told
+        lines.append(f"| {row['name']} | {figures} |")
+    lines += ["", "| kernel | shape | cosine | latency vs bf16 |", "| --- | --- | --- | --- |"]
+    for row in found["kernels"]:
+        told = _told(row)
+        figures = f"{row['cosine']:.5f} | {row['latency_vs_bf16']:.2f}x" if told is None else told
+        lines.append(f"| {row['kernel']} | {row['shape']} | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def _told(row: dict) -> str | None:
+    if "skipped" in row:
+        return f"skipped: {row['skipped']} |"
+    if "error" in row:
+        return f"FAILED: {row['error']} |"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes, one round, on whatever device is here")
+    parser.add_argument("--peer-path", default=None, help="a folder of packages holding llm-compressor 0.14")
+    options = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = TOY if options.dry_run else FULL
+    found = {
+        "device": device_name(device),
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dry_run": options.dry_run,
+        "calibration": calibration_rows(sizes, device, options.peer_path),
+        "kernels": kernel_rows(sizes, device),
+    }
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "gpu_check.json").write_text(json.dumps(found, indent=1) + "\n")
+    (options.out / "gpu_check.md").write_text(markdown(found))
+    print(markdown(found))
+    failed = [row for row in found["calibration"] + found["kernels"] if "error" in row]
+    if failed:
+        raise SystemExit(f"bench_gpu: {len(failed)} row(s) failed; the JSON holds their traces")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Every verb keeps a model on the device it is on: parameters, masks and grids stay there, the
+calibration batches are moved there, and the result computes what the same verb gives on the
+CPU. Parametrized over the devices present (``support.devices``): the CPU here, CUDA too where a
+GPU is (``scripts/gpu_check.sh`` runs those with ``-m cuda``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import devices, tiny_llama  # tests/support.py
+
+import surgery
+from surgery import GridSpec
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+CALIBRATION = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+METHODS = {
+    "rtn": GridSpec(bits=4, group_size=32),
+    "gptq": GridSpec(bits=4, group_size=32, method="gptq"),
+    "autoround": GridSpec(bits=4, group_size=32, method="autoround", iterations=4),
+}
+
+
+def on(device: str) -> torch.nn.Module:
+    return tiny_llama(layers=2).to(device)
+
+
+def held_on(model: torch.nn.Module, device: str) -> bool:
+    return all(t.device.type == device for t in [*model.parameters(), *model.buffers()])
+
+
+def logits(model: torch.nn.Module, device: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS.to(device)).logits.float().cpu()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", list(METHODS))
+def test_quantize_stays_on_the_device_and_computes_what_the_cpu_computes(device, method):
+    reference = on("cpu")
+    with surgery.quantize(reference, weights=METHODS[method], calibration=CALIBRATION, exclude="lm_head"):
+        expected = logits(reference, "cpu")
+    model = on(device)
+    before = logits(model, device)
+    batches = [batch.to(device) for batch in CALIBRATION]
+    with surgery.quantize(model, weights=METHODS[method], calibration=batches, exclude="lm_head"):
+        assert held_on(model, device)
+        found = logits(model, device)
+    assert held_on(model, device) and torch.equal(logits(model, device), before)  # restored exactly
+    # another device's kernels sum in another order: a rounding step apart at most in a few weights
+    assert torch.nn.functional.cosine_similarity(found.flatten(), expected.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("device", devices())
+def test_calibration_given_on_the_cpu_is_moved_to_the_model_s_device(device):
+    model = on(device)
+    with surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, exclude="lm_head"):
+        assert held_on(model, device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_prune_stays_on_the_device(device, method):
+    model = on(device)
+    batches = [batch.to(device) for batch in CALIBRATION]
+    with surgery.prune(model, 0.5, method=method, calibration=batches, exclude="lm_head"):
+        assert held_on(model, device)
+        weight = model.model.layers[0].mlp.up_proj.weight
+        assert weight.device.type == device and (weight == 0).float().mean().item() == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_device_model_exports_with_its_parity_held(device, tmp_path):
+    model = on(device)
+    with surgery.quantize(model, weights=METHODS["rtn"], exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m", format="compressed-tensors", inputs=[IDS.to(device)])
+    assert record.parity.holds, record.parity
