@@ -75,3 +75,14 @@ def test_a_device_model_exports_with_its_parity_held(device, tmp_path):
     with surgery.quantize(model, weights=METHODS["rtn"], exclude="lm_head") as handle:
         record = surgery.export(handle, tmp_path / "m", format="compressed-tensors", inputs=[IDS.to(device)])
     assert record.parity.holds, record.parity
+
+
+@pytest.mark.slow  # ~15 s: a run with its round-trip checks and the GGUF deploy check
+@pytest.mark.parametrize("device", devices())
+def test_a_run_on_model_device_checks_and_exports_as_on_the_cpu(device, tmp_path):
+    from support import run_recipe
+
+    args = ("recipe=quantize_llama_gguf", "quantize.weights.method=gptq", "data.batches=1", f"model.device={device}")
+    report = run_recipe(tmp_path, *args)
+    assert report["ok"] and {check["name"] for check in report["checks"] if not check["passed"]} == set()
+    assert report["deploy"]["max_abs"] == 0.0  # the GGUF file computes the run's logits bit for bit

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
@@ -47,6 +48,24 @@ SHIPPED_FOLDER = "shipped"  # model.path (model=hf): surgery's trained tiny Llam
 SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER, "tinyqwen3": TINYQWEN3_FOLDER}  # model.name with model.path=shipped
 
 
+def checked_device(name: object) -> torch.device:
+    """``model.device`` as a torch device, refused in one line where it is no device this machine has."""
+    try:
+        device = torch.device(str(name))
+    except RuntimeError:
+        raise ConfigError("model.device", name, "must be cpu, cuda, cuda:N or mps") from None
+    present = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+        "mps": torch.backends.mps.is_available(),
+    }
+    if device.type not in present:
+        raise ConfigError("model.device", name, "must be cpu, cuda, cuda:N or mps")
+    if not present[device.type]:
+        raise ConfigError("model.device", name, f"is not on this machine ({torch.cuda.device_count()} CUDA devices)")
+    return device
+
+
 @dataclass
 class ModelConfig:
     """Which model to build: ``source`` + ``name``, optionally loading a checkpoint.
@@ -67,6 +86,7 @@ class ModelConfig:
     _target_: str | None = None  # factory: the dotted path of a callable returning the model
     offload: bool = False  # hf with path: weights stay in the folder's files, read block by block
     offload_folder: str | None = None  # offload: where finished blocks go (a run restarts from it); None: temporary
+    device: str = "cpu"  # where the model and every batch go: cpu, cuda, cuda:N, mps
 
     def __post_init__(self) -> None:
         one_of("model.source", self.source, MODEL_SOURCES)
@@ -83,6 +103,7 @@ class ModelConfig:
         if self.offload_folder is not None and not self.offload:
             raise ConfigError("model.offload_folder", self.offload_folder, "applies with model.offload=true only")
         positive_int("model.num_classes", self.num_classes)
+        checked_device(self.device)
         self.config, self.kwargs = dict(self.config or {}), dict(self.kwargs or {})
         if self.source == "hf":
             one_of("model.task", self.task, HF_TASKS)
@@ -128,6 +149,7 @@ class DataConfig:
     tokenizer: str | None = None  # tokens: a local tokenizer folder (AutoTokenizer, local_files_only)
     activation_budget: int | None = None  # bytes of calibration activations held in memory (null: 1/4 of free)
     activation_folder: str | None = None  # where activations beyond the budget are spilled (null: the temp folder)
+    device: str = "cpu"  # where batches go: model.device's (a run sets it; not set apart)
 
     def __post_init__(self) -> None:
         task_named(self.kind)
@@ -412,6 +434,11 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
+        if self.data.device not in ("cpu", self.model.device):
+            raise ConfigError("data.device", self.data.device, "follows model.device; set model.device instead")
+        self.data.device = self.model.device
+        if self.model.offload and self.model.device != "cpu":
+            raise ConfigError("model.device", self.model.device, "with model.offload=true blocks run on the cpu for now")
         if not self.steps and not self.build and not self.inspect:
             raise ConfigError(
                 "steps",

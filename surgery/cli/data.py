@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from surgery.analysis.metrics import accuracy
 from surgery.cli.config import DataConfig
 from surgery.core.errors import NO_VALUE, ConfigError
-from surgery.tasks import TASKS, Column, Data, task_named
+from surgery.tasks import TASKS, Column, Data, OnDevice, task_named
 
 log = logging.getLogger("surgery")
 
@@ -24,9 +24,9 @@ def load_data(config: DataConfig) -> Data:
     """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
     task = task_named(config.kind)
     if task.labelled:
-        pairs = task(config, "test", config.batch_size, config.batches)  # the fixed split
+        pairs = placed(task(config, "test", config.batch_size, config.batches), config)  # the fixed split
         return Data(Column(pairs, 0), Column(pairs, 1))
-    return Data(task.inputs(config, config.seed, config.batches), None)
+    return Data(placed(task.inputs(config, config.seed, config.batches), config), None)
 
 
 def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
@@ -34,8 +34,8 @@ def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     the training split; generated inputs: from ``seed + 1``)."""
     task = task_named(config.kind)
     if task.labelled:
-        return Column(task(config, "train", config.batch_size, count), 0)
-    return task.inputs(config, config.seed + 1, count)
+        return Column(placed(task(config, "train", config.batch_size, count), config), 0)
+    return placed(task.inputs(config, config.seed + 1, count), config)
 
 
 def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[Tensor, Tensor]]:
@@ -48,7 +48,7 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
             f"needs labelled batches (inputs, target) for its gradients and data.kind "
             f"is {config.kind!r}; use a labelled task: {', '.join(labelled_kinds())}",
         )
-    return task(config, "train", config.batch_size, count)
+    return placed(task(config, "train", config.batch_size, count), config)
 
 
 def training_data(
@@ -65,7 +65,12 @@ def training_data(
             f"use a labelled task: {', '.join(labelled_kinds())}",
         )
     evaluation = load_data(config)
-    return task(config, "train", batch_size), lambda model: accuracy(model, evaluation.labelled())
+    return placed(task(config, "train", batch_size), config), lambda model: accuracy(model, evaluation.labelled())
+
+
+def placed(batches: Sequence, config: DataConfig) -> Sequence:
+    """``batches`` as they are on the CPU, or read through onto ``config.device`` (``model.device``)."""
+    return batches if config.device == "cpu" else OnDevice(batches, config.device)
 
 
 def labelled_kinds() -> list[str]:

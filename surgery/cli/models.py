@@ -239,7 +239,7 @@ class ModelBuilder:
             shipped = config.weights == SHIPPED and config.source in SHIPPED_MODELS
             path = SHIPPED_MODELS[config.source][1] if shipped else config.weights
             load_checkpoint(model, path, field="model.weights")
-        return model.eval()
+        return model.to(config.device).eval()
 
     def _build(self) -> tuple[nn.Module, list[Event]]:
         """Construct under the build rules; a rule that matched nothing is a ConfigError naming it."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigTypeError
@@ -80,6 +81,33 @@ class Data:
         if isinstance(self.inputs, Column) and self.inputs.pairs is getattr(self.labels, "pairs", None):
             return iter(self.inputs.pairs)  # one read of each batch, not one for inputs and one for labels
         return zip(self.inputs, self.labels or [], strict=True)
+
+
+class OnDevice(Sequence):
+    """Batches (tensors, or tuples, lists and dicts of them) read through and each moved to
+    ``device`` as it is read: a lazily loaded data set stays lazy."""
+
+    def __init__(self, batches: Sequence[Any], device: str | torch.device) -> None:
+        self.batches, self.device = batches, torch.device(device)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return moved(self.batches[index], self.device)
+
+
+def moved(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it on ``device``."""
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(moved(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: moved(value, device) for key, value in batch.items()}
+    return batch
 
 
 class Column(Sequence):

@@ -1495,6 +1495,8 @@ CLI_CASES = [
         "float-format", (*QUANTIZE, "quantize.weights.format=fp7"), "quantize.weights.format='fp7': must be one of"
     ),
     CliCase("gguf-mix", ("recipe=plan_llama", "plan.mix=Q4_K_S"), "plan.mix='Q4_K_S': must be null or one of Q4_K_M"),
+    CliCase("device", (*QUANTIZE, "model.device=cuda:7"), "model.device='cuda:7': is not on this machine"),
+    CliCase("device", (*QUANTIZE, "model.device=tpu"), "model.device='tpu': must be cpu, cuda, cuda:N or mps"),
     CliCase(
         "float-offset",
         (*QUANTIZE, "+quantize.weights.float_offset=true"),
