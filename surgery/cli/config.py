@@ -438,7 +438,9 @@ class RunConfig:
             raise ConfigError("data.device", self.data.device, "follows model.device; set model.device instead")
         self.data.device = self.model.device
         if self.model.offload and self.model.device != "cpu":
-            raise ConfigError("model.device", self.model.device, "with model.offload=true blocks run on the cpu for now")
+            raise ConfigError(
+                "model.device", self.model.device, "with model.offload=true blocks run on the cpu for now"
+            )
         if not self.steps and not self.build and not self.inspect:
             raise ConfigError(
                 "steps",

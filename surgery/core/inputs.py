@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,30 @@ class Call:
     def tensors(self) -> list[Tensor]:
         """The floating tensors among the arguments, nested ones included."""
         return flatten_tensors([list(self.args), dict(self.kwargs)])
+
+
+def moved(value: Any, device: torch.device | str) -> Any:
+    """``value`` (a tensor, or tuples, lists and dicts of them, or a :class:`Call`) with every
+    tensor in it on ``device``; anything else as it is."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, Call):
+        return Call(moved(value.args, device), moved(dict(value.kwargs), device))
+    if isinstance(value, (tuple, list)):
+        return type(value)(moved(item, device) for item in value)
+    if isinstance(value, Mapping):
+        return {key: moved(item, device) for key, item in value.items()}
+    return value
+
+
+def device_of(module: Any) -> torch.device:
+    """The device ``module``'s first parameter or buffer is on; the CPU for anything else (a
+    runtime's session, a module without tensors)."""
+    if isinstance(module, nn.Module):
+        first = next(itertools.chain(module.parameters(), module.buffers()), None)
+        if first is not None and first.device.type != "meta":
+            return first.device
+    return torch.device("cpu")
 
 
 def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:

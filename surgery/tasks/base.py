@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigTypeError
+from surgery.core.inputs import moved
 from surgery.core.registry import Registry
 
 Pairs = Callable[[Any, str, int, "int | None"], Sequence[tuple[Any, Tensor]]]  # (data, split, batch_size, limit)
@@ -97,17 +98,6 @@ class OnDevice(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         return moved(self.batches[index], self.device)
-
-
-def moved(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device``."""
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(moved(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: moved(value, device) for key, value in batch.items()}
-    return batch
 
 
 class Column(Sequence):

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
 from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError, first_line
 from surgery.core.handles import Handle, HandleGroup, attached_to, members
-from surgery.core.inputs import Call, Inputs, as_call, flatten_tensors
+from surgery.core.inputs import Call, Inputs, as_call, device_of, flatten_tensors, moved
 from surgery.core.registry import Registry
 from surgery.core.safetensors_streams import write_streamed
 from surgery.ops.numerics.deployment import ExportParts, gather_export_parts
@@ -508,7 +508,7 @@ def _parity(chosen: ExportFormat, deployable: Any, model: nn.Module, calls: list
     for call in calls:
         with torch.no_grad():
             expected = flatten_tensors(call(model), floating_only=False)
-        found = chosen.run(deployable, call)
+        found = chosen.run(deployable, moved(call, device_of(deployable)))  # where the artifact runs
         if len(found) != len(expected):
             raise ConfigError("export.parity", chosen.name, f"gave {len(found)} outputs, the model {len(expected)}")
         for want, got in zip(expected, found):

@@ -51,7 +51,7 @@ class LlamaCpp(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         sequences = ids.reshape(-1, ids.shape[-1]).tolist()
         found = self.session.logits(sequences) if self.session is not None else self._from_worker(sequences)
-        return torch.from_numpy(found).reshape(*ids.shape, -1)
+        return torch.from_numpy(found).reshape(*ids.shape, -1).to(ids.device)  # where the ids came from
 
     def _from_worker(self, sequences: list[list[int]]) -> np.ndarray:
         folder = Path(self.folder.name)
@@ -124,9 +124,9 @@ def llama_cpp_summary(
 
 
 def _compared(runtime: LlamaCpp, simulation: nn.Module, ids: Tensor, metric: Any) -> dict[str, Any]:
-    found = runtime(ids).double()
+    found = runtime(ids).double().cpu()
     expected = simulation(ids)
-    expected = getattr(expected, "logits", expected).double()
+    expected = getattr(expected, "logits", expected).double().cpu()
     cosine = torch.nn.functional.cosine_similarity(found, expected, dim=-1)
     agreement = (found.argmax(-1) == expected.argmax(-1)).double().mean().item()
     figures = {
