@@ -523,6 +523,31 @@ def test_a_byte_fallback_bpe_not_converted_from_sentencepiece_is_refused_in_one_
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("kind", "added", "message"),
+    [
+        ("gpt-2", {"content": "<R>", "rstrip": True}, r"adds '<R>' with rstrip, which llama\.cpp's tokenizer does not"),
+        ("gpt-2", {"content": "<mask>", "lstrip": True, "special": True}, r"adds '<mask>' with lstrip"),
+        ("gpt-2", {"content": "<W>", "single_word": True}, r"adds '<W>' with single_word"),
+        ("sentencepiece", {"content": "<tool>"}, r"adds '<tool>' as a token that is not special, which llama\.cpp's"),
+    ],
+)
+def test_added_tokens_llama_cpp_would_match_otherwise_are_refused_in_one_line(tmp_path, kind, added, message):
+    # found by a hostile review: llama.cpp matched them where transformers did not (or put a ▁ after)
+    import copy
+
+    from support import byte_bpe_tokenizer, sentencepiece_tokenizer
+    from tokenizers import AddedToken
+
+    tokenizer = copy.deepcopy(sentencepiece_tokenizer() if kind == "sentencepiece" else byte_bpe_tokenizer(600))
+    content = added.pop("content")
+    special = added.pop("special", False)
+    tokenizer.add_tokens([AddedToken(content, special=special, **added)], special_tokens=special)
+    with pytest.raises(ConfigError, match=rf"^export\.options\.tokenizer='tokenizer': {message}.*other tokens\)$"):
+        write_gguf(ExportParts(tiny("Llama", vocab=len(tokenizer))), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

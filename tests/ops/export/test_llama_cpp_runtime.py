@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,13 +38,41 @@ def test_without_llama_cpp_the_section_says_how_to_get_it(written, monkeypatch):
     }
 
 
-def test_a_named_python_that_is_not_there_is_said_in_one_line(written, monkeypatch, tmp_path):
+def test_a_named_python_that_is_not_there_fails_in_one_line(written, monkeypatch, tmp_path):
+    # named on purpose: a typo must not pass as "not installed"
     monkeypatch.setenv(PYTHON_VARIABLE, str(tmp_path / "nowhere" / "python"))
     path, model = written
-    assert (
-        llama_cpp_summary(path, model, [IDS], None)["skipped"]
-        == f"{PYTHON_VARIABLE}={tmp_path}/nowhere/python is not a file"
-    )
+    found = llama_cpp_summary(path, model, [IDS], None)
+    assert found["holds"] is False and found["error"] == f"{PYTHON_VARIABLE}={tmp_path}/nowhere/python is not a file"
+
+
+def worker(tmp_path, name: str, body: str) -> str:
+    script = tmp_path / name
+    script.write_text(body)
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("#!/bin/sh\nexit 1\n", "did not run m.gguf: "),  # /bin/false: its pipe breaks, or it answers nothing
+        ("not a program\n", "did not run m.gguf: PermissionError"),  # not executable
+        ("#!/bin/sh\nread line; echo ok\n", "answered ok on m.gguf but wrote no logits"),
+        ("#!/bin/sh\nsleep 100\n", "gave no answer on m.gguf within 2 s"),
+    ],
+)
+def test_a_named_python_that_fails_hangs_or_lies_fails_the_check_and_leaves_nothing(written, tmp_path, body, said):
+    from surgery.ops.export.formats.llama_cpp_runtime import LlamaCpp, LlamaCppError, _compared
+
+    path, model = written
+    python = worker(tmp_path, "python", body)
+    if body.startswith("not"):
+        (tmp_path / "python").chmod(0o644)
+    runtime = LlamaCpp(path, python, timeout=2)
+    with pytest.raises(LlamaCppError, match=said), runtime:
+        _compared(runtime, model, IDS, None)
+    assert runtime.worker is None and not Path(runtime.folder.name).exists()  # ended (killed if need be), cleaned
 
 
 def test_inputs_that_are_not_token_ids_are_said_in_one_line(written, monkeypatch):

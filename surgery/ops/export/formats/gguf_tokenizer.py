@@ -81,6 +81,7 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
         raise ConfigError(FIELD, type(tokenizer).__name__, "must be a Hugging Face fast tokenizer (or its folder)")
     spec = json.loads(backend.to_str())
     added_tokens = spec.get("added_tokens", [])
+    _check_added(added_tokens, is_sentencepiece(spec))
     piece = sentencepiece(spec, {a["content"] for a in added_tokens}) if is_sentencepiece(spec) else None
     pre = _pre_tokenizer(spec) if piece is None else None
     tokens = dict(spec["model"]["vocab"]) | {added["content"]: added["id"] for added in added_tokens}
@@ -106,6 +107,29 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
         add_eos=eos,
         chat_template=template if isinstance(template, str) else None,
     )
+
+
+def _check_added(added_tokens: list[dict], sentencepiece: bool) -> None:
+    """Refuse added tokens llama.cpp would match otherwise: ones that take the spaces beside them
+    (``lstrip``/``rstrip``) or match whole words only (``single_word``), and a SentencePiece
+    model's non-special ones (llama.cpp puts a ``▁`` after them; transformers does not)."""
+    for added in added_tokens:
+        content = added.get("content")
+        flags = [flag for flag in ("lstrip", "rstrip", "single_word") if added.get(flag)]
+        if flags:
+            raise ConfigError(
+                FIELD,
+                "tokenizer",
+                f"adds {content!r} with {'/'.join(flags)}, which llama.cpp's tokenizer does not apply "
+                "(llama.cpp would split text into other tokens)",
+            )
+        if sentencepiece and not added.get("special"):
+            raise ConfigError(
+                FIELD,
+                "tokenizer",
+                f"adds {content!r} as a token that is not special, which llama.cpp's SentencePiece tokenizer "
+                "follows with a space transformers does not put there (llama.cpp would split text into other tokens)",
+            )
 
 
 def _kinds(names: list[str], by_id: dict[int, str], added_tokens: list[dict], unknown: int | None) -> list[str]:
