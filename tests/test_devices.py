@@ -86,3 +86,23 @@ def test_a_run_on_model_device_checks_and_exports_as_on_the_cpu(device, tmp_path
     report = run_recipe(tmp_path, *args)
     assert report["ok"] and {check["name"] for check in report["checks"] if not check["passed"]} == set()
     assert report["deploy"]["max_abs"] == 0.0  # the GGUF file computes the run's logits bit for bit
+
+
+@pytest.mark.parametrize("device", devices())
+def test_percentile_activation_ranges_are_observed_on_the_device(device):
+    model = on(device)
+    activations = GridSpec(bits=8, observer="percentile", percentile=99.9)
+    batches = [batch.to(device) for batch in CALIBRATION]
+    with surgery.quantize(model, activations=activations, calibration=batches, exclude="lm_head"):
+        assert held_on(model, device) and torch.isfinite(logits(model, device)).all()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_expert_pruning_scores_on_the_device_and_keeps_the_model_there(device):
+    from support import tiny_moe
+
+    model = tiny_moe("qwen3_moe").to(device)
+    batches = [torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(i)).to(device) for i in range(2)]
+    with surgery.prune_experts(model, 0.25, calibration=batches) as handle:
+        assert held_on(model, device)
+        assert all(len(kept) == 3 for kept in handle.kept.values()), handle.kept  # one of four experts gone

@@ -136,7 +136,7 @@ def run_batches(
     checked finite (``error`` naming ``field``), streamed one at a time, with a progress bar on
     a terminal. Returns how many batches ran (calibration passes of prune and quantize)."""
     total = 1 if isinstance(inputs, (Tensor, Mapping)) else len(inputs) if hasattr(inputs, "__len__") else None
-    count = 0
+    count, device = 0, device_of(model)
     with evaluating(model), torch.no_grad():
         for index, batch in enumerate(
             tqdm(
@@ -148,6 +148,7 @@ def run_batches(
                 leave=False,
             )
         ):
+            batch = moved(batch, device)  # batches come on the CPU; the model may be elsewhere
             check_batch_finite(batch, index, field, error)
             batch(model)
             count += 1
@@ -185,7 +186,7 @@ def run_backward_batches(
     eval mode (no dropout, batch-norm statistics untouched) and :func:`trainable`.
     ``after_each()`` runs after each backward, while the gradients are in ``.grad``; they are
     cleared before the next pair. Returns how many pairs ran."""
-    count = 0
+    count, device = 0, device_of(model)
     with trainable(model), evaluating(model), torch.enable_grad():
         total = len(pairs) if hasattr(pairs, "__len__") else None
         for index, pair in enumerate(
@@ -204,9 +205,9 @@ def run_backward_batches(
                     f"batch {index}",
                     "must be an (inputs, target) pair: gradients need a loss, loss(model(inputs), target)",
                 )
-            call = as_call(pair[0], field, index)
+            call = moved(as_call(pair[0], field, index), device)
             check_batch_finite(call, index, field, ConfigError)
-            value = loss(call(model), pair[1])
+            value = loss(call(model), moved(pair[1], device))
             if not isinstance(value, Tensor) or value.numel() != 1 or not torch.isfinite(value).all():
                 raise ConfigError(field, f"batch {index}", f"the loss is {value!r}; it must be one finite number")
             value.backward()

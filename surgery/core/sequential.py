@@ -39,7 +39,7 @@ from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, Keep, ReducerFactory
 from surgery.core.errors import ConfigError, NoCalibrationInputError
-from surgery.core.inputs import Call, batches, check_batch_finite, evaluating
+from surgery.core.inputs import Call, batches, check_batch_finite, device_of, evaluating, moved
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
 from surgery.core.routing import routed_as
@@ -124,7 +124,11 @@ def materialise(calibration: Any, field_name: str, model: nn.Module | None = Non
     every process is seen to hold the same ``model`` and verb ``settings``. A batch refused on one
     process is refused on every process (none is left waiting for it)."""
     try:
-        calls = list(batches(calibration, field_name))
+        device = device_of(model) if model is not None else None
+        calls = [
+            call if device is None or isinstance(call, SpilledCall) else moved(call, device)
+            for call in batches(calibration, field_name)
+        ]
         if not calls:
             raise ConfigError(field_name, "0 batches", "must hold at least one batch")
         for index, call in enumerate(calls):

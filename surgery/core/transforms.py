@@ -33,10 +33,10 @@ class Saved(Protocol):
 
 
 class SavedTensor:
-    """A full copy of the original values."""
+    """A full copy of the original values, kept on the CPU (a GPU's memory holds the model)."""
 
     def __init__(self, param: Tensor) -> None:
-        self.original = param.detach().clone()
+        self.original = param.detach().to("cpu", copy=True)
 
     def put_back(self, param: Tensor) -> None:
         param.copy_(self.original.to(param.device, param.dtype))
@@ -50,7 +50,7 @@ class SavedEntries:
     zeros): memory proportional to what the transform changes."""
 
     def __init__(self, param: Tensor, changed: Tensor, mask_of: Callable[[], Tensor]) -> None:
-        self.values = param.detach()[changed.to(param.device)]
+        self.values = param.detach()[changed.to(param.device)].cpu()  # on the CPU, as SavedTensor
         self.mask_of = mask_of  # recomputes the changed entries (stored packed by its owner)
 
     def put_back(self, param: Tensor) -> None:

@@ -158,7 +158,11 @@ def folded_structure(model: nn.Module, pairs: list[tuple[str, str]]) -> nn.Modul
     for conv_name, norm_name in pairs:
         conv = model.get_submodule(conv_name)
         if get_slot(conv, "bias") is None:
-            set_slot(conv, "bias", nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype)))
+            set_slot(
+                conv,
+                "bias",
+                nn.Parameter(torch.zeros(conv.out_channels, dtype=conv.weight.dtype, device=conv.weight.device)),
+            )
         parent_name, _, child = norm_name.rpartition(".")
         if type(model.get_submodule(norm_name)) in classes_where(
             lambda k: k.normalises == "channel"

@@ -10,6 +10,7 @@ one layer's :class:`ExpertStats` to a score per expert, the lowest removed first
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.core.inputs import Inputs, run_batches
+from surgery.core.inputs import Inputs, device_of, run_batches
 from surgery.core.registry import Registry
 from surgery.core.routing import routed_as
 from surgery.ops.experts.linear_experts import LinearExperts
@@ -84,7 +85,9 @@ def observe(
         for name, router in routers.items():
             experts = model.get_submodule(name)
             count = len(experts)
-            stats[name] = ExpertStats(torch.zeros(count, dtype=torch.long), torch.zeros(count, dtype=torch.float64))
+            device = device_of(experts)  # accumulated where the experts run, brought to the CPU once at the end
+            zeros = torch.zeros(count, dtype=torch.float64, device=device)
+            stats[name] = ExpertStats(torch.zeros(count, dtype=torch.long), zeros)
             gates: dict[str, Tensor] = {}
             hooks.append(router.register_forward_hook(_keep_gates(gates)))
             hooks.append(experts.register_forward_pre_hook(_accumulate(gates, stats[name])))
@@ -95,7 +98,7 @@ def observe(
             hook.remove()
     if not count:
         raise ConfigError("prune_experts.calibration", "0 batches", "must hold at least one batch")
-    return stats
+    return {name: dataclasses.replace(found, weighted_norm=found.weighted_norm.cpu()) for name, found in stats.items()}
 
 
 def _keep_gates(gates: dict[str, Tensor]) -> Callable[..., None]:

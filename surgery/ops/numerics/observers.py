@@ -94,7 +94,7 @@ def percentile(x: Tensor, previous: ObservedRange | None, spec: GridSpec) -> tup
     """The ``100 - p`` and ``p`` quantiles of each batch, averaged over batches."""
     if x.numel() > _QUANTILE_LIMIT:
         x = x[:, :: math.ceil(x.numel() / _QUANTILE_LIMIT)]
-    q = torch.tensor([100 - spec.percentile, spec.percentile], dtype=x.dtype) / 100
+    q = torch.tensor([100 - spec.percentile, spec.percentile], dtype=x.dtype, device=x.device) / 100
     low, high = torch.quantile(x, q, dim=1)
     if previous is None:
         return low, high

@@ -66,8 +66,9 @@ class QuantizeHandle(Handle):
             layer, _, attribute = key.rpartition(".")
             outputs = output_axis(model.get_submodule(layer), attribute) if model is not None else 0
             g_idx = getattr(quantizer, "g_idx", None)  # a shadow (training) has contiguous groups
-            grids[key] = WeightGrid(
-                key, quantizer.spec, scale.detach(), zero_point.detach(), quantizer.axis, outputs, g_idx
+            g_idx = None if g_idx is None else g_idx.detach().cpu()
+            grids[key] = WeightGrid(  # on the CPU, where exports pack them, whatever device the model is on
+                key, quantizer.spec, scale.detach().cpu(), zero_point.detach().cpu(), quantizer.axis, outputs, g_idx
             )
         return grids
 
@@ -77,7 +78,15 @@ class QuantizeHandle(Handle):
         step = self.kind  # "quantize", or "kv_cache" for the cache's scales
         activations = [
             ActivationGrid(
-                q.name, q.where, q.spec, q.scale.detach(), q.zero_point.detach(), q.axis, q.call, q.follows, step
+                q.name,
+                q.where,
+                q.spec,
+                q.scale.detach().cpu(),
+                q.zero_point.detach().cpu(),
+                q.axis,
+                q.call,
+                q.follows,
+                step,
             )
             if not q.spec.dynamic
             else ActivationGrid(q.name, q.where, q.spec, None, None, None, q.call, step=step)
