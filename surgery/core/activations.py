@@ -88,6 +88,13 @@ def activation_budget(max_bytes: int | None = None, *, folder: str | Path | None
         ledger.cleanups.clear()
 
 
+def _room_on_gpu(tensors: list[Tensor], nbytes: int) -> bool:
+    """Whether a batch held on a GPU fits a quarter of its free memory (the budget counts the
+    host's): one that does not is written to disk as the budget's overflow is."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    return device is None or nbytes <= torch.cuda.mem_get_info(device)[0] // 4
+
+
 @contextmanager
 def pass_ledger() -> Iterator[Ledger]:
     """The budget a pass draws on: the enclosing :func:`activation_budget`'s, or a default one.
@@ -238,7 +245,7 @@ class BlockCalls:
         tensors: list[Tensor] = []
         hollow = _hollow((tuple(args), dict(kwargs)), tensors, {})
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if self.ledger.take(nbytes):
+        if _room_on_gpu(tensors, nbytes) and self.ledger.take(nbytes):
             self.entries.append(Call(tuple(args), dict(kwargs)))
             self.memory_bytes += nbytes
             self._held[0] += nbytes

@@ -159,5 +159,7 @@ def _reduced(tensor: Tensor, op: Any) -> Tensor:
     if sharing is None:
         return tensor
     reduced = tensor.contiguous().clone()
+    if torch.distributed.get_backend(sharing.group) == "nccl" and tensor.device.type != "cuda":
+        reduced = reduced.to(torch.device("cuda", torch.cuda.current_device()))  # NCCL reduces GPU tensors only
     torch.distributed.all_reduce(reduced, op=op, group=sharing.group)
-    return reduced
+    return reduced.to(tensor.device)

@@ -463,9 +463,14 @@ def _rotated_values(
 
 
 def _rotating(h: Tensor) -> Callable:
+    cast: dict[tuple, Tensor] = {}  # h in each input's dtype and device, made once (not a copy a forward)
+
     def hook(module: nn.Module, args: tuple) -> tuple:
         x = args[0]
-        return (x @ h.to(x.dtype).to(x.device), *args[1:])
+        key = (x.dtype, x.device)
+        if key not in cast:
+            cast[key] = h.to(x.dtype).to(x.device)
+        return (x @ cast[key], *args[1:])
 
     return hook
 

@@ -175,6 +175,7 @@ def gptq(
     shift = None if asymmetry is None else _asymmetric_shift(asymmetry, hessian, factor)
     scale, zero_point = (None, None) if group_size else qparams_of(w, energy)
     scales, zero_points = [], []
+    original_columns = list(range(cols)) if order is None else order.tolist()  # read once: no sync per column
     for start in range(0, cols, block):
         end = min(start + block, cols)
         part, errors = w[:, start:end].clone(), torch.zeros(rows, end - start, device=w.device)
@@ -182,7 +183,7 @@ def gptq(
         for i in range(end - start):
             column_index = start + i
             if fixed is not None:  # the column's own group, in the original order
-                group = (column_index if order is None else int(order[column_index])) // group_size
+                group = original_columns[column_index] // group_size
                 scale, zero_point = fixed[0][:, group], fixed[1][:, group]
             elif group_size and column_index % group_size == 0:  # the group's values at the block's start
                 group = slice(column_index, column_index + group_size)

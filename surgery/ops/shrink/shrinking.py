@@ -291,11 +291,11 @@ def _choose(
         if layer.outputs is None or layer.passthrough or layer.outputs is layer.inputs:
             continue
         weight = _producer_weight(layer.module)
-        per_row = _scores(score, weight, name)
+        per_row = _scores(score, weight, name).tolist()  # one copy from the device, not one per row
         seen: dict[int, int] = defaultdict(int)
         for row, slot in enumerate(layer.outputs):
             root = slots.find(slot)
-            scores[root] += float(per_row[row])
+            scores[root] += per_row[row]
             producers[root].add(name)
             seen[root] += 1
         for root, count in seen.items():
