@@ -106,3 +106,32 @@ def test_expert_pruning_scores_on_the_device_and_keeps_the_model_there(device):
     with surgery.prune_experts(model, 0.25, calibration=batches) as handle:
         assert held_on(model, device)
         assert all(len(kept) == 3 for kept in handle.kept.values()), handle.kept  # one of four experts gone
+
+
+@pytest.mark.parametrize("device", devices())
+def test_an_offloaded_model_brings_each_block_onto_the_device_and_quantizes_there(device, tmp_path):
+    model = tiny_llama(layers=2)
+    model.save_pretrained(tmp_path / "model")
+    expected_float = logits(model.to(device), device)
+    weights = METHODS["gptq"]
+    with surgery.quantize(model, weights=weights, calibration=CALIBRATION, exclude="lm_head"):
+        expected = logits(model, device)
+    source = surgery.offloaded(tmp_path / "model", device=device)
+    with torch.no_grad():
+        found = source.model(IDS).logits.float().cpu()  # the ids given on the CPU: moved where the blocks run
+    assert torch.equal(found, expected_float)
+    done = surgery.quantize(source, weights=weights, calibration=CALIBRATION, exclude="lm_head")
+    assert torch.allclose(logits(done.model, device), expected, atol=1e-5)  # bit-equal on the CPU (a test)
+    if device == "cuda":
+        assert len(done.gpu_peak_bytes) == 2 and min(done.gpu_peak_bytes) > 0  # each block's peak, for the report
+
+
+def test_an_offloaded_device_this_machine_lacks_is_refused_in_one_line(tmp_path):
+    from surgery.core.errors import ConfigError
+
+    tiny_llama(layers=1).save_pretrained(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"^offloaded\.device='tpu': must be cpu, cuda, cuda:N or mps$"):
+        surgery.offloaded(tmp_path / "model", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^offloaded\.device='cuda': is not on this machine \(no CUDA GPU\)$"):
+            surgery.offloaded(tmp_path / "model", device="cuda")

@@ -44,7 +44,7 @@ def execute_offloaded(config: RunConfig, folder: Path) -> dict[str, Any]:
     if config.model.config:
         log.info("model.offload: %s/config.json builds the model; model.config is not used", config.model.path)
     refuse_custom_code(config.model.path, "model.path")  # named as the user wrote it
-    source = offloaded(config.model.path)
+    source = offloaded(config.model.path, device=config.model.device)  # blocks brought onto model.device
     config.data = with_model_defaults(config.data, source.model)  # the vocabulary of data=tokens, for calibration too
     data = load_data(config.data)
     inputs = list(data.inputs)

@@ -9,7 +9,8 @@ from surgery.ops.offload.offloaded_compression import OffloadedCompression
 
 
 def block_stages(handle: OffloadedCompression) -> dict[str, Any]:
-    """Stages, blocks, resumed blocks, mean seconds per block, bytes spilled and the work folder."""
+    """Stages, blocks, resumed blocks, mean seconds per block, bytes spilled and the work folder;
+    on a GPU, each stage's peak GPU memory."""
     blocks = [s for stage, s in zip(handle.stages[handle.resumed :], handle.seconds) if stage.block]
     return {
         "stages": len(handle.stages),
@@ -18,4 +19,4 @@ def block_stages(handle: OffloadedCompression) -> dict[str, Any]:
         "seconds_per_block": sum(blocks) / len(blocks) if blocks else None,
         "spilled_bytes": handle.spilled_bytes,
         "work": str(handle.work),
-    }
+    } | ({"gpu_peak_bytes": handle.gpu_peak_bytes} if handle.gpu_peak_bytes else {})

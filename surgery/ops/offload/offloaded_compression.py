@@ -107,6 +107,7 @@ class OffloadedCompression(Handle):
         self.seconds: list[float] = []
         self.resumed = 0
         self.peak_bytes = 0
+        self.gpu_peak_bytes: list[int] = []  # per stage run, on a GPU (offloaded(device="cuda"))
         self.spilled_bytes = 0
         self.temporary = False
         self._before: dict[str, WeightFiles | None] = {}  # name -> where it was read from before
@@ -208,6 +209,8 @@ def _run_stages(
                 cache = None
                 continue
             started = time.perf_counter()
+            if source.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(source.device)
             module = model.get_submodule(where)
             inputs = None
             if calls is not None and cache is not None and cache[0] == stage.block:
@@ -221,6 +224,8 @@ def _run_stages(
             del inputs
             _adopt(handle, written)
             handle.seconds.append(time.perf_counter() - started)
+            if source.device.type == "cuda":  # the block's own peak on the GPU
+                handle.gpu_peak_bytes.append(torch.cuda.max_memory_allocated(source.device))
         handle.spilled_bytes = ledger.spilled - spilled_before
 
 
@@ -455,10 +460,14 @@ class WorkFolder:
     ) -> StageFiles:
         """Write a stage's tensors (each file whole, then renamed into place; the manifest last)."""
         name = stage_name(index)
-        state = {key: value.contiguous() for key, value in tensors.items()}
+        grids = {
+            key: (scale.detach().cpu(), zero_point.detach().cpu(), axis)
+            for key, (scale, zero_point, axis) in grids.items()
+        }
+        state = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}  # from the GPU, if there
         for key, (scale, zero_point, _axis) in grids.items():
-            state[f"{key}::scale"] = scale.detach().contiguous()
-            state[f"{key}::zero_point"] = zero_point.detach().contiguous()
+            state[f"{key}::scale"] = scale.contiguous()
+            state[f"{key}::zero_point"] = zero_point.contiguous()
         part = self.path / f".{name}.part"
         entries = [(key, tuple(value.shape), value.dtype) for key, value in state.items()]
         try:

@@ -40,6 +40,7 @@ from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
+from surgery.core.inputs import moved
 from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
@@ -152,8 +153,11 @@ class Offloaded(Handle):
     ``files`` where they are read from. ``restore()`` removes the hooks (the model stays on
     ``meta``); :meth:`materialise` loads every weight and removes them."""
 
-    def __init__(self, model: nn.Module, files: ModelNamedFiles, names: dict[int, str]) -> None:
+    def __init__(
+        self, model: nn.Module, files: ModelNamedFiles, names: dict[int, str], device: torch.device | None = None
+    ) -> None:
         super().__init__("offload", model)
+        self.device = device or torch.device("cpu")  # where weights are brought in and the model computes
         self._owned = model  # the handle owns the model it built (other handles only watch theirs)
         self.files = files
         self.names = names  # id(placeholder parameter) -> its name in the files
@@ -220,7 +224,10 @@ class Offloaded(Handle):
 
 
 def offloaded(
-    source: str | Path | Iterable[str | Path], *, factory: Callable[[], nn.Module] | None = None
+    source: str | Path | Iterable[str | Path],
+    *,
+    factory: Callable[[], nn.Module] | None = None,
+    device: str | torch.device = "cpu",
 ) -> Offloaded:
     """Build a model without its weights and read them from disk as each part of it runs.
 
@@ -230,6 +237,9 @@ def offloaded(
             ``factory``, safetensors files (a folder of them, one file, or a list).
         factory: builds the model (``lambda: torchvision.models.resnet50()``); its weights,
             by their ``state_dict`` names, are those in the files.
+        device: where each group's weights are brought in and computed (``"cuda"``: a model
+            larger than the GPU, and than memory, runs and is compressed at the GPU's speed);
+            its buffers and the inputs of each call go there too.
 
     Returns:
         An :class:`Offloaded` handle: ``handle.model`` runs like the model in memory, to the
@@ -239,14 +249,18 @@ def offloaded(
         >>> handle = surgery.offloaded("TinyLlama-folder")
         >>> logits = handle.model(input_ids).logits
     """
+    place = _device(device)
     paths, build = _source(source, factory)
     raw = WeightFiles(paths)
     model = _build_on_meta(build)
     files = model_named(model, raw)  # the files' tensors by the model's names, as transformers loads them
     names = _check_against(model, files)
     _load_buffers(model, files)
-    handle = Offloaded(model, files, names)
+    handle = Offloaded(model, files, names, place)
+    _move_buffers(model, place)
     _attach_onload(handle, model)
+    if place.type != "cpu":  # each call's inputs moved where the weights are brought in
+        handle.add_hook("inputs to the device", model.register_forward_pre_hook(_inputs_to(place), with_kwargs=True))
     log.info("offloaded: %d weights in %d file(s), %d groups", len(names), len(files.paths), len(handle.groups))
     return handle
 
@@ -406,7 +420,33 @@ def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
 
 
 def _loaded(handle: Offloaded, name: str, placeholder: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(handle.load(name), requires_grad=placeholder.requires_grad)
+    return nn.Parameter(handle.load(name).to(handle.device), requires_grad=placeholder.requires_grad)
+
+
+def _device(device: object) -> torch.device:
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError("offloaded.device", device, "must be cpu, cuda, cuda:N or mps") from None
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("offloaded.device", device, "is not on this machine (no CUDA GPU)")
+    return found
+
+
+def _inputs_to(device: torch.device) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return moved(args, device), moved(kwargs, device)
+
+    return hook
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every buffer (small: running statistics, rotary tables) on ``device`` for good."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buffer.to(device)
 
 
 class _Onload:
