@@ -107,9 +107,7 @@ class HessianReducer:
         self.rows = 0
 
     def update(self, tensor: Tensor) -> None:
-        columns = input_columns(self.module, self.name, tensor)
-        if not torch.isfinite(columns).all():
-            raise ConfigError("calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
+        columns = input_columns(self.module, self.name, tensor)  # NaN or Inf carries into the sum: checked once
         product = columns.transpose(1, 2) @ columns
         self.sum = product if self.sum is None else self.sum + product
         self.rows += columns.shape[1]
@@ -117,6 +115,8 @@ class HessianReducer:
     def result(self) -> dict[str, Any] | None:
         if self.sum is None:
             return None
+        if not torch.isfinite(self.sum).all():  # one check a layer, not a device sync a batch
+            raise ConfigError("calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
         rows = distributed.summed_count(self.rows)  # over the processes calibrating together, if any
         return {"hessian": distributed.summed(self.sum) * (2.0 / rows), "rows": rows}
 
