@@ -101,6 +101,9 @@ def _offloaded_row(layers: int) -> dict:
         subprocess.run([sys.executable, "-c", script], check=True)
         ids = token_ids()
         calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
+        from surgery.ops.offload.offloading import return_freed_memory
+
+        return_freed_memory()  # as the command line does for an offloaded run
         base = memory("VmRSS")
         start = time.perf_counter()
         handle = surgery.offloaded(folder)

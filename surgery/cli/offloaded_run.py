@@ -32,7 +32,7 @@ from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.inputs import batches, evaluating, outputs
 from surgery.core.interrupts import raise_pending
 from surgery.ops.offload.offloaded_compression import peak_resident_bytes, resident_bytes
-from surgery.ops.offload.offloading import Offloaded, offloaded
+from surgery.ops.offload.offloading import Offloaded, offloaded, return_freed_memory
 
 log = logging.getLogger("surgery")
 
@@ -44,6 +44,7 @@ def execute_offloaded(config: RunConfig, folder: Path) -> dict[str, Any]:
     if config.model.config:
         log.info("model.offload: %s/config.json builds the model; model.config is not used", config.model.path)
     refuse_custom_code(config.model.path, "model.path")  # named as the user wrote it
+    return_freed_memory()  # this process is the run's own: a flat peak in depth (see its docstring)
     source = offloaded(config.model.path, device=config.model.device)  # blocks brought onto model.device
     config.data = with_model_defaults(config.data, source.model)  # the vocabulary of data=tokens, for calibration too
     data = load_data(config.data)

@@ -223,6 +223,22 @@ class Offloaded(Handle):
         return model
 
 
+def return_freed_memory() -> bool:
+    """Have glibc give every freed large allocation back to the system at once, for the rest of
+    the process: its default raises the size below which freed memory is kept for reuse up to
+    the largest block freed so far (32 MiB), so a run that frees each block's tensors keeps tens
+    of them resident. Measured, offloaded GPTQ on a random Llama of hidden 1024: peak beyond the
+    imports 425-458 MB at 2 layers and 528-659 MB at 16 before, 263 and 319-327 MB after. The
+    command line calls it for an offloaded run (the process is its own); a script can call it,
+    or set ``MALLOC_MMAP_THRESHOLD_=131072``. False where the C library is not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD: fixed, not adapted
+    except (OSError, AttributeError):
+        return False
+
+
 def offloaded(
     source: str | Path | Iterable[str | Path],
     *,
