@@ -563,15 +563,15 @@ def _clip_limits(weight: Tensor, inputs: Tensor, spec: AwqSpec) -> Tensor:
     for start in range(0, weight.shape[0], chunk):
         w = shaped[start : start + chunk]
         top = w.abs().amax(dim=-1, keepdim=True)
-        best, errors = top.clone(), torch.full_like(top, 1e9)
+        best, errors = top.clone(), torch.full_like(top, math.inf)  # llm-awq's 1e9, which float16 cannot hold
         reference = (tokens * w).sum(dim=-1)
         for step in range(int(spec.max_shrink * spec.n_grid)):
             limit = top * (1 - step / spec.n_grid)
             clipped = torch.clamp(w, -limit, limit)
             rounded = _round_groups(clipped, grid)
             error = ((tokens * rounded).sum(dim=-1) - reference).pow(2).mean(dim=1).view(errors.shape)
-            better = error < errors
-            errors[better], best[better] = error[better], limit[better]
+            better = error < errors  # kept on the device: no boolean indexing (a sync) a step
+            errors, best = torch.where(better, error, errors), torch.where(better, limit, best)
         limits.append(best)
     return torch.cat(limits).squeeze(1)
 
