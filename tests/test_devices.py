@@ -159,3 +159,22 @@ def test_every_verb_keeps_a_half_precision_model_in_its_dtype_on_its_device(devi
         assert held_on(model, device) and {p.dtype for p in model.parameters()} == {dtype}
         with torch.no_grad():
             assert torch.isfinite(model(IDS.to(device)).logits).all()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_half_precision_model_exports_to_compressed_tensors_bit_for_bit(device, dtype, tmp_path):
+    import transformers
+
+    from surgery import ExportParityError
+
+    tiny_llama(layers=2).save_pretrained(tmp_path / "float")
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "float", dtype=dtype).to(device).eval()
+    weights = GridSpec(bits=4, group_size=32, symmetric=True)
+    with surgery.quantize(model, weights=weights, exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m", format="compressed-tensors", inputs=[IDS.to(device)])
+    assert record.parity.equal, record.parity  # scales stored in the model's dtype, as the simulation rounds them
+    cast = tiny_llama(layers=2).to(device=device, dtype=dtype)  # .to() casts the rotary inv_freq as well
+    with surgery.quantize(cast, weights=weights, exclude="lm_head") as handle:
+        with pytest.raises(ExportParityError, match=r"the model's buffer model\.rotary_emb\.inv_freq is "):
+            surgery.export(handle, tmp_path / "again", format="compressed-tensors", inputs=[IDS.to(device)])

@@ -137,6 +137,7 @@ class Parity:
     agreement: float | None = None
     agreement_bound: float = 1.0
     nonfinite: tuple[str, ...] = ()
+    why: str = ""  # what differs between the two, where it is known (buffers in another dtype)
 
     @property
     def holds(self) -> bool:
@@ -155,7 +156,7 @@ class Parity:
             found += f", integer outputs agree on {self.agreement:.2%} (at least {self.agreement_bound:.2%} promised)"
         if self.nonfinite:
             found += f", NaN or Inf from {' and '.join(self.nonfinite)}"
-        return f"expected {self.expected}: {found}"
+        return f"expected {self.expected}: {found}" + (f"; {self.why}" if self.why else "")
 
     def as_dict(self) -> dict[str, Any]:
         found = {"max_abs": self.max_abs, "cosine": self.cosine, "equal": self.equal, "expected": self.expected}
@@ -447,7 +448,8 @@ def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: li
             f"its runtime cannot load the written {type(model).__name__} ({first_line(err)}); nothing was written",
         ) from err
     try:
-        return _parity(chosen, deployable, model, calls, exact)
+        found = _parity(chosen, deployable, model, calls, exact)
+        return found if found.holds else replace_field(found, why=_buffers_differ(model, deployable))
     except (SurgeryError, KeyboardInterrupt):
         raise
     except Exception as err:
@@ -458,6 +460,28 @@ def _runtime_parity(chosen: ExportFormat, tmp: Path, model: nn.Module, calls: li
             f"the written {type(model).__name__} does not run in its runtime on export's inputs "
             f"({first_line(err)}); nothing was written",
         ) from err
+
+
+def _buffers_differ(model: nn.Module, deployable: Any) -> str:
+    """Why a loaded module may compute otherwise than the model: buffers of the same name in
+    another dtype (a model cast with ``.to(bfloat16)`` casts its rotary ``inv_freq``, which
+    ``from_pretrained(dtype=...)`` keeps in float32). Empty when none differ or it is no module."""
+    if not isinstance(deployable, nn.Module):
+        return ""
+    theirs = dict(deployable.named_buffers())
+    differ = [
+        (name, mine.dtype, theirs[name].dtype)
+        for name, mine in model.named_buffers()
+        if name in theirs and mine.is_floating_point() and mine.dtype != theirs[name].dtype
+    ]
+    if not differ:
+        return ""
+    name, mine, loaded = differ[0]
+    return (
+        f"the model's buffer {name} is {str(mine).removeprefix('torch.')}, the loaded one's "
+        f"{str(loaded).removeprefix('torch.')} (a model cast with .to() casts buffers that from_pretrained(dtype=...) "
+        "keeps): load the model with from_pretrained(dtype=...), or cast those buffers back"
+    )
 
 
 def _refuse_inputs(model: nn.Module, calls: list[Call], name: str) -> None:
