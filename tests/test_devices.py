@@ -178,3 +178,18 @@ def test_a_half_precision_model_exports_to_compressed_tensors_bit_for_bit(device
     with surgery.quantize(cast, weights=weights, exclude="lm_head") as handle:
         with pytest.raises(ExportParityError, match=r"the model's buffer model\.rotary_emb\.inv_freq is "):
             surgery.export(handle, tmp_path / "again", format="compressed-tensors", inputs=[IDS.to(device)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_onnx_refuses_a_half_precision_model_in_one_line(dtype, tmp_path):
+    from surgery.core.errors import ConfigError
+
+    model = tiny_llama(layers=1, dtype=dtype)
+    weights = GridSpec(bits=4, group_size=32, symmetric=True)
+    with surgery.quantize(model, weights=weights, exclude="lm_head", target="onnx") as handle:
+        name = str(dtype).removeprefix("torch.")
+        with pytest.raises(
+            ConfigError, match=rf"^export\.format='onnx': writes float32 graphs .*this model is {name}:"
+        ):
+            surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=[IDS])
+    assert not list(tmp_path.iterdir())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class SurgeryError(Exception):
     """Base class of every error surgery raises on purpose."""
@@ -103,8 +105,11 @@ class ParameterReplacedError(SurgeryError, RuntimeError):
     assignment), which the surgery does not reach: ``handle.enforce()`` carries it over."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def first_line(err: BaseException, limit: int = 300) -> str:
     """``Type: message`` of ``err``, its first line, at most ``limit`` characters: how a one-line
     error quotes the exception a library raised beneath it."""
-    text = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    text = _ANSI.sub("", f"{type(err).__name__}: {err}".strip().splitlines()[0])  # a library's colours out
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -710,3 +710,16 @@ def test_compressed_tensors_itself_refuses_actorder_group_so_no_folder_can_carry
     for value in ("group", "dynamic"):
         with pytest.raises(ValueError, match="has been removed"):
             quantization.QuantizationArgs(num_bits=4, strategy="group", group_size=16, actorder=value)
+
+
+def test_a_hugging_face_decoder_traces_to_onnx_without_its_cache(tmp_path):
+    # its cache object (DynamicCache) does not trace: the exported copy runs with use_cache off,
+    # the graph gives the logits; before, every decoder failed in torch.export
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    weights, activations = surgery.GridSpec(bits=8, per_channel=True, symmetric=True), surgery.GridSpec(bits=8)
+    settings = dict(weights=weights, activations=activations, target="onnx", exclude="lm_head")
+    with surgery.quantize(model, calibration=[ids], **settings) as handle:
+        record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=[ids])
+    assert record.parity.holds and record.int8_ops[0] >= 14, (record.parity, record.int8_ops)
+    assert model.config.use_cache  # the model's own config untouched

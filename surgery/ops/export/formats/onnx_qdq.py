@@ -57,6 +57,9 @@ def onnx_layer(module: nn.Module, name: str = "") -> bool:
 onnx_layer.__name__ = "Conv1d|Conv2d|Conv3d|Linear"
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
 def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
     """Trace ``parts.model`` without surgery's hooks, then put surgery's grids into the graph."""
     unknown = sorted(set(options) - set(OPTIONS))
@@ -69,7 +72,10 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
         raise ConfigError("export.inputs", None, "format='onnx' traces the model: pass inputs= (an example batch)")
     _check_grids(parts)
     refuse_experts(parts.model, "onnx", "data-dependent routing does not trace")
+    _refuse_half(parts)
     plain = copy.deepcopy(parts.model).eval()
+    if getattr(getattr(plain, "config", None), "use_cache", False):  # a decoder's cache object does not trace
+        plain.config.use_cache = False  # the copy's: the graph gives the logits, the model's outputs stay
     drop_forward_hooks(plain)
     _refuse_unfolded(plain, parts)
     call = parts.inputs[0]
@@ -95,6 +101,19 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return {"exact": False, "int8_ops": _int8_ops_said(path, len(parts.weights))}
+
+
+def _refuse_half(parts: ExportParts) -> None:
+    """ONNX Runtime's CPU kernels take no bfloat16, and its QuantizeLinear and MatMulNBits
+    graphs as written here float32 inputs: a half-precision model is refused in one line."""
+    half = sorted(str(p.dtype).removeprefix("torch.") for p in parts.model.parameters() if p.dtype in HALF)
+    if half:
+        raise ConfigError(
+            "export.format",
+            "onnx",
+            f"writes float32 graphs for ONNX Runtime's CPU kernels; this model is {half[0]}: export a copy cast "
+            "with .float(), or use format='gguf' or 'compressed-tensors'",
+        )
 
 
 def _int8_ops_said(path: Path, quantized: int) -> tuple[int, int]:
