@@ -193,3 +193,13 @@ def test_onnx_refuses_a_half_precision_model_in_one_line(dtype, tmp_path):
         ):
             surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=[IDS])
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # ~15 s: a run with its checks and the compressed-tensors deploy check
+@pytest.mark.parametrize("device", devices())
+def test_a_bfloat16_run_exports_compressed_tensors_bit_for_bit(device, tmp_path):
+    from support import run_recipe
+
+    args = ("recipe=quantize_gptq_llama", "data.batches=1", f"model.device={device}", "model.dtype=bfloat16")
+    report = run_recipe(tmp_path, *args, "export.format=compressed-tensors")
+    assert report["ok"] and report["deploy"]["max_abs"] == 0.0  # built as from_pretrained builds it: rotary float32

@@ -48,6 +48,9 @@ SHIPPED_FOLDER = "shipped"  # model.path (model=hf): surgery's trained tiny Llam
 SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER, "tinyqwen3": TINYQWEN3_FOLDER}  # model.name with model.path=shipped
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def checked_device(name: object) -> torch.device:
     """``model.device`` as a torch device, refused in one line where it is no device this machine has."""
     try:
@@ -87,6 +90,7 @@ class ModelConfig:
     offload: bool = False  # hf with path: weights stay in the folder's files, read block by block
     offload_folder: str | None = None  # offload: where finished blocks go (a run restarts from it); None: temporary
     device: str = "cpu"  # where the model and every batch go: cpu, cuda, cuda:N, mps
+    dtype: str = "float32"  # the model's floating dtype (and its floating inputs'): float32, bfloat16, float16
 
     def __post_init__(self) -> None:
         one_of("model.source", self.source, MODEL_SOURCES)
@@ -104,6 +108,9 @@ class ModelConfig:
             raise ConfigError("model.offload_folder", self.offload_folder, "applies with model.offload=true only")
         positive_int("model.num_classes", self.num_classes)
         checked_device(self.device)
+        one_of("model.dtype", self.dtype, MODEL_DTYPES)
+        if self.offload and self.dtype != "float32":
+            raise ConfigError("model.dtype", self.dtype, "with model.offload=true the folder's own dtypes are read")
         self.config, self.kwargs = dict(self.config or {}), dict(self.kwargs or {})
         if self.source == "hf":
             one_of("model.task", self.task, HF_TASKS)
@@ -150,6 +157,7 @@ class DataConfig:
     activation_budget: int | None = None  # bytes of calibration activations held in memory (null: 1/4 of free)
     activation_folder: str | None = None  # where activations beyond the budget are spilled (null: the temp folder)
     device: str = "cpu"  # where batches go: model.device's (a run sets it; not set apart)
+    dtype: str = "float32"  # floating batches' dtype: model.dtype's (a run sets it)
 
     def __post_init__(self) -> None:
         task_named(self.kind)
@@ -436,7 +444,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.data.device not in ("cpu", self.model.device):
             raise ConfigError("data.device", self.data.device, "follows model.device; set model.device instead")
-        self.data.device = self.model.device
+        self.data.device, self.data.dtype = self.model.device, self.model.dtype
         if self.model.offload and self.model.device != "cpu":
             raise ConfigError(
                 "model.device", self.model.device, "with model.offload=true blocks run on the cpu for now"

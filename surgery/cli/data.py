@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from surgery.analysis.metrics import accuracy
@@ -69,8 +70,11 @@ def training_data(
 
 
 def placed(batches: Sequence, config: DataConfig) -> Sequence:
-    """``batches`` as they are on the CPU, or read through onto ``config.device`` (``model.device``)."""
-    return batches if config.device == "cpu" else OnDevice(batches, config.device)
+    """``batches`` as they are, or read through onto ``config.device`` with floating tensors in
+    ``config.dtype`` (``model.device``, ``model.dtype``)."""
+    if config.device == "cpu" and config.dtype == "float32":
+        return batches
+    return OnDevice(batches, config.device, None if config.dtype == "float32" else getattr(torch, config.dtype))
 
 
 def labelled_kinds() -> list[str]:

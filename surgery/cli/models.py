@@ -115,9 +115,10 @@ def _build_hf(config: ModelConfig) -> nn.Module:
     if config.task == "causal_lm":
         settings.setdefault("use_cache", False)  # no key/value cache between the checks' forwards
     try:
+        dtype = getattr(torch, config.dtype)  # as transformers loads it: rotary tables stay float32
         if config.path is not None:
-            return from_pretrained(head, config.path, "model.path", use_safetensors=True, **settings)
-        return head.from_config(transformers.AutoConfig.for_model(config.name, **settings))
+            return from_pretrained(head, config.path, "model.path", use_safetensors=True, dtype=dtype, **settings)
+        return head.from_config(transformers.AutoConfig.for_model(config.name, **settings), dtype=dtype)
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, SafetensorError) as err:
         first = " ".join(str(err).split()).split(". ")[0][:160]
         differing = [key for key, value in settings.items() if key in own and own[key] != value]
@@ -239,6 +240,8 @@ class ModelBuilder:
             shipped = config.weights == SHIPPED and config.source in SHIPPED_MODELS
             path = SHIPPED_MODELS[config.source][1] if shipped else config.weights
             load_checkpoint(model, path, field="model.weights")
+        if config.source != "hf":  # a Hugging Face model is built in its dtype (_build_hf)
+            model = model.to(getattr(torch, config.dtype))
         return model.to(config.device).eval()
 
     def _build(self) -> tuple[nn.Module, list[Event]]:

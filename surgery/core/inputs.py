@@ -54,6 +54,19 @@ def moved(value: Any, device: torch.device | str) -> Any:
     return value
 
 
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` (as :func:`moved` takes it) with every floating tensor in ``dtype``."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, Call):
+        return Call(cast_floating(value.args, dtype), cast_floating(dict(value.kwargs), dtype))
+    if isinstance(value, (tuple, list)):
+        return type(value)(cast_floating(item, dtype) for item in value)
+    if isinstance(value, Mapping):
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    return value
+
+
 def device_of(module: Any) -> torch.device:
     """The device ``module``'s first parameter or buffer is on; the CPU for anything else (a
     runtime's session, a module without tensors)."""

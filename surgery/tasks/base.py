@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigTypeError
-from surgery.core.inputs import moved
+from surgery.core.inputs import cast_floating, moved
 from surgery.core.registry import Registry
 
 Pairs = Callable[[Any, str, int, "int | None"], Sequence[tuple[Any, Tensor]]]  # (data, split, batch_size, limit)
@@ -86,10 +86,11 @@ class Data:
 
 class OnDevice(Sequence):
     """Batches (tensors, or tuples, lists and dicts of them) read through and each moved to
-    ``device`` as it is read: a lazily loaded data set stays lazy."""
+    ``device`` as it is read, floating tensors cast to ``dtype`` where given: a lazily loaded
+    data set stays lazy."""
 
-    def __init__(self, batches: Sequence[Any], device: str | torch.device) -> None:
-        self.batches, self.device = batches, torch.device(device)
+    def __init__(self, batches: Sequence[Any], device: str | torch.device, dtype: torch.dtype | None = None) -> None:
+        self.batches, self.device, self.dtype = batches, torch.device(device), dtype
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -97,7 +98,8 @@ class OnDevice(Sequence):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return moved(self.batches[index], self.device)
+        found = moved(self.batches[index], self.device)
+        return found if self.dtype is None else cast_floating(found, self.dtype)
 
 
 class Column(Sequence):

@@ -1497,6 +1497,7 @@ CLI_CASES = [
     CliCase("gguf-mix", ("recipe=plan_llama", "plan.mix=Q4_K_S"), "plan.mix='Q4_K_S': must be null or one of Q4_K_M"),
     CliCase("device", (*QUANTIZE, "model.device=cuda:7"), "model.device='cuda:7': is not on this machine"),
     CliCase("device", (*QUANTIZE, "model.device=tpu"), "model.device='tpu': must be cpu, cuda, cuda:N or mps"),
+    CliCase("device", (*QUANTIZE, "model.dtype=float8"), "model.dtype='float8': must be one of float32, bfloat16"),
     CliCase(
         "float-offset",
         (*QUANTIZE, "+quantize.weights.float_offset=true"),
