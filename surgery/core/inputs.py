@@ -43,27 +43,23 @@ class Call:
 def moved(value: Any, device: torch.device | str) -> Any:
     """``value`` (a tensor, or tuples, lists and dicts of them, or a :class:`Call`) with every
     tensor in it on ``device``; anything else as it is."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, Call):
-        return Call(moved(value.args, device), moved(dict(value.kwargs), device))
-    if isinstance(value, (tuple, list)):
-        return type(value)(moved(item, device) for item in value)
-    if isinstance(value, Mapping):
-        return {key: moved(item, device) for key, item in value.items()}
-    return value
+    return _each_tensor(value, lambda tensor: tensor.to(device))
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` (as :func:`moved` takes it) with every floating tensor in ``dtype``."""
+    return _each_tensor(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+
+def _each_tensor(value: Any, change: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(value, Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        return change(value)
     if isinstance(value, Call):
-        return Call(cast_floating(value.args, dtype), cast_floating(dict(value.kwargs), dtype))
+        return Call(_each_tensor(value.args, change), _each_tensor(dict(value.kwargs), change))
     if isinstance(value, (tuple, list)):
-        return type(value)(cast_floating(item, dtype) for item in value)
+        return type(value)(_each_tensor(item, change) for item in value)
     if isinstance(value, Mapping):
-        return {key: cast_floating(item, dtype) for key, item in value.items()}
+        return {key: _each_tensor(item, change) for key, item in value.items()}
     return value
 
 
