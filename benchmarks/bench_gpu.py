@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -115,12 +116,15 @@ def calibration_rows(sizes: Sizes, device: torch.device, peer_path: str | None) 
     }
     rows = []
     for name, run in methods.items():
-        rows.append(_timed(name, lambda run=run: run(llama(sizes, device)), sizes.layers, device))
+        model = llama(sizes, device)  # built (random weights, moved there) before the clock starts
+        rows.append(_timed(name, lambda run=run, model=model: run(model), sizes.layers, device))
+        del model
     rows.append(_peer_row(sizes, batches, device, peer_path))
     return rows
 
 
 def _timed(name: str, work: Callable[[], object], layers: int, device: torch.device) -> dict:
+    gc.collect()  # the rows before: their handles and models hold each other
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -154,8 +158,8 @@ def _peer_row(sizes: Sizes, batches: list, device: torch.device, peer_path: str 
         done = subprocess.run(
             [sys.executable, str(PEER), folder], capture_output=True, text=True, env=environment, check=False
         )
-    if done.returncode != 0:
-        return {"name": name, "error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+    if done.returncode != 0:  # the peer's own failure: said, not counted as surgery's
+        return {"name": name, "skipped": "it failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
     found = json.loads(done.stdout.strip().splitlines()[-1])
     return {"name": name, "seconds_per_block": found["seconds"] / sizes.layers, "peak_gib": found["peak_gib"]}
 
@@ -225,20 +229,39 @@ def _two_four(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
         return semi_structured(record.load(), torch.bfloat16), record.parity
 
 
-def _int4(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+def _int8_weights(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
     if device.type != "cuda":
-        raise Skipped("torchao's int4 weight-only layout runs on CUDA (the CPU's int4 kernel: format='int4')")
-    weights = GridSpec(bits=4, group_size=min(128, x.shape[-1]))
-    with tempfile.TemporaryDirectory() as folder, surgery.quantize(model, weights=weights, target="torchao") as handle:
+        raise Skipped("measured on CUDA here (its CPU figures: bench_deploy.py)")
+    with tempfile.TemporaryDirectory() as folder, surgery.quantize(model, target="torchao") as handle:
         record = surgery.export(handle, Path(folder) / "m.pt", format="torchao", inputs=[x])
         return record.load().to(device), record.parity
+
+
+def _torchao_int4(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+    """torchao's own int4 weight-only flow (its rounding, not our scales: surgery writes no int4
+    torchao tensor yet), as the peer row: its parity against the dense bfloat16 Linear."""
+    if device.type != "cuda":
+        raise Skipped("torchao's int4 weight-only kernel runs on CUDA")
+    import copy
+
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+    from surgery.ops.export.exporting import Parity
+
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, Int4WeightOnlyConfig(group_size=128))
+    with torch.no_grad():
+        want, got = model(x).float(), quantized(x).float()
+    cosine = float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0))
+    return quantized, Parity(float((want - got).abs().max()), cosine, bool(torch.equal(want, got)), "peer")
 
 
 KERNELS: dict[str, Callable] = {
     "FP8 per tensor (format=fp8)": _fp8(per_row=False),
     "FP8 per row, dynamic per token (format=fp8)": _fp8(per_row=True),
     "2:4 sparse (format=sparse, layout=2:4)": _two_four,
-    "int4 weight-only g128 (format=torchao)": _int4,
+    "int8 weight-only per row (format=torchao)": _int8_weights,
+    "peer: torchao Int4WeightOnlyConfig g128 (its own rounding)": _torchao_int4,
 }
 
 
@@ -278,16 +301,25 @@ def main() -> None:
     options = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = TOY if options.dry_run else FULL
+    if not options.dry_run and device.type != "cuda":
+        raise SystemExit("bench_gpu: no CUDA GPU here (torch.cuda.is_available() is False); use --dry-run")
     found = {
         "device": device_name(device),
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "dry_run": options.dry_run,
-        "calibration": calibration_rows(sizes, device, options.peer_path),
-        "kernels": kernel_rows(sizes, device),
+        "calibration": [],
+        "kernels": [],
     }
     options.out.mkdir(parents=True, exist_ok=True)
-    (options.out / "gpu_check.json").write_text(json.dumps(found, indent=1) + "\n")
-    (options.out / "gpu_check.md").write_text(markdown(found))
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        (options.out / "gpu_check.json").write_text(json.dumps(found, indent=1) + "\n")
+        (options.out / "gpu_check.md").write_text(markdown(found))
+
+    found["kernels"] = kernel_rows(sizes, device)  # the quick part first
+    save()
+    found["calibration"] = calibration_rows(sizes, device, options.peer_path)
+    save()
     print(markdown(found))
     failed = [row for row in found["calibration"] + found["kernels"] if "error" in row]
     if failed:

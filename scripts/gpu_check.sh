@@ -22,12 +22,18 @@ for arg in "$@"; do
   esac
 done
 mkdir -p "$out"
+if [ -z "$dry" ] && ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_check: no CUDA GPU here; run with --dry-run" >&2
+  exit 1
+fi
 installed="$(mktemp -d)"
+trap 'rm -rf "$installed"' EXIT
 site=""
 peer=""
 if [ -z "$dry" ] && [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then  # the GPU machine's Python 3.12
   site="$installed/site"
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl || exit 1
+  "$python" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$site" \
+    .whl/*.whl .whl/*.tar.gz || exit 1
 fi
 if [ -z "$dry" ] && [ -d .whl-peer ] && compgen -G ".whl-peer/*.whl" >/dev/null; then
   peer="$installed/peer"
@@ -38,14 +44,13 @@ export PYTHONUNBUFFERED=1
 "$python" -c "import torch; print('gpu_check:', torch.__version__, 'CUDA', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
 
 # the CUDA tests (skipped where there is no GPU), at most 4 minutes
-timeout 240 "$python" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/ops/export \
+timeout -k 15 240 "$python" -m pytest -q -p no:cacheprovider -m cuda tests/test_devices.py tests/ops/export \
   2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 if [ "$tests" = 5 ]; then tests=0; fi  # no test selected (none marked cuda collected): not a failure
 
 # the timing table, at most 4 minutes
-timeout 240 "$python" benchmarks/bench_gpu.py --out "$out" $dry ${peer:+--peer-path "$peer"}
+timeout -k 15 240 "$python" benchmarks/bench_gpu.py --out "$out" $dry ${peer:+--peer-path "$peer"}
 bench=$?
-rm -rf "$installed"
 echo "gpu_check: tests exit $tests, bench exit $bench; results in $out"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]

@@ -13,7 +13,10 @@ get() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$folder" "$@"
 }
-get .whl gguf==0.19.0 compressed-tensors==0.20.0 torchao==0.18.0 loguru==0.7.3
+get .whl gguf==0.19.0 compressed-tensors==0.20.0 torchao==0.18.0 loguru==0.7.3 \
+  hydra-core==1.3.8 omegaconf==2.3.1  # the command line's (the device tests' runs)
+# hydra's parser runtime is published as a source distribution only (pure Python: built there, offline)
+python3 -m pip download --quiet --no-deps --no-binary=:all: -d .whl antlr4-python3-runtime==4.9.3
 get .whl-peer llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3 datasets auto-round==0.15.1 \
   dill multiprocess pydantic pydantic-core annotated-types typing-inspection
 du -sh .whl .whl-peer

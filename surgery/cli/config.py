@@ -445,10 +445,6 @@ class RunConfig:
         if self.data.device not in ("cpu", self.model.device):
             raise ConfigError("data.device", self.data.device, "follows model.device; set model.device instead")
         self.data.device, self.data.dtype = self.model.device, self.model.dtype
-        if self.model.offload and self.model.device != "cpu":
-            raise ConfigError(
-                "model.device", self.model.device, "with model.offload=true blocks run on the cpu for now"
-            )
         if not self.steps and not self.build and not self.inspect:
             raise ConfigError(
                 "steps",

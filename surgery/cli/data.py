@@ -25,7 +25,7 @@ def load_data(config: DataConfig) -> Data:
     """The evaluation batches of ``config``: ``config.batches`` batches of ``config.batch_size``."""
     task = task_named(config.kind)
     if task.labelled:
-        pairs = placed(task(config, "test", config.batch_size, config.batches), config)  # the fixed split
+        pairs = placed(task(config, "test", config.batch_size, config.batches), config, pairs=True)  # the fixed split
         return Data(Column(pairs, 0), Column(pairs, 1))
     return Data(placed(task.inputs(config, config.seed, config.batches), config), None)
 
@@ -35,7 +35,7 @@ def calibration_batches(config: DataConfig, count: int) -> Sequence[Tensor]:
     the training split; generated inputs: from ``seed + 1``)."""
     task = task_named(config.kind)
     if task.labelled:
-        return Column(placed(task(config, "train", config.batch_size, count), config), 0)
+        return Column(placed(task(config, "train", config.batch_size, count), config, pairs=True), 0)
     return placed(task.inputs(config, config.seed + 1, count), config)
 
 
@@ -49,7 +49,7 @@ def calibration_pairs(config: DataConfig, count: int, field: str) -> list[tuple[
             f"needs labelled batches (inputs, target) for its gradients and data.kind "
             f"is {config.kind!r}; use a labelled task: {', '.join(labelled_kinds())}",
         )
-    return placed(task(config, "train", config.batch_size, count), config)
+    return placed(task(config, "train", config.batch_size, count), config, pairs=True)
 
 
 def training_data(
@@ -66,15 +66,18 @@ def training_data(
             f"use a labelled task: {', '.join(labelled_kinds())}",
         )
     evaluation = load_data(config)
-    return placed(task(config, "train", batch_size), config), lambda model: accuracy(model, evaluation.labelled())
+    return placed(task(config, "train", batch_size), config, pairs=True), lambda model: accuracy(
+        model, evaluation.labelled()
+    )
 
 
-def placed(batches: Sequence, config: DataConfig) -> Sequence:
+def placed(batches: Sequence, config: DataConfig, pairs: bool = False) -> Sequence:
     """``batches`` as they are, or read through onto ``config.device`` with floating tensors in
     ``config.dtype`` (``model.device``, ``model.dtype``)."""
     if config.device == "cpu" and config.dtype == "float32":
         return batches
-    return OnDevice(batches, config.device, None if config.dtype == "float32" else getattr(torch, config.dtype))
+    dtype = None if config.dtype == "float32" else getattr(torch, config.dtype)
+    return OnDevice(batches, config.device, dtype, pairs)
 
 
 def labelled_kinds() -> list[str]:

@@ -57,9 +57,16 @@ def _each_tensor(value: Any, change: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(value, Call):
         return Call(_each_tensor(value.args, change), _each_tensor(dict(value.kwargs), change))
     if isinstance(value, (tuple, list)):
-        return type(value)(_each_tensor(item, change) for item in value)
+        items = [_each_tensor(item, change) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
     if isinstance(value, Mapping):
-        return {key: _each_tensor(item, change) for key, item in value.items()}
+        mapped = {key: _each_tensor(item, change) for key, item in value.items()}
+        if type(value) is dict:
+            return mapped
+        try:
+            return type(value)(mapped)  # a BatchEncoding stays one
+        except TypeError:
+            return mapped
     return value
 
 

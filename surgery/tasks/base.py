@@ -86,11 +86,13 @@ class Data:
 
 class OnDevice(Sequence):
     """Batches (tensors, or tuples, lists and dicts of them) read through and each moved to
-    ``device`` as it is read, floating tensors cast to ``dtype`` where given: a lazily loaded
-    data set stays lazy."""
+    ``device`` as it is read, floating tensors cast to ``dtype`` where given (with ``pairs``,
+    the inputs of each (inputs, labels) pair only): a lazily loaded data set stays lazy."""
 
-    def __init__(self, batches: Sequence[Any], device: str | torch.device, dtype: torch.dtype | None = None) -> None:
-        self.batches, self.device, self.dtype = batches, torch.device(device), dtype
+    def __init__(
+        self, batches: Sequence[Any], device: str | torch.device, dtype: torch.dtype | None = None, pairs: bool = False
+    ) -> None:
+        self.batches, self.device, self.dtype, self.pairs = batches, torch.device(device), dtype, pairs
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -99,7 +101,11 @@ class OnDevice(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         found = moved(self.batches[index], self.device)
-        return found if self.dtype is None else cast_floating(found, self.dtype)
+        if self.dtype is None:
+            return found
+        if self.pairs:  # (inputs, labels): the labels keep their dtype (soft or regression targets)
+            return (cast_floating(found[0], self.dtype), *found[1:])
+        return cast_floating(found, self.dtype)
 
 
 class Column(Sequence):

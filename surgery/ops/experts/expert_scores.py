@@ -86,7 +86,8 @@ def observe(
             experts = model.get_submodule(name)
             count = len(experts)
             device = device_of(experts)  # accumulated where the experts run, brought to the CPU once at the end
-            zeros = torch.zeros(count, dtype=torch.float64, device=device)
+            wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+            zeros = torch.zeros(count, dtype=wide, device=device)
             stats[name] = ExpertStats(torch.zeros(count, dtype=torch.long), zeros)
             gates: dict[str, Tensor] = {}
             hooks.append(router.register_forward_hook(_keep_gates(gates)))

@@ -77,9 +77,10 @@ def write_fp8(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[s
 def _float8_linear(parts: ExportParts, layer: str, module: nn.Module) -> Float8Linear:
     """``module`` (the copy's ``layer``) on its FP8 grid, with its inputs' scale."""
     grid, inputs = parts.layer_weight(layer), parts.activation(layer, "input")
-    weight_scale = grid.scale.float().reshape(-1, 1)
+    device = module.weight.device  # the grids are on the CPU, the model's copy where the model is
+    weight_scale = grid.scale.float().reshape(-1, 1).to(device)
     values = (module.weight.detach().float() / weight_scale).to(torch.float8_e4m3fn)
-    input_scale = None if inputs.dynamic else inputs.scale.detach().float()
+    input_scale = None if inputs.dynamic else inputs.scale.detach().float().to(device)
     return Float8Linear(values, weight_scale.reshape(-1), module.bias, input_scale)
 
 

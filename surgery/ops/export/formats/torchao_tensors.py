@@ -145,9 +145,9 @@ def _int8_tensor(parts: ExportParts, layer: str, weight: torch.Tensor, mode: str
     from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
     grid = parts.layer_weight(layer)
-    integers = grid.integers(weight).to(torch.int8)
+    integers = grid.integers(weight).to(device=weight.device, dtype=torch.int8)  # where the model's copy is
     rows, columns = integers.shape
-    scale = grid.scale.float().reshape(-1, 1).expand(rows, 1).contiguous()
+    scale = grid.scale.float().reshape(-1, 1).expand(rows, 1).contiguous().to(weight.device)
     extra: dict[str, Any] = {}
     if mode == "dynamic":
         extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=MappingType.SYMMETRIC)
@@ -159,9 +159,10 @@ def _int8_tensor(parts: ExportParts, layer: str, weight: torch.Tensor, mode: str
         extra["act_quant_kwargs"] = QuantizeTensorToInt8Kwargs(
             granularity=PerTensor(), mapping_type=MappingType.SYMMETRIC if symmetric else MappingType.ASYMMETRIC
         )
-        extra["act_quant_scale"] = activation.scale.float().reshape(1, 1)
+        extra["act_quant_scale"] = activation.scale.float().reshape(1, 1).to(weight.device)
         if not symmetric:  # torchao's integers are signed: shift ours by 128
-            extra["act_quant_zero_point"] = (activation.zero_point.reshape(1, 1) - 128).to(torch.int8)
+            shifted = activation.zero_point.reshape(1, 1) - 128
+            extra["act_quant_zero_point"] = shifted.to(device=weight.device, dtype=torch.int8)
     return Int8Tensor(integers.contiguous(), scale, [1, columns], weight.dtype, zero_point=None, **extra)
 
 
