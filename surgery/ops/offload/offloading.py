@@ -462,7 +462,7 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         return
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = buffer.to(device)
+            setattr(module, name, buffer.to(device))  # a registered buffer stays one (nn.Module.__setattr__)
 
 
 class _Onload:
