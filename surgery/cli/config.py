@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
@@ -30,6 +29,7 @@ from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.hf_loading import refuse_custom_code
 from surgery.core.importing import import_module_named
+from surgery.core.inputs import present_device
 from surgery.ops.export.exporting import EXPORT_FORMATS
 from surgery.ops.planning.budget import ALLOWED as BUDGET_ALLOWED
 from surgery.ops.rewrite.rewriting import RewriteSpec
@@ -49,24 +49,6 @@ SHIPPED_FOLDERS = {"tinymoe": TINYMOE_FOLDER, "tinyqwen3": TINYQWEN3_FOLDER}  # 
 
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def checked_device(name: object) -> torch.device:
-    """``model.device`` as a torch device, refused in one line where it is no device this machine has."""
-    try:
-        device = torch.device(str(name))
-    except RuntimeError:
-        raise ConfigError("model.device", name, "must be cpu, cuda, cuda:N or mps") from None
-    present = {
-        "cpu": True,
-        "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
-        "mps": torch.backends.mps.is_available(),
-    }
-    if device.type not in present:
-        raise ConfigError("model.device", name, "must be cpu, cuda, cuda:N or mps")
-    if not present[device.type]:
-        raise ConfigError("model.device", name, f"is not on this machine ({torch.cuda.device_count()} CUDA devices)")
-    return device
 
 
 @dataclass
@@ -107,7 +89,7 @@ class ModelConfig:
         if self.offload_folder is not None and not self.offload:
             raise ConfigError("model.offload_folder", self.offload_folder, "applies with model.offload=true only")
         positive_int("model.num_classes", self.num_classes)
-        checked_device(self.device)
+        present_device(self.device, "model.device")
         one_of("model.dtype", self.dtype, MODEL_DTYPES)
         if self.offload and self.dtype != "float32":
             raise ConfigError("model.dtype", self.dtype, "with model.offload=true the folder's own dtypes are read")

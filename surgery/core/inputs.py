@@ -70,6 +70,22 @@ def _each_tensor(value: Any, change: Callable[[Tensor], Tensor]) -> Any:
     return value
 
 
+def present_device(name: object, field: str) -> torch.device:
+    """``name`` as a torch device this machine has; else one line naming ``field``."""
+    try:
+        device = torch.device(str(name))
+    except RuntimeError:
+        raise ConfigError(field, name, "must be cpu, cuda, cuda:N or mps") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    present = {"cpu": True, "cuda": (device.index or 0) < count, "mps": torch.backends.mps.is_available()}
+    if device.type not in present:
+        raise ConfigError(field, name, "must be cpu, cuda, cuda:N or mps")
+    if not present[device.type]:
+        said = f"{count} CUDA devices" if count else "no CUDA GPU"
+        raise ConfigError(field, name, f"is not on this machine ({said})")
+    return device
+
+
 def device_of(module: Any) -> torch.device:
     """The device ``module``'s first parameter or buffer is on; the CPU for anything else (a
     runtime's session, a module without tensors)."""

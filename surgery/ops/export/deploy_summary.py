@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from surgery.core.inputs import Call, as_call, device_of, moved
+from surgery.core.inputs import Call, as_call, device_of, flatten_tensors, moved
 from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
 
 
@@ -29,7 +29,7 @@ class Deployed(nn.Module):
         """The artifact's first floating output on ``args``, each run where the artifact runs
         (its runtime's device) and given back on the device the inputs came on."""
         call = Call(args, kwargs)
-        inputs = call.tensors() or [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        inputs = flatten_tensors([list(args), dict(kwargs)], floating_only=False)  # token ids too, nested ones
         outputs = self.run_one(self.deployable, moved(call, device_of(self.deployable)))
         found = next((t for t in outputs if t.is_floating_point()), outputs[0])
         return found.to(inputs[0].device) if inputs else found

@@ -40,7 +40,7 @@ from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
-from surgery.core.inputs import moved
+from surgery.core.inputs import moved, present_device
 from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
@@ -265,7 +265,7 @@ def offloaded(
         >>> handle = surgery.offloaded("TinyLlama-folder")
         >>> logits = handle.model(input_ids).logits
     """
-    place = _device(device)
+    place = present_device(device, "offloaded.device")
     paths, build = _source(source, factory)
     raw = WeightFiles(paths)
     model = _build_on_meta(build)
@@ -437,16 +437,6 @@ def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
 
 def _loaded(handle: Offloaded, name: str, placeholder: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(handle.load(name).to(handle.device), requires_grad=placeholder.requires_grad)
-
-
-def _device(device: object) -> torch.device:
-    try:
-        found = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError("offloaded.device", device, "must be cpu, cuda, cuda:N or mps") from None
-    if found.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("offloaded.device", device, "is not on this machine (no CUDA GPU)")
-    return found
 
 
 def _inputs_to(device: torch.device) -> Callable:
