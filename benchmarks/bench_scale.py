@@ -5,12 +5,16 @@ Usage::
     .venv/bin/python benchmarks/bench_scale.py             # 2 and 6 layers, about 10 minutes
     .venv/bin/python benchmarks/bench_scale.py --full      # and 22 layers (the 1.1B model)
     .venv/bin/python benchmarks/bench_scale.py --json /tmp/scale.json
+    .venv/bin/python benchmarks/bench_scale.py --rows offloaded --hidden 1024 --depths 2 8 16
 
 Every row runs in a fresh child process on one torch thread, with the same seeded model (hidden
 2048, MLP 5632, 32 heads, 4 key/value heads, vocabulary 32000, float32) and the same 4
 calibration sequences of 64 tokens. Peak memory is the child's resident high-water mark
 (``VmHWM``) beyond its resident memory once the model is built, shown as a multiple of the
-model's bytes and, between two depths, per layer as a multiple of one layer's bytes. Rows:
+model's bytes; everything a row imports is imported before that baseline. Between two depths the
+whole resident cost (the peak, plus the weights where the model is in memory) is a line: what
+each layer adds, as a multiple of one layer's bytes, and its fixed part (the line at 0 layers).
+Rows:
 
 - surgery, in memory: ``quantize(weights=GridSpec(bits=4, group_size=128, method="gptq"))``,
   its originals for ``restore()`` kept in memory (the default) or spilled to disk
@@ -39,7 +43,18 @@ from pathlib import Path
 from peer_venvs import peer_python  # beside this script
 
 HERE = Path(__file__).resolve().parent
-WIDTH = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4}
+HIDDEN = 2048  # TinyLlama's; --hidden measures another width (MLP 2.75x, heads of 64, 8 per key/value head)
+
+
+def width(hidden: int) -> dict[str, int]:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 11 // 4,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 512),
+    }
+
+
 ROWS = {
     "surgery, originals in memory": "memory",
     "surgery, originals on disk": "disk",
@@ -54,11 +69,13 @@ def memory(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def build(layers: int):
+def build(layers: int, hidden: int = HIDDEN):
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(**WIDTH, num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        **width(hidden), num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=256
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -69,14 +86,28 @@ def token_ids():
     return torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(1))
 
 
-def run_row(kind: str, layers: int) -> dict:
+def imports(kind: str) -> None:
+    """Everything the row imports, before its baseline: the peak is the work's alone (transformers'
+    Llama code and torchao, which it pulls in, are 260 MB of resident memory by themselves)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    if kind == "llmcompressor":
+        import datasets  # noqa: F401
+        import llmcompressor  # noqa: F401
+        import llmcompressor.modifiers.quantization  # noqa: F401
+    else:
+        import surgery  # noqa: F401
+
+
+def run_row(kind: str, layers: int, hidden: int = HIDDEN) -> dict:
     """One row, in this (child) process."""
     import torch
 
     torch.set_num_threads(1)
+    imports(kind)
     if kind == "offloaded":
-        return _offloaded_row(layers)
-    model = build(layers)
+        return _offloaded_row(layers, hidden)
+    model = build(layers, hidden)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     ids = token_ids()
@@ -91,13 +122,13 @@ def run_row(kind: str, layers: int) -> dict:
     return {"peak": peak, "model": model_bytes, "layer": layer_bytes, "seconds": seconds, "layers": layers}
 
 
-def _offloaded_row(layers: int) -> dict:
+def _offloaded_row(layers: int, hidden: int) -> dict:
     import surgery
     from surgery import GridSpec
 
     with tempfile.TemporaryDirectory() as folder:
         script = f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_scale; "
-        script += f"bench_scale.build({layers}).save_pretrained({folder!r})"
+        script += f"bench_scale.build({layers}, {hidden}).save_pretrained({folder!r})"
         subprocess.run([sys.executable, "-c", script], check=True)
         ids = token_ids()
         calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
@@ -129,7 +160,7 @@ def _surgery(model, ids, originals: str) -> None:
 
 
 def _llm_compressor(model, ids) -> None:
-    import transformers
+    import transformers  # imported before the baseline, with the rest (imports())
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -151,10 +182,10 @@ def _llm_compressor(model, ids) -> None:
     )
 
 
-def measure(kind: str, layers: int) -> dict:
+def measure(kind: str, layers: int, hidden: int = HIDDEN) -> dict:
     python = peer_python("llmcompressor") if kind == "llmcompressor" else Path(sys.executable)
     found = subprocess.run(
-        [str(python), __file__, "--row", kind, "--layers", str(layers)],
+        [str(python), __file__, "--row", kind, "--layers", str(layers), "--hidden", str(hidden)],
         capture_output=True,
         text=True,
         env={"PYTHONPATH": str(HERE.parent), "MALLOC_MMAP_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"},
@@ -167,22 +198,31 @@ def measure(kind: str, layers: int) -> dict:
 
 def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
     """Per depth: the peak beyond the built model ÷ the model's bytes, and seconds per block; then
-    what each added layer adds to the whole peak (its weights included, where the model is in
-    memory) ÷ one layer's bytes."""
+    the whole resident cost (the peak, plus the model's weights where it is in memory) as a line
+    in depth: what each added layer adds ÷ one layer's bytes, and the fixed part (the line at 0
+    layers) in MB and in layers' bytes."""
     head = "| | " + " | ".join(f"{d} layers: peak beyond the model ÷ model | s per block" for d in depths)
-    head += f" | peak added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes |"
-    lines = [head, "|" + " --- |" * (2 * len(depths) + 2)]
+    head += f" | added per layer ({depths[0]}→{depths[-1]}) ÷ layer bytes | fixed part |"
+    lines = [head, "|" + " --- |" * (2 * len(depths) + 3)]
     for name, rows in results.items():
         rows = {int(depth): row for depth, row in rows.items()}  # keys are strings once read back from JSON
         cells = [f"{rows[d]['peak'] / rows[d]['model']:.2f}× | {rows[d]['seconds'] / d:.1f}" for d in depths]
-        first, last = rows[depths[0]], rows[depths[-1]]
-        whole = last["peak"] - first["peak"]
-        if "offloaded" not in name:
-            whole += last["model"] - first["model"]  # the model in memory grows with it
+        slope, fixed = line_in_depth(rows, depths, in_memory="offloaded" not in name)
+        layer = rows[depths[0]]["layer"]
         lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | {whole / (depths[-1] - depths[0]) / first['layer']:.2f}× |"
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {slope / layer:.2f}× | {fixed / 1e6:.0f} MB ({fixed / layer:.1f} layers) |"
         )
     return "\n".join(lines)
+
+
+def line_in_depth(rows: dict[int, dict], depths: list[int], in_memory: bool) -> tuple[float, float]:
+    """(bytes each added layer adds, bytes at 0 layers) of the whole resident cost, through the
+    shallowest and deepest runs."""
+    whole = {d: rows[d]["peak"] + (rows[d]["model"] if in_memory else 0) for d in (depths[0], depths[-1])}
+    slope = (whole[depths[-1]] - whole[depths[0]]) / (depths[-1] - depths[0])
+    return slope, whole[depths[0]] - slope * depths[0]
 
 
 def main() -> None:
@@ -193,22 +233,24 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print the table of a --json file and stop")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width (2048: TinyLlama's)")
+    parser.add_argument("--depths", type=int, nargs="*", help="layer counts to measure (default 2 6, --full: 2 6 22)")
     args = parser.parse_args()
     if args.row:
-        print(json.dumps(run_row(args.row, args.layers)))
+        print(json.dumps(run_row(args.row, args.layers, args.hidden)))
         return
     if args.table:
         results = json.loads(args.table.read_text())
         print(table(results, sorted({int(d) for rows in results.values() for d in rows})))
         return
-    depths = [2, 6, 22] if args.full else [2, 6]
+    depths = args.depths or ([2, 6, 22] if args.full else [2, 6])
     results: dict[str, dict[int, dict]] = {}
     for name, kind in ROWS.items():
         if kind not in args.rows:
             continue
         results[name] = {}
         for layers in depths:
-            results[name][layers] = measure(kind, layers)
+            results[name][layers] = measure(kind, layers, args.hidden)
             row = results[name][layers]
             print(f"{name}, {layers} layers: peak {row['peak'] / 1e9:.2f} GB, {row['seconds']:.0f} s", flush=True)
     print(table(results, depths))

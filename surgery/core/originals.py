@@ -5,7 +5,9 @@ A verb that rewrites weights must keep their original values to undo itself. An
 tensor in memory (``where="memory"``, the default), or written to a temporary safetensors
 file and read back only by ``restore()`` (``where="disk"``: the model's memory stays about
 one copy of its weights, at the cost of a write per weight). The files are deleted once no
-undo record needs them.
+undo record needs them. Within :func:`read_again_from`, a parameter whose values can be read
+again from where they came (an offloaded model's weights: their files) is kept as that read,
+nothing held.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 import shutil
 import tempfile
 import weakref
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -26,6 +29,20 @@ from surgery.core.errors import ConfigError
 from surgery.core.transforms import Saved, SavedTensor
 
 PLACES = ("memory", "disk")
+Reader = Callable[[Tensor], "Callable[[], Tensor] | None"]  # a parameter -> how to read its values again, or None
+_READ_AGAIN: ContextVar[Reader | None] = ContextVar("surgery_originals_read_again", default=None)
+
+
+@contextlib.contextmanager
+def read_again_from(reader: Reader) -> Iterator[None]:
+    """Within the block, a store keeps no copy of a parameter for which ``reader(param)`` gives a
+    way to read its values again (an offloaded stage's weights: the files they were read from);
+    ``restore()`` reads them from there."""
+    token = _READ_AGAIN.set(reader)
+    try:
+        yield
+    finally:
+        _READ_AGAIN.reset(token)
 
 
 def check_place(where: object, field: str) -> str:
@@ -44,6 +61,19 @@ class SpilledTensor:
     def put_back(self, param: Tensor) -> None:
         with safe_open(str(self.path), framework="pt") as spilled:
             param.copy_(spilled.get_tensor("value").to(param.device, param.dtype))
+
+    def tensors(self) -> list[Tensor]:
+        return []
+
+
+class ReadAgain:
+    """Original values read again from where they came on restore (nothing held in memory)."""
+
+    def __init__(self, read: Callable[[], Tensor]) -> None:
+        self.read = read
+
+    def put_back(self, param: Tensor) -> None:
+        param.copy_(self.read().to(param.device, param.dtype))
 
     def tensors(self) -> list[Tensor]:
         return []
@@ -86,6 +116,11 @@ class Originals:
         if name in self._kept:
             return
         value = param.detach()
+        reader = _READ_AGAIN.get()
+        read = reader(param) if reader is not None else None
+        if read is not None:
+            self._kept[name] = (param, ReadAgain(read))
+            return
         if self.folder is None:
             self._kept[name] = (param, SavedTensor(value))
             return

@@ -532,10 +532,13 @@ def _write(
     params: Callable[[str], tuple[str, nn.Parameter]],
     originals: Originals,
 ) -> None:
-    for layer in stage.layers:
+    for layer in stage.layers:  # each value asked for once, written at once (a solver may solve it only now)
         name, param = params(layer)
-        value = values.get(name)
+        if name not in values:  # not .get(): a KeyError raised while solving must not read as "no value"
+            continue
+        value = values[name]
         if value is None:
             continue
         originals.keep(name, param)
         param.copy_(value.to(param.dtype))
+        del value

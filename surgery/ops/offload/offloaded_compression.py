@@ -45,6 +45,7 @@ from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeErr
 from surgery.core.folders import LOCK, claimed
 from surgery.core.handles import Handle
 from surgery.core.inputs import Call, evaluating, flatten_tensors
+from surgery.core.originals import Reader, read_again_from
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, trace_stages
@@ -243,7 +244,7 @@ def _compress_stage(
     written; returns the stage's file and the next block's inputs where they chain."""
     where = stage_module(source.model, stage)
     cache = None
-    with source.resident(module) as weights:
+    with source.resident(module) as weights, read_again_from(_reader(source, weights)):
         if not verb.sequential:  # the next block's inputs as the unchanged block gives them
             cache = _outputs_for_next(following, module, inputs)
         applied = verb.run(
@@ -258,6 +259,21 @@ def _compress_stage(
         if verb.sequential:
             cache = _outputs_for_next(following, module, inputs)
     return written, cache
+
+
+def _reader(source: Offloaded, weights: dict[str, nn.Parameter]) -> Reader:
+    """The verb keeps no copy of the stage's weights for its undo: it reads them again from the
+    files the model read them from (one layer's bytes less at the peak)."""
+    names = {id(param): name for name, param in weights.items()}
+
+    def read_again(param: Tensor) -> Callable[[], Tensor] | None:
+        name = names.get(id(param))
+        if name is None:
+            return None
+        files = source.overlay.get(name, source.files)  # where it was read from, before this verb
+        return lambda: files.load(name)
+
+    return read_again
 
 
 def stage_layers(model: nn.Module, names: list[str] | dict[str, Any]) -> dict[str, nn.Module]:

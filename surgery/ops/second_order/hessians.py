@@ -105,20 +105,28 @@ class HessianReducer:
         self.name, self.module = name, module
         self.sum: Tensor | None = None
         self.rows = 0
+        self.found: dict[str, Any] | None = None  # the result, once asked for (no more updates then)
 
     def update(self, tensor: Tensor) -> None:
+        if self.found is not None:
+            raise RuntimeError(
+                f"capture: {self.name}'s Hessian was read while the model still ran; read the results after the with block"
+            )
         columns = input_columns(self.module, self.name, tensor)  # NaN or Inf carries into the sum: checked once
         product = columns.transpose(1, 2) @ columns
-        self.sum = product if self.sum is None else self.sum + product
+        self.sum = product if self.sum is None else self.sum.add_(product)  # in place: one n-by-n less at the peak
         self.rows += columns.shape[1]
 
     def result(self) -> dict[str, Any] | None:
-        if self.sum is None:
-            return None
-        if not torch.isfinite(self.sum).all():  # one check a layer, not a device sync a batch
+        if self.found is not None or self.sum is None:
+            return self.found
+        if not torch.isfinite(torch.stack(torch.aminmax(self.sum))).all():  # one sync a layer; NaN carries into both
             raise ConfigError("calibration", self.name, "NaN or Inf reached this layer; clean the calibration data")
         rows = distributed.summed_count(self.rows)  # over the processes calibrating together, if any
-        return {"hessian": distributed.summed(self.sum) * (2.0 / rows), "rows": rows}
+        total = distributed.summed(self.sum)
+        hessian = total.mul_(2.0 / rows) if total is not self.sum else total * (2.0 / rows)
+        self.sum, self.found = None, {"hessian": hessian, "rows": rows}  # the sum made the Hessian: one n-by-n each
+        return self.found
 
 
 register_reduction("hessian", HessianReducer)

@@ -26,20 +26,19 @@ def inverse_factor(hessian: Tensor, damping: float, name: str) -> Tensor:
     """The upper Cholesky factor of ``(H + λI)⁻¹``, λ = ``damping`` × mean diagonal; columns no
     calibration input reached (zero diagonal) get a unit diagonal. The damping grows tenfold
     (up to three times) if ``H`` is not positive definite."""
-    h = hessian.float().clone()  # float32, as the reference code: float64 factors move GPTQ's walk off theirs
-    diagonal = torch.diagonal(h)
-    dead = diagonal == 0
-    h[dead, dead] = 1.0
-    mean = diagonal.mean()
-    added = 0.0
-    for attempt in range(4):  # the damping added in place, as the reference code: no n-by-n identity
-        step = damping * 10**attempt * mean - added
-        diagonal.add_(step)
-        added = added + step
+    dead = torch.diagonal(hessian) == 0
+    mean = None
+    for attempt in range(4):
+        h = hessian.float().clone()  # float32, as the reference code: float64 factors move GPTQ's walk off theirs
+        h[dead, dead] = 1.0
+        if mean is None:  # the damping's base: the mean diagonal, dead columns counted as 1 (the reference code)
+            mean = torch.diagonal(h).mean()
+        torch.diagonal(h).add_(damping * 10**attempt * mean)  # in place, as the reference code: no n-by-n identity
         factor, info = torch.linalg.cholesky_ex(h)
+        del h  # at most two n-by-n matrices beside the caller's at any time (a 5632-wide Hessian is 127 MB)
         if int(info) == 0:
             inverse = torch.cholesky_inverse(factor)
-            del factor  # one n-by-n matrix fewer at the peak (a 5632-wide Hessian is 127 MB)
+            del factor
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper

@@ -10,7 +10,7 @@ undo records are the store's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -63,18 +63,8 @@ def reconstruct_layers(
     by_layer = {target.module_name: (name, target) for name, target in targets.items()}
     results: dict[str, tuple[Tensor, ...]] = {}
 
-    def solve(hessians: dict[str, dict[str, Any]]) -> dict[str, Tensor]:
-        written = {}
-        for layer, found in hessians.items():
-            name, target = by_layer[layer]
-            value = guards.current_value(target.param)
-            extra = {key: found[key] for key in ("asymmetry",) if key in found}
-            matrix, extras = _solve_groups(
-                layer, target.module, weight_matrix(target.module, value), found["hessian"], solver, extra
-            )
-            written[name] = from_matrix(target.module, matrix, value)
-            results[name] = extras
-        return written
+    def solve(hessians: dict[str, dict[str, Any]]) -> Mapping[str, Tensor]:
+        return _SolvedOneByOne(hessians, by_layer, solver, results)
 
     report = run_sequential(
         model,
@@ -91,6 +81,42 @@ def reconstruct_layers(
         paired=paired,
     )
     return results, report
+
+
+class _SolvedOneByOne(Mapping[str, Tensor]):
+    """A stage's new weights, each layer solved when its value is asked for (the caller writes it
+    in at once) and its Hessian dropped then: beside the stage's weights, memory holds one new
+    matrix and the Hessians not yet used, not every new matrix of the stage at once."""
+
+    def __init__(
+        self,
+        hessians: dict[str, dict[str, Any]],
+        by_layer: dict[str, tuple[str, Target]],
+        solver: MatrixSolver,
+        results: dict[str, tuple[Tensor, ...]],
+    ) -> None:
+        self.hessians, self.solver, self.results = hessians, solver, results
+        self.layers = {by_layer[layer][0]: (layer, by_layer[layer][1]) for layer in hessians}
+
+    def __getitem__(self, name: str) -> Tensor:
+        layer, target = self.layers[name]
+        found = self.hessians.pop(layer)  # each layer is solved once
+        value = guards.current_value(target.param)
+        extra = {key: found[key] for key in ("asymmetry",) if key in found}
+        matrix, extras = _solve_groups(
+            layer, target.module, weight_matrix(target.module, value), found.pop("hessian"), self.solver, extra
+        )
+        self.results[name] = extras
+        return from_matrix(target.module, matrix, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 def _solve_groups(
