@@ -40,3 +40,44 @@ def test_the_sequential_walk_takes_its_reducer_from_the_caller():
     reduce = inspect.signature(run_sequential).parameters["reduce"]
     assert reduce.default is inspect.Parameter.empty and reduce.kind is inspect.Parameter.KEYWORD_ONLY
     assert callable(HessianReducer)
+
+
+def test_a_hessian_is_summed_over_calls_and_read_once_without_a_second_copy():
+    """Several calls sum (in place) to the same ``2 XᵀX / rows``; reading the result twice gives
+    the same tensor (the running sum became it), and a call after the read is refused in one
+    line rather than summed into a result already handed out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    xs = [torch.randn(3, 4) for _ in range(3)]
+    with surgery.capture(model, select="0", what="inputs", reduce="hessian") as seen:
+        for x in xs:
+            model(x)
+    x = torch.cat(xs)
+    first = seen.inputs["0"]
+    assert first["rows"] == 9
+    torch.testing.assert_close(first["hessian"][0], 2 * x.T @ x / 9)
+    assert seen.inputs["0"]["hessian"] is first["hessian"]
+    reducer = HessianReducer("0", model[0])
+    reducer.update(torch.randn(2, 4))
+    reducer.result()
+    try:
+        reducer.update(torch.randn(2, 4))
+    except RuntimeError as err:
+        assert "read while the model still ran" in str(err)
+    else:
+        raise AssertionError("an update after the result was summed silently")
+
+
+def test_a_nan_anywhere_in_the_hessian_is_refused_once_per_layer():
+    """The finite check looks at the smallest and largest entries: a NaN, +Inf or -Inf anywhere fails it."""
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        reducer = HessianReducer("layer", nn.Linear(3, 2))
+        x = torch.randn(4, 3)
+        x[1, 2] = bad
+        reducer.update(x)
+        try:
+            reducer.result()
+        except surgery.ConfigError as err:
+            assert "NaN or Inf reached this layer" in str(err)
+        else:
+            raise AssertionError(f"{bad} in the inputs gave a Hessian")
