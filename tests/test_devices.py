@@ -11,6 +11,7 @@ from support import devices, tiny_llama  # tests/support.py
 
 import surgery
 from surgery import GridSpec
+from surgery.testing import assert_no_hooks
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 CALIBRATION = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -88,6 +89,21 @@ def test_a_run_on_model_device_checks_and_exports_as_on_the_cpu(device, tmp_path
     assert report["deploy"]["max_abs"] == 0.0  # the GGUF file computes the run's logits bit for bit
 
 
+@pytest.mark.slow  # ~15 s: a run with its round-trip checks and the GGUF deploy check
+@pytest.mark.parametrize("device", devices())
+def test_a_run_onloading_each_block_reports_its_peak_and_exports_as_without(device, tmp_path):
+    from support import run_recipe
+
+    args = ("recipe=quantize_llama_gguf", "quantize.weights.method=gptq", "data.batches=1", f"+quantize.onload={device}")
+    report = run_recipe(tmp_path, *args)
+    assert report["ok"] and {check["name"] for check in report["checks"] if not check["passed"]} == set()
+    assert report["deploy"]["max_abs"] == 0.0
+    if device == "cuda":
+        assert report["onload"]["quantize"]["blocks"] >= 2 and min(report["onload"]["quantize"]["gpu_peak_bytes"]) > 0
+    else:
+        assert "onload" not in report  # nothing went to a GPU
+
+
 @pytest.mark.parametrize("device", devices())
 def test_percentile_activation_ranges_are_observed_on_the_device(device):
     model = on(device)
@@ -135,6 +151,100 @@ def test_an_offloaded_device_this_machine_lacks_is_refused_in_one_line(tmp_path)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"^offloaded\.device='cuda': is not on this machine \(no CUDA GPU\)$"):
             surgery.offloaded(tmp_path / "model", device="cuda")
+
+
+ONLOADED = {
+    "gptq": lambda m, b, device: surgery.quantize(
+        m, weights=METHODS["gptq"], calibration=b, exclude="lm_head", onload=device, progress=False
+    ),
+    "autoround": lambda m, b, device: surgery.quantize(
+        m, weights=METHODS["autoround"], calibration=b, exclude="lm_head", onload=device, progress=False
+    ),
+    "sparsegpt": lambda m, b, device: surgery.prune(
+        m, 0.5, method="sparsegpt", calibration=b, exclude="lm_head", onload=device, progress=False
+    ),
+    "wanda": lambda m, b, device: surgery.prune(
+        m, 0.5, method="wanda", calibration=b, exclude="lm_head", onload=device, progress=False
+    ),
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("verb", list(ONLOADED))
+def test_onload_runs_each_block_on_the_device_and_leaves_the_model_where_it_was(device, verb):
+    """A model in CPU memory, each block moved to ``device`` for its stage and back: the blocks
+    compute there, the model ends on the CPU, and the result is the CPU's (bit for bit on the
+    CPU; a rounding step apart at most in a few weights on another device's kernels)."""
+    reference = on("cpu")
+    with ONLOADED[verb](reference, CALIBRATION, None):
+        expected = logits(reference, "cpu")
+    model = on("cpu")
+    before = logits(model, "cpu")
+    ran_on = set()
+    watch = [
+        layer.register_forward_pre_hook(lambda module, args: ran_on.add(args[0].device.type))
+        for layer in model.model.layers
+    ]
+    with ONLOADED[verb](model, CALIBRATION, device) as handle:
+        for hook in watch:
+            hook.remove()
+        assert held_on(model, "cpu")
+        found = logits(model, "cpu")
+        peaks = handle.sequential.gpu_peak_bytes  # each block's peak on the GPU, where it ran on one
+        assert len(peaks) == (len(model.model.layers) if device == "cuda" else 0) and all(p > 0 for p in peaks)
+    assert device in ran_on
+    assert held_on(model, "cpu") and torch.equal(logits(model, "cpu"), before)
+    assert_no_hooks(model)
+    if device == "cpu":
+        assert torch.equal(found, expected)
+    else:
+        assert torch.nn.functional.cosine_similarity(found.flatten(), expected.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_stage_that_fails_while_onloaded_leaves_the_model_where_it_was_and_unchanged(device):
+    model = on("cpu")
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    calls = []
+
+    def fail_in_the_second_block_s_stage(module, args):
+        calls.append(args[0].device.type)
+        if len(calls) == 2:  # the first call is the forward that traces the stages
+            raise RuntimeError("the second block failed")
+
+    failing = model.model.layers[1].mlp.register_forward_pre_hook(fail_in_the_second_block_s_stage)
+    with pytest.raises(RuntimeError, match="the second block failed"):
+        ONLOADED["gptq"](model, CALIBRATION, device)
+    failing.remove()
+    assert calls[1] == device  # it failed on the device, after the first block was written
+    assert held_on(model, "cpu")
+    assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items())
+    assert_no_hooks(model)
+
+
+def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
+    model = on("cpu")
+    with pytest.raises(surgery.ConfigError, match=r"^quantize\.onload='cuda:99': is not on this machine"):
+        surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cuda:99")
+    with pytest.raises(
+        surgery.ConfigError, match=r"^quantize\.onload='cpu': .*weights\.method='rtn' calibrates no blocks"
+    ):
+        surgery.quantize(model, weights=METHODS["rtn"], onload="cpu")
+    with pytest.raises(
+        surgery.ConfigError, match=r"^prune\.onload='cpu': .*'l1_unstructured' with scope='layer' calibrates no blocks"
+    ):
+        surgery.prune(model, 0.5, onload="cpu")
+    with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='tpu': must be cpu, cuda, cuda:N or mps$"):
+        surgery.prune(model, 0.5, method="wanda", calibration=CALIBRATION, onload="tpu")
+    assert_no_hooks(model)
+    tiny_llama(layers=1).save_pretrained(tmp_path / "model")
+    with surgery.offloaded(tmp_path / "model") as offloaded:
+        with pytest.raises(
+            surgery.ConfigError, match=r"^quantize\.onload='cpu': an offloaded model .*offloaded\(device=\)"
+        ):
+            surgery.quantize(offloaded, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cpu")
+        with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='cpu': an offloaded model brings each block"):
+            surgery.prune(offloaded, 0.5, method="wanda", calibration=CALIBRATION, onload="cpu")
 
 
 VERBS = {

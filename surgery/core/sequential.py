@@ -22,13 +22,18 @@ in (so later stages see them), each weight's original values kept once in an
 :class:`~surgery.core.originals.Originals` store. Without a store from the caller they are put
 back at the end; with one, the new values stay and the caller attaches them as guarded
 transforms whose undo records are the store's. On any error they are put back.
+
+Within :func:`onloading`, each block's stage runs on another device (a GPU): the block is moved
+there for its stage (its inputs with it) and back after, so a model held in CPU memory is
+compressed block by block at the GPU's speed, the GPU holding one block.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +44,14 @@ from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, Keep, ReducerFactory
 from surgery.core.errors import ConfigError, NoCalibrationInputError
-from surgery.core.inputs import Call, batches, check_batch_finite, device_of, evaluating, moved
+from surgery.core.inputs import Call, batches, check_batch_finite, device_of, evaluating, moved, present_device
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
 from surgery.core.routing import routed_as
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
+_ONLOAD: ContextVar[torch.device | None] = ContextVar("surgery_onload", default=None)
 Solve = Callable[[dict[str, Any]], Mapping[str, Tensor]]  # {layer: its reduced inputs} -> {param name: new value}
 # (layer, module, its inputs in the model before compression, its inputs here) -> its reduced inputs
 Paired = Callable[[str, nn.Module, list[Tensor], list[Tensor]], Any]
@@ -84,6 +90,7 @@ class SequentialReport:
     spilled_bytes: int = 0  # cached activations written to disk (see :mod:`surgery.core.activations`)
     blocks: list[str] = field(default_factory=list)
     chained: set[str] = field(default_factory=set)  # blocks whose output is the next block's input
+    gpu_peak_bytes: list[int] = field(default_factory=list)  # onloaded to a GPU: each block's peak there
 
 
 def find_blocks(model: nn.Module, at_least: int = 2) -> list[str]:
@@ -251,6 +258,41 @@ def _explain_dtype(model: nn.Module, first: Call, err: BaseException, field: str
         ) from None
 
 
+@contextlib.contextmanager
+def onloading(device: str | torch.device | None, field: str = "onload") -> Iterator[None]:
+    """Within the block, each block's stage of sequential calibration runs on ``device`` (None:
+    where the block is): the block moved there for its stage, its inputs moved to it, and moved
+    back after (also on an error). A device this machine lacks is refused, naming ``field``."""
+    if device is None:
+        yield
+        return
+    token = _ONLOAD.set(present_device(device, field))
+    try:
+        yield
+    finally:
+        _ONLOAD.reset(token)
+
+
+@contextlib.contextmanager
+def _onloaded(block: nn.Module | None) -> Iterator[torch.device | None]:
+    """The block on the onload device for the stage (see :func:`onloading`), then back where it
+    was; yields that device (None: nothing onloaded)."""
+    device = _ONLOAD.get()
+    if device is None or block is None:
+        yield None
+        return
+    home = device_of(block)
+    block.to(device)
+    to_device = block.register_forward_pre_hook(
+        lambda module, args, kwargs: (moved(args, device), moved(kwargs, device)), with_kwargs=True
+    )
+    try:
+        yield device
+    finally:
+        to_device.remove()
+        block.to(home)
+
+
 def run_sequential(
     model: nn.Module,
     layers: dict[str, nn.Module],
@@ -296,25 +338,38 @@ def run_sequential(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
             ):
                 stage_layers = {name: layers[name] for name in stage.layers}
-                if stage.block is None and reduce is not None:
-                    cache, block, inputs = None, None, None
-                    run = lambda calls=calls: [call(model) for call in calls]  # noqa: E731
-                else:
-                    block = model.get_submodule(stage.block) if stage.block else stage_layers[stage.layers[0]]
-                    follows = previous if cache is not None and cache[0] == stage.block else None
-                    inputs = cache[1] if follows is not None else catch_inputs(model, block, calls)
-                    run = lambda block=block, inputs=inputs: run_each(block, inputs)  # noqa: E731
-                if reduce is None:
-                    reduced = StageInputs(block, inputs, follows)
-                elif floats is None:
-                    reduced = _reduced(model, stage_layers, reduce, run)
-                else:
-                    reduced = floats.reduced(stage, stage_layers, block, inputs, run)
-                _write(solve(reduced), stage, params, store)
-                previous = stage.block
-                cache = None if stage.block is None else _outputs_for_next(report, stage.block, block, inputs)
-                if stage.block is not None or reduce is None:
-                    del inputs
+                alone = stage.block is None and reduce is not None
+                block = (
+                    None
+                    if alone
+                    else model.get_submodule(stage.block)
+                    if stage.block
+                    else stage_layers[stage.layers[0]]
+                )
+                with _onloaded(block) as onload:
+                    if onload is not None and onload.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(onload)
+                    if block is None:
+                        cache, inputs = None, None
+                        run = lambda calls=calls: [call(model) for call in calls]  # noqa: E731
+                    else:
+                        follows = previous if cache is not None and cache[0] == stage.block else None
+                        inputs = cache[1] if follows is not None else catch_inputs(model, block, calls)
+                        run = lambda block=block, inputs=inputs: run_each(block, inputs)  # noqa: E731
+                    if reduce is None:
+                        reduced = StageInputs(block, inputs, follows)
+                    elif floats is None:
+                        reduced = _reduced(model, stage_layers, reduce, run)
+                    else:
+                        reduced = floats.reduced(stage, stage_layers, block, inputs, run)
+                    _write(solve(reduced), stage, params, store)
+                    del reduced
+                    previous = stage.block
+                    cache = None if stage.block is None else _outputs_for_next(report, stage.block, block, inputs)
+                    if stage.block is not None or reduce is None:
+                        del inputs
+                    if onload is not None and onload.type == "cuda":
+                        report.gpu_peak_bytes.append(torch.cuda.max_memory_allocated(onload))
             report.peak_cached_bytes, report.spilled_bytes = ledger.peak_held, ledger.spilled - spilled_before
             if report.spilled_bytes:
                 log.info(

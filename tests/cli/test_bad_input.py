@@ -1499,6 +1499,12 @@ CLI_CASES = [
     CliCase("device", (*QUANTIZE, "model.device=tpu"), "model.device='tpu': must be cpu, cuda, cuda:N or mps"),
     CliCase("device", (*QUANTIZE, "model.dtype=float8"), "model.dtype='float8': must be one of float32, bfloat16"),
     CliCase(
+        "onload",
+        (*QUANTIZE, "+quantize.onload=cuda:7"),
+        "quantize.onload='cuda:7': is not on this machine",
+    ),
+    CliCase("onload", (*QUANTIZE, "+quantize.onload=cpu"), "quantize.onload='cpu': moves each block to a device"),
+    CliCase(
         "float-offset",
         (*QUANTIZE, "+quantize.weights.float_offset=true"),
         "quantize.weights.float_offset=True: applies to affine grids (symmetric=false)",

@@ -13,7 +13,7 @@ from surgery.core import compiled, guards
 from surgery.core._compat import BATCH_NORMS
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import batches
-from surgery.core.sequential import find_blocks, resolve_blocks
+from surgery.core.sequential import find_blocks, onloading, resolve_blocks
 from surgery.core.settings import spec_or_keywords
 from surgery.core.transforms import own_step_hook
 from surgery.ops.equivalence.folding import fold_batchnorms
@@ -129,6 +129,10 @@ def quantize(
             runtime the simulation then equals: BatchNorm folded into convolutions (restorably,
             with the first calibration batch), only the layer types it quantizes selected by
             default, activations where it quantizes them, with its bit widths and signedness.
+        onload: for a sequential weight method (GPTQ, AutoRound), the device (``"cuda"``) each
+            block is moved to while it is calibrated and solved, then moved back: a model in
+            CPU memory compressed at the GPU's speed, the GPU holding one block and its
+            calibration activations. ``None`` (default): where the model is.
         originals: where the weights' original values wait for ``restore()``: ``"memory"``
             (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
@@ -174,7 +178,8 @@ def _quantize_in_memory(
         if weights is not None and train:
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:
-            _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals)
+            with onloading(spec.onload, "quantize.onload"):
+                _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals)
         if activations is not None and where == "tensors":
             _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)
         elif activations is not None:
@@ -203,14 +208,16 @@ def _quantize_offloaded(
         ("train", spec.train),
         ("target", folding),
         ("weights", spec.weights is None),
+        ("onload", spec.onload is not None),
     ]
     refused = next((name for name, bad in unsupported if bad), None)
     if refused is not None:
         raise ConfigError(
             f"quantize.{refused}",
             getattr(spec, refused) if refused != "weights" else None,
-            "an offloaded model is quantized weights only, block by block: set weights, and no "
-            "activations, train or target that folds BatchNorm (or handle.materialise() it first)",
+            "an offloaded model is quantized weights only, block by block, on the device offloaded(device=) "
+            "names: set weights, and no activations, train, onload or target that folds BatchNorm "
+            "(or handle.materialise() it first)",
         )
     _validate_inputs(spec, calibration, None)
     method = weight_method(spec.weights.method)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
 from surgery.core.selection import Selection
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
@@ -43,6 +44,7 @@ class QuantizeSpec:
     freeze_observers_after: int | None = None  # with train: optimizer steps before activation ranges freeze
     blocks: Any = None  # sequential methods (gptq): blocks calibrated in turn; False: layer by layer
     target: str | None = None  # a deployment format whose runtime the simulation then equals
+    onload: str | None = None  # sequential methods: the device each block is calibrated on (cuda), moved back after
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
 
     def __post_init__(self) -> None:
@@ -69,6 +71,7 @@ class QuantizeSpec:
         _validate_weighted(weights, activations, self.train)
         _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
         _validate_offsets(weights, activations, self.train)
+        _validate_onload(self.onload, weights)
         check_place(self.originals, "quantize.originals")
         if self.originals == "disk" and self.train:
             raise ConfigError(
@@ -103,7 +106,23 @@ class QuantizeKeywords(TypedDict, total=False):
     freeze_observers_after: int | None
     blocks: Selection | bool | None
     target: str | None
+    onload: str | None
     originals: str
+
+
+def _validate_onload(onload: object, weights: GridSpec | None) -> None:
+    """``onload`` moves the blocks of a sequential weight method (gptq, autoround) to a device."""
+    if onload is None:
+        return
+    present_device(onload, "quantize.onload")
+    if weights is None or not weight_method(weights.method).sequential:
+        method = None if weights is None else weights.method
+        raise ConfigError(
+            "quantize.onload",
+            onload,
+            f"moves each block to a device while a sequential weight method (gptq, autoround) calibrates it; "
+            f"weights.method={method!r} calibrates no blocks (quantize the model where it is)",
+        )
 
 
 def _for_target(spec: QuantizeSpec, weights: GridSpec | None, activations: GridSpec | None) -> tuple:

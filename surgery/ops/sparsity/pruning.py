@@ -18,11 +18,11 @@ from surgery.core import compiled, guards
 from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError, NoCalibrationInputError
 from surgery.core.handles import Handle
-from surgery.core.inputs import Inputs, run_backward_batches, run_batches, trainable
+from surgery.core.inputs import Inputs, present_device, run_backward_batches, run_batches, trainable
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
-from surgery.core.sequential import SequentialReport, find_blocks, resolve_blocks, run_sequential
+from surgery.core.sequential import SequentialReport, find_blocks, onloading, resolve_blocks, run_sequential
 from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Skipped, Target, Targets, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
@@ -71,11 +71,14 @@ class PruneSpec:
     exclude: Any = None
     blocks: Any = None  # layer-by-layer methods: blocks calibrated in turn (None: found; False: layers)
     amounts: Any = None  # {layer: amount} overriding amount (scope="layer")
+    onload: str | None = None  # layer-by-layer methods: the device each block is calibrated on (cuda)
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
         check_place(self.originals, "prune.originals")
+        if self.onload is not None:
+            present_device(self.onload, "prune.onload")
         if self.pattern is not None:
             check_pattern(self.pattern, amount, self.criterion)
         if self.criterion.per_output and self.scope != "layer":
@@ -117,6 +120,7 @@ class PruneKeywords(TypedDict, total=False):
     exclude: Selection
     blocks: Selection | bool | None
     amounts: Mapping[str, float] | None
+    onload: str | None
     originals: str
 
 
@@ -296,6 +300,10 @@ def prune(
         amounts: per-layer amounts ``{layer: amount}`` overriding ``amount`` for the layers
             listed (e.g. from :meth:`surgery.Sensitivity.amounts_for` or :func:`surgery.owl_amounts`);
             ``scope="layer"`` only.
+        onload: for methods calibrated layer by layer (SparseGPT, Wanda), the device
+            (``"cuda"``) each block is moved to while it is calibrated and pruned, then moved
+            back: a model in CPU memory pruned at the GPU's speed. ``None`` (default): where
+            the model is.
         originals: where the weights' original values wait for ``restore()``: ``"memory"`` (only
             the entries zeroed, or the whole weight when a method such as SparseGPT updates the
             weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
@@ -357,9 +365,18 @@ def _prune_in_memory(model: nn.Module, spec: PruneSpec, calibration: Any, loss: 
             f"is only used by gradient criteria such as 'taylor', not {criterion.name!r}",
         )
     if criterion.reconstruct is not None:
-        return _prune_reconstructing(model, selection, spec, calibration, blocks, progress, per_layer)
+        with onloading(spec.onload, "prune.onload"):
+            return _prune_reconstructing(model, selection, spec, calibration, blocks, progress, per_layer)
     if _sequential(criterion, spec):
-        return _prune_sequentially(model, selection, spec, calibration, blocks, progress, per_layer)
+        with onloading(spec.onload, "prune.onload"):
+            return _prune_sequentially(model, selection, spec, calibration, blocks, progress, per_layer)
+    if spec.onload is not None:
+        raise ConfigError(
+            "prune.onload",
+            spec.onload,
+            f"moves each block to a device while a method calibrated layer by layer (sparsegpt, wanda, "
+            f"scope='layer') works on it; {criterion.name!r} with scope={spec.scope!r} calibrates no blocks",
+        )
     if blocks is not None:
         raise ConfigError(
             "prune.blocks",
@@ -393,6 +410,12 @@ def _prune_offloaded(
         )
     if criterion.needs_calibration and calibration is None:
         raise ConfigError("prune.calibration", None, f"method {criterion.name!r} needs calibration batches")
+    if spec.onload is not None:
+        raise ConfigError(
+            "prune.onload",
+            spec.onload,
+            "an offloaded model brings each block to the device offloaded(device=) names; set it there",
+        )
     model = source.model
     with linearized(model):  # each expert's layers, as in memory
         selection = prune_targets(model, spec.select, spec.exclude, spec.dim)

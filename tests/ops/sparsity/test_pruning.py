@@ -663,7 +663,7 @@ def test_the_keywords_typed_dict_names_the_spec_fields_but_amount():
 def test_an_unknown_keyword_is_one_line_naming_the_allowed_ones():
     model = nn.Linear(4, 2)
     before = model.weight.detach().clone()
-    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, originals, calibration, loss, progress, work"
+    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, onload, originals, calibration, loss, progress, work"
     with pytest.raises(ConfigError, match=rf"^prune='methd': unknown keyword; allowed: {allowed}$"):
         surgery.prune(model, 0.5, methd="l1_unstructured")
     with pytest.raises(TypeError, match="unknown keyword"):
