@@ -94,7 +94,12 @@ def test_a_run_on_model_device_checks_and_exports_as_on_the_cpu(device, tmp_path
 def test_a_run_onloading_each_block_reports_its_peak_and_exports_as_without(device, tmp_path):
     from support import run_recipe
 
-    args = ("recipe=quantize_llama_gguf", "quantize.weights.method=gptq", "data.batches=1", f"+quantize.onload={device}")
+    args = (
+        "recipe=quantize_llama_gguf",
+        "quantize.weights.method=gptq",
+        "data.batches=1",
+        f"+quantize.onload={device}",
+    )
     report = run_recipe(tmp_path, *args)
     assert report["ok"] and {check["name"] for check in report["checks"] if not check["passed"]} == set()
     assert report["deploy"]["max_abs"] == 0.0
