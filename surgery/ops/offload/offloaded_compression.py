@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +103,7 @@ class OffloadedCompression(Handle):
     def __init__(self, source: Offloaded, verb: OffloadedVerb, work: Path) -> None:
         super().__init__(f"offloaded {verb.name}", source.model)
         self.source, self.spec, self.work = source, verb.spec, work
-        self.grids: dict[str, tuple[Tensor, Tensor, int | None]] = {}
+        self.grids = StageGrids()
         self.stages: list[Stage] = []
         self.seconds: list[float] = []
         self.resumed = 0
@@ -339,7 +339,7 @@ def _adopt(handle: OffloadedCompression, finished: StageFiles) -> None:
     for name in finished.names:
         handle._before.setdefault(name, handle.source.overlay.get(name))
         handle.source.overlay[name] = handle._mine[name] = finished.files
-    handle.grids.update(finished.grids)
+    handle.grids.add(finished)
 
 
 class _Skeleton(nn.Module):
@@ -379,11 +379,37 @@ def _stages_in_module_order(layers: dict[str, nn.Module], blocks: list[str]) -> 
 
 @dataclass
 class StageFiles:
-    """A finished stage: its file (read as the model runs), the names it holds, its grids."""
+    """A finished stage: its file (read as the model runs), the names it holds, and the axis of
+    each quantized weight's grid (whose scales and zero points its file holds beside it)."""
 
     files: WeightFiles
     names: list[str]
-    grids: dict[str, tuple[Tensor, Tensor, int | None]] = field(default_factory=dict)
+    axes: dict[str, int | None] = field(default_factory=dict)
+
+
+class StageGrids(Mapping[str, tuple[Tensor, Tensor, "int | None"]]):
+    """Each quantized weight's ``(scale, zero_point, axis)``, read from its stage's file when
+    asked for: memory holds none of them, so the peak does not grow with depth (a grid is a
+    64th of its weight's bytes at groups of 128)."""
+
+    def __init__(self) -> None:
+        self._where: dict[str, tuple[WeightFiles, int | None]] = {}
+
+    def add(self, finished: StageFiles) -> None:
+        self._where.update({key: (finished.files, axis) for key, axis in finished.axes.items()})
+
+    def __getitem__(self, key: str) -> tuple[Tensor, Tensor, int | None]:
+        files, axis = self._where[key]
+        return files.load(f"{key}::scale"), files.load(f"{key}::zero_point"), axis
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 class WorkFolder:
@@ -459,17 +485,13 @@ class WorkFolder:
         if set(files.names()) != expected:
             other = sorted(set(files.names()) ^ expected)[0]
             raise ConfigError("work", str(path), f"does not hold the stage's tensors as listed ({other}); {FRESH}")
-        grids = {
-            key: (files.load(f"{key}::scale"), files.load(f"{key}::zero_point"), axis)
-            for key, axis in entry["grids"].items()
-        }
-        for key, (scale, _zero_point, axis) in grids.items():
+        for key, axis in entry["grids"].items():
             shape = files.describe(key)[0] if key in names else shapes.get(key)
-            if shape is None or not _grid_fits(shape, scale, axis):
+            if shape is None or not _grid_fits(shape, files.load(f"{key}::scale"), axis):
                 raise ConfigError(
                     "work", str(path), f"lists axis {axis!r} for {key}, which its scales do not fit; {FRESH}"
                 )
-        return StageFiles(files, entry["names"], grids)
+        return StageFiles(files, entry["names"], dict(entry["grids"]))
 
     def write(
         self, index: int, where: str, tensors: dict[str, Tensor], grids: dict[str, tuple[Tensor, Tensor, int | None]]
@@ -501,7 +523,8 @@ class WorkFolder:
             "sha256": digest,
         }
         self._save_manifest()
-        return StageFiles(WeightFiles([self.path / name], digest=digest), sorted(tensors), dict(grids))
+        axes = {key: axis for key, (_s, _z, axis) in grids.items()}
+        return StageFiles(WeightFiles([self.path / name], digest=digest), sorted(tensors), axes)
 
     def _save_manifest(self) -> None:
         part = self.path / f".{MANIFEST}.part"

@@ -228,8 +228,9 @@ def test_a_full_disk_while_streaming_leaves_the_output_as_it_was(tmp_path):
 
 
 def test_offloaded_gptq_holds_a_few_blocks_not_the_model(tmp_path):
-    """24 blocks of 8 MB: each stage holds its block, the originals the verb keeps until it
-    bakes, GPTQ's working copy and the file being written (~4 blocks, 0.17x), plus the grids."""
+    """24 blocks of 8 MB: each stage holds its block, GPTQ's working copy and the file being
+    written; the originals are read again from the files, the grids from the stage files
+    (measured 0.31x, with the process's own growth; 0.5x before those two)."""
     path = str(tmp_path / "wide.safetensors")
     subprocess.run([sys.executable, str(PROBE), "write", path], check=True, timeout=120)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -237,7 +238,7 @@ def test_offloaded_gptq_holds_a_few_blocks_not_the_model(tmp_path):
         [sys.executable, str(PROBE), "gptq-offloaded", path], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert float(result.stdout.split()[-1]) <= 0.5  # in memory the same run peaks above 1x
+    assert float(result.stdout.split()[-1]) <= 0.4  # in memory the same run peaks above 1x
 
 
 def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_path):
@@ -569,3 +570,24 @@ def test_gptq_in_group_order_on_an_offloaded_model_is_refused_in_one_line(tmp_pa
     spec = GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
     with pytest.raises(ConfigError, match=r"quantize.weights.actorder='group'.*g_idx.*quantize in memory"):
         surgery.quantize(offloaded, weights=spec, calibration=batches(), progress=False)
+
+
+def test_the_grids_are_read_from_the_stage_files_not_held_in_memory(tmp_path):
+    """The handle's grids equal the in-memory run's; they live in the stage files only (the peak
+    does not grow with depth): a stage file rewritten after the run is refused when a grid is read."""
+    reference = llama_folder(tmp_path / "model")
+    with surgery.quantize(reference, weights=GPTQ, calibration=batches(), exclude="lm_head", progress=False) as memory:
+        expected = {key: (q.scale, q.zero_point, q.axis) for key, q in memory.weights.items()}
+    source = surgery.offloaded(tmp_path / "model")
+    done = surgery.quantize(
+        source, weights=GPTQ, calibration=batches(), exclude="lm_head", work=tmp_path / "work", progress=False
+    )
+    assert sorted(done.grids) == sorted(expected) and len(done.grids) == len(expected)
+    for key, (scale, zero_point, axis) in expected.items():
+        found = done.grids[key]
+        assert torch.equal(found[0], scale) and torch.equal(found[1], zero_point) and found[2] == axis
+    stage = tmp_path / "work" / "stage-00001.safetensors"
+    stage.write_bytes(stage.read_bytes())  # the same bytes, another file: its grids are no longer the run's
+    key = next(k for k in done.grids if k.startswith("model.layers.1."))
+    with pytest.raises(ConfigError, match="stage-00001.safetensors"):
+        done.grids[key]

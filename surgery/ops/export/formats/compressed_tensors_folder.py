@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,15 +217,20 @@ def _streamed_plan(handle: Any, model: nn.Module, ct: Any) -> _StreamPlan:
 
 
 def _shard_state(
-    model: nn.Module, values: dict[str, Tensor], grids: dict[str, tuple[Tensor, Tensor, int | None]], plan: _StreamPlan
+    model: nn.Module,
+    values: dict[str, Tensor],
+    grids: Mapping[str, tuple[Tensor, Tensor, int | None]],
+    plan: _StreamPlan,
 ) -> dict[str, Tensor]:
     """One shard's tensors (``values``, by the model's names) under the checkpoint's names, each
-    quantized layer's ``weight`` replaced by its compressed tensors, as the in-memory export does."""
+    quantized layer's ``weight`` replaced by its compressed tensors, as the in-memory export does;
+    only this shard's grids are read (an offloaded run's are read from its stage files)."""
     state = reverted(model, values)
     weights = {**values, **expert_weights(plan.layouts, values)}
-    for key, (scale, zero_point, axis) in grids.items():
+    for key in grids:
         if key not in weights:  # another shard's
             continue
+        scale, zero_point, axis = grids[key]
         layer = key.rpartition(".")[0]
         out_axis, transposed = plan.axes[layer]
         grid = WeightGrid(key, plan.spec, scale, zero_point, axis, out_axis)
