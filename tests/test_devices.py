@@ -241,6 +241,16 @@ def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
         surgery.prune(model, 0.5, onload="cpu")
     with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='tpu': must be cpu, cuda, cuda:N or mps$"):
         surgery.prune(model, 0.5, method="wanda", calibration=CALIBRATION, onload="tpu")
+    with pytest.raises(surgery.ConfigError, match=r"^quantize\.onload='cpu': moves each repeated block .* has none"):
+        surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cpu", blocks=False)
+    with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='cpu': moves each repeated block .* has none"):
+        surgery.prune(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            0.5,
+            method="wanda",
+            calibration=[torch.randn(2, 4)],
+            onload="cpu",
+        )
     assert_no_hooks(model)
     tiny_llama(layers=1).save_pretrained(tmp_path / "model")
     with surgery.offloaded(tmp_path / "model") as offloaded:

@@ -325,6 +325,14 @@ def run_sequential(
     """
     calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
+    onload = _ONLOAD.get()
+    if onload is not None and not report.blocks:  # nothing would move: say so rather than run on the CPU
+        raise ConfigError(
+            field.split(".")[0] + ".onload",
+            str(onload),
+            "moves each repeated block to the device for its stage, and this run has none "
+            "(blocks=False, or a model without repeated blocks): name them with blocks=, or drop onload",
+        )
     keep = originals is not None
     store = originals if originals is not None else Originals()
     try:
