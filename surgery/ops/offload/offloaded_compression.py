@@ -12,7 +12,8 @@ layer outside blocks, in the order they first run). For each stage:
    folder. From then on the model reads them from there; the source files never change.
 
 What this gives equals, bit for bit, the same verb on the model in memory, baked. Memory holds
-one stage's weights (twice while the verb keeps their originals) and one block's activations.
+one stage's weights (the verb's originals are read again from the files, not copied), one
+layer's solver work and one block's activations; the grids stay in the stage files.
 A ``work=`` folder makes the run restartable: finished stages are listed in its manifest with
 the settings, a digest of the calibration, the source files' identity, the state of the model
 before the verb and each stage file's sha256; a run with the same ones skips them, any other
