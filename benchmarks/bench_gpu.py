@@ -9,10 +9,13 @@ that make compressed weights pay, written as a JSON and a markdown table.
   wheels are installed apart).
 - ``kernels``: one Linear 2048 -> 5632 in bfloat16, at a decode shape (1 token) and a prefill
   shape (2048 tokens): surgery's FP8 export (``format="fp8"``: ``torch._scaled_mm``, weights per
-  tensor and per row), its 2:4 export run on torch's semi-structured sparse kernels, and its
-  4-bit weights in torchao's int4 weight-only layout (``format="torchao"``); each with its parity
-  against the simulation (the export's own check) and its latency against the dense bfloat16
-  Linear (median of paired, interleaved rounds, the device synchronized around each call).
+  tensor and per row), its 2:4 export run on torch's semi-structured sparse kernels, its int8
+  weights in torchao's layout (``format="torchao"``), and its own 4-bit integers and scales (W4
+  g128, symmetric) packed for torch's int4 weight-only kernel (tinygemm, the one torchao's
+  ``Int4WeightOnlyConfig`` runs; on the CPU its CPU variant); each with its parity against the
+  simulation and its latency against the dense bfloat16 Linear (median of paired, interleaved
+  rounds, the device synchronized around each call). torchao's own int4 flow (its rounding) is
+  the peer row.
 
 ``--dry-run``: the same code at toy sizes on this machine's device (the CPU where there is no
 GPU), one round, every row that needs CUDA reported as skipped with its reason: what a test runs.
@@ -237,6 +240,51 @@ def _int8_weights(model: nn.Module, x: torch.Tensor, device: torch.device) -> tu
         return record.load().to(device), record.parity
 
 
+class Int4WeightOnlyLinear(nn.Module):
+    """A bias-free Linear computing with torch's int4 weight-only kernel (tinygemm) from given
+    integers ``q`` (outputs x inputs, in [-8, 7]) and per-group ``scale`` (outputs x groups):
+    the kernel computes ``(u - 8) * scale + zero`` from unsigned ``u = q + 8``, so ``zero`` is 0
+    for a symmetric grid. Scales are bfloat16, as the kernel takes them."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group_size: int, device: torch.device) -> None:
+        super().__init__()
+        unsigned = (q.to(torch.int32) + 8).to(device)
+        if device.type == "cuda":  # two 4-bit values a byte, the high nibble first; 8 inner k-tiles
+            pairs = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+            self.kernel = torch.ops.aten._weight_int4pack_mm
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+            self.kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        scale = scale.to(device, torch.bfloat16)
+        self.scales_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).transpose(0, 1).contiguous()
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+def _int4_from_our_scales(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
+    """surgery's W4 grid (symmetric, groups of ``group``), its integers and bfloat16 scales packed
+    for the int4 kernel; parity against the simulation (the fake-quantized Linear)."""
+    from surgery.ops.export.exporting import Parity
+
+    linear = model[0]
+    group = 128 if linear.in_features % 128 == 0 else 32
+    spec = GridSpec(bits=4, group_size=group, symmetric=True, scale_dtype="bfloat16")
+    with surgery.quantize(model, weights=spec) as handle, torch.no_grad():
+        want = model(x).float()
+        grid = handle.weights["0.weight"]
+        scale = grid.scale.float()
+        weight = linear.weight.float().view(linear.out_features, -1, group)
+        q = torch.round(weight / scale.unsqueeze(-1)).clamp(-8, 7).view_as(linear.weight)
+    deployed = Int4WeightOnlyLinear(q, scale, group, device)
+    with torch.no_grad():
+        got = deployed(x).float()
+    cosine = float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0))
+    return deployed, Parity(float((want - got).abs().max()), cosine, bool(torch.equal(want, got)), "simulation")
+
+
 def _torchao_int4(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
     """torchao's own int4 weight-only flow (its rounding, not our scales: surgery writes no int4
     torchao tensor yet), as the peer row: its parity against the dense bfloat16 Linear."""
@@ -261,6 +309,7 @@ KERNELS: dict[str, Callable] = {
     "FP8 per row, dynamic per token (format=fp8)": _fp8(per_row=True),
     "2:4 sparse (format=sparse, layout=2:4)": _two_four,
     "int8 weight-only per row (format=torchao)": _int8_weights,
+    "int4 weight-only g128 from surgery's scales (torch's tinygemm kernel)": _int4_from_our_scales,
     "peer: torchao Int4WeightOnlyConfig g128 (its own rounding)": _torchao_int4,
 }
 
