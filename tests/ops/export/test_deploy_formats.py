@@ -8,6 +8,7 @@ import dataclasses
 import json
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -255,6 +256,29 @@ def test_onnx_export_forms_int8_kernels_and_keeps_the_simulated_outputs(tmp_path
     kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
     assert kinds["QGemm"] == 3 and kinds["Gemm"] == 0, kinds  # every Linear runs as an int8 kernel
     assert record.bytes < 0.35 * fp32_bytes(model)
+
+
+def test_onnx_weights_are_held_as_uint8_about_128_for_kernels_that_never_saturate(tmp_path):
+    """ONNX Runtime's u8s8 int8 kernels add pairs of products in int16 on x86 CPUs without VNNI
+    (AVX2): the same export with int8 weights drifted 20 steps from the simulation on such a CPU.
+    Held as uint8 with zero point 128 (the same values), it runs on u8u8 kernels, exact anywhere."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = mlp(256)
+    calibration = [torch.randn(16, 64) for _ in range(4)]
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        record = surgery.export(handle, tmp_path / "mlp.onnx", format="onnx", inputs=calibration[:2])
+        step = min(float(a.scale.min()) for a in handle.activations.values())
+    assert record.parity.max_abs <= 1.01 * max(float(a.scale.max()) for a in handle.activations.values())
+    graph = onnx.load(str(record.path)).graph
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    weights = [name for name in constants if "weight_int8" in name]
+    zeros = [name for name in constants if "weight_zero_point" in name]
+    assert len(weights) == len(zeros) == 3 and step > 0
+    assert all(constants[name].dtype == np.uint8 for name in weights)
+    assert all(constants[name].dtype == np.uint8 and (constants[name] == 128).all() for name in zeros)
 
 
 def test_onnx_export_prints_the_exporters_steps_only_when_surgery_logs_debug(tmp_path, capsys):

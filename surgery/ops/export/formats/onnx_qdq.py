@@ -325,8 +325,11 @@ class _QDQ:
         integers = rows.reshape(moved.shape).movedim(0, axis)
         scale = grid.scale.float().reshape(-1).numpy()
         scale = scale.reshape(()) if grid.axis is None else scale
-        zero = np.zeros(scale.shape, np.int8)
-        q = self._constant(f"{name}_int8", integers.numpy().astype(np.int8))
+        # held as uint8 about 128: the same values, and ONNX Runtime's u8u8 kernels, which never
+        # saturate; its u8s8 ones add pairs of products in int16 on x86 CPUs without VNNI (AVX2,
+        # AVX-512 without VNNI) and drift from the simulation there by tens of steps
+        zero = np.full(scale.shape, 128, np.uint8)
+        q = self._constant(f"{name}_int8", (integers.numpy().astype(np.int16) + 128).astype(np.uint8))
         s, z = self._constant(f"{name}_scale", scale), self._constant(f"{name}_zero_point", zero)
         out = f"{name}_dequantized{self.count}"
         extra = {"axis": axis} if scale.size > 1 else {}
