@@ -86,6 +86,15 @@ def present_device(name: object, field: str) -> torch.device:
     return device
 
 
+def inputs_to(device: torch.device) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
+    """A forward-pre hook (``with_kwargs=True``) moving a module's positional and keyword inputs to ``device``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return moved(args, device), moved(kwargs, device)
+
+    return hook
+
+
 def device_of(module: Any) -> torch.device:
     """The device ``module``'s first parameter or buffer is on; the CPU for anything else (a
     runtime's session, a module without tensors)."""

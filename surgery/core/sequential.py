@@ -44,7 +44,16 @@ from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
 from surgery.core.capture import Capture, Keep, ReducerFactory
 from surgery.core.errors import ConfigError, NoCalibrationInputError
-from surgery.core.inputs import Call, batches, check_batch_finite, device_of, evaluating, moved, present_device
+from surgery.core.inputs import (
+    Call,
+    batches,
+    check_batch_finite,
+    device_of,
+    evaluating,
+    inputs_to,
+    moved,
+    present_device,
+)
 from surgery.core.originals import Originals
 from surgery.core.progress import tqdm
 from surgery.core.routing import routed_as
@@ -283,9 +292,7 @@ def _onloaded(block: nn.Module | None) -> Iterator[torch.device | None]:
         return
     home = device_of(block)
     block.to(device)
-    to_device = block.register_forward_pre_hook(
-        lambda module, args, kwargs: (moved(args, device), moved(kwargs, device)), with_kwargs=True
-    )
+    to_device = block.register_forward_pre_hook(inputs_to(device), with_kwargs=True)
     try:
         yield device
     finally:
@@ -346,14 +353,10 @@ def run_sequential(
                 report.stages, unit="stage", desc="compressing", leave=False, disable=None if progress else True
             ):
                 stage_layers = {name: layers[name] for name in stage.layers}
-                alone = stage.block is None and reduce is not None
-                block = (
-                    None
-                    if alone
-                    else model.get_submodule(stage.block)
-                    if stage.block
-                    else stage_layers[stage.layers[0]]
-                )
+                if stage.block is None and reduce is not None:
+                    block = None  # a layer outside blocks: full forwards of the model
+                else:
+                    block = model.get_submodule(stage.block) if stage.block else stage_layers[stage.layers[0]]
                 with _onloaded(block) as onload:
                     if onload is not None and onload.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(onload)

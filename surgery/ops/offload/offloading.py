@@ -40,7 +40,7 @@ from surgery.core._compat import get_slot, set_slot
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
-from surgery.core.inputs import moved, present_device
+from surgery.core.inputs import inputs_to, present_device
 from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
@@ -276,7 +276,7 @@ def offloaded(
     _move_buffers(model, place)
     _attach_onload(handle, model)
     if place.type != "cpu":  # each call's inputs moved where the weights are brought in
-        handle.add_hook("inputs to the device", model.register_forward_pre_hook(_inputs_to(place), with_kwargs=True))
+        handle.add_hook("inputs to the device", model.register_forward_pre_hook(inputs_to(place), with_kwargs=True))
     log.info("offloaded: %d weights in %d file(s), %d groups", len(names), len(files.paths), len(handle.groups))
     return handle
 
@@ -437,13 +437,6 @@ def _placeholders(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Paramet
 
 def _loaded(handle: Offloaded, name: str, placeholder: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(handle.load(name).to(handle.device), requires_grad=placeholder.requires_grad)
-
-
-def _inputs_to(device: torch.device) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return moved(args, device), moved(kwargs, device)
-
-    return hook
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
