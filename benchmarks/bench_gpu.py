@@ -16,6 +16,10 @@ that make compressed weights pay, written as a JSON and a markdown table.
   simulation and its latency against the dense bfloat16 Linear (median of paired, interleaved
   rounds, the device synchronized around each call). torchao's own int4 flow (its rounding) is
   the peer row.
+- ``loaded``: surgery's W4A16 export (compressed-tensors) of the same Llama loaded by transformers
+  on the device: its logits against the simulation, its forward's latency against the bfloat16
+  model at both shapes, the class its Linears load as and the bytes its weights hold there
+  (transformers dequantizes such a checkpoint; the int4 kernels for it are vLLM's).
 
 ``--dry-run``: the same code at toy sizes on this machine's device (the CPU where there is no
 GPU), one round, every row that needs CUDA reported as skipped with its reason: what a test runs.
@@ -83,7 +87,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def llama(sizes: Sizes, device: torch.device) -> nn.Module:
-    """A seeded random Llama at ``sizes``, in bfloat16 on ``device``."""
+    """A seeded random Llama at ``sizes``, in bfloat16 on ``device``, built as ``from_pretrained(dtype=...)``
+    loads one (its rotary frequencies kept in float32)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -95,7 +100,7 @@ def llama(sizes: Sizes, device: torch.device) -> nn.Module:
         vocab_size=32000 if sizes is FULL else 256,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    return transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).to(device).eval()
 
 
 def calibration_rows(sizes: Sizes, device: torch.device, peer_path: str | None) -> list[dict]:
@@ -314,6 +319,58 @@ KERNELS: dict[str, Callable] = {
 }
 
 
+def loaded_rows(sizes: Sizes, device: torch.device) -> list[dict]:
+    """surgery's W4A16 export (W4 g``group`` symmetric, the lm_head left in bfloat16) in the
+    compressed-tensors format, loaded by transformers onto ``device`` as a user loads it: its logits
+    against the simulation's, its forward's latency against the bfloat16 model at the decode and
+    prefill shapes, the class its Linears load as and the bytes its weights hold there."""
+    import transformers
+
+    generator = torch.Generator().manual_seed(2)
+    vocab = 32000 if sizes is FULL else 256
+    shapes = {"decode": 1, "prefill": sizes.prefill}
+    inputs = {shape: torch.randint(0, vocab, (1, n), generator=generator).to(device) for shape, n in shapes.items()}
+    dense = llama(sizes, device)
+    spec = GridSpec(bits=4, group_size=sizes.group, symmetric=True)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            simulated = llama(sizes, device)
+            with surgery.quantize(simulated, weights=spec, exclude="lm_head") as handle, torch.no_grad():
+                want = simulated(inputs["prefill"]).logits.float()
+                surgery.export(handle, Path(folder) / "w4a16", format="compressed-tensors", inputs=[inputs["decode"]])
+            del simulated, handle
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(Path(folder) / "w4a16", dtype=torch.bfloat16)
+            loaded = loaded.to(device).eval()
+    except Exception as err:  # noqa: BLE001 - a row that failed says so
+        return [{"name": "compressed-tensors W4A16", "error": _one_line(err), "trace": traceback.format_exc()[-2000:]}]
+    with torch.no_grad():
+        got = loaded(inputs["prefill"]).logits.float()
+    cosine = float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0))
+    found = {
+        "name": f"surgery W4A16 g{sizes.group} (format=compressed-tensors) loaded by transformers {transformers.__version__}",
+        "cosine": cosine,
+        "max_abs": float((want - got).abs().max()),
+        "linear_loads_as": type(loaded.model.layers[0].mlp.down_proj).__name__,
+        "weight_bytes_vs_bf16": _held_bytes(loaded) / _held_bytes(dense),
+    }
+    rows = []
+    for shape, ids in inputs.items():
+        ratios = []
+        with torch.no_grad():
+            for _ in range(2):  # warm-up (compressed-tensors may decompress on the first call)
+                dense(ids), loaded(ids)
+            for _ in range(sizes.rounds):
+                first = _call_seconds(dense, ids, device)
+                second = _call_seconds(loaded, ids, device)
+                ratios.append(second / max(first, 1e-9))
+        rows.append({**found, "shape": shape, "tokens": shapes[shape], "latency_vs_bf16": statistics.median(ratios)})
+    return rows
+
+
+def _held_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
 
@@ -331,6 +388,17 @@ def markdown(found: dict) -> str:
         told = _told(row)
         figures = f"{row['cosine']:.5f} | {row['latency_vs_bf16']:.2f}x" if told is None else told
         lines.append(f"| {row['kernel']} | {row['shape']} | {figures} |")
+    lines += ["", "| loaded model | shape | cosine | latency vs bf16 | Linear loads as | weight bytes vs bf16 |"]
+    lines += ["| --- | --- | --- | --- | --- | --- |"]
+    for row in found["loaded"]:
+        told = _told(row)
+        figures = (
+            f"{row['cosine']:.5f} | {row['latency_vs_bf16']:.2f}x | {row['linear_loads_as']} | "
+            f"{row['weight_bytes_vs_bf16']:.2f}"
+            if told is None
+            else told
+        )
+        lines.append(f"| {row['name']} | {row.get('shape', '–')} | {figures} |")
     return "\n".join(lines) + "\n"
 
 
@@ -358,6 +426,7 @@ def main() -> None:
         "dry_run": options.dry_run,
         "calibration": [],
         "kernels": [],
+        "loaded": [],
     }
     options.out.mkdir(parents=True, exist_ok=True)
 
@@ -365,12 +434,14 @@ def main() -> None:
         (options.out / "gpu_check.json").write_text(json.dumps(found, indent=1) + "\n")
         (options.out / "gpu_check.md").write_text(markdown(found))
 
-    found["kernels"] = kernel_rows(sizes, device)  # the quick part first
+    found["kernels"] = kernel_rows(sizes, device)  # the quick parts first
+    save()
+    found["loaded"] = loaded_rows(sizes, device)
     save()
     found["calibration"] = calibration_rows(sizes, device, options.peer_path)
     save()
     print(markdown(found))
-    failed = [row for row in found["calibration"] + found["kernels"] if "error" in row]
+    failed = [row for part in ("calibration", "kernels", "loaded") for row in found[part] if "error" in row]
     if failed:
         raise SystemExit(f"bench_gpu: {len(failed)} row(s) failed; the JSON holds their traces")
 

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # ~20 s: the CUDA test subset collected, three calibrations and the kernels at toy sizes
+@pytest.mark.slow  # ~20 s: the CUDA test subset collected, three calibrations, the kernels and a loaded export at toy sizes
 def test_the_gpu_check_dry_run_writes_every_row(tmp_path):
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", f"--out={tmp_path}"],
@@ -36,6 +36,10 @@ def test_the_gpu_check_dry_run_writes_every_row(tmp_path):
             assert row["cosine"] > 0.9999 and row["latency_vs_bf16"] > 0, row
         else:  # 2:4, int8 and torchao's int4 are measured on CUDA, said in the row
             assert "CUDA" in row["skipped"], row
+    loaded = {row["shape"]: row for row in found["loaded"]}  # the W4A16 export, loaded by transformers
+    assert set(loaded) == {"decode", "prefill"}
+    for row in loaded.values():
+        assert row["cosine"] > 0.9999 and row["latency_vs_bf16"] > 0 and row["linear_loads_as"], row
     assert (tmp_path / "gpu_check.md").read_text().startswith("# gpu_check on ")
     assert "2 skipped" in (tmp_path / "tests.log").read_text()  # the CUDA tests, collected and skipped
 
