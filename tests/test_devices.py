@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import devices, tiny_llama  # tests/support.py
+from support import devices, tiny_llama, tiny_moe  # tests/support.py
 
 import surgery
 from surgery import GridSpec
@@ -225,6 +225,55 @@ def test_a_stage_that_fails_while_onloaded_leaves_the_model_where_it_was_and_unc
     assert held_on(model, "cpu")
     assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items())
     assert_no_hooks(model)
+
+
+def _moe() -> torch.nn.Module:
+    return tiny_moe("qwen3_moe", layers=2)
+
+
+def _vit() -> torch.nn.Module:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10).eval()
+
+
+IMAGES = [torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+NOT_WRITTEN_HERE = {  # model, calibration, what to leave out
+    "qwen3_moe": (_moe, CALIBRATION, "lm_head"),
+    "timm_vit": (_vit, IMAGES, "head"),
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("model_name", list(NOT_WRITTEN_HERE))
+def test_onload_on_a_mixture_of_experts_and_a_timm_model_computes_the_plain_run(device, model_name):
+    """Found by trying as a new user: onload moves whatever blocks sequential calibration finds,
+    experts and a timm ViT's blocks included; the experts are quantized on the device too."""
+    make, batches, leave_out = NOT_WRITTEN_HERE[model_name]
+    spec = GridSpec(bits=4, group_size=16, method="gptq")
+    outputs = []
+    for onload in (None, device):
+        model = make()
+        first = batches[0]
+        with torch.no_grad():
+            before = _output(model(first))
+        with surgery.quantize(
+            model, weights=spec, calibration=batches, exclude=leave_out, onload=onload, progress=False
+        ) as handle:
+            assert held_on(model, "cpu") and len(handle.sequential.blocks) == 2
+            assert model_name != "qwen3_moe" or sum("experts" in name for name in handle.weights) == 2 * 4 * 3
+            with torch.no_grad():
+                outputs.append(_output(model(first)))
+            assert not torch.equal(outputs[-1], before)
+        assert_no_hooks(model)
+    if device == "cpu":
+        assert torch.equal(outputs[0], outputs[1])
+    else:
+        assert torch.nn.functional.cosine_similarity(outputs[0].flatten(), outputs[1].flatten(), dim=0) > 0.999
+
+
+def _output(found) -> torch.Tensor:
+    return (found.logits if hasattr(found, "logits") else found).float()
 
 
 def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
