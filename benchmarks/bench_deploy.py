@@ -151,11 +151,22 @@ def ours(case: Case, target: str, tmp: Path, rows: dict[str, Callable], sizes: d
     base = fp32_bytes(case.model)
     rows[f"surgery W8A8 simulation ({target})"] = model
     if target == "onnx":
-        record = surgery.export(handle, tmp / f"{case.name}.onnx", format="onnx", inputs=[case.example])
-        session = record.load()
-        feed = {session.get_inputs()[0].name: case.example[0].numpy()}
-        rows["surgery -> onnx (ONNX Runtime)"] = lambda *_: session.run(None, feed)
-        sizes["surgery -> onnx (ONNX Runtime)"] = record.bytes / base
+        # weights as uint8 (the default: ONNX Runtime's u8u8 kernels, exact on every CPU) and as
+        # int8 (its u8s8 kernels, its own quantizer's layout: exact with VNNI, not without; written
+        # unchecked, so its drift shows in the cosine column)
+        for weights, row in (("uint8", "surgery -> onnx (ONNX Runtime)"), ("int8", "surgery -> onnx, weights=int8")):
+            record = surgery.export(
+                handle,
+                tmp / f"{case.name}_{weights}.onnx",
+                format="onnx",
+                inputs=[case.example],
+                weights=weights,
+                compare=weights == "uint8",
+            )
+            session = record.load()
+            feed = {session.get_inputs()[0].name: case.example[0].numpy()}
+            rows[row] = lambda *_, session=session, feed=feed: session.run(None, feed)
+            sizes[row] = record.bytes / base
         return
     for mode in ("static", "dynamic"):
         path = tmp / f"{case.name.replace(' ', '_')}_{mode}.pt"

@@ -503,7 +503,9 @@ def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call] | list[Ca
         seen.append(_clean(args, kwargs))
         raise _Stop
 
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    # first among the block's pre-hooks: the inputs as the block is called with them (its own
+    # hooks run again when it is), and an offloaded block's weights are not read for nothing
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     try:
         for call in calls:
             run = loaded(call)

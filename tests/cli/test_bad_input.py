@@ -1542,6 +1542,11 @@ CLI_CASES = [
         ("recipe=quantize_digits", "export.format=onnx", "+export.options.opset=x"),
         "export.options.opset='x': must be an integer from 18 to 25",
     ),
+    CliCase(
+        "export-options",
+        ("recipe=quantize_digits", "export.format=onnx", "+export.options.weights=int4"),
+        "export.options.weights='int4': must be uint8 or int8",
+    ),
     CliCase("export-write", (*FAST, "+export.options={tokenizer: tok}"), "export.options={'tokenizer': 'tok'}"),
     CliCase(
         "export-write",

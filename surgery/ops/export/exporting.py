@@ -402,6 +402,9 @@ def _write_checked(
         if calls and chosen.runnable:
             record = replace_field(record, parity=_runtime_parity(chosen, tmp, model, calls, exact))
             if not record.parity.holds:
+                hint = notes.get("parity_hint")  # the writer's word on what the option chosen may cost
+                if hint and not record.parity.why:
+                    record = replace_field(record, parity=replace_field(record.parity, why=hint))
                 raise ExportParityError(record)
         made.append(record)
 

@@ -218,7 +218,7 @@ def _run_stages(
             if calls is not None and cache is not None and cache[0] == stage.block:
                 inputs = cache[1]
             elif calls is not None:
-                with source.reading_source(not verb.sequential):
+                with source.reading_source(not verb.sequential), source.holding_outside_blocks():
                     inputs = catch_inputs(model, module, calls)
             following = _after(blocks, stage.block) if inputs is not None and stage.block in chained else None
             cache = None  # the previous block's outputs are this block's inputs now

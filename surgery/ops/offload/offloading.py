@@ -163,6 +163,7 @@ class Offloaded(Handle):
         self.names = names  # id(placeholder parameter) -> its name in the files
         self.groups: list[str] = []
         self.overlay: dict[str, WeightFiles] = {}  # name -> the file of its compressed values
+        self.held: list[tuple[nn.Module, str, nn.Parameter]] | None = None  # see holding_outside_blocks
 
     streams = True  # surgery.export writes it one tensor at a time
     spec = None  # no quantized weights (see OffloadedCompression)
@@ -192,6 +193,19 @@ class Offloaded(Handle):
             yield
         finally:
             self.overlay = kept
+
+    @contextmanager
+    def holding_outside_blocks(self) -> Iterator[None]:
+        """Within the block, weights outside the repeated blocks (the embeddings) stay in once
+        brought in, and go back on exit: a forward run once per calibration batch up to a block
+        reads them once, not once a batch. A block's weights still go after each call."""
+        self.held = []
+        try:
+            yield
+        finally:
+            held, self.held = self.held, None
+            for owner, attr, placeholder in held:
+                set_slot(owner, attr, placeholder)
 
     def names_in(self, module: nn.Module) -> list[str]:
         """The names in the files of ``module``'s weights (those set aside on ``meta``), sorted."""
@@ -454,8 +468,10 @@ class _Onload:
 
     only_moves_weights = True  # a verb may stand a module in for its owner while the weights are held
 
-    def __init__(self, handle: Offloaded, slots: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-        self.handle, self.slots = handle, slots
+    def __init__(
+        self, handle: Offloaded, slots: list[tuple[nn.Module, str, nn.Parameter]], outside_blocks: bool
+    ) -> None:
+        self.handle, self.slots, self.outside_blocks = handle, slots, outside_blocks
         self.brought: list[list[tuple[nn.Module, str, nn.Parameter]]] = []  # a stack: calls may nest
 
     def bring_in(self, module: nn.Module, args: Any) -> None:
@@ -467,7 +483,11 @@ class _Onload:
         self.brought.append(brought)
 
     def release(self, module: nn.Module, args: Any, output: Any) -> None:
-        for owner, attr, placeholder in self.brought.pop() if self.brought else []:
+        brought = self.brought.pop() if self.brought else []
+        if self.outside_blocks and self.handle.held is not None:  # kept in until holding_outside_blocks ends
+            self.handle.held.extend(brought)
+            return
+        for owner, attr, placeholder in brought:
             set_slot(owner, attr, placeholder)
 
 
@@ -485,8 +505,8 @@ def _attach_onload(handle: Offloaded, model: nn.Module) -> None:
     for name, module in model.named_modules():
         if _own(module):
             groups.append((name, module, _own(module)))
-    for _, module, slots in groups:
-        onload = _Onload(handle, slots)
+    for index, (_, module, slots) in enumerate(groups):
+        onload = _Onload(handle, slots, outside_blocks=index >= len(blocks) and id(module) not in inside)
         handle.add_hook("bring weights in", module.register_forward_pre_hook(onload.bring_in))
         handle.add_hook("release weights", module.register_forward_hook(onload.release, always_call=True))
     handle.groups = blocks + [name for name, module, _ in groups[len(blocks) :] if id(module) not in inside]

@@ -281,6 +281,44 @@ def test_onnx_weights_are_held_as_uint8_about_128_for_kernels_that_never_saturat
     assert all(constants[name].dtype == np.uint8 and (constants[name] == 128).all() for name in zeros)
 
 
+def test_onnx_weights_int8_writes_onnx_runtime_s_own_layout_and_says_what_it_costs_where_it_drifts(tmp_path):
+    """``weights="int8"``: zero point 0, int8 integers (ONNX Runtime's own quantizer's layout, its
+    u8s8 kernels: fastest, exact with VNNI). Where it drifts (x86 without VNNI), the parity error
+    says why and names the default; a value outside the two is one line."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = mlp(256)
+    calibration = [torch.randn(16, 64) for _ in range(4)]
+    spec = surgery.QuantizeSpec(activations=surgery.GridSpec(bits=8), target="onnx")
+    with surgery.quantize(model, spec, calibration=calibration) as handle:
+        default = surgery.export(handle, tmp_path / "uint8.onnx", format="onnx", inputs=calibration[:2])
+        unchecked = surgery.export(
+            handle, tmp_path / "int8.onnx", format="onnx", inputs=calibration[:2], weights="int8", compare=False
+        )
+        try:
+            checked = surgery.export(
+                handle, tmp_path / "checked.onnx", format="onnx", inputs=calibration[:2], weights="int8"
+            )
+        except surgery.ExportParityError as err:  # this CPU's u8s8 kernels drift
+            assert "weights='int8' runs ONNX Runtime's u8s8 kernels" in str(err) and "weights='uint8'" in str(err)
+            assert not (tmp_path / "checked.onnx").exists()
+        else:
+            assert checked.parity.holds
+        with pytest.raises(ConfigError, match=r"^export\.options\.weights='int4': must be uint8 or int8$"):
+            surgery.export(handle, tmp_path / "int4.onnx", format="onnx", inputs=calibration[:2], weights="int4")
+    constants = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(unchecked.path)).graph.initializer}
+    weights = sorted(name for name in constants if "weight_int8" in name)
+    zeros = [name for name in constants if "weight_zero_point" in name]
+    assert len(weights) == len(zeros) == 3
+    assert all(constants[name].dtype == np.int8 for name in weights)
+    assert all(constants[name].dtype == np.int8 and (constants[name] == 0).all() for name in zeros)
+    held = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(default.path)).graph.initializer}
+    for name in weights:  # the same values either way
+        assert np.array_equal(held[name].astype(np.int16) - 128, constants[name].astype(np.int16))
+    assert unchecked.int8_ops == default.int8_ops
+
+
 def test_onnx_export_prints_the_exporters_steps_only_when_surgery_logs_debug(tmp_path, capsys):
     """Quiet by default; ``hydra.verbose=surgery`` (the ``surgery`` logger at DEBUG) shows them."""
     import logging

@@ -591,3 +591,22 @@ def test_the_grids_are_read_from_the_stage_files_not_held_in_memory(tmp_path):
     key = next(k for k in done.grids if k.startswith("model.layers.1."))
     with pytest.raises(ConfigError, match="stage-00001.safetensors"):
         done.grids[key]
+
+
+def test_the_first_block_s_inputs_are_caught_reading_the_embeddings_once_and_the_block_not_at_all(tmp_path):
+    """The forward that catches the first block's inputs runs once per calibration batch (four
+    here): the weights before the block are held for all of them, then put back, and it stops
+    before the block's own weights are brought in. Each is read once more, by the forward that
+    traces the stages; the block once more for its stage."""
+    reference = llama_folder(tmp_path / "model")
+    VERBS["gptq"](reference, batches(), exclude="lm_head").bake()
+    source = surgery.offloaded(tmp_path / "model")
+    read = []
+    load = source.files.load
+    source.files.load = lambda name: read.append(name) or load(name)
+    done = VERBS["gptq"](source, batches(), exclude="lm_head")
+    assert read.count("model.embed_tokens.weight") == 2  # was 1 + 4
+    assert read.count("model.layers.0.mlp.up_proj.weight") == 2  # was 2 + 4
+    assert all(p.is_meta for p in source.model.parameters()) and source.held is None
+    assert torch.equal(logits(source.model), logits(reference))
+    done.restore()

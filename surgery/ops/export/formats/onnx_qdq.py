@@ -29,7 +29,12 @@ from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 
 log = logging.getLogger("surgery")
-OPTIONS = ("opset",)
+OPTIONS = ("opset", "weights")
+WEIGHT_TYPES = ("uint8", "int8")  # how int8 weights are held: see _QDQ._weight
+INT8_WEIGHTS_HINT = (
+    "weights='int8' runs ONNX Runtime's u8s8 kernels, which add pairs of products in int16 on x86 CPUs "
+    "without VNNI (AVX2 only): the default weights='uint8' is exact on every CPU"
+)
 OPSETS = (18, 25)  # what the exporter's version converter writes keeping the module names (onnxscript 0.7)
 INT8_KERNELS = (
     "QLinearConv",
@@ -66,6 +71,9 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
     if unknown:
         raise ConfigError("export.options", unknown, f"format='onnx' takes {', '.join(OPTIONS)}")
     opset = _opset(options)
+    held_as = options.get("weights", WEIGHT_TYPES[0])
+    if held_as not in WEIGHT_TYPES:
+        raise ConfigError("export.options.weights", held_as, f"must be {' or '.join(WEIGHT_TYPES)}")
     onnx = required("onnx", "onnx")
     onnxscript = required("onnxscript", "onnxscript")
     if not parts.inputs:
@@ -97,10 +105,11 @@ def write_onnx(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[
         onnxscript.optimizer.fold_constants(program.model)
     program.save(str(path))
     model = onnx.load(str(path))
-    _QDQ(model, parts).insert()
+    _QDQ(model, parts, held_as).insert()
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
-    return {"exact": False, "int8_ops": _int8_ops_said(path, len(parts.weights))}
+    notes = {"exact": False, "int8_ops": _int8_ops_said(path, len(parts.weights))}
+    return notes | ({"parity_hint": INT8_WEIGHTS_HINT} if held_as == "int8" else {})
 
 
 def _refuse_half(parts: ExportParts) -> None:
@@ -222,10 +231,11 @@ def _refuse_unfolded(plain: nn.Module, parts: ExportParts) -> None:
 class _QDQ:
     """Surgery's grids put into a traced float graph, node by node."""
 
-    def __init__(self, model: Any, parts: ExportParts) -> None:
+    def __init__(self, model: Any, parts: ExportParts, weights_as: str = "uint8") -> None:
         from onnx import numpy_helper
 
         self.model, self.parts, self.graph = model, parts, model.graph
+        self.weights_as = weights_as
         self.numpy = numpy_helper
         self.initializers = {i.name: i for i in self.graph.initializer}
         self.count = 0
@@ -325,11 +335,15 @@ class _QDQ:
         integers = rows.reshape(moved.shape).movedim(0, axis)
         scale = grid.scale.float().reshape(-1).numpy()
         scale = scale.reshape(()) if grid.axis is None else scale
-        # held as uint8 about 128: the same values, and ONNX Runtime's u8u8 kernels, which never
-        # saturate; its u8s8 ones add pairs of products in int16 on x86 CPUs without VNNI (AVX2,
-        # AVX-512 without VNNI) and drift from the simulation there by tens of steps
-        zero = np.full(scale.shape, 128, np.uint8)
-        q = self._constant(f"{name}_int8", (integers.numpy().astype(np.int16) + 128).astype(np.uint8))
+        # held as uint8 about 128 by default: the same values, and ONNX Runtime's u8u8 kernels, which
+        # never saturate; its u8s8 ones (weights="int8", its own quantizer's layout) add pairs of
+        # products in int16 on x86 CPUs without VNNI (AVX2) and drift there by tens of steps
+        if self.weights_as == "int8":
+            zero = np.zeros(scale.shape, np.int8)
+            q = self._constant(f"{name}_int8", integers.numpy().astype(np.int8))
+        else:
+            zero = np.full(scale.shape, 128, np.uint8)
+            q = self._constant(f"{name}_int8", (integers.numpy().astype(np.int16) + 128).astype(np.uint8))
         s, z = self._constant(f"{name}_scale", scale), self._constant(f"{name}_zero_point", zero)
         out = f"{name}_dequantized{self.count}"
         extra = {"axis": axis} if scale.size > 1 else {}
