@@ -59,6 +59,48 @@ def test_calibration_given_on_the_cpu_is_moved_to_the_model_s_device(device):
         assert held_on(model, device)
 
 
+class ConvNet(torch.nn.Sequential):
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 4),
+        )
+
+
+PICTURES = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+GIVEN_ON_THE_CPU = {  # found by reading: each ran the model on the batches as given, not moved
+    "fold batchnorms, tensor sites": lambda d: surgery.quantize(ConvNet().to(d), target="onnx", calibration=PICTURES),
+    "rotate": lambda d: surgery.rotate(on(d), calibration=CALIBRATION, progress=False),
+    "smooth": lambda d: surgery.smooth(on(d), 0.5, calibration=CALIBRATION, progress=False),
+    "compare, per layer": lambda d: surgery.compare(on(d), on(d), CALIBRATION, per_layer=True),
+    "attribution drift": lambda d: surgery.attribution_drift(
+        ConvNet().to(d).eval(), ConvNet().to(d).eval(), PICTURES, {"method": "gradcam"}
+    ),
+    "finetune": lambda d: surgery.finetune(
+        ConvNet().to(d), [(PICTURES[0], torch.tensor([0, 1]))], max_steps=1, progress=False
+    ),
+    "sensitivity": lambda d: surgery.sensitivity(on(d), (0.5,), inputs=CALIBRATION[:1], select="model.layers.0.mlp.**"),
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("verb", list(GIVEN_ON_THE_CPU))
+def test_a_model_on_the_device_takes_batches_given_on_the_cpu(device, verb):
+    """Every call of a model on a batch moves the batch to the device the model computes on
+    (``Call``): on a GPU these raised "Expected all tensors to be on the same device"."""
+    done = GIVEN_ON_THE_CPU[verb](device)
+    model = getattr(done, "model", None)
+    if isinstance(model, torch.nn.Module):
+        assert held_on(model, device)
+    if hasattr(done, "restore"):
+        done.restore()
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
 def test_prune_stays_on_the_device(device, method):

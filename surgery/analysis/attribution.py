@@ -423,7 +423,7 @@ def _overlap(first: Tensor, second: Tensor, fraction: float) -> Tensor:
     k = max(1, round(fraction * first.shape[1]))
     top = first.topk(k, dim=1).indices
     other = second.topk(k, dim=1).indices
-    shared = torch.zeros(first.shape[0], dtype=torch.float64)
+    shared = torch.zeros(first.shape[0], dtype=torch.float64, device=first.device)
     for row in range(first.shape[0]):
         shared[row] = len(set(top[row].tolist()) & set(other[row].tolist())) / k
     broken = ~(torch.isfinite(first).all(1) & torch.isfinite(second).all(1))

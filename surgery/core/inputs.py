@@ -33,6 +33,13 @@ class Call:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module) -> Any:
+        """``model(*args, **kwargs)``, the tensors moved first to the device a module computes on
+        (batches given on the CPU for a model on a GPU); a module whose weights are set aside on
+        ``meta`` (offloaded: its own hooks move them) and anything else take them as they are."""
+        device = _computes_on(model)
+        if device is not None:
+            call = moved(self, device)
+            return model(*call.args, **call.kwargs)
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[Tensor]:
@@ -103,6 +110,15 @@ def device_of(module: Any) -> torch.device:
         if first is not None and first.device.type != "meta":
             return first.device
     return torch.device("cpu")
+
+
+def _computes_on(model: Any) -> torch.device | None:
+    """The device of a module's first parameter or buffer; None for anything else, a module
+    without tensors or one whose first tensor is on ``meta``."""
+    if not isinstance(model, nn.Module):
+        return None
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return None if first is None or first.device.type == "meta" else first.device
 
 
 def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:

@@ -62,9 +62,10 @@ def reconstruct_layers(
     ``hessian`` (GPTAQ's ``asymmetry``) reaches the solver as a keyword."""
     by_layer = {target.module_name: (name, target) for name, target in targets.items()}
     results: dict[str, tuple[Tensor, ...]] = {}
+    homes = {name: target.param.device for name, target in targets.items()}  # where each weight is kept
 
     def solve(hessians: dict[str, dict[str, Any]]) -> Mapping[str, Tensor]:
-        return _SolvedOneByOne(hessians, by_layer, solver, results)
+        return _SolvedOneByOne(hessians, by_layer, solver, results, homes)
 
     report = run_sequential(
         model,
@@ -94,8 +95,9 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         by_layer: dict[str, tuple[str, Target]],
         solver: MatrixSolver,
         results: dict[str, tuple[Tensor, ...]],
+        homes: dict[str, torch.device],
     ) -> None:
-        self.hessians, self.solver, self.results = hessians, solver, results
+        self.hessians, self.solver, self.results, self.homes = hessians, solver, results, homes
         self.layers = {by_layer[layer][0]: (layer, by_layer[layer][1]) for layer in hessians}
 
     def __getitem__(self, name: str) -> Tensor:
@@ -106,7 +108,8 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         matrix, extras = _solve_groups(
             layer, target.module, weight_matrix(target.module, value), found.pop("hessian"), self.solver, extra
         )
-        self.results[name] = extras
+        # the grids and masks where the weight is kept (its block may be onloaded to a GPU)
+        self.results[name] = tuple(extra.to(self.homes[name]) for extra in extras)
         return from_matrix(target.module, matrix, value)
 
     def __contains__(self, name: object) -> bool:

@@ -51,8 +51,9 @@ class LayerStats:
 
     def norms_like(self, weight: Tensor) -> Tensor:
         """:attr:`input_norms` shaped to broadcast against ``weight`` along its input-feature
-        axis, in the weight's dtype: ``weight.abs() * stats.norms_like(weight)`` is Wanda's
-        score for Linear, convolutions and Hugging Face ``Conv1D`` alike."""
+        axis, in float32 (as the reference code keeps them: a float16 norm overflows past 65504):
+        ``weight.abs() * stats.norms_like(weight)`` is Wanda's score, in float32, for Linear,
+        convolutions and Hugging Face ``Conv1D`` alike."""
         features = self.input_sq_norms.numel()
         if weight.dim() <= self.weight_axis or weight.shape[self.weight_axis] != features:
             raise ConfigError(
@@ -64,7 +65,7 @@ class LayerStats:
             )
         shape = [1] * weight.dim()
         shape[self.weight_axis] = features
-        return self.input_norms.to(weight.dtype).view(shape)
+        return self.input_norms.float().view(shape)
 
 
 Score = Callable[..., Tensor]

@@ -498,6 +498,7 @@ def _prune_sequentially(
             )
     by_layer = {target.module_name: name for name, target in chosen.items()}
     masks: dict[str, Tensor] = {}
+    homes = {name: target.param.device for name, target in chosen.items()}  # its block may be onloaded
     spilled = Originals("disk") if spec.originals == "disk" else None  # in memory: only the zeroed entries kept
 
     def solve(reduced: dict[str, Any]) -> dict[str, Tensor]:
@@ -509,8 +510,9 @@ def _prune_sequentially(
             )
             for layer, found in reduced.items()
         }
-        masks.update(_masks(spec, chosen, current, stats, per_layer))
-        return {name: current[name] * masks[name].to(current[name].device) for name in names}
+        found = _masks(spec, chosen, current, stats, per_layer)
+        masks.update({name: mask.to(homes[name]) for name, mask in found.items()})  # kept where the weight is
+        return {name: current[name] * found[name].to(current[name].device) for name in names}
 
     report = run_sequential(
         model,
@@ -601,8 +603,8 @@ def _prune_reconstructing(
 
     selection_modules = {t.module_name: t.module for t in selection.matched.values()}
     if pattern is not None:  # the layers' group sizes checked before any work
-        masks_n_m(
-            [torch.zeros(p.param.shape) for p in selection.matched.values()],
+        masks_n_m(  # shapes only (on meta): no memory
+            [torch.zeros(p.param.shape, device="meta") for p in selection.matched.values()],
             list(selection.matched),
             [input_axis_of(t.module) for t in selection.matched.values()],
             *pattern,

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
-from surgery.core.inputs import as_call, evaluating
+from surgery.core.inputs import as_call, device_of, evaluating, moved
 from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
 from surgery.core.settings import spec_or_keywords
@@ -273,6 +273,7 @@ def _train(
         for _ in range(epochs):
             for index in torch.randperm(len(batches), generator=generator).tolist():
                 inputs, target = _pair(batches[index], index)
+                target = moved(target, device_of(model))  # the inputs are moved by the call
                 model.train()
                 optimizer.zero_grad(set_to_none=True)
                 call = as_call(inputs, "finetune.batches", index)
@@ -319,7 +320,7 @@ def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) 
     broken = next((name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
     if broken is None:
         with evaluating(model), torch.no_grad():
-            value = loss_fn(as_call(batch[0], "finetune.batches", 0)(model), batch[1])
+            value = loss_fn(as_call(batch[0], "finetune.batches", 0)(model), moved(batch[1], device_of(model)))
         broken = None if torch.isfinite(value).all() else "the loss"
     if broken is not None:
         raise ConfigError(

@@ -83,6 +83,32 @@ def test_wanda_scores_weights_by_input_norms():
         assert handle.masks()["weight"].tolist() == [[True, False, False, True]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_wanda_on_a_half_precision_layer_scores_in_float32_as_the_reference_code(dtype):
+    """The reference code multiplies the half weight by float32 norms. Norms cast to float16
+    overflowed past 65504 (here ~1.3e5: inf, then NaN scores); cast to bfloat16 they tied
+    weights the float32 scores tell apart. The mask is the float32 model's."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 16, bias=False)
+    batches = [torch.randn(1024, 64) * 2000 for _ in range(4)]
+    with surgery.prune(layer, 0.5, method="wanda", select="", calibration=batches, progress=False) as handle:
+        expected = handle.masks()["weight"]
+    half = nn.Linear(64, 16, bias=False).to(dtype)
+    with torch.no_grad():
+        half.weight.copy_(layer.weight.to(dtype))
+    with surgery.prune(
+        half, 0.5, method="wanda", select="", calibration=[b.to(dtype) for b in batches], progress=False
+    ) as handle:
+        found = handle.masks()["weight"]
+    reference = half.weight.abs() * torch.stack([b.double().pow(2).sum(0) for b in batches]).sum(0).sqrt().float()
+    assert reference.dtype == torch.float32 and torch.isfinite(reference).all()
+    if dtype == torch.float16:
+        assert torch.equal(found, expected)
+    else:  # the weights themselves are rounded to bfloat16: the ranking of the rounded weights by float32 scores
+        keep = torch.zeros_like(reference, dtype=torch.bool).scatter_(1, reference.topk(32, dim=1).indices, True)
+        assert torch.equal(found, keep)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -47,9 +47,14 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         rows = slice(offsets.get(layer, 0), offsets.get(layer, 0) + matrix.shape[0])
         offsets[layer] = rows.stop
+        # what was found before the stage, where the weight was: on the stage's device (onload=)
         keep = masks.get(layer)
-        layer_grid = Grid(spec, grid.per_row, amax[layer]) if spec.is_float else grid  # nvfp4: the tensor's scale
+        keep = None if keep is None else keep.to(matrix.device)
+        tensor_max = amax[layer].to(matrix.device)
+        layer_grid = Grid(spec, grid.per_row, tensor_max) if spec.is_float else grid  # nvfp4: the tensor's scale
         fixed = None if spec.group_size else whole.get(layer)
+        if fixed is not None:
+            fixed = tuple(part.to(matrix.device) for part in fixed)
         if fixed is not None and grid.per_row:
             fixed = (fixed[0][rows], fixed[1][rows])
         if fixed is None and not spec.group_size:  # weighted: each row's range against its inputs' energy
