@@ -436,29 +436,34 @@ def _rotated_values(
     """Every changed parameter's new value (float64 products, cast back); ``gain(norm)`` is a
     norm's weight as it was."""
     values: dict[str, Tensor] = {}
-    q64 = q.double()
+    placed: dict[torch.device, Tensor] = {}  # the rotation copied once to each device the weights are on
+
+    def q64(device: torch.device) -> Tensor:
+        if device not in placed:
+            placed[device] = q.double().to(device)
+        return placed[device]
 
     def put(name: str, value: Tensor, like: Tensor) -> None:
         values[name] = value.to(like.dtype)
 
     for name in embeddings:
         weight = guards.current_value(named[name].weight).detach()
-        put(f"{name}.weight", weight.double() @ q64.to(weight.device), weight)
+        put(f"{name}.weight", weight.double() @ q64(weight.device), weight)
     for norm in pairs:
         weight = guards.current_value(named[norm].weight).detach()
         put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
     for layer, norm in readers.items():
         weight = guards.current_value(named[layer].weight).detach()
         put(
-            f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64.to(weight.device), weight
+            f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64(weight.device), weight
         )
     for layer in writers:
         module = named[layer]
         weight = guards.current_value(module.weight).detach()
-        put(f"{layer}.weight", q64.t().to(weight.device) @ weight.double(), weight)
+        put(f"{layer}.weight", q64(weight.device).t() @ weight.double(), weight)
         if module.bias is not None:
             bias = guards.current_value(module.bias).detach()
-            put(f"{layer}.bias", bias.double() @ q64.to(bias.device), bias)
+            put(f"{layer}.bias", bias.double() @ q64(bias.device), bias)
     return values
 
 
