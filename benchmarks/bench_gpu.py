@@ -320,6 +320,14 @@ KERNELS: dict[str, Callable] = {
 
 
 def loaded_rows(sizes: Sizes, device: torch.device) -> list[dict]:
+    """:func:`_loaded_rows`, or one row saying why it failed (the calibration part still runs)."""
+    try:
+        return _loaded_rows(sizes, device)
+    except Exception as err:  # noqa: BLE001 - a row that failed says so
+        return [{"name": "compressed-tensors W4A16", "error": _one_line(err), "trace": traceback.format_exc()[-2000:]}]
+
+
+def _loaded_rows(sizes: Sizes, device: torch.device) -> list[dict]:
     """surgery's W4A16 export (W4 g``group`` symmetric, the lm_head left in bfloat16) in the
     compressed-tensors format, loaded by transformers onto ``device`` as a user loads it: its logits
     against the simulation's, its forward's latency against the bfloat16 model at the decode and
@@ -332,17 +340,14 @@ def loaded_rows(sizes: Sizes, device: torch.device) -> list[dict]:
     inputs = {shape: torch.randint(0, vocab, (1, n), generator=generator).to(device) for shape, n in shapes.items()}
     dense = llama(sizes, device)
     spec = GridSpec(bits=4, group_size=sizes.group, symmetric=True)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            simulated = llama(sizes, device)
-            with surgery.quantize(simulated, weights=spec, exclude="lm_head") as handle, torch.no_grad():
-                want = simulated(inputs["prefill"]).logits.float()
-                surgery.export(handle, Path(folder) / "w4a16", format="compressed-tensors", inputs=[inputs["decode"]])
-            del simulated, handle
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(Path(folder) / "w4a16", dtype=torch.bfloat16)
-            loaded = loaded.to(device).eval()
-    except Exception as err:  # noqa: BLE001 - a row that failed says so
-        return [{"name": "compressed-tensors W4A16", "error": _one_line(err), "trace": traceback.format_exc()[-2000:]}]
+    with tempfile.TemporaryDirectory() as folder:
+        simulated = llama(sizes, device)
+        with surgery.quantize(simulated, weights=spec, exclude="lm_head") as handle, torch.no_grad():
+            want = simulated(inputs["prefill"]).logits.float()
+            surgery.export(handle, Path(folder) / "w4a16", format="compressed-tensors", inputs=[inputs["decode"]])
+        del simulated, handle
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(Path(folder) / "w4a16", dtype=torch.bfloat16)
+        loaded = loaded.to(device).eval()
     with torch.no_grad():
         got = loaded(inputs["prefill"]).logits.float()
     cosine = float(torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0))
@@ -396,7 +401,7 @@ def markdown(found: dict) -> str:
             f"{row['cosine']:.5f} | {row['latency_vs_bf16']:.2f}x | {row['linear_loads_as']} | "
             f"{row['weight_bytes_vs_bf16']:.2f}"
             if told is None
-            else told
+            else told + " | | |"
         )
         lines.append(f"| {row['name']} | {row.get('shape', '–')} | {figures} |")
     return "\n".join(lines) + "\n"

@@ -33,14 +33,21 @@ class Call:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __call__(self, model: nn.Module) -> Any:
-        """``model(*args, **kwargs)``, the tensors moved first to the device a module computes on
-        (batches given on the CPU for a model on a GPU); a module whose weights are set aside on
-        ``meta`` (offloaded: its own hooks move them) and anything else take them as they are."""
+        """``model(*args, **kwargs)``, with :meth:`for_model`'s tensors."""
+        call = self.for_model(model)
+        return model(*call.args, **call.kwargs)
+
+    def for_model(self, model: Any) -> Call:
+        """This call with its tensors on the device ``model`` computes on, where all of them are on
+        one other device (a batch given on the CPU for a model on a GPU); otherwise this call as
+        it is: a module on several devices (a block onloaded, weights set aside on ``meta``:
+        their own hooks move inputs), a call on several devices (CPU lengths beside GPU
+        activations), anything that is not a module."""
         device = _computes_on(model)
-        if device is not None:
-            call = moved(self, device)
-            return model(*call.args, **call.kwargs)
-        return model(*self.args, **self.kwargs)
+        if device is None:
+            return self
+        found = {tensor.device for tensor in _tensors_in([self.args, dict(self.kwargs)])}
+        return moved(self, device) if len(found) == 1 and device not in found else self
 
     def tensors(self) -> list[Tensor]:
         """The floating tensors among the arguments, nested ones included."""
@@ -113,12 +120,24 @@ def device_of(module: Any) -> torch.device:
 
 
 def _computes_on(model: Any) -> torch.device | None:
-    """The device of a module's first parameter or buffer; None for anything else, a module
-    without tensors or one whose first tensor is on ``meta``."""
+    """The one device all of a module's parameters and buffers are on; None for a module on
+    several (``meta`` among them) or none, and for anything that is not a module."""
     if not isinstance(model, nn.Module):
         return None
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return None if first is None or first.device.type == "meta" else first.device
+    found = {tensor.device for tensor in itertools.chain(model.parameters(), model.buffers())}
+    return next(iter(found)) if len(found) == 1 and next(iter(found)).type != "meta" else None
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor in ``value`` (nested tuples, lists and mappings), integer ones included."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item)
 
 
 def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:

@@ -498,9 +498,10 @@ def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call] | list[Ca
     that is the block's wrapper) is kept as the call it was, in memory or in its file."""
     caught = BlockCalls(current_ledger())
     seen: list[tuple[tuple, dict]] = []
+    onload = _ONLOAD.get()  # within onloading(): kept where the stage runs, moved there once
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        seen.append(_clean(args, kwargs))
+        seen.append(_clean(args, kwargs) if onload is None else moved(_clean(args, kwargs), onload))
         raise _Stop
 
     # first among the block's pre-hooks: the inputs as the block is called with them (its own

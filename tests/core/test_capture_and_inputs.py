@@ -309,3 +309,32 @@ def test_a_capture_is_a_context_manager_entered_once(mlp, mlp_input):
         _ = seen.outputs
     with seen, pytest.raises(RuntimeError, match="already active"), seen:
         pass
+
+
+def test_a_block_s_inputs_are_caught_before_its_own_pre_hooks_which_run_once_when_it_runs_again():
+    """A pre-hook on the block that rewrites its input (online rotation, input rewriting) ran
+    on the caught inputs and again when the block ran on them: they are caught before it."""
+    from surgery.core.inputs import Call
+    from surgery.core.sequential import catch_inputs
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    doubles = model[1].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        caught = catch_inputs(model, model[1], [Call((x,))])
+        ((args, _),) = list(caught)
+        assert torch.equal(args[0], model[0](x))  # not doubled
+        assert torch.equal(model[1](*args), model[1].forward(model[0](x) * 2))  # doubled once, by the block
+    doubles.remove()
+
+
+def test_a_call_moves_its_tensors_only_to_a_module_on_one_device_from_one_other_device():
+    from surgery.core.inputs import Call
+
+    x, lengths = torch.randn(2, 4), torch.tensor([2, 1])
+    call = Call((x,), {"lengths": lengths})
+    assert call.for_model(nn.Linear(4, 4)) is call  # already there: the same objects
+    split = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))  # a block onloaded elsewhere
+    assert call.for_model(split) is call and call.for_model(lambda x: x) is call
+    mixed = Call((x.to("meta"),), {"lengths": lengths})  # activations elsewhere, lengths on the CPU
+    assert mixed.for_model(nn.Linear(4, 4)) is mixed  # (one other device: tests/test_devices.py, on a GPU)

@@ -454,9 +454,7 @@ def _rotated_values(
         put(f"{norm}.weight", torch.ones_like(weight, dtype=torch.float64), weight)
     for layer, norm in readers.items():
         weight = guards.current_value(named[layer].weight).detach()
-        put(
-            f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64(weight.device), weight
-        )
+        put(f"{layer}.weight", (weight.double() * gain(norm).to(weight.device).double()) @ q64(weight.device), weight)
     for layer in writers:
         module = named[layer]
         weight = guards.current_value(module.weight).detach()

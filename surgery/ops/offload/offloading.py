@@ -164,6 +164,8 @@ class Offloaded(Handle):
         self.groups: list[str] = []
         self.overlay: dict[str, WeightFiles] = {}  # name -> the file of its compressed values
         self.held: list[tuple[nn.Module, str, nn.Parameter]] | None = None  # see holding_outside_blocks
+        self.held_bytes = 0
+        self.outside_bytes: list[int] = []  # each group's weights outside the blocks, in bytes
 
     streams = True  # surgery.export writes it one tensor at a time
     spec = None  # no quantized weights (see OffloadedCompression)
@@ -198,14 +200,29 @@ class Offloaded(Handle):
     def holding_outside_blocks(self) -> Iterator[None]:
         """Within the block, weights outside the repeated blocks (the embeddings) stay in once
         brought in, and go back on exit: a forward run once per calibration batch up to a block
-        reads them once, not once a batch. A block's weights still go after each call."""
-        self.held = []
+        reads them once, not once a batch. What is held stays within the largest such group's
+        bytes, which one call brings in anyway (the embeddings, not an encoder's every layer);
+        a block's weights still go after each call."""
+        if self.held is not None:  # already holding
+            yield
+            return
+        self.held, self.held_bytes = [], 0
         try:
             yield
         finally:
             held, self.held = self.held, None
             for owner, attr, placeholder in held:
                 set_slot(owner, attr, placeholder)
+
+    def hold(self, brought: list[tuple[nn.Module, str, nn.Parameter]]) -> bool:
+        """Whether ``brought`` (a group's weights outside blocks, just used) is kept in: within
+        :meth:`holding_outside_blocks` and its budget."""
+        size = sum(p.numel() * p.element_size() for _, _, p in brought)
+        if self.held is None or self.held_bytes + size > max(self.outside_bytes, default=0):
+            return False
+        self.held.extend(brought)
+        self.held_bytes += size
+        return True
 
     def names_in(self, module: nn.Module) -> list[str]:
         """The names in the files of ``module``'s weights (those set aside on ``meta``), sorted."""
@@ -484,8 +501,7 @@ class _Onload:
 
     def release(self, module: nn.Module, args: Any, output: Any) -> None:
         brought = self.brought.pop() if self.brought else []
-        if self.outside_blocks and self.handle.held is not None:  # kept in until holding_outside_blocks ends
-            self.handle.held.extend(brought)
+        if self.outside_blocks and self.handle.hold(brought):  # kept in until holding_outside_blocks ends
             return
         for owner, attr, placeholder in brought:
             set_slot(owner, attr, placeholder)
@@ -507,6 +523,8 @@ def _attach_onload(handle: Offloaded, model: nn.Module) -> None:
             groups.append((name, module, _own(module)))
     for index, (_, module, slots) in enumerate(groups):
         onload = _Onload(handle, slots, outside_blocks=index >= len(blocks) and id(module) not in inside)
+        if onload.outside_blocks:
+            handle.outside_bytes.append(sum(p.numel() * p.element_size() for _, _, p in slots))
         handle.add_hook("bring weights in", module.register_forward_pre_hook(onload.bring_in))
         handle.add_hook("release weights", module.register_forward_hook(onload.release, always_call=True))
     handle.groups = blocks + [name for name, module, _ in groups[len(blocks) :] if id(module) not in inside]

@@ -301,7 +301,9 @@ def test_onnx_weights_int8_writes_onnx_runtime_s_own_layout_and_says_what_it_cos
                 handle, tmp_path / "checked.onnx", format="onnx", inputs=calibration[:2], weights="int8"
             )
         except surgery.ExportParityError as err:  # this CPU's u8s8 kernels drift
-            assert "weights='int8' runs ONNX Runtime's u8s8 kernels" in str(err) and "weights='uint8'" in str(err)
+            assert "with weights='int8' ONNX Runtime runs its u8s8 kernels" in str(err) and "weights='uint8'" in str(
+                err
+            )
             assert not (tmp_path / "checked.onnx").exists()
         else:
             assert checked.parity.holds

@@ -610,3 +610,45 @@ def test_the_first_block_s_inputs_are_caught_reading_the_embeddings_once_and_the
     assert all(p.is_meta for p in source.model.parameters()) and source.held is None
     assert torch.equal(logits(source.model), logits(reference))
     done.restore()
+
+
+class EncoderThenBlocks(nn.Module):
+    """Three layers outside the repeated blocks (an encoder), then three blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(*(nn.Linear(32, 32) for _ in range(3)))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.encoder(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_weights_held_while_catching_inputs_stay_within_the_largest_group_outside_blocks(tmp_path):
+    """Holding every layer before the first block would hold a whole encoder: what is held stays
+    within the largest group outside the blocks (here one encoder layer), the rest is read per batch."""
+    from safetensors.torch import save_file
+
+    model = EncoderThenBlocks()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+    calibration = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    spec = GridSpec(bits=4, method="gptq", group_size=16)
+    expected = surgery.quantize(model, weights=spec, calibration=calibration, select="blocks.**", progress=False)
+    with torch.no_grad():
+        want = model(calibration[0])
+    expected.restore()
+    source = surgery.offloaded(tmp_path / "m.safetensors", factory=EncoderThenBlocks)
+    read = []
+    load = source.files.load
+    source.files.load = lambda name: read.append(name) or load(name)
+    done = surgery.quantize(source, weights=spec, calibration=calibration, select="blocks.**", progress=False)
+    # once to trace the stages, then: the first held for the four batches, the others read for each
+    assert [read.count(f"encoder.{i}.weight") for i in range(3)] == [2, 5, 5]
+    assert source.held is None and all(p.is_meta for p in source.model.parameters())
+    with torch.no_grad():
+        assert torch.equal(source.model(calibration[0]), want)
+    done.restore()

@@ -32,8 +32,8 @@ log = logging.getLogger("surgery")
 OPTIONS = ("opset", "weights")
 WEIGHT_TYPES = ("uint8", "int8")  # how int8 weights are held: see _QDQ._weight
 INT8_WEIGHTS_HINT = (
-    "weights='int8' runs ONNX Runtime's u8s8 kernels, which add pairs of products in int16 on x86 CPUs "
-    "without VNNI (AVX2 only): the default weights='uint8' is exact on every CPU"
+    "with weights='int8' ONNX Runtime runs its u8s8 kernels, which add pairs of products in int16 on x86 "
+    "CPUs without VNNI (AVX2 only), a likely cause: the default weights='uint8' is exact on every CPU"
 )
 OPSETS = (18, 25)  # what the exporter's version converter writes keeping the module names (onnxscript 0.7)
 INT8_KERNELS = (
