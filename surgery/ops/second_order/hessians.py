@@ -147,14 +147,17 @@ def asymmetric_hessians(name: str, module: nn.Module, floats: list[Tensor], inpu
     hessian = asymmetry = None
     rows = 0
     for original, given in zip(floats, inputs, strict=True):
-        columns = input_columns(module, name, given)
-        if not torch.isfinite(columns).all():
-            raise ConfigError("calibration", name, "NaN or Inf reached this layer; clean the calibration data")
+        columns = input_columns(module, name, given)  # NaN or Inf carries into the sums: checked once
         shift = input_columns(module, name, original) - columns
         product, cross = columns.transpose(1, 2) @ columns, shift.transpose(1, 2) @ columns
-        hessian = product if hessian is None else hessian + product
-        asymmetry = cross if asymmetry is None else asymmetry + cross
+        hessian = product if hessian is None else hessian.add_(product)
+        asymmetry = cross if asymmetry is None else asymmetry.add_(cross)
         rows += columns.shape[1]
+    if (
+        hessian is not None
+        and not torch.isfinite(torch.stack([*torch.aminmax(hessian), *torch.aminmax(asymmetry)])).all()
+    ):
+        raise ConfigError("calibration", name, "NaN or Inf reached this layer; clean the calibration data")
     rows = distributed.summed_count(rows)
     scale = 2.0 / rows
     return {

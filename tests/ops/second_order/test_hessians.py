@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,3 +82,21 @@ def test_a_nan_anywhere_in_the_hessian_is_refused_once_per_layer():
             assert "NaN or Inf reached this layer" in str(err)
         else:
             raise AssertionError(f"{bad} in the inputs gave a Hessian")
+
+
+def test_gptaq_statistics_refuse_a_nan_in_either_stream_once_per_layer():
+    """GPTAQ's sums are checked once, after the batches: a NaN or Inf in the compressed stream's
+    inputs or in the float stream's (which only the asymmetry sees) fails it."""
+    from surgery.ops.second_order.hessians import asymmetric_hessians
+
+    layer = nn.Linear(3, 2)
+    clean = [torch.randn(4, 3) for _ in range(2)]
+    found = asymmetric_hessians("layer", layer, [c + 0.1 for c in clean], clean)
+    assert torch.isfinite(found["hessian"]).all() and found["rows"] == 8
+    for stream in ("floats", "inputs"):
+        for bad in (float("nan"), float("inf")):
+            spoiled = [c.clone() for c in clean]
+            spoiled[1][2, 1] = bad
+            floats, inputs = (spoiled, clean) if stream == "floats" else ([c + 0.1 for c in clean], spoiled)
+            with pytest.raises(surgery.ConfigError, match="NaN or Inf reached this layer"):
+                asymmetric_hessians("layer", layer, floats, inputs)
