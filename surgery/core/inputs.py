@@ -46,7 +46,7 @@ class Call:
         device = _computes_on(model)
         if device is None:
             return self
-        found = {tensor.device for tensor in _tensors_in([self.args, dict(self.kwargs)])}
+        found = {tensor.device for tensor in flatten_tensors([list(self.args), dict(self.kwargs)], floating_only=False)}
         return moved(self, device) if len(found) == 1 and device not in found else self
 
     def tensors(self) -> list[Tensor]:
@@ -126,18 +126,6 @@ def _computes_on(model: Any) -> torch.device | None:
         return None
     found = {tensor.device for tensor in itertools.chain(model.parameters(), model.buffers())}
     return next(iter(found)) if len(found) == 1 and next(iter(found)).type != "meta" else None
-
-
-def _tensors_in(value: Any) -> Iterator[Tensor]:
-    """Every tensor in ``value`` (nested tuples, lists and mappings), integer ones included."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
 
 
 def as_call(batch: Batch, field_name: str = "inputs", index: int = 0) -> Call:

@@ -217,8 +217,10 @@ class Offloaded(Handle):
     def hold(self, brought: list[tuple[nn.Module, str, nn.Parameter]]) -> bool:
         """Whether ``brought`` (a group's weights outside blocks, just used) is kept in: within
         :meth:`holding_outside_blocks` and its budget."""
+        if self.held is None:  # every call outside a catch: nothing to weigh
+            return False
         size = sum(p.numel() * p.element_size() for _, _, p in brought)
-        if self.held is None or self.held_bytes + size > max(self.outside_bytes, default=0):
+        if self.held_bytes + size > max(self.outside_bytes, default=0):
             return False
         self.held.extend(brought)
         self.held_bytes += size
