@@ -24,8 +24,39 @@ Revert = Callable[[], None]
 
 _scopes = threading.local()  # this thread's open restored_on_error() blocks: the handles made in each
 _later = WeakIdKeyDictionary()  # model -> handles that must be undone before any earlier one (finetune)
-_on = WeakIdKeyDictionary()  # model -> every handle made on it (a group's members, not the group)
+_ATTACHED = "_surgery_attached"  # the module attribute listing the handles attached to it (see _AttachedHandles)
 _created = itertools.count()
+
+
+class _AttachedHandles(list):
+    """The handles attached to one module, kept in the module's own ``__dict__``: surgery stays findable
+    (:func:`attached_to`) and restorable for as long as the model lives, whether or not the caller kept
+    the handle, and dies with the model (a cycle the garbage collector takes). A copy or a pickle of
+    the model holds none of them (an empty plain list): its hooks are copies that no handle owns."""
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return []
+
+    def __copy__(self) -> list:
+        return []
+
+    def __reduce__(self) -> tuple:
+        return (list, ())
+
+
+def _keep_on(module: nn.Module, handle: Handle) -> None:
+    kept = module.__dict__.get(_ATTACHED)
+    if not isinstance(kept, _AttachedHandles):
+        kept = module.__dict__[_ATTACHED] = _AttachedHandles()
+    kept.append(handle)
+
+
+def _drop_from(module: nn.Module | None, handle: Handle) -> None:
+    kept = module.__dict__.get(_ATTACHED) if module is not None else None
+    if isinstance(kept, _AttachedHandles):
+        kept[:] = [each for each in kept if each is not handle]
+        if not kept:
+            del module.__dict__[_ATTACHED]
 
 
 @dataclass(frozen=True)
@@ -68,7 +99,7 @@ class Handle:
         if self.undo_first:
             _later.setdefault(model, weakref.WeakSet()).add(self)
         if type(self)._tracked:
-            _on.setdefault(model, weakref.WeakSet()).add(self)
+            _keep_on(model, self)
             for scope in getattr(_scopes, "stack", []):
                 scope.append(self)
 
@@ -276,10 +307,11 @@ class Handle:
         self._forget()
 
     def _forget(self) -> None:
-        """Drop every step (and with them saved originals): the handle is done."""
+        """Drop every step (and with them saved originals): the handle is done, and no longer kept on its model."""
         self._steps.clear()
         self._hooks.clear()
         self._records.clear()
+        _drop_from(self.model, self)
 
     def __enter__(self) -> Handle:
         return self
@@ -383,7 +415,12 @@ def attached_to(model: nn.Module) -> list[Handle]:
         >>> handle = surgery.prune(model, 0.5)
         >>> attached_to(model) == [handle]
     """
-    found = {id(h): h for module in model.modules() for h in list(_on.get(module, ())) if h.state == "attached"}
+    found = {
+        id(h): h
+        for module in model.modules()
+        for h in list(module.__dict__.get(_ATTACHED, ()))
+        if isinstance(h, Handle) and h.state == "attached"
+    }
     return sorted(found.values(), key=lambda h: h._order)
 
 

@@ -191,6 +191,33 @@ def test_attached_to_lists_the_surgery_a_model_runs_with_its_submodules_included
     assert attached_to(model) == []
 
 
+def test_surgery_whose_handle_nobody_kept_stays_findable_restorable_and_dies_with_the_model():
+    """Hostile pass, wave 4, item 1: ``rewrite_inputs(m, ...)`` called as a statement left hooks that
+    export could not see (the handles were held weakly); they stay on the model until restored."""
+    import copy
+    import pickle
+    import weakref
+
+    from surgery.core.handles import attached_to
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs))  # the handle is not kept
+    surgery.prune(model[1], 0.5)
+    gc.collect()
+    found = attached_to(model)
+    assert [h.kind for h in found] == ["rewrite", "prune"]
+    assert attached_to(copy.deepcopy(model)) == [] and attached_to(pickle.loads(pickle.dumps(model[0]))) == []
+    for handle in reversed(found):
+        handle.restore()
+    assert attached_to(model) == [] and sum(module_hook_counts(model).values()) == 0
+    assert "_surgery_attached" not in model.__dict__  # nothing of surgery's is left on the model
+    surgery.prune(model, 0.5)
+    gone = weakref.ref(model)
+    del model, found, handle
+    gc.collect()
+    assert gone() is None  # the handles kept on the model do not keep it alive
+
+
 def test_applying_undoes_what_the_handle_holds_and_raises_the_error_again():
     model = nn.Sequential(nn.Linear(4, 4))
     before = model[0].weight.detach().clone()

@@ -18,13 +18,15 @@ def budget_bytes(budget: object, weights: int, field: str = "plan.budget") -> in
     if isinstance(budget, bool):
         raise ConfigError(field, budget, ALLOWED)
     if isinstance(budget, int):
-        value, unit = float(budget), "b"
-    elif isinstance(budget, float) and math.isfinite(budget):
+        if budget <= 0:
+            raise ConfigError(field, budget, ALLOWED)
+        return budget
+    if isinstance(budget, float) and math.isfinite(budget):
         value, unit = budget, "b"
     elif isinstance(budget, str) and (found := _PATTERN.match(budget)):
         value, unit = float(found.group(1)), (found.group(2) or "b").lower()
     else:
         raise ConfigError(field, budget, ALLOWED)
-    if value <= 0 or (unit != "bpw" and unit not in UNITS):
+    if not math.isfinite(value) or value <= 0 or (unit != "bpw" and unit not in UNITS):
         raise ConfigError(field, budget, ALLOWED)
     return int(value * weights / 8) if unit == "bpw" else int(value * UNITS[unit])

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from surgery.core.checkpoints import refuse_existing, write_atomically
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, HandleGroup, restored_on_error
 from surgery.ops.planning.choices import DENSE_BITS, choice_named
@@ -89,16 +90,19 @@ class Plan:
             "layers": [asdict(r) for r in self.rows],
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write the plan: YAML for a ``.yaml``/``.yml`` path, JSON otherwise."""
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write the plan atomically: YAML for a ``.yaml``/``.yml`` path, JSON otherwise; an existing
+        file raises :class:`~surgery.core.errors.OutputExistsError` unless ``overwrite``."""
         path = Path(path)
+        refuse_existing([path], overwrite)
         data = self.as_dict()
         if path.suffix in YAML_SUFFIXES:  # block YAML whose values are JSON (valid YAML, read without PyYAML)
             lines = [f"{k}: {json.dumps(v)}" for k, v in data.items() if k != "layers"]
             lines += ["layers:", *(f"  - {json.dumps(row)}" for row in data["layers"])]
-            path.write_text("\n".join(lines) + "\n")
+            text = "\n".join(lines) + "\n"
         else:
-            path.write_text(json.dumps(data, indent=1) + "\n")
+            text = json.dumps(data, indent=1) + "\n"
+        write_atomically(path, lambda tmp: tmp.write_text(text))
         return path
 
     @classmethod

@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from surgery.core.checkpoints import refuse_existing, save_tensors, write_atomically
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import run_batches
 
 FIELD = "low_rank_branch"
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
 
 
 class LowRankBranchHandle(Handle):
@@ -46,16 +47,22 @@ class LowRankBranchHandle(Handle):
             "(a PEFT LoRA adapter), or restore() it",
         )
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, overwrite: bool = False) -> Path:
         """Write the branches as a PEFT LoRA adapter (``adapter_model.safetensors`` and
-        ``adapter_config.json``; ``lora_alpha`` = ``r``, so its scaling is 1)."""
+        ``adapter_config.json``; ``lora_alpha`` = ``r``, so its scaling is 1), each file atomically;
+        an adapter already in ``folder`` raises :class:`~surgery.core.errors.OutputExistsError`
+        unless ``overwrite``."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(
+                f"{FIELD}.save.folder", str(folder), "is a file; give a folder for the adapter's two files"
+            )
+        refuse_existing([folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG], overwrite)
         tensors = {}
         for layer, (down, up) in self.branches.items():
             tensors[f"base_model.model.{layer}.lora_A.weight"] = down.contiguous()
             tensors[f"base_model.model.{layer}.lora_B.weight"] = up.contiguous()
-        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        save_tensors(tensors, folder / ADAPTER_WEIGHTS)
         config = {
             "peft_type": "LORA",
             "r": self.rank,
@@ -65,7 +72,8 @@ class LowRankBranchHandle(Handle):
             "target_modules": sorted(self.branches),
             "task_type": None,
         }
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        text = json.dumps(config, indent=2) + "\n"
+        write_atomically(folder / ADAPTER_CONFIG, lambda tmp: tmp.write_text(text))
         return folder
 
 

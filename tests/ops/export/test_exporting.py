@@ -4,6 +4,7 @@ computes, and what a format cannot hold is said, not dropped silently."""
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 import surgery
 from surgery.core.errors import ConfigError, OutputExistsError, OutputWriteError
+from surgery.core.handles import attached_to
 
 
 def test_a_hugging_face_model_loads_the_export_with_from_pretrained_and_gives_the_same_logits(tmp_path):
@@ -186,6 +188,25 @@ def test_surgery_another_handle_keeps_outside_the_weights_is_refused_or_listed(t
     assert record.left_out == ["input rewrites (attached by another handle, rewrite)"] and not record.exact
     assert plain.left_out == ["input rewrites"]  # the model itself: every handle on it is its surgery
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "w.safetensors"]
+
+
+def test_surgery_whose_handle_nobody_kept_is_refused_by_name(tmp_path):
+    """Hostile pass, wave 4, item 1: a rewrite attached as a statement was invisible to export
+    (written, ``left_out=[]``, cosine 0.96 to the model under surgery)."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 16)
+    surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs))  # the handle is not kept
+    gc.collect()
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True))
+    with surgery.quantize(model, spec) as handle:
+        gc.collect()
+        with pytest.raises(ConfigError, match=r"^export.handle='rewrite handle': is also attached to the model"):
+            surgery.export(handle, tmp_path / "m.pt", format="torchao", inputs=[x])
+        assert surgery.export(model, tmp_path / "p.safetensors").left_out == ["input rewrites"]
+    for each in attached_to(model):
+        each.restore()
 
 
 def test_an_online_rotation_another_handle_keeps_is_refused_by_name(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from support import tiny_llama  # tests/support.py
 
 import surgery
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, OutputExistsError
 from surgery.ops.planning.plans import Plan, PlanRow
 from surgery.testing import snapshot, snapshot_differences
 
@@ -32,6 +32,15 @@ def test_a_saved_plan_loads_back_equal(tmp_path, suffix):
     loaded = Plan.load(plan.save(tmp_path / f"plan{suffix}"))
     assert loaded == plan and loaded.as_dict() == plan.as_dict()
     assert "total" in str(loaded) and loaded.counts() == {"w4g128": 1, "2:4": 1, "nvfp4": 1, "dense": 1}
+
+
+def test_a_plan_saved_over_a_file_is_refused_unless_overwrite(tmp_path):
+    path = mixed_plan().save(tmp_path / "plan.json")
+    path.write_text("mine")
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        mixed_plan().save(path)
+    assert path.read_text() == "mine"
+    assert Plan.load(mixed_plan().save(path, overwrite=True)) == mixed_plan()
 
 
 def test_a_file_that_is_no_plan_is_refused_by_name(tmp_path):

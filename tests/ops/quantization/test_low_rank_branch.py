@@ -9,7 +9,7 @@ from support import tiny_llama, token_batches  # tests/support.py
 
 import surgery
 from surgery import GridSpec
-from surgery.core.errors import AlreadyModifiedError, ConfigError
+from surgery.core.errors import AlreadyModifiedError, ConfigError, OutputExistsError
 from surgery.ops.quantization.low_rank_branch import eora_factors
 
 
@@ -88,4 +88,25 @@ def test_a_rank_the_layers_cannot_hold_is_refused_in_one_line(rank, match):
     quantized = surgery.quantize(model, weights=GridSpec(bits=4), exclude="lm_head", progress=False)
     with pytest.raises(ConfigError, match=match):
         surgery.low_rank_branch(quantized, rank=rank, calibration=token_batches(), progress=False)
+    quantized.restore()
+
+
+def test_saving_over_an_adapter_or_a_file_is_refused_in_one_line(tmp_path):
+    """Hostile pass, wave 4, item 10: saving onto a file raised FileExistsError, and a second save
+    into one folder silently replaced the first adapter."""
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    data = token_batches()
+    quantized = surgery.quantize(model, weights=GridSpec(bits=3, group_size=16), exclude="lm_head", progress=False)
+    branch = surgery.low_rank_branch(quantized, rank=2, calibration=data, progress=False)
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ConfigError, match=r"^low_rank_branch\.save\.folder='.*file': is a file"):
+        branch.save(tmp_path / "file")
+    first = branch.save(tmp_path / "adapter")
+    weights = (first / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        branch.save(first)
+    assert (first / "adapter_model.safetensors").read_bytes() == weights
+    assert branch.save(first, overwrite=True) == first
+    assert sorted(p.name for p in first.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    branch.restore()
     quantized.restore()
