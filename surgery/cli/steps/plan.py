@@ -76,7 +76,7 @@ class PlanStep(Step):
             )
         else:
             chosen = self._searched(model, settings, calibration, causal)
-        write_atomically(run.folder / PLAN, chosen.save)
+        write_atomically(run.folder / PLAN, lambda tmp: chosen.save(tmp, overwrite=True))
         handle = chosen.apply(model, calibration=list(run.calibration))
         handle.result = chosen
         return handle

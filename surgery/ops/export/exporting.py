@@ -26,6 +26,7 @@ from surgery.core.inputs import Call, Inputs, as_call, device_of, flatten_tensor
 from surgery.core.registry import Registry
 from surgery.core.routing import routed_as
 from surgery.core.safetensors_streams import write_streamed
+from surgery.ops.export.positions import unreached
 from surgery.ops.numerics.deployment import ExportParts, gather_export_parts
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
@@ -139,11 +140,13 @@ class Parity:
     agreement_bound: float = 1.0
     nonfinite: tuple[str, ...] = ()
     why: str = ""  # what differs between the two, where it is known (buffers in another dtype)
+    unreached: str = ""  # a position-dependent feature the inputs were too short to exercise: no vouching
 
     @property
     def holds(self) -> bool:
-        """Whether the artifact keeps what its format promises (no NaN or Inf on either side)."""
-        if self.nonfinite:
+        """Whether the artifact keeps what its format promises (no NaN or Inf on either side), on
+        inputs long enough to exercise every position-dependent feature of the model."""
+        if self.nonfinite or self.unreached:
             return False
         if self.expected == "exact":
             return self.equal
@@ -157,7 +160,8 @@ class Parity:
             found += f", integer outputs agree on {self.agreement:.2%} (at least {self.agreement_bound:.2%} promised)"
         if self.nonfinite:
             found += f", NaN or Inf from {' and '.join(self.nonfinite)}"
-        return f"expected {self.expected}: {found}" + (f"; {self.why}" if self.why else "")
+        notes = "".join(f"; {note}" for note in (self.unreached, self.why) if note)
+        return f"expected {self.expected}: {found}{notes}"
 
     def as_dict(self) -> dict[str, Any]:
         found = {"max_abs": self.max_abs, "cosine": self.cosine, "equal": self.equal, "expected": self.expected}
@@ -165,6 +169,8 @@ class Parity:
             found |= {"agreement": self.agreement, "agreement_bound": self.agreement_bound}
         if self.nonfinite:
             found["nonfinite"] = list(self.nonfinite)
+        if self.unreached:
+            found["unreached"] = self.unreached
         return found | {"holds": self.holds}
 
 
@@ -544,7 +550,9 @@ def _parity(chosen: ExportFormat, deployable: Any, model: nn.Module, calls: list
         for want, got in zip(expected, found):
             figures.add(want.detach().cpu(), got.detach().cpu(), chosen.name)
     expected_kind = "exact" if exact else f"cosine>={chosen.bound}"
-    return figures.result(expected_kind, 1.0 if exact else chosen.agreement)
+    return replace_field(
+        figures.result(expected_kind, 1.0 if exact else chosen.agreement), unreached=unreached(model, calls)
+    )
 
 
 class _ParityFigures:

@@ -170,6 +170,8 @@ def _quantize_in_memory(
         raise ConfigError("quantize.calibration", None, f"target={spec.target!r} folds BatchNorm; pass calibration")
     with _target_selection(model, spec, rules):
         weight_targets, layers = quantize_targets(model, select, exclude, weights, activations, where)
+    if rules is not None and rules.check is not None:  # what the format cannot hold, before any work
+        rules.check(model, spec, weight_targets.matched)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
     with handle.applying():
@@ -238,6 +240,8 @@ def _quantize_offloaded(
     select = rules.layers if rules is not None and spec.select is None else spec.select  # the layers it quantizes
     with _target_selection(model, spec, rules), linearized(model):  # each expert's layers, as in memory
         targets, _ = quantize_targets(model, select, spec.exclude, spec.weights, None, spec.where)
+        if rules is not None and rules.check is not None:  # what the format cannot hold, before any work
+            rules.check(model, spec, targets.matched)
     keys: dict[str, list[str]] = {}
     for key, target in targets.matched.items():
         keys.setdefault(target.module_name, []).append(key)

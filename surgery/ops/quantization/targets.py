@@ -4,6 +4,7 @@ quantization verb reads the rules without importing export."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +18,16 @@ class DeployTarget:
     """How ``quantize(..., target=FORMAT)`` simulates what that format's runtime computes:
     BatchNorm folded first (``fold_batchnorm``), only ``layers`` of these types quantized,
     activations at their ``where``, and the GridSpec fields its kernels fix (``weights``,
-    ``activations``: field -> value)."""
+    ``activations``: field -> value); ``check`` refuses, before any calibration, a model, a
+    setting or a layer the format cannot hold (the export would refuse it after the work)."""
 
     fold_batchnorm: bool = False
     layers: Any = (nn.Linear,)  # a selection (layer types, or a predicate(module, name))
     where: str = "input"
     weights: dict[str, Any] = field(default_factory=dict)
     activations: dict[str, Any] = field(default_factory=dict)
+    # check(model, spec, {name: Target}): raises, when quantize starts, what the format cannot hold
+    check: Callable[[nn.Module, Any, dict[str, Any]], None] | None = None
 
 
 DEPLOY_TARGETS: dict[str, DeployTarget] = {}  # format name -> its rules, filled as formats register

@@ -379,3 +379,23 @@ def test_a_format_holding_a_group_index_gets_it_and_safetensors_writes_the_weigh
     assert torch.equal(grid.dequantized(grid.integers(weight)), weight)  # the integers on the scattered groups
     record = surgery.export(handle, tmp_path / "w.safetensors")
     assert torch.equal(record.load()[key], weight)
+
+
+def test_a_parity_check_too_short_for_the_model_s_sliding_window_does_not_vouch_for_it(tmp_path):
+    """Hostile pass, wave 4, item 2: a check on 8-token (or 128-byte) inputs said 1.0 for a model
+    whose 8-token (160-token) window it never exercised."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    config.vocab_size, config.max_position_embeddings, config.sliding_window = 64, 64, 8
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    short, long = (torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(0)) for n in (8, 9))
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True), exclude="lm_head")
+    with surgery.quantize(model, spec) as handle:
+        with pytest.raises(surgery.ExportParityError, match=r"cannot vouch: .* at most 8 tokens .*sliding_window=8"):
+            surgery.export(handle, tmp_path / "short", format="compressed-tensors", inputs=[short])
+        record = surgery.export(handle, tmp_path / "long", format="compressed-tensors", inputs=[short, long])
+    assert record.parity.holds and "unreached" not in record.parity.as_dict()
+    assert not (tmp_path / "short").exists()

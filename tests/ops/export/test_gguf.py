@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,13 +27,13 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 
-def tiny(family: str, vocab: int = 128, width: int = 64) -> torch.nn.Module:
+def tiny(family: str, vocab: int = 128, width: int = 64, **settings: Any) -> torch.nn.Module:
     """A seeded tiny decoder of ``family`` (every row length a multiple of 32; of 256, the
     K-quants' super-block, with ``width=256``)."""
     torch.manual_seed(0)
     shapes = dict(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4)
-    shapes |= dict(num_key_value_heads=2, vocab_size=vocab, head_dim=width // 4)
-    config = getattr(transformers, f"{family}Config")(**shapes)
+    shapes |= dict(num_key_value_heads=2, vocab_size=vocab, head_dim=width // 4, max_position_embeddings=2048)
+    config = getattr(transformers, f"{family}Config")(**shapes | settings)
     return getattr(transformers, f"{family}ForCausalLM")(config).eval()
 
 
@@ -300,6 +301,50 @@ def test_qwen3_moe_experts_are_stacked_per_projection_and_read_back_as_each_expe
         assert stored["blk.1.ffn_gate_inp.weight"][0] == "F32"  # the router, as llama.cpp keeps it
 
 
+@pytest.mark.parametrize(
+    "family, config, message",
+    [
+        ("Mistral", {"sliding_window": 8}, r"config\.sliding_window is 8 with a context of 2048: .*no sliding window"),
+        ("Llama", {"hidden_act": "gelu"}, r"config\.hidden_act is 'gelu'; llama\.cpp's graph computes SiLU"),
+        (
+            "Qwen2",
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+            r"config\.sliding_window is 8",
+        ),
+        ("Qwen3", {"attention_bias": True}, r"config\.attention_bias is true; .* no attention biases"),
+        ("Llama", {"made_up_knob": 3}, r"config\.made_up_knob=3 is not a field it understands"),
+        (
+            "Llama",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            r"config\.rope_parameters sets partial_rotary_factor",
+        ),
+    ],
+    ids=["mistral-window", "llama-gelu", "qwen2-window", "qwen3-bias", "unknown-field", "partial-rope"],
+)
+def test_a_config_field_llama_cpp_cannot_compute_is_refused_by_name_before_anything_is_written(
+    tmp_path, family, config, message
+):
+    """Hostile pass, wave 4, item 2: a Mistral with an 8-token window was written as full attention
+    (cosine 0.88 at 48 tokens, parity 1.0 on 8), a GELU Llama as SiLU. Every config field is one the
+    family's table understands: written, required to hold llama.cpp's value, or refused."""
+    model = tiny(family, **config)
+    with pytest.raises(ConfigError, match=r"^export\.format='gguf': .*" + message):
+        write_gguf(ExportParts(model), tmp_path / "m.gguf", {})
+    with pytest.raises(ConfigError, match=message):
+        surgery.quantize(model, weights=GridSpec(bits=8), target="gguf:Q8_0", exclude="lm_head")  # when it starts
+    with pytest.raises(ConfigError, match=message):
+        surgery.gguf_mix(model, "Q4_K_M")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_window_that_never_acts_is_written(tmp_path):
+    model = tiny("Mistral")
+    model.config.sliding_window = 2048  # the whole context: full attention
+    with surgery.quantize(model, weights=GridSpec(bits=8), target="gguf:Q8_0", exclude="lm_head") as handle:
+        record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids()])
+    assert record.parity.holds
+
+
 def test_experts_partly_quantized_or_a_routing_llama_cpp_lacks_are_refused(tmp_path):
     from support import tiny_moe
 
@@ -311,7 +356,9 @@ def test_experts_partly_quantized_or_a_routing_llama_cpp_lacks_are_refused(tmp_p
         with pytest.raises(ConfigError, match=r"blk\.0\.ffn_gate_exps\.weight stacks experts some quantized, some not"):
             surgery.export(handle, tmp_path / "m.gguf", format="gguf")
     unnormalized = tiny_moe("qwen3_moe", layers=1)  # transformers' default: top-k weights not normalized
-    with pytest.raises(ConfigError, match=r"holds experts whose top-k weights are normalized; this model's are not"):
+    with pytest.raises(
+        ConfigError, match=r"config.norm_topk_prob is false; llama.cpp.s graph normalizes the top-k expert weights"
+    ):
         write_gguf(ExportParts(unnormalized), tmp_path / "m.gguf", {})
     assert not list(tmp_path.iterdir())
 
@@ -562,3 +609,25 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_
         with pytest.raises(ConfigError, match=r"must be a folder holding a Hugging Face tokenizer\.json$"):
             surgery.export(handle, tmp_path / "m.gguf", format="gguf", tokenizer=str(tmp_path))
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "settings, weights, message",
+    [
+        ({"intermediate_size": 48}, {}, r"^quantize\.target='gguf:Q4_0': cannot hold model\.layers\.0\.mlp\.down_proj"),
+        ({}, {"actorder": "group"}, r"^quantize\.weights\.actorder='group': target='gguf:Q4_0' holds groups of"),
+    ],
+    ids=["48-inputs", "actorder-group"],
+)
+def test_a_gguf_target_refuses_what_its_type_cannot_hold_before_any_calibration(settings, weights, message):
+    """Hostile pass, wave 4, item 8: GPTQ calibrated the whole model before export refused."""
+    model = tiny("Llama", **settings)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    spec = GridSpec(**{"bits": 4, "method": "gptq", **weights})
+    try:
+        with pytest.raises(ConfigError, match=message):
+            surgery.quantize(model, weights=spec, target="gguf:Q4_0", exclude="lm_head", calibration=[ids()])
+    finally:
+        hook.remove()
+    assert forwards == []  # refused before the first forward

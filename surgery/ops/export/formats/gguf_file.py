@@ -274,5 +274,38 @@ register_export_format(
 )
 
 
+def _target_check(kind: BlockType) -> Callable[[nn.Module, Any, dict[str, Any]], None]:
+    """What ``quantize(target="gguf:TYPE")`` refuses when it starts, before any calibration: a model
+    GGUF cannot write, quantized activations, scattered groups, a layer whose inputs the type's
+    blocks do not tile."""
+
+    def check(model: nn.Module, spec: Any, matched: dict[str, Any]) -> None:
+        field, name = "quantize.target", f"gguf:{kind.name}"
+        family_of(getattr(model, "config", None))
+        if spec.activations is not None:
+            raise ConfigError(
+                field, name, "holds weight grids only (llama.cpp rounds activations itself): set no activations"
+            )
+        if spec.weights is not None and spec.weights.actorder == "group":
+            raise ConfigError(
+                "quantize.weights.actorder",
+                "group",
+                f"target={name!r} holds groups of consecutive inputs only (no g_idx): use actorder='weight'",
+            )
+        for key, target in matched.items():  # (K-quants' super-blocks: refused by the grid's own super_group)
+            columns = target.param.shape[-1]
+            if kind.scale_levels is None and columns % kind.super_block:
+                raise ConfigError(
+                    field,
+                    name,
+                    f"cannot hold {key}: its {columns} inputs are not a multiple of {kind.super_block} "
+                    f"({kind.name}'s blocks); exclude it, or pick a type whose blocks tile it",
+                )
+
+    return check
+
+
 for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid
-    DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(layers=(nn.Linear,), weights=dict(_kind.target))
+    DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(
+        layers=(nn.Linear,), weights=dict(_kind.target), check=_target_check(_kind)
+    )

@@ -10,8 +10,8 @@ by the config's ``model_type``."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -34,6 +34,7 @@ LAYER_NAMES = {  # inside model.layers.N: Hugging Face -> GGUF (blk.N.*)
 }
 MODEL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+Rule = Callable[[Any], "str | None"]  # why a config's value cannot be written (None: it can)
 
 
 @dataclass(frozen=True)
@@ -47,14 +48,146 @@ class GgufFamily:
     permute_qk: bool
     rope_dimensions: bool = False
     experts: bool = False  # a mixture-of-experts family: every layer routes to experts (normalized top-k)
+    fields: Mapping[str, Rule] = field(default_factory=dict)  # every config field it understands (FieldRules)
 
+
+def _holds(_config: Any) -> str | None:
+    """A field the file holds (a key, or the tensors themselves), or one inference never reads."""
+    return None
+
+
+def _silu(config: Any) -> str | None:
+    act = getattr(config, "hidden_act", "silu")
+    return None if act == "silu" else f"is {act!r}; llama.cpp's graph computes SiLU and GGUF has no key for another"
+
+
+def _default_rope(config: Any) -> str | None:
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if rope.get("rope_type", "default") != "default":
+        return f"is {rope['rope_type']!r} rotary embeddings; GGUF is written with default ones"
+    extra = sorted(set(rope) - {"rope_type", "rope_theta"})
+    return f"sets {', '.join(extra)}, which GGUF is not written with (default rotary embeddings)" if extra else None
+
+
+def _no_window(config: Any) -> str | None:
+    """A sliding window that acts (shorter than the context, on some layer) has no place in these
+    architectures' llama.cpp graphs: they attend to every earlier token."""
+    window, layers = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    acts = window is not None and (limit is None or window < limit)
+    if acts and (layers is None or "sliding_attention" in layers):
+        return (
+            f"is {window} with a context of {limit}: llama.cpp's graph for this family attends to every "
+            f"earlier token (no sliding window), so outputs past {window} tokens would differ; to write full "
+            "attention knowingly, set model.config.sliding_window=None first (the model then computes as the file)"
+        )
+    return None
+
+
+def _full_or_sliding(config: Any) -> str | None:
+    other = sorted(set(config.layer_types or []) - {"full_attention", "sliding_attention"})
+    return f"holds {', '.join(other)}; GGUF is written with full attention" if other else None
+
+
+def _no_attention_bias(config: Any) -> str | None:
+    return "is true; llama.cpp's graph for this family has no attention biases" if config.attention_bias else None
+
+
+def _normalized_top_k(config: Any) -> str | None:
+    return None if config.norm_topk_prob is True else "is false; llama.cpp's graph normalizes the top-k expert weights"
+
+
+def _every_layer_routed(config: Any) -> str | None:
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        return "leaves some layers dense; llama.cpp's graph routes every layer to experts"
+    return None
+
+
+GENERIC_FIELDS = frozenset(  # PretrainedConfig's own fields and token ids: none changes a decoder's computation
+    [
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "is_encoder_decoder",
+        "label2id",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "tokenizer_class",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",
+    ]
+)
+DECODER_FIELDS: dict[str, Rule] = {  # what every family here writes (keys or tensors) or requires
+    **dict.fromkeys(
+        [
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "vocab_size",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+        ],
+        _holds,
+    ),
+    "hidden_act": _silu,
+    "rope_parameters": _default_rope,
+    "rope_scaling": _default_rope,
+    "rope_theta": _holds,
+}
+_WINDOW = {  # the window acts through sliding_window (on the layers layer_types marks): checked there
+    "sliding_window": _no_window,
+    "layer_types": _full_or_sliding,
+    **dict.fromkeys(("use_sliding_window", "max_window_layers"), _holds),
+}
+_EXPERTS = {
+    "norm_topk_prob": _normalized_top_k,
+    **dict.fromkeys(("decoder_sparse_step", "mlp_only_layers"), _every_layer_routed),
+    **dict.fromkeys(
+        [
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "router_aux_loss_coef",
+            "output_router_logits",
+        ],
+        _holds,
+    ),
+}
 
 GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("llama", permute_qk=True, rope_dimensions=True),
-    "mistral": GgufFamily("llama", permute_qk=True, rope_dimensions=True),
-    "qwen2": GgufFamily("qwen2", permute_qk=False),
-    "qwen3": GgufFamily("qwen3", permute_qk=False),
-    "qwen3_moe": GgufFamily("qwen3moe", permute_qk=False, experts=True),
+    "llama": GgufFamily(
+        "llama",
+        permute_qk=True,
+        rope_dimensions=True,
+        fields=DECODER_FIELDS | dict.fromkeys(("attention_bias", "mlp_bias", "pretraining_tp"), _holds),
+    ),
+    "mistral": GgufFamily("llama", permute_qk=True, rope_dimensions=True, fields=DECODER_FIELDS | _WINDOW),
+    "qwen2": GgufFamily("qwen2", permute_qk=False, fields=DECODER_FIELDS | _WINDOW),
+    "qwen3": GgufFamily(
+        "qwen3", permute_qk=False, fields=DECODER_FIELDS | _WINDOW | {"attention_bias": _no_attention_bias}
+    ),
+    "qwen3_moe": GgufFamily(
+        "qwen3moe",
+        permute_qk=False,
+        experts=True,
+        fields=DECODER_FIELDS | _WINDOW | _EXPERTS | {"attention_bias": _no_attention_bias},
+    ),
 }
 
 
@@ -77,14 +210,32 @@ def family_of(config: Any) -> GgufFamily:
             f"writes the decoder families {', '.join(sorted(GGUF_FAMILIES))}; this model is "
             f"{model_type or 'not a Hugging Face model (no config.model_type)'}",
         )
-    if GGUF_FAMILIES[model_type].experts:
-        _check_experts(config)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(
-            "export.format", "gguf", f"writes default rotary embeddings; this model's are {rope['rope_type']!r}"
-        )
-    return GGUF_FAMILIES[model_type]
+    family = GGUF_FAMILIES[model_type]
+    _check_fields(config, model_type, family)
+    return family
+
+
+def _check_fields(config: Any, model_type: str, family: GgufFamily) -> None:
+    """Refuse, by name, a config field the family does not understand or a value its llama.cpp
+    graph cannot compute: every field that changes the computation is written or refused."""
+    if not family.fields:
+        return  # a family registered without its field list: taken as it is
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    for name in sorted(values):
+        if name in GENERIC_FIELDS:
+            continue
+        rule = family.fields.get(name)
+        if rule is None:
+            raise ConfigError(
+                "export.format",
+                "gguf",
+                f"writes {model_type} as llama.cpp's {family.architecture!r}, and config.{name}="
+                f"{values[name]!r} is not a field it understands (it may change the computation); "
+                "refused rather than dropped",
+            )
+        reason = rule(config)
+        if reason is not None:
+            raise ConfigError("export.format", "gguf", f"cannot write {model_type}: config.{name} {reason}")
 
 
 def tensor_name(name: str) -> str:
@@ -97,16 +248,6 @@ def tensor_name(name: str) -> str:
     if module in MODEL_NAMES:
         return f"{MODEL_NAMES[module]}.{kind}"
     raise ConfigError("export.format", "gguf", f"has no tensor name for {name} (a module llama.cpp's graph lacks)")
-
-
-def _check_experts(config: Any) -> None:
-    """llama.cpp's mixture-of-experts graph: every layer routed, the top-k weights normalized."""
-    if getattr(config, "norm_topk_prob", True) is not True:
-        raise ConfigError(
-            "export.format", "gguf", "holds experts whose top-k weights are normalized; this model's are not"
-        )
-    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-        raise ConfigError("export.format", "gguf", "holds models whose every layer is a mixture of experts")
 
 
 def head_dim(config: Any) -> int:
