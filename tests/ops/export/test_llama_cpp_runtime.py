@@ -5,6 +5,7 @@ llama.cpp, are tested in ``test_gguf_llama_cpp.py``."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from surgery.cli.checks import check_deploy
 from surgery.ops.export.exporting import ExportRecord, Parity
 from surgery.ops.export.formats.gguf_file import write_gguf
-from surgery.ops.export.formats.llama_cpp_runtime import PYTHON_VARIABLE, llama_cpp_summary
+from surgery.ops.export.formats.llama_cpp_runtime import PYTHON_VARIABLE, TIMEOUT_VARIABLE, llama_cpp_summary
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import load_llama
 
@@ -59,7 +60,10 @@ def worker(tmp_path, name: str, body: str) -> str:
         ("#!/bin/sh\nexit 1\n", "did not run m.gguf: "),  # /bin/false: its pipe breaks, or it answers nothing
         ("not a program\n", "did not run m.gguf: PermissionError"),  # not executable
         ("#!/bin/sh\nread line; echo ok\n", "answered ok on m.gguf but wrote no logits"),
-        ("#!/bin/sh\nsleep 100\n", "gave no answer on m.gguf within 2 s"),
+        (
+            "#!/bin/sh\nsleep 100\n",
+            r"gave no answer on m.gguf within 2 s \(SURGERY_LLAMA_CPP_TIMEOUT, .* in the comparison\)",
+        ),
     ],
 )
 def test_a_named_python_that_fails_hangs_or_lies_fails_the_check_and_leaves_nothing(written, tmp_path, body, said):
@@ -100,3 +104,78 @@ def test_a_named_python_without_llama_cpp_fails_the_deploy_check_in_one_line(wri
     result = check_deploy(record, {"llama_cpp": section})
     assert not result.passed and "llama_cpp misses its bound (llama.cpp runs the file): llama.cpp (" in result.detail
     assert check_deploy(record, {"llama_cpp": {"skipped": "not installed"}}).passed  # not asked for: not a failure
+
+
+def answering(tmp_path, logits: str) -> str:
+    """A stand-in for llama.cpp's Python that answers ``ok`` to every request, having saved
+    ``logits`` (a numpy expression of ``n`` sequences and ``L`` positions) as the logits."""
+    return worker(
+        tmp_path,
+        "python",
+        f"""#!{sys.executable}
+import json, sys
+import numpy as np
+for line in sys.stdin:
+    request = json.loads(line)
+    ids = json.load(open(request["ids"]))
+    n, L = len(ids), len(ids[0])
+    np.save(request["out"], {logits})
+    print("ok", flush=True)
+""",
+    )
+
+
+@pytest.mark.parametrize(
+    ("logits", "said"),
+    [
+        ("np.zeros((n, L, 7), np.float32)", r"logits of shape \(1, 16, 7\), not \(1, 16, 256\)"),
+        ("np.zeros((n * L * 256,), np.float32)", r"logits of shape \(4096,\), not \(1, 16, 256\)"),
+        ("np.zeros((n, L - 1, 256), np.float32)", r"logits of shape \(1, 15, 256\)"),
+        ("np.zeros((n, L, 256), np.int64)", r"int64 values, not floating-point logits"),
+        (
+            "np.full((n, L, 256), np.nan, np.float32)",
+            r"4096 NaN or Inf logits of 4096 \(first at sequence 0, position 0\)",
+        ),
+    ],
+    ids=["vocabulary", "flat", "length", "integers", "nan"],
+)
+def test_every_answer_is_checked_and_a_bad_one_fails_the_deploy_check_in_one_line(
+    written, tmp_path, monkeypatch, logits, said
+):
+    """Hostile pass, wave 4, item 7: wrong-shaped logits were a traceback (the run published nothing
+    but app.log), a flat array was reshaped silently, NaN logits failed without a reason."""
+    path, model = written
+    monkeypatch.setenv(PYTHON_VARIABLE, answering(tmp_path, logits))
+    section = llama_cpp_summary(path, model, [IDS], None)
+    assert section["holds"] is False and section["expected"].startswith("llama.cpp answers finite")
+    assert len(section["error"].splitlines()) == 1 and re.search(said, section["error"]), section["error"]
+    record = ExportRecord(path, "gguf", path.stat().st_size, parity=Parity(0.0, 1.0, True, "exact"))
+    assert not check_deploy(record, {"llama_cpp": section}).passed
+
+
+def test_a_worker_that_hangs_is_bounded_over_the_whole_measurement(written, tmp_path, monkeypatch):
+    """Hostile pass, wave 4, item 6: a hanging worker held the run 600 s per answer."""
+    path, model = written
+    monkeypatch.setenv(PYTHON_VARIABLE, worker(tmp_path, "python", "#!/bin/sh\nsleep 100\n"))
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "1.5")
+    section = llama_cpp_summary(path, model, [IDS], None)
+    assert (
+        section["holds"] is False
+        and section["expected"] == f"llama.cpp measures the file within {TIMEOUT_VARIABLE}=1.5 s"
+    )
+    assert "ran out in the comparison" in section["error"]
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(TIMEOUT_VARIABLE, bad)
+        assert llama_cpp_summary(path, model, [IDS], None)["error"] == (
+            f"{TIMEOUT_VARIABLE}={bad} must be a positive number of seconds"
+        )
+
+
+def test_the_bound_covers_the_perplexity_pass_too(written, tmp_path, monkeypatch):
+    path, model = written
+    python = answering(tmp_path, "np.zeros((n, L, 256), np.float32) if not __import__('time').sleep(0.4) else None")
+    monkeypatch.setenv(PYTHON_VARIABLE, python)
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "2")
+    metric = ("perplexity", lambda runtime: [runtime(IDS) for _ in range(50)] and 1.0, False)
+    section = llama_cpp_summary(path, model, [IDS], metric)
+    assert section["holds"] is False and "ran out in the perplexity pass" in section["error"]
