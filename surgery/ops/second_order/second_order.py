@@ -10,6 +10,7 @@ undo records are the store's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -26,6 +27,22 @@ from surgery.ops.second_order.hessians import HessianReducer, from_matrix, group
 
 # (layer name, matrix, hessian, **extra statistics) -> (new matrix, per-row extras: a keep-mask, scales, zero points)
 MatrixSolver = Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
+log = logging.getLogger("surgery")
+
+
+def warn_zero_inputs(field: str, layer: str, method: str) -> None:
+    """Say, naming ``layer``, that its inputs were 0 throughout calibration, so that ``method``
+    had nothing to weigh its error by and gave what it gives without calibration (round to nearest,
+    or magnitude pruning): returned normally, it would pass for a calibrated result."""
+    fallback = "pruned by magnitude alone" if field.startswith("prune") else "rounded to nearest (RTN's result)"
+    log.warning(
+        "%s=%r: its inputs were 0 in every calibration batch and position, so %s had no error to weigh: "
+        "it was %s; give batches that reach the layer with real values",
+        field,
+        layer,
+        method,
+        fallback,
+    )
 
 
 def check_layers(targets: dict[str, Target], field: str, method: str) -> None:
@@ -64,8 +81,10 @@ def reconstruct_layers(
     results: dict[str, tuple[Tensor, ...]] = {}
     homes = {name: target.param.device for name, target in targets.items()}  # where each weight is kept
 
+    method = getattr(settings, "method", None) or "the second-order method"
+
     def solve(hessians: dict[str, dict[str, Any]]) -> Mapping[str, Tensor]:
-        return _SolvedOneByOne(hessians, by_layer, solver, results, homes)
+        return _SolvedOneByOne(hessians, by_layer, solver, results, homes, (field, str(method)))
 
     report = run_sequential(
         model,
@@ -96,17 +115,22 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         solver: MatrixSolver,
         results: dict[str, tuple[Tensor, ...]],
         homes: dict[str, torch.device],
+        said: tuple[str, str],
     ) -> None:
         self.hessians, self.solver, self.results, self.homes = hessians, solver, results, homes
         self.layers = {by_layer[layer][0]: (layer, by_layer[layer][1]) for layer in hessians}
+        self.said = said  # (field, method): who says so when a layer's inputs were all zero
 
     def __getitem__(self, name: str) -> Tensor:
         layer, target = self.layers[name]
         found = self.hessians.pop(layer)  # each layer is solved once
         value = guards.current_value(target.param)
         extra = {key: found[key] for key in ("asymmetry",) if key in found}
+        hessian = found.pop("hessian")
+        if not bool(torch.diagonal(hessian).any()):  # inputs all zero: the solver can only round or rank alone
+            warn_zero_inputs(self.said[0], layer, self.said[1])
         matrix, extras = _solve_groups(
-            layer, target.module, weight_matrix(target.module, value), found.pop("hessian"), self.solver, extra
+            layer, target.module, weight_matrix(target.module, value), hessian, self.solver, extra
         )
         # the grids and masks where the weight is kept (its block may be onloaded to a GPU)
         self.results[name] = tuple(extra.to(self.homes[name]) for extra in extras)

@@ -51,6 +51,7 @@ from surgery.ops.numerics.observers import (
 )
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
+from surgery.ops.second_order.second_order import warn_zero_inputs
 
 BATCH = 8  # auto-round's batch_size: samples per step
 SEED = 42  # auto-round's seed
@@ -303,7 +304,14 @@ class BlockTuner:
         """The stage's new weights (and their grids in ``found``)."""
         weights = self._weights(stage.module)
         calls = list(stage.calls)
-        targets = self._targets(stage, calls)
+        reached = self._reached(stage.module)
+        try:
+            targets = self._targets(stage, calls)
+        finally:
+            reached.pop("hooks")()
+        for weight in weights:
+            if not reached.get(weight.key, False):  # nothing to tune against: the start, RTN, would be kept
+                warn_zero_inputs("quantize.calibration", weight.key.rpartition(".")[0], "autoround")
         with torch.enable_grad():
             best = self._tune(stage.module, calls, targets, weights)
         written = {}
@@ -325,6 +333,23 @@ class BlockTuner:
                     tuned_weight(key, f"{name}.{target.attribute}" if name else target.attribute, target, self.spec)
                 )
         return found
+
+    def _reached(self, module: nn.Module) -> dict[str, Any]:
+        """Pre-hooks on the stage's selected layers that record, by weight key, whether any of their
+        inputs was not zero (``"hooks"``: a callable that removes them)."""
+        seen: dict[str, Any] = {}
+        hooks = []
+        for inner in module.modules():
+            if id(inner) in self.by_module:
+                key = self.by_module[id(inner)][0]
+
+                def record(_module: nn.Module, args: tuple, key: str = key) -> None:
+                    found = next((a for a in args if isinstance(a, Tensor)), None)
+                    seen[key] = seen.get(key, False) or (found is not None and bool(found.detach().any()))
+
+                hooks.append(inner.register_forward_pre_hook(record))
+        seen["hooks"] = lambda: [hook.remove() for hook in hooks]
+        return seen
 
     def _targets(self, stage: StageInputs, calls: list[tuple[tuple, dict]]) -> list[Tensor]:
         """The float stage's outputs on the float model's inputs: where the calls are the last
