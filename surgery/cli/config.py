@@ -27,7 +27,7 @@ from surgery.cli.steps.sensitivity import SensitivityConfig
 from surgery.cli.steps.shrink import ShrinkConfig
 from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
-from surgery.core.hf_loading import refuse_custom_code
+from surgery.core.hf_loading import check_tokenizer_folder
 from surgery.core.importing import import_module_named
 from surgery.core.inputs import present_device
 from surgery.ops.export.exporting import EXPORT_FORMATS
@@ -306,7 +306,7 @@ class ExportConfig:
         elif self.options:
             raise ConfigError("export.options", dict(self.options), "apply to an export; set export.format too")
         if isinstance(self.options.get("tokenizer"), str):  # refused before the run, not at its end
-            refuse_custom_code(self.options["tokenizer"], "export.options.tokenizer")
+            check_tokenizer_folder(self.options["tokenizer"], "export.options.tokenizer")
 
     @property
     def file_name(self) -> str | None:

@@ -10,6 +10,17 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 Settings = TypeVar("Settings")
 
 
+def whole_count(field: str, value: Any, what: str, *, at_least: int = 1, at_most: int, example: int) -> int:
+    """``value`` as a whole number of ``what`` (steps, epochs, grid points) from ``at_least`` to
+    ``at_most``: the most its method can use, so that a typo of ``10**9`` is refused in one line,
+    not run for hours."""
+    if isinstance(value, bool) or not isinstance(value, int) or not at_least <= value <= at_most:
+        raise ConfigError(
+            field, value, f"must be a whole number of {what} from {at_least} to {at_most:,} (e.g. {example})"
+        )
+    return value
+
+
 def settings_from(cls: type[Settings], value: Any, field: str) -> Settings:
     """``value`` as a ``cls`` (a frozen dataclass): itself, or built from a mapping of its
     fields; an unknown key is one line naming ``field`` and the allowed settings."""

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from surgery.analysis.metrics import accuracy
 from surgery.core.errors import ConfigError
+from surgery.core.settings import whole_count
 from surgery.tasks.base import Metric, Task, register_task
 
 CHECKPOINT: Path = Path(__file__).resolve().parents[1] / "assets" / "digits_cnn.safetensors"
@@ -148,9 +149,9 @@ def train(seed: int = 0, epochs: int = 8, *, batch_size: int = 32, lr: float = 3
         >>> accuracy(model, digits_batches("test", 256)) >= 0.95
         True
     """
-    for field, value in (("train.epochs", epochs), ("train.batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(field, value, "must be an integer >= 1")
+    whole_count("train.epochs", epochs, "epochs", at_most=10_000, example=20)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("train.batch_size", batch_size, "must be an integer >= 1")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         raise ConfigError("train.lr", lr, "must be a positive number")
     images, labels = digits_split("train")

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from surgery.analysis.metrics import accuracy
 from surgery.core.errors import ConfigError
+from surgery.core.settings import whole_count
 from surgery.tasks.base import Metric, Task, register_task
 from surgery.tasks.digits import SPLITS
 
@@ -102,9 +103,9 @@ def train(
         >>> accuracy(train(epochs=60), mnist1d_batches("test", 500)) > 0.9
         True
     """
-    for field, value in (("train.epochs", epochs), ("train.batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(field, value, "must be an integer >= 1")
+    whole_count("train.epochs", epochs, "epochs", at_most=10_000, example=60)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("train.batch_size", batch_size, "must be an integer >= 1")
     signals, labels = mnist1d_split("train")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

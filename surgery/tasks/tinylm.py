@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from surgery.analysis.metrics import perplexity
 from surgery.core.errors import ConfigError
+from surgery.core.settings import whole_count
 from surgery.tasks.base import Metric, Task, register_task
 from surgery.tasks.digits import SPLITS
 
@@ -129,9 +130,9 @@ def train_on_corpus(build: Callable[[], nn.Module], seed: int, steps: int, *, ba
     """Train ``build()`` (a next-byte model: logits, or an output with ``.logits``) on random
     windows of the training bytes with AdamW and a one-cycle schedule, seeded, on the caller's
     threads; torch's global random state is left as it was."""
-    for field, value in (("train.steps", steps), ("train.batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(field, value, "must be an integer >= 1")
+    whole_count("train.steps", steps, "steps", at_most=1_000_000, example=3000)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError("train.batch_size", batch_size, "must be an integer >= 1")
     data = tokens("train")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from surgery.core.errors import ConfigError
-from surgery.core.hf_loading import from_pretrained, refuse_custom_code
+from surgery.core.hf_loading import load_tokenizer
 from surgery.tasks.base import Task, register_task
 from surgery.tasks.synthetic import check_fits_in_memory
 
@@ -57,18 +57,10 @@ def token_dicts(config: Any, seed: int, count: int) -> TokenBatches:
 
 def _tokenised(config: Any) -> Tensor:
     try:
-        from transformers import AutoTokenizer
+        import transformers  # noqa: F401 - the tokenizer's loader
     except ImportError:
         raise ConfigError("data.tokenizer", config.tokenizer, "needs transformers: pip install 'surgery[hf]'") from None
-    refuse_custom_code(config.tokenizer, "data.tokenizer")  # outside the try: its own one-line error
-    try:
-        tokenizer = from_pretrained(AutoTokenizer, config.tokenizer, "data.tokenizer")
-    except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer file raises (JSON, KeyError, OSError)
-        raise ConfigError(
-            "data.tokenizer",
-            config.tokenizer,
-            f"cannot be loaded as a tokenizer ({type(err).__name__}: {' '.join(str(err).split())[:160]})",
-        ) from None
+    tokenizer = load_tokenizer(config.tokenizer, "data.tokenizer")
     try:
         text = Path(config.text).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

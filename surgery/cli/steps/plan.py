@@ -14,11 +14,10 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.checkpoints import write_atomically
-from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, HandleGroup, restored_on_error
 from surgery.ops.planning.budget import budget_bytes
 from surgery.ops.planning.choices import choice_named
-from surgery.ops.planning.gguf_mixes import GGUF_MIXES, gguf_mix
+from surgery.ops.planning.gguf_mixes import GGUF_MIXES, gguf_mix, type_name
 from surgery.ops.planning.planning import DEFAULT_CHOICES, plan
 from surgery.ops.quantization.qparams import load_qparams
 from surgery.ops.sparsity.pruning import prune_targets
@@ -44,8 +43,8 @@ class PlanConfig:
     mix: str | None = None  # a llama.cpp file type (Q4_K_M, Q5_K_M): its rules choose, no budget or scores
 
     def __post_init__(self) -> None:
-        if self.mix is not None and self.mix not in GGUF_MIXES:
-            raise ConfigError("plan.mix", self.mix, f"must be null or one of {', '.join(GGUF_MIXES)}")
+        if self.mix is not None:
+            type_name(self.mix, "plan.mix", list(GGUF_MIXES))
         if self.budget is not None:  # the form only: what it reaches is known once the model is built
             budget_bytes(self.budget, 1)
         for name in self.choices:

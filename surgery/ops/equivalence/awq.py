@@ -53,6 +53,7 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
 from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
+from surgery.core.settings import whole_count
 from surgery.core.transforms import attach_all
 from surgery.ops.equivalence.smoothing import Rescaled, is_norm, whole
 from surgery.ops.experts.linear_experts import LinearExperts
@@ -64,6 +65,7 @@ from surgery.ops.offload.offloading import Offloaded
 
 log = logging.getLogger("surgery")
 NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")  # llm-awq's: layers whose outputs meet in q·k are not clipped
+GRID_LIMIT = 1_000  # llm-awq searches 20 points; each is a forward of every block
 
 
 class AwqScaled(Rescaled):
@@ -114,10 +116,9 @@ class AwqSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.weights, GridSpec):
             raise ConfigTypeError("awq.weights", self.weights, "must be a GridSpec (the grid the search rounds onto)")
-        for name in ("n_grid", "clip_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"awq.{name}", value, "must be an integer >= 1")
+        whole_count("awq.n_grid", self.n_grid, "grid points", at_most=GRID_LIMIT, example=20)
+        if isinstance(self.clip_tokens, bool) or not isinstance(self.clip_tokens, int) or self.clip_tokens < 1:
+            raise ConfigError("awq.clip_tokens", self.clip_tokens, "must be an integer >= 1")
         if not isinstance(self.clip, bool):
             raise ConfigTypeError("awq.clip", self.clip, "must be true or false")
         shrink = self.max_shrink

@@ -27,9 +27,11 @@ from surgery.core import guards
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, evaluating
 from surgery.core.progress import tqdm
+from surgery.core.settings import whole_count
 from surgery.ops.numerics.observers import GridSpec, fake_quantize_dynamic
 
 LOSSES = ("kl", "task")
+STEPS_LIMIT = 10_000  # SpinQuant learns in 100 to 800 steps
 
 
 def _grid(value: Any, field: str) -> GridSpec | None:
@@ -62,8 +64,7 @@ class LearnSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.heads, bool):
             raise ConfigTypeError("rotate.learn.heads", self.heads, "must be true or false")
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ConfigError("rotate.learn.steps", self.steps, "must be a whole number of steps >= 1 (e.g. 100)")
+        whole_count("rotate.learn.steps", self.steps, "steps", at_most=STEPS_LIMIT, example=100)
         lr = self.lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
             raise ConfigError("rotate.learn.lr", lr, "must be a finite number > 0 (SpinQuant uses 1.5)")

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
+from surgery.core.settings import whole_count
 from surgery.ops.numerics.number_formats import FORMATS, NumberFormat
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 
@@ -467,10 +468,11 @@ def _check_full_range(spec: Any, field: str) -> None:
     )
 
 
+ITERATIONS_LIMIT = 10_000  # AutoRound's steps: its rate is 1/iterations, so more add no movement, only hours
+
+
 def _check_iterations(spec: Any, field: str) -> None:
-    steps = spec.iterations
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"{field}.iterations", steps, "must be a whole number of tuning steps >= 1 (e.g. 200)")
+    whole_count(f"{field}.iterations", spec.iterations, "tuning steps", at_most=ITERATIONS_LIMIT, example=200)
 
 
 ACTORDER = ("weight", "group")  # "group": groups formed in the sorted order, a g_idx stored

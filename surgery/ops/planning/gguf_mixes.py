@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
+from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type, type_name
 from surgery.ops.export.formats.gguf_models import family_of, tensor_name
 from surgery.ops.planning.choices import choice_named
 from surgery.ops.planning.plans import Plan, PlanRow
@@ -21,8 +21,7 @@ def gguf_mix(model: nn.Module, mix: str, *, method: str = "rtn", select: Any = N
     """The plan of llama.cpp's file type ``mix`` (``Q4_K_M``, ``Q5_K_M``) for ``model`` (a
     Hugging Face decoder GGUF names): each selected Linear (every one but the head by default)
     on the type llama.cpp gives its tensor, quantized with ``method`` when applied."""
-    if mix not in GGUF_MIXES:
-        raise ConfigError("plan.mix", mix, f"must be one of {', '.join(GGUF_MIXES)}")
+    type_name(mix, "plan.mix", list(GGUF_MIXES))
     family_of(getattr(model, "config", None))  # a model GGUF cannot hold is refused, not planned empty
     fused = next((name for name, p in model.named_parameters() if p.dim() == 3), None)
     if fused is not None:  # a plan of its Linear layers would leave the experts float, and say nothing

@@ -10,7 +10,9 @@ the trained values. An interrupted or failing run puts the values back itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,12 +27,16 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, device_of, evaluating, moved
 from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
-from surgery.core.settings import spec_or_keywords
+from surgery.core.settings import spec_or_keywords, whole_count
 from surgery.ops.quantization.qat import return_loans
 from surgery.ops.quantization.quantization import learned_ranges
 from surgery.ops.training.distillation import Distillation, DistillSpec, distill_spec, prediction
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
+EPOCHS_LIMIT = 10_000
+STEPS_LIMIT = 10_000_000
+LONG_RUN = 3600.0  # seconds: a run estimated longer than this is said before it goes on
+log = logging.getLogger("surgery")
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("finetune.optimizer")
 
 
@@ -94,8 +100,7 @@ class FinetuneSpec:
         if self.distill is not None:
             object.__setattr__(self, "distill", distill_spec(self.distill))
         epochs, lr, weight_decay, eval_every = self.epochs, self.lr, self.weight_decay, self.eval_every
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError("finetune.epochs", epochs, "must be an integer >= 0")
+        whole_count("finetune.epochs", epochs, "epochs", at_least=0, at_most=EPOCHS_LIMIT, example=3)
         for field, value in (("finetune.lr", lr), ("finetune.weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(field, value, "must be a finite number >= 0")
@@ -104,8 +109,8 @@ class FinetuneSpec:
         ):
             raise ConfigError("finetune.eval_every", eval_every, "must be null or an integer >= 1")
         steps = self.max_steps
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ConfigError("finetune.max_steps", steps, "must be null or an integer >= 1")
+        if steps is not None:
+            whole_count("finetune.max_steps", steps, "steps (or null)", at_most=STEPS_LIMIT, example=1000)
         if not callable(self.optimizer):
             OPTIMIZERS.get(self.optimizer)
 
@@ -269,6 +274,7 @@ def _train(
 
     record(0)
     step = 0
+    started = time.perf_counter()
     with tqdm(total=total, desc="finetune", unit="step", leave=False, disable=None if progress else True) as bar:
         for _ in range(epochs):
             for index in torch.randperm(len(batches), generator=generator).tolist():
@@ -299,6 +305,8 @@ def _train(
                 value.backward()
                 optimizer.step()
                 step += 1
+                if step == 1:
+                    _say_how_long(time.perf_counter() - started, total)
                 losses.append(value.item())
                 bar.update()
                 bar.set_postfix(loss=f"{value.item():.4f}")
@@ -306,6 +314,18 @@ def _train(
                     record(step)
                 if step == total:
                     return
+
+
+def _say_how_long(first: float, total: int) -> None:
+    """Warn, after the first step, when ``total`` steps at its pace would take longer than :data:`LONG_RUN`."""
+    if first * total > LONG_RUN:
+        log.warning(
+            "finetune: %d steps will take about %.1f hours at the first step's pace (%.2f s); "
+            "lower epochs or set max_steps for a shorter run",
+            total,
+            first * total / 3600,
+            first,
+        )
 
 
 def _pair(batch: Any, index: int) -> tuple[Any, Any]:

@@ -177,6 +177,7 @@ def test_awq_on_a_model_whose_norm_is_not_foldable_skips_in_one_line(caplog):
     [
         (lambda m: surgery.awq(m, weights=SPEC), "awq.calibration"),
         (lambda m: surgery.awq(m, weights=SPEC, calibration=calibration(), n_grid=0), "awq.n_grid"),
+        (lambda m: surgery.awq(m, weights=SPEC, calibration=calibration(), n_grid=10**9), "awq.n_grid"),
         (lambda m: surgery.awq(m, weights=SPEC, calibration=calibration(), max_shrink=1.0), "awq.max_shrink"),
         (lambda m: surgery.awq(m, weights=SPEC, calibration=calibration(), blocks=False), "awq.blocks"),
     ],

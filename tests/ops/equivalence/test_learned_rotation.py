@@ -146,8 +146,9 @@ def quantized_kl(model, held_out, references, activations) -> float:
 @pytest.mark.parametrize(
     ("learn", "message"),
     [
-        ({"steps": 0}, "rotate.learn.steps=0: must be a whole number of steps >= 1"),
-        ({"steps": -3}, "rotate.learn.steps=-3: must be a whole number of steps >= 1"),
+        ({"steps": 0}, "rotate.learn.steps=0: must be a whole number of steps from 1 to 10,000"),
+        ({"steps": -3}, "rotate.learn.steps=-3: must be a whole number of steps from 1 to 10,000"),
+        ({"steps": 10**9}, "rotate.learn.steps=1000000000: must be a whole number of steps from 1 to 10,000"),
         ({"steps": True}, "rotate.learn.steps=True: must be a whole number"),
         ({"lr": 0}, "rotate.learn.lr=0: must be a finite number > 0"),
         ({"lr": float("nan")}, "rotate.learn.lr=nan: must be a finite number > 0"),

@@ -6,6 +6,7 @@ what a type cannot hold is refused in one line, nothing written."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,11 @@ def test_a_k_quant_target_refuses_a_model_whose_rows_are_not_whole_super_blocks(
 def test_activation_quantization_and_other_models_are_refused(tmp_path):
     batch = ids()
     model = tiny("Llama")
-    handle = surgery.quantize(
-        model, weights=GridSpec(bits=4), activations=GridSpec(bits=8), target="gguf:Q4_0", calibration=[batch]
-    )
+    with pytest.raises(ConfigError, match=r"^quantize\.target='gguf:Q4_0': holds weight grids only"):  # when it starts
+        surgery.quantize(
+            model, weights=GridSpec(bits=4), activations=GridSpec(bits=8), target="gguf:Q4_0", calibration=[batch]
+        )
+    handle = surgery.quantize(model, weights=GridSpec(bits=4), activations=GridSpec(bits=8), calibration=[batch])
     with pytest.raises(ConfigError, match=r"holds weight grids only; .* activations are quantized"):
         surgery.export(handle, tmp_path / "m.gguf", format="gguf")
     handle.restore()
@@ -276,8 +279,11 @@ def test_a_mixture_of_experts_family_gguf_lacks_is_refused_naming_it(tmp_path):
     from support import tiny_moe
 
     model = tiny_moe("mixtral", layers=1)
-    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="**.gate") as handle:
-        with pytest.raises(ConfigError, match=r"^export\.format='gguf': writes the decoder families .* mixtral$"):
+    refused = r"^export\.format='gguf': writes the decoder families .* mixtral$"
+    with pytest.raises(ConfigError, match=refused):  # by the target, when quantize starts
+        surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="**.gate")
+    with surgery.quantize(model, weights=GridSpec(bits=4, group_size=32), exclude="**.gate") as handle:
+        with pytest.raises(ConfigError, match=refused):
             surgery.export(handle, tmp_path / "m.gguf", format="gguf")
     assert not list(tmp_path.iterdir())
 
@@ -395,7 +401,9 @@ def test_a_mix_whose_blocks_do_not_tile_a_layer_is_refused_in_one_line():
         ConfigError, match=r"^plan\.mix='Q4_K_M': puts model\.layers\.0\.self_attn\.q_proj\.weight on gguf:Q4_K"
     ):
         surgery.gguf_mix(tiny("Llama"), "Q4_K_M")
-    with pytest.raises(ConfigError, match=r"^plan\.mix='Q4_K_S': must be one of Q4_K_M, Q5_K_M$"):
+    with pytest.raises(
+        ConfigError, match=r"^plan\.mix='Q4_K_S': must be one of Q4_K_M, Q5_K_M \(one name, a string\)$"
+    ):
         surgery.gguf_mix(tiny("Llama"), "Q4_K_S")
 
 
@@ -631,3 +639,98 @@ def test_a_gguf_target_refuses_what_its_type_cannot_hold_before_any_calibration(
     finally:
         hook.remove()
     assert forwards == []  # refused before the first forward
+
+
+def _broken_tokenizer_folder(folder: Path, how: str) -> Path:
+    """A saved byte-level BPE tokenizer, then broken as ``how`` says; the file it breaks."""
+    from support import byte_bpe_tokenizer
+
+    byte_bpe_tokenizer().save_pretrained(folder)
+    main, config = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    spec = json.loads(main.read_text())
+    if how == "truncated":
+        main.write_text(main.read_text()[:500])
+    elif how == "not-utf8":
+        main.write_bytes(b"\xff\xfe" + main.read_bytes())
+    elif how == "config-not-json":
+        config.write_text("{nope")
+        return config
+    elif how == "bad-added":
+        spec["added_tokens"][0]["id"] = "x"
+        main.write_text(json.dumps(spec))
+    elif how == "no-model":
+        del spec["model"]
+        main.write_text(json.dumps(spec))
+    else:  # auto_map, whatever its value
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"auto_map": None}))
+        return folder
+    return main
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", r"is not JSON \(JSONDecodeError"),
+        ("not-utf8", r"is not UTF-8 text \(byte 0"),
+        ("config-not-json", r"is not JSON"),
+        ("bad-added", r"has a malformed added token"),
+        ("no-model", r"has no 'model' object"),
+        ("auto-map", r"asks to run its own code \('auto_map' in tokenizer_config\.json\)"),
+    ],
+)
+@pytest.mark.parametrize("format", ["gguf", "compressed-tensors"])
+def test_a_broken_tokenizer_folder_is_named_with_its_file_in_both_formats(tmp_path, how, message, format):
+    """Hostile pass, wave 4, item 4: a broken tokenizer was blamed on the format and the model
+    (``cannot write LlamaForCausalLM (JSONDecodeError ...)``); GGUF and compressed-tensors disagreed on
+    an ``auto_map`` of null."""
+    broken = _broken_tokenizer_folder(tmp_path / "tokenizer", how)
+    model = tiny("Llama", vocab=320)
+    weights = GridSpec(bits=4) if format == "gguf" else GridSpec(bits=4, group_size=32)
+    target, out = ("gguf:Q4_0", "m.gguf") if format == "gguf" else (None, "folder")
+    with surgery.quantize(model, weights=weights, target=target, exclude="lm_head") as handle:
+        with pytest.raises(ConfigError, match=rf"^export\.options\.tokenizer='{re.escape(str(broken))}': {message}"):
+            surgery.export(handle, tmp_path / out, format=format, tokenizer=tmp_path / "tokenizer")
+    assert not (tmp_path / out).exists()
+
+
+@pytest.mark.parametrize("given", [["Q4_0"], {"Q4_0": 1}, 4])
+def test_a_type_that_is_not_one_name_is_refused_naming_the_argument(tmp_path, given):
+    """Hostile pass, wave 4, item 9: a list was a TypeError traceback (gguf_mix) or 'cannot write
+    LlamaForCausalLM (TypeError: unhashable ...)' (export)."""
+    model = tiny("Llama")
+    with pytest.raises(ConfigError, match=r"^plan\.mix=.*: must be one of Q4_K_M, Q5_K_M \(one name, a string\)$"):
+        surgery.gguf_mix(model, given)
+    with surgery.quantize(model, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head") as handle:
+        with pytest.raises(ConfigError, match=r"^export\.options\.type=.*: must be one of Q8_0, .*Q4_K_M, Q5_K_M"):
+            surgery.export(handle, tmp_path / "m.gguf", format="gguf", type=given)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_token_past_the_embeddings_or_an_id_given_twice_is_named(tmp_path):
+    from support import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer()  # 320 tokens
+    with pytest.raises(ConfigError, match=r"has the token .* at id 300; the model embeds 300 tokens \(ids 0 to 299\)$"):
+        write_gguf(ExportParts(tiny("Llama", vocab=300)), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    main = tmp_path / "tokenizer" / "tokenizer.json"
+    spec = json.loads(main.read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[second] = vocab[first]  # one id, two tokens: one would be lost
+    main.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match=rf"gives id {vocab[first]} to both"):
+        write_gguf(ExportParts(tiny("Llama", vocab=320)), tmp_path / "m.gguf", {"tokenizer": tmp_path / "tokenizer"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]
+
+
+def test_named_chat_templates_are_all_written_the_default_as_llama_cpp_s(tmp_path):
+    from support import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer()
+    tokenizer.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "{{ tools }}"}
+    write_gguf(ExportParts(tiny("Llama", vocab=320)), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    text = lambda key: bytes(fields[key].parts[-1]).decode()  # noqa: E731
+    assert text("tokenizer.chat_template") == "{{ messages[0]['content'] }}"
+    assert text("tokenizer.chat_template.tool_use") == "{{ tools }}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -69,7 +71,9 @@ def test_a_diverging_loss_stops_with_one_line_and_the_model_put_back(mlp, mlp_in
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"epochs": -1}, r"finetune\.epochs=-1: must be an integer >= 0"),
+        ({"epochs": -1}, r"finetune\.epochs=-1: must be a whole number of epochs from 0 to 10,000"),
+        ({"epochs": 10**9}, r"finetune\.epochs=1000000000: must be a whole number of epochs from 0 to 10,000"),
+        ({"max_steps": 10**9}, r"finetune\.max_steps=1000000000: must be a whole number of steps \(or null\)"),
         ({"lr": float("nan")}, r"finetune\.lr=nan: must be a finite number >= 0"),
         (
             {"optimizer": "adamx"},
@@ -123,4 +127,18 @@ def test_a_hugging_face_language_model_trains_with_the_default_loss_per_token():
     before = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1)))
     handle = finetune(model, batches, epochs=3, lr=1e-2, evaluate=lambda m: 0.0, progress=False)
     assert handle.curve[0].loss is None and handle.curve[-1].loss < before
+    handle.restore()
+
+
+def test_a_run_longer_than_an_hour_at_the_first_step_s_pace_is_said_before_it_goes_on(
+    mlp, mlp_input, caplog, monkeypatch
+):
+    """Hostile pass, wave 4, item 11: step counts are bounded, and a long run says how long."""
+    from surgery.ops.training import finetuning
+
+    monkeypatch.setattr(finetuning, "LONG_RUN", 0.0)  # every run is "long" here
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        handle = finetune(mlp, labelled(mlp_input), epochs=2, lr=1e-3, optimizer="sgd", progress=False)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finetune: ")]
+    assert len(said) == 1 and "steps will take about" in said[0] and "at the first step's pace" in said[0]
     handle.restore()

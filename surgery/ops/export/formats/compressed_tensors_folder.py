@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_code
+from surgery.core.hf_loading import from_pretrained, load_tokenizer, model_class
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import find_blocks
@@ -596,20 +596,7 @@ def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
 def _tokenizer(tokenizer: Any) -> Any:
     """The tokenizer to save beside the weights, a folder loaded before anything is written (one
     asking to run its own code refused); None for none."""
-    if not isinstance(tokenizer, (str, Path)):
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    if not Path(tokenizer).is_dir():  # transformers would take the name for a hub repository
-        raise ConfigError(TOKENIZER, str(tokenizer), "must be a local tokenizer folder")
-    refuse_custom_code(tokenizer, TOKENIZER)  # outside the try: its own one-line error
-    try:
-        return from_pretrained(AutoTokenizer, tokenizer, TOKENIZER)
-    except Exception as err:  # noqa: BLE001 - whatever a broken tokenizer folder raises
-        first = " ".join(str(err).split())[:160]
-        raise ConfigError(
-            TOKENIZER, str(tokenizer), f"cannot be loaded as a tokenizer ({type(err).__name__}: {first})"
-        ) from None
+    return load_tokenizer(tokenizer, TOKENIZER) if isinstance(tokenizer, (str, Path)) else tokenizer
 
 
 def load_compressed_tensors(path: Path) -> nn.Module:

@@ -27,7 +27,7 @@ from surgery.core.hf_loading import from_pretrained
 from surgery.ops.export.exporting import register_export_format
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.export.formats.gguf_entries import Entry, entries
-from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type
+from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type, type_name
 from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows
 from surgery.ops.export.formats.gguf_tokenizer import vocabulary, write_vocabulary
 from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
@@ -162,11 +162,9 @@ def _wanted_type(name: object, layers: int) -> Wanted:
     (``Q4_K_M``) whose rules give each tensor its own; None: each grid picks."""
     if name is None:
         return lambda _: None
+    type_name(name, "export.options.type", [*BLOCK_TYPES, *GGUF_MIXES])
     if name in GGUF_MIXES:
         return lambda gguf_name: BLOCK_TYPES[mix_type(name, gguf_name, layers)]
-    if name not in BLOCK_TYPES:
-        allowed = ", ".join([*BLOCK_TYPES, *GGUF_MIXES])
-        raise ConfigError("export.options.type", name, f"must be one of {allowed}")
     return lambda _: BLOCK_TYPES[name]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from surgery.core.errors import ConfigError
+
 
 def use_more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's choice of the layers whose value and down projections get more bits: the
@@ -33,3 +35,11 @@ def mix_type(mix: str, name: str, layers: int) -> str:
     """The type llama.cpp's file type ``mix`` gives the tensor of GGUF name ``name``."""
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
     return GGUF_MIXES[mix](name, layer, layers)
+
+
+def type_name(value: object, field: str, allowed: list[str]) -> str:
+    """``value`` as one of the names ``allowed`` (a GGUF type or llama.cpp file type): anything
+    else, a list or a number included, refused in one line naming ``field``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(field, value, f"must be one of {', '.join(allowed)} (one name, a string)")
+    return value

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from surgery.core.errors import ConfigError
+from surgery.core.hf_loading import load_tokenizer
 from surgery.ops.export.formats.gguf_sentencepiece import is_sentencepiece, sentencepiece
 
 log = logging.getLogger("surgery")
@@ -62,7 +63,7 @@ class Vocabulary:
     special: dict[str, int] = field(default_factory=dict)
     add_bos: bool | None = None  # written for a tokenizer: whether llama.cpp puts its bos first
     add_eos: bool | None = None  # ... and its eos last
-    chat_template: str | None = None
+    chat_template: str | list[dict[str, str]] | None = None  # one, or named ones (gguf-py writes "default" as the one)
 
 
 def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary:
@@ -85,14 +86,12 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
     piece = sentencepiece(spec, {a["content"] for a in added_tokens}) if is_sentencepiece(spec) else None
     pre = _pre_tokenizer(spec) if piece is None else None
     tokens = dict(spec["model"]["vocab"]) | {added["content"]: added["id"] for added in added_tokens}
-    if len(tokens) > size or max(tokens.values()) >= size:
-        raise ConfigError(FIELD, type(tokenizer).__name__, f"has {len(tokens)} tokens; the model embeds {size}")
-    by_id = {index: token for token, index in tokens.items()}
+    by_id = _by_id(tokens, size, type(tokenizer).__name__)
     ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL}
     names = [by_id.get(index, f"[PAD{index}]") for index in range(size)]  # unused rows, as llama.cpp's converter pads
     kinds = _kinds(names, by_id, added_tokens, ids["unk"] if piece else None)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    template = getattr(tokenizer, "chat_template", None)
+    template = _chat_template(getattr(tokenizer, "chat_template", None))
     bos, eos = _added_around(tokenizer, ids["bos"], ids["eos"])
     return Vocabulary(
         "gpt2" if piece is None else "llama",
@@ -105,8 +104,40 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
         special={name: int(index) for name, index in ids.items() if index is not None},
         add_bos=bos,
         add_eos=eos,
-        chat_template=template if isinstance(template, str) else None,
+        chat_template=template,
     )
+
+
+def _by_id(tokens: dict[str, int], size: int, name: str) -> dict[int, str]:
+    """Each id's token; an id past the model's embeddings, or one id given two tokens (one of them
+    would be lost), refused naming the token."""
+    by_id: dict[int, str] = {}
+    for token, index in sorted(tokens.items(), key=lambda item: item[1]):
+        if index >= size:
+            raise ConfigError(
+                FIELD,
+                name,
+                f"has the token {token!r} at id {index}; the model embeds {size} tokens (ids 0 to {size - 1})",
+            )
+        if index in by_id:
+            raise ConfigError(
+                FIELD, name, f"gives id {index} to both {by_id[index]!r} and {token!r}; GGUF holds one token an id"
+            )
+        by_id[index] = token
+    return by_id
+
+
+def _chat_template(template: Any) -> str | list[dict[str, str]] | None:
+    """The chat template as gguf-py writes it: one string, or named ones (transformers reads a list
+    of ``{name, template}`` as a dict), ``default`` among them the one llama.cpp uses."""
+    if isinstance(template, dict):
+        if "default" not in template:
+            log.warning(
+                "export: the tokenizer's chat templates (%s) have none named 'default'; llama.cpp uses none by default",
+                ", ".join(template),
+            )
+        return [{"name": name, "template": text} for name, text in template.items() if isinstance(text, str)]
+    return template if isinstance(template, str) else None
 
 
 def _check_added(added_tokens: list[dict], sentencepiece: bool) -> None:
@@ -164,12 +195,10 @@ def _added_around(tokenizer: Any, bos: int | None, eos: int | None) -> tuple[boo
 def _loaded(tokenizer: Any) -> Any:
     if not isinstance(tokenizer, (str, Path)):
         return tokenizer
-    from transformers import AutoTokenizer
-
     folder = Path(tokenizer)
-    if not (folder / "tokenizer.json").is_file():
+    if folder.is_dir() and not (folder / "tokenizer.json").is_file():
         raise ConfigError(FIELD, str(tokenizer), "must be a folder holding a Hugging Face tokenizer.json")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    return load_tokenizer(folder, FIELD)
 
 
 def _pre_tokenizer(spec: dict) -> PreTokenizer:
