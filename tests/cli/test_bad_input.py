@@ -220,6 +220,30 @@ def _labelled(model: nn.Module) -> list:
     return [(batch(4, 8), torch.zeros(4, dtype=torch.long))]
 
 
+def _hf_decoder(family: str = "Llama", **settings: Any) -> nn.Module:
+    """A seeded one-block Hugging Face decoder of ``family`` built from a config with ``settings``."""
+    import transformers
+
+    torch.manual_seed(0)
+    shapes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    shapes |= dict(num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    config = getattr(transformers, f"{family}Config")(**shapes | settings)
+    return getattr(transformers, f"{family}ForCausalLM")(config).eval()
+
+
+def _cut_tokenizer(folder: Path) -> Path:
+    """A tokenizer folder (named ckpt_*: the API cases' files beside the model) whose tokenizer.json is cut."""
+    local_tokenizer(folder, "a tiny corpus for a tiny tokenizer", 40)
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text()[:400])
+    return folder
+
+
+def _branch_beside_weights(model: nn.Module) -> Any:
+    quantized = surgery.quantize(model, weights=GridSpec(bits=4, group_size=16), exclude="lm_head", progress=False)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    return surgery.compose(quantized, surgery.low_rank_branch(quantized, rank=2, calibration=[ids], progress=False))
+
+
 API_CASES = [
     ApiCase(
         "calibration-dtype",
@@ -1057,6 +1081,127 @@ API_CASES = [
         "4-bit affine group 48",
         prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=48)),
     ),
+    ApiCase(
+        "gguf-config",
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
+        ConfigError,
+        "export.format",
+        "config.sliding_window is 8 with a context of 64",
+        build=lambda: _hf_decoder("Mistral", sliding_window=8),
+    ),
+    ApiCase(
+        "gguf-config",
+        lambda m, *_: surgery.gguf_mix(m, "Q4_K_M"),
+        ConfigError,
+        "export.format",
+        "config.hidden_act is 'gelu'",
+        build=lambda: _hf_decoder(hidden_act="gelu"),
+    ),
+    ApiCase(
+        "gguf-config",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf"),
+        ConfigError,
+        "export.format",
+        "config.made_up_knob=3 is not a field it understands",
+        build=lambda: _hf_decoder(made_up_knob=3),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4, group_size=32), exclude="lm_head"),
+    ),
+    ApiCase(
+        "gguf-target",
+        lambda m, *_: surgery.quantize(
+            m, weights=GridSpec(bits=4, method="gptq"), target="gguf:Q4_0", calibration=[torch.randint(0, 128, (1, 8))]
+        ),
+        ConfigError,
+        "quantize.target",
+        "cannot hold model.layers.0.self_attn.q_proj.weight: its 48 inputs are not a multiple of 32",
+        build=lambda: tiny_llama(layers=1, hidden=48),
+    ),
+    ApiCase(
+        "gguf-target",
+        lambda m, *_: surgery.quantize(
+            m,
+            weights=GridSpec(bits=4, method="gptq", actorder="group"),
+            target="gguf:Q4_0",
+            calibration=[torch.randint(0, 128, (1, 8))],
+        ),
+        ConfigError,
+        "quantize.weights.actorder",
+        "holds groups of consecutive inputs only (no g_idx)",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
+        "gguf-mix",
+        lambda m, *_: surgery.gguf_mix(m, ["Q4_K_M"]),
+        ConfigError,
+        "plan.mix",
+        "['Q4_K_M']: must be one of Q4_K_M, Q5_K_M (one name, a string)",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
+        "gguf",
+        lambda m, tmp, handle: surgery.export(handle, tmp / "m.gguf", format="gguf", type=["Q4_0"]),
+        ConfigError,
+        "export.options.type",
+        "['Q4_0']: must be one of Q8_0",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
+    ),
+    ApiCase(
+        "export-tokenizer",
+        lambda m, tmp, handle: surgery.export(
+            handle, tmp / "m.gguf", format="gguf", tokenizer=_cut_tokenizer(tmp / "ckpt_tokenizer")
+        ),
+        ConfigError,
+        "export.options.tokenizer",
+        "ckpt_tokenizer/tokenizer.json': is not JSON (JSONDecodeError",
+        build=lambda: tiny_llama(layers=1),
+        prepare=lambda m: surgery.quantize(m, weights=GridSpec(bits=4), target="gguf:Q4_0", exclude="lm_head"),
+    ),
+    ApiCase(
+        "plan-budget",
+        lambda m, *_: surgery.plan(m, "1e400bpw", ["w4g128"], calibration=[batch(4, 8)]),
+        ConfigError,
+        "plan.budget",
+        "'1e400bpw': must be bytes",
+    ),
+    ApiCase(
+        "output-exists",
+        lambda m, tmp, *_: surgery.Plan([], 0, "drift", "exact").save(tmp / "model.safetensors"),
+        OutputExistsError,
+        "output",
+        "model.safetensors",
+    ),
+    ApiCase(
+        "output-exists",
+        lambda m, tmp, group: group.handles[1].save(tmp / "model.safetensors"),
+        ConfigError,
+        "low_rank_branch.save.folder",
+        "is a file",
+        build=lambda: tiny_llama(layers=1, hidden=32),
+        prepare=_branch_beside_weights,
+    ),
+    ApiCase(
+        "step-limits",
+        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "iterations": 10**9}),
+        ConfigError,
+        "quantize.weights.iterations",
+        "must be a whole number of tuning steps from 1 to 10,000",
+    ),
+    ApiCase(
+        "step-limits",
+        lambda m, *_: surgery.rotate(m, calibration=[torch.randint(0, 128, (1, 8))], learn={"steps": 10**9}),
+        ConfigError,
+        "rotate.learn.steps",
+        "from 1 to 10,000",
+        build=lambda: tiny_llama(layers=1),
+    ),
+    ApiCase(
+        "step-limits",
+        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.zeros(4, dtype=torch.long))], epochs=10**9),
+        ConfigError,
+        "finetune.epochs",
+        "from 0 to 10,000",
+    ),
 ]
 
 
@@ -1494,7 +1639,7 @@ CLI_CASES = [
     CliCase(
         "float-format", (*QUANTIZE, "quantize.weights.format=fp7"), "quantize.weights.format='fp7': must be one of"
     ),
-    CliCase("gguf-mix", ("recipe=plan_llama", "plan.mix=Q4_K_S"), "plan.mix='Q4_K_S': must be null or one of Q4_K_M"),
+    CliCase("gguf-mix", ("recipe=plan_llama", "plan.mix=Q4_K_S"), "plan.mix='Q4_K_S': must be one of Q4_K_M"),
     CliCase("device", (*QUANTIZE, "model.device=cuda:7"), "model.device='cuda:7': is not on this machine"),
     CliCase("device", (*QUANTIZE, "model.device=tpu"), "model.device='tpu': must be cpu, cuda, cuda:N or mps"),
     CliCase("device", (*QUANTIZE, "model.dtype=float8"), "model.dtype='float8': must be one of float32, bfloat16"),
@@ -1584,6 +1729,7 @@ CLI_CASES = [
         "plan.budget='1bpw': no plan fits; smallest reachable:",
     ),
     CliCase("plan-budget", ("recipe=plan_llama", "budget=lots"), "plan.budget='lots': must be bytes"),
+    CliCase("plan-budget", ("recipe=plan_llama", "budget=1e400bpw"), "plan.budget='1e400bpw': must be bytes"),
     CliCase(
         "plan-kv",
         ("recipe=plan_llama", "plan.choices=[dense,w4g128,kv16,kv_int8]", "plan.kv_tokens=4096"),
