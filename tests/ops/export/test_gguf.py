@@ -734,3 +734,25 @@ def test_named_chat_templates_are_all_written_the_default_as_llama_cpp_s(tmp_pat
     text = lambda key: bytes(fields[key].parts[-1]).decode()  # noqa: E731
     assert text("tokenizer.chat_template") == "{{ messages[0]['content'] }}"
     assert text("tokenizer.chat_template.tool_use") == "{{ tools }}"
+
+
+def test_a_sentencepiece_tokenizer_naming_no_unk_token_keeps_its_byte_tokens_byte(tmp_path):
+    """Found in the wave-4 hostile pass: without an unk token the 256 ``<0xXX>`` pieces were written
+    as normal tokens (llama.cpp would print them as text, not bytes)."""
+    from collections import Counter
+
+    from support import sentencepiece_tokenizer
+
+    from surgery.ops.export.formats.gguf_tokenizer import vocabulary
+
+    folder = tmp_path / "tokenizer"
+    sentencepiece_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["unk_token"] = None
+    config.pop("added_tokens_decoder", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    special = folder / "special_tokens_map.json"
+    if special.exists():
+        special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items() if k != "unk_token"}))
+    found = vocabulary(folder, tiny("Llama", vocab=600).config, gguf.vocab.bytes_to_unicode)
+    assert Counter(found.kinds)["byte"] == 256

@@ -89,7 +89,7 @@ def vocabulary(tokenizer: Any, config: Any, bytes_to_unicode: Any) -> Vocabulary
     by_id = _by_id(tokens, size, type(tokenizer).__name__)
     ids = {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL}
     names = [by_id.get(index, f"[PAD{index}]") for index in range(size)]  # unused rows, as llama.cpp's converter pads
-    kinds = _kinds(names, by_id, added_tokens, ids["unk"] if piece else None)
+    kinds = _kinds(names, by_id, added_tokens, ids["unk"], sentencepiece=piece is not None)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     template = _chat_template(getattr(tokenizer, "chat_template", None))
     bos, eos = _added_around(tokenizer, ids["bos"], ids["eos"])
@@ -163,12 +163,15 @@ def _check_added(added_tokens: list[dict], sentencepiece: bool) -> None:
             )
 
 
-def _kinds(names: list[str], by_id: dict[int, str], added_tokens: list[dict], unknown: int | None) -> list[str]:
-    """Each row's llama.cpp token type: special tokens control, other added ones user-defined,
-    a SentencePiece model's (``unknown``: its unk id) byte tokens byte, rows no token uses unused."""
+def _kinds(
+    names: list[str], by_id: dict[int, str], added_tokens: list[dict], unknown: int | None, *, sentencepiece: bool
+) -> list[str]:
+    """Each row's llama.cpp token type: a SentencePiece model's unk (``unknown``) unknown, special
+    tokens control, other added ones user-defined, its byte tokens byte (whether or not it names an
+    unk token), rows no token uses unused."""
     special = {added["id"] for added in added_tokens if added.get("special")}
     added = {added["id"] for added in added_tokens}
-    sentencepiece = unknown is not None
+    unknown = unknown if sentencepiece else None
     return [
         "unknown"
         if i == unknown
