@@ -22,7 +22,7 @@ from surgery.core.errors import (
     SurgeryError,
     UndoError,
 )
-from surgery.core.handles import Handle, HandleGroup, compose
+from surgery.core.handles import Handle, HandleGroup, attached_to, compose
 from surgery.core.layer_kinds import LayerKind, register_layer_kind
 from surgery.core.routing import every_expert_calibrated
 from surgery.core.selection import select
@@ -90,6 +90,7 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "Handle",
     "HandleGroup",
     "compose",
+    "attached_to",
     "select",
     "capture",
     "Capture",

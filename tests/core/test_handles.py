@@ -204,7 +204,7 @@ def test_surgery_whose_handle_nobody_kept_stays_findable_restorable_and_dies_wit
     surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs))  # the handle is not kept
     surgery.prune(model[1], 0.5)
     gc.collect()
-    found = attached_to(model)
+    found = surgery.attached_to(model)  # public: what a model runs with, kept or not
     assert [h.kind for h in found] == ["rewrite", "prune"]
     assert attached_to(copy.deepcopy(model)) == [] and attached_to(pickle.loads(pickle.dumps(model[0]))) == []
     for handle in reversed(found):
