@@ -70,3 +70,5 @@ def test_a_layer_the_fp8_kernels_cannot_take_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"^export.handle='0 \(32 -> 10\)': the FP8 kernels take inputs and"):
             surgery.export(handle, tmp_path / "m.pt", format="fp8", inputs=[x])
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"^quantize.target='fp8': cannot hold 0.weight \(32 -> 10\)"):
+        surgery.quantize(model, **spec, target="fp8", calibration=[x])  # the target: when quantize starts

@@ -133,6 +133,19 @@ def load_fp8(path: Path) -> nn.Module:
     return torch.load(str(path), weights_only=False).eval()
 
 
+def _target_check(model: nn.Module, spec: Any, matched: dict[str, Any]) -> None:
+    """What ``quantize(target="fp8")`` refuses when it starts: a Linear whose sizes the kernels do not take."""
+    for key, target in matched.items():
+        module = target.module
+        if isinstance(module, nn.Linear) and (module.in_features % 16 or module.out_features % 16):
+            raise ConfigError(
+                "quantize.target",
+                "fp8",
+                f"cannot hold {key} ({module.in_features} -> {module.out_features}): the FP8 kernels take inputs "
+                "and outputs in multiples of 16; exclude the layer",
+            )
+
+
 register_export_format(
     "fp8",
     write_fp8,
@@ -146,5 +159,6 @@ register_export_format(
         layers=(nn.Linear,),
         weights={"format": "fp8_e4m3", "group_size": None},
         activations={"format": "fp8_e4m3", "per_channel": False},
+        check=_target_check,
     ),
 )
