@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from surgery.core.errors import CheckpointError, OutputExistsError
+from surgery.core.errors import CheckpointError, ConfigTypeError, OutputExistsError
 from surgery.core.folders import deferred_interrupts
 
 log = logging.getLogger("surgery")
@@ -202,6 +202,8 @@ def refuse_existing(paths: Iterable[Path], overwrite: bool) -> None:
     """Raise :class:`~surgery.core.errors.OutputExistsError` for the first of ``paths`` that exists
     (a dangling symlink counts), unless ``overwrite``: call it before writing anything, so a
     refusal writes nothing."""
+    if not isinstance(overwrite, bool):  # "no" would read as true
+        raise ConfigTypeError("overwrite", overwrite, "must be True or False")
     for path in paths:
         if not overwrite and os.path.lexists(path):
             raise OutputExistsError(str(path))

@@ -25,30 +25,58 @@ Revert = Callable[[], None]
 _scopes = threading.local()  # this thread's open restored_on_error() blocks: the handles made in each
 _later = WeakIdKeyDictionary()  # model -> handles that must be undone before any earlier one (finetune)
 _ATTACHED = "_surgery_attached"  # the module attribute listing the handles attached to it (see _AttachedHandles)
+_COPIED = "_surgery_copied"  # a copy's record of its original's surgery, once handles are attached to the copy
 _created = itertools.count()
+
+
+class _CopiedSurgery(list):
+    """What a copy (or an unpickled model) holds of the surgery its original had: each handle's kind
+    and what it kept outside the weights, as (kind, items). The hooks came along with the copy; no
+    handle owns them, so :func:`copied_outside` lets export refuse or list them by name."""
+
+    def __reduce__(self) -> tuple:
+        return (_CopiedSurgery, (list(self),))
 
 
 class _AttachedHandles(list):
     """The handles attached to one module, kept in the module's own ``__dict__``: surgery stays findable
     (:func:`attached_to`) and restorable for as long as the model lives, whether or not the caller kept
     the handle, and dies with the model (a cycle the garbage collector takes). A copy or a pickle of
-    the model holds none of them (an empty plain list): its hooks are copies that no handle owns."""
+    the model holds no handle, only a :class:`_CopiedSurgery` record of them (its hooks are copies)."""
 
-    def __deepcopy__(self, memo: dict) -> list:
-        return []
+    def _record(self) -> _CopiedSurgery:
+        return _CopiedSurgery((h.kind, tuple(h.outside_weights())) for h in self if h.state == "attached")
 
-    def __copy__(self) -> list:
-        return []
+    def __deepcopy__(self, memo: dict) -> _CopiedSurgery:
+        return self._record()
+
+    def __copy__(self) -> _CopiedSurgery:
+        return self._record()
 
     def __reduce__(self) -> tuple:
-        return (list, ())
+        return self._record().__reduce__()
 
 
 def _keep_on(module: nn.Module, handle: Handle) -> None:
     kept = module.__dict__.get(_ATTACHED)
+    if isinstance(kept, _CopiedSurgery):  # a copy's record stays beside the handles attached to the copy
+        module.__dict__[_COPIED] = kept
     if not isinstance(kept, _AttachedHandles):
         kept = module.__dict__[_ATTACHED] = _AttachedHandles()
     kept.append(handle)
+
+
+def copied_outside(model: nn.Module) -> list[str]:
+    """What surgery copied along with ``model`` (``copy.deepcopy``, pickle) keeps outside the weights:
+    hooks that no handle owns, named as their handles named them, with the kind."""
+    records = (module.__dict__.get(key) for module in model.modules() for key in (_ATTACHED, _COPIED))
+    return [
+        f"{item} (copied with the model from one under {kind}; no handle owns it)"
+        for record in records
+        if isinstance(record, _CopiedSurgery)
+        for kind, items in record
+        for item in items
+    ]
 
 
 def _drop_from(module: nn.Module | None, handle: Handle) -> None:

@@ -7,6 +7,7 @@ taken only when it is a model class transformers ships."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +92,12 @@ def check_tokenizer_folder(folder: str | Path, field: str) -> Path:
     path = Path(folder)
     if not path.is_dir():  # transformers would take the name for a hub repository
         raise ConfigError(field, str(folder), "must be a local tokenizer folder")
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja"):
         if (path / name).is_file():
-            _check_tokenizer_file(path / name, field)
+            if name in TOKENIZER_FILES:
+                _check_tokenizer_file(path / name, field)
+        elif os.path.lexists(path / name):  # a FIFO would block the reader for ever; a folder, a dangling link
+            raise ConfigError(field, str(path / name), "is not a regular file")
     refuse_custom_code(path, field)
     return path
 

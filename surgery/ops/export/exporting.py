@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from surgery.core.checkpoints import cpu_state, refuse_existing, write_atomically, write_folder_atomically
 from surgery.core.errors import ConfigError, ConfigTypeError, OutputWriteError, SurgeryError, first_line
-from surgery.core.handles import Handle, HandleGroup, attached_to, members
+from surgery.core.handles import Handle, HandleGroup, attached_to, copied_outside, members
 from surgery.core.inputs import Call, Inputs, as_call, device_of, flatten_tensors, moved
 from surgery.core.registry import Registry
 from surgery.core.routing import routed_as
@@ -181,9 +181,17 @@ class ExportParityError(SurgeryError, RuntimeError):
 
     def __init__(self, record: ExportRecord) -> None:
         self.record = record
+        parity = record.parity
+        if parity.unreached and replace_field(parity, unreached="").holds:  # it matched, on inputs too short
+            figures = replace_field(parity, unreached="").describe()
+            super().__init__(
+                f"export.inputs: the {record.format} artifact matched the model under surgery on them ({figures}), "
+                f"but the check {parity.unreached}; {record.path.name} was not written"
+            )
+            return
         super().__init__(
             f"export.format={record.format!r}: the loaded artifact computes something else than the model under "
-            f"surgery ({record.parity.describe()}); {record.path.name} was not written"
+            f"surgery ({parity.describe()}); {record.path.name} was not written"
         )
 
 
@@ -298,6 +306,12 @@ def export(
     if getattr(handle, "streams", False):
         return _export_streamed(handle, chosen, Path(path), overwrite, inputs, options)
     model = handle if isinstance(handle, nn.Module) else getattr(handle, "model", None)
+    if isinstance(handle, Handle) and model is None:
+        raise ConfigError(
+            "export.handle",
+            handle.kind,
+            "its model no longer exists (a handle keeps only a weak reference to it): keep the model while exporting",
+        )
     if not isinstance(model, nn.Module):
         raise ConfigTypeError("export.handle", type(handle).__name__, "must be a handle, a handle group or a model")
     path = Path(path)
@@ -339,7 +353,7 @@ def _source(chosen: ExportFormat, handle: Any, model: nn.Module, calls: list[Cal
         item if mine is None or id(each) in mine else f"{item} (attached by another handle, {each.kind})"
         for each in attached_to(model)
         for item in each.outside_weights()
-    ]
+    ] + copied_outside(model)
 
 
 def _refuse_g_idx(chosen: ExportFormat, parts: ExportParts) -> None:
@@ -372,6 +386,14 @@ def _refuse_float_offset(chosen: ExportFormat, spec: Any, key: str) -> None:
 def _refuse_others(chosen: ExportFormat, handle: Handle, model: nn.Module) -> None:
     """Refuse surgery outside the weights that a handle other than ``handle`` keeps on ``model``:
     the format holds only what the handle it is given describes."""
+    copied = copied_outside(model)
+    if copied:
+        raise ConfigError(
+            "export.handle",
+            copied[0],
+            f"format={chosen.name!r} holds only the handle it is given, and this model is a copy of one under "
+            "surgery whose hooks came along: export the original, or bake (or restore) before copying",
+        )
     mine = {id(each) for each in members(handle)}
     for other in attached_to(model):
         outside = other.outside_weights()

@@ -29,9 +29,13 @@ def position_reach(model: Any) -> tuple[int, str] | None:
 
 
 def tokens_of(call: Call) -> int | None:
-    """The sequence length of a call: its ``input_ids`` (or first integer tensor) last axis, or its
-    ``inputs_embeds`` second; ``None`` for a call with neither."""
+    """The sequence length of a call: the most tokens its ``attention_mask`` lets through in one
+    sequence, else its ``inputs_embeds`` second axis, else its ``input_ids`` (or first tensor) last;
+    ``None`` for a call with none of them."""
     kwargs = dict(call.kwargs)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.numel():  # padding is no position the window reaches
+        return int(mask.reshape(-1, mask.shape[-1]).ne(0).sum(-1).max())
     if isinstance(kwargs.get("inputs_embeds"), Tensor) and kwargs["inputs_embeds"].dim() >= 2:
         return int(kwargs["inputs_embeds"].shape[1])
     first = kwargs.get("input_ids")

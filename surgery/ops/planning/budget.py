@@ -4,6 +4,7 @@ per weight (``"4.5bpw"``) over the selected layers' weights."""
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 from surgery.core.errors import ConfigError
@@ -17,10 +18,10 @@ def budget_bytes(budget: object, weights: int, field: str = "plan.budget") -> in
     """``budget`` as whole bytes, ``weights`` being the selected layers' weight count (for bpw)."""
     if isinstance(budget, bool):
         raise ConfigError(field, budget, ALLOWED)
-    if isinstance(budget, int):
+    if isinstance(budget, numbers.Integral):  # numpy's integers too
         if budget <= 0:
             raise ConfigError(field, budget, ALLOWED)
-        return budget
+        return int(budget)
     if isinstance(budget, float) and math.isfinite(budget):
         value, unit = budget, "b"
     elif isinstance(budget, str) and (found := _PATTERN.match(budget)):
@@ -29,4 +30,7 @@ def budget_bytes(budget: object, weights: int, field: str = "plan.budget") -> in
         raise ConfigError(field, budget, ALLOWED)
     if not math.isfinite(value) or value <= 0 or (unit != "bpw" and unit not in UNITS):
         raise ConfigError(field, budget, ALLOWED)
-    return int(value * weights / 8) if unit == "bpw" else int(value * UNITS[unit])
+    found = value * weights / 8 if unit == "bpw" else value * UNITS[unit]
+    if not math.isfinite(found):  # "1e300GB": past any float
+        raise ConfigError(field, budget, f"is past any size this machine can count; {ALLOWED}")
+    return int(found)

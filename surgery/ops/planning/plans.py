@@ -94,6 +94,8 @@ class Plan:
         """Write the plan atomically: YAML for a ``.yaml``/``.yml`` path, JSON otherwise; an existing
         file raises :class:`~surgery.core.errors.OutputExistsError` unless ``overwrite``."""
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError("plan.save.path", str(path), "is a folder; give the plan's file (.json, .yaml or .yml)")
         refuse_existing([path], overwrite)
         data = self.as_dict()
         if path.suffix in YAML_SUFFIXES:  # block YAML whose values are JSON (valid YAML, read without PyYAML)

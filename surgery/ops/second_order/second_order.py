@@ -127,7 +127,8 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         value = guards.current_value(target.param)
         extra = {key: found[key] for key in ("asymmetry",) if key in found}
         hessian = found.pop("hessian")
-        if not bool(torch.diagonal(hessian).any()):  # inputs all zero: the solver can only round or rank alone
+        # inputs all zero (every group's diagonal): the solver can only round or rank by magnitude
+        if not bool(torch.diagonal(hessian, dim1=-2, dim2=-1).any()):
             warn_zero_inputs(self.said[0], layer, self.said[1])
         matrix, extras = _solve_groups(
             layer, target.module, weight_matrix(target.module, value), hessian, self.solver, extra

@@ -394,8 +394,49 @@ def test_a_parity_check_too_short_for_the_model_s_sliding_window_does_not_vouch_
     short, long = (torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(0)) for n in (8, 9))
     spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True), exclude="lm_head")
     with surgery.quantize(model, spec) as handle:
-        with pytest.raises(surgery.ExportParityError, match=r"cannot vouch: .* at most 8 tokens .*sliding_window=8"):
+        with pytest.raises(
+            surgery.ExportParityError,
+            match=r"^export.inputs: the compressed-tensors artifact matched the model under surgery on them .* but the check cannot vouch: .* at most 8 tokens .*sliding_window=8",
+        ):
             surgery.export(handle, tmp_path / "short", format="compressed-tensors", inputs=[short])
         record = surgery.export(handle, tmp_path / "long", format="compressed-tensors", inputs=[short, long])
     assert record.parity.holds and "unreached" not in record.parity.as_dict()
     assert not (tmp_path / "short").exists()
+
+
+def test_a_copy_of_a_model_under_surgery_is_refused_or_listed_and_an_orphan_handle_is_named(tmp_path):
+    """Found by the wave-4 hostile pass: a deepcopy runs its original's hooks, which no handle owns,
+    and export took it for a plain model; a handle whose model was freed was 'not a handle'."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    surgery.rewrite_inputs(model, lambda args, kwargs: ((args[0] * 2,), kwargs))
+    copied = copy.deepcopy(model)
+    assert surgery.attached_to(copied) == [] and len(copied._forward_pre_hooks) == 1
+    plain = surgery.export(copied, tmp_path / "p.safetensors")
+    assert plain.left_out == ["input rewrites (copied with the model from one under rewrite; no handle owns it)"]
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=8, symmetric=True, per_channel=True))
+    with surgery.quantize(copied, spec) as handle:
+        listed = surgery.export(handle, tmp_path / "q.safetensors")
+        refused = r"^export.handle='input rewrites \(copied .*: export the original, or bake"
+        with pytest.raises(ConfigError, match=refused):
+            surgery.export(handle, tmp_path / "q.pt", format="torchao", inputs=[torch.randn(2, 16)])
+    assert listed.left_out == plain.left_out and not listed.exact
+    for each in surgery.attached_to(model):
+        each.restore()
+    orphan = surgery.quantize(nn.Sequential(nn.Linear(8, 8)), spec)
+    gc.collect()
+    with pytest.raises(ConfigError, match=r"^export.handle='quantize': its model no longer exists"):
+        surgery.export(orphan, tmp_path / "o.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors", "q.safetensors"]
+
+
+def test_padding_is_no_position_a_sliding_window_reaches():
+    from surgery.core.inputs import as_call
+    from surgery.ops.export.positions import tokens_of
+
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    mask[0, :4], mask[1, :6] = 1, 1
+    assert tokens_of(as_call({"input_ids": torch.zeros(2, 20, dtype=torch.long), "attention_mask": mask})) == 6
+    assert tokens_of(as_call({"inputs_embeds": torch.zeros(1, 9, 4)})) == 9
+    assert tokens_of(as_call(torch.zeros(3, 7, dtype=torch.long))) == 7

@@ -6,6 +6,7 @@ what a type cannot hold is refused in one line, nothing written."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,7 @@ def test_qwen3_moe_experts_are_stacked_per_projection_and_read_back_as_each_expe
             r"config\.sliding_window is 8",
         ),
         ("Qwen3", {"attention_bias": True}, r"config\.attention_bias is true; .* no attention biases"),
+        ("Llama", {"mlp_bias": True}, r"config\.mlp_bias is true; GGUF is written here without these biases"),
         ("Llama", {"made_up_knob": 3}, r"config\.made_up_knob=3 is not a field it understands"),
         (
             "Llama",
@@ -325,7 +327,7 @@ def test_qwen3_moe_experts_are_stacked_per_projection_and_read_back_as_each_expe
             r"config\.rope_parameters sets partial_rotary_factor",
         ),
     ],
-    ids=["mistral-window", "llama-gelu", "qwen2-window", "qwen3-bias", "unknown-field", "partial-rope"],
+    ids=["mistral-window", "llama-gelu", "qwen2-window", "qwen3-bias", "llama-bias", "unknown-field", "partial-rope"],
 )
 def test_a_config_field_llama_cpp_cannot_compute_is_refused_by_name_before_anything_is_written(
     tmp_path, family, config, message
@@ -341,6 +343,19 @@ def test_a_config_field_llama_cpp_cannot_compute_is_refused_by_name_before_anyth
     with pytest.raises(ConfigError, match=message):
         surgery.gguf_mix(model, "Q4_K_M")
     assert not list(tmp_path.iterdir())
+
+
+def test_swish_is_silu_and_a_dense_layer_among_experts_is_named_by_its_own_field(tmp_path):
+    from support import tiny_moe
+
+    model = tiny("Llama", hidden_act="swish")  # transformers' other name for SiLU
+    surgery.gguf_mix(tiny("Llama", width=256, hidden_act="swish"), "Q4_K_M")
+    write_gguf(ExportParts(model), tmp_path / "m.gguf", {})
+    assert (tmp_path / "m.gguf").stat().st_size > 0
+    moe = tiny_moe("qwen3_moe", layers=2)
+    moe.config.norm_topk_prob, moe.config.mlp_only_layers = True, [0]
+    with pytest.raises(ConfigError, match=r"config\.mlp_only_layers leaves some layers dense"):
+        write_gguf(ExportParts(moe), tmp_path / "moe.gguf", {})
 
 
 def test_a_window_that_never_acts_is_written(tmp_path):
@@ -756,3 +771,27 @@ def test_a_sentencepiece_tokenizer_naming_no_unk_token_keeps_its_byte_tokens_byt
         special.write_text(json.dumps({k: v for k, v in json.loads(special.read_text()).items() if k != "unk_token"}))
     found = vocabulary(folder, tiny("Llama", vocab=600).config, gguf.vocab.bytes_to_unicode)
     assert Counter(found.kinds)["byte"] == 256
+
+
+def test_a_fifo_or_a_folder_in_place_of_a_tokenizer_file_is_refused_not_waited_on(tmp_path):
+    """Found by the wave-4 hostile pass: a FIFO as tokenizer_config.json blocked the export for ever."""
+    import os
+
+    from support import byte_bpe_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    byte_bpe_tokenizer().save_pretrained(folder)
+    (folder / "tokenizer_config.json").unlink()
+    os.mkfifo(folder / "tokenizer_config.json")
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json': is not a regular file$"):
+        write_gguf(ExportParts(tiny("Llama", vocab=320)), tmp_path / "m.gguf", {"tokenizer": folder})
+
+
+def test_a_chat_template_that_is_not_text_is_said_not_dropped_silently(tmp_path, caplog):
+    from support import byte_bpe_tokenizer
+
+    tokenizer = byte_bpe_tokenizer()
+    tokenizer.chat_template = 5
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        write_gguf(ExportParts(tiny("Llama", vocab=320)), tmp_path / "m.gguf", {"tokenizer": tokenizer})
+    assert "chat template is a int, not text; the GGUF carries none" in caplog.text

@@ -179,3 +179,11 @@ def test_the_bound_covers_the_perplexity_pass_too(written, tmp_path, monkeypatch
     metric = ("perplexity", lambda runtime: [runtime(IDS) for _ in range(50)] and 1.0, False)
     section = llama_cpp_summary(path, model, [IDS], metric)
     assert section["holds"] is False and "ran out in the perplexity pass" in section["error"]
+
+
+def test_a_worker_that_closes_its_output_but_runs_on_is_not_said_to_have_exited(written, tmp_path, monkeypatch):
+    path, model = written
+    monkeypatch.setenv(PYTHON_VARIABLE, worker(tmp_path, "python", "#!/bin/sh\nexec 1>&-\nsleep 30\n"))
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "5")
+    section = llama_cpp_summary(path, model, [IDS], None)
+    assert section["holds"] is False and "it closed its output (still running)" in section["error"]

@@ -16,7 +16,22 @@ def test_bytes_sizes_and_bits_per_weight():
 
 
 @pytest.mark.parametrize(
-    "bad", ["lots", "-1MB", 0, True, "4.5 parsecs", None, "1e400bpw", "1e400MB", float("inf"), float("nan"), -(10**400)]
+    "bad",
+    [
+        "lots",
+        "-1MB",
+        0,
+        True,
+        "4.5 parsecs",
+        None,
+        "1e400bpw",
+        "1e400MB",
+        "1e300GB",
+        "1e308bpw",
+        float("inf"),
+        float("nan"),
+        -(10**400),
+    ],
 )
 def test_anything_else_is_refused_by_name(bad):
     with pytest.raises(ConfigError, match=r"^plan\.budget="):
@@ -27,3 +42,9 @@ def test_a_whole_number_of_bytes_too_large_for_a_float_is_kept_exact():
     """Hostile pass, wave 4, item 5: ``1e400bpw`` was an OverflowError traceback; a huge integer is
     still a number of bytes."""
     assert budget_bytes(10**400, 10) == 10**400
+
+
+def test_numpy_integers_are_whole_numbers_of_bytes():
+    import numpy as np
+
+    assert budget_bytes(np.int64(4096), 10) == 4096 and type(budget_bytes(np.int64(4096), 10)) is int

@@ -9,7 +9,7 @@ import torch
 from support import tiny_llama  # tests/support.py
 
 import surgery
-from surgery.core.errors import ConfigError, OutputExistsError
+from surgery.core.errors import ConfigError, ConfigTypeError, OutputExistsError
 from surgery.ops.planning.plans import Plan, PlanRow
 from surgery.testing import snapshot, snapshot_differences
 
@@ -41,6 +41,11 @@ def test_a_plan_saved_over_a_file_is_refused_unless_overwrite(tmp_path):
         mixed_plan().save(path)
     assert path.read_text() == "mine"
     assert Plan.load(mixed_plan().save(path, overwrite=True)) == mixed_plan()
+    with pytest.raises(ConfigTypeError, match=r"^overwrite='no': must be True or False"):
+        mixed_plan().save(path, overwrite="no")  # a string would read as true
+    with pytest.raises(ConfigError, match=r"^plan\.save\.path='.*': is a folder"):
+        mixed_plan().save(tmp_path, overwrite=True)
+    assert path.read_text() != "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
 def test_a_file_that_is_no_plan_is_refused_by_name(tmp_path):

@@ -65,3 +65,17 @@ def test_sparsegpt_on_zeros_is_named_as_magnitude_pruning(caplog):
     said = [r.getMessage() for r in caplog.records if "its inputs were 0" in r.getMessage()]
     assert len(said) == LAYERS and all("it was pruned by magnitude alone" in s for s in said)
     handle.restore()
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptaq"])
+def test_a_layer_whose_first_input_is_always_zero_is_not_taken_for_a_dead_one(caplog, method):
+    """Found by the hostile pass: the check read the first row of a (1, n, n) Hessian as its diagonal."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).eval()
+    with torch.no_grad():
+        model[0].bias[:16] = -1e3  # half the hidden units, channel 0 among them, never fire
+    spec = GridSpec(bits=4, group_size=16, method=method)
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        handle = surgery.quantize(model, weights=spec, calibration=[torch.randn(8, 16)], progress=False)
+    assert not [r for r in caplog.records if "its inputs were 0" in r.getMessage()]
+    handle.restore()

@@ -58,7 +58,9 @@ def _holds(_config: Any) -> str | None:
 
 def _silu(config: Any) -> str | None:
     act = getattr(config, "hidden_act", "silu")
-    return None if act == "silu" else f"is {act!r}; llama.cpp's graph computes SiLU and GGUF has no key for another"
+    if act in ("silu", "swish"):  # one function under two names (transformers' ACT2FN)
+        return None
+    return f"is {act!r}; llama.cpp's graph computes SiLU and GGUF has no key for another"
 
 
 def _default_rope(config: Any) -> str | None:
@@ -98,9 +100,27 @@ def _normalized_top_k(config: Any) -> str | None:
 
 
 def _every_layer_routed(config: Any) -> str | None:
-    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+    if getattr(config, "decoder_sparse_step", 1) != 1:
         return "leaves some layers dense; llama.cpp's graph routes every layer to experts"
     return None
+
+
+def _no_dense_layers(config: Any) -> str | None:
+    return (
+        "leaves some layers dense; llama.cpp's graph routes every layer to experts" if config.mlp_only_layers else None
+    )
+
+
+def _no_bias(name: str) -> Rule:
+    def rule(config: Any) -> str | None:
+        if not getattr(config, name, False):
+            return None
+        return (
+            "is true; GGUF is written here without these biases (transformers' GGUF loader, which checks "
+            "the file, drops them)"
+        )
+
+    return rule
 
 
 GENERIC_FIELDS = frozenset(  # PretrainedConfig's own fields and token ids: none changes a decoder's computation
@@ -156,7 +176,8 @@ _WINDOW = {  # the window acts through sliding_window (on the layers layer_types
 }
 _EXPERTS = {
     "norm_topk_prob": _normalized_top_k,
-    **dict.fromkeys(("decoder_sparse_step", "mlp_only_layers"), _every_layer_routed),
+    "decoder_sparse_step": _every_layer_routed,
+    "mlp_only_layers": _no_dense_layers,
     **dict.fromkeys(
         [
             "num_experts",
@@ -175,7 +196,8 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
         "llama",
         permute_qk=True,
         rope_dimensions=True,
-        fields=DECODER_FIELDS | dict.fromkeys(("attention_bias", "mlp_bias", "pretraining_tp"), _holds),
+        fields=DECODER_FIELDS
+        | {"attention_bias": _no_bias("attention_bias"), "mlp_bias": _no_bias("mlp_bias"), "pretraining_tp": _holds},
     ),
     "mistral": GgufFamily("llama", permute_qk=True, rope_dimensions=True, fields=DECODER_FIELDS | _WINDOW),
     "qwen2": GgufFamily("qwen2", permute_qk=False, fields=DECODER_FIELDS | _WINDOW),

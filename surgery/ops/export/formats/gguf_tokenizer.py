@@ -137,6 +137,10 @@ def _chat_template(template: Any) -> str | list[dict[str, str]] | None:
                 ", ".join(template),
             )
         return [{"name": name, "template": text} for name, text in template.items() if isinstance(text, str)]
+    if template is not None and not isinstance(template, str):
+        log.warning(
+            "export: the tokenizer's chat template is a %s, not text; the GGUF carries none", type(template).__name__
+        )
     return template if isinstance(template, str) else None
 
 

@@ -164,7 +164,8 @@ class LlamaCpp(nn.Module):
         """What an ended worker left: its exit code and its last line on stderr."""
         code = self.worker.poll() if self.worker is not None else None
         last = (self.log.read_text(errors="replace").strip().splitlines() or [""])[-1]
-        return f"it exited{f' (code {code})' if code is not None else ''}" + (f": {last}" if last else "")
+        ended = "it closed its output (still running)" if code is None else f"it exited (code {code})"
+        return ended + (f": {last}" if last else "")
 
     def close(self) -> None:
         worker, self.worker, self.session = self.worker, None, None
