@@ -165,7 +165,14 @@ def batches(inputs: Inputs, field_name: str = "inputs") -> Iterator[Call]:
 
 
 def check_batch_finite(call: Call, index: int, field: str, error: type[ConfigError] = ConfigError) -> None:
-    """Raise ``error`` naming batch ``index`` if its floating tensors hold NaN or Inf."""
+    """Raise ``error`` naming batch ``index`` if its floating tensors hold NaN or Inf, or if a tensor of
+    it is empty (a sequence of no token: a model's own reshape would fail on it, far from the cause)."""
+    every = flatten_tensors([list(call.args), dict(call.kwargs)], floating_only=False)
+    empty = next((tensor for tensor in every if tensor.dim() and tensor.numel() == 0), None)
+    if empty is not None:
+        raise error(
+            field, f"batch {index}", f"holds an empty tensor of shape {tuple(empty.shape)}; give batches with data"
+        )
     for tensor in call.tensors():
         if not torch.isfinite(tensor).all():
             raise error(field, f"batch {index}", "contains NaN or Inf; give finite inputs")

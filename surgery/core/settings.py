@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -15,11 +14,11 @@ def whole_count(field: str, value: Any, what: str, *, at_least: int = 1, at_most
     """``value`` as a whole number of ``what`` (steps, epochs, grid points) from ``at_least`` to
     ``at_most``: the most its method can use, so that a typo of ``10**9`` is refused in one line,
     not run for hours."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not at_least <= value <= at_most:
+    if isinstance(value, bool) or not isinstance(value, int) or not at_least <= value <= at_most:
         raise ConfigError(
             field, value, f"must be a whole number of {what} from {at_least} to {at_most:,} (e.g. {example})"
         )
-    return int(value)
+    return value
 
 
 def settings_from(cls: type[Settings], value: Any, field: str) -> Settings:

@@ -79,3 +79,19 @@ def test_a_layer_whose_first_input_is_always_zero_is_not_taken_for_a_dead_one(ca
         handle = surgery.quantize(model, weights=spec, calibration=[torch.randn(8, 16)], progress=False)
     assert not [r for r in caplog.records if "its inputs were 0" in r.getMessage()]
     handle.restore()
+
+
+@pytest.mark.parametrize("method", ["gptq", "autoround"])
+def test_a_sequence_of_no_token_is_refused_naming_the_batch(method):
+    """Found by the wave-4 hostile pass: transformers' own reshape error, far from the cause."""
+    model = tiny_llama(layers=1, vocab=64, hidden=32)
+    with pytest.raises(
+        surgery.ConfigError, match=r"^quantize\.calibration='batch 0': holds an empty tensor of shape \(1, 0\)"
+    ):
+        surgery.quantize(
+            model,
+            weights=GridSpec(bits=4, group_size=16, method=method),
+            calibration=[{"input_ids": torch.zeros(1, 0, dtype=torch.long)}],
+            exclude="lm_head",
+            progress=False,
+        )
