@@ -35,7 +35,7 @@ def tokens_of(call: Call) -> int | None:
     kwargs = dict(call.kwargs)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, Tensor) and mask.dim() == 2 and mask.numel():  # padding is no position the window reaches
-        return int(mask.reshape(-1, mask.shape[-1]).ne(0).sum(-1).max())
+        return int(mask.ne(0).sum(-1).max())
     if isinstance(kwargs.get("inputs_embeds"), Tensor) and kwargs["inputs_embeds"].dim() >= 2:
         return int(kwargs["inputs_embeds"].shape[1])
     first = kwargs.get("input_ids")

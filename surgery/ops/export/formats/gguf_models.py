@@ -91,36 +91,30 @@ def _full_or_sliding(config: Any) -> str | None:
     return f"holds {', '.join(other)}; GGUF is written with full attention" if other else None
 
 
-def _no_attention_bias(config: Any) -> str | None:
-    return "is true; llama.cpp's graph for this family has no attention biases" if config.attention_bias else None
-
-
 def _normalized_top_k(config: Any) -> str | None:
     return None if config.norm_topk_prob is True else "is false; llama.cpp's graph normalizes the top-k expert weights"
 
 
+_DENSE = "leaves some layers dense; llama.cpp's graph routes every layer to experts"
+
+
 def _every_layer_routed(config: Any) -> str | None:
-    if getattr(config, "decoder_sparse_step", 1) != 1:
-        return "leaves some layers dense; llama.cpp's graph routes every layer to experts"
-    return None
+    return _DENSE if getattr(config, "decoder_sparse_step", 1) != 1 else None
 
 
 def _no_dense_layers(config: Any) -> str | None:
-    return (
-        "leaves some layers dense; llama.cpp's graph routes every layer to experts" if config.mlp_only_layers else None
-    )
+    return _DENSE if config.mlp_only_layers else None
 
 
-def _no_bias(name: str) -> Rule:
-    def rule(config: Any) -> str | None:
-        if not getattr(config, name, False):
-            return None
-        return (
-            "is true; GGUF is written here without these biases (transformers' GGUF loader, which checks "
-            "the file, drops them)"
-        )
+def _no_bias(name: str, why: str) -> Rule:
+    """A bias flag that must be off: ``why`` says what the file (or llama.cpp's graph) lacks."""
+    return lambda config: f"is true; {why}" if getattr(config, name, False) else None
 
-    return rule
+
+_UNCHECKED_BIAS = (
+    "GGUF is written here without these biases (transformers' GGUF loader, which checks the file, drops them)"
+)
+_QWEN3_BIAS = _no_bias("attention_bias", "llama.cpp's graph for this family has no attention biases")
 
 
 GENERIC_FIELDS = frozenset(  # PretrainedConfig's own fields and token ids: none changes a decoder's computation
@@ -197,18 +191,17 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
         permute_qk=True,
         rope_dimensions=True,
         fields=DECODER_FIELDS
-        | {"attention_bias": _no_bias("attention_bias"), "mlp_bias": _no_bias("mlp_bias"), "pretraining_tp": _holds},
+        | {name: _no_bias(name, _UNCHECKED_BIAS) for name in ("attention_bias", "mlp_bias")}
+        | {"pretraining_tp": _holds},
     ),
     "mistral": GgufFamily("llama", permute_qk=True, rope_dimensions=True, fields=DECODER_FIELDS | _WINDOW),
     "qwen2": GgufFamily("qwen2", permute_qk=False, fields=DECODER_FIELDS | _WINDOW),
-    "qwen3": GgufFamily(
-        "qwen3", permute_qk=False, fields=DECODER_FIELDS | _WINDOW | {"attention_bias": _no_attention_bias}
-    ),
+    "qwen3": GgufFamily("qwen3", permute_qk=False, fields=DECODER_FIELDS | _WINDOW | {"attention_bias": _QWEN3_BIAS}),
     "qwen3_moe": GgufFamily(
         "qwen3moe",
         permute_qk=False,
         experts=True,
-        fields=DECODER_FIELDS | _WINDOW | _EXPERTS | {"attention_bias": _no_attention_bias},
+        fields=DECODER_FIELDS | _WINDOW | _EXPERTS | {"attention_bias": _QWEN3_BIAS},
     ),
 }
 
@@ -279,9 +272,8 @@ def head_dim(config: Any) -> int:
 def permute_rows(name: str, config: Any) -> Callable[[Tensor], Tensor] | None:
     """For a query or key projection of a family whose rows llama.cpp orders by rotary pair:
     the permutation of a tensor's first axis (rows, or per-row scales); None for every other."""
-    if not family_of(config).permute_qk or not name.endswith(
-        ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
-    ):
+    family = GGUF_FAMILIES.get(getattr(config, "model_type", None)) or family_of(config)  # checked once, by the writer
+    if not family.permute_qk or not name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
         return None
     heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from surgery.core import guards
+from surgery.core.capture import Capture, MinMax
 from surgery.core.errors import ConfigError
 from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
@@ -304,14 +305,15 @@ class BlockTuner:
         """The stage's new weights (and their grids in ``found``)."""
         weights = self._weights(stage.module)
         calls = list(stage.calls)
-        reached = self._reached(stage.module)
-        try:
+        keys = {weight.key for weight in weights}
+        layers = {key: target.module for key, target in self.by_module.values() if key in keys}
+        with Capture(stage.module, layers, ("inputs",), MinMax) as seen:  # each layer's range in the float pass
             targets = self._targets(stage, calls)
-        finally:
-            reached.pop("hooks")()
         for weight in weights:
-            if not reached.get(weight.key, False):  # nothing to tune against: the start, RTN, would be kept
-                warn_zero_inputs("quantize.calibration", weight.key.rpartition(".")[0], "autoround")
+            if seen.inputs.get(weight.key) in (None, (0.0, 0.0)):  # nothing to tune against: RTN would be kept
+                warn_zero_inputs(
+                    "quantize.calibration", self.problem.targets.matched[weight.key].module_name, "autoround"
+                )
         with torch.enable_grad():
             best = self._tune(stage.module, calls, targets, weights)
         written = {}
@@ -333,23 +335,6 @@ class BlockTuner:
                     tuned_weight(key, f"{name}.{target.attribute}" if name else target.attribute, target, self.spec)
                 )
         return found
-
-    def _reached(self, module: nn.Module) -> dict[str, Any]:
-        """Pre-hooks on the stage's selected layers that record, by weight key, whether any of their
-        inputs was not zero (``"hooks"``: a callable that removes them)."""
-        seen: dict[str, Any] = {}
-        hooks = []
-        for inner in module.modules():
-            if id(inner) in self.by_module:
-                key = self.by_module[id(inner)][0]
-
-                def record(_module: nn.Module, args: tuple, key: str = key) -> None:
-                    found = next((a for a in args if isinstance(a, Tensor)), None)
-                    seen[key] = seen.get(key, False) or (found is not None and bool(found.detach().any()))
-
-                hooks.append(inner.register_forward_pre_hook(record))
-        seen["hooks"] = lambda: [hook.remove() for hook in hooks]
-        return seen
 
     def _targets(self, stage: StageInputs, calls: list[tuple[tuple, dict]]) -> list[Tensor]:
         """The float stage's outputs on the float model's inputs: where the calls are the last
