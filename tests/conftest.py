@@ -15,6 +15,8 @@ from torch.nn import functional as F
 from surgery.ops.build.intercept import _registry as intercept_registry
 from surgery.testing import global_hook_counts, module_hook_counts
 
+pytest_plugins = ["subprocess_budget"]  # tests/subprocess_budget.py: the suite's child processes, counted
+
 
 def global_state() -> dict[str, int]:
     """Sizes of every global registry surgery could leave something in."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +53,11 @@ class Tied(nn.Module):
 
 @functools.cache
 def run_recipe(folder: Path, *args: str) -> dict:
-    """``python -m surgery ARGS`` run into ``folder`` from the checkout; its ``report.json`` (the
-    run must succeed: its stderr's tail is the failure message otherwise)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={folder}"],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """``python -m surgery ARGS`` run into ``folder`` (in this process: tests/cli_runner.py); its
+    ``report.json`` (the run must succeed: its stderr's tail is the failure message otherwise)."""
+    from cli_runner import run_cli
+
+    result = run_cli(*args, f"hydra.run.dir={folder}")
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((folder / "report.json").read_text())
 
@@ -447,3 +443,32 @@ def byte_bpe_tokenizer(size: int = 320, split: str = "gpt-2") -> Any:
         single=f"{bos[0]} $A", pair=f"{bos[0]} $A $B", special_tokens=[bos]
     )
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=special[0], eos_token=special[1])
+
+
+def exit_code_of_a_child(work: Callable[[], object]) -> int:
+    """Run ``work`` in a forked copy of this process and return the copy's exit code: what a
+    process killed outright leaves behind (``os._exit``: no cleanup, no ``finally``, no atexit),
+    without a new interpreter's start-up. ``work`` may end the copy itself with ``os._exit``."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:  # the copy: never return into pytest
+        code = 0
+        try:
+            work()
+        except BaseException:  # noqa: BLE001 - the copy's only answer is its exit code
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def dead_pid() -> int:
+    """The process id of a process of this host that has ended."""
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid

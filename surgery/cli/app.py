@@ -22,7 +22,7 @@ from surgery.cli.config import load_config
 from surgery.cli.objective import WORST, objective_value
 from surgery.cli.preview import preview
 from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run
-from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, record_job
+from surgery.cli.sweeps import JobRecord, current_sweep, finish_sweep, forget_sweep, record_job
 from surgery.core._compat import quiet_pytree_deprecations
 from surgery.core.errors import SurgeryError
 from surgery.core.interrupts import Terminated, raise_pending, taken_at_safe_points
@@ -171,6 +171,7 @@ def run_command_line(arguments: list[str]) -> int:
     multirun = any(a in ("-m", "--multirun") for a in arguments)
     codes: list[int] = []
     token = _JOB_CODES.set(codes)
+    forget_sweep()  # an earlier command line's sweep in this process (a notebook, a test) is not this one's
     try:
         with taken_at_safe_points():  # a signal raises between steps, never inside a library's __del__
             _task()

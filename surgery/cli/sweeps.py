@@ -28,6 +28,7 @@ SUMMARY = ("sweep.json", "sweep.md", "sweep.png")
 METRICS = (("drift.cosine", "cosine"), ("drift.top1_agreement", "top-1 agreement"), ("sparsity", "sparsity"))
 TOKEN_ENV = "SURGERY_SWEEP_TOKEN"
 RECORDS = ".surgery-jobs"
+CURRENT = "current"  # under RECORDS: the token of the sweep running into the folder
 EXIT_CODES = {"ok": 0, "check_failed": 1, "bad_input": 2, "crashed": 1, "started": 1, "dry_run": 0}
 _current: dict[str, Any] = {}  # the sweep this process started: {"dir": Path, "token": str}
 
@@ -56,12 +57,22 @@ class JobRecord:
 
 
 class SweepCallback(Callback):
-    """Gives each sweep a token (inherited by job processes through the environment)."""
+    """Gives each sweep a token: job processes inherit it through the environment, and it is
+    written into the sweep folder for a launcher's worker kept from an earlier sweep of this
+    process (joblib reuses them), whose inherited token is that sweep's."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         token = uuid.uuid4().hex
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        (sweep_dir / RECORDS / token).mkdir(parents=True, exist_ok=True)
+        write_atomically(sweep_dir / RECORDS / CURRENT, lambda tmp: tmp.write_text(token))
         os.environ[TOKEN_ENV] = token
-        _current.update(dir=Path(str(config.hydra.sweep.dir)).resolve(), token=token)
+        _current.update(dir=sweep_dir, token=token)
+
+
+def forget_sweep() -> None:
+    """Start a command line with no sweep: one run in this process after a sweep is not part of it."""
+    _current.clear()
 
 
 def current_sweep() -> tuple[Path, str] | None:
@@ -71,8 +82,11 @@ def current_sweep() -> tuple[Path, str] | None:
 
 def record_job(sweep_dir: Path, record: JobRecord) -> None:
     """Write (or update) a job's record, atomically, under the sweep's token."""
+    records = Path(sweep_dir).resolve() / RECORDS
     token = os.environ.get(TOKEN_ENV, "untracked")
-    path = Path(sweep_dir).resolve() / RECORDS / token / f"{record.num}.json"
+    if not (records / token).is_dir() and (records / CURRENT).is_file():  # an ended sweep's token
+        token = (records / CURRENT).read_text().strip() or token
+    path = records / token / f"{record.num}.json"
     text = json.dumps(asdict(record))
     write_atomically(path, lambda tmp: tmp.write_text(text + "\n"))
 
@@ -100,6 +114,9 @@ def finish_sweep(launcher_error: str | None = None) -> tuple[int, list[Path], li
         files = write_sweep_summary(sweep_dir, records, launcher_error=launcher_error)
     finally:
         shutil.rmtree(sweep_dir / RECORDS / token, ignore_errors=True)
+        current = sweep_dir / RECORDS / CURRENT
+        if current.is_file() and current.read_text().strip() == token:
+            current.unlink()
         if (sweep_dir / RECORDS).is_dir() and not any((sweep_dir / RECORDS).iterdir()):
             (sweep_dir / RECORDS).rmdir()
     return code, files, records
@@ -200,7 +217,10 @@ def _plot(table: list[dict[str, Any]], keys: list[str], path: Path) -> None:
     ax.set_xlabel(keys[0] if numeric else "job")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:  # no job with a report: no line, and no legend (matplotlib would warn on stderr)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no job published a report", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("sweep: drift and sparsity by setting")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)

@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from matplotlib.figure import Figure
+from support import dead_pid, exit_code_of_a_child  # tests/support.py
 
 from surgery.cli import run as run_module
 from surgery.cli import sweeps
@@ -375,15 +376,12 @@ def test_a_dangling_symlink_at_an_output_name_is_an_existing_output(tmp_path):
 
 def test_staging_folders_of_dead_processes_on_this_host_are_swept_and_live_ones_kept(tmp_path):
     import socket
-    import subprocess
-    import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = socket.gethostname()
-    stale = tmp_path / f".staging-{host}-{int(dead.stdout)}-abc123"
-    stale_backup = tmp_path / f".previous-{host}-{int(dead.stdout)}-abc123"
+    dead, host = dead_pid(), socket.gethostname()
+    stale = tmp_path / f".staging-{host}-{dead}-abc123"
+    stale_backup = tmp_path / f".previous-{host}-{dead}-abc123"
     live = tmp_path / f".staging-{host}-{os.getpid()}-def456"
-    other_host = tmp_path / f".staging-elsewhere-{int(dead.stdout)}-ghi789"
+    other_host = tmp_path / f".staging-elsewhere-{dead}-ghi789"
     for folder in (stale, stale_backup, live, other_host):
         folder.mkdir()
         (folder / "model.safetensors.tmp").write_bytes(b"x" * 1000)
@@ -393,38 +391,34 @@ def test_staging_folders_of_dead_processes_on_this_host_are_swept_and_live_ones_
     assert live.exists() and other_host.exists()  # a running process, or another host's run on a shared disk
 
 
-DIES_WHILE_PUBLISHING = """
-import os, sys
-from pathlib import Path
-from surgery.core import checkpoints
-folder, die_at = Path(sys.argv[1]), int(sys.argv[2])
-stage = checkpoints.Staging(folder).__enter__()
-for name in ("report.json", "model.pt", "report.md"):
-    (stage / name).write_bytes(b"new " + name.encode())
-real, calls = os.replace, []
-def replace(source, destination):
-    calls.append(destination)
-    if len(calls) == die_at:
-        os._exit(9)  # killed outright: no cleanup runs
-    real(source, destination)
-checkpoints.os.replace = replace
-stage.publish(overwrite=True, last="report.json", replaces=("report.json", "report.md", "model.safetensors",
-                                                             "model.pt", "drift.png"))
-"""
+def publish_and_die(folder: Path, die_at: int) -> None:
+    """Publish three new outputs over an earlier run's and be killed outright at the
+    ``die_at``-th rename (run in a forked child: exit code 9)."""
+    stage = checkpoints.Staging(folder).__enter__()
+    for name in ("report.json", "model.pt", "report.md"):
+        (stage / name).write_bytes(b"new " + name.encode())
+    real, calls = os.replace, []
+
+    def replace(source, destination):
+        calls.append(destination)
+        if len(calls) == die_at:
+            os._exit(9)  # killed outright: no cleanup runs
+        real(source, destination)
+
+    checkpoints.os.replace = replace
+    stage.publish(
+        overwrite=True,
+        last="report.json",
+        replaces=("report.json", "report.md", "model.safetensors", "model.pt", "drift.png"),
+    )
 
 
 @pytest.mark.parametrize("die_at", range(2, 8))  # the first rename is the manifest's
 def test_a_run_killed_while_publishing_is_undone_by_the_next_one(tmp_path, die_at):
-    import subprocess
-    import sys
-
     earlier = {"report.json": PREVIOUS, "model.safetensors": PREVIOUS, "drift.png": PREVIOUS}
     for name, data in earlier.items():
         (tmp_path / name).write_bytes(data)
-    died = subprocess.run(
-        [sys.executable, "-c", DIES_WHILE_PUBLISHING, str(tmp_path), str(die_at)], capture_output=True, text=True
-    )
-    assert died.returncode == 9, died.stderr
+    assert exit_code_of_a_child(lambda: publish_and_die(tmp_path, die_at)) == 9
     with checkpoints.Staging(tmp_path):
         pass
     assert listing(tmp_path) == earlier  # the whole earlier set, nothing new, nothing hidden
@@ -441,14 +435,11 @@ def test_publishing_without_overwrite_never_removes_the_files_it_would_replace(t
 def test_a_planted_manifest_entry_outside_the_folder_is_ignored_with_a_warning(tmp_path, caplog):
     """Before: a `.previous-*/MANIFEST.json` naming "../../victim.txt" made the next run delete that file."""
     import socket
-    import subprocess
-    import sys
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     out = tmp_path / "a" / "b"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    backup = out / f".previous-{socket.gethostname()}-{int(dead.stdout)}-abc123"
+    backup = out / f".previous-{socket.gethostname()}-{dead_pid()}-abc123"
     backup.mkdir(parents=True)
     (out / "report.json").write_bytes(b"new")
     (backup / "report.json").write_bytes(PREVIOUS)

@@ -7,14 +7,14 @@ table and these cases list the same ids, so neither can drift from the other.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -22,6 +22,7 @@ from unittest import mock
 import pytest
 import torch
 import torchvision
+from cli_runner import run_cli  # tests/cli_runner.py
 from safetensors.torch import save_file
 from support import image_folder, local_tokenizer, tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
@@ -1269,6 +1270,8 @@ class CliCase:
     args: tuple[str, ...]
     field: str
     setup: Callable[[Path], tuple[str, ...]] | None = None
+    # what a user's sitecustomize would replace for the run: {"module.attribute": replacement}
+    patches: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{self.row}:{' '.join(a for a in self.args if a not in FAST)}"
@@ -1336,18 +1339,18 @@ def run_dir_at(kind: str) -> Callable[[Path], tuple[str, ...]]:
 
 
 # Fills the disk while the checkpoint is written: sitecustomize runs before surgery is imported.
-DISK_FULL = """import errno, safetensors.torch
-def save_file(tensors, filename, metadata=None):
+def disk_full_safetensors(tensors, filename, metadata=None):
+    """safetensors' save_file on a full disk."""
     raise OSError(errno.ENOSPC, "No space left on device", str(filename))
-safetensors.torch.save_file = save_file
-"""
+
+
 HUGE = "1" + "0" * 400
-# Fills the disk while torch.save writes (the .pt checkpoint, a torchao export): torch raises RuntimeError.
-TORCH_DISK_FULL = """import torch
-def save(obj, f, *args, **kwargs):
+
+
+def disk_full_torch_save(obj, f, *args, **kwargs):
+    """torch.save filling the disk (the .pt checkpoint, a torchao export): torch raises RuntimeError."""
     raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0")
-torch.save = save
-"""
+
 
 DIGITS_FINETUNE = ("recipe=prune_finetune_digits", "finetune.epochs=1")
 IMAGES = (
@@ -1623,7 +1626,7 @@ CLI_CASES = [
     CliCase("too-large", (*FAST, "model.num_classes=10000000000"), "model.name='resnet18': cannot be built"),
     CliCase("run-dir", FAST, "hydra.run.dir=", run_dir_at("file")),
     CliCase("run-dir", FAST, "hydra.run.dir='/dev/full'", run_dir_at("/dev/full")),
-    CliCase("run-dir", FAST, "output=", user_module("sitecustomize", DISK_FULL)),
+    CliCase("run-dir", FAST, "output=", patches={"surgery.core.checkpoints.save_file": disk_full_safetensors}),
     CliCase("regex", (*FAST, "prune.select=['re:(.*.*)*z']"), "prune.select='re:(.*.*)*z'"),
     CliCase(
         "empty-selection", (*QUANTIZE, "quantize.activations=null", "quantize.select=[type:ReLU]"), "quantize.select="
@@ -1710,7 +1713,7 @@ CLI_CASES = [
         "run-dir",
         (*FAST, "output.checkpoint=pt"),
         "model.pt': cannot be written (",
-        user_module("sitecustomize", TORCH_DISK_FULL),
+        patches={"torch.save": disk_full_torch_save},
     ),
     CliCase("actorder", (*LLAMA_RTN, "quantize.weights.actorder=dynamic"), "quantize.weights.actorder='dynamic'"),
     CliCase(
@@ -1763,13 +1766,6 @@ def llama_folder(folder: Path) -> Path:
     return folder / "llama"
 
 
-def run_cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else None
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600, env=env
-    )
-
-
 def written(folder: Path) -> list[str]:
     """Files in a run folder other than Hydra's own record (.hydra/, the job log)."""
     if not folder.exists():
@@ -1782,7 +1778,10 @@ def test_cli_exits_2_with_one_line_naming_the_field_and_writes_nothing(case: Cli
     extra = case.setup(tmp_path) if case.setup else ()
     out = tmp_path / "out"
     own_dir = any(a.startswith("hydra.run.dir=") for a in extra)
-    result = run_cli(*case.args, *extra, *(() if own_dir else (f"hydra.run.dir={out}",)), pythonpath=tmp_path)
+    with contextlib.ExitStack() as patched:
+        for target, replacement in case.patches.items():
+            patched.enter_context(mock.patch(target, replacement))
+        result = run_cli(*case.args, *extra, *(() if own_dir else (f"hydra.run.dir={out}",)), pythonpath=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()  # splitlines also splits at a progress bar's "\r"
     assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr[-2000:]
@@ -1804,11 +1803,12 @@ def test_cli_never_overwrites_an_existing_output_silently(tmp_path: Path):
 
 
 def test_cli_sweep_rerun_into_the_same_folder_changes_nothing(tmp_path: Path):
-    first = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    # both from one folder: Hydra's multirun.yaml records the working folder
+    first = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log" and ".hydra" not in p.parts)
     before = {p: p.read_bytes() for p in files}
-    again = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}")
+    again = run_cli("-m", *FAST, "prune.amount=0.2,0.6", f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
     errors = again.stderr.strip().splitlines()
     assert errors and all(line.startswith("surgery: error: output=") for line in errors), again.stderr

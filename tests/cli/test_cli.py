@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 import yaml
+from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1"]
@@ -29,10 +30,8 @@ SCHEMA = {
 }
 
 
-def surgery(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
-    )
+def surgery(*args: str, cwd: Path | None = None) -> CliResult:
+    return run_cli(*args, cwd=cwd)
 
 
 def report(folder: Path) -> dict:
@@ -133,18 +132,15 @@ def test_installed_wheel_runs_outside_the_checkout(tmp_path):
         [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=600
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    result = surgery(*FAST, f"hydra.run.dir={tmp_path / 'out'}", cwd=tmp_path, env=env)
+    # one process: where surgery was imported from, then `python -m surgery` itself (runpy)
+    run = "import runpy, sys, surgery; print(surgery.__file__, flush=True); runpy.run_module('surgery', run_name='__main__')"
+    result = subprocess.run(
+        [sys.executable, "-c", run, *FAST, f"hydra.run.dir={tmp_path / 'out'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith(str(site))
     assert report(tmp_path / "out")["recipe"] == "prune_resnet50"
-    probe = subprocess.run(
-        [sys.executable, "-c", "import surgery; print(surgery.__file__)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert probe.stdout.strip().startswith(str(site))
 
 
 def test_swap_activations_recipe_swaps_while_building_and_reports_drift(tmp_path):

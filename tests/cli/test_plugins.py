@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 
 import surgery
 from surgery.cli.steps import STEPS
@@ -24,13 +23,10 @@ PLUGINS = Path(__file__).resolve().parent / "plugins"
 REPO = PLUGINS.parents[2]
 
 
-def run_toy(*overrides: str, out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", f"hydra.searchpath=[file://{PLUGINS}]", "recipe=toy", *overrides,
-         f"hydra.run.dir={out}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+def run_toy(*overrides: str, out: Path) -> CliResult:
+    return run_cli(
+        f"hydra.searchpath=[file://{PLUGINS}]", "recipe=toy", *overrides, f"hydra.run.dir={out}", pythonpath=PLUGINS
+    )
 
 
 @pytest.fixture

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 
 from surgery.cli.config import ObjectiveConfig
 from surgery.cli.objective import WORST, objective_value
@@ -16,10 +15,8 @@ from surgery.core.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def surgery(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=900
-    )
+def surgery(*args: str) -> CliResult:
+    return run_cli(*args)
 
 
 def test_objective_is_the_metric_penalised_by_the_missed_bound():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 from support import image_folder, local_tokenizer  # tests/support.py
 
 from surgery.cli.models import _optional
@@ -23,10 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 RANDOM_TOKENS = ("data=tokens", "data.batches=2", "checks.drift.min_cosine=0.97")
 
 
-def surgery(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+def surgery(*args: str) -> CliResult:
+    return run_cli(*args, cwd=REPO)
 
 
 def report(folder: Path) -> dict:

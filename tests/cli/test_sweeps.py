@@ -12,6 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runner import CliResult, run_cli  # tests/cli_runner.py
+from omegaconf import OmegaConf
+
+from surgery.cli import sweeps
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["model.name=resnet18", "data.image_size=64", "data.batch_size=2", "data.batches=1", "checks.per_layer=false"]
@@ -21,10 +25,10 @@ TINY = ["model=mnist1d_cnn", "data=mnist1d", "data.batch_size=20", "data.batches
 LAUNCHERS = ["basic", "joblib", "submitit_local"]
 
 
-def surgery(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "surgery", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
-    )
+def surgery(*args: str, pythonpath: Path | None = None) -> CliResult:
+    """A sweep run from this process; the launcher starts whatever processes it starts (joblib's
+    workers, submitit's jobs), as it does for a user."""
+    return run_cli(*args, pythonpath=pythonpath or (), env={"PYTHONPATH": str(pythonpath)} if pythonpath else None)
 
 
 def summary(folder: Path) -> list[dict]:
@@ -88,7 +92,6 @@ def test_a_job_process_that_dies_fails_the_sweep_and_is_listed(tmp_path):
     """A rewrite that kills its process (as an out-of-memory kill would): joblib reports a dead
     worker; the sweep exits 1, and the summary lists the job that died and the launcher's error."""
     (tmp_path / "killer.py").write_text("import os\n\ndef die(args, kwargs):\n    os._exit(3)\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     folder = tmp_path / "sweep"
     run = surgery(
         "-m",
@@ -101,7 +104,7 @@ def test_a_job_process_that_dies_fails_the_sweep_and_is_listed(tmp_path):
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         f"hydra.sweep.dir={folder}",
-        env=env,
+        pythonpath=tmp_path,
     )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "the sweep's launcher failed" in run.stderr
@@ -154,3 +157,31 @@ def test_a_sweep_without_its_callback_says_so_instead_of_exiting_0(tmp_path):
         f"hydra.sweep.dir={tmp_path}",
     )
     assert run.returncode == 2 and "sweep_records callback did not run" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_job_in_a_worker_kept_from_an_earlier_sweep_records_into_this_one(tmp_path, monkeypatch):
+    """Two sweeps from one process (a notebook): joblib keeps its workers, whose inherited
+    token is the first sweep's. Before: their records went under it, the second summary lost
+    them and showed the first sweep's rows."""
+    monkeypatch.setenv(sweeps.TOKEN_ENV, "")  # put back afterwards: a sweep sets it for its jobs
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    try:
+        sweeps.SweepCallback().on_multirun_start(config)
+        first = os.environ[sweeps.TOKEN_ENV]
+        sweeps.record_job(tmp_path, sweeps.JobRecord(0, {"prune.amount": "0.2"}, str(tmp_path / "0"), "bad_input"))
+        assert [r.num for r in sweeps.finish_sweep()[2]] == [0]
+        sweeps.SweepCallback().on_multirun_start(config)
+        monkeypatch.setenv(sweeps.TOKEN_ENV, first)  # the kept worker's environment
+        sweeps.record_job(
+            tmp_path,
+            sweeps.JobRecord(1, {"prune.amount": "1.5", "output.overwrite": "true"}, str(tmp_path / "1"), "bad_input"),
+        )
+        code, _, records = sweeps.finish_sweep()
+    finally:
+        sweeps.forget_sweep()
+    assert code == 2 and [(r.num, r.overrides) for r in records] == [
+        (1, {"prune.amount": "1.5", "output.overwrite": "true"})
+    ]
+    assert not (tmp_path / sweeps.RECORDS).exists()
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"  # drawn without a line, and without a warning

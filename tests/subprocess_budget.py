@@ -1,0 +1,65 @@
+"""The suite's budget of child processes: each costs a Python start-up (``import torch``, Hydra:
+4-9 s on two cores), so the command line is tested in-process (tests/cli_runner.py) and only a
+few true end-to-end runs start a process. Every ``subprocess.Popen`` a test starts is counted
+(xdist workers report theirs to the controller); the summary names them, and a run over
+:data:`LIMIT` fails. The peers' tests (``-m peers``, their own environments) are not counted."""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+
+import pytest
+
+LIMIT = 20
+_started: Counter[str] = Counter()
+_current = {"test": "(outside a test)", "counted": True}
+_original_init = subprocess.Popen.__init__
+
+
+def _counting_init(self, *args, **kwargs) -> None:
+    if _current["counted"]:
+        _started[_current["test"]] += 1
+    _original_init(self, *args, **kwargs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    subprocess.Popen.__init__ = _counting_init
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    subprocess.Popen.__init__ = _original_init
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _current.update(test=item.nodeid, counted=item.get_closest_marker("peers") is None)
+    try:
+        return (yield)
+    finally:
+        _current.update(test="(outside a test)", counted=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller adds them up
+        workeroutput["subprocesses"] = dict(_started)
+        return
+    if sum(_started.values()) > LIMIT and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _started.update(getattr(node, "workeroutput", {}).get("subprocesses", {}))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if getattr(config, "workeroutput", None) is not None or not _started:
+        return
+    total = sum(_started.values())
+    verdict = "" if total <= LIMIT else f": over the budget of {LIMIT} (tests/subprocess_budget.py)"
+    terminalreporter.section("subprocesses", sep="-")
+    terminalreporter.write_line(f"{total} started by the tests{verdict}")
+    for test, count in _started.most_common():
+        terminalreporter.write_line(f"  {count:3d}  {test}")
