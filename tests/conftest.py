@@ -140,3 +140,14 @@ def _torch_save_round_trip(model: nn.Module) -> nn.Module:
 def duplicate(request) -> Callable[[nn.Module], nn.Module]:
     """Each way a user copies a model: deepcopy, pickle, torch.save(model)/torch.load."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def memory_probe():
+    """A process that measures memory peaks (tests/memory_probe.py), shared by the tests that
+    ask for one; they carry ``xdist_group("memory")``, so one worker starts it."""
+    from support import MemoryProbe
+
+    probe = MemoryProbe()
+    yield probe
+    probe.close()

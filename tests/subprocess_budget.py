@@ -2,25 +2,44 @@
 4-9 s on two cores), so the command line is tested in-process (tests/cli_runner.py) and only a
 few true end-to-end runs start a process. Every ``subprocess.Popen`` a test starts is counted
 (xdist workers report theirs to the controller); the summary names them, and a run over
-:data:`LIMIT` fails. The peers' tests (``-m peers``, their own environments) are not counted."""
+:data:`LIMIT` fails. Counted are the processes the tests or surgery start; those a library starts
+on its own (torch.compile's C++ compiler, a Hydra launcher's jobs) are listed apart, and the
+peers' tests (``-m peers``, their own environments) are not counted."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 LIMIT = 20
+REPO = Path(__file__).resolve().parents[1]
+OURS = (str(REPO / "tests"), str(REPO / "surgery"))
 _started: Counter[str] = Counter()
+_by_libraries: Counter[str] = Counter()
 _current = {"test": "(outside a test)", "counted": True}
 _original_init = subprocess.Popen.__init__
 
 
 def _counting_init(self, *args, **kwargs) -> None:
     if _current["counted"]:
-        _started[_current["test"]] += 1
+        caller = _caller()
+        if caller.startswith(OURS):
+            _started[_current["test"]] += 1
+        else:
+            _by_libraries[Path(caller).parent.name] += 1
     _original_init(self, *args, **kwargs)
+
+
+def _caller() -> str:
+    """The file that asked for the process: the first frame outside subprocess.py and this file."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in (subprocess.__file__, __file__):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,6 +63,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller adds them up
         workeroutput["subprocesses"] = dict(_started)
+        workeroutput["subprocesses by libraries"] = dict(_by_libraries)
         return
     if sum(_started.values()) > LIMIT and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -52,10 +72,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     _started.update(getattr(node, "workeroutput", {}).get("subprocesses", {}))
+    _by_libraries.update(getattr(node, "workeroutput", {}).get("subprocesses by libraries", {}))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if getattr(config, "workeroutput", None) is not None or not _started:
+    if getattr(config, "workeroutput", None) is not None or not (_started or _by_libraries):
         return
     total = sum(_started.values())
     verdict = "" if total <= LIMIT else f": over the budget of {LIMIT} (tests/subprocess_budget.py)"
@@ -63,3 +84,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.write_line(f"{total} started by the tests{verdict}")
     for test, count in _started.most_common():
         terminalreporter.write_line(f"  {count:3d}  {test}")
+    if _by_libraries:
+        started = ", ".join(f"{name} {count}" for name, count in _by_libraries.most_common())
+        terminalreporter.write_line(f"and by libraries on their own (not counted): {started}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -472,3 +473,32 @@ def dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+class MemoryProbe:
+    """One process of tests/memory_probe.py, asked for each peak in turn: a memory peak is a
+    process's own, and one process serves every measurement instead of one start-up each."""
+
+    def __init__(self) -> None:
+        import os
+
+        script = Path(__file__).with_name("memory_probe.py")
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back: the peak is what was held
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def peak(self, *args: str) -> float:
+        """What ``python tests/memory_probe.py ARGS`` prints: one probe's peak."""
+        self.process.stdin.write(json.dumps(list(args)) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, f"the memory probe ended (exit {self.process.wait()})"
+        reply = json.loads(line)
+        assert "error" not in reply, reply["error"]
+        return reply["value"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.process.stdout.close()

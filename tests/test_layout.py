@@ -4,11 +4,15 @@ imports without the app's packages."""
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import surgery
 
@@ -179,16 +183,11 @@ class Block:
 sys.meta_path.insert(0, Block())
 """
 
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_the_library_works_without_hydra_omegaconf_matplotlib_or_sklearn():
-    result = run_python(
-        BLOCKED
-        + """
+# What only a new interpreter can show, as snippets run in turn in one interpreter per group (each
+# start costs seconds): BLOCKED's, where the app's packages cannot be imported, and a plain one,
+# whose first snippet is the first to import surgery. A snippet prints what its test checks.
+WITHOUT_THE_APP = {
+    "library": """
 import torch, surgery, surgery.testing
 from torch import nn
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -199,24 +198,12 @@ with surgery.prune(model, 0.5, calibration=[x]) as handle, surgery.capture(model
 assert handle.sparsity() > 0 and seen.outputs and drift.identical
 assert not [m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf', 'matplotlib', 'sklearn')]
 print("ok")
-"""
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
-
-
-def test_the_command_line_without_its_extra_says_what_to_install():
-    result = run_python(BLOCKED + "import runpy; runpy.run_module('surgery', run_name='__main__')")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "surgery: error: the command line needs 'hydra'; install it with: pip install 'surgery[cli]'"
-    )
-
-
-def test_import_registers_no_operator_and_leaves_dynamo_alone():
-    """No unowned global state: the custom op is defined by the first verb that attaches a
-    transform, and dynamo's config is changed only once something has loaded dynamo."""
-    result = run_python("""
+""",
+    "command line": "import runpy; runpy.run_module('surgery', run_name='__main__')",  # ends in SystemExit
+}
+FIRST_IMPORT = {
+    "hessian": "import surgery.core.capture as c; print('hessian' in c.REDUCTIONS.names())",
+    "operator": """
 import sys, torch, surgery
 from torch import nn
 assert "torch._dynamo" not in sys.modules
@@ -230,9 +217,88 @@ assert torch._dynamo.config.skip_nnmodule_hook_guards is True  # untouched until
 surgery.prune(model, 0.5).restore()
 assert torch._dynamo.config.skip_nnmodule_hook_guards is False
 print("ok")
-""")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+""",
+    "old paths": """
+warnings.simplefilter('always')
+with warnings.catch_warnings(record=True) as seen:
+    from surgery.ops.rewriting import Cast
+    from surgery.ops.formats.sparse_linear import semi_structured
+import surgery.ops.rewrite.rewriting as new
+assert Cast is new.Cast and semi_structured.__module__ == 'surgery.ops.export.formats.sparse_linear'
+print(sorted(str(w.message).split(' moved')[0] for w in seen if w.category is DeprecationWarning))
+""",
+    "grid spec": """
+warnings.simplefilter('error')
+import surgery
+try:
+    surgery.QuantSpec
+except DeprecationWarning as warning:
+    print(warning)
+warnings.simplefilter('ignore')
+from surgery import QuantSpec
+assert QuantSpec is surgery.GridSpec and QuantSpec(bits=4).bits == 4
+""",
+}
+SNIPPETS_IN_TURN = """
+import contextlib, io, json, sys, traceback, warnings
+results = {}
+for name, code in json.loads(sys.argv[1]).items():
+    printed = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
+        try:
+            exec(code, {"sys": sys, "warnings": warnings})
+            error = None
+        except SystemExit as end:
+            error = f"SystemExit: {end.code}"
+        except BaseException:
+            error = traceback.format_exc()
+    results[name] = {"printed": printed.getvalue().strip(), "error": error}
+print(json.dumps(results))
+"""
+
+
+@functools.cache
+def in_a_new_interpreter(group: str) -> dict[str, dict[str, str | None]]:
+    """Each snippet of ``group`` ("without the app", "first import"), run in turn in one new
+    interpreter: {name: {"printed": its stdout, "error": None, a traceback or "SystemExit: code"}}."""
+    prelude, snippets = {"without the app": (BLOCKED, WITHOUT_THE_APP), "first import": ("", FIRST_IMPORT)}[group]
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    code = prelude + SNIPPETS_IN_TURN
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(snippets)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+def test_the_library_works_without_hydra_omegaconf_matplotlib_or_sklearn():
+    found = in_a_new_interpreter("without the app")["library"]
+    assert found == {"printed": "ok", "error": None}
+
+
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+def test_the_command_line_without_its_extra_says_what_to_install():
+    """``python -m surgery`` would print this line and exit 1 (a SystemExit with a message)."""
+    found = in_a_new_interpreter("without the app")["command line"]
+    assert found["error"] == (
+        "SystemExit: surgery: error: the command line needs 'hydra'; install it with: pip install 'surgery[cli]'"
+    )
+
+
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+def test_the_hessian_reduction_is_registered_once_surgery_is_imported():
+    """``capture(reduce="hessian")`` works as before the module left core: importing any part of
+    surgery runs its package, which registers the reduction (moved here from
+    tests/ops/second_order/test_hessians.py, to share its interpreter)."""
+    assert in_a_new_interpreter("first import")["hessian"] == {"printed": "True", "error": None}
+
+
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+def test_import_registers_no_operator_and_leaves_dynamo_alone():
+    """No unowned global state: the custom op is defined by the first verb that attaches a
+    transform, and dynamo's config is changed only once something has loaded dynamo."""
+    assert in_a_new_interpreter("first import")["operator"] == {"printed": "ok", "error": None}
 
 
 PRIVATE_TORCH = re.compile(
@@ -282,33 +348,13 @@ def test_the_cycle_check_sees_a_circle(tmp_path, monkeypatch):
     assert import_cycles() == [["surgery.core.a", "surgery.core.b", "surgery.core.a"]]
 
 
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
 def test_old_import_paths_the_docs_used_still_work_and_warn():
-    result = run_python(
-        "import warnings\n"
-        "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as seen:\n"
-        "    from surgery.ops.rewriting import Cast\n"
-        "    from surgery.ops.formats.sparse_linear import semi_structured\n"
-        "import surgery.ops.rewrite.rewriting as new\n"
-        "assert Cast is new.Cast and semi_structured.__module__ == 'surgery.ops.export.formats.sparse_linear'\n"
-        "print(sorted(str(w.message).split(' moved')[0] for w in seen if w.category is DeprecationWarning))\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['surgery.ops.formats', 'surgery.ops.rewriting']"
+    found = in_a_new_interpreter("first import")["old paths"]
+    assert found == {"printed": "['surgery.ops.formats', 'surgery.ops.rewriting']", "error": None}
 
 
+@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
 def test_the_grid_spec_old_name_still_works_and_warns():
-    result = run_python(
-        "import warnings\n"
-        "warnings.simplefilter('error')\n"
-        "import surgery\n"
-        "try:\n"
-        "    surgery.QuantSpec\n"
-        "except DeprecationWarning as warning:\n"
-        "    print(warning)\n"
-        "warnings.simplefilter('ignore')\n"
-        "from surgery import QuantSpec\n"
-        "assert QuantSpec is surgery.GridSpec and QuantSpec(bits=4).bits == 4\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("QuantSpec is now GridSpec")
+    found = in_a_new_interpreter("first import")["grid spec"]
+    assert found["error"] is None and found["printed"].startswith("QuantSpec is now GridSpec")

@@ -1,9 +1,10 @@
 """One rank of ``test_distributed.py``: GPTQ (and SparseGPT, Wanda) on a seeded tiny Llama with
 the calibration shared across the processes torchrun started, each rank's weights written to
-OUT/rank-R-METHOD.safetensors.
+OUT/in-memory/rank-R-METHOD.safetensors, then the same on the Llama saved in FOLDER, offloaded,
+into OUT/offloaded/, then ranks given different models, settings or batches into OUT/disagree/
+(see :func:`disagree`): one torchrun for the three, as its start-up takes seconds.
 
-Usage: ``torchrun --standalone --nproc-per-node 2 tests/core/distributed_worker.py OUT [offloaded FOLDER]``;
-``... OUT disagree``: ranks given different models, settings or batches (see :func:`disagree`).
+Usage: ``torchrun --standalone --nproc-per-node 2 tests/core/distributed_worker.py OUT FOLDER``.
 """
 
 from __future__ import annotations
@@ -69,23 +70,26 @@ def disagree(out: str) -> None:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{out}/rank-{rank}-shards.safetensors")
 
 
-def main(out: str, *offloaded: str) -> None:
+def main(out: str, folder: str) -> None:
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     with surgery.distributed_calibration():
-        if offloaded == ("disagree",):
-            disagree(out)
-        else:
+        for where in ("in-memory", "offloaded"):
+            Path(out, where).mkdir(exist_ok=True)
             for method in ("gptq", "sparsegpt", "wanda"):
-                if offloaded:
-                    source = surgery.offloaded(offloaded[1])
+                if where == "offloaded":
+                    source = surgery.offloaded(folder)
                     run(method, source)
                     state = {k: source.value_of(v) for k, v in source.model.state_dict(keep_vars=True).items()}
                 else:
                     model = tiny_llama(layers=2)
                     run(method, model).bake()
                     state = model.state_dict()
-                save_file({k: v.contiguous() for k, v in state.items()}, f"{out}/rank-{rank}-{method}.safetensors")
+                save_file(
+                    {k: v.contiguous() for k, v in state.items()}, f"{out}/{where}/rank-{rank}-{method}.safetensors"
+                )
+        Path(out, "disagree").mkdir(exist_ok=True)
+        disagree(f"{out}/disagree")
     torch.distributed.destroy_process_group()
 
 

@@ -3,9 +3,6 @@ memory held stays under the budget, and the files are gone afterwards."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -126,24 +123,13 @@ def test_a_full_disk_while_spilling_leaves_the_model_as_it_was(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-PROBE = Path(__file__).parents[1] / "ops" / "offload" / "peak_memory_probe.py"
-
-
-def activation_peak(where: str) -> float:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back: the peak is what was held
-    result = subprocess.run(
-        [sys.executable, str(PROBE), "activations", where], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return float(result.stdout.split()[-1])
-
-
-def test_spilling_bounds_the_peak_whatever_the_calibration_size():
+@pytest.mark.xdist_group("memory")
+def test_spilling_bounds_the_peak_whatever_the_calibration_size(memory_probe):
     """GPTQ on 4 narrow blocks fed 96 MB of activations a block. Held in memory, a block's inputs
     and its outputs are both there at once (measured 2.2x the inputs); spilled, one batch at a
     time is (measured 0.24x, most of it the process's own first-call allocations)."""
-    assert activation_peak("memory") > 1.5
-    assert activation_peak("disk") < 0.5
+    assert memory_probe.peak("activations", "memory") > 1.5
+    assert memory_probe.peak("activations", "disk") < 0.5
 
 
 def test_named_tuples_and_ordered_dicts_come_back_as_they_went(tmp_path):

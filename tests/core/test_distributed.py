@@ -21,19 +21,22 @@ sys.path.insert(0, str(WORKER.parent))
 from distributed_worker import batches, run  # noqa: E402
 
 
-def torchrun(*args: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One torchrun of two ranks for every test here (distributed_worker.py): their files."""
+    out = tmp_path_factory.mktemp("ranks")
+    tiny_llama(layers=2).save_pretrained(out / "llama")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER)]
+    result = subprocess.run([*command, str(out), str(out / "llama")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
-@pytest.mark.parametrize("offloaded", [False, True], ids=["in-memory", "offloaded"])
-def test_two_processes_calibrate_halves_and_agree_with_one(tmp_path, offloaded):
-    folder = tmp_path / "llama"
-    tiny_llama(layers=2).save_pretrained(folder)
-    torchrun(str(tmp_path), *(["offloaded", str(folder)] if offloaded else []))
+@pytest.mark.xdist_group("torchrun")
+@pytest.mark.parametrize("where", ["in-memory", "offloaded"])
+def test_two_processes_calibrate_halves_and_agree_with_one(two_ranks, where):
     for method in ("gptq", "sparsegpt", "wanda"):
-        first, second = (load_file(tmp_path / f"rank-{r}-{method}.safetensors") for r in (0, 1))
+        first, second = (load_file(two_ranks / where / f"rank-{r}-{method}.safetensors") for r in (0, 1))
         assert all(torch.equal(first[k], second[k]) for k in first), method  # every rank solved the same
         single = tiny_llama(layers=2)
         run(method, single).bake()
@@ -53,8 +56,9 @@ def test_sharing_without_a_process_group_is_one_line():
             pass
 
 
-def test_ranks_that_disagree_are_refused_on_every_rank_and_own_shards_are_used_whole(tmp_path):
-    torchrun(str(tmp_path), "disagree")
+@pytest.mark.xdist_group("torchrun")
+def test_ranks_that_disagree_are_refused_on_every_rank_and_own_shards_are_used_whole(two_ranks):
+    tmp_path = two_ranks / "disagree"
     refusals = [(tmp_path / f"refusals-{r}.txt").read_text().splitlines() for r in (0, 1)]
     assert refusals[0][:2] == refusals[1][:2], refusals  # every rank refuses, in the same words
     model, settings, empty = refusals[0]

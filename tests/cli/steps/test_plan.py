@@ -4,14 +4,10 @@ within the budget in ``plan.json`` and ``report.json``, exported to compressed-t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_runner import run_cli  # tests/cli_runner.py
 from support import run_recipe  # tests/support.py
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow  # ~60 s of CPU: the plan's gradient scores, the export and its deploy check
@@ -33,13 +29,7 @@ def test_plan_llama_writes_its_plan_within_the_budget_and_a_compressed_tensors_f
 def test_plan_llama_with_cache_choices_plans_the_cache_and_its_rounding_survives_bake_and_reload(tmp_path):
     choices = "plan.choices=[dense,int8,w4g128,w3g128,kv16,kv_int8,kv_int4]"
     args = ["recipe=plan_llama", "budget=1.5MB", "plan.kv_tokens=4096", choices, "data.batches=1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "surgery", *args, f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_cli(*args, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     plan, saved = report["plan"], json.loads((tmp_path / "plan.json").read_text())

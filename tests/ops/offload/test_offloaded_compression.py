@@ -7,14 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import memory_probe as memory_probe_module  # tests/memory_probe.py
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import tiny_llama, tiny_moe  # tests/support.py
+from support import exit_code_of_a_child, tiny_llama, tiny_moe  # tests/support.py
 from torch import nn
 
 import surgery
@@ -23,7 +22,6 @@ from surgery.core._compat import global_hook_counts
 from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.ops.export.formats.compressed_tensors_folder import load_compressed_tensors
 
-PROBE = Path(__file__).with_name("peak_memory_probe.py")
 GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
 
 
@@ -199,46 +197,38 @@ def test_a_run_that_died_part_way_goes_on_from_its_work_folder(tmp_path):
         VERBS["gptq"](source, batches(), work=tmp_path / "other")
 
 
-FULL_DISK = """
-import resource, signal, sys, torch
-sys.path.insert(0, {tests!r})
-from support import tiny_llama
-import surgery
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
-source = surgery.offloaded({folder!r})
-resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
-try:
-    surgery.export(source, {out!r}, format="compressed-tensors" if {folder_format} else "safetensors", overwrite=True)
-except OSError as err:
-    print("failed", err.errno)
-"""
+def export_on_a_full_disk(folder: Path, out: Path) -> None:
+    """Export the offloaded ``folder`` to ``out`` with files limited to 30 kB (run in a forked
+    child, whose limits are its own): exit 3 if the export failed with an OSError."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+    source = surgery.offloaded(folder)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+    try:
+        surgery.export(source, out, format="safetensors", overwrite=True)
+    except OSError:
+        os._exit(3)
 
 
 def test_a_full_disk_while_streaming_leaves_the_output_as_it_was(tmp_path):
     llama_folder(tmp_path / "model")
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"the previous export")
-    script = FULL_DISK.format(
-        tests=str(Path(__file__).parents[2]), folder=str(tmp_path / "model"), out=str(out), folder_format=False
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert result.stdout.split()[:1] == ["failed"]
+    assert exit_code_of_a_child(lambda: export_on_a_full_disk(tmp_path / "model", out)) == 3
     assert out.read_bytes() == b"the previous export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out.safetensors"]  # no partial file left
 
 
-def test_offloaded_gptq_holds_a_few_blocks_not_the_model(tmp_path):
+@pytest.mark.xdist_group("memory")
+def test_offloaded_gptq_holds_a_few_blocks_not_the_model(tmp_path, memory_probe):
     """24 blocks of 8 MB: each stage holds its block, GPTQ's working copy and the file being
     written; the originals are read again from the files, the grids from the stage files
     (measured 0.31x, with the process's own growth; 0.5x before those two)."""
     path = str(tmp_path / "wide.safetensors")
-    subprocess.run([sys.executable, str(PROBE), "write", path], check=True, timeout=120)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    result = subprocess.run(
-        [sys.executable, str(PROBE), "gptq-offloaded", path], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert float(result.stdout.split()[-1]) <= 0.4  # in memory the same run peaks above 1x
+    memory_probe_module.write(path)
+    assert memory_probe.peak("gptq-offloaded", path) <= 0.4  # in memory the same run peaks above 1x
 
 
 def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_path):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
+import memory_probe as memory_probe_module  # tests/memory_probe.py
 import pytest
 import torch
 import torchvision
@@ -23,7 +22,6 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.ops.offload.offloading import WeightFiles
 from surgery.testing import assert_no_hooks
 
-PROBE = Path(__file__).with_name("peak_memory_probe.py")
 W1 = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
 GATE = "model.layers.1.block_sparse_moe.gate.weight"
 
@@ -108,20 +106,12 @@ def test_weights_are_released_when_the_forward_raises(tmp_path):
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_a_forward_holds_one_block_of_weights_not_the_model(tmp_path):
+@pytest.mark.xdist_group("memory")
+def test_a_forward_holds_one_block_of_weights_not_the_model(tmp_path, memory_probe):
     """24 blocks of 8 MB: reading them all would add 1x the weights, one at a time ~0.04x."""
     path = str(tmp_path / "wide.safetensors")
-    subprocess.run([sys.executable, str(PROBE), "write", path], check=True, timeout=120)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back: the peak is what was held
-    result = subprocess.run(
-        [sys.executable, str(PROBE), "offloaded", path],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    assert float(result.stdout.split()[-1]) <= 0.15
+    memory_probe_module.write(path)
+    assert memory_probe.peak("offloaded", path) <= 0.15
 
 
 def edit_shard(folder: Path, edit) -> None:

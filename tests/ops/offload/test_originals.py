@@ -4,10 +4,6 @@ a second copy of the new values; a run's peak memory is measured in a child proc
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -128,19 +124,6 @@ def test_an_unknown_place_for_the_originals_is_one_line_naming_the_choices(call)
     assert snapshot_differences(before, snapshot(model)) == []
 
 
-PROBE = Path(__file__).with_name("peak_memory_probe.py")
-
-
-def peak_growth(method: str, where: str) -> float:
-    """Run ``method`` on a 200 MB model in a child process; its peak resident memory beyond the
-    built model, as a multiple of the weights rewritten."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors go back: the peak is what was held
-    result = subprocess.run(
-        [sys.executable, str(PROBE), method, where], capture_output=True, text=True, env=env, timeout=300, check=True
-    )
-    return float(result.stdout.split()[-1])
-
-
 @pytest.mark.parametrize(
     "method, where, bound",
     [
@@ -149,10 +132,13 @@ def peak_growth(method: str, where: str) -> float:
         ("sparsegpt", "disk", 0.9),  # byte masks until attached (0.25x)
     ],
 )
-def test_peak_memory_holds_the_originals_at_most_once(method, where, bound):
-    """Before the originals were held once, GPTQ's peak was 2.3x the weights beyond the model
-    (originals, solved values, then their copy when attached), SparseGPT's 2.6x."""
-    assert peak_growth(method, where) <= bound
+@pytest.mark.xdist_group("memory")
+def test_peak_memory_holds_the_originals_at_most_once(method, where, bound, memory_probe):
+    """``method`` on a 200 MB model (tests/memory_probe.py): its peak beyond the built model, as a
+    multiple of the weights rewritten. Before the originals were held once, GPTQ's peak was 2.3x
+    the weights beyond the model (originals, solved values, then their copy when attached),
+    SparseGPT's 2.6x."""
+    assert memory_probe.peak(method, where) <= bound
 
 
 def test_values_that_can_be_read_again_are_not_copied_and_come_back_from_their_source():

@@ -1,19 +1,26 @@
-"""Peak resident memory of a calibrated verb beyond the built model, as a multiple of the
-weights it rewrites (run in a child process by ``test_originals.py``).
+"""Peak resident memory of surgery's work, measured in a process of its own (the ``memory_probe``
+fixture starts one, with ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors go back to the
+system, and asks it for each measurement in turn: ``python tests/memory_probe.py serve``).
+Each probe restarts the peak (``VmHWM``) where it takes its base and prints one number:
 
-Usage: ``python tests/ops/offload/peak_memory_probe.py gptq|sparsegpt|wanda memory|disk``, or
-``... write FILE`` then ``... offloaded FILE`` (a forward of the model offloaded to FILE, beyond
-the process before it, as a multiple of the weights in FILE) or ``... gptq-offloaded FILE``
-(GPTQ on it, block by block, likewise), or ``... activations memory|disk`` (GPTQ whose block
-activations dwarf its weights, held in memory or spilled: the peak as a multiple of one
-block's inputs for all batches).
+- ``gptq|sparsegpt|wanda memory|disk``: a calibrated verb's peak beyond the built model, as a
+  multiple of the weights it rewrites;
+- ``offloaded FILE``: a forward of the model offloaded to FILE (:func:`write`), as a multiple of
+  the weights in FILE; ``gptq-offloaded FILE``: GPTQ on it, block by block, likewise;
+- ``activations memory|disk``: GPTQ whose block activations dwarf its weights, held in memory or
+  spilled: the peak as a multiple of one block's inputs for all batches;
+- ``cli FOLDER OVERRIDE...``: ``python -m surgery OVERRIDE...`` (FOLDER importable), in MiB.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
+import json
 import os
 import sys
+import traceback
 
 import torch
 from safetensors.torch import save_file
@@ -59,17 +66,17 @@ class WideBlocks(nn.Module):
         return x
 
 
-def probe(method: str, where: str) -> None:
+def probe(method: str, *args: str) -> None:
     torch.set_num_threads(1)
-    if method in ("write", "offloaded", "gptq-offloaded", "activations"):
-        probes = {"write": write, "offloaded": forward_offloaded, "gptq-offloaded": gptq_offloaded}
-        return {**probes, "activations": activations}[method](where)
+    if method in ("offloaded", "gptq-offloaded", "activations", "cli"):
+        probes = {"offloaded": forward_offloaded, "gptq-offloaded": gptq_offloaded, "cli": command_line}
+        return {**probes, "activations": activations}[method](*args)
+    (where,) = args
     torch.manual_seed(0)
     model = Wide(24).eval()
     data = [torch.randn(8, 64) for _ in range(2)]
     weights = sum(block["up"].weight.nbytes for block in model.blocks)
-    gc.collect()
-    base = memory("VmRSS")
+    base = start_measuring()
     if method == "gptq":
         spec = GridSpec(bits=4, method="gptq", group_size=16)
         surgery.quantize(model, weights=spec, calibration=data, progress=False, originals=where)
@@ -79,13 +86,14 @@ def probe(method: str, where: str) -> None:
 
 
 def write(path: str) -> None:
+    """Save ``Wide(24)``'s weights to ``path`` (run in the test's process: no measurement)."""
     torch.manual_seed(0)
     save_file(Wide(24).state_dict(), path)
 
 
 def forward_offloaded(path: str) -> None:
     weights = os.path.getsize(path)
-    base = memory("VmRSS")
+    base = start_measuring()
     handle = surgery.offloaded(path, factory=lambda: Wide(24))
     with torch.no_grad():
         handle.model(torch.randn(8, 64))
@@ -95,7 +103,7 @@ def forward_offloaded(path: str) -> None:
 def gptq_offloaded(path: str) -> None:
     weights = os.path.getsize(path)
     data = [torch.randn(8, 64) for _ in range(2)]
-    base = memory("VmRSS")
+    base = start_measuring()
     handle = surgery.offloaded(path, factory=lambda: WideBlocks(24))
     spec = GridSpec(bits=4, method="gptq", group_size=16)
     done = surgery.quantize(handle, weights=spec, calibration=data, progress=False)
@@ -121,8 +129,7 @@ def activations(where: str) -> None:
     model = Narrow(4).eval()
     data = [torch.randn(4, 512, 256) for _ in range(48)]  # 96 MB: a block's inputs for all batches
     cached = sum(x.nbytes for x in data)
-    gc.collect()
-    base = memory("VmRSS")
+    base = start_measuring()
     with surgery.activation_budget(None if where == "memory" else 0):
         spec = GridSpec(bits=4, method="gptq", group_size=16)
         handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
@@ -130,13 +137,47 @@ def activations(where: str) -> None:
     print((memory("VmHWM") - base) / cached)
 
 
+def command_line(folder: str, *overrides: str) -> None:
+    """The peak of one ``python -m surgery`` run beyond the process before it, in MiB."""
+    from surgery.cli.app import run_command_line
+
+    sys.path.insert(0, folder)
+    sys.argv = ["surgery", *overrides]
+    base = start_measuring()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = run_command_line(overrides)
+    assert code in (0, 1), f"exit {code}"
+    print((memory("VmHWM") - base) / 2**20)
+
+
+def start_measuring() -> int:
+    """Restart the peak at the memory held now (Linux: ``/proc/self/clear_refs``); that memory, in bytes."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return memory("VmRSS")
+
+
 def memory(field: str) -> int:
-    """Bytes of this process's resident memory now (``VmRSS``) or at its peak (``VmHWM``: since
-    exec, unlike ``ru_maxrss``, which keeps the peak of the forking parent)."""
+    """Bytes of this process's resident memory now (``VmRSS``) or at its peak (``VmHWM``)."""
     with open("/proc/self/status") as status:
         line = next(line for line in status if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
 
+def serve() -> None:
+    """Answer each JSON list of probe arguments read from stdin with one JSON line: the
+    number the probe printed (``{"value": ...}``) or why it failed (``{"error": ...}``)."""
+    for line in sys.stdin:
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                probe(*json.loads(line))
+            reply = {"value": float(printed.getvalue().split()[-1])}
+        except BaseException:  # noqa: BLE001 - the test that asked says why
+            reply = {"error": traceback.format_exc()[-3000:]}
+        print(json.dumps(reply), flush=True)
+
+
 if __name__ == "__main__":
-    probe(*sys.argv[1:])
+    serve() if sys.argv[1:] == ["serve"] else probe(*sys.argv[1:])
