@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The torch/torchvision pair this machine's pip finds on disk; pyproject.toml keeps ranges.
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test lint docs docs-commands family-coverage bench tour clean
+.PHONY: run test test-peers coverage lint docs docs-commands family-coverage bench tour clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)  ## the headline recipe; pass extra overrides with ARGS="prune.amount=0.7"
 	$(PY) -m surgery recipe=prune_resnet50 $(ARGS)
 
-test: $(STAMP)  ## the whole test suite
-	$(PY) -m pytest -q $(ARGS)
+test: $(STAMP)  ## the whole test suite, on every core (pytest-xdist; tests sharing one process stay together)
+	$(PY) -m pytest -q -n auto --dist loadgroup $(ARGS)
+
+test-peers: $(STAMP)  ## the tests against the peers' own code: makes their venvs first (tens of minutes the first time)
+	cd benchmarks && ../$(PY) -c "from peer_venvs import llama_cpp_tools, peer_python; \
+		[peer_python(p) for p in ('llmcompressor', 'auto_round', 'llama_cpp')]; llama_cpp_tools()"
+	$(PY) -m pytest -q -n auto --dist loadgroup -m peers $(ARGS)
+
+coverage: $(STAMP)  ## the suite with line coverage of surgery/ (pytest-cov), summary printed, kept in build/coverage.json
+	$(PY) -m pytest -q -n auto --dist loadgroup --cov=surgery --cov-report=term:skip-covered \
+		--cov-report=json:build/coverage.json $(ARGS)
 
 lint: $(STAMP)  ## ruff: lint and formatting (what the pre-commit hooks check)
 	$(VENV)/bin/ruff check .

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from torch import nn
 from torch.nn import functional as F
 
 from surgery.ops.build.intercept import _registry as intercept_registry
 from surgery.testing import global_hook_counts, module_hook_counts
 
-pytest_plugins = ["subprocess_budget"]  # tests/subprocess_budget.py: the suite's child processes, counted
+# Hypothesis: `make test` runs the "ci" profile, the same examples on every run (derandomized; nothing
+# written into the checkout); SURGERY_HYPOTHESIS=thorough runs ten times as many, drawn afresh. Tests
+# size their examples with support.examples(share of the profile's count).
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("SURGERY_HYPOTHESIS", "ci"))
+
+pytest_plugins = ["subprocess_budget", "xdist_groups"]  # tests/: child processes counted; xdist groups kept together
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # xdist's workers share the cores: one intra-op thread each
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )  # tests/subprocess_budget.py: the suite's child processes, counted
 
 
 def global_state() -> dict[str, int]:

@@ -16,6 +16,14 @@ import torch
 from torch import nn
 
 
+def examples(share: float) -> int:
+    """A Hypothesis test's number of examples: ``share`` of the loaded profile's (tests/conftest.py:
+    100 in `make test`, 1000 with SURGERY_HYPOTHESIS=thorough)."""
+    from hypothesis import settings
+
+    return max(1, round(settings.default.max_examples * share))
+
+
 class Passthrough(nn.Module):
     """A wrapper that changes nothing: the identity wrap."""
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import examples  # tests/support.py
 from torch import nn
 
 import surgery
@@ -40,7 +41,7 @@ from surgery.testing import (
 CONV_KINDS = ["conv", "conv", "bn", "relu", "gelu", "tanh", "residual", "shared"]
 LINEAR_KINDS = ["linear", "linear", "bn", "relu", "tanh", "sigmoid", "shared"]
 ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid)
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(3))
 CALIBRATION = [
     torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(10)),
     torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(11)),
@@ -478,7 +479,7 @@ def test_identity_restore_and_bake_invariants(spec, data):
     assert global_hook_counts() == global_before
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1.5))
 @given(spec=specs, data=st.data())
 def test_out_of_order_restore_is_refused_or_exact(spec, data):
     """Restoring handles in any order: a handle with a later transform on one of its weights
@@ -510,7 +511,7 @@ def test_out_of_order_restore_is_refused_or_exact(spec, data):
     assert_as_before(model, before, inputs, expected)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(0.2))
 @given(spec=specs, data=st.data())
 def test_apply_and_restore_a_hundred_times_leaves_no_trace(spec, data):
     model = spec.build(seed=0)

@@ -21,6 +21,7 @@ from surgery.tasks.tinyllama import load_llama
 from surgery.tasks.tinymoe import load_moe
 from surgery.tasks.tinyqwen3 import load_qwen3
 
+pytestmark = pytest.mark.peers  # llama.cpp, built into benchmarks/.venv-llama_cpp by `make test-peers`
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "benchmarks" / "llama_cpp_runner.py"
 MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3, "tinymoe": load_moe}  # tinymoe: Qwen3-MoE, 8 experts

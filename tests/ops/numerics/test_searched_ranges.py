@@ -65,6 +65,7 @@ def test_rtn_and_gptq_take_the_searched_ranges_and_restore_exactly():
     assert (found["mse"] < found["minmax"]).any()
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(PEER is None, reason="llm-compressor's venv (made by benchmarks/bench_scale.py) is absent")
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_the_search_equals_llm_compressor_s_mse_observer_on_the_same_rows(tmp_path, symmetric):
@@ -115,6 +116,7 @@ def test_imatrix_mse_without_calibration_names_quantize_calibration():
         surgery.quantize(model, weights=GridSpec(bits=4, group_size=16, method="autoround", observer="imatrix_mse"))
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(PEER is None, reason="llm-compressor's venv (made by benchmarks/bench_scale.py) is absent")
 @pytest.mark.parametrize(("symmetric", "group_size"), [(False, 16), (True, None)])
 def test_imatrix_mse_equals_llm_compressor_s_on_the_same_weight_and_energy(tmp_path, symmetric, group_size):

@@ -174,6 +174,7 @@ def test_gptq_group_order_beats_the_weight_order_where_column_ranges_follow_the_
 PEER = peer_python("llmcompressor")
 
 
+@pytest.mark.peers
 @pytest.mark.skipif(PEER is None, reason="llm-compressor's venv (made by benchmarks/bench_scale.py) is absent")
 def test_gptq_in_activation_order_equals_llm_compressor_on_the_same_layer(tmp_path):
     x = correlated_inputs(2048, 256)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import examples  # tests/support.py
 
 from surgery.ops.sparsity.criteria import compute_masks, pack, unpack
 
@@ -121,7 +122,7 @@ def test_amount_zero_keeps_everything_and_one_prunes_everything(method, scope):
     assert not any(m.any() for m in compute_masks(weights, 1.0, method=method, scope=scope))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(0.6))
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.data())
 def test_pack_unpack_round_trip(shape, data):
     numel = math.prod(shape)

@@ -86,6 +86,7 @@ def peer_samples() -> list[torch.Tensor]:
 
 
 @pytest.mark.slow  # auto-round's import alone takes seconds
+@pytest.mark.peers
 @pytest.mark.skipif(PEER is None, reason="auto-round's venv (benchmarks/.venv-auto_round) is absent")
 @pytest.mark.parametrize("sym", [False, True], ids=["int_asym", "int_sym"])
 def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path, sym: bool):
@@ -110,6 +111,7 @@ def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path, sym: b
 
 
 @pytest.mark.slow
+@pytest.mark.peers
 @pytest.mark.skipif(PEER is None, reason="auto-round's venv (benchmarks/.venv-auto_round) is absent")
 def test_autoround_on_mxfp4_equals_auto_round_0_16s_mx_fp_bit_for_bit(tmp_path: Path):
     model = tiny_llama(layers=2, vocab=64, hidden=32, kv_heads=4)
