@@ -72,14 +72,20 @@ def _own_folder() -> Path:
     return folder
 
 
-def _main(arguments: list[str]) -> int:
-    """The exit code ``python -m surgery`` would end with; an uncaught exception prints its
-    traceback to stderr and gives 1, as the interpreter does."""
+def app_main(arguments: Sequence[str]) -> None:
+    """``python -m surgery ARGUMENTS`` in this process as it stands, ending in SystemExit: for a
+    forked copy (support.under_terminal), whose end puts everything back."""
     from surgery.cli.app import main
 
     sys.argv = [str(MAIN), *arguments]
+    main()
+
+
+def _main(arguments: list[str]) -> int:
+    """The exit code ``python -m surgery`` would end with; an uncaught exception prints its
+    traceback to stderr and gives 1, as the interpreter does."""
     try:
-        main()
+        app_main(arguments)
     except SystemExit as end:
         if end.code is None or isinstance(end.code, int):
             return end.code or 0

@@ -6,8 +6,10 @@ import copy
 import io
 import os
 import pickle
+import random
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -44,6 +46,14 @@ def global_state() -> dict[str, int]:
         "optimizer pre hooks": len(optimizer._global_optimizer_pre_hooks),
         "optimizer post hooks": len(optimizer._global_optimizer_post_hooks),
     }
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Every test starts from the same random state, whichever tests ran before it in its process."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(autouse=True)

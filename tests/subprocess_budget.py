@@ -25,13 +25,14 @@ _original_init = subprocess.Popen.__init__
 
 
 def _counting_init(self, *args, **kwargs) -> None:
-    if _current["counted"]:
-        caller = _caller()
-        if caller.startswith(OURS):
-            _started[_current["test"]] += 1
-        else:
-            _by_libraries[Path(caller).parent.name] += 1
-    _original_init(self, *args, **kwargs)
+    caller = _caller()
+    _original_init(self, *args, **kwargs)  # raises where no process starts (not a program): not counted
+    if not _current["counted"]:
+        return
+    if caller.startswith(OURS):
+        _started[_current["test"]] += 1
+    else:
+        _by_libraries[Path(caller).parent.name] += 1
 
 
 def _caller() -> str:

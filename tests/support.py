@@ -322,35 +322,48 @@ def plant_code(folder: Path, config_file: str, auto_map: dict, **fields: str) ->
     return marker
 
 
-def under_terminal(argv: list[str], cwd: Path, home: Path, answer: str = "y\n", timeout: float = 300) -> str:
-    """Run ``argv`` in ``cwd`` with a pseudo-terminal as its standard streams, ``answer`` typed
-    ahead (for any prompt it asks), ``home`` as transformers' cache; everything it printed."""
+def under_terminal(work: Callable[[], object], cwd: Path, home: Path, answer: str = "y\n", timeout: float = 300) -> str:
+    """Run ``work`` in a forked copy of this process whose standard streams are a pseudo-terminal,
+    from ``cwd``, with ``answer`` typed ahead (for any prompt it asks) and ``home`` as transformers'
+    cache; everything it printed (an exception's traceback included). A copy, not a new
+    interpreter: nothing to import again, and its own end (``os._exit``) leaves this process as it was."""
     import os
     import pty
     import select
-    import subprocess
     import time
+    import traceback
 
-    main, child = pty.openpty()
-    env = {**os.environ, "HF_HOME": str(home)}  # where transformers would copy a folder's code
-    process = subprocess.Popen(argv, cwd=cwd, stdin=child, stdout=child, stderr=child, env=env, start_new_session=True)
-    os.close(child)
+    pid, main = pty.fork()
+    if pid == 0:  # the copy: its stdio is the terminal; never return into pytest
+        code = 0
+        try:
+            os.environ["HF_HOME"] = str(home)  # where transformers would copy a folder's code
+            os.chdir(cwd)
+            sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the terminal, for the copy's life
+            sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            work()
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else 1
+        except BaseException:  # noqa: BLE001 - printed, as an interpreter would
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
     os.write(main, answer.encode())
-    output, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    output, deadline, closed, reaped = b"", time.monotonic() + timeout, False, False
+    while time.monotonic() < deadline and not (closed or reaped):
         if select.select([main], [], [], 0.2)[0]:
             try:
                 data = os.read(main, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not data:
-                break
+            except OSError:  # the copy closed the terminal
+                data = b""
             output += data
-        elif process.poll() is not None:
-            break
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+            closed = not data
+        else:
+            reaped = os.waitpid(pid, os.WNOHANG)[0] != 0
+    if not reaped and os.waitpid(pid, os.WNOHANG)[0] == 0:  # still running: past the deadline
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
     os.close(main)
     return output.decode(errors="replace").replace("\r\n", "\n")
 
@@ -470,6 +483,29 @@ def exit_code_of_a_child(work: Callable[[], object]) -> int:
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def in_a_child(work: Callable[[], object]) -> None:
+    """Run ``work`` in a forked copy of this process (what it changes dies with the copy); an
+    exception there is raised here as an AssertionError carrying the copy's traceback."""
+    import os
+    import tempfile
+    import traceback
+
+    with tempfile.TemporaryFile("w+") as why:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                work()
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                why.write(traceback.format_exc())
+                why.flush()
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        why.seek(0)
+        assert os.waitstatus_to_exitcode(status) == 0, why.read()[-5000:] or f"the copy ended with {status}"
 
 
 def dead_pid() -> int:

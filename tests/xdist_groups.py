@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """``--dist loadgroup`` on pytest 9: xdist 3.8 names a test's group by setting ``item._nodeid``,
     which pytest 9 no longer reads (a node's id is ``item._id``), so every group was split across
     workers, and each started its own shared process. The same suffix, where pytest reads it."""
-    if not config.getvalue("loadgroup") or not hasattr(items[0] if items else None, "_id"):
+    if not getattr(config.option, "loadgroup", False) or not hasattr(items[0] if items else None, "_id"):
         return
     from _pytest.nodeid import coerce_node_id
 

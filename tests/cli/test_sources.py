@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import CliResult, run_cli  # tests/cli_runner.py
+from cli_runner import CliResult, app_main, run_cli  # tests/cli_runner.py
 from support import image_folder, local_tokenizer  # tests/support.py
 
 from surgery.cli.models import _optional
@@ -297,7 +296,7 @@ def test_a_folder_asking_to_run_its_code_is_refused_on_a_terminal_answered_yes(t
         "export.format=compressed-tensors",
     )
     args += (f"+export.options.tokenizer={tokenizer}", f"hydra.run.dir={tmp_path / 'run'}")
-    output = under_terminal([sys.executable, "-m", "surgery", *args], REPO, tmp_path / "hf")
+    output = under_terminal(lambda: app_main(args), REPO, tmp_path / "hf")
     assert not marker.exists(), output[-2000:]
     assert "Do you wish to run the custom code" not in output
     assert re.search(r"error: \S+='[^']*': asks to run its own code \('auto_map' in \w+\.json\)", output), output[

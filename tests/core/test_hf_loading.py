@@ -5,7 +5,6 @@ are taken from ``architectures``."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,21 @@ from surgery.core.hf_loading import model_class
 
 transformers = pytest.importorskip("transformers")
 
-OFFLOADED = "import surgery; surgery.offloaded({folder!r})"
-TOKENIZER = """
-import sys, torch, surgery
-sys.path.insert(0, {tests!r})
-from support import tiny_llama
-tiny_llama().save_pretrained({model!r})
-done = surgery.quantize(surgery.offloaded({model!r}), weights=surgery.GridSpec(bits=4, group_size=32), progress=False)
-surgery.export(done, {out!r}, format="compressed-tensors", tokenizer={folder!r})
-"""
+
+def offloaded(folder: Path, tmp_path: Path) -> None:
+    import surgery
+
+    surgery.offloaded(folder)
+
+
+def exported_with(tokenizer: Path, tmp_path: Path) -> None:
+    import surgery
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    done = surgery.quantize(
+        surgery.offloaded(tmp_path / "m"), weights=surgery.GridSpec(bits=4, group_size=32), progress=False
+    )
+    surgery.export(done, tmp_path / "out", format="compressed-tensors", tokenizer=tokenizer)
 
 
 def planted(tmp_path: Path, kind: str) -> tuple[Path, Path]:
@@ -38,13 +43,12 @@ def planted(tmp_path: Path, kind: str) -> tuple[Path, Path]:
     return folder, plant_code(folder, "tokenizer_config.json", auto_map, tokenizer_class="Custom")
 
 
-@pytest.mark.parametrize("kind, script", [("model", OFFLOADED), ("tokenizer", TOKENIZER)])
-def test_a_folder_asking_to_run_its_code_is_refused_before_transformers_can_ask(tmp_path, kind, script):
+@pytest.mark.parametrize("kind, work", [("model", offloaded), ("tokenizer", exported_with)])
+def test_a_folder_asking_to_run_its_code_is_refused_before_transformers_can_ask(tmp_path, kind, work):
     folder, marker = planted(tmp_path, kind)
-    code = script.format(
-        folder=str(folder), tests=str(Path(__file__).parents[1]), model=str(tmp_path / "m"), out=str(tmp_path / "out")
-    )
-    output = under_terminal([sys.executable, "-c", code], tmp_path, tmp_path / "hf")  # "y" typed ahead to any prompt
+    output = under_terminal(
+        lambda: work(folder, tmp_path), tmp_path, tmp_path / "hf"
+    )  # "y" typed ahead  # "y" typed ahead to any prompt
     assert not marker.exists(), output[-2000:]
     assert "Do you wish to run the custom code" not in output
     assert "asks to run its own code ('auto_map' in" in output, output[-2000:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support import in_a_child  # tests/support.py
+
 pytest_plugins = ["pytester"]
 
 LEAKY_TESTS = """
@@ -36,8 +38,14 @@ def test_clean():
 
 
 def test_each_kind_of_leak_fails_the_test_that_caused_it(pytester):
+    """The leaky tests run in a forked copy of this process, whose registries they leak into."""
     pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makepyfile(test_leaky=LEAKY_TESTS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4, errors=3)
-    result.stdout.fnmatch_lines(["*_global_forward_hooks*", "*intercept blocks*", "*optimizer post hooks*"])
+    pytester.syspathinsert(Path(__file__).parents[1])  # the conftest's plugins: tests/*.py
+
+    def run() -> None:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+        result.assert_outcomes(passed=4, errors=3)
+        result.stdout.fnmatch_lines(["*_global_forward_hooks*", "*intercept blocks*", "*optimizer post hooks*"])
+
+    in_a_child(run)

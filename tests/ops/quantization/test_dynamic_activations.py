@@ -170,8 +170,9 @@ def test_a_timm_vit_takes_per_token_inputs_and_a_convolution_is_refused_per_toke
             surgery.quantize(vit, weights=None, activations=spec, where="input")
         with surgery.quantize(vit, activations=spec, where="input", exclude="patch_embed.proj"):
             after = vit(x)
-        # measured cosine 0.9998: int8 weights per channel and int8 tokens
-        assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), 0) > 0.999
+        # int8 weights per channel and int8 tokens: cosine 0.9988-0.9999 over 12 seeds of the random
+        # ViT and input (0.999 failed one run in five before each test was seeded)
+        assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), 0) > 0.998
         assert torch.equal(vit(x), before)
 
 
