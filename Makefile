@@ -36,10 +36,10 @@ lint: $(STAMP)  ## ruff: lint and formatting (what the pre-commit hooks check)
 	$(VENV)/bin/ruff format --check .
 
 family-coverage: $(STAMP)  ## docs/models.md's table of every verb and export on each decoder family, checked (minutes)
-	SURGERY_FAMILY_SWEEP=1 $(PY) -m pytest -q tests/test_family_coverage.py
+	SURGERY_FAMILY_SWEEP=1 $(PY) -m pytest -q -n auto tests/test_family_coverage.py $(ARGS)
 
 docs-commands: $(STAMP)  ## every command the docs quote, run as written (sweeps and full-size models: minutes)
-	SURGERY_DOCS_COMMANDS=all $(PY) -m pytest -q tests/test_docs_examples.py -k runs_as_written
+	SURGERY_DOCS_COMMANDS=all $(PY) -m pytest -q -n auto tests/test_docs_examples.py -k runs_as_written $(ARGS)
 
 docs: $(STAMP)  ## the documentation site, built strictly into build/site (never with -q: it hides warnings)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
