@@ -177,14 +177,21 @@ def _log_streams_followed() -> Iterator[None]:
 
     before = {h: h.stream for h in consoles()}
     for handler, stream in before.items():
-        handler.setStream(_STDOUT if stream in (sys.__stdout__, sys.stdout) else _STDERR)
+        _point(handler, _STDOUT if stream in (sys.__stdout__, sys.stdout) else _STDERR)
     try:
         yield
     finally:
         for handler in consoles():  # made during the run, on this run's buffers
-            handler.setStream(_STDOUT if handler.stream is sys.stdout else _STDERR)
+            _point(handler, _STDOUT if handler.stream is sys.stdout else _STDERR)
         for handler, stream in before.items():
-            handler.setStream(stream)
+            _point(handler, stream)
+
+
+def _point(handler: logging.StreamHandler, stream: object) -> None:
+    """``handler.setStream`` without its flush of the stream it leaves, which may be closed (a
+    stream of a test that has ended)."""
+    with handler.lock:
+        handler.stream = stream
 
 
 def _module_tables() -> dict[tuple[str, str], tuple[object, object]]:

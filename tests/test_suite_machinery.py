@@ -1,10 +1,12 @@
-"""The suite's own rules hold: a run starting more child processes than the budget fails and names
-the tests that started them (tests/subprocess_budget.py)."""
+"""The suite's own machinery: a run starting more child processes than the budget fails and names
+the tests that started them (tests/subprocess_budget.py); the in-process command line survives
+what earlier tests leave behind (tests/cli_runner.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cli_runner import run_cli  # tests/cli_runner.py
 from support import in_a_child  # tests/support.py
 
 pytest_plugins = ["pytester"]
@@ -41,3 +43,20 @@ def test_a_run_over_the_subprocess_budget_fails_and_names_the_test(pytester):
         )
 
     in_a_child(run)
+
+
+def test_a_log_handler_on_a_closed_stream_does_not_stop_the_runner(tmp_path):
+    """tests/cli_runner.py: a library's console handler made while an earlier test's captured
+    stream was current (now closed). Before: the runner flushed it and every later run failed."""
+    import io
+    import logging
+
+    closed = io.TextIOWrapper(io.BytesIO())  # what pytest captures a test's output into
+    handler = logging.StreamHandler(closed)
+    logging.getLogger("a_library").addHandler(handler)
+    closed.close()
+    try:
+        result = run_cli("prune.amount=2", f"hydra.run.dir={tmp_path}")
+    finally:
+        logging.getLogger("a_library").removeHandler(handler)
+    assert result.returncode == 2 and handler.stream is closed
