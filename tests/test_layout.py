@@ -257,6 +257,9 @@ print(json.dumps(results))
 """
 
 
+NEW_INTERPRETER = pytest.mark.xdist_group("new interpreter")  # one worker runs these tests: one start a group
+
+
 @functools.cache
 def in_a_new_interpreter(group: str) -> dict[str, dict[str, str | None]]:
     """Each snippet of ``group`` ("without the app", "first import"), run in turn in one new
@@ -271,13 +274,13 @@ def in_a_new_interpreter(group: str) -> dict[str, dict[str, str | None]]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_the_library_works_without_hydra_omegaconf_matplotlib_or_sklearn():
     found = in_a_new_interpreter("without the app")["library"]
     assert found == {"printed": "ok", "error": None}
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_the_command_line_without_its_extra_says_what_to_install():
     """``python -m surgery`` would print this line and exit 1 (a SystemExit with a message)."""
     found = in_a_new_interpreter("without the app")["command line"]
@@ -286,7 +289,7 @@ def test_the_command_line_without_its_extra_says_what_to_install():
     )
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_the_hessian_reduction_is_registered_once_surgery_is_imported():
     """``capture(reduce="hessian")`` works as before the module left core: importing any part of
     surgery runs its package, which registers the reduction (moved here from
@@ -294,7 +297,7 @@ def test_the_hessian_reduction_is_registered_once_surgery_is_imported():
     assert in_a_new_interpreter("first import")["hessian"] == {"printed": "True", "error": None}
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_import_registers_no_operator_and_leaves_dynamo_alone():
     """No unowned global state: the custom op is defined by the first verb that attaches a
     transform, and dynamo's config is changed only once something has loaded dynamo."""
@@ -348,13 +351,13 @@ def test_the_cycle_check_sees_a_circle(tmp_path, monkeypatch):
     assert import_cycles() == [["surgery.core.a", "surgery.core.b", "surgery.core.a"]]
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_old_import_paths_the_docs_used_still_work_and_warn():
     found = in_a_new_interpreter("first import")["old paths"]
     assert found == {"printed": "['surgery.ops.formats', 'surgery.ops.rewriting']", "error": None}
 
 
-@pytest.mark.xdist_group("new interpreter")  # one worker starts the interpreters
+@NEW_INTERPRETER
 def test_the_grid_spec_old_name_still_works_and_warns():
     found = in_a_new_interpreter("first import")["grid spec"]
     assert found["error"] is None and found["printed"].startswith("QuantSpec is now GridSpec")
