@@ -7,12 +7,15 @@ import io
 import os
 import pickle
 import random
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from torch import nn
 from torch.nn import functional as F
 
@@ -27,6 +30,7 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("SURGERY_HYPOTHESIS", "ci"))
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "surgery-hypothesis"))  # its caches, outside the checkout
 
 pytest_plugins = ["subprocess_budget", "xdist_groups"]  # tests/: child processes counted; xdist groups kept together
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # xdist's workers share the cores: one intra-op thread each
@@ -46,6 +50,19 @@ def global_state() -> dict[str, int]:
         "optimizer pre hooks": len(optimizer._global_optimizer_pre_hooks),
         "optimizer post hooks": len(optimizer._global_optimizer_post_hooks),
     }
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+RUN_OUTPUTS = ("outputs", "multirun", "gpu_check_out", ".hypothesis")  # where a careless test would write
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_untouched() -> Iterator[None]:
+    """No test writes a run's outputs into the checkout: each writes under its own tmp_path."""
+    before = {name for name in RUN_OUTPUTS if (CHECKOUT / name).exists()}
+    yield
+    made = sorted(name for name in RUN_OUTPUTS if (CHECKOUT / name).exists() and name not in before)
+    assert not made, f"the tests wrote into the checkout: {made}"
 
 
 @pytest.fixture(autouse=True)
