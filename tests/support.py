@@ -488,24 +488,22 @@ def exit_code_of_a_child(work: Callable[[], object]) -> int:
 def in_a_child(work: Callable[[], object]) -> None:
     """Run ``work`` in a forked copy of this process (what it changes dies with the copy); an
     exception there is raised here as an AssertionError carrying the copy's traceback."""
-    import os
     import tempfile
     import traceback
 
     with tempfile.TemporaryFile("w+") as why:
-        pid = os.fork()
-        if pid == 0:
-            code = 0
+
+        def reporting() -> None:
             try:
                 work()
-            except BaseException:  # noqa: BLE001 - reported to the parent
+            except BaseException:
                 why.write(traceback.format_exc())
                 why.flush()
-                code = 1
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
+                raise
+
+        code = exit_code_of_a_child(reporting)
         why.seek(0)
-        assert os.waitstatus_to_exitcode(status) == 0, why.read()[-5000:] or f"the copy ended with {status}"
+        assert code == 0, why.read()[-5000:] or f"the copy ended with exit code {code}"
 
 
 def dead_pid() -> int:
