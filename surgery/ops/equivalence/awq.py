@@ -41,13 +41,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_fields
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from surgery.core import compiled, guards
+from surgery.core import guards
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
@@ -55,6 +54,7 @@ from surgery.core.progress import tqdm
 from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
 from surgery.core.settings import whole_count
 from surgery.core.transforms import attach_all
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.equivalence.smoothing import Rescaled, is_norm, whole
 from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.linearizing import with_linear_experts
@@ -126,26 +126,21 @@ class AwqSpec:
             raise ConfigError("awq.max_shrink", shrink, "must be a number in [0, 1)")
 
 
-def awq(
-    model: nn.Module,
-    spec: AwqSpec | None = None,
-    *,
-    weights: GridSpec | None = None,
-    calibration: Inputs | None = None,
-    n_grid: int = 20,
-    clip: bool = True,
-    max_shrink: float = 0.5,
-    clip_tokens: int = 512,
-    blocks: Any = None,
-    progress: bool = True,
-    work: str | Path | None = None,
-) -> AwqHandle | OffloadedCompression:
+@verb(
+    "awq",
+    AwqSpec,
+    calibration="required",
+    offloaded=lambda source, spec, call: _awq_offloaded(source, spec, call.calibration, call.work, call.progress),
+    experts=with_linear_experts,
+)
+def awq(model: nn.Module, spec: AwqSpec, call: VerbCall) -> AwqHandle | OffloadedCompression:
     """Scale (and clip) the model's weights for ``weights``'s grid, AWQ's way (see the module
     docstring); return a handle whose ``restore()`` gives back every original value.
 
     Args:
         model: the model to rewrite in place (a transformer: its repeated blocks are found as
             sequential calibration finds them, or named with ``blocks``).
+        spec: an :class:`AwqSpec` holding the settings below (the keywords are a shorthand for it).
         weights: the grid the search rounds onto, the one the model is quantized to afterwards
             (default 4 bits, groups of 128, affine).
         calibration: the batches whose activations decide the scales.
@@ -157,15 +152,7 @@ def awq(
             block, the result an :class:`~surgery.OffloadedCompression`), the folder finished
             blocks are written to (as for :func:`surgery.quantize`).
     """
-    if spec is None:
-        defaults = AwqSpec()
-        spec = AwqSpec(weights or defaults.weights, n_grid, clip, max_shrink, clip_tokens, blocks)
-    if calibration is None:
-        raise ConfigError("awq.calibration", None, "AWQ chooses its scales from activations; pass calibration batches")
-    if isinstance(model, Offloaded):
-        return _awq_offloaded(model, spec, calibration, work, progress)
-    model = compiled.in_memory("awq", model, work)
-    return with_linear_experts(model, "awq", lambda: _awq_in_memory(model, spec, calibration, progress))
+    return _awq_in_memory(model, spec, call.calibration, call.progress)
 
 
 def _awq_in_memory(model: nn.Module, spec: AwqSpec, calibration: Inputs, progress: bool) -> AwqHandle:

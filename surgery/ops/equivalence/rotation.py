@@ -32,18 +32,19 @@ refused in one line naming the layer, and nothing changes.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from surgery.core import compiled, guards
-from surgery.core.errors import ConfigError
+from surgery.core import guards
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, batches, evaluating
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.equivalence.head_rotation import Heads, find_heads, rotate_heads
 from surgery.ops.equivalence.learned_rotation import LearnSpec, learn_rotation
 from surgery.ops.equivalence.smoothing import Rescaled, find_pairs
@@ -145,16 +146,33 @@ def _find_sites(model: nn.Module, calibration: Inputs, online: Any) -> _Rotation
     return _RotationSites(width, pairs, readers, writers, embeddings, first)
 
 
-def rotate(
-    model: nn.Module | Offloaded,
-    *,
-    calibration: Inputs,
-    seed: int = 0,
-    online: bool = True,
-    learn: bool | dict | LearnSpec | None = None,
-    work: str | Path | None = None,
-    progress: bool = True,
-) -> RotateHandle | OffloadedCompression:
+@dataclass(frozen=True)
+class RotateSpec:
+    """How to rotate (see :func:`rotate`): the random signs' ``seed``, ``online`` (``down_proj``'s
+    inputs rotated by a hook too) and ``learn`` (None, True, a dict of
+    :class:`~surgery.LearnSpec`'s fields or one: the rotation trained, SpinQuant's R1 and R2)."""
+
+    seed: int = 0
+    online: bool = True
+    learn: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigTypeError("rotate.seed", self.seed, "must be an integer")
+        if not isinstance(self.online, bool):
+            raise ConfigTypeError("rotate.online", self.online, "must be true or false")
+        object.__setattr__(self, "learn", LearnSpec.of(self.learn))
+
+
+@verb(
+    "rotate",
+    RotateSpec,
+    calibration="required",
+    offloaded=lambda source, spec, call: _rotate_offloaded_spec(source, spec, call),
+    experts=with_linear_experts,
+    expert_statistics=False,
+)
+def rotate(model: nn.Module, spec: RotateSpec, call: VerbCall) -> RotateHandle | OffloadedCompression:
     """Rotate the residual stream of ``model`` (see the module docstring); return a handle whose
     ``restore()`` gives back every original value and removes the hooks.
 
@@ -174,20 +192,16 @@ def rotate(
         work, progress: for an offloaded model, the folder its rotated stages are written to
             (default a temporary one) and the progress bar (also of the learning steps).
     """
-    spec = LearnSpec.of(learn)
-    if isinstance(model, Offloaded):
-        if spec is not None:
-            raise ConfigError(
-                "rotate.learn", learn, "trains through the whole model's forward; an offloaded model is not in memory"
-            )
-        return _rotate_offloaded(model, calibration, seed, online, work, progress)
-    model = compiled.in_memory("rotate", model, work)
-    return with_linear_experts(
-        model,
-        "rotate",
-        lambda: _rotate_in_memory(model, calibration, seed, online, spec, progress),
-        per_expert_statistics=False,
-    )
+    return _rotate_in_memory(model, call.calibration, spec.seed, spec.online, spec.learn, call.progress)
+
+
+def _rotate_offloaded_spec(source: Offloaded, spec: RotateSpec, call: VerbCall) -> OffloadedCompression:
+    """:func:`rotate` on an offloaded model: the random rotation only, stage by stage."""
+    if spec.learn is not None:
+        raise ConfigError(
+            "rotate.learn", "set", "trains through the whole model's forward; an offloaded model is not in memory"
+        )
+    return _rotate_offloaded(source, call.calibration, spec.seed, spec.online, call.work, call.progress)
 
 
 def _rotate_in_memory(

@@ -21,13 +21,12 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_fields
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from surgery.core import compiled, distributed, guards
+from surgery.core import distributed, guards
 from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
@@ -35,6 +34,7 @@ from surgery.core.inputs import Call, Inputs, batches, evaluating, outputs, run_
 from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.sequential import find_blocks, materialise
 from surgery.core.transforms import attach_all
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.experts.routing import expert_inputs, gates_in, moe_blocks
@@ -216,16 +216,16 @@ class SmoothSpec:
             raise ConfigError("smooth.statistic", self.statistic, f"must be one of {', '.join(STATISTICS)}")
 
 
-def smooth(
-    model: nn.Module,
-    alpha: float | SmoothSpec = 0.5,
-    *,
-    calibration: Inputs,
-    pairs: Mapping[str, Iterable[str]] | None = None,
-    statistic: str = "absmax",
-    progress: bool = True,
-    work: str | Path | None = None,
-) -> SmoothHandle | OffloadedCompression:
+@verb(
+    "smooth",
+    SmoothSpec,
+    positional="alpha",
+    calibration="required",
+    offloaded=lambda source, spec, call: _smooth_offloaded(source, spec, call.calibration, call.work, call.progress),
+    experts=with_linear_experts,
+    expert_statistics=False,
+)
+def smooth(model: nn.Module, spec: SmoothSpec, call: VerbCall) -> SmoothHandle | OffloadedCompression:
     """Migrate activation outliers into weights (SmoothQuant); return a handle that undoes it.
 
     Args:
@@ -254,13 +254,7 @@ def smooth(
         >>> handle = surgery.smooth(model, 0.8, calibration=batches)
         >>> surgery.quantize(model, activations=GridSpec(bits=8), where="input", calibration=batches)
     """
-    spec = alpha if isinstance(alpha, SmoothSpec) else SmoothSpec(alpha, pairs, statistic)
-    if isinstance(model, Offloaded):
-        return _smooth_offloaded(model, spec, calibration, work, progress)
-    model = compiled.in_memory("smooth", model, work)
-    return with_linear_experts(
-        model, "smooth", lambda: _smooth_in_memory(model, spec, calibration, progress), per_expert_statistics=False
-    )
+    return _smooth_in_memory(model, spec, call.calibration, call.progress)
 
 
 def _smooth_in_memory(model: nn.Module, spec: SmoothSpec, calibration: Inputs, progress: bool) -> SmoothHandle:

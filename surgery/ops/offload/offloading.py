@@ -43,6 +43,7 @@ from surgery.core.hf_loading import from_pretrained, model_class, refuse_custom_
 from surgery.core.inputs import inputs_to, present_device
 from surgery.core.safetensors_streams import DTYPES
 from surgery.core.sequential import find_blocks
+from surgery.core.verbs import OffloadedSource
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
 from surgery.ops.build.rules import on_parameter
 from surgery.ops.offload.offloaded_conversion import ModelNamedFiles, model_named, unmapped_hint
@@ -147,7 +148,7 @@ class WeightFiles:
         return data.view(DTYPES[kind]).reshape(shape)
 
 
-class Offloaded(Handle):
+class Offloaded(Handle, OffloadedSource):
     """The hooks that bring an offloaded model's weights in group by group (see the module
     docstring). ``model`` is the model; ``groups`` the modules whose forward loads weights;
     ``files`` where they are read from. ``restore()`` removes the hooks (the model stays on

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any
 
 from torch import Tensor, nn
 
-from surgery.core import compiled, guards
+from surgery.core import guards
 from surgery.core._compat import BATCH_NORMS
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError
 from surgery.core.inputs import batches
 from surgery.core.sequential import find_blocks, onloading, resolve_blocks
-from surgery.core.settings import spec_or_keywords
 from surgery.core.transforms import own_step_hook
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.equivalence.folding import fold_batchnorms
 from surgery.ops.experts.linearizing import linearized, with_linear_experts
 from surgery.ops.numerics.weight_methods import weight_method
@@ -45,7 +44,7 @@ from surgery.ops.quantization.quantizers import (
     activation_sides,
     learned_ranges,
 )
-from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeKeywords, QuantizeSpec, _validate_inputs
+from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeSpec, _validate_inputs
 from surgery.ops.quantization.targets import deploy_target
 
 __all__ = [  # the verb, and the names this module held before it was split (their import path kept)
@@ -55,7 +54,6 @@ __all__ = [  # the verb, and the names this module held before it was split (the
     "ObserverSchedule",
     "PerCallQuantizer",
     "QuantizeHandle",
-    "QuantizeKeywords",
     "QuantizeSpec",
     "WeightQuantizer",
     "activation_key",
@@ -66,19 +64,15 @@ __all__ = [  # the verb, and the names this module held before it was split (the
     "quantize_targets",
 ]
 
-VERB_KEYWORDS = ("calibration", "qparams", "progress", "work")  # the keywords of quantize() outside its spec
 
-
-def quantize(
-    model: nn.Module | Offloaded,
-    spec: QuantizeSpec | None = None,
-    *,
-    calibration: Iterable | None = None,
-    qparams: dict[str, Tensor] | str | Path | None = None,
-    progress: bool = True,
-    work: str | Path | None = None,
-    **keywords: Unpack[QuantizeKeywords],
-) -> QuantizeHandle | OffloadedCompression:
+@verb(
+    "quantize",
+    QuantizeSpec,
+    offloaded=lambda source, spec, call: _quantize_offloaded(source, spec, call),
+    extras={"qparams": None},
+    experts=with_linear_experts,
+)
+def quantize(model: nn.Module, spec: QuantizeSpec, call: VerbCall) -> QuantizeHandle | OffloadedCompression:
     """Fake-quantize the weights and/or activations of the selected layers.
 
     Args:
@@ -101,7 +95,7 @@ def quantize(
             that died part-way, started again with the same settings and calibration, goes on
             after the last finished block); default a temporary folder.
 
-    Keywords (the fields of :class:`QuantizeSpec`, typed by :class:`QuantizeKeywords`):
+    Keywords (the fields of :class:`QuantizeSpec`):
         weights: settings for weights (default int8, symmetric, per output channel), or None.
             Weights are replaced in place by their fake-quantized values with PyTorch's fused
             ops and kept so by forward-pre hooks; the originals are saved for ``restore()``.
@@ -141,13 +135,7 @@ def quantize(
         >>> handle = surgery.quantize(model, activations=GridSpec(bits=8), calibration=batches)
         >>> handle.save_qparams("model.qparams.safetensors")
     """
-    spec = spec_or_keywords(QuantizeSpec, spec, keywords, "quantize.spec", also=VERB_KEYWORDS)
-    if isinstance(model, Offloaded):
-        return _quantize_offloaded(model, spec, calibration, work, progress)
-    model = compiled.in_memory("quantize", model, work)
-    return with_linear_experts(
-        model, "quantize", lambda: _quantize_in_memory(model, spec, calibration, qparams, progress)
-    )
+    return _quantize_in_memory(model, spec, call.calibration, call.extras["qparams"], call.progress)
 
 
 def _quantize_in_memory(
@@ -196,12 +184,13 @@ def _quantize_in_memory(
     return handle
 
 
-def _quantize_offloaded(
-    source: Offloaded, spec: Any, calibration: Any, work: Any, progress: bool
-) -> OffloadedCompression:
+def _quantize_offloaded(source: Offloaded, spec: QuantizeSpec, call: VerbCall) -> OffloadedCompression:
     """Weights only, stage by stage (:mod:`surgery.ops.offload.offloaded_compression`)."""
-    if not isinstance(spec, QuantizeSpec):
-        raise ConfigTypeError("quantize.spec", spec, "must be a QuantizeSpec (or pass the settings as keywords)")
+    calibration, work, progress = call.calibration, call.work, call.progress
+    if call.extras["qparams"] is not None:
+        raise ConfigError(
+            "quantize.qparams", "given", "holds activation ranges; an offloaded model is quantized weights only"
+        )
     rules = deploy_target(spec.target) if spec.target is not None else None
     model = source.model
     folding = rules is not None and rules.fold_batchnorm and any(isinstance(m, BATCH_NORMS) for m in model.modules())

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
-from surgery.core.selection import Selection
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
 from surgery.ops.numerics.number_formats import FORMATS
 from surgery.ops.numerics.observers import GridSpec
@@ -91,23 +90,6 @@ class QuantizeSpec:
             or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
             or (self.weights is not None and self.weights.weighted)  # imatrix_mse: its inputs' energy
         )
-
-
-class QuantizeKeywords(TypedDict, total=False):
-    """The keyword arguments of :func:`~surgery.quantize` that build its :class:`QuantizeSpec`:
-    its fields one for one (``tests/ops/quantization/test_spec.py`` holds them equal)."""
-
-    weights: GridSpec | dict[str, Any] | None
-    activations: GridSpec | dict[str, Any] | None
-    select: Selection
-    exclude: Selection
-    where: str
-    train: bool
-    freeze_observers_after: int | None
-    blocks: Selection | bool | None
-    target: str | None
-    onload: str | None
-    originals: str
 
 
 def _validate_onload(onload: object, weights: GridSpec | None) -> None:

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from surgery.core import compiled, guards
+from surgery.core import guards
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.core.inputs import Inputs, batches, evaluating
+from surgery.core.inputs import batches, evaluating
 from surgery.core.layer_kinds import is_kind
 from surgery.core.registry import Registry
 from surgery.core.selection import Selection
 from surgery.core.selection import select as select_modules
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.shrink.channels import (
     ChannelTrace,
     output_shapes,
@@ -82,24 +83,22 @@ class ShrinkSpec:
         object.__setattr__(self, "exclude", self.exclude or None)
 
 
-def shrink(
-    model: nn.Module,
-    amount: float | ShrinkSpec,
-    *,
-    example_inputs: Inputs,
-    select: Selection = None,
-    exclude: Selection = None,
-    importance: str | Callable[[Tensor], Tensor] = "l2",
-    scope: str = "layer",
-    round_to: int = 1,
-    renormalise: bool = True,
-) -> ShrinkHandle:
+@verb(
+    "shrink",
+    ShrinkSpec,
+    positional="amount",
+    calibration="required",
+    renamed={"example_inputs": "calibration"},
+)
+def shrink(model: nn.Module, spec: ShrinkSpec, call: VerbCall) -> ShrinkHandle:
     """Remove ``amount`` of the removable channels of every coupled family, for real.
 
     Args:
         model: modified in place: layers are replaced by smaller ones.
         amount: fraction in [0, 1] of each family's channels to remove (0 changes nothing).
-        example_inputs: one batch (tensor, tuple or dict) the coupling is traced on.
+        spec: a :class:`ShrinkSpec` holding the settings below (the keywords are a shorthand for it).
+        calibration: one batch (tensor, tuple or dict) the coupling is traced on (the first
+            batch, when given several); before 0.3 ``example_inputs=``.
         select, exclude: layers (or containers of layers) whose output channels may be removed
             (default all).
         importance: ``"l2"`` (norm of each channel's producing weights), ``"l1"``, a name
@@ -115,19 +114,13 @@ def shrink(
             ``False`` keeps every channel they normalise.
 
     Example:
-        >>> handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 224, 224))
+        >>> handle = surgery.shrink(model, 0.5, calibration=torch.randn(1, 3, 224, 224))
         >>> handle.params()
         {'before': 25557032, 'after': 6563560}
     """
-    model = compiled.prepare(model)
-    spec = (
-        amount
-        if isinstance(amount, ShrinkSpec)
-        else ShrinkSpec(amount, select, exclude, importance, scope, round_to, renormalise)
-    )
-    example = next(iter(batches(example_inputs, "shrink.example_inputs")), None)
+    example = next(iter(batches(call.calibration, "shrink.calibration")), None)
     if example is None:
-        raise ConfigError("shrink.example_inputs", "no batch", "must hold one batch to trace the model on")
+        raise ConfigError("shrink.calibration", "no batch", "must hold one batch to trace the model on")
     for name, param in model.named_parameters():
         if guards.transforms_of(param):
             raise ConfigError("shrink", name, "has surgery attached (prune, quantize...); restore or bake it first")

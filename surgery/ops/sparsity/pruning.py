@@ -7,14 +7,13 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import replace as replace_fields
-from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from surgery.core import compiled, guards
+from surgery.core import guards
 from surgery.core.capture import SquaredNorms, gradient_statistics, input_statistics
 from surgery.core.errors import ConfigError, ConfigTypeError, NoCalibrationInputError
 from surgery.core.handles import Handle
@@ -23,9 +22,9 @@ from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.originals import Originals, check_place
 from surgery.core.selection import Selection
 from surgery.core.sequential import SequentialReport, find_blocks, onloading, resolve_blocks, run_sequential
-from surgery.core.settings import spec_or_keywords
 from surgery.core.targets import Skipped, Target, Targets, select_parameters
 from surgery.core.transforms import Saved, SavedEntries, SavedTensor, attach_all
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linearizing import linearized, with_linear_experts
 from surgery.ops.numerics.deployment import SparsityMask
 from surgery.ops.offload.offloaded_compression import (
@@ -41,7 +40,6 @@ from surgery.ops.sparsity.criteria import (
     SCOPES,
     Criterion,
     LayerStats,
-    Score,
     as_criterion,
     compute_scores,
     masks_from_scores,
@@ -103,28 +101,6 @@ class PruneSpec:
     @property
     def criterion(self) -> Criterion:
         return as_criterion(self.method)
-
-
-class PruneKeywords(TypedDict, total=False):
-    """The keyword arguments of :func:`~surgery.prune` that build its :class:`PruneSpec` with
-    ``amount``: the spec's other fields one for one (``tests/ops/sparsity/test_pruning.py``
-    holds them equal)."""
-
-    method: str | Score | Criterion
-    scope: str
-    n: float
-    dim: int
-    seed: int
-    pattern: str | None
-    select: Selection
-    exclude: Selection
-    blocks: Selection | bool | None
-    amounts: Mapping[str, float] | None
-    onload: str | None
-    originals: str
-
-
-VERB_KEYWORDS = ("calibration", "loss", "progress", "work")  # the keywords of prune() outside its spec
 
 
 class MaskEnforcer:
@@ -237,16 +213,15 @@ class PruneHandle(Handle):
         return 1.0 - sum(int(m.sum()) for m in masks) / total if total else 0.0
 
 
-def prune(
-    model: nn.Module | Offloaded,
-    amount: float | PruneSpec,
-    *,
-    calibration: Inputs | None = None,
-    loss: Callable[[Any, Any], Tensor] | None = None,
-    progress: bool = True,
-    work: str | Path | None = None,
-    **keywords: Unpack[PruneKeywords],
-) -> PruneHandle | OffloadedCompression:
+@verb(
+    "prune",
+    PruneSpec,
+    positional="amount",
+    offloaded=lambda source, spec, call: _prune_offloaded(source, spec, call),
+    extras={"loss": None},
+    experts=with_linear_experts,
+)
+def prune(model: nn.Module, spec: PruneSpec, call: VerbCall) -> PruneHandle | OffloadedCompression:
     """Prune the ``weight`` of the selected layers and return a handle that can undo it.
 
     Args:
@@ -269,7 +244,7 @@ def prune(
             that died part-way, started again with the same settings and calibration, goes on
             after the last finished block); default a temporary folder.
 
-    Keywords (the fields of :class:`PruneSpec` but ``amount``, typed by :class:`PruneKeywords`):
+    Keywords (the fields of :class:`PruneSpec` but ``amount``):
         method: a registered criterion: ``"l1_unstructured"`` (smallest magnitudes),
             ``"random_unstructured"`` (seeded by ``seed``), ``"ln_structured"`` (whole slices
             along ``dim`` with the smallest Ln norm, ``dim=0`` = output channels/filters),
@@ -318,13 +293,7 @@ def prune(
         >>> handle.sparsity()
         0.5
     """
-    spec = amount if isinstance(amount, PruneSpec) else None
-    given = keywords if spec is not None else {"amount": amount, **keywords}
-    spec = spec_or_keywords(PruneSpec, spec, given, "prune.amount", also=VERB_KEYWORDS)
-    if isinstance(model, Offloaded):
-        return _prune_offloaded(model, spec, calibration, loss, work, progress)
-    model = compiled.in_memory("prune", model, work)
-    return with_linear_experts(model, "prune", lambda: _prune_in_memory(model, spec, calibration, loss, progress))
+    return _prune_in_memory(model, spec, call.calibration, call.extras["loss"], call.progress)
 
 
 def _prune_in_memory(model: nn.Module, spec: PruneSpec, calibration: Any, loss: Any, progress: bool) -> PruneHandle:
@@ -395,10 +364,9 @@ def _prune_in_memory(model: nn.Module, spec: PruneSpec, calibration: Any, loss: 
     return _attach_masks(PruneHandle(model, selection, spec), model, lambda: _enforcers(targets, masks, spilled))
 
 
-def _prune_offloaded(
-    source: Offloaded, spec: PruneSpec, calibration: Any, loss: Any, work: Any, progress: bool
-) -> OffloadedCompression:
+def _prune_offloaded(source: Offloaded, spec: PruneSpec, call: VerbCall) -> OffloadedCompression:
     """Layer-wise methods, stage by stage (:mod:`surgery.ops.offload.offloaded_compression`)."""
+    calibration, work, progress = call.calibration, call.work, call.progress
     criterion = spec.criterion
     if spec.scope != "layer" or criterion.needs_gradients:
         why = f"scope={spec.scope!r}" if spec.scope != "layer" else f"method={criterion.name!r} (gradients)"

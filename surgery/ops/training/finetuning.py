@@ -27,7 +27,8 @@ from surgery.core.handles import Handle
 from surgery.core.inputs import as_call, device_of, evaluating, moved
 from surgery.core.progress import tqdm
 from surgery.core.registry import Registry
-from surgery.core.settings import spec_or_keywords, whole_count
+from surgery.core.settings import whole_count
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.quantization.qat import return_loans
 from surgery.ops.quantization.quantization import learned_ranges
 from surgery.ops.training.distillation import Distillation, DistillSpec, distill_spec, prediction
@@ -119,31 +120,24 @@ class FinetuneSpec:
         return self.optimizer if callable(self.optimizer) else OPTIMIZERS.get(self.optimizer)
 
 
-def finetune(
-    model: nn.Module,
-    batches: Sequence[tuple[Any, Tensor]],
-    spec: FinetuneSpec | None = None,
-    *,
-    epochs: int = 1,
-    lr: float = 1e-3,
-    optimizer: str | OptimizerFactory = "adamw",
-    weight_decay: float = 0.0,
-    loss: Callable[[Any, Tensor], Tensor] | None = None,
-    evaluate: Callable[[nn.Module], float] | None = None,
-    eval_every: int | None = None,
-    seed: int = 0,
-    teacher: nn.Module | None = None,
-    distill: DistillSpec | dict | None = None,
-    max_steps: int | None = None,
-    progress: bool = True,
-) -> FinetuneHandle:
+@verb(
+    "finetune",
+    FinetuneSpec,
+    calibration="required",
+    extras={"loss": None, "evaluate": None, "teacher": None},
+    renamed={"batches": "calibration"},
+    old_positional=("calibration", "spec"),
+    unwrap_compiled=False,
+)
+def finetune(model: nn.Module, spec: FinetuneSpec, call: VerbCall) -> FinetuneHandle:
     """Train ``model`` on ``(inputs, target)`` batches with whatever surgery is attached to it.
 
     Args:
         spec: a :class:`FinetuneSpec` holding the settings below (the keywords are a shorthand for it).
-        batches: a sequence of ``(inputs, target)`` pairs; ``inputs`` is a tensor, a tuple of
-            positional inputs or a dict of keyword inputs. Their order is shuffled every epoch
-            (seeded by ``seed``).
+        calibration: the training batches, a sequence of ``(inputs, target)`` pairs; ``inputs``
+            is a tensor, a tuple of positional inputs or a dict of keyword inputs. Their order is
+            shuffled every epoch (seeded by ``seed``). Before 0.3 the second positional argument
+            (or ``batches=``).
         epochs: passes over ``batches``.
         lr, weight_decay: the optimizer's settings.
         optimizer: ``"adamw"`` (default, fused), ``"adam"``, ``"sgd"``, ``"adagrad"`` (fused),
@@ -164,12 +158,11 @@ def finetune(
 
     Example:
         >>> pruned = surgery.prune(model, 0.9)
-        >>> tuned = surgery.finetune(model, train_batches, epochs=5, evaluate=accuracy_on_test)
+        >>> tuned = surgery.finetune(model, calibration=train_batches, epochs=5, evaluate=accuracy_on_test)
         >>> tuned.curve[0].score, tuned.curve[-1].score   # after pruning, after fine-tuning
     """
-    keywords = dict(epochs=epochs, lr=lr, optimizer=optimizer, weight_decay=weight_decay, eval_every=eval_every)
-    keywords |= dict(seed=seed, distill=distill, max_steps=max_steps)
-    spec = spec_or_keywords(FinetuneSpec, spec, keywords, "finetune.spec")
+    batches, progress = call.calibration, call.progress
+    loss, evaluate, teacher = call.extras["loss"], call.extras["evaluate"], call.extras["teacher"]
     epochs, lr, weight_decay, eval_every, seed = spec.epochs, spec.lr, spec.weight_decay, spec.eval_every, spec.seed
     _validate(batches)
     if spec.distill is not None and teacher is None:

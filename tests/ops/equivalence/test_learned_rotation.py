@@ -182,7 +182,7 @@ def test_the_task_loss_needs_a_model_that_returns_one():
 def test_an_offloaded_model_refuses_to_learn(tmp_path):
     tiny_llama(layers=2).save_pretrained(tmp_path / "model")
     source = surgery.offloaded(tmp_path / "model")
-    with pytest.raises(ConfigError, match=r"^rotate.learn=True: trains through the whole model's forward"):
+    with pytest.raises(ConfigError, match=r"^rotate.learn=.*: trains through the whole model's forward"):
         surgery.rotate(source, calibration=batches()[:1], online=False, learn=True, progress=False)
 
 

@@ -625,7 +625,7 @@ def test_selection_of_containers_and_hostile_arguments():
     handle = surgery.shrink(model, 0.5, example_inputs=x, select="layer1")
     assert {name.split(".")[0] for name in handle.replaced} == {"layer1"}
     handle.restore()
-    with pytest.raises(ConfigError, match="shrink.example_inputs"):
+    with pytest.raises(ConfigError, match="shrink.calibration"):
         surgery.shrink(model, 0.5, example_inputs=[])
     handle = surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.norm(dim=1).tolist())
     assert handle.replaced  # a list of scores is fine

@@ -646,24 +646,23 @@ def test_a_parent_reading_the_weight_directly_and_called_on_its_own_is_masked_af
         assert torch.count_nonzero(model.attn.out_proj.weight[pruned]) == 0
 
 
-def test_the_keywords_typed_dict_names_the_spec_fields_but_amount():
+def test_the_signature_names_the_spec_fields_then_the_call_keywords():
     import dataclasses
     import inspect
 
-    from surgery.ops.sparsity.pruning import PruneKeywords, PruneSpec
+    from surgery.ops.sparsity.pruning import PruneSpec
 
     fields = [f.name for f in dataclasses.fields(PruneSpec)]
-    assert ["amount", *PruneKeywords.__annotations__] == fields
-    assert PruneKeywords.__total__ is False
     parameters = inspect.signature(surgery.prune).parameters
-    assert list(parameters) == ["model", "amount", "calibration", "loss", "progress", "work", "keywords"]
+    assert list(parameters) == ["model", *fields, "spec", "calibration", "work", "progress", "loss"]
+    assert parameters["amount"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert all(f"        {name}:" in surgery.prune.__doc__ for name in fields)
 
 
 def test_an_unknown_keyword_is_one_line_naming_the_allowed_ones():
     model = nn.Linear(4, 2)
     before = model.weight.detach().clone()
-    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, onload, originals, calibration, loss, progress, work"
+    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, onload, originals, spec, calibration, work, progress, loss"
     with pytest.raises(ConfigError, match=rf"^prune='methd': unknown keyword; allowed: {allowed}$"):
         surgery.prune(model, 0.5, methd="l1_unstructured")
     with pytest.raises(TypeError, match="unknown keyword"):

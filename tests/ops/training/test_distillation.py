@@ -151,10 +151,10 @@ def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line()
         surgery.finetune(student, pairs, teacher=teacher, distill={"features": ["layer1.0.relu"]}, progress=False)
     spec = surgery.FinetuneSpec()
     with pytest.raises(
-        ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec: set distill in it, not also as keywords"
+        ConfigError, match=r"^finetune.distill=.*: is given beside a FinetuneSpec: set it in the spec"
     ):
         surgery.finetune(student, pairs, spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False)
-    with pytest.raises(ConfigError, match=r"^finetune.spec=.*: is a FinetuneSpec"):
+    with pytest.raises(ConfigError, match=r"^finetune.lr=5.0: is given beside a FinetuneSpec"):
         surgery.finetune(student, pairs, spec, lr=5.0, progress=False)
 
 
