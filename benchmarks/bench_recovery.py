@@ -46,7 +46,7 @@ def _digits_rows() -> list[dict]:
 
     compressions: dict[str, Callable[[nn.Module], object]] = {
         "digits CNN, pruned 90 % (global magnitude)": lambda m: surgery.prune(m, 0.9, scope="global"),
-        "digits CNN, shrunk to half its channels": lambda m: surgery.shrink(m, 0.5, example_inputs=train[0][0]),
+        "digits CNN, shrunk to half its channels": lambda m: surgery.shrink(m, 0.5, calibration=train[0][0]),
     }
     features = ["conv2", "fc1"]
     return [
@@ -82,7 +82,7 @@ def _row(name, fresh, compress, train, evaluate, metric, features, loss) -> dict
             kwargs: dict = {"teacher": teacher, "distill": settings} if settings else {}
             if loss is not None:
                 kwargs["loss"] = loss
-            surgery.finetune(student, train, epochs=1, lr=1e-3 if loss else 3e-3, progress=False, **kwargs)
+            surgery.finetune(student, calibration=train, epochs=1, lr=1e-3 if loss else 3e-3, progress=False, **kwargs)
         row[mode] = {"value": evaluate(student), "seconds": time.perf_counter() - started}
         print(f"{name:45s} {mode:30s} {row[mode]['value']:.4f}", flush=True)
     return row

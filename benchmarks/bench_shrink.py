@@ -120,7 +120,7 @@ def compare(name: str) -> dict:
     x = torch.randn(1, 3, 224, 224)
     ours = copy.deepcopy(base)
     start = time.perf_counter()
-    handle = surgery.shrink(ours, 0.5, example_inputs=x)
+    handle = surgery.shrink(ours, 0.5, calibration=x)
     shrink_seconds = time.perf_counter() - start
     dense_macs, our_macs = macs_of(base, x), macs_of(ours, x)
     row = {
@@ -179,14 +179,14 @@ def zoo_one(name: str, tool: str) -> dict:
             shape = theirs(x).shape == reference.shape
         return {"shape": shape, "removed": 1 - sum(p.numel() for p in theirs.parameters()) / dense}
     before = snapshot(model)
-    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    handle = surgery.shrink(model, 0.3, calibration=x)
     with torch.no_grad():
         shape = model(x).shape == reference.shape
     removed = 1 - handle.params()["after"] / dense
     handle.restore()
     with torch.no_grad():
         restore = snapshot_differences(before, snapshot(model)) == [] and torch.equal(model(x), reference)
-    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    handle = surgery.shrink(model, 0.3, calibration=x)
     plan = json.loads(json.dumps(handle.plan()))
     baked = handle.bake()
     fresh = surgery.rebuild(lambda: torchvision.models.get_model(name, weights=None), plan).eval()

@@ -82,9 +82,11 @@ GIVEN_ON_THE_CPU = {  # found by reading: each ran the model on the batches as g
         ConvNet().to(d).eval(), ConvNet().to(d).eval(), PICTURES, {"method": "gradcam"}
     ),
     "finetune": lambda d: surgery.finetune(
-        ConvNet().to(d), [(PICTURES[0], torch.tensor([0, 1]))], max_steps=1, progress=False
+        ConvNet().to(d), calibration=[(PICTURES[0], torch.tensor([0, 1]))], max_steps=1, progress=False
     ),
-    "sensitivity": lambda d: surgery.sensitivity(on(d), (0.5,), inputs=CALIBRATION[:1], select="model.layers.0.mlp.**"),
+    "sensitivity": lambda d: surgery.sensitivity(
+        on(d), (0.5,), calibration=CALIBRATION[:1], select="model.layers.0.mlp.**"
+    ),
 }
 
 

@@ -257,16 +257,16 @@ API_CASES = [
     ),
     ApiCase(
         "finetune-labels",
-        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.full((4,), 7))], epochs=1, progress=False),
+        lambda m, *_: surgery.finetune(m, calibration=[(batch(4, 8), torch.full((4,), 7))], epochs=1, progress=False),
         ConfigError,
-        "finetune.batches",
+        "finetune.calibration",
         "batch 0",
     ),
     ApiCase(
         "finetune-labels",
-        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.rand(4))], epochs=1, progress=False),
+        lambda m, *_: surgery.finetune(m, calibration=[(batch(4, 8), torch.rand(4))], epochs=1, progress=False),
         ConfigError,
-        "finetune.batches",
+        "finetune.calibration",
         "batch 0",
     ),
     ApiCase(
@@ -279,13 +279,13 @@ API_CASES = [
         "not an attribute shrink changes",
     ),
     ApiCase(
-        "shrink", lambda m, *_: surgery.shrink(m, 1.5, example_inputs=batch(2, 8)), ConfigError, "shrink.amount", "1.5"
+        "shrink", lambda m, *_: surgery.shrink(m, 1.5, calibration=batch(2, 8)), ConfigError, "shrink.amount", "1.5"
     ),
     ApiCase(
         "sensitivity",
         lambda m, *_: surgery.sensitivity(m, progress=False),
         ConfigError,
-        "sensitivity.inputs",
+        "sensitivity.calibration",
         "evaluate",
     ),
     ApiCase(
@@ -325,23 +325,23 @@ API_CASES = [
     ),
     ApiCase(
         "finetune-settings",
-        lambda m, *_: surgery.finetune(m, _labelled(m), epochs=-1, progress=False),
+        lambda m, *_: surgery.finetune(m, calibration=_labelled(m), epochs=-1, progress=False),
         ConfigError,
         "finetune.epochs",
         "-1",
     ),
     ApiCase(
         "finetune-settings",
-        lambda m, *_: surgery.finetune(m, _labelled(m), optimizer="adamx", progress=False),
+        lambda m, *_: surgery.finetune(m, calibration=_labelled(m), optimizer="adamx", progress=False),
         ConfigError,
         "finetune.optimizer",
         "'adamx'",
     ),
     ApiCase(
         "finetune-data",
-        lambda m, *_: surgery.finetune(m, [batch(4, 8)], progress=False),
+        lambda m, *_: surgery.finetune(m, calibration=[batch(4, 8)], progress=False),
         ConfigTypeError,
-        "finetune.batches",
+        "finetune.calibration",
         "'Tensor'",
     ),
     ApiCase(
@@ -716,7 +716,7 @@ API_CASES = [
     ApiCase(
         "distill",
         lambda m, *_: surgery.finetune(
-            m, [(batch(4, 8), torch.zeros(4, dtype=torch.long))], teacher=nn.Linear(8, 3), progress=False
+            m, calibration=[(batch(4, 8), torch.zeros(4, dtype=torch.long))], teacher=nn.Linear(8, 3), progress=False
         ),
         ConfigError,
         "finetune.teacher",
@@ -726,7 +726,7 @@ API_CASES = [
         "distill",
         lambda m, *_: surgery.finetune(
             m,
-            [(batch(4, 8), torch.zeros(4, dtype=torch.long))],
+            calibration=[(batch(4, 8), torch.zeros(4, dtype=torch.long))],
             teacher=nn.Sequential(nn.Linear(8, 4)),
             distill={"features": ["2"]},
             progress=False,
@@ -762,7 +762,7 @@ API_CASES = [
         lambda m, *_: surgery.awq(m, weights=GridSpec(bits=4, group_size=8)),
         ConfigError,
         "awq.calibration",
-        "AWQ chooses its scales from activations; pass calibration batches",
+        "awq needs calibration batches: pass calibration=",
     ),
     ApiCase(
         "rotate",
@@ -832,7 +832,11 @@ API_CASES = [
     ApiCase(
         "distill-one-class",
         lambda m, *_: surgery.finetune(
-            m, [(batch(4, 8), torch.zeros(4, 1))], teacher=_one_output(), loss=nn.functional.mse_loss, progress=False
+            m,
+            calibration=[(batch(4, 8), torch.zeros(4, 1))],
+            teacher=_one_output(),
+            loss=nn.functional.mse_loss,
+            progress=False,
         ),
         ConfigError,
         "finetune.distill.weight",
@@ -1198,7 +1202,7 @@ API_CASES = [
     ),
     ApiCase(
         "step-limits",
-        lambda m, *_: surgery.finetune(m, [(batch(4, 8), torch.zeros(4, dtype=torch.long))], epochs=10**9),
+        lambda m, *_: surgery.finetune(m, calibration=[(batch(4, 8), torch.zeros(4, dtype=torch.long))], epochs=10**9),
         ConfigError,
         "finetune.epochs",
         "from 0 to 10,000",

@@ -430,7 +430,7 @@ def test_every_verb_applies_to_the_model_a_compiled_wrapper_compiles_and_refuses
 def test_shrink_applies_to_the_model_a_compiled_wrapper_compiles(convnet, image_input):
     wrapper = torch.compile(convnet, backend="eager")
     with torch.no_grad():
-        handle = surgery.shrink(wrapper, 0.5, example_inputs=image_input)
+        handle = surgery.shrink(wrapper, 0.5, calibration=image_input)
         assert handle.model is convnet
         assert torch.equal(wrapper(image_input), convnet(image_input))
     handle.restore()

@@ -81,7 +81,7 @@ def test_a_registered_layer_kind_is_quantized_per_channel_along_its_axis(dense_k
 
 def test_a_registered_layer_kind_is_shrunk_and_rebuilt(dense_kind):
     model = _dense_model()
-    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 8))
+    handle = surgery.shrink(model, 0.5, calibration=torch.randn(2, 8))
     assert model[0].weight.shape == (8, 8) and model[2].weight.shape == (4, 8)
     recorded = json.loads(json.dumps(handle.structure()))
     assert recorded["0"]["args"] == {"inputs": 8, "outputs": 8}
@@ -124,17 +124,17 @@ def test_a_transposed_convolution_holds_outputs_on_axis_one_and_is_not_rebuilt()
 def test_shrink_removes_channels_of_a_conv3d():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 3, 3, padding=1)).eval()
-    surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 2, 4, 4, 4))
+    surgery.shrink(model, 0.5, calibration=torch.randn(1, 2, 4, 4, 4))
     assert model[0].out_channels == 4 and model[2].in_channels == 4
 
 
 def test_shrink_rebuilds_a_sync_batchnorm_and_an_rms_norm_smaller():
     torch.manual_seed(0)
     conv = nn.Sequential(nn.Conv2d(2, 8, 3), nn.SyncBatchNorm(8), nn.ReLU(), nn.Conv2d(8, 2, 1)).eval()
-    surgery.shrink(conv, 0.5, example_inputs=torch.randn(1, 2, 6, 6))
+    surgery.shrink(conv, 0.5, calibration=torch.randn(1, 2, 6, 6))
     assert isinstance(conv[1], nn.SyncBatchNorm) and conv[1].num_features == 4
     dense = nn.Sequential(nn.Linear(4, 8), nn.RMSNorm(8), nn.Linear(8, 2)).eval()
-    surgery.shrink(dense, 0.5, example_inputs=torch.randn(2, 4))
+    surgery.shrink(dense, 0.5, calibration=torch.randn(2, 4))
     assert isinstance(dense[1], nn.RMSNorm) and dense[1].normalized_shape == (4,)
 
 

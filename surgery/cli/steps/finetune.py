@@ -43,7 +43,9 @@ class FinetuneStep(Step):
         batches, evaluate = run.training(settings.batch_size)
         spec = settings if settings.seed is not None else dataclasses.replace(settings, seed=run.config.seed)
         teacher = run.reference if settings.distill is not None else None  # the unmodified model
-        return finetune(model, batches, spec, evaluate=evaluate, loss=classification_loss, teacher=teacher)
+        return finetune(
+            model, calibration=batches, spec=spec, evaluate=evaluate, loss=classification_loss, teacher=teacher
+        )
 
     def preview(self, model: nn.Module, settings: FinetuneConfig) -> list[Row]:
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -120,9 +120,8 @@ class SensitivityStep(Step):
 
 def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dict[str, Any]:
     metric = run.metric
-    measure: dict[str, Any] = (
-        {"inputs": run.inputs} if metric is None else {"evaluate": metric[1], "higher_is_better": metric[2]}
-    )
+    measure: dict[str, Any] = {} if metric is None else {"evaluate": metric[1], "higher_is_better": metric[2]}
+    batches = run.calibration if run.calibration is not None else run.inputs  # drift: on these too
     quantizing = settings.bits is not None
     table = sensitivity(
         model,
@@ -133,7 +132,7 @@ def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dic
         progress=True,
         bits=settings.bits,
         weights=settings.weights,
-        calibration=run.calibration,
+        calibration=batches,
         **measure,
     )
     method = (settings.weights.method if settings.weights else "rtn") if quantizing else settings.method

@@ -54,10 +54,10 @@ class ShrinkStep(Step):
     name, settings, outputs = "shrink", ShrinkConfig, (STRUCTURE_JSON, "widths.png")
 
     def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, settings, example_inputs=run.calibration[0])
+        return shrink(model, settings, calibration=run.calibration[0])
 
     def neutral(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, dataclasses.replace(settings, amount=0.0), example_inputs=run.calibration[0])
+        return shrink(model, dataclasses.replace(settings, amount=0.0), calibration=run.calibration[0])
 
     def calibration(self, settings: ShrinkConfig) -> Calibration | None:
         return Calibration(1, field="shrink")  # the batch the coupling is traced on

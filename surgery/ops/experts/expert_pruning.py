@@ -12,6 +12,7 @@ tensors and counts back (the same objects: bit for bit).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeErr
 from surgery.core.handles import Handle, attached_after
 from surgery.core.inputs import Inputs
 from surgery.core.registry import Registry
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.expert_scores import EXPERT_CRITERIA, ExpertStats, observe
 from surgery.ops.experts.layouts import fused_experts
 from surgery.ops.experts.linearizing import linearized
@@ -84,29 +86,44 @@ class ExpertPruneHandle(Handle):
         super().restore()
 
 
-def prune_experts(
-    model: nn.Module,
-    amount: float | int = 0.25,
-    calibration: Inputs | None = None,
-    *,
-    criterion: str = "reap",
-    seed: int = 0,
-    progress: bool = False,
-) -> ExpertPruneHandle:
+@dataclass(frozen=True)
+class PruneExpertsSpec:
+    """How to prune experts (see :func:`prune_experts`): ``amount`` (a fraction of each layer's
+    experts, or a count), the registered ``criterion`` that scores them, and the ``seed`` of
+    ``"random"``."""
+
+    amount: float | int = 0.25
+    criterion: str = "reap"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        EXPERT_CRITERIA.get(self.criterion)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigTypeError("prune_experts.seed", self.seed, "must be an integer")
+
+
+@verb(
+    "prune_experts",
+    PruneExpertsSpec,
+    positional="amount",
+    old_positional=("amount", "calibration"),
+)
+def prune_experts(model: nn.Module, spec: PruneExpertsSpec, call: VerbCall) -> ExpertPruneHandle:
     """Remove the experts scoring lowest by ``criterion`` from every experts layer of ``model``.
 
     ``amount``: a fraction of each layer's experts (``0 < amount < 1``) or a count (an int ``>= 1``);
     at least ``top_k`` experts stay. ``calibration``: batches run through the model to score the
-    experts (every criterion but ``"random"`` needs them); ``seed`` seeds ``"random"``.
+    experts (every criterion but ``"random"`` needs them; before 0.3 the third positional
+    argument); ``seed`` seeds ``"random"``. ``spec``: a :class:`PruneExpertsSpec` instead.
 
     Example:
         >>> handle = surgery.prune_experts(model, 0.25, calibration=batches, criterion="reap")
         >>> handle.removed            # {"model.layers.0.mlp.experts": [3, 5], ...}
         >>> handle.restore()          # the model as it was, bit for bit
     """
+    amount, criterion, seed = spec.amount, spec.criterion, spec.seed
+    calibration, progress = call.calibration, call.progress
     score = EXPERT_CRITERIA.get(criterion)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigTypeError("prune_experts.seed", seed, "must be an integer")
     layers = _layers(model)
     total = _common_count(layers)
     drop = _drop_count(amount, total)

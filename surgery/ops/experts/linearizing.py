@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from surgery.core._compat import module_has_hooks, module_hooks
 from surgery.core.errors import AlreadyModifiedError, ConfigError, NoCalibrationInputError
 from surgery.core.handles import Handle, attached_after
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.layouts import check_splittable, fused_experts
 from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.routing import check_tokens, since, tokens_per_expert
@@ -34,7 +36,13 @@ class LinearExpertsHandle(Handle):
         self.swapped: list[str] = []
 
 
-def linear_experts(model: nn.Module) -> LinearExpertsHandle:
+@dataclass(frozen=True)
+class LinearExpertsSpec:
+    """:func:`linear_experts` has no settings: every fused experts module is split."""
+
+
+@verb("linear_experts", LinearExpertsSpec, calibration="none")
+def linear_experts(model: nn.Module, spec: LinearExpertsSpec, call: VerbCall) -> LinearExpertsHandle:
     """Make each expert of every fused experts module in ``model`` its own ``nn.Linear`` layers.
 
     Every verb does this by itself for the time it is attached; call it to work on the experts

@@ -9,7 +9,8 @@ choices, the cache at ``kv_tokens`` tokens."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import as_call, evaluating
 from surgery.core.selection import Selection
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.ops.planning.budget import budget_bytes
 from surgery.ops.planning.choices import Choice, Shape, choice_named
@@ -31,19 +33,29 @@ log = logging.getLogger("surgery")
 DEFAULT_CHOICES = ("dense", "int8", "w4g128", "w3g128")
 
 
-def plan(
-    model: nn.Module,
-    budget: int | str,
-    choices: Sequence[str] = DEFAULT_CHOICES,
-    *,
-    calibration: Sequence,
-    loss: Callable[[Any, Any], Tensor] | None = None,
-    estimate: str = "auto",
-    method: str = "rtn",
-    select: Selection = None,
-    exclude: Selection = None,
-    kv_tokens: int | None = None,
-) -> Plan:
+@dataclass(frozen=True)
+class PlanSpec:
+    """What to plan (see :func:`plan`): the ``budget``, the ``choices`` per layer, how layers are
+    scored (``estimate``) and quantized for the integer choices (``method``), the layers planned,
+    and the cache's tokens for KV-cache choices."""
+
+    budget: int | str | None = None
+    choices: Sequence[str] = DEFAULT_CHOICES
+    estimate: str = "auto"
+    method: str = "rtn"
+    select: Selection = None
+    exclude: Selection = None
+    kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            raise ConfigError(
+                "plan.budget", None, "pass a budget: bytes (12_000_000, '12MB') or bits per weight ('4.5bpw')"
+            )
+
+
+@verb("plan", PlanSpec, positional=("budget", "choices"), calibration="required", extras={"loss": None})
+def plan(model: nn.Module, spec: PlanSpec, call: VerbCall) -> Plan:
     """Choose one of ``choices`` for every selected layer: least summed score within ``budget``.
 
     Args:
@@ -69,6 +81,8 @@ def plan(
         >>> p = surgery.plan(model, "4.5bpw", ["w4g128", "w3g128", "int8"], calibration=batches)
         >>> handle = p.apply(model, calibration=batches); p.save("plan.json")
     """
+    budget, choices, estimate, method, kv_tokens = spec.budget, spec.choices, spec.estimate, spec.method, spec.kv_tokens
+    select, exclude, calibration, loss = spec.select, spec.exclude, call.calibration, call.extras["loss"]
     picked = _choices(choices, method)
     if calibration is None or isinstance(calibration, (str, bytes)) or not list(calibration):
         raise ConfigError(

@@ -15,11 +15,13 @@ in the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.numerics.observers import VARIED_RANGES_REQUIRED, GridSpec
 from surgery.ops.quantization.quantization import QuantizeHandle, quantize
 
@@ -41,14 +43,21 @@ def projection_names(attention: str) -> list[str]:
     return [f"{attention}.{child}" if attention else child for child in PROJECTIONS]
 
 
-def quantize_kv_cache(
-    model: nn.Module,
-    spec: GridSpec = DEFAULT_KV,
-    *,
-    calibration: Iterable,
-    attention: Sequence[str] | None = None,
-    progress: bool = True,
-) -> QuantizeHandle:
+@dataclass(frozen=True)
+class KvCacheSpec:
+    """What the cache holds (see :func:`quantize_kv_cache`): the ``grid`` of its keys and values,
+    and the ``attention`` modules quantized (their qualified names; None: every one)."""
+
+    grid: GridSpec = DEFAULT_KV
+    attention: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.grid, GridSpec):
+            raise ConfigTypeError("kv_cache.grid", self.grid, "must be a GridSpec (e.g. GridSpec(format='fp8_e4m3'))")
+
+
+@verb("kv_cache", KvCacheSpec, positional="grid", calibration="required")
+def quantize_kv_cache(model: nn.Module, spec: KvCacheSpec, call: VerbCall) -> QuantizeHandle:
     """Quantize what the key/value cache holds (see the module docstring): int8 per channel by
     default, or e.g. ``GridSpec(format="fp8_e4m3")``; of the ``attention`` modules named (their
     qualified names), every one by default. Returns the quantize handle (``restore()`` removes
@@ -59,6 +68,7 @@ def quantize_kv_cache(
             layers (a fused ``qkv`` projection cannot be split by hooks), or ``attention`` names
             one it lacks.
     """
+    attention, calibration, progress = spec.attention, call.calibration, call.progress
     layers = kv_projections(model)
     if attention is not None:
         layers = _of_attention(layers, attention)
@@ -73,7 +83,7 @@ def quantize_kv_cache(
     required = VARIED_RANGES_REQUIRED.set(True)  # a constant key or value range is degenerate data
     try:
         handle = quantize(
-            model, weights=None, activations=spec, select=list(layers), calibration=calibration, progress=progress
+            model, weights=None, activations=spec.grid, select=list(layers), calibration=calibration, progress=progress
         )
     except ConfigError as err:  # the activations quantize() is given are the cache's spec
         if not err.field.startswith("quantize.activations"):

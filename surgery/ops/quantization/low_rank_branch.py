@@ -13,6 +13,7 @@ PEFT LoRA adapter.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from surgery.core.checkpoints import refuse_existing, save_tensors, write_atomic
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import run_batches
+from surgery.core.verbs import VerbCall, verb
 
 FIELD = "low_rank_branch"
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
@@ -77,7 +79,29 @@ class LowRankBranchHandle(Handle):
         return folder
 
 
-def low_rank_branch(quantized: Handle, rank: int, calibration: Any, *, progress: bool = True) -> LowRankBranchHandle:
+@dataclass(frozen=True)
+class LowRankSpec:
+    """The EoRA branch's ``rank`` (see :func:`low_rank_branch`)."""
+
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        rank = self.rank
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ConfigTypeError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
+        if rank < 1:
+            raise ConfigError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
+
+
+@verb(
+    "low_rank_branch",
+    LowRankSpec,
+    positional="rank",
+    calibration="required",
+    old_positional=("rank", "calibration"),
+    unwrap_compiled=False,
+)
+def low_rank_branch(quantized: Handle, spec: LowRankSpec, call: VerbCall) -> LowRankBranchHandle:
     """Add an EoRA branch of rank ``rank`` beside every ``nn.Linear`` weight ``quantized`` (a
     :func:`surgery.quantize` handle, still attached) rounded, from the second moment of the layer's
     inputs over ``calibration`` (the quantized model run on it).
@@ -87,11 +111,9 @@ def low_rank_branch(quantized: Handle, rank: int, calibration: Any, *, progress:
         >>> branch = surgery.low_rank_branch(q, rank=16, calibration=batches)
         >>> branch.save("eora-adapter")   # a PEFT LoRA adapter beside the quantized export
     """
-    model = quantized.model
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ConfigTypeError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
-    if rank < 1:
-        raise ConfigError(f"{FIELD}.rank", rank, "must be a whole number of at least 1")
+    model, rank, calibration, progress = quantized.model, spec.rank, call.calibration, call.progress
+    if not isinstance(quantized, Handle):
+        raise ConfigTypeError(f"{FIELD}.quantized", quantized, "must be an attached quantize handle")
     if model is None or quantized.state != "attached":
         raise ConfigError(f"{FIELD}.quantized", quantized.kind, "must be an attached quantize handle")
     errors = _quantization_errors(model, quantized)

@@ -29,8 +29,8 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.importing import import_object
 from surgery.core.registry import Registry
-from surgery.core.selection import Selection
 from surgery.core.selection import select as select_modules
+from surgery.core.verbs import VerbCall, verb
 
 Rewrite = Callable[[tuple, dict], tuple[tuple, dict]]
 
@@ -109,23 +109,24 @@ class RewriteSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     select: Any = None
     exclude: Any = None
+    fn: Any = None  # from Python: the rewrite function itself, instead of a name and its kwargs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kwargs", dict(self.kwargs or {}))
-        self.rewrite()
+        if self.fn is not None and (self.name != "identity" or self.kwargs):
+            raise ConfigError("rewrite.fn", self.fn, "is the rewrite itself: give it or a name with kwargs, not both")
+        if self.fn is not None and not callable(self.fn):
+            raise ConfigTypeError("rewrite.fn", self.fn, "must be a callable (args, kwargs) -> (args, kwargs)")
+        rewrite = self.rewrite()
+        check_signature(rewrite, "rewrite.fn", getattr(rewrite, "__name__", type(rewrite).__name__))
 
     def rewrite(self) -> Rewrite:
-        """The rewrite function this spec names."""
-        return rewrite_from_config(self.name, **self.kwargs)
+        """The rewrite function this spec names (or holds)."""
+        return self.fn if self.fn is not None else rewrite_from_config(self.name, **self.kwargs)
 
 
-def rewrite_inputs(
-    model: nn.Module,
-    fn: Rewrite | RewriteSpec,
-    *,
-    select: Selection = None,
-    exclude: Selection = None,
-) -> RewriteHandle:
+@verb("rewrite", RewriteSpec, positional="fn", calibration="none")
+def rewrite_inputs(model: nn.Module, spec: RewriteSpec, call: VerbCall) -> RewriteHandle:
     """Rewrite the positional and keyword inputs of the model or of selected submodules.
 
     Each target gets a forward-pre hook registered with ``with_kwargs=True`` that calls
@@ -138,6 +139,7 @@ def rewrite_inputs(
             :class:`Normalize`, one from :func:`rewrite_from_config`, or any callable. It must
             keep the number of positional inputs (else :class:`~surgery.core.errors.ConfigError`
             naming the module is raised at call time).
+        spec: a :class:`RewriteSpec` instead (a built-in rewrite by name, or ``fn``; and the selection).
         select: submodules to hook (see :func:`surgery.select`); ``None`` hooks the root only.
         exclude: submodules never hooked, even if selected; only with ``select``.
 
@@ -150,14 +152,7 @@ def rewrite_inputs(
         >>> with surgery.rewrite_inputs(model, Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))):
         ...     logits = model(images)       # images are normalised on the way in
     """
-    model = compiled.prepare(model)  # a torch.compile wrapper: the model it compiles
-    if isinstance(fn, RewriteSpec):
-        if select is not None or exclude is not None:
-            raise ConfigError("rewrite.fn", fn, "is a RewriteSpec: set select and exclude in it, not also as keywords")
-        fn, select, exclude = fn.rewrite(), fn.select, fn.exclude
-    if not callable(fn):
-        raise ConfigTypeError("rewrite.fn", fn, "must be a callable (args, kwargs) -> (args, kwargs)")
-    check_signature(fn, "rewrite.fn", getattr(fn, "__name__", type(fn).__name__))
+    fn, select, exclude = spec.rewrite(), spec.select, spec.exclude
     if select is None:
         if exclude:  # an empty list (the CLI default) is fine
             raise ConfigError(

@@ -27,11 +27,13 @@ from surgery.core.inputs import Inputs, batches, evaluating, outputs
 from surgery.core.progress import tqdm
 from surgery.core.selection import Selection
 from surgery.core.targets import Target
+from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linearizing import linearized
 from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import quantize
+from surgery.ops.sparsity.criteria import as_criterion
 from surgery.ops.sparsity.pruning import prune, prune_targets
 
 Evaluate = Callable[[nn.Module], float]
@@ -134,21 +136,31 @@ class Sensitivity:
         return {layer: round(amount, 6) for layer, (amount, _) in chosen.items()}
 
 
-def sensitivity(
-    model: nn.Module,
-    amounts: Sequence[float] = (0.25, 0.5, 0.75, 0.9),
-    *,
-    inputs: Inputs | None = None,
-    evaluate: Evaluate | None = None,
-    higher_is_better: bool = True,
-    method: str = "l1_unstructured",
-    select: Selection = None,
-    exclude: Selection = None,
-    calibration: Inputs | None = None,
-    bits: Sequence[int] | None = None,
-    weights: GridSpec | None = None,
-    progress: bool = True,
-) -> Sensitivity:
+@dataclass(frozen=True)
+class SensitivitySpec:
+    """What to measure (see :func:`sensitivity`): the pruning ``amounts`` (or weight ``bits``)
+    tried on each layer, the pruning ``method`` or the ``weights`` grid, the layers, and which
+    way a user's metric points."""
+
+    amounts: Sequence[float] = (0.25, 0.5, 0.75, 0.9)
+    higher_is_better: bool = True
+    method: str = "l1_unstructured"
+    select: Selection = None
+    exclude: Selection = None
+    bits: Sequence[int] | None = None
+    weights: GridSpec | None = None
+
+
+@verb(
+    "sensitivity",
+    SensitivitySpec,
+    positional="amounts",
+    offloaded=True,
+    extras={"evaluate": None},
+    renamed={"inputs": "calibration"},
+    unwrap_compiled=False,
+)
+def sensitivity(model: nn.Module, spec: SensitivitySpec, call: VerbCall) -> Sensitivity:
     """Prune (or quantize) each selected layer alone at each setting, measure, restore.
 
     Args:
@@ -156,24 +168,45 @@ def sensitivity(
             offloaded model's handle (:func:`surgery.offloaded`) works too: each trial
             compresses the block holding the layer and the metric runs offloaded.
         amounts: the pruning amounts to try on each layer, each in (0, 1].
-        inputs: batches for the default metric, the drift 1 − cosine(outputs, unchanged outputs).
+        calibration: batches for the default metric, the drift 1 − cosine(outputs, unchanged
+            outputs), and for calibrated methods (before 0.3 the metric's were ``inputs=``).
         evaluate: ``evaluate(model) -> float`` instead (accuracy, perplexity...), with
             ``higher_is_better`` saying which way it points.
-        method, select, exclude, calibration: as for :func:`surgery.prune` (layer scope).
+        method, select, exclude: as for :func:`surgery.prune` (layer scope).
+        spec: a :class:`SensitivitySpec` holding the settings (the keywords are a shorthand for it).
         bits: quantize instead of pruning: each layer's weight alone at each of these bit
             widths, with the other settings of ``weights`` (default symmetric per channel;
             ``method="gptq"`` uses ``calibration``).
         progress: a progress bar over the (layer, setting) trials (on a terminal).
 
     Example:
-        >>> table = surgery.sensitivity(model, inputs=batches)
+        >>> table = surgery.sensitivity(model, calibration=batches)
         >>> surgery.prune(model, 0.5, amounts=table.amounts_for(0.5))
     """
+    amounts, higher_is_better, method, bits, weights = (
+        spec.amounts,
+        spec.higher_is_better,
+        spec.method,
+        spec.bits,
+        spec.weights,
+    )
+    select, exclude, calibration, evaluate, progress = (
+        spec.select,
+        spec.exclude,
+        call.calibration,
+        call.extras["evaluate"],
+        call.progress,
+    )
+    inputs = calibration
     source = model  # an offloaded model's handle: each trial compresses one block of it
     model = model.model if isinstance(model, Offloaded) else model
     settings = _check_bits(bits) if bits is not None else _check_amounts(amounts)
     if evaluate is None and inputs is None:
-        raise ConfigError("sensitivity.inputs", None, "pass inputs (for output drift) or evaluate=fn(model) -> float")
+        raise ConfigError(
+            "sensitivity.calibration",
+            None,
+            "pass calibration batches (for output drift) or evaluate=fn(model) -> float",
+        )
     if evaluate is not None and not callable(evaluate):
         raise ConfigTypeError("sensitivity.evaluate", evaluate, "must be a function model -> float")
     if evaluate is None:
@@ -187,17 +220,20 @@ def sensitivity(
         metric = getattr(evaluate, "__name__", "score")
     template = weights or GridSpec(bits=8, symmetric=True, per_channel=True)
 
+    calibrated = as_criterion(method).needs_calibration if bits is None else None
+
     def change(target: Target, setting: float) -> Handle:
         if bits is not None:
-            spec = replace(template, bits=int(setting))
+            grid = replace(template, bits=int(setting))
             return quantize(
                 source,
-                weights=spec,
+                weights=grid,
                 select=[target.name],
                 progress=False,
-                calibration=calibration if weight_method(spec.method).needs_calibration else None,
+                calibration=calibration if weight_method(grid.method).needs_calibration else None,
             )
-        return prune(source, setting, method=method, select=[target.name], calibration=calibration, progress=False)
+        batches = calibration if calibrated else None  # the metric's batches are no criterion's statistics
+        return prune(source, setting, method=method, select=[target.name], calibration=batches, progress=False)
 
     with contextlib.nullcontext() if isinstance(source, Offloaded) else linearized(model):  # each expert a row
         targets = prune_targets(model, select, exclude).matched
@@ -268,7 +304,9 @@ def model_outputs(model: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
     """The model's outputs on each batch, in eval mode without gradients."""
     with evaluating(model), torch.no_grad():
         return [
-            t.detach().float().flatten() for call in batches(inputs, "sensitivity.inputs") for t in outputs(model, call)
+            t.detach().float().flatten()
+            for call in batches(inputs, "sensitivity.calibration")
+            for t in outputs(model, call)
         ]
 
 

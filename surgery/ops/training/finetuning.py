@@ -183,7 +183,9 @@ def finetune(model: nn.Module, spec: FinetuneSpec, call: VerbCall) -> FinetuneHa
     grads = [(p, p.grad) for p in model.parameters()]
     try:
         with distillation or contextlib.nullcontext():
-            extra = [] if distillation is None else distillation.prepare(as_call(batches[0][0], "finetune.batches", 0))
+            extra = (
+                [] if distillation is None else distillation.prepare(as_call(batches[0][0], "finetune.calibration", 0))
+            )
             if distillation is not None:
                 handle.projections, handle.distilled = distillation.projections, distillation.layers
             loss = logits_cross_entropy if loss is None else loss
@@ -275,14 +277,14 @@ def _train(
                 target = moved(target, device_of(model))  # the inputs are moved by the call
                 model.train()
                 optimizer.zero_grad(set_to_none=True)
-                call = as_call(inputs, "finetune.batches", index)
+                call = as_call(inputs, "finetune.calibration", index)
                 output = call(model)
                 try:
                     value = loss_fn(output, target, call)
                 except (IndexError, RuntimeError, ValueError) as err:  # targets the loss cannot take
                     first = " ".join(str(err).split())[:160]
                     raise ConfigError(
-                        "finetune.batches",
+                        "finetune.calibration",
                         f"batch {index}",
                         f"the loss cannot take this batch's "
                         f"targets ({type(err).__name__}: {first}); with the default cross-entropy, "
@@ -323,7 +325,7 @@ def _say_how_long(first: float, total: int) -> None:
 
 def _pair(batch: Any, index: int) -> tuple[Any, Any]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ConfigTypeError("finetune.batches", f"batch {index}", "must be an (inputs, target) pair")
+        raise ConfigTypeError("finetune.calibration", f"batch {index}", "must be an (inputs, target) pair")
     return batch[0], batch[1]
 
 
@@ -333,7 +335,7 @@ def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) 
     broken = next((name for name, p in model.named_parameters() if not torch.isfinite(p.detach()).all()), None)
     if broken is None:
         with evaluating(model), torch.no_grad():
-            value = loss_fn(as_call(batch[0], "finetune.batches", 0)(model), moved(batch[1], device_of(model)))
+            value = loss_fn(as_call(batch[0], "finetune.calibration", 0)(model), moved(batch[1], device_of(model)))
         broken = None if torch.isfinite(value).all() else "the loss"
     if broken is not None:
         raise ConfigError(
@@ -346,11 +348,13 @@ def _check_finite(model: nn.Module, batch: tuple, loss_fn: Callable, lr: float) 
 def _validate(batches: Any) -> None:
     if not isinstance(batches, Sequence) or not len(batches):
         raise ConfigTypeError(
-            "finetune.batches", type(batches).__name__, "must be a non-empty sequence of (inputs, target) pairs"
+            "finetune.calibration", type(batches).__name__, "must be a non-empty sequence of (inputs, target) pairs"
         )
     first = batches[0]
     if not (isinstance(first, (tuple, list)) and len(first) == 2):
-        raise ConfigTypeError("finetune.batches", type(first).__name__, "each batch must be an (inputs, target) pair")
+        raise ConfigTypeError(
+            "finetune.calibration", type(first).__name__, "each batch must be an (inputs, target) pair"
+        )
     for index, batch in enumerate(batches):
         _pair(batch, index)
 

@@ -37,7 +37,7 @@ def test_a_calibration_error_about_an_expert_s_layer_says_its_router_sent_it_not
     model = tiny_moe("gpt_oss", 1)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ConfigError, match="was sent no calibration token by its router") as err:
-        surgery.sensitivity(model, (0.5,), inputs=tokens, method="wanda", calibration=[tokens], select="**.experts.**")
+        surgery.sensitivity(model, (0.5,), calibration=[tokens], method="wanda", select="**.experts.**")
     assert str(err.value).startswith("calibration='model.layers.0.mlp.experts.") and "every_expert_calibrated" in str(
         err.value
     )

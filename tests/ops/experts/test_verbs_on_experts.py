@@ -188,7 +188,7 @@ def test_state_dict_and_save_pretrained_while_attached_give_the_model_s_own_keys
 def test_sensitivity_ranks_each_expert_s_layers():
     model = tiny_moe("mixtral", layers=1)
     before = _state(model)
-    table = surgery.sensitivity(model, (0.5,), inputs=BATCHES[:1], progress=False)
+    table = surgery.sensitivity(model, (0.5,), calibration=BATCHES[:1], progress=False)
     layers = {row.layer for row in table.rows}
     assert {f"model.layers.0.mlp.experts.{e}.down_proj" for e in range(4)} <= layers
     assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
@@ -209,7 +209,7 @@ def test_finetune_and_distill_train_each_expert_while_its_mask_holds():
     masks = [(expert.down_proj.weight == 0).clone() for expert in experts]
     pruned_weights = [expert.down_proj.weight.detach().clone() for expert in experts]
     batches = [(batch["input_ids"], batch["input_ids"]) for batch in BATCHES]
-    tuned = surgery.finetune(model, batches, lr=1e-2, teacher=teacher, progress=False)
+    tuned = surgery.finetune(model, calibration=batches, lr=1e-2, teacher=teacher, progress=False)
     for expert, mask, old in zip(experts, masks, pruned_weights, strict=True):
         assert torch.equal(expert.down_proj.weight[mask], torch.zeros(int(mask.sum())))
         assert not torch.equal(expert.down_proj.weight, old)  # every expert trained: each was routed tokens

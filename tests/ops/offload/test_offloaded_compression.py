@@ -79,7 +79,7 @@ def test_a_verb_on_the_offloaded_model_equals_it_in_memory_and_restores_from_unt
 def test_sensitivity_of_an_offloaded_model_equals_it_in_memory(tmp_path):
     reference = llama_folder(tmp_path, layers=2)
     inputs = batches()[:2]
-    kwargs = {"inputs": inputs, "select": "model.layers.*.mlp.*", "progress": False}
+    kwargs = {"calibration": inputs, "select": "model.layers.*.mlp.*", "progress": False}
     expected = surgery.sensitivity(reference, (0.5,), **kwargs)
     source = surgery.offloaded(tmp_path)
     found = surgery.sensitivity(source, (0.5,), **kwargs)

@@ -40,7 +40,9 @@ def test_keywords_build_the_spec_and_a_spec_with_keywords_is_refused():
     model = nn.Linear(4, 2)
     with surgery.quantize(model, weights=surgery.GridSpec(bits=4), progress=False) as handle:
         assert handle.weights["weight"].spec.bits == 4
-    with pytest.raises(ConfigError, match=r"^quantize.where=.input.: is given beside a QuantizeSpec: set it in the spec"):
+    with pytest.raises(
+        ConfigError, match=r"^quantize.where=.input.: is given beside a QuantizeSpec: set it in the spec"
+    ):
         surgery.quantize(model, QuantizeSpec(), where="input")
     with pytest.raises(ConfigError, match=r"^quantize.where=.output.: is given beside"):  # even a default:
         surgery.quantize(model, QuantizeSpec(where="input"), where="output")  # it would be ignored

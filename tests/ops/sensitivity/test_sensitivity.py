@@ -20,7 +20,7 @@ def mlp():
 def test_every_layer_and_amount_is_measured_and_the_model_is_left_exactly_as_it_was():
     model = mlp()
     before = snapshot(model)
-    table = surgery.sensitivity(model, (0.5, 0.9), inputs=[torch.randn(16, 8)], progress=False)
+    table = surgery.sensitivity(model, (0.5, 0.9), calibration=[torch.randn(16, 8)], progress=False)
     assert [(r.layer, r.setting) for r in table.rows] == [(l, a) for l in ("0", "2", "4") for a in (0.5, 0.9)]
     assert table.metric == "drift" and table.baseline == 0.0 and not table.higher_is_better
     for layer in ("0", "2", "4"):
@@ -112,10 +112,10 @@ def test_amounts_may_list_layers_left_dense_and_a_nan_score_is_refused():
 
 
 def test_sensitivity_refuses_bad_settings():
-    with pytest.raises(ConfigError, match="sensitivity.inputs"):
+    with pytest.raises(ConfigError, match="sensitivity.calibration"):
         surgery.sensitivity(mlp(), progress=False)
     with pytest.raises(ConfigError, match="sensitivity.amounts=0: each amount must be a number in \\(0, 1\\]"):
-        surgery.sensitivity(mlp(), [0, 0.5], inputs=[torch.randn(2, 8)], progress=False)
+        surgery.sensitivity(mlp(), [0, 0.5], calibration=[torch.randn(2, 8)], progress=False)
     with pytest.raises(ConfigError, match="sensitivity.evaluate='str': returned this for baseline"):
         surgery.sensitivity(mlp(), evaluate=lambda m: "good", progress=False)
 
@@ -123,7 +123,7 @@ def test_sensitivity_refuses_bad_settings():
 def test_quantizing_each_layer_alone_at_several_bit_widths():
     model = mlp()
     before = snapshot(model)
-    table = surgery.sensitivity(model, inputs=[torch.randn(16, 8)], bits=[8, 2], progress=False)
+    table = surgery.sensitivity(model, calibration=[torch.randn(16, 8)], bits=[8, 2], progress=False)
     assert table.kind == "quantize" and table.settings == [2.0, 8.0]
     for layer in ("0", "2", "4"):
         at = {r.setting: r.score for r in table.rows if r.layer == layer}
@@ -132,4 +132,4 @@ def test_quantizing_each_layer_alone_at_several_bit_widths():
     with pytest.raises(ConfigError, match="plans pruning amounts"):
         table.amounts_for(0.5)
     with pytest.raises(ConfigError, match="sensitivity.bits=9"):
-        surgery.sensitivity(model, inputs=[torch.randn(2, 8)], bits=[9], progress=False)
+        surgery.sensitivity(model, calibration=[torch.randn(2, 8)], bits=[9], progress=False)

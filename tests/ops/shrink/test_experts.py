@@ -11,7 +11,7 @@ import surgery
 def test_global_scope_and_unrouted_experts_keep_one_width_per_layer():
     model = tiny_moe("qwen3_moe", 1, experts=8, top_k=1)
     ids = torch.tensor([[3, 5]])  # two tokens: most experts are sent none, yet all are traced
-    handle = surgery.shrink(model, 0.5, example_inputs=(ids,), scope="global")
+    handle = surgery.shrink(model, 0.5, calibration=(ids,), scope="global")
     experts = model.model.layers[0].mlp.experts
     assert experts.down_proj.shape[1] == 32  # the hidden width (routed sum) stays
     assert experts.down_proj.shape[2] < 48 and experts.gate_up_proj.shape[1] == 2 * experts.down_proj.shape[2]

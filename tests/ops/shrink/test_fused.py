@@ -51,7 +51,7 @@ def test_experts_lose_channels_in_their_fused_class_and_restore_is_exact(family)
     original = copy.deepcopy(model)
     before, objects = snapshot(model), dict(model.named_modules())
     fused = {name: layout for name, layout in fused_experts(model).items()}
-    handle = surgery.shrink(model, 0.5, example_inputs=(IDS,))
+    handle = surgery.shrink(model, 0.5, calibration=(IDS,))
     assert fused_experts(model).keys() == fused.keys()  # the model's own class again, smaller
     for name in fused:
         module = model.get_submodule(name)
@@ -75,7 +75,7 @@ def test_the_config_follows_the_experts_width_and_the_saved_model_loads(family, 
     model = tiny_moe(family, 2)
     field = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
     handle = surgery.shrink(
-        model, 0.5, example_inputs=(IDS,), exclude=["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        model, 0.5, calibration=(IDS,), exclude=["model.layers.0.self_attn", "model.layers.1.self_attn"]
     )
     assert handle.config_changes == {field: (48, 24)} and getattr(model.config, field) == 24
     model.save_pretrained(tmp_path)
@@ -89,7 +89,7 @@ def test_the_config_follows_the_experts_width_and_the_saved_model_loads(family, 
 def test_experts_of_one_layer_only_keep_the_config_and_say_so(caplog):
     model = tiny_moe("qwen3_moe", 2)
     with caplog.at_level(logging.WARNING, logger="surgery"):
-        handle = surgery.shrink(model, 0.5, example_inputs=(IDS,), select="model.layers.0.mlp")
+        handle = surgery.shrink(model, 0.5, calibration=(IDS,), select="model.layers.0.mlp")
     assert model.model.layers[0].mlp.experts.down_proj.shape[2] == 24
     assert model.model.layers[1].mlp.experts.down_proj.shape[2] == 48
     assert model.config.moe_intermediate_size == 48 and handle.config_changes == {}
@@ -102,7 +102,7 @@ def test_experts_of_one_layer_only_keep_the_config_and_say_so(caplog):
 def test_rebuild_makes_the_shrunk_fused_experts_from_the_structure(family):
     model = tiny_moe(family, 2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    handle = surgery.shrink(model, 0.5, example_inputs=(ids,))
+    handle = surgery.shrink(model, 0.5, calibration=(ids,))
     with torch.no_grad():
         expected = model(ids).logits
     plan = handle.structure()  # sealed with the fused model, as its constructor builds it

@@ -65,7 +65,7 @@ def test_removing_channels_computes_what_zeroing_their_readers_computes(name):
     original = copy.deepcopy(model)
     x = torch.randn(2, 3, 64, 64)
     before = snapshot(model)
-    handle = surgery.shrink(model, 0.4, example_inputs=x)
+    handle = surgery.shrink(model, 0.4, calibration=x)
     assert handle.params()["after"] < 0.8 * handle.params()["before"]  # >= 20 % removed at 0.4
     assert handle.macs()["after"] < handle.macs()["before"]
     with torch.no_grad():
@@ -97,7 +97,7 @@ def test_group_norm_and_grouped_convolutions_lose_whole_groups():
         model.norm.bias.normal_(0.0, 0.2)
     original = copy.deepcopy(model)
     x = torch.randn(2, 3, 8, 8)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert (model.norm.num_groups, model.norm.num_channels) == (2, 8)
     assert (model.grouped.groups, model.grouped.in_channels, model.grouped.out_channels) == (2, 8, 12)
     kept = handle.kept["stem"][1].tolist()
@@ -116,9 +116,9 @@ def test_restore_puts_back_the_same_module_objects_and_amount_zero_changes_nothi
     objects = dict(model.named_modules())
     x = torch.randn(1, 3, 32, 32)
     reference = model(x)
-    untouched = surgery.shrink(model, 0.0, example_inputs=x)
+    untouched = surgery.shrink(model, 0.0, calibration=x)
     assert untouched.replaced == {} and torch.equal(model(x), reference)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert model.layer1[0].conv1 is not objects["layer1.0.conv1"]
     handle.restore()
     assert all(module is objects[name] for name, module in model.named_modules())
@@ -133,7 +133,7 @@ def test_bake_rebuild_strict_load_gives_identical_outputs(name):
     model = with_statistics(torchvision.models.get_model(name, weights=None, num_classes=10))
     size = 224 if name == "swin_t" else 64
     x = torch.randn(1, 3, size, size)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     plan = json.loads(json.dumps(handle.structure()))  # JSON-serialisable
     baked = handle.bake()
     assert_no_hooks(baked)
@@ -169,7 +169,7 @@ def test_shared_layers_dict_outputs_frozen_weights_and_slices_are_handled_safely
     model = Odd().eval()
     x = torch.randn(2, 3, 8, 8)
     reference = model(x)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     out = model(x)
     assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in reference.items()}
     assert handle.frozen_ops == ["__getitem__"]  # the slice froze what it touched: a's and shared's channels
@@ -184,7 +184,7 @@ def test_shared_layers_dict_outputs_frozen_weights_and_slices_are_handled_safely
 def test_round_to_keeps_channel_counts_multiples():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
-    handle = surgery.shrink(model, 0.3, example_inputs=torch.randn(1, 3, 32, 32), round_to=8)
+    handle = surgery.shrink(model, 0.3, calibration=torch.randn(1, 3, 32, 32), round_to=8)
     widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert all(w % 8 == 0 for w in widths) and handle.replaced
     handle.restore()
@@ -286,7 +286,7 @@ def test_whole_attention_heads_are_removed_and_the_model_rebuilds(name):
     original = copy.deepcopy(model)
     before = snapshot(model)
     reference = _logits(model, example)
-    handle = surgery.shrink(model, 0.5, example_inputs=example)
+    handle = surgery.shrink(model, 0.5, calibration=example)
     module = model.get_submodule(attention)
     assert {attr: getattr(module, attr) for attr in attributes} == attributes
     assert handle.structure().get(attention, {}).get("attributes", {}) == attributes
@@ -305,7 +305,7 @@ def test_whole_attention_heads_are_removed_and_the_model_rebuilds(name):
         assert torch.equal(_logits(fresh, example), _logits(baked, example))
     restored = factory().eval()
     restored.load_state_dict(original.state_dict())
-    again = surgery.shrink(restored, 0.5, example_inputs=example)
+    again = surgery.shrink(restored, 0.5, calibration=example)
     again.restore()
     assert snapshot_differences(snapshot(original), snapshot(restored)) == []
     assert torch.equal(_logits(restored, example), reference)
@@ -330,7 +330,7 @@ def test_embeddings_and_the_pooler_slice_let_bert_lose_hidden_width_but_tied_wei
         torch.manual_seed(0)
         model = cls(config).eval()
         reference = model(**ids).logits
-        handle = surgery.shrink(model, 0.5, example_inputs=ids)
+        handle = surgery.shrink(model, 0.5, calibration=ids)
         assert model.bert.embeddings.word_embeddings.embedding_dim == width
         assert model.bert.encoder.layer[1].output.LayerNorm.normalized_shape == (width,)
         assert model.bert.encoder.layer[0].attention.self.num_attention_heads == 2
@@ -365,7 +365,7 @@ def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered()
     model = nn.Sequential(nn.Linear(8, 16), TinyAttention(), nn.Linear(16, 3)).eval()
     x = torch.randn(2, 5, 8)
     reference = model(x)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert model[1].q.out_features == 16 and model[1].n_heads == 4  # the reshapes froze the heads
     assert model[1].q.in_features == 8  # what the first layer feeds it still shrinks
     handle.restore()
@@ -373,7 +373,7 @@ def test_unregistered_attention_keeps_its_heads_until_its_layout_is_registered()
         TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"}, output="out")
     )
     try:
-        handle = surgery.shrink(model, 0.5, example_inputs=x)
+        handle = surgery.shrink(model, 0.5, calibration=x)
         assert model[1].n_heads == 2 and model[1].q.out_features == 8 and model[1].out.in_features == 8
         assert model(x).shape == reference.shape
         handle.restore()
@@ -395,7 +395,7 @@ def test_a_module_that_fails_once_shrunk_is_kept_whole_and_the_rest_still_shrink
         TinyAttention, surgery.HeadLayout(("q", "k", "v"), "size", heads={"n_heads": "q"}, output="out")
     )
     try:
-        handle = surgery.shrink(model, 0.5, example_inputs=x)
+        handle = surgery.shrink(model, 0.5, calibration=x)
     finally:
         surgery.ops.shrink.heads.unregister_heads(TinyAttention)
     assert "1 (fails when its channels shrink: kept whole)" in handle.frozen_ops
@@ -421,7 +421,7 @@ def test_when_only_the_whole_model_can_be_kept_nothing_is_removed_and_it_says_so
     model = HardCoded().eval()
     x = torch.randn(2, 4)
     before = snapshot(model)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert handle.replaced == {} and "the model (fails when its channels shrink: kept whole)" in handle.frozen_ops
     assert "shrink: nothing removed" in caplog.text
     assert snapshot_differences(before, snapshot(model)) == []
@@ -435,25 +435,25 @@ def test_importance_by_registered_name_and_bad_scores_are_refused():
     x = torch.randn(2, 4)
     surgery.register_importance("reverse_l2", lambda w: -w.norm(dim=1))
     try:
-        handle = surgery.shrink(model, 0.5, example_inputs=x, importance="reverse_l2")
+        handle = surgery.shrink(model, 0.5, calibration=x, importance="reverse_l2")
         assert handle.kept["0"][1].tolist() == [0, 1, 2, 3]  # the largest rows scored lowest: removed
         handle.restore()
     finally:
         surgery.ops.shrink.shrinking.IMPORTANCE.unregister("reverse_l2")
-    handle = surgery.shrink(model, 0.5, example_inputs=x, importance="l1")
+    handle = surgery.shrink(model, 0.5, calibration=x, importance="l1")
     assert handle.kept["0"][1].tolist() == [4, 5, 6, 7]
     handle.restore()
     before = snapshot(model)
     with pytest.raises(ConfigError, match="one finite score per output channel of 0"):
-        surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.sum(dim=1) * float("nan"))
+        surgery.shrink(model, 0.5, calibration=x, importance=lambda w: w.sum(dim=1) * float("nan"))
     with pytest.raises(ConfigError, match="must give one finite score per output channel of 0 .8.; got 32 values"):
-        surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w)
+        surgery.shrink(model, 0.5, calibration=x, importance=lambda w: w)
     assert snapshot_differences(before, snapshot(model)) == []
 
 
 def test_rebuild_refuses_a_factory_that_builds_another_model_each_time():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
-    plan = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4)).structure()
+    plan = surgery.shrink(model, 0.5, calibration=torch.randn(2, 4)).structure()
     builds = iter([[], [nn.Dropout()]])  # the second build attaches one more module: the order shifts
     with pytest.raises(surgery.ShrinkError, match="2 does not have its planned shape"):
         surgery.rebuild(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), *next(builds), nn.Linear(8, 3)), plan)
@@ -472,7 +472,7 @@ def test_bad_settings_raise_one_line_and_change_nothing(kwargs, field):
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
     before = snapshot(model)
     with pytest.raises(ConfigError) as caught:
-        surgery.shrink(model, example_inputs=torch.randn(1, 3, 32, 32), **kwargs)
+        surgery.shrink(model, calibration=torch.randn(1, 3, 32, 32), **kwargs)
     assert str(caught.value).startswith(field)
     assert snapshot_differences(before, snapshot(model)) == []
 
@@ -481,7 +481,7 @@ def test_shrinking_a_pruned_model_and_a_wrong_plan_are_refused():
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
     pruned = surgery.prune(model, 0.5, progress=False)
     with pytest.raises(ConfigError, match="has surgery attached"):
-        surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 32, 32))
+        surgery.shrink(model, 0.5, calibration=torch.randn(1, 3, 32, 32))
     pruned.restore()
     plan = {
         "layer1.0.conv1": {"class": "torch.nn.modules.linear.Linear", "args": {"in_features": 2, "out_features": 2}}
@@ -492,7 +492,7 @@ def test_shrinking_a_pruned_model_and_a_wrong_plan_are_refused():
 
 def test_a_shrink_that_removes_nothing_says_so(caplog):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    handle = surgery.shrink(model, 0.1, example_inputs=torch.randn(2, 4))  # 10 % of 8 rounds down to 0
+    handle = surgery.shrink(model, 0.1, calibration=torch.randn(2, 4))  # 10 % of 8 rounds down to 0
     assert handle.replaced == {} and "shrink: nothing removed: amount 0.1 rounds to zero channels" in caplog.text
 
 
@@ -502,10 +502,10 @@ def test_the_trace_is_deterministic_where_many_temporaries_are_freed():
     once made maxvit_t's coupling (and so its plan) change from one shrink to the next."""
     model = torchvision.models.get_model("maxvit_t", weights=None, num_classes=10).eval()
     x = torch.randn(1, 3, 224, 224)
-    first = surgery.shrink(model, 0.3, example_inputs=x)
+    first = surgery.shrink(model, 0.3, calibration=x)
     plan = first.structure()
     first.restore()
-    second = surgery.shrink(model, 0.3, example_inputs=x)
+    second = surgery.shrink(model, 0.3, calibration=x)
     assert second.structure() == plan and len(plan) > 100
     assert sum("kept whole" in op for op in second.frozen_ops) == 4  # each stage's attention reads its input width
     second.restore()
@@ -517,10 +517,10 @@ def test_layer_norms_that_lose_channels_are_named_or_kept_with_renormalise_false
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
     original = copy.deepcopy(model)
     x = torch.randn(4, 8)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert handle.renormalised == ["1"] and "now normalise over fewer channels" in caplog.text
     handle.restore()
-    kept = surgery.shrink(model, 0.5, example_inputs=x, renormalise=False)
+    kept = surgery.shrink(model, 0.5, calibration=x, renormalise=False)
     assert kept.replaced == {} and torch.equal(model(x), original(x))
 
 
@@ -543,7 +543,7 @@ class DataclassOutput(nn.Module):
 def test_outputs_inside_dataclasses_and_casts_keep_their_shapes():
     model = DataclassOutput().eval()
     x = torch.randn(4, 8)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert model(x).features.shape == (4, 16) and handle.replaced == {}  # a's channels reach the output
 
 
@@ -554,7 +554,7 @@ def test_frozen_weights_dtype_hooks_and_parametrizations_survive():
     seen = []
     model.layer2[0].conv1.register_forward_hook(lambda module, args, output: seen.append(output.shape))
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
-    handle = surgery.shrink(model, 0.5, example_inputs=x)
+    handle = surgery.shrink(model, 0.5, calibration=x)
     assert model.layer1[0].conv1.out_channels == 32 and not model.layer1[0].conv1.weight.requires_grad
     assert model.layer1[0].bn1.running_mean.dtype == torch.float64 and model.fc.weight.requires_grad
     assert "layer2.0.conv1" not in handle.replaced  # a new layer would drop the user's hook
@@ -564,19 +564,19 @@ def test_frozen_weights_dtype_hooks_and_parametrizations_survive():
     handle.restore()
     linear = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     torch.nn.utils.parametrizations.weight_norm(linear[0])
-    handle = surgery.shrink(linear, 0.5, example_inputs=torch.randn(2, 8))
+    handle = surgery.shrink(linear, 0.5, calibration=torch.randn(2, 8))
     assert "0" not in handle.replaced and hasattr(linear[0], "parametrizations")
 
 
 def test_round_to_keeps_multiples_and_global_scope_keeps_every_family():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 100), nn.ReLU(), nn.Linear(100, 3)).eval()
-    surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 8), round_to=8)
+    surgery.shrink(model, 0.5, calibration=torch.randn(2, 8), round_to=8)
     assert model[0].out_features == 56  # 50 kept, rounded up to a multiple of 8
     branches = Branches().eval()
     with torch.no_grad():
         branches.small.weight.mul_(1e-3)
-    surgery.shrink(branches, 0.5, example_inputs=torch.randn(2, 8), scope="global")
+    surgery.shrink(branches, 0.5, calibration=torch.randn(2, 8), scope="global")
     assert branches.small.out_features >= 1 and branches.large.out_features >= 1
     assert branches.small.out_features + branches.large.out_features == 16
 
@@ -607,10 +607,10 @@ def test_an_interrupt_and_a_later_surgery_never_leave_the_model_half_shrunk():
     model = Interrupting().eval()
     before = snapshot(model)
     with pytest.raises(KeyboardInterrupt):
-        surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 8))
+        surgery.shrink(model, 0.5, calibration=torch.randn(2, 8))
     assert snapshot_differences(before, snapshot(model)) == []
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
-    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(1, 3, 32, 32))
+    handle = surgery.shrink(model, 0.5, calibration=torch.randn(1, 3, 32, 32))
     pruned = surgery.prune(model, 0.5, progress=False)
     with pytest.raises(surgery.AlreadyModifiedError, match="restore or bake that first"):
         handle.restore()
@@ -622,12 +622,12 @@ def test_an_interrupt_and_a_later_surgery_never_leave_the_model_half_shrunk():
 def test_selection_of_containers_and_hostile_arguments():
     model = torchvision.models.resnet18(weights=None, num_classes=10).eval()
     x = torch.randn(1, 3, 32, 32)
-    handle = surgery.shrink(model, 0.5, example_inputs=x, select="layer1")
+    handle = surgery.shrink(model, 0.5, calibration=x, select="layer1")
     assert {name.split(".")[0] for name in handle.replaced} == {"layer1"}
     handle.restore()
     with pytest.raises(ConfigError, match="shrink.calibration"):
-        surgery.shrink(model, 0.5, example_inputs=[])
-    handle = surgery.shrink(model, 0.5, example_inputs=x, importance=lambda w: w.norm(dim=1).tolist())
+        surgery.shrink(model, 0.5, calibration=[])
+    handle = surgery.shrink(model, 0.5, calibration=x, importance=lambda w: w.norm(dim=1).tolist())
     assert handle.replaced  # a list of scores is fine
     plan = handle.structure()
     handle.restore()
@@ -661,7 +661,7 @@ def test_timm_norms_with_their_own_constructor_are_resized_in_place(name):
     before = snapshot(model)
     x = torch.randn(2, 3, 64, 64)
     norm = model.get_submodule("bn1" if name == "efficientnet_b0" else "stem.bn")
-    handle = surgery.shrink(model, 0.3, example_inputs=x)
+    handle = surgery.shrink(model, 0.3, calibration=x)
     assert type(norm).__name__ == "BatchNormAct2d" and norm.num_features < 32
     assert model.get_submodule("bn1" if name == "efficientnet_b0" else "stem.bn") is norm
     assert 1 - handle.params()["after"] / handle.params()["before"] > 0.3
@@ -670,7 +670,7 @@ def test_timm_norms_with_their_own_constructor_are_resized_in_place(name):
     plan = json.loads(json.dumps(handle.structure()))
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == [] and norm.num_features == 32
-    baked = surgery.shrink(model, 0.3, example_inputs=x).bake()
+    baked = surgery.shrink(model, 0.3, calibration=x).bake()
     fresh = surgery.rebuild(factory, plan).eval()
     fresh.load_state_dict(baked.state_dict(), strict=True)
     with torch.no_grad():
@@ -682,7 +682,7 @@ def test_plan_is_a_deprecated_alias_of_structure_that_warns_once(monkeypatch):
 
     monkeypatch.setattr(replacing, "_WARNED", set())
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 4))
+    handle = surgery.shrink(model, 0.5, calibration=torch.randn(2, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert handle.plan() == handle.structure()

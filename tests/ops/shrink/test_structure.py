@@ -33,7 +33,7 @@ class Block(nn.Module):
 def shrunk_plan(**kwargs) -> dict:
     torch.manual_seed(0)
     model = Block(**kwargs).eval()
-    handle = surgery.shrink(model, 0.5, example_inputs=torch.randn(2, 16))
+    handle = surgery.shrink(model, 0.5, calibration=torch.randn(2, 16))
     plan = json.loads(json.dumps(handle.structure()))
     handle.restore()
     return plan

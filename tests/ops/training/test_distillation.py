@@ -55,7 +55,7 @@ def test_distilling_a_pruned_cnn_keeps_its_masks_leaves_the_teacher_untouched_an
     pruned = surgery.prune(student, 0.9, scope="global")
     masks = pruned.masks()
     spec = DistillSpec(features=["conv2", "fc1"])
-    tuned = surgery.finetune(student, batches(), teacher=teacher, distill=spec, progress=False)
+    tuned = surgery.finetune(student, calibration=batches(), teacher=teacher, distill=spec, progress=False)
     assert tuned.distilled == ["conv2", "fc1"] and len(tuned.projections) == 0  # same widths: no projection
     assert all(not student.get_parameter(n).detach()[~m].any() for n, m in masks.items())
     assert all(torch.equal(v, teacher_before[k]) for k, v in teacher.state_dict().items()) and not teacher.training
@@ -66,9 +66,9 @@ def test_distilling_a_pruned_cnn_keeps_its_masks_leaves_the_teacher_untouched_an
 
 def test_a_shrunk_layer_is_matched_through_a_learned_projection_dropped_at_bake():
     student, teacher = digits_cnn(), digits_cnn()
-    shrunk = surgery.shrink(student, 0.5, example_inputs=batches(1)[0][0])
+    shrunk = surgery.shrink(student, 0.5, calibration=batches(1)[0][0])
     spec = DistillSpec(features=["conv2", "fc1"])
-    tuned = surgery.finetune(student, batches(), teacher=teacher, distill=spec, progress=False)
+    tuned = surgery.finetune(student, calibration=batches(), teacher=teacher, distill=spec, progress=False)
     widths = {name: tuple(p.weight.shape) for name, p in tuned.projections.items()}
     assert widths == {"conv2": (32, 16), "fc1": (64, 32)}  # student width -> teacher width
     assert tuned.projections["fc1"].weight.grad is not None or tuned.projections["fc1"].weight.abs().sum() > 32
@@ -77,7 +77,11 @@ def test_a_shrunk_layer_is_matched_through_a_learned_projection_dropped_at_bake(
     assert {n for n, _ in student.named_parameters()} == parameters  # nothing of the projections in the model
     shrunk.bake()
     matched = surgery.finetune(
-        student, batches(), teacher=teacher, distill=DistillSpec(features=["conv2"], widths="match"), progress=False
+        student,
+        calibration=batches(),
+        teacher=teacher,
+        distill=DistillSpec(features=["conv2"], widths="match"),
+        progress=False,
     )
     assert len(matched.projections) == 0 and matched.distilled == ["conv2"]
     matched.restore()
@@ -86,7 +90,9 @@ def test_a_shrunk_layer_is_matched_through_a_learned_projection_dropped_at_bake(
 def test_distillation_trains_through_quantization_aware_training():
     student, teacher = digits_cnn(), digits_cnn()
     quantized = surgery.quantize(student, weights=surgery.GridSpec(bits=4, symmetric=True), train=True)
-    tuned = surgery.finetune(student, batches(), teacher=teacher, distill={"temperature": 2.0}, progress=False)
+    tuned = surgery.finetune(
+        student, calibration=batches(), teacher=teacher, distill={"temperature": 2.0}, progress=False
+    )
     assert len(tuned.curve) == 2
     surgery.compose(quantized, tuned).restore()
 
@@ -100,7 +106,7 @@ def test_on_the_digits_cnn_pruned_to_90_percent_distillation_recovers_more_than_
         student, teacher = digits_cnn(), digits_cnn()
         surgery.prune(student, 0.9, scope="global")
         kwargs = {"teacher": teacher, "distill": DistillSpec()} if mode == "distill" else {}
-        surgery.finetune(student, train, epochs=1, lr=3e-3, progress=False, **kwargs)
+        surgery.finetune(student, calibration=train, epochs=1, lr=3e-3, progress=False, **kwargs)
         scores[mode] = accuracy(student, test)
     # measured (benchmarks/bench_recovery.py): 0.930 pruned, 0.983 fine-tuned, 0.992 distilled, 45 steps
     assert scores["distill"] > scores["fine-tune"] and scores["distill"] > 0.985, scores
@@ -126,7 +132,7 @@ def test_teachers_and_layers_that_do_not_fit_are_one_line_and_change_nothing(tea
     student = digits_cnn()
     before = snapshot(student)
     with pytest.raises(error, match=match):
-        surgery.finetune(student, batches(2), teacher=teacher(), distill=settings, progress=False)
+        surgery.finetune(student, calibration=batches(2), teacher=teacher(), distill=settings, progress=False)
     assert not snapshot_differences(before, snapshot(student))
     assert all(count == 0 for count in module_hook_counts(student).values())
 
@@ -134,12 +140,12 @@ def test_teachers_and_layers_that_do_not_fit_are_one_line_and_change_nothing(tea
 def test_a_teacher_that_is_the_student_or_missing_is_one_line():
     student = digits_cnn()
     with pytest.raises(ConfigError, match=r"^finetune.teacher='DigitsCNN': is the model being trained"):
-        surgery.finetune(student, batches(2), teacher=student, progress=False)
+        surgery.finetune(student, calibration=batches(2), teacher=student, progress=False)
     shallow = copy.copy(student)  # shares the parameters
     with pytest.raises(ConfigError, match=r"^finetune.teacher='DigitsCNN': shares 12 parameter"):
-        surgery.finetune(student, batches(2), teacher=shallow, progress=False)
+        surgery.finetune(student, calibration=batches(2), teacher=shallow, progress=False)
     with pytest.raises(ConfigError, match=r"^finetune.teacher: distillation learns from the uncompressed model"):
-        surgery.finetune(student, batches(2), distill={"temperature": 2.0}, progress=False)
+        surgery.finetune(student, calibration=batches(2), distill={"temperature": 2.0}, progress=False)
 
 
 def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line():
@@ -148,14 +154,16 @@ def test_a_feature_layer_running_twice_and_keywords_beside_a_spec_are_one_line()
     student, teacher = torchvision.models.resnet18(num_classes=4), torchvision.models.resnet18(num_classes=4)
     pairs = [(torch.randn(2, 3, 32, 32), torch.tensor([0, 1]))]
     with pytest.raises(ConfigError, match=r"^finetune.distill.features='layer1.0.relu': ran 2 times in one forward"):
-        surgery.finetune(student, pairs, teacher=teacher, distill={"features": ["layer1.0.relu"]}, progress=False)
+        surgery.finetune(
+            student, calibration=pairs, teacher=teacher, distill={"features": ["layer1.0.relu"]}, progress=False
+        )
     spec = surgery.FinetuneSpec()
-    with pytest.raises(
-        ConfigError, match=r"^finetune.distill=.*: is given beside a FinetuneSpec: set it in the spec"
-    ):
-        surgery.finetune(student, pairs, spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False)
+    with pytest.raises(ConfigError, match=r"^finetune.distill=.*: is given beside a FinetuneSpec: set it in the spec"):
+        surgery.finetune(
+            student, calibration=pairs, spec=spec, teacher=teacher, distill={"features": ["layer1"]}, progress=False
+        )
     with pytest.raises(ConfigError, match=r"^finetune.lr=5.0: is given beside a FinetuneSpec"):
-        surgery.finetune(student, pairs, spec, lr=5.0, progress=False)
+        surgery.finetune(student, calibration=pairs, spec=spec, lr=5.0, progress=False)
 
 
 def test_distilling_a_one_output_model_is_one_line_and_changes_nothing():
@@ -167,9 +175,11 @@ def test_distilling_a_one_output_model_is_one_line_and_changes_nothing():
     before = snapshot(student)
     pairs = [(x, y.float()[:, None]) for x, y in batches(2)]
     with pytest.raises(ConfigError, match=r"^finetune.distill.weight=0.5: distils the output, of shape \(32, 1\)"):
-        surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, progress=False)
+        surgery.finetune(student, calibration=pairs, teacher=teacher, loss=F.mse_loss, progress=False)
     assert not snapshot_differences(before, snapshot(student))
-    surgery.finetune(student, pairs, teacher=teacher, loss=F.mse_loss, distill={"weight": 0.0}, progress=False)
+    surgery.finetune(
+        student, calibration=pairs, teacher=teacher, loss=F.mse_loss, distill={"weight": 0.0}, progress=False
+    )
 
 
 def test_a_teacher_in_another_dtype_is_one_line_saying_which():
@@ -178,5 +188,5 @@ def test_a_teacher_in_another_dtype_is_one_line_saying_which():
     batches = [(torch.randn(2, 8), torch.tensor([0, 1]))]
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
     with pytest.raises(ConfigError, match=r"^finetune.teacher='Sequential': fails on the first .* torch.float64 and"):
-        surgery.finetune(student, batches, teacher=teacher, progress=False)
+        surgery.finetune(student, calibration=batches, teacher=teacher, progress=False)
     assert all(torch.equal(p, before[n]) for n, p in student.named_parameters())

@@ -27,7 +27,7 @@ def test_finetuning_with_masks_attached_keeps_them_and_restores_exactly(mlp, mlp
     scores = iter(range(100))
     tuned = finetune(
         mlp,
-        labelled(mlp_input),
+        calibration=labelled(mlp_input),
         epochs=2,
         lr=0.05,
         optimizer=optimizer,
@@ -55,7 +55,7 @@ def test_an_interrupted_finetune_puts_the_model_back_and_leaves_no_hook(mlp, mlp
         return nn.functional.cross_entropy(output, target)
 
     with pytest.raises(KeyboardInterrupt):
-        finetune(mlp, labelled(mlp_input), epochs=2, loss=loss, progress=False)
+        finetune(mlp, calibration=labelled(mlp_input), epochs=2, loss=loss, progress=False)
     assert snapshot_differences(after_pruning, snapshot(mlp)) == []  # the two steps taken are undone
     assert mlp.training is False
     pruned.restore()
@@ -64,7 +64,7 @@ def test_an_interrupted_finetune_puts_the_model_back_and_leaves_no_hook(mlp, mlp
 def test_a_diverging_loss_stops_with_one_line_and_the_model_put_back(mlp, mlp_input):
     before = snapshot(mlp)
     with pytest.raises(ConfigError, match=r"finetune\.lr=.*the loss became (nan|inf).*lower the learning rate"):
-        finetune(mlp, labelled(mlp_input), epochs=3, lr=1e30, optimizer="sgd", progress=False)
+        finetune(mlp, calibration=labelled(mlp_input), epochs=3, lr=1e30, optimizer="sgd", progress=False)
     assert snapshot_differences(before, snapshot(mlp)) == []
 
 
@@ -84,12 +84,12 @@ def test_a_diverging_loss_stops_with_one_line_and_the_model_put_back(mlp, mlp_in
 )
 def test_bad_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        finetune(mlp, labelled(mlp_input), progress=False, **kwargs)
+        finetune(mlp, calibration=labelled(mlp_input), progress=False, **kwargs)
 
 
 def test_batches_must_be_labelled_pairs(mlp, mlp_input):
-    with pytest.raises(ConfigError, match=r"finetune\.batches='Tensor': each batch must be an \(inputs, target\) pair"):
-        finetune(mlp, [mlp_input], progress=False)
+    with pytest.raises(ConfigError, match=r"finetune\.calibration='Tensor': each batch must be an \(inputs, target\) pair"):
+        finetune(mlp, calibration=[mlp_input], progress=False)
 
 
 def test_a_hugging_face_model_with_dict_inputs_finetunes_with_its_own_loss(tmp_path):
@@ -109,7 +109,7 @@ def test_a_hugging_face_model_with_dict_inputs_finetunes_with_its_own_loss(tmp_p
     masks = pruned.masks()
     ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(0))
     batches = [({"input_ids": ids, "labels": torch.tensor([0, 1, 0, 1])}, None)] * 3
-    tuned = finetune(model, batches, epochs=2, lr=1e-2, loss=lambda output, _: output.loss, progress=False)
+    tuned = finetune(model, calibration=batches, epochs=2, lr=1e-2, loss=lambda output, _: output.loss, progress=False)
     assert [p.step for p in tuned.curve] == [0, 3, 6]  # one point per epoch
     assert all(not model.get_parameter(n).detach()[~m].any() for n, m in masks.items())
     surgery.compose(pruned, tuned).restore()
@@ -125,7 +125,7 @@ def test_a_hugging_face_language_model_trains_with_the_default_loss_per_token():
     with torch.no_grad():
         logits = model(ids[:, :-1]).logits
     before = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 128), ids[:, 1:].reshape(-1)))
-    handle = finetune(model, batches, epochs=3, lr=1e-2, evaluate=lambda m: 0.0, progress=False)
+    handle = finetune(model, calibration=batches, epochs=3, lr=1e-2, evaluate=lambda m: 0.0, progress=False)
     assert handle.curve[0].loss is None and handle.curve[-1].loss < before
     handle.restore()
 
@@ -138,7 +138,7 @@ def test_a_run_longer_than_an_hour_at_the_first_step_s_pace_is_said_before_it_go
 
     monkeypatch.setattr(finetuning, "LONG_RUN", 0.0)  # every run is "long" here
     with caplog.at_level(logging.WARNING, logger="surgery"):
-        handle = finetune(mlp, labelled(mlp_input), epochs=2, lr=1e-3, optimizer="sgd", progress=False)
+        handle = finetune(mlp, calibration=labelled(mlp_input), epochs=2, lr=1e-3, optimizer="sgd", progress=False)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finetune: ")]
     assert len(said) == 1 and "steps will take about" in said[0] and "at the first step's pace" in said[0]
     handle.restore()

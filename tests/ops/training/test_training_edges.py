@@ -34,7 +34,7 @@ def test_pruning_under_quantization_aware_training_is_undone_last(mlp):
 def test_a_finetune_on_top_is_undone_before_the_surgery_it_trained_under(mlp, mlp_input):
     before = snapshot(mlp)
     pruned = surgery.prune(mlp, 0.5, progress=False)
-    tuned = surgery.finetune(mlp, pairs(mlp_input), progress=False)
+    tuned = surgery.finetune(mlp, calibration=pairs(mlp_input), progress=False)
     with pytest.raises(AlreadyModifiedError, match=r"prune: finetune was applied after it and is still attached"):
         pruned.restore()
     tuned.restore()
@@ -125,7 +125,7 @@ def test_an_interrupted_forward_inside_finetune_puts_the_real_parameters_back(ml
 
     try:
         with pytest.raises(KeyboardInterrupt):
-            surgery.finetune(model, pairs(mlp_input, 4), loss=loss, progress=False)
+            surgery.finetune(model, calibration=pairs(mlp_input, 4), loss=loss, progress=False)
     finally:
         Interrupting.armed = False
     assert isinstance(model[0].weight, nn.Parameter)
@@ -170,10 +170,10 @@ def test_finetune_fails_when_the_last_step_diverges_and_keeps_the_callers_gradie
     mlp(mlp_input).sum().backward()
     grads = [p.grad.clone() for p in mlp.parameters()]
     with pytest.raises(ConfigError, match=r"finetune\.lr=1e\+30: .* became NaN or Inf in training"):
-        surgery.finetune(mlp, pairs(mlp_input, 1), lr=1e30, optimizer="sgd", progress=False)
+        surgery.finetune(mlp, calibration=pairs(mlp_input, 1), lr=1e30, optimizer="sgd", progress=False)
     assert snapshot_differences(before, snapshot(mlp)) == []
     assert all(torch.equal(p.grad, g) for p, g in zip(mlp.parameters(), grads))
-    tuned = surgery.finetune(mlp, pairs(mlp_input), progress=False)
+    tuned = surgery.finetune(mlp, calibration=pairs(mlp_input), progress=False)
     assert all(torch.equal(p.grad, g) for p, g in zip(mlp.parameters(), grads))
     tuned.restore()
     mlp.zero_grad(set_to_none=True)
@@ -191,7 +191,10 @@ def test_finetune_restore_puts_learned_activation_ranges_back(mlp, mlp_input):
     expected = [t.clone() for t in surgery.testing.collect(mlp, [mlp_input])]
     scale = handle.activations["0"].scale.clone()
     tuned = surgery.finetune(
-        mlp, [(mlp_input * 5, torch.zeros(mlp_input.shape[0], dtype=torch.long))] * 3, lr=0.01, progress=False
+        mlp,
+        calibration=[(mlp_input * 5, torch.zeros(mlp_input.shape[0], dtype=torch.long))] * 3,
+        lr=0.01,
+        progress=False,
     )
     assert not torch.equal(handle.activations["0"].scale, scale)
     tuned.restore()
