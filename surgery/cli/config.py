@@ -16,23 +16,12 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 from surgery.analysis.attribution import AttributionSpec
 from surgery.cli.fields import one_of, positive_int
 from surgery.cli.steps import STEPS, step_named
-from surgery.cli.steps.awq import AwqConfig
-from surgery.cli.steps.finetune import FinetuneConfig
-from surgery.cli.steps.kv_cache import KvCacheConfig
-from surgery.cli.steps.plan import PlanConfig
-from surgery.cli.steps.prune import PruneConfig
-from surgery.cli.steps.quantize import QuantizeConfig
-from surgery.cli.steps.rotate import RotateConfig
-from surgery.cli.steps.sensitivity import SensitivityConfig
-from surgery.cli.steps.shrink import ShrinkConfig
-from surgery.cli.steps.smooth import SmoothConfig
 from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.hf_loading import check_tokenizer_folder
 from surgery.core.importing import import_module_named
 from surgery.core.inputs import present_device
 from surgery.ops.export.exporting import EXPORT_FORMATS
 from surgery.ops.planning.budget import ALLOWED as BUDGET_ALLOWED
-from surgery.ops.rewrite.rewriting import RewriteSpec
 from surgery.tasks import task_named
 from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER
 from surgery.tasks.tinymoe import FOLDER as TINYMOE_FOLDER
@@ -389,11 +378,19 @@ class ObjectiveConfig:
             raise ConfigError("objective.penalty", self.penalty, "must be a positive number")
 
 
+BUILT_IN_STEPS = tuple(STEPS.names())  # registered by surgery.cli.steps, before any plugin's
+StepSections = dataclasses.make_dataclass(  # a field per built-in step, its settings or None
+    "StepSections",
+    [(name, typing.Optional[STEPS.get(name).settings], field(default=None)) for name in BUILT_IN_STEPS],  # noqa: UP045
+)
+
+
 @dataclass
-class RunConfig:
+class RunConfig(StepSections):  # type: ignore[valid-type, misc]
     """One run of a recipe: build ``model`` (with ``build`` rules), apply ``steps`` in order,
-    check, report, export. Each built-in step's settings are the field of its name; a step a
-    ``plugins`` module registers keeps its settings in ``step_settings``."""
+    check, report, export. Each built-in step's settings are the field of its name (a field per
+    registered built-in step, from :data:`StepSections`); a step a ``plugins`` module registers
+    keeps its settings in ``step_settings``."""
 
     recipe: str = "custom"
     seed: int = 0
@@ -402,17 +399,6 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     build: list[BuildRuleConfig] = field(default_factory=list)
     steps: list[str] = field(default_factory=list)
-    prune: PruneConfig | None = None
-    quantize: QuantizeConfig | None = None
-    rewrite: RewriteSpec | None = None
-    smooth: SmoothConfig | None = None
-    awq: AwqConfig | None = None  # AWQ scales (and clipping) before a quantize step
-    rotate: RotateConfig | None = None  # Hadamard rotations of a Llama's residual stream, before quantize
-    kv_cache: KvCacheConfig | None = None  # the keys and values attention caches, quantized
-    finetune: FinetuneConfig | None = None
-    shrink: ShrinkConfig | None = None
-    sensitivity: SensitivityConfig | None = None  # per-layer sensitivity table and amounts (recipe=sensitivity)
-    plan: PlanConfig | None = None  # a choice per layer within one budget (recipe=plan_llama)
     budget: Any = None  # a recipe's plan budget, interpolated into plan.budget (budget=4.5bpw)
     step_settings: dict[str, Any] = field(default_factory=dict)  # settings of plugin steps, by step name
     inspect: bool = False
@@ -501,21 +487,6 @@ class RunConfig:
                     name,
                     f"needs {'labelled' if part == 'accuracy' else 'tinylm'} data and data.kind is {self.data.kind!r}",
                 )
-
-
-BUILT_IN_STEPS = (
-    "prune",
-    "quantize",
-    "rewrite",
-    "smooth",
-    "awq",
-    "rotate",
-    "kv_cache",
-    "finetune",
-    "shrink",
-    "sensitivity",
-    "plan",
-)
 
 
 INT64 = (-(1 << 63), (1 << 63) - 1)

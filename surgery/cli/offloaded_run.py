@@ -100,9 +100,9 @@ def _apply(
             for name in config.steps:
                 raise_pending()  # a safe point for an interrupt: between steps
                 run = StepRun(config, step_calibration(config, name), None, folder, None, inputs, data, metric)
-                work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
+                run.work = None if config.model.offload_folder is None else Path(config.model.offload_folder) / name
                 steps.append(step_named(name))
-                handles.append(steps[-1].apply_offloaded(source, config.settings(name), run, work))
+                handles.append(steps[-1].apply(source, config.settings(name), run))
     except BaseException:
         for handle in reversed(handles):
             handle.restore()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
@@ -12,7 +11,6 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.awq import AwqSpec, awq
 from surgery.ops.numerics.observers import GridSpec
-from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)
@@ -36,10 +34,7 @@ class AwqStep(Step):
     name, settings, offloadable = "awq", AwqConfig, True
 
     def apply(self, model: nn.Module, settings: AwqConfig, run: StepRun) -> Handle:
-        return awq(model, settings, calibration=run.calibration)
-
-    def apply_offloaded(self, source: Offloaded, settings: AwqConfig, run: StepRun, work: Path | None) -> Handle:
-        return awq(source, settings, calibration=run.calibration, work=work)
+        return awq(model, settings, calibration=run.calibration, work=run.work)
 
     def calibration(self, settings: AwqConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="awq")

@@ -46,6 +46,7 @@ class StepRun:
     data: Any = None  # the evaluation Data (inputs, labels)
     metric: tuple[str, Callable[[nn.Module], float], bool] | None = None  # the task's (name, evaluate, higher
     # is better) on the evaluation batches; None: the task has no metric (output drift measures)
+    work: Path | None = None  # an offloaded run: where the step writes its finished blocks (None: a temporary folder)
 
 
 class Step:
@@ -69,21 +70,17 @@ class Step:
     settings: ClassVar[type] = object
     changes_model: ClassVar[bool] = True  # False: it measures (sensitivity); the checks do not run it again
     needs_labels: ClassVar[bool] = False  # it trains on labelled data (finetune)
-    offloadable: ClassVar[bool] = False  # apply_offloaded runs it on an offloaded model (model.offload=true)
+    offloadable: ClassVar[bool] = False  # apply also takes an offloaded model (model.offload=true; run.work)
     outputs: ClassVar[tuple[str, ...]] = ()  # every file it may write into a run's folder (plots, plans)
 
     def __call__(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         return self.apply(model, settings, run)
 
     def apply(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
-        """Change ``model`` in place and return the handle that undoes it."""
+        """Change ``model`` in place and return the handle that undoes it. With ``offloadable``,
+        ``model`` may be an offloaded model's handle (:func:`surgery.offloaded`), worked on block
+        by block, finished blocks written to ``run.work``: a verb given ``work=run.work`` does so."""
         raise NotImplementedError(f"step {self.name!r} does not implement apply()")
-
-    def apply_offloaded(self, source: Any, settings: Any, run: StepRun, work: Path | None) -> Handle:
-        """Apply the step to an offloaded model (:func:`surgery.offloaded`'s handle) block by
-        block, finished blocks written to ``work`` (None: a temporary folder); set
-        ``offloadable`` when overriding."""
-        raise ConfigError("steps", self.name, "does not run on an offloaded model (model.offload=true)")
 
     def neutral(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         """The same step with settings that change no output (the ``identity`` check):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -76,12 +75,9 @@ class PruneStep(Step):
     name, settings, offloadable, outputs = "prune", PruneConfig, True, (OWL_ALLOCATION,)
 
     def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
-        gradients = settings.criterion.needs_gradients
+        loss = classification_loss if settings.criterion.needs_gradients else None
         settings = _with_owl_amounts(model, settings, run)
-        return prune(model, settings, calibration=run.calibration, loss=classification_loss if gradients else None)
-
-    def apply_offloaded(self, source: Offloaded, settings: PruneConfig, run: StepRun, work: Path | None) -> Handle:
-        return prune(source, _with_owl_amounts(source, settings, run), calibration=run.calibration, work=work)
+        return prune(model, settings, calibration=run.calibration, loss=loss, work=run.work)
 
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}

@@ -14,30 +14,28 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.experts.expert_pruning import ExpertPruneHandle, prune_experts, remove_experts
-from surgery.ops.experts.expert_scores import EXPERT_CRITERIA
+from surgery.ops.experts.expert_pruning import ExpertPruneHandle, PruneExpertsSpec, prune_experts, remove_experts
 from surgery.ops.experts.layouts import fused_experts
 
 
 @dataclass(frozen=True)
-class PruneExpertsConfig:
-    """``prune_experts:``: the share (``0 < amount < 1``) or count (an integer) of each layer's
-    experts removed, the criterion scoring them (``reap``, ``frequency``, ``random`` or a
-    registered one), the seed of ``random``, and the calibration batches scored on."""
+class PruneExpertsConfig(PruneExpertsSpec):
+    """``prune_experts:``: the fields of :class:`~surgery.PruneExpertsSpec` (the share,
+    ``0 < amount < 1``, or count, an integer, of each layer's experts removed; the criterion
+    scoring them, ``reap``, ``frequency``, ``random`` or a registered one; the seed of
+    ``random``), and the calibration batches scored on."""
 
-    amount: float = 0.25
-    criterion: str = "reap"
-    seed: int = 0
+    amount: float = 0.25  # the command line reads every number as a float: 2.0 is a count
     calibration_batches: int = 8
 
     def __post_init__(self) -> None:
-        EXPERT_CRITERIA.get(self.criterion)
         if isinstance(self.amount, bool) or not isinstance(self.amount, (int, float)) or self.amount <= 0:
             raise ConfigError(
                 "prune_experts.amount", self.amount, "must be a fraction in (0, 1) or a count of experts >= 1"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError("prune_experts.seed", self.seed, "must be an integer")
+        super().__post_init__()
         positive_int("prune_experts.calibration_batches", self.calibration_batches)
 
 
@@ -49,9 +47,8 @@ class PruneExpertsStep(Step):
     def apply(self, model: nn.Module, settings: PruneExpertsConfig, run: StepRun) -> Handle:
         amount = settings.amount  # the command line reads every number as a float: 2.0 is a count
         amount = int(amount) if float(amount).is_integer() else amount
-        return prune_experts(
-            model, amount, calibration=run.calibration, criterion=settings.criterion, seed=settings.seed
-        )
+        spec = PruneExpertsSpec(amount, settings.criterion, settings.seed)
+        return prune_experts(model, spec, calibration=run.calibration)
 
     def calibration(self, settings: PruneExpertsConfig) -> Calibration | None:
         if settings.criterion == "random":

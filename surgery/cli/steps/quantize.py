@@ -15,7 +15,7 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.observers import GridSpec
-from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.quantization.qparams import QuantizeHandle
 from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
 from surgery.ops.quantization.storage import weight_storage
 from surgery.ops.quantization.targets import deploy_target
@@ -41,13 +41,10 @@ class QuantizeStep(Step):
     name, settings, offloadable = "quantize", QuantizeConfig, True
 
     def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
-        handle = quantize(model, settings, calibration=run.calibration)
-        if handle.weights:  # measured now: the checks bake the handle (a MoE's per-expert layers fold back)
+        handle = quantize(model, settings, calibration=run.calibration, work=run.work)
+        if isinstance(handle, QuantizeHandle) and handle.weights:  # measured now: the checks bake the handle
             handle.storage = weight_storage(handle)
         return handle
-
-    def apply_offloaded(self, source: Offloaded, settings: QuantizeConfig, run: StepRun, work: Path | None) -> Handle:
-        return quantize(source, settings, calibration=run.calibration, work=work)
 
     def calibration(self, settings: QuantizeConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None

@@ -4,35 +4,29 @@ residual stream) with a recipe's ``rotate:`` settings, before ``quantize``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.equivalence.learned_rotation import LearnSpec
-from surgery.ops.equivalence.rotation import rotate
-from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.equivalence.rotation import RotateSpec, rotate
 
 
 @dataclass(frozen=True)
-class RotateConfig:
-    """``rotate:``: the random signs' ``seed``, ``online`` (refused here: see below), the
-    calibration batches the first of which traces the stream's readers and checks the outputs,
-    and ``learn`` (null, true, or a dict of :class:`LearnSpec`'s fields: the rotation trained on
-    every calibration batch through the quantized forward, SpinQuant's R1 and R2)."""
+class RotateConfig(RotateSpec):
+    """``rotate:``: the fields of :class:`~surgery.RotateSpec` (the random signs' ``seed``,
+    ``online``, refused here: see below, and ``learn``: null, true, or a dict of
+    :class:`~surgery.LearnSpec`'s fields, the rotation trained on every calibration batch through
+    the quantized forward, SpinQuant's R1 and R2), and the calibration batches, the first of which
+    traces the stream's readers and checks the outputs."""
 
-    seed: int = 0
     online: bool = False
     calibration_batches: int = 1
-    learn: Any = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigTypeError("rotate.seed", self.seed, "must be an integer")
+        super().__post_init__()
         if self.online is not False:
             raise ConfigError(
                 "rotate.online",
@@ -41,7 +35,6 @@ class RotateConfig:
                 "model; rotate with online=false here, or call surgery.rotate(online=True) from Python",
             )
         positive_int("rotate.calibration_batches", self.calibration_batches)
-        object.__setattr__(self, "learn", LearnSpec.of(self.learn))
 
 
 class RotateStep(Step):
@@ -51,11 +44,8 @@ class RotateStep(Step):
     name, settings, offloadable = "rotate", RotateConfig, True
 
     def apply(self, model: nn.Module, settings: RotateConfig, run: StepRun) -> Handle:
-        return rotate(model, calibration=run.calibration, seed=settings.seed, online=False, learn=settings.learn)
-
-    def apply_offloaded(self, source: Offloaded, settings: RotateConfig, run: StepRun, work: Path | None) -> Handle:
         return rotate(
-            source, calibration=run.calibration, seed=settings.seed, online=False, learn=settings.learn, work=work
+            model, RotateSpec(settings.seed, False, settings.learn), calibration=run.calibration, work=run.work
         )
 
     def calibration(self, settings: RotateConfig) -> Calibration | None:

@@ -87,15 +87,8 @@ class SensitivityStep(Step):
         return None
 
     def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
-        handle = Handle(self.name, model)
-        handle.result = _measure(model, settings, run)
-        return handle
-
-    def apply_offloaded(
-        self, source: Offloaded, settings: SensitivityConfig, run: StepRun, work: Path | None
-    ) -> Handle:
-        handle = Handle(self.name, source.model)
-        handle.result = _measure(source, settings, run)  # each trial compresses one block, then restores it
+        handle = Handle(self.name, model.model if isinstance(model, Offloaded) else model)
+        handle.result = _measure(model, settings, run)  # offloaded: each trial compresses one block, then restores it
         return handle
 
     def calibration(self, settings: SensitivityConfig) -> Calibration | None:

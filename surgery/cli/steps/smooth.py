@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch import nn
 
@@ -11,7 +10,6 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.smoothing import SmoothSpec, smooth
-from surgery.ops.offload.offloading import Offloaded
 
 
 @dataclass(frozen=True)
@@ -33,10 +31,7 @@ class SmoothStep(Step):
     name, settings, offloadable = "smooth", SmoothConfig, True
 
     def apply(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
-        return smooth(model, settings, calibration=run.calibration)
-
-    def apply_offloaded(self, source: Offloaded, settings: SmoothConfig, run: StepRun, work: Path | None) -> Handle:
-        return smooth(source, settings, calibration=run.calibration, work=work)
+        return smooth(model, settings, calibration=run.calibration, work=run.work)
 
     def neutral(self, model: nn.Module, settings: SmoothConfig, run: StepRun) -> Handle:
         """Smoothing keeps outputs only up to float rounding, and the identity check asks for
