@@ -37,11 +37,12 @@ from surgery.ops.build.intercept import (
     intercept,
 )
 from surgery.ops.equivalence.awq import AwqHandle, AwqSpec, awq
-from surgery.ops.equivalence.rotation import RotateHandle, rotate
+from surgery.ops.equivalence.learned_rotation import LearnSpec
+from surgery.ops.equivalence.rotation import RotateHandle, RotateSpec, rotate
 from surgery.ops.equivalence.smoothing import SmoothHandle, SmoothSpec, smooth
-from surgery.ops.experts.expert_pruning import ExpertPruneHandle, prune_experts, register_router
+from surgery.ops.experts.expert_pruning import ExpertPruneHandle, PruneExpertsSpec, prune_experts, register_router
 from surgery.ops.experts.expert_scores import ExpertStats, register_expert_criterion
-from surgery.ops.experts.linearizing import LinearExpertsHandle, linear_experts
+from surgery.ops.experts.linearizing import LinearExpertsHandle, LinearExpertsSpec, linear_experts
 from surgery.ops.experts.routing import tokens_per_expert
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
 from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
@@ -52,13 +53,13 @@ from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
 from surgery.ops.planning.choices import Choice, register_choice
 from surgery.ops.planning.gguf_mixes import gguf_mix
-from surgery.ops.planning.planning import plan
+from surgery.ops.planning.planning import PlanSpec, plan
 from surgery.ops.planning.plans import Plan
-from surgery.ops.quantization.kv_cache import kv_cache_bytes, quantize_kv_cache
-from surgery.ops.quantization.low_rank_branch import LowRankBranchHandle, low_rank_branch
+from surgery.ops.quantization.kv_cache import KvCacheSpec, kv_cache_bytes, quantize_kv_cache
+from surgery.ops.quantization.low_rank_branch import LowRankBranchHandle, LowRankSpec, low_rank_branch
 from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
-from surgery.ops.sensitivity.sensitivity import Sensitivity, sensitivity
+from surgery.ops.sensitivity.sensitivity import Sensitivity, SensitivitySpec, sensitivity
 from surgery.ops.shrink.heads import HeadLayout, register_heads
 from surgery.ops.shrink.rebuilding import rebuild
 from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, register_importance, shrink
@@ -132,10 +133,12 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "InterceptLog",
     # experts: a mixture-of-experts layer's experts as layers of their own
     "linear_experts",
+    "LinearExpertsSpec",
     "LinearExpertsHandle",
     "every_expert_calibrated",
     "tokens_per_expert",
     "prune_experts",
+    "PruneExpertsSpec",
     "ExpertPruneHandle",
     "register_expert_criterion",
     "ExpertStats",
@@ -167,12 +170,16 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "AwqHandle",
     "rotate",
     "RotateHandle",
+    "RotateSpec",
+    "LearnSpec",
     # quantization
     "quantize",
     "QuantizeSpec",
     "QuantizeHandle",
     "quantize_kv_cache",
+    "KvCacheSpec",
     "low_rank_branch",
+    "LowRankSpec",
     "LowRankBranchHandle",
     "kv_cache_bytes",
     # training
@@ -186,9 +193,11 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "register_export_format",
     # sensitivity
     "sensitivity",
+    "SensitivitySpec",
     "Sensitivity",
     # planning: one budget across every knob
     "plan",
+    "PlanSpec",
     "gguf_mix",
     "Plan",
     "Choice",

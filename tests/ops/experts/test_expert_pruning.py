@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
+from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.ops.experts.expert_pruning import prune_experts, remove_experts
 from surgery.ops.experts.expert_scores import EXPERT_CRITERIA, register_expert_criterion
 from surgery.ops.experts.linearizing import linear_experts

@@ -88,7 +88,9 @@ def test_bad_settings_are_one_line_errors(mlp, mlp_input, kwargs, match):
 
 
 def test_batches_must_be_labelled_pairs(mlp, mlp_input):
-    with pytest.raises(ConfigError, match=r"finetune\.calibration='Tensor': each batch must be an \(inputs, target\) pair"):
+    with pytest.raises(
+        ConfigError, match=r"finetune\.calibration='Tensor': each batch must be an \(inputs, target\) pair"
+    ):
         finetune(mlp, calibration=[mlp_input], progress=False)
 
 
