@@ -6,7 +6,8 @@ spec is refused naming it), old spellings mapped with a warning, the calibration
 checked present, an offloaded model dispatched to the verb's offloaded handler, a
 ``torch.compile`` wrapper unwrapped, and a mixture-of-experts model's fused experts made
 per-expert layers for the handler's time by the opening the verb names (folded back if it
-fails: its rollback).
+fails: its rollback); afterwards, the memory its temporaries freed goes back to the system
+(:mod:`surgery.core.allocator`).
 
 Example:
     >>> @dataclass(frozen=True)
@@ -33,6 +34,7 @@ from typing import Any
 from torch import nn
 
 from surgery.core import compiled
+from surgery.core.allocator import give_back_freed_memory
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.registry import Registry
 
@@ -81,6 +83,13 @@ class Verb:
 
     def __call__(self, model: Any, *args: Any, **keywords: Any) -> Any:
         spec, call = self.settle(args, keywords)
+        try:
+            return self._run(model, spec, call)
+        finally:  # the handler's temporaries are freed: their pages go back to the system
+            give_back_freed_memory()
+
+    def _run(self, model: Any, spec: Any, call: VerbCall) -> Any:
+        """Dispatch an offloaded model, unwrap a compiled one, open the experts, run the handler."""
         if isinstance(model, OffloadedSource):
             if self.offloaded is None:
                 raise ConfigError(

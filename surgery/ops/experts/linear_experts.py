@@ -93,6 +93,7 @@ class LinearExperts(nn.ModuleList):
         self.__dict__["_gating"] = gating
         self.register_state_dict_post_hook(_fused_state)  # saved while attached: the model's own keys
         self.register_load_state_dict_pre_hook(_split_state)
+        self.fused_shapes: dict[str, torch.Size] = {}  # the fused parameters' shapes, by name
         self.routed = [0] * len(experts)  # tokens the router sent to each expert so far
         self.seen = [0] * len(experts)  # tokens each expert ran on so far (all of them, calibrating every expert)
 
@@ -117,7 +118,9 @@ class LinearExperts(nn.ModuleList):
             )
             for e in range(layout.num_experts)
         ]
-        return cls(experts, layout, gating)
+        linear = cls(experts, layout, gating)
+        linear.fused_shapes = {name: tensors[name].shape for name in names}
+        return linear
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         count = len(self)

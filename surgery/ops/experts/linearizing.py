@@ -14,14 +14,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from surgery.core._compat import module_has_hooks, module_hooks
+from surgery.core.allocator import give_back_freed_memory
 from surgery.core.errors import AlreadyModifiedError, ConfigError, NoCalibrationInputError
 from surgery.core.handles import Handle, attached_after
 from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.layouts import check_splittable, fused_experts
-from surgery.ops.experts.linear_experts import LinearExperts
+from surgery.ops.experts.linear_experts import LinearExperts, split_tensors
 from surgery.ops.experts.routing import check_tokens, since, tokens_per_expert
 
 log = logging.getLogger("surgery")
@@ -140,8 +141,13 @@ def linearized(model: nn.Module) -> Iterator[list[str]]:
         fold_back(swapped)
 
 
-def linearize(model: nn.Module) -> list[Swapped]:
-    """Swap every fused experts module of ``model`` for :class:`LinearExperts` (all or none)."""
+def linearize(model: nn.Module, *, release: bool = True) -> list[Swapped]:
+    """Swap every fused experts module of ``model`` for :class:`LinearExperts` (all or none).
+
+    With ``release`` (what verbs do), the experts are then held once: the fused parameters give
+    up their storage while the per-expert layers stand in (the same ``Parameter`` objects take the
+    weights again in :func:`fold_back`); without it, the fused module keeps its tensors (a shrink
+    puts them back as they were)."""
     found = fused_experts(model)
     for name, layout in found.items():
         check_splittable(name, layout, model.get_submodule(name))
@@ -154,12 +160,22 @@ def linearize(model: nn.Module) -> list[Swapped]:
             parent, local = _parent(model, name)
             setattr(parent, local, linear)
             swapped.append((name, parent, local, fused, linear))
+            if release:
+                _release(fused, linear)
     except BaseException:
         fold_back(swapped)
         raise
     if swapped:
         log.debug("%d experts module(s) made per-expert layers: %s", len(swapped), ", ".join(found))
     return swapped
+
+
+def _release(fused: nn.Module, linear: LinearExperts) -> None:
+    """Free the storage of ``fused``'s parameters (the per-expert layers hold their values now)."""
+    with torch.no_grad():
+        for attr in linear.fused_shapes:
+            param = getattr(fused, attr)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _own(handle: Handle, swapped: list[Swapped]) -> None:
@@ -176,20 +192,51 @@ def _own(handle: Handle, swapped: list[Swapped]) -> None:
 def fold_back(swapped: list[Swapped]) -> None:
     """Write each :class:`LinearExperts`' weights into its fused module and put that back, last first.
 
-    Every tensor is computed before any is written, so a failure leaves the model as it was."""
-    planned = [(parent, local, fused, linear.fused_tensors()) for _, parent, local, fused, linear in swapped]
-    for parent, local, fused, tensors in reversed(planned):
+    Every shape is checked before anything is written, so a layer that changed shape leaves the
+    model as it was; then each fused parameter is written expert by expert, one tensor at a time
+    (never the whole of a module's experts twice)."""
+    for _, _, local, _, linear in swapped:
+        _check_shapes(local, linear)
+    for _, parent, local, fused, linear in reversed(swapped):
         with torch.no_grad():
-            for attr, value in tensors.items():
-                param = getattr(fused, attr)
-                if param.shape != value.shape:
-                    raise ConfigError(
-                        "experts", f"{local}.{attr}", f"now has shape {tuple(value.shape)}, not {tuple(param.shape)}"
-                    )
-                if param.device != value.device or param.dtype != value.dtype:
-                    param.data = torch.empty_like(value)
-                param.copy_(value)
+            targets = {
+                attr: _writable(getattr(fused, attr), shape, linear) for attr, shape in linear.fused_shapes.items()
+            }
+            views = split_tensors(linear.layout, targets)
+            for key, layer in linear.named_parameters():
+                if key in views:
+                    views[key].copy_(layer)
         setattr(parent, local, fused)
+        _release_layers(linear)
+    give_back_freed_memory()
+
+
+def _release_layers(linear: LinearExperts) -> None:
+    """Free the per-expert layers' storage once the fused module holds their values again (the
+    handle that made them keeps them referenced; their values live on in the fused parameters)."""
+    with torch.no_grad():
+        for param in linear.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _writable(param: nn.Parameter, shape: torch.Size, linear: LinearExperts) -> Tensor:
+    """``param`` ready to take the layers' values: its own storage, or new storage (of the layers'
+    dtype and device) where it was released or the model moved since."""
+    layer = next(linear.parameters())
+    if param.shape != shape or param.dtype != layer.dtype or param.device != layer.device:
+        param.data = torch.empty(shape, dtype=layer.dtype, device=layer.device)
+    return param
+
+
+def _check_shapes(local: str, linear: LinearExperts) -> None:
+    """Refuse, before anything is written, a per-expert layer whose shape no longer fits its fused parameter."""
+    shapes = {attr: torch.empty(shape, device="meta") for attr, shape in linear.fused_shapes.items()}
+    expected = split_tensors(linear.layout, shapes)
+    for key, layer in linear.named_parameters():
+        if key in expected and layer.shape != expected[key].shape:
+            raise ConfigError(
+                "experts", f"{local}.{key}", f"now has shape {tuple(layer.shape)}, not {tuple(expected[key].shape)}"
+            )
 
 
 def _check_nothing_on_top(owner: Handle) -> None:

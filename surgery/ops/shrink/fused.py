@@ -23,7 +23,7 @@ def shrink_experts(model: nn.Module, run: Callable[[], ShrinkHandle]) -> ShrinkH
     """Run a shrink (``run``) with ``model``'s fused experts made per-expert layers, then give the
     fused modules the smaller tensors; without fused experts, just ``run()``."""
     original = fingerprint(model)  # a structure is sealed with the model as its constructor builds it
-    swapped = linearize(model)
+    swapped = linearize(model, release=False)  # a shrink puts the fused tensors back as they were
     if not swapped:
         return run()
     try:
