@@ -27,6 +27,10 @@ Rows:
   made on first use in ``benchmarks/.venv-llmcompressor`` (torch 2.13.0+cpu from the PyTorch
   CPU index).
 
+With ``--attach``, the rows of :mod:`attach_memory` instead: what a verb's attach holds beyond
+the model (dense and a 64-expert MoE, RTN and GPTQ, originals in memory and on disk) beside
+llm-compressor, in children without the command line's allocator setting.
+
 A script, not a test: it asserts nothing.
 """
 
@@ -40,7 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_venvs import peer_python  # beside this script
+import attach_memory  # beside this script
+from peer_venvs import peer_python
 
 HERE = Path(__file__).resolve().parent
 HIDDEN = 2048  # TinyLlama's; --hidden measures another width (MLP 2.75x, heads of 64, 8 per key/value head)
@@ -196,6 +201,48 @@ def measure(kind: str, layers: int, hidden: int = HIDDEN) -> dict:
     return json.loads(found.stdout.strip().splitlines()[-1])
 
 
+ATTACH_ROWS = {
+    "surgery RTN, originals in memory": ("rtn", "memory"),
+    "surgery RTN, originals on disk": ("rtn", "disk"),
+    "llm-compressor 0.14 RTN (QuantizationModifier)": ("rtn", "llmcompressor"),
+    "surgery GPTQ, originals in memory": ("gptq", "memory"),
+    "surgery GPTQ, originals on disk": ("gptq", "disk"),
+    "llm-compressor 0.14 GPTQ (sequential)": ("gptq", "llmcompressor"),
+}
+
+
+def measure_attach(model: str, method: str, originals: str) -> dict:
+    """One attach row in a child (llm-compressor's in its venv), the C library's allocator as it comes."""
+    python = peer_python("llmcompressor") if originals == "llmcompressor" else Path(sys.executable)
+    found = subprocess.run(
+        [str(python), __file__, "--attach-row", model, method, originals],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{HERE.parent}:{HERE}", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    if found.returncode != 0:
+        raise RuntimeError(f"{model} {method} {originals} failed:\n{found.stderr[-2000:]}")
+    return json.loads(found.stdout.strip().splitlines()[-1])
+
+
+def attach_rows(json_path: Path | None) -> None:
+    results: dict[str, dict] = {}
+    for name, (method, originals) in ATTACH_ROWS.items():
+        results[name] = {}
+        for model in attach_memory.MODELS:
+            try:
+                results[name][model] = row = measure_attach(model, method, originals)
+            except RuntimeError as err:  # a peer that cannot run a row: said, and the table goes on
+                print(f"{name}, {model}: {str(err).splitlines()[-1]}", flush=True)
+                continue
+            ratio = row["grown"] / row["changed"]
+            print(f"{name}, {model}: grew {row['grown'] / 1e6:.0f} MB = {ratio:.2f}x the changed bytes", flush=True)
+    print(attach_memory.table(results))
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2))
+
+
 def table(results: dict[str, dict[int, dict]], depths: list[int]) -> str:
     """Per depth: the peak beyond the built model ÷ the model's bytes, and seconds per block; then
     the whole resident cost (the peak, plus the model's weights where it is in memory) as a line
@@ -231,11 +278,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--rows", nargs="*", default=list(ROWS.values()), help="memory, disk, offloaded, llmcompressor")
     parser.add_argument("--table", type=Path, help="print the table of a --json file and stop")
+    parser.add_argument("--attach", action="store_true", help="what attaching holds beyond the model (dense, MoE)")
+    parser.add_argument("--attach-row", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width (2048: TinyLlama's)")
     parser.add_argument("--depths", type=int, nargs="*", help="layer counts to measure (default 2 6, --full: 2 6 22)")
     args = parser.parse_args()
+    if args.attach_row:
+        print(json.dumps(attach_memory.run(*args.attach_row)))
+        return
+    if args.attach:
+        attach_rows(args.json)
+        return
     if args.row:
         print(json.dumps(run_row(args.row, args.layers, args.hidden)))
         return

@@ -16,7 +16,16 @@ HERE = Path(__file__).resolve().parent
 # folder -> pip installs, in order (llm-compressor pins torch <= 2.14.0; auto-round 0.16 runs on 2.14.1)
 VENVS: dict[str, tuple[list[str], ...]] = {
     "llmcompressor": (
-        ["torch==2.13.0+cpu", "--index-url", "https://download.pytorch.org/whl/cpu"],
+        # the CPU build: from PyTorch's index, or a mirror of it (the index unreachable: tried once, quickly)
+        [
+            "torch==2.13.0+cpu",
+            "--extra-index-url",
+            "https://download.pytorch.org/whl/cpu",
+            "--retries",
+            "0",
+            "--timeout",
+            "5",
+        ],
         ["llmcompressor==0.14.0.1"],
     ),
     "auto_round": (["torch==2.14.1", "auto-round==0.16.1"],),
