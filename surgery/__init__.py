@@ -46,8 +46,9 @@ from surgery.ops.experts.linearizing import LinearExpertsHandle, LinearExpertsSp
 from surgery.ops.experts.routing import tokens_per_expert
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
 from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
+from surgery.ops.numerics.grid import GridSpec, ObservedRange, register_observer
 from surgery.ops.numerics.number_formats import NumberFormat, register_number_format
-from surgery.ops.numerics.observers import GridSpec, NonFiniteError, ObservedRange, register_observer
+from surgery.ops.numerics.observers import NonFiniteError
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.offload.offloaded_compression import OffloadedCompression
 from surgery.ops.offload.offloading import Offloaded, offloaded
@@ -76,7 +77,7 @@ def __getattr__(name: str) -> object:
     if name in ("QuantSpec", "OwlPlan"):
         import warnings
 
-        from surgery.ops.numerics.observers import DEPRECATED_QUANTSPEC
+        from surgery.ops.numerics.grid import DEPRECATED_QUANTSPEC
         from surgery.ops.sparsity.owl import DEPRECATED_OWLPLAN
 
         renamed = {"QuantSpec": (GridSpec, DEPRECATED_QUANTSPEC), "OwlPlan": (OwlAllocation, DEPRECATED_OWLPLAN)}

@@ -97,13 +97,10 @@ def wrong_way_family_imports() -> list[str]:
     return problems
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The surgery modules ``path`` imports when it runs (lazy imports too; ``if TYPE_CHECKING:``
-    blocks, which never run, left out)."""
+def surgery_imports(path: Path) -> set[str]:
+    """The surgery modules ``path`` imports: at the top, lazily, and for type checking alone (a
+    circle of type-only imports is a circle of concerns all the same)."""
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
-            node.body = []
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("surgery"):
@@ -119,7 +116,7 @@ def import_cycles() -> list[list[str]]:
         ".".join(("surgery", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
         for path in PACKAGE.rglob("*.py")
     }
-    edges = {name: {m for m in runtime_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    edges = {name: {m for m in surgery_imports(path) if m in modules and m != name} for name, path in modules.items()}
     cycles, state = [], {}
 
     def visit(name: str, trail: list[str]) -> None:

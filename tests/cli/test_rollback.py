@@ -38,7 +38,8 @@ from surgery.core import guards
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.handles import Handle
 from surgery.ops.build import rules
-from surgery.ops.numerics.observers import GridSpec, Observer
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import Observer
 from surgery.ops.quantization import quantization
 from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.ops.rewrite.rewriting import Clamp

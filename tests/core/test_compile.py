@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import surgery
 from surgery import GridSpec
 from surgery.core import compiled
-from surgery.ops.numerics.observers import fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
 from surgery.ops.rewrite import rewriting as rw
 from surgery.testing import module_hook_counts, snapshot, snapshot_differences
 

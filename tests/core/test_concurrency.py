@@ -24,7 +24,7 @@ import surgery
 from surgery.analysis.inspection import ModuleCall, inspect_model
 from surgery.core.errors import ConfigError
 from surgery.ops.build import rules
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.rewrite.rewriting import Normalize
 from surgery.testing import (
     collect,

@@ -26,7 +26,7 @@ from torch import nn
 
 import surgery
 from surgery.core.handles import Handle, HandleGroup
-from surgery.ops.numerics.observers import OBSERVERS, WEIGHTED_OBSERVERS, GridSpec
+from surgery.ops.numerics.grid import OBSERVERS, WEIGHTED_OBSERVERS, GridSpec
 from surgery.ops.rewrite.rewriting import Cast, ChannelsLast, Clamp, Identity, Normalize, Resize
 from surgery.testing import (
     collect,

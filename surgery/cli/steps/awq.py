@@ -10,7 +10,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.awq import AwqSpec, awq
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 
 
 @dataclass(frozen=True)

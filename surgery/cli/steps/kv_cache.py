@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
 from surgery.core.handles import Handle
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.quantization.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
 from surgery.ops.quantization.quantization import quantize
 

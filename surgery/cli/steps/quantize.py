@@ -14,7 +14,7 @@ from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.quantization.qparams import QuantizeHandle
 from surgery.ops.quantization.quantization import QuantizeSpec, quantize, quantize_targets
 from surgery.ops.quantization.storage import weight_storage

@@ -18,7 +18,7 @@ from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_ste
 from surgery.core.checkpoints import write_atomically
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.sensitivity.sensitivity import sensitivity

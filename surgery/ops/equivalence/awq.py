@@ -59,7 +59,9 @@ from surgery.ops.equivalence.smoothing import Rescaled, is_norm, whole
 from surgery.ops.experts.linear_experts import LinearExperts
 from surgery.ops.experts.linearizing import with_linear_experts
 from surgery.ops.experts.routing import expert_inputs, gates_in, moe_blocks
-from surgery.ops.numerics.observers import Grid, GridSpec, Observer, fake_quantize, fake_quantize_groups
+from surgery.ops.numerics.fake_quant import Grid, fake_quantize, fake_quantize_groups
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import Observer
 from surgery.ops.offload.offloaded_compression import OffloadedCompression, OffloadedVerb, compress_offloaded
 from surgery.ops.offload.offloading import Offloaded
 

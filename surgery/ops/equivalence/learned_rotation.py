@@ -28,7 +28,8 @@ from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.inputs import Call, evaluating
 from surgery.core.progress import tqdm
 from surgery.core.settings import whole_count
-from surgery.ops.numerics.observers import GridSpec, fake_quantize_dynamic
+from surgery.ops.numerics.fake_quant import fake_quantize_dynamic
+from surgery.ops.numerics.grid import GridSpec
 
 LOSSES = ("kl", "task")
 STEPS_LIMIT = 10_000  # SpinQuant learns in 100 to 800 steps

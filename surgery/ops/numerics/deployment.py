@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle, members
 from surgery.core.inputs import Call
-from surgery.ops.numerics.observers import GridSpec, fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
+from surgery.ops.numerics.grid import GridSpec
 
 DEPRECATED_NAMES = {  # the names before 0.3 (warn until 0.4)
     "DeployPlan": "ExportParts",

@@ -9,7 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from surgery.ops.numerics.observers import GridSpec, ObservedRange, compute_qparams, fake_quantize, register_observer
+from surgery.ops.numerics.fake_quant import compute_qparams, fake_quantize
+from surgery.ops.numerics.grid import GridSpec, ObservedRange, register_observer
 
 
 class Search(NamedTuple):

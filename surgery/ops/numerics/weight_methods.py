@@ -16,12 +16,11 @@ from torch import Tensor, nn
 from surgery.core import guards
 from surgery.core.layer_kinds import channel_axis, weight_axis_of
 from surgery.core.originals import Originals
-from surgery.core.registry import Registry
 from surgery.core.targets import Target, Targets
+from surgery.ops.numerics.grid import WEIGHT_METHODS, GridSpec
 
 if TYPE_CHECKING:
     from surgery.core.sequential import SequentialReport
-    from surgery.ops.numerics.observers import GridSpec
 
 
 class QuantizedWeight(NamedTuple):
@@ -86,9 +85,6 @@ class WeightMethod:
 
     def __call__(self, problem: WeightProblem) -> dict[str, QuantizedWeight]:
         return self.solve(problem)
-
-
-WEIGHT_METHODS: Registry[WeightMethod] = Registry("quantize.weights.method")
 
 
 def register_weight_method(

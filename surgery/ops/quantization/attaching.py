@@ -18,7 +18,9 @@ from surgery.core.originals import Originals
 from surgery.core.selection import Selection, describe, select
 from surgery.core.targets import Targets, default_layer, is_hf_conv1d, select_parameters
 from surgery.core.transforms import attach_all
-from surgery.ops.numerics.observers import GridSpec, NonFiniteError, g_idx_problem
+from surgery.ops.numerics.fake_quant import g_idx_problem
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import NonFiniteError
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, weight_axis, weight_method
 from surgery.ops.quantization.placement import ACTIVATIONS, Site, saved_sites, tensor_sites
 from surgery.ops.quantization.qat import ShadowWeight, attach_shadows

@@ -22,7 +22,8 @@ from torch import nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.verbs import VerbCall, verb
-from surgery.ops.numerics.observers import VARIED_RANGES_REQUIRED, GridSpec
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import VARIED_RANGES_REQUIRED
 from surgery.ops.quantization.quantization import QuantizeHandle, quantize
 
 PROJECTIONS = ("k_proj", "v_proj")

@@ -24,7 +24,9 @@ from surgery.core.errors import ConfigError, ParameterReplacedError
 from surgery.core.handles import Handle
 from surgery.core.targets import Target
 from surgery.core.transforms import SavedTensor
-from surgery.ops.numerics.observers import GridSpec, Observer, fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import Observer
 
 
 class ShadowWeight:

@@ -19,7 +19,8 @@ from surgery.core.inputs import run_batches
 from surgery.core.sequential import SequentialReport
 from surgery.core.targets import Targets
 from surgery.ops.numerics.deployment import ActivationGrid, WeightGrid
-from surgery.ops.numerics.observers import GridSpec, NonFiniteError
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import NonFiniteError
 from surgery.ops.numerics.weight_methods import output_axis
 from surgery.ops.quantization.qat import ShadowWeight
 from surgery.ops.quantization.quantizers import ActivationQuantizer, WeightQuantizer

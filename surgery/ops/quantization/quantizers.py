@@ -13,14 +13,9 @@ from surgery.core._compat import forward_hook_functions
 from surgery.core.errors import ConfigError
 from surgery.core.targets import is_hf_conv1d
 from surgery.core.transforms import Saved, SavedTensor
-from surgery.ops.numerics.observers import (
-    GridSpec,
-    NonFiniteError,
-    Observer,
-    fake_quantize,
-    fake_quantize_dynamic,
-    fake_quantize_groups,
-)
+from surgery.ops.numerics.fake_quant import fake_quantize, fake_quantize_dynamic, fake_quantize_groups
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import NonFiniteError, Observer
 from surgery.ops.quantization.placement import site_key
 
 

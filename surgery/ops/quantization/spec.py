@@ -11,8 +11,8 @@ from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import FORMATS
-from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, weight_method
 from surgery.ops.quantization import methods  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.quantization.targets import deploy_target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 
 SCALE_BITS = 16  # a scale stored in half precision (compressed-tensors, GGUF); the MX/NV formats' block scales are 8
 MICRO_SCALED = ("mxfp4", "nvfp4")

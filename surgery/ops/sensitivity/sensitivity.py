@@ -29,7 +29,7 @@ from surgery.core.selection import Selection
 from surgery.core.targets import Target
 from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linearizing import linearized
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import quantize

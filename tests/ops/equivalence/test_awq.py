@@ -16,7 +16,8 @@ import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.equivalence.awq import round_onto
-from surgery.ops.numerics.observers import Observer, fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
+from surgery.ops.numerics.observers import Observer
 
 SPEC = GridSpec(bits=3, group_size=32)
 

@@ -450,7 +450,7 @@ def test_torchao_int8_tensors_are_built_from_our_scales(tmp_path, activations):
 def test_torchao_dynamic_inputs_round_as_torchao_does_and_a_gemma2_keeps_the_bound(tmp_path):
     from torchao.quantization import Int8Tensor, PerRow
 
-    from surgery.ops.numerics.observers import fake_quantize_dynamic
+    from surgery.ops.numerics.fake_quant import fake_quantize_dynamic
 
     torch.manual_seed(0)
     config = transformers.Gemma2Config(

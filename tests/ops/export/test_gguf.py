@@ -23,7 +23,7 @@ from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES
 from surgery.ops.export.formats.gguf_file import load_gguf, write_gguf
 from surgery.ops.export.formats.gguf_models import permute_rows, tensor_name
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
-from surgery.ops.numerics.observers import Grid
+from surgery.ops.numerics.fake_quant import Grid
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.deployment import gather_export_parts
-from surgery.ops.numerics.observers import Grid, fake_quantize_groups
+from surgery.ops.numerics.fake_quant import Grid, fake_quantize_groups
 
 Q4_1 = GridSpec(bits=4, float_offset=True, group_size=32, scale_dtype="float16")
 Q4_K = GridSpec(bits=4, float_offset=True, group_size=32, scale_dtype="float16", super_group=256, scale_bits=6)

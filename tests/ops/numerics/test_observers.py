@@ -15,7 +15,9 @@ from torch.ao.quantization.observer import (
 
 import surgery
 from surgery.core.errors import ConfigError, ConfigTypeError
-from surgery.ops.numerics.observers import GridSpec, NonFiniteError, Observer, compute_qparams, fake_quantize
+from surgery.ops.numerics.fake_quant import compute_qparams, fake_quantize
+from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.observers import NonFiniteError, Observer
 
 BITS = list(range(2, 9))
 
@@ -341,7 +343,8 @@ def test_fake_quantize_is_torch_fused_op(bits, symmetric):
 def test_moving_average_of_a_constant_channel_keeps_low_at_most_high():
     """Found by the round-trip property test: with averaging 1, ``a + (b - a)`` can round the
     two extremes of a channel whose values are all 0.1 one ulp the wrong way round."""
-    from surgery.ops.numerics.observers import ObservedRange, moving_average
+    from surgery.ops.numerics.grid import ObservedRange
+    from surgery.ops.numerics.observers import moving_average
 
     spec = GridSpec(observer="moving_average", averaging=1.0)
     x = torch.full((3, 5), 0.1)
@@ -358,7 +361,7 @@ def test_a_range_whose_scale_overflows_float32_is_refused_naming_the_layer():
 
 
 def test_rounding_is_divide_or_reciprocal_and_reciprocal_multiplies_by_the_inverse_scale():
-    from surgery.ops.numerics.observers import fake_quantize_dynamic
+    from surgery.ops.numerics.fake_quant import fake_quantize_dynamic
 
     with pytest.raises(ConfigError, match=r"^GridSpec.rounding='up': must be divide or reciprocal$"):
         surgery.GridSpec(rounding="up")
@@ -380,7 +383,7 @@ def test_actorder_group_is_accepted_for_gptq_and_a_bad_value_names_the_allowed_o
 
 
 def test_groups_by_a_group_index_round_each_column_on_its_own_groups_grid():
-    from surgery.ops.numerics.observers import fake_quantize_groups, g_idx_problem
+    from surgery.ops.numerics.fake_quant import fake_quantize_groups, g_idx_problem
 
     spec = GridSpec(bits=4, group_size=4)
     weight = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import Grid, fake_quantize_groups
+from surgery.ops.numerics.fake_quant import Grid, fake_quantize_groups
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -13,7 +13,8 @@ from support import peer_python, tiny_llama, token_batches  # tests/support.py
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import Grid, fake_quantize, fake_quantize_groups, relative_importance
+from surgery.ops.numerics.fake_quant import Grid, fake_quantize, fake_quantize_groups
+from surgery.ops.numerics.observers import relative_importance
 from surgery.testing import snapshot, snapshot_differences
 
 PEER = peer_python("llmcompressor")

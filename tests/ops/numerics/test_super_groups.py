@@ -13,7 +13,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import Grid, fake_quantize_groups, super_grouped
+from surgery.ops.numerics.fake_quant import Grid, fake_quantize_groups, super_grouped
 
 SPEC = GridSpec(
     bits=6, observer="full_range", group_size=16, scale_dtype="float16", super_group=256, scale_bits=7, method="rtn"

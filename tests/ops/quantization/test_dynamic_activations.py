@@ -12,7 +12,8 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import NonFiniteError, fake_quantize_dynamic
+from surgery.ops.numerics.fake_quant import fake_quantize_dynamic
+from surgery.ops.numerics.observers import NonFiniteError
 
 pytest.importorskip("compressed_tensors")
 

@@ -10,7 +10,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
 W3 = GridSpec(bits=3, symmetric=True, per_channel=True)

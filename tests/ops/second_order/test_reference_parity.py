@@ -18,7 +18,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import Grid
+from surgery.ops.numerics.fake_quant import Grid
 from surgery.ops.second_order.reconstruction import gptq
 
 

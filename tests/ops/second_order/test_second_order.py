@@ -615,7 +615,7 @@ def test_a_short_last_group_is_observed_on_its_own_entries():
 
 
 def test_gptq_on_a_pruned_weight_keeps_its_zeros_and_compensates_on_the_entries_kept():
-    from surgery.ops.numerics.observers import Grid
+    from surgery.ops.numerics.fake_quant import Grid
     from surgery.ops.second_order.reconstruction import gptq
 
     x = correlated_inputs()

@@ -9,7 +9,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError, ParameterReplacedError
-from surgery.ops.numerics.observers import fake_quantize
+from surgery.ops.numerics.fake_quant import fake_quantize
 from surgery.testing import global_hook_counts, module_hook_counts, snapshot, snapshot_differences
 
 OPTIMIZERS = [

@@ -39,8 +39,8 @@ from surgery.ops.export.formats.compressed_tensors_groups import (
 )
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import GridSpec
 from surgery.ops.numerics.weight_methods import output_axis
 
 log = logging.getLogger("surgery")

@@ -14,7 +14,7 @@ from torch import nn
 from surgery.core.errors import ConfigError
 from surgery.ops.export.formats.checkpoint_names import checkpoint_names
 from surgery.ops.export.formats.compressed_tensors_experts import WHY_PER_EXPERT, expert_layers
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 
 MIXED = "mixed-precision"  # compressed-tensors' CompressionFormat.mixed_precision
 

@@ -33,7 +33,7 @@ from surgery.ops.export.formats.gguf_tokenizer import vocabulary, write_vocabula
 from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
-from surgery.ops.numerics.observers import GridSpec
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")

@@ -42,14 +42,9 @@ from surgery.core.errors import ConfigError
 from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, next_inputs, run_sequential
 from surgery.core.targets import Target
+from surgery.ops.numerics.fake_quant import stored_offset, stored_scale, super_grouped, super_grouped_offsets
+from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
-from surgery.ops.numerics.observers import (
-    GridSpec,
-    stored_offset,
-    stored_scale,
-    super_grouped,
-    super_grouped_offsets,
-)
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
 from surgery.ops.second_order.second_order import warn_zero_inputs

@@ -9,7 +9,8 @@ from torch import Tensor
 from surgery.core import guards
 from surgery.core.errors import ConfigError
 from surgery.core.sequential import Paired
-from surgery.ops.numerics.observers import Grid, relative_importance
+from surgery.ops.numerics.fake_quant import Grid
+from surgery.ops.numerics.observers import relative_importance
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import weight_matrix
 from surgery.ops.second_order.reconstruction import gptq

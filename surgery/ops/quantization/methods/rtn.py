@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from surgery.ops.numerics.observers import Grid, Observer, relative_importance
+from surgery.ops.numerics.fake_quant import Grid
+from surgery.ops.numerics.observers import Observer, relative_importance
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.quantization.input_energy import input_energy
 

@@ -13,7 +13,7 @@ from support import peer_python, tiny_llama, token_batches  # tests/support.py
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.numerics.observers import fake_quantize_groups
+from surgery.ops.numerics.fake_quant import fake_quantize_groups
 from surgery.testing import snapshot, snapshot_differences
 
 SCRIPT = Path(__file__).with_name("autoround_peer.py")
