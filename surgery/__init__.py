@@ -65,8 +65,10 @@ from surgery.ops.shrink.heads import HeadLayout, register_heads
 from surgery.ops.shrink.rebuilding import rebuild
 from surgery.ops.shrink.shrinking import ShrinkError, ShrinkHandle, ShrinkSpec, register_importance, shrink
 from surgery.ops.sparsity.criteria import LayerStats, register_criterion
+from surgery.ops.sparsity.masks import PruneHandle
 from surgery.ops.sparsity.owl import OwlAllocation, owl_amounts
-from surgery.ops.sparsity.pruning import PruneHandle, PruneSpec, prune
+from surgery.ops.sparsity.pruning import prune
+from surgery.ops.sparsity.spec import PruneSpec
 from surgery.ops.training.distillation import DistillSpec
 from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
 

@@ -85,7 +85,7 @@ def token_batches(count: int = 4) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.randint(0, VOCAB, (2, 16), generator=generator)} for _ in range(count)]
 
 
-def _share(handle: Any) -> str:
+def group_share(handle: Any) -> str:
     """`` 0.86``: the share of the parameters the handle changed, where it says."""
     coverage = getattr(handle, "coverage", None)
     return f" {coverage.share:.2f}" if coverage is not None else ""
@@ -134,7 +134,7 @@ def _apply(cell: str, model: nn.Module, batches: list) -> str:
             moved = ((_logits(model, batches[0]) - before).abs().max() / before.abs().max()).item()
             if not moved <= PRESERVED:
                 return f"BUG: outputs moved by {moved:.2g} of their largest"
-        return f"ok{_share(handle)}"
+        return f"ok{group_share(handle)}"
     finally:
         handle.restore()
 

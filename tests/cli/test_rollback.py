@@ -44,7 +44,7 @@ from surgery.ops.quantization import quantization
 from surgery.ops.quantization.quantization import ActivationQuantizer, WeightQuantizer
 from surgery.ops.rewrite.rewriting import Clamp
 from surgery.ops.sparsity import pruning
-from surgery.ops.sparsity.pruning import MaskEnforcer
+from surgery.ops.sparsity.masks import MaskEnforcer
 from surgery.testing import MODULE_HOOK_DICTS, Snapshot, collect, global_hook_counts, snapshot, snapshot_differences
 
 intercept_module = importlib.import_module(

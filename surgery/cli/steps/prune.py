@@ -17,7 +17,8 @@ from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.sparsity.owl import check_settings, owl_amounts
-from surgery.ops.sparsity.pruning import PruneSpec, prune, prune_targets
+from surgery.ops.sparsity.pruning import prune, prune_targets
+from surgery.ops.sparsity.spec import PruneSpec
 
 log = logging.getLogger("surgery")
 OWL_ALLOCATION = "owl_allocation.yaml"  # with prune.owl: each block's sparsity and outlier ratio, each layer's amount

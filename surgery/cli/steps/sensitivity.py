@@ -23,7 +23,8 @@ from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.sensitivity.sensitivity import sensitivity
 from surgery.ops.sparsity.criteria import as_criterion
-from surgery.ops.sparsity.pruning import prune_targets, validate_arguments
+from surgery.ops.sparsity.pruning import prune_targets
+from surgery.ops.sparsity.spec import validate_arguments
 
 AMOUNTS = "amounts.yaml"  # per-layer amounts, for prune.amounts
 

@@ -32,7 +32,8 @@ from surgery.core.selection import Selection
 from surgery.core.sequential import resolve_blocks
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.sparsity.criteria import wanda
-from surgery.ops.sparsity.pruning import calibrate, prune_targets
+from surgery.ops.sparsity.pruning import prune_targets
+from surgery.ops.sparsity.statistics import calibrate
 
 log = logging.getLogger("surgery")
 DEPRECATED_OWLPLAN = (

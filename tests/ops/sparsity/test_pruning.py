@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import surgery
 from surgery.core.errors import ConfigError
-from surgery.ops.sparsity.pruning import MaskEnforcer
+from surgery.ops.sparsity.masks import MaskEnforcer
 from surgery.testing import collect, module_hook_counts, snapshot, snapshot_differences
 
 METHODS = ["l1_unstructured", "random_unstructured", "ln_structured"]
@@ -650,7 +650,7 @@ def test_the_signature_names_the_spec_fields_then_the_call_keywords():
     import dataclasses
     import inspect
 
-    from surgery.ops.sparsity.pruning import PruneSpec
+    from surgery.ops.sparsity.spec import PruneSpec
 
     fields = [f.name for f in dataclasses.fields(PruneSpec)]
     parameters = inspect.signature(surgery.prune).parameters
