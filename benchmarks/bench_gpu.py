@@ -272,7 +272,7 @@ class Int4WeightOnlyLinear(nn.Module):
 def _int4_from_our_scales(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple:
     """surgery's W4 grid (symmetric, groups of ``group``), its integers and bfloat16 scales packed
     for the int4 kernel; parity against the simulation (the fake-quantized Linear)."""
-    from surgery.ops.export.exporting import Parity
+    from surgery.ops.export.parity import Parity
 
     linear = model[0]
     group = 128 if linear.in_features % 128 == 0 else 32
@@ -299,7 +299,7 @@ def _torchao_int4(model: nn.Module, x: torch.Tensor, device: torch.device) -> tu
 
     from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
-    from surgery.ops.export.exporting import Parity
+    from surgery.ops.export.parity import Parity
 
     quantized = copy.deepcopy(model)
     quantize_(quantized, Int4WeightOnlyConfig(group_size=128))

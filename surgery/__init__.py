@@ -45,7 +45,9 @@ from surgery.ops.experts.expert_scores import ExpertStats, register_expert_crite
 from surgery.ops.experts.linearizing import LinearExpertsHandle, LinearExpertsSpec, linear_experts
 from surgery.ops.experts.routing import tokens_per_expert
 from surgery.ops.export import formats  # noqa: F401 - the built-in deployment formats register themselves
-from surgery.ops.export.exporting import ExportParityError, ExportRecord, export, register_export_format
+from surgery.ops.export.exporting import export
+from surgery.ops.export.format_table import ExportFormat, register_export_format
+from surgery.ops.export.parity import ExportParityError, ExportRecord
 from surgery.ops.numerics.grid import GridSpec, ObservedRange, register_observer
 from surgery.ops.numerics.number_formats import NumberFormat, register_number_format
 from surgery.ops.numerics.observers import NonFiniteError
@@ -194,6 +196,7 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "export",
     "ExportRecord",
     "register_export_format",
+    "ExportFormat",
     # sensitivity
     "sensitivity",
     "SensitivitySpec",

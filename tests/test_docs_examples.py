@@ -14,7 +14,7 @@ from cli_runner import run_cli  # tests/cli_runner.py
 
 from surgery.cli.steps import STEPS
 from surgery.core.layer_kinds import LAYER_KINDS
-from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.export.format_table import EXPORT_FORMATS
 from surgery.ops.numerics.grid import OBSERVERS
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.ops.sparsity.criteria import CRITERIA

@@ -18,7 +18,9 @@ from surgery.core._compat import module_hook_counts
 from surgery.core.checkpoints import load_checkpoint
 from surgery.core.handles import restored_on_error
 from surgery.core.inputs import batches, evaluating, outputs
-from surgery.ops.export.exporting import EXPORT_FORMATS, ExportParityError, ExportRecord, export
+from surgery.ops.export.exporting import export
+from surgery.ops.export.format_table import EXPORT_FORMATS
+from surgery.ops.export.parity import ExportParityError, ExportRecord
 
 
 @dataclass

@@ -20,7 +20,7 @@ from surgery.core.errors import NO_VALUE, ConfigError, ConfigTypeError
 from surgery.core.hf_loading import check_tokenizer_folder
 from surgery.core.importing import import_module_named
 from surgery.core.inputs import present_device
-from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.export.format_table import EXPORT_FORMATS
 from surgery.ops.planning.budget import ALLOWED as BUDGET_ALLOWED
 from surgery.tasks import task_named
 from surgery.tasks.tinyllama import FOLDER as TINYLLAMA_FOLDER

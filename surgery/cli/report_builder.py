@@ -12,7 +12,7 @@ from surgery.cli.checks import CheckResult
 from surgery.cli.reporting import checks_rows
 from surgery.cli.steps import StepRun, step_named
 from surgery.core.handles import Handle
-from surgery.ops.export.exporting import ExportRecord
+from surgery.ops.export.parity import ExportRecord
 
 NO_SPARSITY = {"overall": 0.0, "layers": {}, "over": {"parameters": 0, "entries": 0}}
 

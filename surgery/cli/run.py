@@ -51,7 +51,8 @@ from surgery.core.handles import HandleGroup, restored_on_error
 from surgery.core.interrupts import raise_pending
 from surgery.core.progress import tqdm
 from surgery.ops.export.deploy_summary import deploy_summary
-from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
+from surgery.ops.export.format_table import EXPORT_FORMATS
+from surgery.ops.export.parity import ExportRecord
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 QPARAMS = "model.qparams.safetensors"

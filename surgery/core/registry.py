@@ -22,16 +22,19 @@ class Registry(Generic[T]):
         True
     """
 
-    def __init__(self, field: str) -> None:
+    def __init__(self, field: str, *, table: bool = False) -> None:
         self.field = field
+        self.table = table  # a table of settings (deploy targets, plan choices): any entry, names such as "2:4"
         self._entries: dict[str, T] = {}
         self._lock = threading.Lock()
 
     def register(self, name: str, entry: T, *, replace: bool = False) -> T:
         """Add ``entry`` under ``name``; a taken name raises unless ``replace``. Returns ``entry``."""
-        if not callable(entry) and not callable(getattr(entry, "score", None)):
+        if not self.table and not callable(entry) and not callable(getattr(entry, "score", None)):
             raise ConfigTypeError(f"{self.field} entry", entry, "must be callable")
-        if not isinstance(name, str) or not name.replace("-", "_").isidentifier():
+        if self.table and isinstance(name, str) and name and not any(c.isspace() for c in name):
+            pass
+        elif not isinstance(name, str) or not name.replace("-", "_").isidentifier():
             raise ConfigTypeError(
                 f"{self.field} name", name, "must be a Python identifier (or hyphenated) such as 'my_criterion'"
             )
@@ -54,6 +57,9 @@ class Registry(Generic[T]):
         close = difflib.get_close_matches(name, list(self._entries), n=1) if isinstance(name, str) else []
         hint = f"did you mean {close[0]!r}?" if close else ""
         raise ConfigError(self.field, name, f"must be one of {', '.join(self._entries)}", hint)
+
+    def __getitem__(self, name: object) -> T:
+        return self.get(name)
 
     def names(self) -> list[str]:
         return list(self._entries)

@@ -15,7 +15,7 @@ from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 
 import surgery
 from surgery.cli.steps import STEPS
-from surgery.ops.export.exporting import EXPORT_FORMATS
+from surgery.ops.export.format_table import EXPORT_FORMATS
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.tasks import TASKS
 

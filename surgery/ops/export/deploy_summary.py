@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from surgery.core.inputs import Call, as_call, device_of, flatten_tensors, moved
-from surgery.ops.export.exporting import EXPORT_FORMATS, ExportRecord
+from surgery.ops.export.format_table import EXPORT_FORMATS
+from surgery.ops.export.parity import ExportRecord
 
 
 class Deployed(nn.Module):

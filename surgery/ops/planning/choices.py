@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
+from surgery.core.registry import Registry
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
@@ -85,7 +86,7 @@ class Choice:
         return self.bits(shape) / (shape[0] * shape[1])
 
 
-CHOICES: dict[str, Choice] = {}
+CHOICES: Registry[Choice] = Registry("plan.choices", table=True)
 
 
 def register_choice(choice: Choice, *, replace: bool = False) -> Choice:
@@ -97,10 +98,7 @@ def register_choice(choice: Choice, *, replace: bool = False) -> Choice:
         raise ConfigError("register_choice.name", choice.name, "must be a non-empty name without spaces")
     if choice.target not in TARGETS:
         raise ConfigError("register_choice.target", choice.target, f"must be one of {', '.join(TARGETS)}")
-    if choice.name in CHOICES and not replace and CHOICES[choice.name] is not choice:
-        raise ConfigError("register_choice.name", choice.name, "is already registered; pass replace=True to replace it")
-    CHOICES[choice.name] = choice
-    return choice
+    return CHOICES.register(choice.name, choice, replace=replace)
 
 
 def choice_named(name: object, field: str = "plan.choices") -> Choice:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
 from surgery.core.inputs import as_call, evaluating, run_backward_batches
+from surgery.core.registry import Registry
 from surgery.ops.planning.choices import Choice
 from surgery.ops.quantization.kv_cache import projection_names
 from surgery.ops.sensitivity.sensitivity import model_outputs, output_drift, quiet_selection_logs
@@ -173,4 +174,6 @@ def drift_scores(
     return scores
 
 
-ESTIMATES = {"gradient": gradient_scores, "drift": drift_scores}
+ESTIMATES: Registry[Callable[..., Any]] = Registry("plan.estimate")  # how each layer's choices are scored
+ESTIMATES.register("gradient", gradient_scores)
+ESTIMATES.register("drift", drift_scores)

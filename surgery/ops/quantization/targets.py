@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from surgery.core.errors import ConfigError
+from surgery.core.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class DeployTarget:
     check: Callable[[nn.Module, Any, dict[str, Any]], None] | None = None
 
 
-DEPLOY_TARGETS: dict[str, DeployTarget] = {}  # format name -> its rules, filled as formats register
+DEPLOY_TARGETS: Registry[DeployTarget] = Registry("quantize.target", table=True)  # filled as formats register
 
 
 def deploy_target(name: str) -> DeployTarget:
@@ -39,4 +40,4 @@ def deploy_target(name: str) -> DeployTarget:
         raise ConfigError(
             "quantize.target", name, f"has no deployment rules; one of {', '.join(sorted(DEPLOY_TARGETS))}"
         )
-    return DEPLOY_TARGETS[name]
+    return DEPLOY_TARGETS.get(name)

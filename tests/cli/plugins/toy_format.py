@@ -10,4 +10,6 @@ def write_npz(model, path, options):
         np.savez(file, **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
 
 
-surgery.register_export_format("npz", write_npz, load=lambda path: dict(np.load(path)), suffix="npz")
+surgery.register_export_format(
+    surgery.ExportFormat("npz", write_npz, load=lambda path: dict(np.load(path)), suffix="npz")
+)

@@ -5,7 +5,7 @@ import copy
 import torch
 
 import surgery
-from surgery.ops.export.exporting import run_module
+from surgery.ops.export.format_table import run_module
 
 
 def write_lossy(model, path, options):
@@ -19,7 +19,7 @@ def run_lossy(deployable, call):
     return run_module(deployable, call)
 
 
-surgery.register_export_format(
+surgery.register_export_format(surgery.ExportFormat(
     "lossy", write_lossy, load=lambda path: torch.load(path, weights_only=False), suffix="pt", holds_hooks=True,
     run=run_lossy, exact=False,
-)  # fmt: skip
+))  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import surgery
-from surgery.core.errors import ConfigError, OutputExistsError, OutputWriteError
+from surgery.core.errors import ConfigError, ConfigTypeError, OutputExistsError, OutputWriteError
 from surgery.core.handles import attached_to
 
 
@@ -99,7 +99,7 @@ def test_a_weight_method_whose_answer_is_missing_or_broken_is_refused_and_the_mo
 
 
 def _run_pickled(deployable, call):
-    return surgery.ops.export.exporting.run_module(deployable, call)
+    return surgery.ops.export.format_table.run_module(deployable, call)
 
 
 @pytest.fixture
@@ -113,7 +113,9 @@ def pickled():
         torch.save(changed, path)
 
     load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
-    surgery.register_export_format("test_pickled", write, load=load, suffix="pt", holds_hooks=True, run=_run_pickled)
+    surgery.register_export_format(
+        surgery.ExportFormat("test_pickled", write, load=load, suffix="pt", holds_hooks=True, run=_run_pickled)
+    )
     yield edits
     surgery.ops.export.exporting.EXPORT_FORMATS.unregister("test_pickled")
 
@@ -236,7 +238,9 @@ def test_equal_outputs_hold_a_cosine_promise_even_when_they_are_all_zero(tmp_pat
     load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
     write = lambda model, path, options: torch.save(_zeroed(model), path)  # noqa: E731
     surgery.register_export_format(
-        "test_zeroing", write, load=load, suffix="pt", holds_hooks=True, exact=False, run=_run_pickled
+        surgery.ExportFormat(
+            "test_zeroing", write, load=load, suffix="pt", holds_hooks=True, exact=False, run=_run_pickled
+        )
     )
     try:
         model = _zeroed(nn.Linear(4, 3))
@@ -276,7 +280,8 @@ def test_a_writer_that_fails_unexpectedly_is_one_line_naming_the_format_and_leav
         path.write_bytes(b"half")
         raise KeyError("surprise")
 
-    surgery.register_export_format("broken_for_test", broken, load=lambda p: None, suffix="bin", replace=True)
+    chosen = surgery.ExportFormat("broken_for_test", broken, load=lambda p: None, suffix="bin")
+    surgery.register_export_format(chosen, replace=True)
     with pytest.raises(ConfigError, match=r"^export.format='broken_for_test': cannot write Linear \(KeyError: 'surp"):
         surgery.export(nn.Linear(2, 2), tmp_path / "m.bin", format="broken_for_test")
     assert list(tmp_path.iterdir()) == []
@@ -367,7 +372,7 @@ def test_a_format_holding_a_group_index_gets_it_and_safetensors_writes_the_weigh
         path.write_bytes(b"")
 
     surgery.register_export_format(
-        "test_g_idx", write, load=lambda p: None, suffix="bin", takes_parts=True, holds_g_idx=True
+        surgery.ExportFormat("test_g_idx", write, load=lambda p: None, suffix="bin", takes_parts=True, holds_g_idx=True)
     )
     try:
         surgery.export(handle, tmp_path / "out.bin", format="test_g_idx")
@@ -440,3 +445,19 @@ def test_padding_is_no_position_a_sliding_window_reaches():
     assert tokens_of(as_call({"input_ids": torch.zeros(2, 20, dtype=torch.long), "attention_mask": mask})) == 6
     assert tokens_of(as_call({"inputs_embeds": torch.zeros(1, 9, 4)})) == 9
     assert tokens_of(as_call(torch.zeros(3, 7, dtype=torch.long))) == 7
+
+
+def test_the_keyword_form_of_register_export_format_still_works_and_warns():
+    def write(model, path, options):
+        torch.save(model.state_dict(), path)
+
+    with pytest.warns(DeprecationWarning, match=r"is now register_export_format\(ExportFormat\(name, write"):
+        chosen = surgery.register_export_format("test_keywords", write, load=torch.load, suffix="pt")
+    try:
+        assert isinstance(chosen, surgery.ExportFormat) and chosen.suffix == "pt"
+        with pytest.raises(ConfigTypeError, match=r"^register_export_format='sufix': unknown setting"):
+            surgery.register_export_format("test_keywords2", write, load=torch.load, sufix="pt")
+        with pytest.raises(ConfigTypeError, match=r"takes an ExportFormat alone"):
+            surgery.register_export_format(chosen, write)
+    finally:
+        surgery.ops.export.format_table.EXPORT_FORMATS.unregister("test_keywords")

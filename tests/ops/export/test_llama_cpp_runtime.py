@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from surgery.cli.checks import check_deploy
-from surgery.ops.export.exporting import ExportRecord, Parity
 from surgery.ops.export.formats.gguf_file import write_gguf
 from surgery.ops.export.formats.llama_cpp_runtime import PYTHON_VARIABLE, TIMEOUT_VARIABLE, llama_cpp_summary
+from surgery.ops.export.parity import ExportRecord, Parity
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import load_llama
 

@@ -32,6 +32,6 @@ def test_a_registered_choice_is_a_choice_and_a_bad_name_lists_the_allowed():
     try:
         assert choice_named("keep") is mine
     finally:
-        CHOICES.pop("keep")
+        CHOICES.unregister("keep")
     with pytest.raises(ConfigError, match=r"^plan\.choices='w5': must be one of dense, int8, w4g128"):
         choice_named("w5")

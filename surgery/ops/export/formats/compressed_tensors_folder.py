@@ -21,7 +21,7 @@ from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import find_blocks
 from surgery.ops.experts.layouts import FusedLayout, fused_experts
 from surgery.ops.experts.linearizing import linearized
-from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.checkpoint_names import checkpoint_names, reverted
 from surgery.ops.export.formats.compressed_tensors_experts import (
     WHY_PER_EXPERT,
@@ -42,6 +42,7 @@ from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightG
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.weight_methods import output_axis
+from surgery.ops.quantization.targets import DeployTarget
 
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
@@ -620,15 +621,17 @@ def load_compressed_tensors(path: Path) -> nn.Module:
 
 
 register_export_format(
-    "compressed-tensors",
-    write_compressed_tensors,
-    load=load_compressed_tensors,
-    suffix="",
-    takes_parts=True,
-    folder=True,
-    holds_hooks=True,
-    exact=False,
-    bound=0.9999,
-    target=DeployTarget(layers=linear_or_conv1d, activations={"bits": 8, "per_channel": False}),
-    stream=stream_compressed_tensors,
+    ExportFormat(
+        "compressed-tensors",
+        write_compressed_tensors,
+        load=load_compressed_tensors,
+        suffix="",
+        takes_parts=True,
+        folder=True,
+        holds_hooks=True,
+        exact=False,
+        bound=0.9999,
+        target=DeployTarget(layers=linear_or_conv1d, activations={"bits": 8, "per_channel": False}),
+        stream=stream_compressed_tensors,
+    )
 )

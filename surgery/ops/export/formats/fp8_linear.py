@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.swapped_modules import save_swapped
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
+from surgery.ops.quantization.targets import DeployTarget
 
 
 class Float8Linear(nn.Module):
@@ -147,18 +148,20 @@ def _target_check(model: nn.Module, spec: Any, matched: dict[str, Any]) -> None:
 
 
 register_export_format(
-    "fp8",
-    write_fp8,
-    load=load_fp8,
-    suffix="pt",
-    takes_parts=True,
-    holds_hooks=True,
-    exact=False,
-    bound=0.9999,
-    target=DeployTarget(
-        layers=(nn.Linear,),
-        weights={"format": "fp8_e4m3", "group_size": None},
-        activations={"format": "fp8_e4m3", "per_channel": False},
-        check=_target_check,
-    ),
+    ExportFormat(
+        "fp8",
+        write_fp8,
+        load=load_fp8,
+        suffix="pt",
+        takes_parts=True,
+        holds_hooks=True,
+        exact=False,
+        bound=0.9999,
+        target=DeployTarget(
+            layers=(nn.Linear,),
+            weights={"format": "fp8_e4m3", "group_size": None},
+            activations={"format": "fp8_e4m3", "per_channel": False},
+            check=_target_check,
+        ),
+    )
 )

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import from_pretrained
-from surgery.ops.export.exporting import register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
 from surgery.ops.export.formats.gguf_entries import Entry, entries
 from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type, type_name
@@ -261,14 +261,16 @@ def load_gguf(path: Path) -> nn.Module:
 
 
 register_export_format(
-    "gguf",
-    write_gguf,
-    load=load_gguf,
-    suffix="gguf",
-    takes_parts=True,
-    stream=stream_gguf,
-    holds_float_offset=True,
-    also_runs_in=(("llama_cpp", llama_cpp_summary),),
+    ExportFormat(
+        "gguf",
+        write_gguf,
+        load=load_gguf,
+        suffix="gguf",
+        takes_parts=True,
+        stream=stream_gguf,
+        holds_float_offset=True,
+        also_runs_in=(("llama_cpp", llama_cpp_summary),),
+    )
 )
 
 
@@ -304,6 +306,5 @@ def _target_check(kind: BlockType) -> Callable[[nn.Module, Any, dict[str, Any]],
 
 
 for _name, _kind in BLOCK_TYPES.items():  # quantize(target="gguf:Q4_0"): compute on that type's grid
-    DEPLOY_TARGETS[f"gguf:{_name}"] = DeployTarget(
-        layers=(nn.Linear,), weights=dict(_kind.target), check=_target_check(_kind)
-    )
+    _rules = DeployTarget(layers=(nn.Linear,), weights=dict(_kind.target), check=_target_check(_kind))
+    DEPLOY_TARGETS.register(f"gguf:{_name}", _rules, replace=True)

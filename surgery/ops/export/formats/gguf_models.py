@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from surgery.core.errors import ConfigError
+from surgery.core.registry import Registry
 
 LAYER_NAMES = {  # inside model.layers.N: Hugging Face -> GGUF (blk.N.*)
     "input_layernorm": "attn_norm",
@@ -185,7 +186,8 @@ _EXPERTS = {
     ),
 }
 
-GGUF_FAMILIES: dict[str, GgufFamily] = {
+GGUF_FAMILIES: Registry[GgufFamily] = Registry("gguf family", table=True)  # config.model_type -> its family
+_BUILT_IN_FAMILIES = {
     "llama": GgufFamily(
         "llama",
         permute_qk=True,
@@ -209,10 +211,11 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
 def register_gguf_family(model_type: str, family: GgufFamily, *, replace: bool = False) -> GgufFamily:
     """Write models whose config's ``model_type`` is ``model_type`` as ``family`` (the built-ins
     are registered in :data:`GGUF_FAMILIES` the same way)."""
-    if model_type in GGUF_FAMILIES and not replace:
-        raise ConfigError("register_gguf_family", model_type, "is already registered; pass replace=True")
-    GGUF_FAMILIES[model_type] = family
-    return family
+    return GGUF_FAMILIES.register(model_type, family, replace=replace)
+
+
+for _model_type, _family in _BUILT_IN_FAMILIES.items():
+    register_gguf_family(_model_type, _family)
 
 
 def family_of(config: Any) -> GgufFamily:
@@ -225,7 +228,7 @@ def family_of(config: Any) -> GgufFamily:
             f"writes the decoder families {', '.join(sorted(GGUF_FAMILIES))}; this model is "
             f"{model_type or 'not a Hugging Face model (no config.model_type)'}",
         )
-    family = GGUF_FAMILIES[model_type]
+    family = GGUF_FAMILIES.get(model_type)
     _check_fields(config, model_type, family)
     return family
 
@@ -272,7 +275,10 @@ def head_dim(config: Any) -> int:
 def permute_rows(name: str, config: Any) -> Callable[[Tensor], Tensor] | None:
     """For a query or key projection of a family whose rows llama.cpp orders by rotary pair:
     the permutation of a tensor's first axis (rows, or per-row scales); None for every other."""
-    family = GGUF_FAMILIES.get(getattr(config, "model_type", None)) or family_of(config)  # checked once, by the writer
+    model_type = getattr(config, "model_type", None)
+    family = (
+        GGUF_FAMILIES.get(model_type) if model_type in GGUF_FAMILIES else family_of(config)
+    )  # checked once, by the writer
     if not family.permute_qk or not name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
         return None
     heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.export.exporting import register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.swapped_modules import save_swapped
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 
@@ -124,4 +124,6 @@ def load_int4(path: Path) -> nn.Module:
     return torch.load(str(path), weights_only=False).eval()
 
 
-register_export_format("int4", write_int4, load=load_int4, suffix="pt", takes_parts=True, exact=False, bound=0.9999)
+register_export_format(
+    ExportFormat("int4", write_int4, load=load_int4, suffix="pt", takes_parts=True, exact=False, bound=0.9999)
+)

@@ -23,10 +23,11 @@ from surgery.core.inputs import Call
 from surgery.core.layer_kinds import is_kind
 from surgery.ops.equivalence.folding import batchnorm_pairs, is_neutral
 from surgery.ops.experts.routing import refuse_experts
-from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.onnx_nbits import BLOCK_SIZES, gemm_problem, matmul_nbits, nbits_problem, uses_domain
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
+from surgery.ops.quantization.targets import DeployTarget
 
 log = logging.getLogger("surgery")
 OPTIONS = ("opset", "weights")
@@ -428,19 +429,21 @@ def run_onnx(session: Any, call: Call) -> list[Tensor]:
 
 
 register_export_format(
-    "onnx",
-    write_onnx,
-    load=load_onnx,
-    suffix="onnx",
-    takes_parts=True,
-    holds_hooks=True,
-    run=run_onnx,
-    exact=False,
-    target=DeployTarget(
-        fold_batchnorm=True,
-        layers=onnx_layer,
-        weights={"bits": 8, "symmetric": True, "group_size": None},
-        activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
-        where="tensors",  # each tensor quantized once, where ONNX Runtime fuses DQ -> op (-> Relu) -> Q
-    ),
+    ExportFormat(
+        "onnx",
+        write_onnx,
+        load=load_onnx,
+        suffix="onnx",
+        takes_parts=True,
+        holds_hooks=True,
+        run=run_onnx,
+        exact=False,
+        target=DeployTarget(
+            fold_batchnorm=True,
+            layers=onnx_layer,
+            weights={"bits": 8, "symmetric": True, "group_size": None},
+            activations={"bits": 8, "symmetric": False, "per_channel": False},  # uint8: x86 s8s8 kernels are slow
+            where="tensors",  # each tensor quantized once, where ONNX Runtime fuses DQ -> op (-> Relu) -> Q
+        ),
+    )
 )

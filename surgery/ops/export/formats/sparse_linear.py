@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from surgery.core._compat import drop_forward_hooks
 from surgery.core.errors import ConfigError
-from surgery.ops.export.exporting import register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.numerics.deployment import ExportParts
 
 LAYOUTS = ("csr", "2:4")
@@ -152,5 +152,5 @@ def semi_structured(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.
 
 
 register_export_format(
-    "sparse", write_sparse, load=load_sparse, suffix="pt", takes_parts=True, exact=False, bound=0.99999
+    ExportFormat("sparse", write_sparse, load=load_sparse, suffix="pt", takes_parts=True, exact=False, bound=0.99999)
 )

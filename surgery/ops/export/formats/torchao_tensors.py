@@ -14,9 +14,10 @@ from torch import nn
 
 from surgery.core._compat import MODULE_HOOK_DICTS, drop_forward_hooks
 from surgery.core.errors import ConfigError, first_line
-from surgery.ops.export.exporting import DeployTarget, register_export_format
+from surgery.ops.export.format_table import ExportFormat, register_export_format
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts
+from surgery.ops.quantization.targets import DeployTarget
 
 ACTIVATIONS = ("static", "dynamic", "none")
 
@@ -173,17 +174,19 @@ def load_torchao(path: Path) -> nn.Module:
 
 
 register_export_format(
-    "torchao",
-    write_torchao,
-    load=load_torchao,
-    suffix="pt",
-    takes_parts=True,
-    holds_hooks=True,
-    exact=False,
-    bound=0.9999,
-    target=DeployTarget(
-        layers=(nn.Linear,),
-        weights={"bits": 8, "symmetric": True, "group_size": None},
-        activations={"bits": 8, "symmetric": True, "per_channel": False, "rounding": "reciprocal"},
-    ),
+    ExportFormat(
+        "torchao",
+        write_torchao,
+        load=load_torchao,
+        suffix="pt",
+        takes_parts=True,
+        holds_hooks=True,
+        exact=False,
+        bound=0.9999,
+        target=DeployTarget(
+            layers=(nn.Linear,),
+            weights={"bits": 8, "symmetric": True, "group_size": None},
+            activations={"bits": 8, "symmetric": True, "per_channel": False, "rounding": "reciprocal"},
+        ),
+    )
 )
