@@ -163,7 +163,7 @@ def test_every_quoted_command_composes_into_a_valid_config(page, line, command, 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from surgery.cli.config import load_config
+    from surgery.cli.config_loading import load_config
 
     overrides, _ = overrides_of(command)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.cli.objective import WORST, objective_value
 from surgery.cli.preview import preview
 from surgery.cli.run import EXIT_BAD_INPUT, EXIT_OK, run

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +40,15 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import distributed
-from surgery.core.activations import BlockCalls, SpilledCall, current_ledger, loaded, pass_ledger
+from surgery.core.activations import BlockCalls, SpilledCall, pass_ledger
+from surgery.core.block_inputs import (
+    ONLOAD_DEVICE,
+    catch_inputs,
+    next_inputs,
+    outputs_as_next_inputs,
+    same_call,
+    without_cache_values,
+)
 from surgery.core.capture import Capture, Keep, ReducerFactory
 from surgery.core.errors import ConfigError, NoCalibrationInputError
 from surgery.core.inputs import (
@@ -60,14 +67,9 @@ from surgery.core.routing import routed_as
 from surgery.core.selection import Selection, select
 
 log = logging.getLogger("surgery")
-_ONLOAD: ContextVar[torch.device | None] = ContextVar("surgery_onload", default=None)
 Solve = Callable[[dict[str, Any]], Mapping[str, Tensor]]  # {layer: its reduced inputs} -> {param name: new value}
 # (layer, module, its inputs in the model before compression, its inputs here) -> its reduced inputs
 Paired = Callable[[str, nn.Module, list[Tensor], list[Tensor]], Any]
-
-
-class _Stop(Exception):
-    """Raised by the hook that catches a block's inputs, ending the forward there."""
 
 
 @dataclass
@@ -232,7 +234,7 @@ class _ChainWatch:
 
     def finished(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self.predicted[name] = next_inputs(output, *_clean(args, kwargs))
+            self.predicted[name] = next_inputs(output, *without_cache_values(args, kwargs))
 
         return hook
 
@@ -241,15 +243,10 @@ class _ChainWatch:
             index = self.block_names.index(name)
             before = self.block_names[index - 1] if index else None
             guess = self.predicted.pop(before, None) if before is not None else None
-            if guess is not None and _same_call(_clean(args, kwargs), guess):
+            if guess is not None and same_call(without_cache_values(args, kwargs), guess):
                 self.chained.add(before)
 
         return hook
-
-
-def _clean(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A block's call without a key/value cache (as :func:`catch_inputs` keeps it)."""
-    return tuple(None if _is_cache(value) else value for value in args), _without_cache(kwargs)
 
 
 def _explain_dtype(model: nn.Module, first: Call, err: BaseException, field: str) -> None:
@@ -275,18 +272,18 @@ def onloading(device: str | torch.device | None, field: str = "onload") -> Itera
     if device is None:
         yield
         return
-    token = _ONLOAD.set(present_device(device, field))
+    token = ONLOAD_DEVICE.set(present_device(device, field))
     try:
         yield
     finally:
-        _ONLOAD.reset(token)
+        ONLOAD_DEVICE.reset(token)
 
 
 @contextlib.contextmanager
 def _onloaded(block: nn.Module | None) -> Iterator[torch.device | None]:
     """The block on the onload device for the stage (see :func:`onloading`), then back where it
     was; yields that device (None: nothing onloaded)."""
-    device = _ONLOAD.get()
+    device = ONLOAD_DEVICE.get()
     if device is None or block is None:
         yield None
         return
@@ -332,7 +329,7 @@ def run_sequential(
     """
     calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
-    onload = _ONLOAD.get()
+    onload = ONLOAD_DEVICE.get()
     if onload is not None and not report.blocks:  # nothing would move: say so rather than run on the CPU
         raise ConfigError(
             field.split(".")[0] + ".onload",
@@ -394,30 +391,6 @@ def run_sequential(
     if not keep:
         store.put_back()
     return report
-
-
-def _outputs_for_next(
-    report: SequentialReport, name: str, block: nn.Module, inputs: BlockCalls
-) -> tuple[str, BlockCalls] | None:
-    """The (pruned) block's outputs as the following block's inputs, if the two chain."""
-    following = _following(report.blocks, name)
-    if following is None or name not in report.chained:
-        return None
-    outputs = outputs_as_next_inputs(block, inputs)
-    return None if outputs is None else (following, outputs)
-
-
-def outputs_as_next_inputs(block: nn.Module, inputs: BlockCalls) -> BlockCalls | None:
-    """The block's outputs on each of its cached calls, as the next block's calls (its output
-    in place of the hidden states); ``None`` where an output has no such place."""
-    outputs = BlockCalls(current_ledger())
-    for args, kwargs in inputs:
-        following = next_inputs(block(*args, **kwargs), args, kwargs)
-        if following is None:
-            outputs.close()
-            return None
-        outputs.add(*following)
-    return outputs
 
 
 def run_each(block: nn.Module, inputs: BlockCalls) -> None:
@@ -491,105 +464,6 @@ def _every_layer_ran(found: dict[str, Any], layers: dict[str, nn.Module]) -> dic
     return found
 
 
-def catch_inputs(model: nn.Module, block: nn.Module, calls: list[Call] | list[Call | SpilledCall]) -> BlockCalls:
-    """The block's inputs for each batch, caught by a forward stopped at the block (a key/value
-    cache among them is dropped: running the block again must not attend to its own past),
-    held within the pass's activation budget. A batch the block receives unchanged (a model
-    that is the block's wrapper) is kept as the call it was, in memory or in its file."""
-    caught = BlockCalls(current_ledger())
-    seen: list[tuple[tuple, dict]] = []
-    onload = _ONLOAD.get()  # within onloading(): kept where the stage runs, moved there once
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        seen.append(_clean(args, kwargs) if onload is None else moved(_clean(args, kwargs), onload))
-        raise _Stop
-
-    # first among the block's pre-hooks: the inputs as the block is called with them (its own
-    # hooks run again when it is), and an offloaded block's weights are not read for nothing
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-    try:
-        for call in calls:
-            run = loaded(call)
-            with contextlib.suppress(_Stop):
-                run(model)
-            if seen:
-                args, kwargs = seen.pop()
-                if _unchanged(args, kwargs, run):
-                    caught.adopt(call)
-                else:
-                    caught.add(args, kwargs)
-                del args, kwargs
-            del run
-    finally:
-        handle.remove()
-    if len(caught) != len(calls):
-        raise ConfigError(
-            "calibration.blocks",
-            type(block).__name__,
-            "a block did not run on every calibration batch; "
-            "pass blocks=False to compress layer by layer with full forwards",
-        )
-    return caught
-
-
-def _unchanged(args: tuple, kwargs: dict, call: Call) -> bool:
-    """Whether the block received exactly the call's own objects."""
-    return (
-        len(args) == len(call.args)
-        and all(a is b for a, b in zip(args, call.args))
-        and kwargs.keys() == call.kwargs.keys()
-        and all(kwargs[key] is call.kwargs[key] for key in kwargs)
-    )
-
-
-def _is_cache(value: Any) -> bool:
-    """A transformers key/value cache (``DynamicCache``...), which a block appends to."""
-    return type(value).__name__.endswith("Cache")
-
-
-def _without_cache(kwargs: dict) -> dict:
-    """Keyword inputs with any key/value cache (``past_key_values``, a transformers ``Cache``)
-    set to None and ``use_cache`` off."""
-    clean = {key: None if "past_key_value" in key or _is_cache(value) else value for key, value in kwargs.items()}
-    if "use_cache" in clean:
-        clean["use_cache"] = False
-    return clean
-
-
-def next_inputs(output: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The next block's call: this block's output in place of its hidden states (the first
-    positional input, or ``hidden_states``); other inputs (masks, positions) are shared.
-    ``None`` if the output or the call has no such place."""
-    hidden = (
-        output if isinstance(output, Tensor) else output[0] if isinstance(output, (tuple, list)) and output else None
-    )
-    if not isinstance(hidden, Tensor):
-        return None
-    if args:
-        return (hidden, *args[1:]), kwargs
-    if "hidden_states" in kwargs:
-        return (), {**kwargs, "hidden_states": hidden}
-    return None
-
-
-def _same_call(actual: tuple[tuple, dict], predicted: tuple[tuple, dict]) -> bool:
-    """Whether a block received ``predicted`` (the previous block's output in place of its
-    hidden states, the other inputs shared)."""
-    if len(actual[0]) != len(predicted[0]) or set(actual[1]) != set(predicted[1]):
-        return False
-    pairs = list(zip(actual[0], predicted[0])) + [(actual[1][k], predicted[1][k]) for k in actual[1]]
-    for real, guess in pairs:
-        if isinstance(real, Tensor) != isinstance(guess, Tensor):
-            return False
-        if isinstance(real, Tensor) and (
-            real.shape != guess.shape
-            or real.dtype != guess.dtype
-            or not torch.allclose(real.float(), guess.float(), rtol=1e-4, atol=1e-5)
-        ):
-            return False
-    return True
-
-
 def _following(blocks: list[str], block: str) -> str | None:
     index = blocks.index(block)
     return blocks[index + 1] if index + 1 < len(blocks) else None
@@ -611,3 +485,14 @@ def _write(
         originals.keep(name, param)
         param.copy_(value.to(param.dtype))
         del value
+
+
+def _outputs_for_next(
+    report: SequentialReport, name: str, block: nn.Module, inputs: BlockCalls
+) -> tuple[str, BlockCalls] | None:
+    """The (pruned) block's outputs as the following block's inputs, if the two chain."""
+    following = _following(report.blocks, name)
+    if following is None or name not in report.chained:
+        return None
+    outputs = outputs_as_next_inputs(block, inputs)
+    return None if outputs is None else (following, outputs)

@@ -22,7 +22,7 @@ from support import dead_pid, exit_code_of_a_child  # tests/support.py
 
 from surgery.cli import run as run_module
 from surgery.cli import sweeps
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.cli.reporting import write_reports
 from surgery.core import checkpoints
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint, save_tensors, write_atomically

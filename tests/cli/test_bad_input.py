@@ -30,7 +30,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.analysis import attribution_memory
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.core.checkpoints import load_checkpoint, save_checkpoint
 from surgery.core.errors import (
     AlreadyModifiedError,

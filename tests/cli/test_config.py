@@ -8,7 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from surgery.cli.config import RunConfig, load_config
+from surgery.cli.config import RunConfig
+from surgery.cli.config_loading import load_config
 from surgery.core.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

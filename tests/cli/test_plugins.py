@@ -106,7 +106,7 @@ def test_a_step_that_returns_no_handle_is_refused_in_one_line():
     from dataclasses import dataclass
 
     from surgery.cli.applying import apply_steps
-    from surgery.cli.config import load_config
+    from surgery.cli.config_loading import load_config
     from surgery.cli.steps import Step, register_step
     from surgery.core.errors import ConfigTypeError
 

@@ -11,7 +11,7 @@ import pytest
 
 from surgery.cli import reporting
 from surgery.cli import run as run_module
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.cli.steps import STEPS, Step, register_step
 from surgery.core.handles import Handle
 

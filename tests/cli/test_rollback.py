@@ -31,7 +31,7 @@ import surgery
 from surgery.cli import checks
 from surgery.cli import run as run_module
 from surgery.cli.applying import apply_steps
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.cli.steps import STEPS, StepRun
 from surgery.cli.steps import rewrite as rewrite_step
 from surgery.core import guards

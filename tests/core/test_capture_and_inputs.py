@@ -314,8 +314,8 @@ def test_a_capture_is_a_context_manager_entered_once(mlp, mlp_input):
 def test_a_block_s_inputs_are_caught_before_its_own_pre_hooks_which_run_once_when_it_runs_again():
     """A pre-hook on the block that rewrites its input (online rotation, input rewriting) ran
     on the caught inputs and again when the block ran on them: they are caught before it."""
+    from surgery.core.block_inputs import catch_inputs
     from surgery.core.inputs import Call
-    from surgery.core.sequential import catch_inputs
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
     doubles = model[1].register_forward_pre_hook(lambda module, args: (args[0] * 2,))

@@ -47,11 +47,12 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import guards
+from surgery.core.block_inputs import catch_inputs, next_inputs
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.inputs import Inputs, evaluating
 from surgery.core.progress import tqdm
-from surgery.core.sequential import catch_inputs, materialise, next_inputs, resolve_blocks, trace_stages
+from surgery.core.sequential import materialise, resolve_blocks, trace_stages
 from surgery.core.settings import whole_count
 from surgery.core.transforms import attach_all
 from surgery.core.verbs import VerbCall, verb

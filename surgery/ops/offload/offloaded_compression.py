@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, pass_ledger
+from surgery.core.block_inputs import catch_inputs, outputs_as_next_inputs
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
 from surgery.core.folders import LOCK, claimed
 from surgery.core.handles import Handle
@@ -49,7 +50,7 @@ from surgery.core.inputs import Call, evaluating, flatten_tensors
 from surgery.core.originals import Reader, read_again_from
 from surgery.core.progress import tqdm
 from surgery.core.safetensors_streams import write_streamed
-from surgery.core.sequential import Stage, catch_inputs, materialise, outputs_as_next_inputs, trace_stages
+from surgery.core.sequential import Stage, materialise, trace_stages
 from surgery.ops.experts.layouts import fused_experts
 from surgery.ops.experts.linear_experts import split_tensors
 from surgery.ops.experts.routing import experts_modules

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from surgery.cli.config import load_config
+from surgery.cli.config_loading import load_config
 from surgery.core.errors import ConfigError
 from surgery.ops.equivalence.learned_rotation import LearnSpec
 

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.hf_loading import from_pretrained, load_tokenizer, model_class
-from surgery.core.layer_kinds import input_axis_of, is_kind
 from surgery.core.safetensors_streams import write_streamed
 from surgery.core.sequential import find_blocks
 from surgery.ops.experts.layouts import FusedLayout, fused_experts
@@ -27,18 +26,19 @@ from surgery.ops.export.formats.compressed_tensors_experts import (
     WHY_PER_EXPERT,
     checkpoint_state,
     expert_weights,
-    ignored,
     refuse_expert_settings,
 )
-from surgery.ops.export.formats.compressed_tensors_groups import (
-    group_targets,
-    mixed_format,
-    mixed_groups,
-    refuse_pruned_floats,
-    specs_by_grid,
+from surgery.ops.export.formats.compressed_tensors_schemes import (
+    FLOAT_FORMATS,
+    linear_or_conv1d,
+    quantization_config_of_schemes,
+    schemes_of,
+    stored_transposed,
+    weight_arguments,
+    weight_layers,
 )
 from surgery.ops.export.formats.requirements import required
-from surgery.ops.numerics.deployment import ActivationGrid, ExportParts, WeightGrid
+from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.weight_methods import output_axis
@@ -47,28 +47,10 @@ from surgery.ops.quantization.targets import DeployTarget
 log = logging.getLogger("surgery")
 OPTIONS = ("tokenizer", "max_shard_size", "activations")
 TOKENIZER = "export.options.tokenizer"
-_FLOAT_FORMATS = {  # surgery's floating-point grid -> compressed-tensors' format
-    "fp8_e4m3": "float-quantized",
-    "mxfp4": "mxfp4-pack-quantized",
-    "nvfp4": "nvfp4-pack-quantized",
-}
 ACTIVATIONS = ("static", "dynamic", "none")  # input scales: surgery's calibrated ones, per token at run time, none
 
 
 _FP4_FORMATS = ("mxfp4-pack-quantized", "nvfp4-pack-quantized")
-
-
-def linear_or_conv1d(module: nn.Module, name: str = "") -> bool:
-    """The layers compressed-tensors holds, by the layer-kind table: ``nn.Linear`` and transformers' ``Conv1D``."""
-    return is_kind(module, lambda kind: kind.name in ("linear", "hf_conv1d"))
-
-
-linear_or_conv1d.__name__ = "Linear|Conv1D"
-
-
-def _transposed(module: nn.Module) -> bool:
-    """A weight stored ``(in, out)`` (HF ``Conv1D``), as its layer kind says."""
-    return input_axis_of(module) == 0
 
 
 def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +72,7 @@ def write_compressed_tensors(parts: ExportParts, path: Path, options: dict[str, 
     mode = options.get("activations", parts.activation_mode)
     if mode not in ACTIVATIONS:
         raise ConfigError("export.options.activations", mode, f"must be one of {', '.join(ACTIVATIONS)}")
-    schemes = _scheme(parts, ct, mode)
+    schemes = schemes_of(parts, ct, mode)
     layers = [layer for _, group in schemes for layer in group]
     compressed = {}
     for scheme, group in schemes:
@@ -120,7 +102,7 @@ def _compressed(parts: ExportParts, layer: str, compressor: Any, scheme: Any, mo
     """``layer``'s tensors as compressed-tensors stores them, by their names inside the layer
     (``weight_packed``, ``weight_scale``, ..., ``input_scale`` for static inputs)."""
     module = parts.model.get_submodule(layer)
-    local = _local_state(parts.layer_weight(layer), module.weight, _transposed(module))
+    local = _local_state(parts.layer_weight(layer), module.weight, stored_transposed(module))
     found = {key: value.contiguous() for key, value in compressor.compress(local, scheme).items()}
     activation = parts.activation(layer, "input")
     if activation is not None and mode == "static":
@@ -202,17 +184,17 @@ def _streamed_plan(handle: Any, model: nn.Module, ct: Any) -> _StreamPlan:
 
     layouts = fused_experts(model)
     with linearized(model):
-        spec, layers = _weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
+        spec, layers = weight_layers(model, dict.fromkeys(handle.grids, handle.spec))
         _refuse_tied(model, layers)
         kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
-        scheme_format = _FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
-        weights = _weight_args(spec, QuantizationArgs)
+        scheme_format = FLOAT_FORMATS[spec.format] if spec.is_float else "pack-quantized"
+        weights = weight_arguments(spec, QuantizationArgs)
         scheme = QuantizationScheme(targets=kinds, weights=weights, input_activations=None, format=scheme_format)
         refuse_expert_settings(model, layers, scheme)
         compressor = _compressor(ct, scheme.format)
         names = checkpoint_names(model, layers, WHY_PER_EXPERT)
         modules = {layer: model.get_submodule(layer) for layer in layers}
-        axes = {layer: (output_axis(module, "weight"), _transposed(module)) for layer, module in modules.items()}
+        axes = {layer: (output_axis(module, "weight"), stored_transposed(module)) for layer, module in modules.items()}
         config = _quantization_config_of(ct, [scheme], model, layers)
     return _StreamPlan(spec, scheme, compressor, names, axes, config, layouts)
 
@@ -284,8 +266,8 @@ def _add_quantization_config(path: Path, ct: Any, schemes: list[Any], model: nn.
 
 def _quantization_config_of(ct: Any, schemes: list[Any], model: nn.Module, layers: list[str]) -> dict[str, Any]:
     """The folder's ``quantization_config``: ``schemes`` for ``layers``, the other layers ignored."""
-    conv1d = any(_transposed(model.get_submodule(layer)) for layer in layers)
-    return _quantization_config(ct, schemes, model, layers, conv1d)
+    conv1d = any(stored_transposed(model.get_submodule(layer)) for layer in layers)
+    return quantization_config_of_schemes(ct, schemes, model, layers, conv1d)
 
 
 def _write_quantization_config(path: Path, found: dict[str, Any]) -> None:
@@ -294,203 +276,6 @@ def _write_quantization_config(path: Path, found: dict[str, Any]) -> None:
     config = json.loads(config_file.read_text())
     config["quantization_config"] = found
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _scheme(parts: ExportParts, ct: Any, mode: str) -> list[tuple[Any, list[str]]]:
-    """A compressed-tensors scheme per weight grid of the quantized Linears and Conv1Ds, with
-    its layers: one scheme targeting the layer kinds, or one per grid targeting its layers by
-    name (:mod:`~surgery.ops.export.formats.compressed_tensors_groups`)."""
-    from compressed_tensors.quantization import QuantizationArgs
-
-    if any(grid.step == "kv_cache" for grid in parts.activations.values()):  # never dropped silently
-        raise ConfigError(
-            "kv_cache",
-            "k_proj/v_proj outputs",
-            "format='compressed-tensors' holds no KV-cache scales from surgery; export a run without the kv_cache step",
-        )
-    if parts.masks and not parts.weights:
-        raise ConfigError(
-            "export.format",
-            "compressed-tensors",
-            f"compressed-tensors {ct.__version__} has no sparse compressor (bitmask, 2:4); "
-            "pruned weights are held only as zeros of quantized weights, or use format='safetensors'",
-        )
-    if not parts.weights:
-        raise ConfigError(
-            "export.handle", "no quantized weights", "format='compressed-tensors' holds quantized weights"
-        )
-    refuse_pruned_floats(parts.masks, parts.weights, ct.__version__)
-    grids = [_weight_layers(parts.model, group) for group in specs_by_grid(_weight_specs(parts))]
-    layers = [layer for _, group in grids for layer in group]
-    inputs = None
-    if mode == "static":
-        inputs = _input_args(parts, layers, QuantizationArgs)
-        if inputs is None:
-            raise ConfigError(
-                "export.options.activations", mode, "needs activations quantized at layer inputs (where='input')"
-            )
-    elif mode == "dynamic":
-        inputs = _dynamic_input_args(parts, layers, QuantizationArgs)
-    conv1d = [layer for layer in layers if _transposed(parts.model.get_submodule(layer))]
-    if inputs is not None and conv1d:
-        raise ConfigError(
-            "quantize.activations",
-            f"{len(conv1d)} Conv1D layer(s) (e.g. {conv1d[0]})",
-            f"transformers loads compressed-tensors {ct.__version__} Conv1D models dequantized, without input "
-            "scales; export their weights only (quantize.activations=null) or use format='onnx'",
-        )
-    named = len(grids) > 1  # one group per grid, each naming its layers
-    schemes = [(_group_scheme(parts.model, spec, group, inputs, named), group) for spec, group in grids]
-    dequantized = [_dequantized(scheme, any(layer in conv1d for layer in group)) for scheme, group in schemes]
-    return mixed_groups(parts.model, schemes, dequantized)
-
-
-def _group_scheme(model: nn.Module, spec: GridSpec, layers: list[str], inputs: Any, named: bool) -> Any:
-    """The compressed-tensors scheme of ``layers`` on ``spec`` (``inputs``: every layer's input
-    setting), targeting them by name when ``named``, else by their kinds."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
-    weights = _weight_args(spec, QuantizationArgs)  # refuses the float formats it does not hold
-    if spec.is_float:
-        scheme_format = _FLOAT_FORMATS[spec.format]
-    else:
-        scheme_format = "int-quantized" if inputs is not None else "pack-quantized"
-    kinds = sorted({type(model.get_submodule(layer)).__name__ for layer in layers})
-    targets = group_targets(model, layers) if named else kinds
-    return QuantizationScheme(targets=targets, weights=weights, input_activations=inputs, format=scheme_format)
-
-
-def _weight_specs(parts: ExportParts) -> dict[str, GridSpec]:
-    """Each quantized weight's grid, by its key."""
-    return {key: grid.spec for key, grid in parts.weights.items()}
-
-
-def _weight_layers(model: nn.Module, specs: dict[str, GridSpec]) -> tuple[GridSpec, list[str]]:
-    """The one weight setting of the quantized layers, and those layers (each checked to be a
-    Linear or Conv1D weight compressed-tensors can lay out, in whole groups)."""
-    layers = []
-    for key, spec in specs.items():
-        layer, _, attribute = key.rpartition(".")
-        module = model.get_submodule(layer)
-        if attribute != "weight" or not linear_or_conv1d(module):
-            raise ConfigError("export.handle", key, "compressed-tensors holds quantized Linear and Conv1D weights only")
-        if _transposed(module) and (spec.group_size or not (spec.symmetric or spec.is_float)):  # floats: no zero point
-            setting = f"group_size={spec.group_size}" if spec.group_size else "symmetric=False"
-            raise ConfigError(
-                "quantize.weights",
-                setting,
-                f"{layer} is a Conv1D (its weight stored inputs x outputs), whose groups and zero points "
-                "compressed-tensors cannot lay out; quantize Conv1D layers symmetric, per channel",
-            )
-        layers.append(layer)
-    if len(set(specs.values())) > 1:
-        raise ConfigError(
-            "export.handle", len(set(specs.values())), "weight settings differ between layers; one scheme is held"
-        )
-    spec = next(iter(specs.values()))
-    for layer in layers:
-        dtype = model.get_submodule(layer).weight.dtype
-        if spec.format in ("mxfp4", "nvfp4") and dtype != torch.bfloat16:
-            raise ConfigError(
-                "quantize.weights.format",
-                spec.format,
-                f"{layer} is {dtype}; compressed-tensors unpacks FP4 weights to bfloat16, which a {dtype} "
-                "model cannot multiply: export a bfloat16 model (model.to(torch.bfloat16) before quantizing)",
-            )
-        columns = model.get_submodule(layer).weight.shape[1]
-        if spec.group_size and columns % spec.group_size:
-            raise ConfigError(
-                "quantize.weights.group_size",
-                spec.group_size,
-                f"does not divide {layer}'s {columns} inputs; compressed-tensors needs whole groups",
-            )
-    return spec, layers
-
-
-def _weight_args(spec: GridSpec, arguments: type) -> Any:
-    strategy = "group" if spec.group_size else "channel" if spec.per_channel else "tensor"
-    if spec.is_float:
-        if spec.format not in _FLOAT_FORMATS:
-            raise ConfigError(
-                "quantize.weights.format",
-                spec.format,
-                f"surgery writes these floating-point weights to compressed-tensors: {', '.join(_FLOAT_FORMATS)}",
-            )
-        if spec.format == "mxfp4":  # E2M1 in blocks of 32, E8M0 scales stored as their exponents
-            return arguments(
-                num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8
-            )
-        if spec.format == "nvfp4":  # E2M1 in blocks of 16, FP8 scales under one global scale
-            return arguments(
-                num_bits=4,
-                type="float",
-                symmetric=True,
-                strategy="tensor_group",
-                group_size=16,
-                scale_dtype=torch.float8_e4m3fn,
-            )
-        return arguments(num_bits=8, type="float", symmetric=True, strategy=strategy, group_size=spec.group_size)
-    return arguments(
-        num_bits=spec.bits, type="int", symmetric=spec.symmetric, strategy=strategy, group_size=spec.group_size
-    )
-
-
-def _dynamic_input_args(parts: ExportParts, layers: list[str], arguments: type) -> Any:
-    """The simulation's dynamic inputs (int or fp8_e4m3, per token or per tensor); int8 per
-    token for inputs the simulation left alone or calibrated."""
-    grids = _input_grids(parts, layers) if parts.activation_mode == "dynamic" else []
-    if not grids:
-        return arguments(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    spec = grids[0].spec
-    if any(g.spec != spec for g in grids) or (spec.is_float and spec.format not in _FLOAT_FORMATS):
-        raise ConfigError(
-            "quantize.activations",
-            spec.as_dict(),
-            f"compressed-tensors holds one dynamic input setting, int or {', '.join(_FLOAT_FORMATS)}",
-        )
-    kind = "float" if spec.is_float else "int"
-    bits = 8 if spec.is_float else spec.bits
-    return arguments(num_bits=bits, type=kind, symmetric=spec.symmetric, strategy=spec.dynamic, dynamic=True)
-
-
-def _input_grids(parts: ExportParts, layers: list[str]) -> list[ActivationGrid]:
-    """The input grid of each layer (none: an empty list), refusing outputs and gaps."""
-    if any(where == "output" for _, where, _ in parts.activations):
-        raise ConfigError(
-            "quantize.where",
-            "output",
-            "compressed-tensors quantizes the inputs of Linear layers; quantize with where='input' "
-            "(or target='compressed-tensors')",
-        )
-    grids = [parts.activation(layer, "input") for layer in layers]
-    if all(g is None for g in grids):
-        return []
-    missing = [layer for layer, g in zip(layers, grids) if g is None]
-    if missing:
-        raise ConfigError(
-            "export.handle", missing[0], "has quantized weights but unquantized inputs; one scheme is held"
-        )
-    return grids
-
-
-def _input_args(parts: ExportParts, layers: list[str], arguments: type) -> Any:
-    grids = _input_grids(parts, layers)
-    if not grids:
-        return None
-    if grids[0].dynamic:
-        raise ConfigError(
-            "export.options.activations", "static", f"{layers[0]}'s inputs are dynamic: they have no static scale"
-        )
-    spec = grids[0].spec
-    if spec.is_float and spec.format in _FLOAT_FORMATS and not spec.per_channel and all(g.spec == spec for g in grids):
-        return arguments(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False)
-    if spec.is_float or spec.bits != 8 or spec.per_channel or any(g.spec != spec for g in grids):
-        raise ConfigError(
-            "quantize.activations",
-            spec.as_dict(),
-            "compressed-tensors holds 8-bit per-tensor input scales, the same for every layer",
-        )
-    return arguments(num_bits=8, type="int", symmetric=spec.symmetric, strategy="tensor", dynamic=False)
 
 
 def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict[str, Tensor]:
@@ -503,7 +288,7 @@ def _local_state(grid: WeightGrid, weight: Tensor, conv1d: bool = False) -> dict
         exact = grid.in_layout(grid.dequantized(grid.integers(weight), torch.float64), weight.shape)
     scale = grid.scale.float()
     scale = scale.reshape(1) if grid.axis is None else scale.reshape(scale.shape[0], -1)  # (outputs, 1 or groups)
-    if conv1d and scale.dim() == 2:  # symmetric, per channel (_scheme refuses the rest): a scale per column
+    if conv1d and scale.dim() == 2:  # symmetric, per channel (schemes_of refuses the rest): a scale per column
         scale = scale.t().contiguous()
     local = {"weight": exact, "weight_scale": scale.to(weight.dtype)}
     if grid.spec.format == "nvfp4":
@@ -544,31 +329,6 @@ def _compressor(ct: Any, name: str) -> Any:
         raise ConfigError(
             "export.format", "compressed-tensors", f"compressed-tensors {ct.__version__} has no {name!r} compressor"
         ) from None
-
-
-def _quantization_config(
-    ct: Any, schemes: list[Any], model: nn.Module, layers: list[str], conv1d: bool
-) -> dict[str, Any]:
-    from compressed_tensors.quantization import QuantizationConfig
-
-    ignore = ignored(model, layers, linear_or_conv1d)
-    groups = {f"group_{index}": scheme for index, scheme in enumerate(schemes)}
-    config = QuantizationConfig(
-        config_groups=groups, ignore=ignore, format=mixed_format(schemes), quantization_status="compressed"
-    )
-    found = {"quant_method": "compressed-tensors", "version": ct.__version__}
-    found |= config.model_dump(exclude=["quant_method"])
-    if any(_dequantized(scheme, conv1d) for scheme in schemes):  # one scheme (_scheme refuses a mix)
-        found["dequantize"] = True
-    return found
-
-
-def _dequantized(scheme: Any, conv1d: bool) -> bool:
-    """Whether transformers must load ``scheme``'s layers dequantized: compressed-tensors 0.20
-    builds the model on meta without packing the zero point, so a plain from_pretrained of an
-    asymmetric packed folder fails; and its compressed modules are Linear-shaped, where a Conv1D
-    is (inputs, outputs). Dequantizing on load serves both."""
-    return conv1d or (scheme.format == "pack-quantized" and not scheme.weights.symmetric)
 
 
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:

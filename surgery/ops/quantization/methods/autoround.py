@@ -37,10 +37,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from surgery.core import guards
+from surgery.core.block_inputs import next_inputs
 from surgery.core.capture import Capture, MinMax
 from surgery.core.errors import ConfigError
 from surgery.core.progress import tqdm
-from surgery.core.sequential import StageInputs, next_inputs, run_sequential
+from surgery.core.sequential import StageInputs, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.numerics.fake_quant import stored_offset, stored_scale, super_grouped, super_grouped_offsets
 from surgery.ops.numerics.grid import GridSpec
