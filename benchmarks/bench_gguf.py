@@ -40,7 +40,7 @@ from torch import nn
 import surgery
 from surgery import GridSpec
 from surgery.analysis.metrics import perplexity
-from surgery.ops.export.formats.gguf_file import write_gguf
+from surgery.ops.export.formats.gguf.file import write_gguf
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import SHAPE, load_llama
 from surgery.tasks.tinylm import token_batches, train_on_corpus

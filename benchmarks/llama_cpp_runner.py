@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery" / "ops" / "export" / "formats"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery" / "ops" / "export" / "formats" / "gguf"))
 import llama_cpp_worker  # noqa: E402 - surgery's own llama.cpp calls, without importing surgery (no torch here)
 
 THREADS = int(os.environ.get("LLAMA_CPP_THREADS", "1"))  # bench_gguf.py --threads sets it

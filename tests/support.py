@@ -435,7 +435,7 @@ def byte_bpe_tokenizer(size: int = 320, split: str = "gpt-2") -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from surgery.ops.export.formats.gguf_tokenizer import SPLITS
+    from surgery.ops.export.formats.gguf.tokenizer import SPLITS
     from surgery.tasks.tinylm import tokens
 
     text = bytes(tokens("train")[:100_000].tolist()).decode("utf-8", "replace")

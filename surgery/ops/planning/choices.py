@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.registry import Registry
-from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf.blocks import BLOCK_TYPES, BlockType
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.quantization.kv_cache import projection_names, quantize_kv_cache

@@ -10,8 +10,8 @@ from typing import Any
 from torch import nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type, type_name
-from surgery.ops.export.formats.gguf_models import family_of, tensor_name
+from surgery.ops.export.formats.gguf.mix_types import GGUF_MIXES, mix_type, type_name
+from surgery.ops.export.formats.gguf.models import family_of, tensor_name
 from surgery.ops.planning.choices import choice_named
 from surgery.ops.planning.plans import Plan, PlanRow
 from surgery.ops.sparsity.pruning import prune_targets

@@ -19,9 +19,9 @@ from support import tiny_gpt2  # tests/support.py
 import surgery
 from surgery import GridSpec
 from surgery.core.errors import ConfigError
-from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES
-from surgery.ops.export.formats.gguf_file import load_gguf, write_gguf
-from surgery.ops.export.formats.gguf_models import permute_rows, tensor_name
+from surgery.ops.export.formats.gguf.blocks import BLOCK_TYPES
+from surgery.ops.export.formats.gguf.file import load_gguf, write_gguf
+from surgery.ops.export.formats.gguf.models import permute_rows, tensor_name
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.fake_quant import Grid
 
@@ -758,7 +758,7 @@ def test_a_sentencepiece_tokenizer_naming_no_unk_token_keeps_its_byte_tokens_byt
 
     from support import sentencepiece_tokenizer
 
-    from surgery.ops.export.formats.gguf_tokenizer import vocabulary
+    from surgery.ops.export.formats.gguf.tokenizer import vocabulary
 
     folder = tmp_path / "tokenizer"
     sentencepiece_tokenizer().save_pretrained(folder)

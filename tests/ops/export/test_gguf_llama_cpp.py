@@ -15,7 +15,7 @@ from support import peer_python  # tests/support.py
 
 import surgery
 from surgery import GridSpec
-from surgery.ops.export.formats.gguf_file import write_gguf
+from surgery.ops.export.formats.gguf.file import write_gguf
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import load_llama
 from surgery.tasks.tinymoe import load_moe
@@ -215,7 +215,7 @@ def test_report_deploy_measures_llama_cpp_against_the_simulation_and_its_perplex
 
 
 def test_llama_cpp_against_another_model_s_logits_misses_the_bound(tmp_path, monkeypatch):
-    from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
+    from surgery.ops.export.formats.gguf.llama_cpp_runtime import llama_cpp_summary
 
     monkeypatch.setenv("SURGERY_LLAMA_CPP_PYTHON", str(llama_cpp_or_skip()))
     write_gguf(ExportParts(load_llama()), tmp_path / "m.gguf", {})

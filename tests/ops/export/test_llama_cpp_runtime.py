@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from surgery.cli.checks import check_deploy
-from surgery.ops.export.formats.gguf_file import write_gguf
-from surgery.ops.export.formats.llama_cpp_runtime import PYTHON_VARIABLE, TIMEOUT_VARIABLE, llama_cpp_summary
+from surgery.ops.export.formats.gguf.file import write_gguf
+from surgery.ops.export.formats.gguf.llama_cpp_runtime import PYTHON_VARIABLE, TIMEOUT_VARIABLE, llama_cpp_summary
 from surgery.ops.export.parity import ExportRecord, Parity
 from surgery.ops.numerics.deployment import ExportParts
 from surgery.tasks.tinyllama import load_llama
@@ -67,7 +67,7 @@ def worker(tmp_path, name: str, body: str) -> str:
     ],
 )
 def test_a_named_python_that_fails_hangs_or_lies_fails_the_check_and_leaves_nothing(written, tmp_path, body, said):
-    from surgery.ops.export.formats.llama_cpp_runtime import LlamaCpp, LlamaCppError, _compared
+    from surgery.ops.export.formats.gguf.llama_cpp_runtime import LlamaCpp, LlamaCppError, _compared
 
     path, model = written
     python = worker(tmp_path, "python", body)

@@ -8,7 +8,7 @@ from surgery.ops.export.formats import safetensors_file  # noqa: F401
 from surgery.ops.export.formats import (
     compressed_tensors_folder,  # noqa: F401
     fp8_linear,  # noqa: F401
-    gguf_file,  # noqa: F401
+    gguf,  # noqa: F401
     int4_linear,  # noqa: F401
     onnx_qdq,  # noqa: F401
     sparse_linear,  # noqa: F401

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from surgery.core.errors import first_line
 from surgery.core.interrupts import raise_pending
-from surgery.ops.export.formats import llama_cpp_worker
+from surgery.ops.export.formats.gguf import llama_cpp_worker
 
 PYTHON_VARIABLE = "SURGERY_LLAMA_CPP_PYTHON"
 WORKER = Path(llama_cpp_worker.__file__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from surgery.core.errors import ConfigError
-from surgery.ops.export.formats.gguf_models import tensor_name
+from surgery.ops.export.formats.gguf.models import tensor_name
 from surgery.ops.numerics.deployment import WeightGrid
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")

@@ -25,12 +25,12 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import from_pretrained
 from surgery.ops.export.format_table import ExportFormat, register_export_format
-from surgery.ops.export.formats.gguf_blocks import BLOCK_TYPES, BlockType
-from surgery.ops.export.formats.gguf_entries import Entry, entries
-from surgery.ops.export.formats.gguf_mix_types import GGUF_MIXES, mix_type, type_name
-from surgery.ops.export.formats.gguf_models import family_of, is_float_tensor, metadata, permute_rows
-from surgery.ops.export.formats.gguf_tokenizer import vocabulary, write_vocabulary
-from surgery.ops.export.formats.llama_cpp_runtime import llama_cpp_summary
+from surgery.ops.export.formats.gguf.blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf.entries import Entry, entries
+from surgery.ops.export.formats.gguf.llama_cpp_runtime import llama_cpp_summary
+from surgery.ops.export.formats.gguf.mix_types import GGUF_MIXES, mix_type, type_name
+from surgery.ops.export.formats.gguf.models import family_of, is_float_tensor, metadata, permute_rows
+from surgery.ops.export.formats.gguf.tokenizer import vocabulary, write_vocabulary
 from surgery.ops.export.formats.requirements import required
 from surgery.ops.numerics.deployment import ExportParts, WeightGrid
 from surgery.ops.numerics.grid import GridSpec

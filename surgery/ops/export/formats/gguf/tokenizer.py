@@ -16,7 +16,7 @@ from typing import Any
 
 from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import load_tokenizer
-from surgery.ops.export.formats.gguf_sentencepiece import is_sentencepiece, sentencepiece
+from surgery.ops.export.formats.gguf.sentencepiece import is_sentencepiece, sentencepiece
 
 log = logging.getLogger("surgery")
 FIELD = "export.options.tokenizer"
