@@ -795,3 +795,17 @@ def test_a_chat_template_that_is_not_text_is_said_not_dropped_silently(tmp_path,
     with caplog.at_level(logging.WARNING, logger="surgery"):
         write_gguf(ExportParts(tiny("Llama", vocab=320)), tmp_path / "m.gguf", {"tokenizer": tokenizer})
     assert "chat template is a int, not text; the GGUF carries none" in caplog.text
+
+
+def test_the_one_table_of_block_types_holds_gguf_py_s_sizes():
+    gguf = pytest.importorskip("gguf")
+    from surgery.ops.export.formats.gguf.blocks import FLOAT_BYTES, tensor_bytes
+
+    for name, kind in BLOCK_TYPES.items():
+        block, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name)]
+        assert (kind.super_block, kind.block_bytes) == (block, size), name
+        assert tensor_bytes(kind, (3, 2 * block)) == (3 * 2 * size, (3, 2 * size))
+    for name, width in FLOAT_BYTES.items():
+        block, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name)]
+        assert (block, size) == (1, width), name
+        assert tensor_bytes(name, (3, 5)) == (15 * width, (3, 5 * width))

@@ -25,6 +25,7 @@ float-offset grids (``float_offset=True``: ``scale * q - offset``, the offset ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -313,4 +314,14 @@ BLOCK_TYPES: dict[str, BlockType] = {
     ),
     "Q3_K": BlockType("Q3_K", (-4, 3), pack_q3_k, _k_target(3, 5, 16, _target(3)), 3, 110, 16, K_BLOCK, 31),
 }
-FLOAT_TYPES = ("F32", "F16", "BF16")  # what stays float: norms, embeddings and unquantized layers
+# what stays float (norms, embeddings, unquantized layers): each torch dtype's GGUF type, and its bytes
+FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def tensor_bytes(kind: BlockType | str, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """The bytes a tensor of ``shape`` takes as ``kind`` (a block type, or a float type's name),
+    and its shape in bytes (rows of packed blocks, or of a float's bytes): from the one table,
+    :data:`BLOCK_TYPES` (its sizes held equal to gguf-py's ``GGML_QUANT_SIZES`` by a test)."""
+    row = shape[-1] * FLOAT_BYTES[kind] if isinstance(kind, str) else shape[-1] // kind.super_block * kind.block_bytes
+    return math.prod(shape[:-1]) * row, (*shape[:-1], row)

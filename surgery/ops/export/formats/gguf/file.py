@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from surgery.core.errors import ConfigError
 from surgery.core.hf_loading import from_pretrained
 from surgery.ops.export.format_table import ExportFormat, register_export_format
-from surgery.ops.export.formats.gguf.blocks import BLOCK_TYPES, BlockType
+from surgery.ops.export.formats.gguf.blocks import BLOCK_TYPES, FLOAT_TYPES, BlockType, tensor_bytes
 from surgery.ops.export.formats.gguf.entries import Entry, entries
 from surgery.ops.export.formats.gguf.llama_cpp_runtime import llama_cpp_summary
 from surgery.ops.export.formats.gguf.mix_types import GGUF_MIXES, mix_type, type_name
@@ -38,7 +38,6 @@ from surgery.ops.quantization.targets import DEPLOY_TARGETS, DeployTarget
 
 log = logging.getLogger("surgery")
 OPTIONS = ("type", "tokenizer")
-FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
 FILE_TYPES |= {"Q4_0": "MOSTLY_Q4_0", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q5_1": "MOSTLY_Q5_1"}
 FILE_TYPES |= {"Q3_K": "MOSTLY_Q3_K_S", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K"}
@@ -106,9 +105,7 @@ def _write(
     write_vocabulary(writer, vocab, gguf)  # nothing the outputs depend on: the file stays exact
     for gguf_name, kind, shape in planned:
         raw = getattr(gguf.GGMLQuantizationType, kind if isinstance(kind, str) else kind.name)
-        block, size = gguf.GGML_QUANT_SIZES[raw]
-        nbytes = math.prod(shape[:-1]) * shape[-1] // block * size
-        byte_shape = (*shape[:-1], shape[-1] // block * size)
+        nbytes, byte_shape = tensor_bytes(kind, shape)
         if kind in ("F32", "F16"):
             writer.add_tensor_info(gguf_name, shape, np.dtype(kind.replace("F", "float")), nbytes)
         else:
