@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from surgery.ops.build.intercept import _registry as intercept_registry
-from surgery.testing import global_hook_counts, module_hook_counts
+from surgery.testing import assert_no_hooks, global_hook_counts
 
 # Hypothesis: `make test` runs the "ci" profile, the same examples on every run (derandomized; nothing
 # written into the checkout); SURGERY_HYPOTHESIS=thorough runs ten times as many, drawn afresh. Tests
@@ -82,12 +82,6 @@ def no_leaked_global_hooks() -> Iterator[None]:
     after = global_state()
     leaked = {name: (count, after[name]) for name, count in before.items() if after[name] != count}
     assert not leaked, f"a test leaked global state (before, after): {leaked}"
-
-
-def assert_no_hooks(model: nn.Module) -> None:
-    """Fail if any module of ``model`` still carries a hook of any kind."""
-    leftover = {name: count for name, count in module_hook_counts(model).items() if count}
-    assert not leftover, f"hooks left on the model: {leftover}"
 
 
 def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:

@@ -302,7 +302,7 @@ def test_import_registers_no_operator_and_leaves_dynamo_alone():
 
 
 PRIVATE_TORCH = re.compile(
-    r"\._(parameters|buffers|modules|forward_hooks|forward_pre_hooks|backward_hooks|backward_pre_hooks|version"
+    r"\._(parameters|buffers|modules|forward_hooks|forward_pre_hooks|backward_hooks|backward_pre_hooks|version|base"
     r"|orig_mod|reversed_padding_repeated_twice|state_dict_hooks|load_state_dict_pre_hooks|global_\w+)\b"
     r"|_ConvNd|_BatchNorm|_NormBase|torch\.utils\._pytree|torch\._C\b|hooks_dict_ref|extra_dict_ref"
     r"|\"_forward(_pre)?_hooks\""
@@ -358,3 +358,17 @@ def test_old_import_paths_the_docs_used_still_work_and_warn():
 def test_the_grid_spec_old_name_still_works_and_warns():
     found = in_a_new_interpreter("first import")["grid spec"]
     assert found["error"] is None and found["printed"].startswith("QuantSpec is now GridSpec")
+
+
+def test_the_ops_package_docstring_names_every_family():
+    import surgery.ops
+
+    missing = [family for family in OPS_ORDER if f"``{family}``" not in surgery.ops.__doc__]
+    assert missing == []
+
+
+def test_no_file_of_the_library_is_over_600_lines():
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}

@@ -216,6 +216,11 @@ def tree_leaves(value: Any) -> list[Any]:
     return _pytree.tree_flatten(value)[0]
 
 
+def view_base(tensor: Tensor) -> Tensor | None:
+    """The tensor ``tensor`` is a view of (``Tensor._base``), or None when it owns its storage."""
+    return tensor._base
+
+
 def tensor_stamp(tensor: Tensor) -> tuple[int, int]:
     """(version counter, data pointer): changes whenever the tensor is written in place or replaced."""
     return tensor._version, tensor.data_ptr()

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import distributed, guards
+from surgery.core._compat import view_base
 from surgery.core.capture import Capture
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
@@ -132,7 +133,7 @@ def _reads_last_axis(module: nn.Module) -> bool:
 def whole(tensor: Tensor) -> Tensor:
     """The tensor ``tensor`` is a view of all of (a mixture-of-experts block's ``x.view(-1, H)``),
     else ``tensor`` itself: the same values either way."""
-    base = tensor._base
+    base = view_base(tensor)
     return base if base is not None and base.numel() == tensor.numel() else tensor
 
 
@@ -172,8 +173,8 @@ def find_pairs(model: nn.Module, sample: Inputs, *, views: bool = False) -> dict
         def hook(module: nn.Module, args: tuple) -> None:
             arg = args[0] if args and isinstance(args[0], Tensor) else None
             found = None if arg is None else produced.get(id(whole(arg) if reshaped else arg))
-            if found is None and views and arg is not None and arg._base is not None:
-                base = produced.get(id(arg._base))
+            if found is None and views and arg is not None and view_base(arg) is not None:
+                base = produced.get(id(view_base(arg)))
                 keeps = base is not None and arg.shape[-1] == base[1].shape[-1] and arg.stride(-1) == base[1].stride(-1)
                 found = (base[0], base[1]) if keeps else None
             if found is not None:
