@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 from surgery.core._compat import get_slot
 from surgery.core.errors import ConfigError, SelectionError
@@ -148,93 +148,29 @@ def select_parameters(
     excluded_modules = _with_descendants(modules, excluded_modules)  # excluding a block excludes its layers
     chosen_modules -= excluded_modules
     chosen_params = {p for p in chosen_params - excluded_params if p.rpartition(".")[0] not in excluded_modules}
-    matched: dict[str, Target] = {}
-    skipped: list[Skipped] = []
-    seen: dict[int, str] = {}
-    embeddings = _input_embeddings(model, modules) if include is None else {}
-    routers = routers_in(modules, include)
-    tied_heads: list[str] = []
+    walk = _Walk(verb, min_dim, chosen_modules, chosen_params, excluded_params, routers_in(modules, include))
+    walk.embeddings = _input_embeddings(model, modules) if include is None else {}
     for name, module in modules.items():
         own = {attr: p for attr, p in module.named_parameters(recurse=False, remove_duplicate=False) if p is not None}
         for attr, param in own.items():
-            qualified = f"{name}.{attr}" if name else attr
-            wanted = qualified not in excluded_params and (
-                qualified in chosen_params or name in chosen_modules and attr == "weight"
-            )
-            if wanted and name in routers:
-                skipped.append(Skipped(qualified, type(module).__name__, routers[name]))
-                continue
-            if wanted and id(param) in embeddings:
-                skipped.append(
-                    Skipped(
-                        qualified,
-                        type(module).__name__,
-                        f"is the same tensor as the input embedding "
-                        f"{embeddings[id(param)]} (a tied output head): left out by default; select "
-                        f"'{name}' to {verb} both",
-                    )
-                )
-                tied_heads.append(name)
-                continue
-            if not wanted:
-                if name in chosen_modules and param.dim() >= 2 and param.is_floating_point():
-                    skipped.append(
-                        Skipped(
-                            qualified,
-                            type(module).__name__,
-                            f"not the layer's 'weight'; select '{qualified}' to include it",
-                        )
-                    )
-                continue
-            if not param.is_floating_point():
-                raise ConfigError(
-                    f"{verb}.select",
-                    name if attr == "weight" else qualified,
-                    f"weight has dtype {param.dtype}; only floating weights can be {verb}d",
-                )
-            if param.dim() < min_dim:
-                skipped.append(
-                    Skipped(
-                        qualified,
-                        type(module).__name__,
-                        f"has {param.dim()} dimension(s); {verb} works on weights of {min_dim}+",
-                    )
-                )
-            elif id(param) in seen:
-                skipped.append(
-                    Skipped(
-                        qualified, type(module).__name__, f"is tied to {seen[id(param)]} (handled once, stays tied)"
-                    )
-                )
-            else:
-                seen[id(param)] = qualified
-                matched[qualified] = Target(qualified, name, module, attr)
+            walk.visit(name, module, attr, param)
         if name in chosen_modules and own and "weight" not in own:
-            skipped.append(Skipped(_label(name, own), type(module).__name__, "has no 'weight' parameter of its own"))
+            walk.skipped.append(
+                Skipped(_label(name, own), type(module).__name__, "has no 'weight' parameter of its own")
+            )
+    matched, skipped = walk.matched, walk.skipped
     if include is None:
-        skipped += _outside_default(modules, chosen_modules, seen, verb, routers)
-    if tied_heads:
+        skipped += _outside_default(modules, chosen_modules, walk.seen, verb, walk.routers)
+    if walk.tied_heads:
         log.warning(
             "%s: %s left out: the same tensor as an input embedding (a tied output head, which would %s the "
             "embedding too); select it explicitly to include it",
             verb,
-            ", ".join(tied_heads),
+            ", ".join(walk.tied_heads),
             verb,
         )
     if not matched and required:
-        containers = [n for n in modules if n in chosen_modules and not any(True for _ in modules[n].parameters(False))]
-        why = (
-            f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
-            f"'{containers[0]}.**' reaches the layers inside; "
-            if containers and containers[0]
-            else ""
-        )
-        raise ConfigError(
-            field_,
-            describe(include),
-            f"selects no floating weight of {min_dim}+ dimensions",
-            f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as '**.weight_ih_l0'",
-        )
+        _refuse_empty(modules, chosen_modules, include, field_, min_dim)
     log.log(
         _SELECTION_LEVEL.get(),
         "%s: %d parameter(s) matched, %d skipped%s",
@@ -248,6 +184,81 @@ def select_parameters(
     lookups = set(_input_embeddings(model, modules))  # tables read by index: not counted as weights left
     coverage = coverage_of(model, matched, skipped, excluded_modules, excluded_params, lookups=lookups)
     return Targets(matched, skipped, coverage)
+
+
+@dataclass
+class _Walk:
+    """:func:`select_parameters`' pass over every parameter: what it matched, skipped and why."""
+
+    verb: str
+    min_dim: int
+    chosen_modules: set[str]
+    chosen_params: set[str]
+    excluded_params: set[str]
+    routers: dict[str, str]
+    embeddings: dict[int, str] = field(default_factory=dict)
+    matched: dict[str, Target] = field(default_factory=dict)
+    skipped: list[Skipped] = field(default_factory=list)
+    seen: dict[int, str] = field(default_factory=dict)  # id of a parameter matched -> its name (ties)
+    tied_heads: list[str] = field(default_factory=list)
+
+    def visit(self, name: str, module: nn.Module, attr: str, param: Tensor) -> None:
+        """Match ``module``'s parameter ``attr``, or skip it saying why."""
+        qualified, kind, verb = f"{name}.{attr}" if name else attr, type(module).__name__, self.verb
+        wanted = qualified not in self.excluded_params and (
+            qualified in self.chosen_params or name in self.chosen_modules and attr == "weight"
+        )
+        if not wanted:
+            if name in self.chosen_modules and param.dim() >= 2 and param.is_floating_point():
+                self.skipped.append(
+                    Skipped(qualified, kind, f"not the layer's 'weight'; select '{qualified}' to include it")
+                )
+            return
+        if name in self.routers:
+            self.skipped.append(Skipped(qualified, kind, self.routers[name]))
+            return
+        if id(param) in self.embeddings:
+            why = (
+                f"is the same tensor as the input embedding {self.embeddings[id(param)]} (a tied output head): "
+                f"left out by default; select '{name}' to {verb} both"
+            )
+            self.skipped.append(Skipped(qualified, kind, why))
+            self.tied_heads.append(name)
+            return
+        if not param.is_floating_point():
+            raise ConfigError(
+                f"{verb}.select",
+                name if attr == "weight" else qualified,
+                f"weight has dtype {param.dtype}; only floating weights can be {verb}d",
+            )
+        if param.dim() < self.min_dim:
+            why = f"has {param.dim()} dimension(s); {verb} works on weights of {self.min_dim}+"
+            self.skipped.append(Skipped(qualified, kind, why))
+        elif id(param) in self.seen:
+            why = f"is tied to {self.seen[id(param)]} (handled once, stays tied)"
+            self.skipped.append(Skipped(qualified, kind, why))
+        else:
+            self.seen[id(param)] = qualified
+            self.matched[qualified] = Target(qualified, name, module, attr)
+
+
+def _refuse_empty(
+    modules: dict[str, nn.Module], chosen_modules: set[str], include: Selection, field_: str, min_dim: int
+) -> None:
+    """A selection that holds no weight to work on: one line, pointing at the layers inside a container."""
+    containers = [n for n in modules if n in chosen_modules and not any(True for _ in modules[n].parameters(False))]
+    why = (
+        f"{len(containers)} selected module(s) hold no parameters of their own, e.g. {containers[0] or '(root)'}: "
+        f"'{containers[0]}.**' reaches the layers inside; "
+        if containers and containers[0]
+        else ""
+    )
+    raise ConfigError(
+        field_,
+        describe(include),
+        f"selects no floating weight of {min_dim}+ dimensions",
+        f"{why}select layers such as 'layer1.**' or 'type:Conv2d', or parameters by name such as '**.weight_ih_l0'",
+    )
 
 
 LARGEST_LEFT = 5  # tensors named in Coverage.largest_left
