@@ -110,22 +110,29 @@ def _llm_compressor(model, method: str, originals: str, ids, warm_up: bool = Fal
         import llmcompressor.modifiers.quantization  # noqa: F401
 
         return None
-    import tempfile
-
-    import transformers
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    from tokenizers import Tokenizer, models
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=GROUP)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     modifier = GPTQModifier if method == "gptq" else QuantizationModifier
     recipe = modifier(config_groups=groups, ignore=["lm_head", "re:.*mlp.gate$"])
+    oneshot_on(model, ids, recipe, "sequential" if method == "gptq" else "datafree")
+    return model
+
+
+def oneshot_on(model, ids, recipe, pipeline: str) -> None:
+    """llm-compressor's ``oneshot`` with ``recipe`` on ``model``, the token ids as its (tokenized) data set."""
+    import tempfile
+
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from tokenizers import Tokenizer, models
+
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * len(ids)})
-    words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-    folder = tempfile.mkdtemp()
+    words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))  # the batches come tokenized
+    folder = tempfile.mkdtemp()  # oneshot reads the model's config back from its name_or_path
     model.config.save_pretrained(folder)
     model.config.name_or_path = folder
     oneshot(
@@ -135,9 +142,8 @@ def _llm_compressor(model, method: str, originals: str, ids, warm_up: bool = Fal
         recipe=recipe,
         num_calibration_samples=len(ids),
         max_seq_length=ids.shape[1],
-        pipeline="sequential" if method == "gptq" else "datafree",
+        pipeline=pipeline,
     )
-    return model
 
 
 def table(results: dict[str, dict]) -> str:

@@ -165,26 +165,10 @@ def _surgery(model, ids, originals: str) -> None:
 
 
 def _llm_compressor(model, ids) -> None:
-    import transformers  # imported before the baseline, with the rest (imports())
-    from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
-    from tokenizers import Tokenizer, models
 
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * len(ids)})
-    words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))  # the batches come tokenized
-    folder = tempfile.mkdtemp()  # oneshot reads the model's config back from its name_or_path
-    model.config.save_pretrained(folder)
-    model.config.name_or_path = folder
-    oneshot(
-        model=model,
-        processor=transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<unk>"),
-        dataset=data,
-        recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
-        num_calibration_samples=len(ids),
-        max_seq_length=ids.shape[1],
-        pipeline="sequential",
-    )
+    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+    attach_memory.oneshot_on(model, ids, recipe, "sequential")
 
 
 def measure(kind: str, layers: int, hidden: int = HIDDEN) -> dict:

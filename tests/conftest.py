@@ -65,6 +65,19 @@ def checkout_untouched() -> Iterator[None]:
     assert not made, f"the tests wrote into the checkout: {made}"
 
 
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt for the test, whatever an earlier test in this process (or
+    the test runner's worker) left as SIGINT's handler; put back afterwards."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(autouse=True)
 def seeded() -> None:
     """Every test starts from the same random state, whichever tests ran before it in its process."""

@@ -472,7 +472,7 @@ def test_a_second_claim_on_an_output_folder_is_refused_until_the_first_ends(tmp_
         pass
 
 
-def test_an_interrupt_during_publishing_takes_effect_after_it_and_leaves_nothing_hidden(tmp_path):
+def test_an_interrupt_during_publishing_takes_effect_after_it_and_leaves_nothing_hidden(tmp_path, default_sigint):
     """Before: SIGINT at the end of an overwriting publish left the new set in place, an empty
     `.previous-*` folder behind, and the CLI said the outputs were left as they were."""
     import signal

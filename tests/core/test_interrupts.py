@@ -52,7 +52,7 @@ def test_a_progress_bar_is_a_safe_point_and_a_second_signal_raises_at_once():
     assert seen[-1] == "flagged"
 
 
-def test_a_signal_arriving_while_handlers_are_put_back_leaves_none_behind():
+def test_a_signal_arriving_while_handlers_are_put_back_leaves_none_behind(default_sigint):
     """Before: a signal run by a restored handler inside the next ``signal.signal`` call raised
     between the two, and SIGTERM kept the deferral's recording handler for good."""
     before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}

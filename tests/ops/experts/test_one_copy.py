@@ -21,7 +21,7 @@ def tensor_bytes() -> int:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu":  # not fake/functional ones
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
