@@ -109,6 +109,8 @@ class Verb:
     def settle(self, args: tuple, keywords: dict[str, Any]) -> tuple[Any, VerbCall]:
         """The spec and the call from what the caller gave, checked before anything runs."""
         keywords = self._keywords(keywords)
+        if args and args[0] is None and not self.positional:  # quantize(model, None): no spec, its defaults
+            args = args[1:]
         if args and isinstance(args[0], self.spec):
             if len(args) > 1:
                 raise ConfigTypeError(self.name, args[1], f"takes nothing positionally after its {self.spec.__name__}")

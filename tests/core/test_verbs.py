@@ -126,6 +126,12 @@ def test_an_old_name_and_its_new_one_together_are_refused():
         surgery.shrink(nn.Linear(4, 2), 0.5, example_inputs=torch.ones(1, 4), calibration=torch.ones(1, 4))
 
 
+def test_none_in_the_spec_s_place_means_its_defaults():
+    model = nn.Linear(8, 4)
+    with surgery.quantize(model, None, weights=surgery.GridSpec(bits=4), progress=False) as handle:
+        assert handle.weights["weight"].spec.bits == 4
+
+
 def test_a_positional_setting_and_the_same_keyword_are_refused():
     with pytest.raises(ConfigError, match=r"^prune.amount=0.5: is given twice"):
         surgery.prune(nn.Linear(4, 2), 0.5, amount=0.25)

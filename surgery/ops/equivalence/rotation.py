@@ -182,6 +182,7 @@ def rotate(model: nn.Module, spec: RotateSpec, call: VerbCall) -> RotateHandle |
             into ``work`` (with ``online=False``: no file holds the online hook).
         calibration: batches; the first traces which layers read the stream and checks the
             rotated model's outputs; a learned rotation trains on all of them.
+        spec: a :class:`RotateSpec` holding the settings below (the keywords are a shorthand for it).
         seed: of the random signs.
         online: also rotate the inputs of layers writing to the stream from another width
             (``down_proj``) with a hook; such a handle cannot be baked.

@@ -234,6 +234,7 @@ def smooth(model: nn.Module, spec: SmoothSpec, call: VerbCall) -> SmoothHandle |
             an offloaded model's handle (:func:`surgery.offloaded`), smoothed block by block
             (each block's pairs given explicitly to it), the result an
             :class:`OffloadedCompression`.
+        spec: a :class:`SmoothSpec` holding every setting instead (then no setting is given as a keyword).
         alpha: migration strength in [0, 1]: 0 leaves activations as they are, 1 moves all of
             their range into the weights; 0.5 is the paper's default, 0.75-0.85 for models with
             strong outliers.

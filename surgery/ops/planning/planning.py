@@ -60,6 +60,7 @@ def plan(model: nn.Module, spec: PlanSpec, call: VerbCall) -> Plan:
 
     Args:
         model: left exactly as it was (every trial is restored).
+        spec: a :class:`PlanSpec` holding every setting instead (then no setting is given as a keyword).
         budget: bytes (``12_000_000``, ``"12MB"``, ``"3.5MiB"``) or bits per weight
             (``"4.5bpw"``) over the selected layers' weights; with KV-cache choices, bytes of
             the weights and the cache together.

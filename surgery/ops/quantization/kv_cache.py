@@ -64,6 +64,8 @@ def quantize_kv_cache(model: nn.Module, spec: KvCacheSpec, call: VerbCall) -> Qu
     qualified names), every one by default. Returns the quantize handle (``restore()`` removes
     it exactly).
 
+    ``spec``: a :class:`KvCacheSpec` holding the grid and the attention modules instead.
+
     Raises:
         ConfigError: the model has no attention module with ``k_proj`` and ``v_proj`` Linear
             layers (a fused ``qkv`` projection cannot be split by hooks), or ``attention`` names

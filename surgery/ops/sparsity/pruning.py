@@ -58,6 +58,7 @@ def prune(model: nn.Module, spec: PruneSpec, call: VerbCall) -> PruneHandle | Of
             (:func:`surgery.offloaded`), pruned block by block without loading it whole
             (``scope="layer"``): the result an :class:`OffloadedCompression` that
             ``surgery.export`` streams and whose ``restore()`` reads the source files again.
+        spec: a :class:`PruneSpec` holding every setting instead (then no setting is given as a keyword).
         amount: fraction in [0, 1] of weight entries (or of slices, for a structured
             criterion) to set to zero; or a :class:`PruneSpec` holding the settings under
             *Keywords* below (then give none of them as keywords).
