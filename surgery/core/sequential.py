@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, SpilledCall, pass_ledger
+from surgery.core.allocator import give_back_freed_memory
 from surgery.core.block_inputs import (
     ONLOAD_DEVICE,
     catch_inputs,
@@ -378,6 +379,7 @@ def run_sequential(
                         del inputs
                     if onload is not None and onload.type == "cuda":
                         report.gpu_peak_bytes.append(torch.cuda.max_memory_allocated(onload))
+                give_back_freed_memory()  # the stage's Hessians and activations: freed, and handed back
             report.peak_cached_bytes, report.spilled_bytes = ledger.peak_held, ledger.spilled - spilled_before
             if report.spilled_bytes:
                 log.info(

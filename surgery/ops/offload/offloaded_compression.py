@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from surgery.core import distributed
 from surgery.core.activations import BlockCalls, pass_ledger
+from surgery.core.allocator import give_back_freed_memory
 from surgery.core.block_inputs import catch_inputs, outputs_as_next_inputs
 from surgery.core.errors import AlreadyModifiedError, ConfigError, ConfigTypeError
 from surgery.core.folders import LOCK, claimed
@@ -229,6 +230,7 @@ def _run_stages(
             handle.seconds.append(time.perf_counter() - started)
             if source.device.type == "cuda":  # the block's own peak on the GPU
                 handle.gpu_peak_bytes.append(torch.cuda.max_memory_allocated(source.device))
+            give_back_freed_memory()  # the stage's weights, activations and Hessians: freed, and handed back
         handle.spilled_bytes = ledger.spilled - spilled_before
 
 
