@@ -396,9 +396,10 @@ def run_sequential(
 
 
 def run_each(block: nn.Module, inputs: BlockCalls) -> None:
-    """Run the block on each cached call, keeping none of its outputs."""
+    """Run the block on each cached call, keeping none of its outputs (their memory handed back)."""
     for args, kwargs in inputs:
         block(*args, **kwargs)
+        give_back_freed_memory()
 
 
 def _reduced(

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from surgery.core import guards
+from surgery.core.allocator import give_back_freed_memory
 from surgery.core.errors import ConfigError
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection
@@ -122,6 +123,7 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         self.said = said  # (field, method): who says so when a layer's inputs were all zero
 
     def __getitem__(self, name: str) -> Tensor:
+        give_back_freed_memory()  # the previous layer's solve: freed, and handed back before the next
         layer, target = self.layers[name]
         found = self.hessians.pop(layer)  # each layer is solved once
         value = guards.current_value(target.param)
