@@ -60,6 +60,8 @@ from surgery.ops.planning.planning import PlanSpec, plan
 from surgery.ops.planning.plans import Plan
 from surgery.ops.quantization.kv_cache import KvCacheSpec, kv_cache_bytes, quantize_kv_cache
 from surgery.ops.quantization.low_rank_branch import LowRankBranchHandle, LowRankSpec, low_rank_branch
+from surgery.ops.quantization.methods.autoround import AutoRoundSettings
+from surgery.ops.quantization.methods.gptq import GptaqSettings, GptqSettings
 from surgery.ops.quantization.quantization import QuantizeHandle, QuantizeSpec, quantize
 from surgery.ops.rewrite.rewriting import RewriteSpec, register_rewrite, rewrite_inputs
 from surgery.ops.sensitivity.sensitivity import Sensitivity, SensitivitySpec, sensitivity
@@ -131,6 +133,9 @@ __all__ = [  # the public names by family, in the order of docs/design.md's map
     "WeightProblem",
     "QuantizedWeight",
     "register_weight_method",
+    "GptqSettings",
+    "GptaqSettings",
+    "AutoRoundSettings",
     # build: intercept and its rules
     "intercept",
     "rules",

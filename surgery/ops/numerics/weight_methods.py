@@ -7,6 +7,7 @@ and GPTQ (:mod:`surgery.ops.quantization.methods.gptq`) register here the same w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from torch import Tensor, nn
 
 from surgery.core import guards
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.layer_kinds import channel_axis, weight_axis_of
 from surgery.core.originals import Originals
 from surgery.core.targets import Target, Targets
@@ -55,6 +57,7 @@ class WeightProblem:
     progress: bool = True
     sequential: SequentialReport | None = None  # set by a method that runs a sequential pass
     originals: Originals = field(default_factory=Originals)  # weights' values before the method wrote them
+    settings: Any = None  # the method's own settings (GptqSettings...; see register_weight_method), or None
 
     def value(self, key: str) -> Tensor:
         """The weight's current value (with earlier steps applied, e.g. pruned entries zero)."""
@@ -82,6 +85,7 @@ class WeightMethod:
     trainable: bool = False
     sequential: bool = False  # calibrates block after block (takes ``blocks=``)
     float_stream: bool = False  # also needs each layer's inputs in the model before compression (GPTAQ)
+    settings: type | None = None  # a frozen dataclass of the method's own settings (damping, steps...), or None
 
     def __call__(self, problem: WeightProblem) -> dict[str, QuantizedWeight]:
         return self.solve(problem)
@@ -95,10 +99,14 @@ def register_weight_method(
     trainable: bool = False,
     sequential: bool = False,
     float_stream: bool = False,
+    settings: type | None = None,
     replace: bool = False,
 ) -> WeightMethod:
     """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``GridSpec(method=name)``
-    and ``quantize.weights.method=name`` in recipes.
+    and ``quantize.weights.method=name`` in recipes. ``settings``: a frozen dataclass of the
+    method's own settings, apart from the grid (GPTQ's damping and block size, AutoRound's steps
+    and batch): ``quantize(method=TheSettings(...))`` picks the method with them, and the solver
+    finds them as ``problem.settings`` (their defaults when the caller gave none).
 
     Example:
         >>> def halves(problem):
@@ -106,8 +114,30 @@ def register_weight_method(
         ...             for key in problem.targets.matched}
         >>> register_weight_method("halves", halves)
     """
-    method = WeightMethod(name, solve, needs_calibration, trainable, sequential, float_stream)
+    if settings is not None and not (dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen):
+        raise ConfigTypeError("register_weight_method.settings", settings, "must be a frozen dataclass (or None)")
+    taken = next(
+        (
+            m.name
+            for m in map(WEIGHT_METHODS.get, WEIGHT_METHODS.names())
+            if settings and m.settings is settings and m.name != name
+        ),
+        None,
+    )
+    if taken is not None:
+        raise ConfigError("register_weight_method.settings", settings.__name__, f"already names method {taken!r}")
+    method = WeightMethod(name, solve, needs_calibration, trainable, sequential, float_stream, settings)
     return WEIGHT_METHODS.register(name, method, replace=replace)
+
+
+def method_of_settings(settings: object) -> WeightMethod:
+    """The registered method whose settings class ``settings`` is an instance of (exactly)."""
+    for name in WEIGHT_METHODS.names():
+        method = WEIGHT_METHODS.get(name)
+        if method.settings is not None and type(settings) is method.settings:
+            return method
+    kinds = ", ".join(m.settings.__name__ for m in map(WEIGHT_METHODS.get, WEIGHT_METHODS.names()) if m.settings)
+    raise ConfigTypeError("quantize.method", settings, f"must be a method's name or its settings ({kinds})")
 
 
 def weight_method(name: object) -> WeightMethod:

@@ -103,6 +103,7 @@ def _attach_weights(
     blocks: Any = None,
     progress: bool = True,
     originals: str = "memory",
+    settings: Any = None,
 ) -> None:
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
@@ -112,7 +113,7 @@ def _attach_weights(
     store = Originals(originals)
     attached: set[str] = set()  # until attached, a weight the method wrote into is put back by the handle
     handle.add("put back weights a method wrote but never attached", lambda: store.put_back(skip=attached))
-    problem = WeightProblem(model, targets, spec, calibration, blocks, progress, originals=store)
+    problem = WeightProblem(model, targets, spec, calibration, blocks, progress, originals=store, settings=settings)
     _check_whole_blocks(problem, spec)
     solved = weight_method(spec.method)(problem)
     handle.sequential = problem.sequential

@@ -44,7 +44,7 @@ from surgery.ops.quantization.quantizers import (
     activation_sides,
     learned_ranges,
 )
-from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeSpec, _validate_inputs
+from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeSpec, _validate_inputs, method_settings
 from surgery.ops.quantization.targets import deploy_target
 
 __all__ = [  # the verb, and the names this module held before it was split (their import path kept)
@@ -127,6 +127,11 @@ def quantize(model: nn.Module, spec: QuantizeSpec, call: VerbCall) -> QuantizeHa
             block is moved to while it is calibrated and solved, then moved back: a model in
             CPU memory compressed at the GPU's speed, the GPU holding one block and its
             calibration activations. ``None`` (default): where the model is.
+        method: the weight method with its own settings, apart from the grid:
+            ``GptqSettings(actorder=, damping=, block_size=)``, ``GptaqSettings(...)``,
+            ``AutoRoundSettings(iterations=, batch=, seed=, lr=)``, a method's name (its default
+            settings), or ``{"name": "gptq", "damping": 0.02}``; default: ``weights.method``
+            with its defaults.
         originals: where the weights' original values wait for ``restore()``: ``"memory"``
             (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
@@ -169,7 +174,10 @@ def _quantize_in_memory(
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:
             with onloading(spec.onload, "quantize.onload"):
-                _attach_weights(handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals)
+                settings = method_settings(spec)
+                _attach_weights(
+                    handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals, settings
+                )
         if activations is not None and where == "tensors":
             _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)
         elif activations is not None:

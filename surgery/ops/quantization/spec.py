@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
+from surgery.core.settings import settings_from
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import FORMATS
-from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, weight_method
+from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, method_of_settings, weight_method
 from surgery.ops.quantization import methods  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.quantization.targets import deploy_target
 
@@ -45,9 +47,13 @@ class QuantizeSpec:
     target: str | None = None  # a deployment format whose runtime the simulation then equals
     onload: str | None = None  # sequential methods: the device each block is calibrated on (cuda), moved back after
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
+    method: Any = None  # the weight method with its own settings (GptqSettings(damping=...)), or its name
 
     def __post_init__(self) -> None:
         weights = _as_spec(self.weights, "quantize.weights")
+        if self.method is not None:
+            weights, settings = _with_method(weights, self.method)
+            object.__setattr__(self, "method", settings)
         activations = _as_spec(self.activations, "quantize.activations")
         if self.target is not None:
             weights, activations = _for_target(self, weights, activations)
@@ -90,6 +96,59 @@ class QuantizeSpec:
             or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
             or (self.weights is not None and self.weights.weighted)  # imatrix_mse: its inputs' energy
         )
+
+
+def _with_method(weights: GridSpec | None, method: Any) -> tuple[GridSpec, Any]:
+    """``weights`` on ``method`` (a registered name, its settings, or a mapping ``{name: ..., <setting>:
+    ...}``) and the method's settings (None for a method without any): the grid names the
+    method, and the settings it shares with the grid (``actorder``, ``iterations``) agree."""
+    if weights is None:
+        raise ConfigError("quantize.method", _name_of(method), "picks the weights' method; set weights too")
+    if isinstance(method, str):
+        chosen = weight_method(method)
+        settings = None if chosen.settings is None else chosen.settings()
+    elif isinstance(method, Mapping):
+        given = dict(method)
+        chosen = weight_method(given.pop("name", None))
+        if chosen.settings is None and given:
+            raise ConfigError("quantize.method", chosen.name, f"has no settings of its own; got {sorted(given)}")
+        settings = None if chosen.settings is None else settings_from(chosen.settings, given, "quantize.method")
+    else:
+        chosen, settings = method_of_settings(method), method
+    if weights.method not in ("rtn", chosen.name):
+        raise ConfigError(
+            "quantize.method", chosen.name, f"is given beside weights.method={weights.method!r}: name the method once"
+        )
+    shared = {}
+    for name in ("actorder", "iterations"):
+        if settings is None or not hasattr(settings, name):
+            continue
+        grid_value, own = getattr(weights, name), getattr(settings, name)
+        default = GridSpec.__dataclass_fields__[name].default
+        if grid_value != default and own != grid_value and own != type(settings).__dataclass_fields__[name].default:
+            raise ConfigError(
+                f"quantize.method.{name}", own, f"is given beside weights.{name}={grid_value!r}: set it once"
+            )
+        shared[name] = own if own != type(settings).__dataclass_fields__[name].default else grid_value
+    if settings is not None and shared:
+        settings = dataclasses.replace(settings, **shared)
+    return dataclasses.replace(weights, method=chosen.name, **shared), settings
+
+
+def _name_of(method: Any) -> str:
+    return method if isinstance(method, str) else type(method).__name__
+
+
+def method_settings(spec: QuantizeSpec) -> Any:
+    """The weight method's settings a quantization runs with: the spec's, or the method's
+    defaults (with the grid's ``actorder`` and ``iterations``); None for a method without any."""
+    if spec.method is not None or spec.weights is None:
+        return spec.method
+    kind = weight_method(spec.weights.method).settings
+    if kind is None:
+        return None
+    shared = {n: getattr(spec.weights, n) for n in ("actorder", "iterations") if n in kind.__dataclass_fields__}
+    return kind(**shared)
 
 
 def _validate_onload(onload: object, weights: GridSpec | None) -> None:

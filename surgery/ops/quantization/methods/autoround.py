@@ -39,12 +39,13 @@ from torch.func import functional_call
 from surgery.core import guards
 from surgery.core.block_inputs import next_inputs
 from surgery.core.capture import Capture, MinMax
-from surgery.core.errors import ConfigError
+from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, run_sequential
+from surgery.core.settings import whole_count
 from surgery.core.targets import Target
 from surgery.ops.numerics.fake_quant import stored_offset, stored_scale, super_grouped, super_grouped_offsets
-from surgery.ops.numerics.grid import GridSpec
+from surgery.ops.numerics.grid import ITERATIONS_LIMIT, GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
@@ -53,6 +54,30 @@ from surgery.ops.second_order.second_order import warn_zero_inputs
 BATCH = 8  # auto-round's batch_size: samples per step
 SEED = 42  # auto-round's seed
 SMALLEST_SCALE = 1e-8  # auto-round's q_scale_thresh for float32 scales
+
+
+@dataclass(frozen=True)
+class AutoRoundSettings:
+    """AutoRound's own settings, apart from the grid, defaulting to auto-round 0.16's:
+    ``iterations`` (signed-gradient steps per block), ``batch`` (calibration samples per step),
+    ``seed`` (of the samples' order) and ``lr`` (the rate, decaying linearly to 0; None:
+    ``1 / iterations``, auto-round's)."""
+
+    iterations: int = 200
+    batch: int = BATCH
+    seed: int = SEED
+    lr: float | None = None
+
+    def __post_init__(self) -> None:
+        whole_count(
+            "quantize.method.iterations", self.iterations, "tuning steps", at_most=ITERATIONS_LIMIT, example=200
+        )
+        whole_count("quantize.method.batch", self.batch, "samples a step", at_most=1 << 16, example=8)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigTypeError("quantize.method.seed", self.seed, "must be an integer")
+        lr = self.lr
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr <= 1):
+            raise ConfigError("quantize.method.lr", lr, "must be null (1 / iterations) or a number in (0, 1]")
 
 
 class SignSGD(torch.optim.Optimizer):
@@ -295,7 +320,9 @@ class BlockTuner:
         self.found: dict[str, tuple[Tensor, Tensor]] = {}  # key -> (scale, zero point), per group
         self.float_outputs: list[Tensor] | None = None  # the last stage's float outputs, on float inputs
         self.losses: list[float] = []  # each stage's least loss
-        self.shuffler = random.Random(SEED)  # one for the whole pass, as auto-round's seeded global one
+        given = problem.settings if isinstance(problem.settings, AutoRoundSettings) else None
+        self.settings = given or AutoRoundSettings(iterations=problem.spec.iterations)
+        self.shuffler = random.Random(self.settings.seed)  # one for the whole pass, as auto-round's seeded global one
 
     def __call__(self, stage: StageInputs) -> dict[str, Tensor]:
         """The stage's new weights (and their grids in ``found``)."""
@@ -347,13 +374,13 @@ class BlockTuner:
     ) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Signed gradient descent on the weights' offsets and range factors; the values of the
         step with the least loss (measured before that step moves them)."""
-        steps = self.spec.iterations
-        rate = torch.tensor(1.0 / steps)
+        steps = self.settings.iterations
+        rate = torch.tensor(self.settings.lr or 1.0 / steps)
         groups = [{"params": [w.offsets for w in weights], "lr": rate.clone()}]
         groups.append({"params": [p for w in weights for p in (w.low, w.high)], "lr": rate.clone()})
         optimizer = SignSGD(groups, rate)
         schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=steps)
-        sampler = IndexSampler(len(calls), BATCH, self.shuffler)
+        sampler = IndexSampler(len(calls), self.settings.batch, self.shuffler)
         frozen = {name: p.detach() for name, p in block.named_parameters()}
         best_loss, best = float("inf"), _snapshot(weights)
         bar = tqdm(
@@ -458,4 +485,11 @@ def _answer(problem: WeightProblem, key: str, scale: Tensor, zero: Tensor) -> Qu
     return QuantizedWeight(scale, zero, problem.axis(key))
 
 
-register_weight_method("autoround", solve_autoround, needs_calibration=True, sequential=True, float_stream=True)
+register_weight_method(
+    "autoround",
+    solve_autoround,
+    needs_calibration=True,
+    sequential=True,
+    float_stream=True,
+    settings=AutoRoundSettings,
+)

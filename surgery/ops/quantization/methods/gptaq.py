@@ -5,7 +5,7 @@ error of the layers before it is compensated too, not carried along."""
 from __future__ import annotations
 
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
-from surgery.ops.quantization.methods.gptq import solve_columns
+from surgery.ops.quantization.methods.gptq import GptaqSettings, solve_columns
 from surgery.ops.second_order.hessians import asymmetric_hessians
 
 
@@ -14,4 +14,6 @@ def solve_gptaq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
     return solve_columns(problem, paired=asymmetric_hessians)
 
 
-register_weight_method("gptaq", solve_gptaq, needs_calibration=True, sequential=True, float_stream=True)
+register_weight_method(
+    "gptaq", solve_gptaq, needs_calibration=True, sequential=True, float_stream=True, settings=GptaqSettings
+)

@@ -3,18 +3,52 @@ column against the Hessian of its calibration inputs, layer after layer in seque
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from surgery.core import guards
 from surgery.core.errors import ConfigError
 from surgery.core.sequential import Paired
+from surgery.core.settings import whole_count
 from surgery.ops.numerics.fake_quant import Grid
+from surgery.ops.numerics.grid import ACTORDER
 from surgery.ops.numerics.observers import relative_importance
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import weight_matrix
 from surgery.ops.second_order.reconstruction import gptq
 from surgery.ops.second_order.second_order import check_layers, reconstruct_layers
+
+
+@dataclass(frozen=True)
+class GptqSettings:
+    """GPTQ's own settings, apart from the grid: ``actorder`` (``"weight"``: columns in order of
+    their Hessian's diagonal; ``"group"``: groups formed in that order, a ``g_idx`` stored; None:
+    as they come), ``damping`` (the share of the Hessian's mean diagonal added to it before it is
+    inverted; llm-compressor's and the paper's 0.01) and ``block_size`` (columns updated together,
+    the lazy batch; as in the reference code, a group's scale is taken from the weights as updated
+    up to the start of its block, so with groups smaller than a block the block size changes the
+    result too; 128, the reference's and llm-compressor's)."""
+
+    actorder: str | None = None
+    damping: float = 0.01
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if self.actorder not in (None, *ACTORDER):
+            raise ConfigError(
+                "quantize.method.actorder", self.actorder, f"must be null or one of {', '.join(ACTORDER)}"
+            )
+        damping = self.damping
+        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 < damping <= 1:
+            raise ConfigError("quantize.method.damping", damping, "must be a number in (0, 1] (0.01: the paper's)")
+        whole_count("quantize.method.block_size", self.block_size, "columns", at_most=1 << 16, example=128)
+
+
+@dataclass(frozen=True)
+class GptaqSettings(GptqSettings):
+    """GPTAQ's settings: GPTQ's (its walk is GPTQ's)."""
 
 
 def solve_gptq(problem: WeightProblem) -> dict[str, QuantizedWeight]:
@@ -26,6 +60,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     """GPTQ's walk on every selected layer, with the statistics ``paired`` gives where it is set
     (the float model's inputs beside the compressed one's: GPTAQ)."""
     targets, spec = problem.targets, problem.spec
+    settings = problem.settings if isinstance(problem.settings, GptqSettings) else GptqSettings(spec.actorder)
     check_layers(targets.matched, "quantize.select", "gptq")
     _refuse_split_group_index(problem)
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
@@ -71,6 +106,8 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             group_size=spec.group_size,
             name=layer,
             actorder=spec.actorder,
+            damping=settings.damping,
+            block=settings.block_size,
             asymmetry=asymmetry,
             keep=None if keep is None else keep[rows],
             groups=groups,
@@ -119,4 +156,4 @@ def _refuse_split_group_index(problem: WeightProblem) -> None:
             )
 
 
-register_weight_method("gptq", solve_gptq, needs_calibration=True, sequential=True)
+register_weight_method("gptq", solve_gptq, needs_calibration=True, sequential=True, settings=GptqSettings)
