@@ -135,7 +135,7 @@ class Verb:
             raise ConfigError(
                 f"{self.name}.{beside}",
                 settings[beside],
-                f"is given beside a {self.spec.__name__}: set it in the spec "
+                f"is given beside {_a(self.spec.__name__)}: set it in the spec "
                 f"(dataclasses.replace(spec, {beside}=...)), not also as a keyword",
             )
         calibration = keywords.pop("calibration", None)
@@ -278,3 +278,8 @@ def _default(spec_field: dataclasses.Field) -> Any:
     if spec_field.default_factory is not dataclasses.MISSING:
         return _BUILT  # built when the spec is (a factory may need what is registered later)
     return inspect.Parameter.empty
+
+
+def _a(name: str) -> str:
+    """``name`` with its indefinite article (an AwqSpec, a PruneSpec)."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
