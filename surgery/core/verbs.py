@@ -235,7 +235,7 @@ def verb(
     """
     if calibration not in CALIBRATION:
         raise ConfigError(f"verb {name!r} calibration", calibration, f"must be one of {', '.join(CALIBRATION)}")
-    if not dataclasses.is_dataclass(spec):
+    if not (dataclasses.is_dataclass(spec) and spec.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise ConfigTypeError(f"verb {name!r} spec", spec, "must be a frozen dataclass")
 
     def declare(handler: Callable[[Any, Any, VerbCall], Any]) -> Callable[..., Any]:

@@ -191,3 +191,15 @@ def _default(field: dataclasses.Field) -> object:
     if field.default is not dataclasses.MISSING:
         return field.default
     return field.default_factory()  # type: ignore[misc]
+
+
+def test_a_verb_declared_wrongly_is_refused_in_one_line():
+    @dataclass(frozen=True)
+    class Nothing:
+        pass
+
+    with pytest.raises(ConfigError, match=r"^verb 'bad_test' calibration='sometimes': must be one of required"):
+        verb("bad_test", Nothing, calibration="sometimes")
+    with pytest.raises(ConfigTypeError, match=r"^verb 'bad_test' spec=.*: must be a frozen dataclass"):
+        verb("bad_test", dict)
+    assert "bad_test" not in VERBS

@@ -144,11 +144,7 @@ def method_settings(spec: QuantizeSpec) -> Any:
     defaults (with the grid's ``actorder`` and ``iterations``); None for a method without any."""
     if spec.method is not None or spec.weights is None:
         return spec.method
-    kind = weight_method(spec.weights.method).settings
-    if kind is None:
-        return None
-    shared = {n: getattr(spec.weights, n) for n in ("actorder", "iterations") if n in kind.__dataclass_fields__}
-    return kind(**shared)
+    return _with_method(spec.weights, spec.weights.method)[1]
 
 
 def _validate_onload(onload: object, weights: GridSpec | None) -> None:

@@ -95,3 +95,21 @@ def test_a_recipe_s_quantize_method_section_builds_the_settings():
 
     config = QuantizeConfig(weights={"bits": 4, "group_size": 32}, method={"name": "gptq", "block_size": 64})
     assert config.method == surgery.GptqSettings(block_size=64) and config.weights.method == "gptq"
+
+
+def test_a_method_s_settings_must_be_a_frozen_dataclass_of_its_own():
+    from dataclasses import dataclass
+
+    from surgery.ops.numerics.weight_methods import register_weight_method
+
+    @dataclass
+    class Loose:
+        steps: int = 1
+
+    with pytest.raises(ConfigTypeError, match=r"^register_weight_method.settings=.*: must be a frozen dataclass"):
+        register_weight_method("loose_test", lambda problem: {}, settings=Loose)
+    with pytest.raises(
+        ConfigError, match=r"^register_weight_method.settings='GptqSettings': already names method 'gptq'"
+    ):
+        register_weight_method("copy_test", lambda problem: {}, settings=surgery.GptqSettings)
+    assert "loose_test" not in surgery.ops.numerics.weight_methods.WEIGHT_METHODS
