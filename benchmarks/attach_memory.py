@@ -92,15 +92,21 @@ def run(model_kind: str, method: str, originals: str) -> dict:
 def _surgery(model, method: str, originals: str, ids, warm_up: bool = False):
     import surgery
 
-    spec = surgery.GridSpec(bits=4, group_size=GROUP, method=method)
+    spec = surgery.GridSpec(bits=4, group_size=GROUP)
     calibration = None if ids is None or method == "rtn" else [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
     if warm_up:
         calibration = [__import__("torch").randn(2, 64)] if method != "rtn" else None
-        surgery.quantize(model, weights=spec, calibration=calibration, progress=False).restore()
+        surgery.quantize(model, weights=spec, method=method, calibration=calibration, progress=False).restore()
         return None
     with surgery.every_expert_calibrated():
         return surgery.quantize(
-            model, weights=spec, calibration=calibration, exclude="lm_head", originals=originals, progress=False
+            model,
+            weights=spec,
+            method=method,
+            calibration=calibration,
+            exclude="lm_head",
+            originals=originals,
+            progress=False,
         )
 
 

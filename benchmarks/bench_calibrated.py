@@ -108,9 +108,11 @@ def measure(
             )
     for bits in BITS:
         for name, method in QUANTIZING:
-            spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
+            spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32)
             handle, seconds = timed(
-                lambda: surgery.quantize(model, weights=spec, calibration=calibration, exclude=head, progress=False)
+                lambda: surgery.quantize(
+                    model, weights=spec, method=method, calibration=calibration, exclude=head, progress=False
+                )
             )
             rows.append(
                 {"task": task, "method": name, "setting": f"W{bits} g32", "score": score(model), "seconds": seconds}

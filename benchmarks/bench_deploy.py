@@ -391,9 +391,9 @@ def quality() -> list[dict[str, Any]]:
     row = {"model": "tiny LM (perplexity)", "fp32": perplexity(model, test)}
     for label, method in (("RTN", "rtn"), ("GPTQ", "gptq")):
         ours_model = copy.deepcopy(model)
-        weights = surgery.GridSpec(bits=8, symmetric=True, per_channel=True, method=method)
+        weights = surgery.GridSpec(bits=8, symmetric=True, per_channel=True)
         handle = surgery.quantize(
-            ours_model, weights=weights, exclude=["head"], target="torchao", calibration=calibration
+            ours_model, weights=weights, method=method, exclude=["head"], target="torchao", calibration=calibration
         )
         with tempfile.TemporaryDirectory() as folder:
             record = surgery.export(handle, Path(folder) / "m.pt", format="torchao", activations="dynamic")

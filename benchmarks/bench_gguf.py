@@ -73,9 +73,9 @@ def load_wide_llama() -> torch.nn.Module:
 MODELS = {"tinyllama": load_llama, "tinyqwen3": load_qwen3, "tinyllama_wide": load_wide_llama}
 TYPES = ("Q4_0", "Q5_0", "Q8_0")
 METHODS = {  # bits and grid are the target's; the method is ours
-    "RTN": GridSpec(bits=4),
-    "GPTQ": GridSpec(bits=4, method="gptq"),
-    "AutoRound": GridSpec(bits=4, method="autoround", iterations=200),
+    "RTN": "rtn",
+    "GPTQ": "gptq",
+    "AutoRound": surgery.AutoRoundSettings(iterations=200),
 }
 
 
@@ -92,7 +92,13 @@ def ours(load: object, method: str, kind: str, calibration: list, path: Path) ->
     samples = [w[None] for b in calibration for w in b] if method == "AutoRound" else calibration
     start = time.perf_counter()
     handle = surgery.quantize(
-        model, weights=METHODS[method], target=f"gguf:{kind}", calibration=samples, exclude="lm_head", progress=False
+        model,
+        weights=GridSpec(bits=4),
+        method=METHODS[method],
+        target=f"gguf:{kind}",
+        calibration=samples,
+        exclude="lm_head",
+        progress=False,
     )
     seconds = time.perf_counter() - start
     surgery.export(handle, path, format="gguf")

@@ -110,14 +110,15 @@ def calibration_rows(sizes: Sizes, device: torch.device, peer_path: str | None) 
     on_device = [batch.to(device) for batch in batches]
     methods: dict[str, Callable[[nn.Module], object]] = {
         f"surgery GPTQ W4 g{sizes.group}": lambda m: surgery.quantize(
-            m, weights=GridSpec(bits=4, group_size=sizes.group, method="gptq"), calibration=on_device, exclude="lm_head"
+            m, weights=GridSpec(bits=4, group_size=sizes.group), method="gptq", calibration=on_device, exclude="lm_head"
         ),
         f"surgery AWQ W4 g{sizes.group}": lambda m: surgery.awq(
             m, weights=GridSpec(bits=4, group_size=sizes.group), calibration=on_device, progress=False
         ),
         f"surgery AutoRound W4 g{sizes.group}": lambda m: surgery.quantize(
             m,
-            weights=GridSpec(bits=4, group_size=sizes.group, method="autoround", iterations=sizes.autoround_iterations),
+            weights=GridSpec(bits=4, group_size=sizes.group),
+            method={"name": "autoround", "iterations": sizes.autoround_iterations},
             calibration=on_device,
             exclude="lm_head",
         ),

@@ -81,9 +81,9 @@ def ours(
     """Surgery's ``method`` exported; ``full_range``: the grid ONNX Runtime's symmetric blocks use
     (``max |w| / 8``, the extra level on the larger side, a zero point of 8 or 7 stored)."""
     grid = {"symmetric": False, "observer": "full_range"} if full_range else {"symmetric": True}
-    spec = GridSpec(bits=4, group_size=block, method=method, **grid)
+    spec = GridSpec(bits=4, group_size=block, **grid)
     with surgery.quantize(
-        module, weights=spec, calibration=calibration if method != "rtn" else None, progress=False
+        module, weights=spec, method=method, calibration=calibration if method != "rtn" else None, progress=False
     ) as handle:
         surgery.export(handle, path, format="onnx", inputs=[example])
     return path

@@ -143,8 +143,10 @@ def _offloaded_row(layers: int, hidden: int) -> dict:
         base = memory("VmRSS")
         start = time.perf_counter()
         handle = surgery.offloaded(folder)
-        spec = GridSpec(bits=4, group_size=128, symmetric=True, method="gptq")
-        surgery.quantize(handle, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+        spec = GridSpec(bits=4, group_size=128, symmetric=True)
+        surgery.quantize(
+            handle, weights=spec, method="gptq", calibration=calibration, exclude="lm_head", progress=False
+        )
         seconds = time.perf_counter() - start
         peak = memory("VmHWM") - base
         model = handle.model
@@ -158,9 +160,15 @@ def _surgery(model, ids, originals: str) -> None:
     from surgery import GridSpec
 
     calibration = [{"input_ids": ids[i : i + 1]} for i in range(len(ids))]
-    spec = GridSpec(bits=4, group_size=128, symmetric=True, method="gptq")
+    spec = GridSpec(bits=4, group_size=128, symmetric=True)
     surgery.quantize(
-        model, weights=spec, calibration=calibration, exclude="lm_head", originals=originals, progress=False
+        model,
+        weights=spec,
+        method="gptq",
+        calibration=calibration,
+        exclude="lm_head",
+        originals=originals,
+        progress=False,
     )
 
 

@@ -42,47 +42,66 @@ G64 = ",group_size=64"
 
 
 def _quantize(bits: int, method: str = "rtn", symmetric: bool = True, group: int = 128, **options: object) -> Recipe:
-    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, method=method, **options)
-    return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
+    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, **options)
+    return lambda m, cal: [
+        surgery.quantize(m, weights=spec, method=method, calibration=cal, exclude=HEAD, progress=False)
+    ]
 
 
 def _float(format: str, method: str = "rtn") -> Recipe:
     """Weights alone on a floating-point grid (``mxfp4``: E8M0 scales per 32; ``nvfp4``: E4M3 per 16)."""
-    spec = GridSpec(format=format, method=method)
-    return lambda m, cal: [surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False)]
+    spec = GridSpec(format=format)
+    return lambda m, cal: [
+        surgery.quantize(m, weights=spec, method=method, calibration=cal, exclude=HEAD, progress=False)
+    ]
 
 
 def _autoround(bits: int, symmetric: bool, group: int = 128, observer: str = "minmax", awq: bool = False) -> Recipe:
     """AutoRound with every calibration window a sample of its own, as auto-round samples them
     (a step tunes on 8 of the 32 windows, drawn by its seeded sampler); ``awq``: AWQ's scales
     (and clipping search) on the same grid first."""
-    spec = GridSpec(
-        bits=bits, group_size=group, symmetric=symmetric, method="autoround", iterations=200, observer=observer
-    )
+    spec = GridSpec(bits=bits, group_size=group, symmetric=symmetric, observer=observer)
 
     def run(m: torch.nn.Module, cal: list) -> list:
         grid = GridSpec(bits=bits, group_size=group, observer=observer)  # AWQ's search on the grid tuned next
         first = [surgery.awq(m, weights=grid, calibration=cal, progress=False)] if awq else []
         samples = [w[None] for b in cal for w in b]
-        return [*first, surgery.quantize(m, weights=spec, calibration=samples, exclude=HEAD, progress=False)]
+        return [
+            *first,
+            surgery.quantize(
+                m,
+                weights=spec,
+                method={"name": "autoround", "iterations": 200},
+                calibration=samples,
+                exclude=HEAD,
+                progress=False,
+            ),
+        ]
 
     return run
 
 
 def _float_autoround(format: str) -> Recipe:
     """AutoRound onto a floating-point grid (``mxfp4``, ``nvfp4``), every window a sample."""
-    spec = GridSpec(format=format, method="autoround", iterations=200)
+    spec = GridSpec(format=format)
     return lambda m, cal: [
-        surgery.quantize(m, weights=spec, calibration=[w[None] for b in cal for w in b], exclude=HEAD, progress=False)
+        surgery.quantize(
+            m,
+            weights=spec,
+            method={"name": "autoround", "iterations": 200},
+            calibration=[w[None] for b in cal for w in b],
+            exclude=HEAD,
+            progress=False,
+        )
     ]
 
 
 def _awq(bits: int, method: str = "rtn") -> Recipe:
     grid = GridSpec(bits=bits, group_size=128)
-    spec = GridSpec(bits=bits, group_size=128, method=method)
+    spec = GridSpec(bits=bits, group_size=128)
     return lambda m, cal: [
         surgery.awq(m, weights=grid, calibration=cal, progress=False),
-        surgery.quantize(m, weights=spec, calibration=cal, exclude=HEAD, progress=False),
+        surgery.quantize(m, weights=spec, method=method, calibration=cal, exclude=HEAD, progress=False),
     ]
 
 

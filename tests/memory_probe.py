@@ -78,8 +78,8 @@ def probe(method: str, *args: str) -> None:
     weights = sum(block["up"].weight.nbytes for block in model.blocks)
     base = start_measuring()
     if method == "gptq":
-        spec = GridSpec(bits=4, method="gptq", group_size=16)
-        surgery.quantize(model, weights=spec, calibration=data, progress=False, originals=where)
+        spec = GridSpec(bits=4, group_size=16)
+        surgery.quantize(model, weights=spec, method="gptq", calibration=data, progress=False, originals=where)
     else:
         surgery.prune(model, 0.5, method=method, calibration=data, progress=False, originals=where)
     print((memory("VmHWM") - base) / weights)
@@ -105,8 +105,8 @@ def gptq_offloaded(path: str) -> None:
     data = [torch.randn(8, 64) for _ in range(2)]
     base = start_measuring()
     handle = surgery.offloaded(path, factory=lambda: WideBlocks(24))
-    spec = GridSpec(bits=4, method="gptq", group_size=16)
-    done = surgery.quantize(handle, weights=spec, calibration=data, progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    done = surgery.quantize(handle, weights=spec, method="gptq", calibration=data, progress=False)
     assert done.blocks == 24
     print((memory("VmHWM") - base) / weights)
 
@@ -131,8 +131,8 @@ def activations(where: str) -> None:
     cached = sum(x.nbytes for x in data)
     base = start_measuring()
     with surgery.activation_budget(None if where == "memory" else 0):
-        spec = GridSpec(bits=4, method="gptq", group_size=16)
-        handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
+        spec = GridSpec(bits=4, group_size=16)
+        handle = surgery.quantize(model, weights=spec, method="gptq", calibration=data, progress=False)
     assert (handle.sequential.spilled_bytes > 0) == (where == "disk")
     print((memory("VmHWM") - base) / cached)
 

@@ -103,7 +103,7 @@ def _verb(cell: str, model: nn.Module, batches: list) -> Any:
         return surgery.quantize(model, weights=w4, **quiet)
     if cell == "gptq":
         return surgery.quantize(
-            model, weights=GridSpec(bits=4, group_size=16, method="gptq"), calibration=batches, **quiet
+            model, weights=GridSpec(bits=4, group_size=16), method="gptq", calibration=batches, **quiet
         )
     if cell == "smooth":
         return surgery.smooth(model, 0.5, calibration=batches, **quiet)

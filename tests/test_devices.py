@@ -15,10 +15,10 @@ from surgery.testing import assert_no_hooks
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 CALIBRATION = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-METHODS = {
-    "rtn": GridSpec(bits=4, group_size=32),
-    "gptq": GridSpec(bits=4, group_size=32, method="gptq"),
-    "autoround": GridSpec(bits=4, group_size=32, method="autoround", iterations=4),
+METHODS = {  # quantize()'s keywords: the grid and the method
+    "rtn": {"weights": GridSpec(bits=4, group_size=32)},
+    "gptq": {"weights": GridSpec(bits=4, group_size=32), "method": "gptq"},
+    "autoround": {"weights": GridSpec(bits=4, group_size=32), "method": surgery.AutoRoundSettings(iterations=4)},
 }
 
 
@@ -39,12 +39,12 @@ def logits(model: torch.nn.Module, device: str) -> torch.Tensor:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_quantize_stays_on_the_device_and_computes_what_the_cpu_computes(device, method):
     reference = on("cpu")
-    with surgery.quantize(reference, weights=METHODS[method], calibration=CALIBRATION, exclude="lm_head"):
+    with surgery.quantize(reference, **METHODS[method], calibration=CALIBRATION, exclude="lm_head"):
         expected = logits(reference, "cpu")
     model = on(device)
     before = logits(model, device)
     batches = [batch.to(device) for batch in CALIBRATION]
-    with surgery.quantize(model, weights=METHODS[method], calibration=batches, exclude="lm_head"):
+    with surgery.quantize(model, **METHODS[method], calibration=batches, exclude="lm_head"):
         assert held_on(model, device)
         found = logits(model, device)
     assert held_on(model, device) and torch.equal(logits(model, device), before)  # restored exactly
@@ -55,7 +55,7 @@ def test_quantize_stays_on_the_device_and_computes_what_the_cpu_computes(device,
 @pytest.mark.parametrize("device", devices())
 def test_calibration_given_on_the_cpu_is_moved_to_the_model_s_device(device):
     model = on(device)
-    with surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, exclude="lm_head"):
+    with surgery.quantize(model, **METHODS["gptq"], calibration=CALIBRATION, exclude="lm_head"):
         assert held_on(model, device)
 
 
@@ -117,7 +117,7 @@ def test_prune_stays_on_the_device(device, method):
 @pytest.mark.parametrize("device", devices())
 def test_a_device_model_exports_with_its_parity_held(device, tmp_path):
     model = on(device)
-    with surgery.quantize(model, weights=METHODS["rtn"], exclude="lm_head") as handle:
+    with surgery.quantize(model, **METHODS["rtn"], exclude="lm_head") as handle:
         record = surgery.export(handle, tmp_path / "m", format="compressed-tensors", inputs=[IDS.to(device)])
     assert record.parity.holds, record.parity
 
@@ -127,7 +127,7 @@ def test_a_device_model_exports_with_its_parity_held(device, tmp_path):
 def test_a_run_on_model_device_checks_and_exports_as_on_the_cpu(device, tmp_path):
     from support import run_recipe
 
-    args = ("recipe=quantize_llama_gguf", "quantize.weights.method=gptq", "data.batches=1", f"model.device={device}")
+    args = ("recipe=quantize_llama_gguf", "quantize.method=gptq", "data.batches=1", f"model.device={device}")
     report = run_recipe(tmp_path, *args)
     assert report["ok"] and {check["name"] for check in report["checks"] if not check["passed"]} == set()
     assert report["deploy"]["max_abs"] == 0.0  # the GGUF file computes the run's logits bit for bit
@@ -140,7 +140,7 @@ def test_a_run_onloading_each_block_reports_its_peak_and_exports_as_without(devi
 
     args = (
         "recipe=quantize_llama_gguf",
-        "quantize.weights.method=gptq",
+        "quantize.method=gptq",
         "data.batches=1",
         f"+quantize.onload={device}",
     )
@@ -179,13 +179,13 @@ def test_an_offloaded_model_brings_each_block_onto_the_device_and_quantizes_ther
     model.save_pretrained(tmp_path / "model")
     expected_float = logits(model.to(device), device)
     weights = METHODS["gptq"]
-    with surgery.quantize(model, weights=weights, calibration=CALIBRATION, exclude="lm_head"):
+    with surgery.quantize(model, **weights, calibration=CALIBRATION, exclude="lm_head"):
         expected = logits(model, device)
     source = surgery.offloaded(tmp_path / "model", device=device)
     with torch.no_grad():
         found = source.model(IDS).logits.float().cpu()  # the ids given on the CPU: moved where the blocks run
     assert torch.equal(found, expected_float)
-    done = surgery.quantize(source, weights=weights, calibration=CALIBRATION, exclude="lm_head")
+    done = surgery.quantize(source, **weights, calibration=CALIBRATION, exclude="lm_head")
     assert torch.allclose(logits(done.model, device), expected, atol=1e-5)  # bit-equal on the CPU (a test)
     if device == "cuda":
         assert len(done.gpu_peak_bytes) == 2 and min(done.gpu_peak_bytes) > 0  # each block's peak, for the report
@@ -204,10 +204,10 @@ def test_an_offloaded_device_this_machine_lacks_is_refused_in_one_line(tmp_path)
 
 ONLOADED = {
     "gptq": lambda m, b, device: surgery.quantize(
-        m, weights=METHODS["gptq"], calibration=b, exclude="lm_head", onload=device, progress=False
+        m, **METHODS["gptq"], calibration=b, exclude="lm_head", onload=device, progress=False
     ),
     "autoround": lambda m, b, device: surgery.quantize(
-        m, weights=METHODS["autoround"], calibration=b, exclude="lm_head", onload=device, progress=False
+        m, **METHODS["autoround"], calibration=b, exclude="lm_head", onload=device, progress=False
     ),
     "sparsegpt": lambda m, b, device: surgery.prune(
         m, 0.5, method="sparsegpt", calibration=b, exclude="lm_head", onload=device, progress=False
@@ -294,7 +294,7 @@ def test_onload_on_a_mixture_of_experts_and_a_timm_model_computes_the_plain_run(
     """Found by trying as a new user: onload moves whatever blocks sequential calibration finds,
     experts and a timm ViT's blocks included; the experts are quantized on the device too."""
     make, batches, leave_out = NOT_WRITTEN_HERE[model_name]
-    spec = GridSpec(bits=4, group_size=16, method="gptq")
+    spec = GridSpec(bits=4, group_size=16)
     outputs = []
     for onload in (None, device):
         model = make()
@@ -302,7 +302,7 @@ def test_onload_on_a_mixture_of_experts_and_a_timm_model_computes_the_plain_run(
         with torch.no_grad():
             before = _output(model(first))
         with surgery.quantize(
-            model, weights=spec, calibration=batches, exclude=leave_out, onload=onload, progress=False
+            model, weights=spec, method="gptq", calibration=batches, exclude=leave_out, onload=onload, progress=False
         ) as handle:
             assert held_on(model, "cpu") and len(handle.sequential.blocks) == 2
             assert model_name != "qwen3_moe" or sum("experts" in name for name in handle.weights) == 2 * 4 * 3
@@ -323,11 +323,11 @@ def _output(found) -> torch.Tensor:
 def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
     model = on("cpu")
     with pytest.raises(surgery.ConfigError, match=r"^quantize\.onload='cuda:99': is not on this machine"):
-        surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cuda:99")
+        surgery.quantize(model, **METHODS["gptq"], calibration=CALIBRATION, onload="cuda:99")
     with pytest.raises(
         surgery.ConfigError, match=r"^quantize\.onload='cpu': .*weights\.method='rtn' calibrates no blocks"
     ):
-        surgery.quantize(model, weights=METHODS["rtn"], onload="cpu")
+        surgery.quantize(model, **METHODS["rtn"], onload="cpu")
     with pytest.raises(
         surgery.ConfigError, match=r"^prune\.onload='cpu': .*'l1_unstructured' with scope='layer' calibrates no blocks"
     ):
@@ -335,7 +335,7 @@ def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
     with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='tpu': must be cpu, cuda, cuda:N or mps$"):
         surgery.prune(model, 0.5, method="wanda", calibration=CALIBRATION, onload="tpu")
     with pytest.raises(surgery.ConfigError, match=r"^quantize\.onload='cpu': moves each repeated block .* has none"):
-        surgery.quantize(model, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cpu", blocks=False)
+        surgery.quantize(model, **METHODS["gptq"], calibration=CALIBRATION, onload="cpu", blocks=False)
     with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='cpu': moves each repeated block .* has none"):
         surgery.prune(
             torch.nn.Sequential(torch.nn.Linear(4, 4)),
@@ -350,14 +350,14 @@ def test_onload_is_refused_where_it_cannot_apply_in_one_line(tmp_path):
         with pytest.raises(
             surgery.ConfigError, match=r"^quantize\.onload='cpu': an offloaded model .*offloaded\(device=\)"
         ):
-            surgery.quantize(offloaded, weights=METHODS["gptq"], calibration=CALIBRATION, onload="cpu")
+            surgery.quantize(offloaded, **METHODS["gptq"], calibration=CALIBRATION, onload="cpu")
         with pytest.raises(surgery.ConfigError, match=r"^prune\.onload='cpu': an offloaded model brings each block"):
             surgery.prune(offloaded, 0.5, method="wanda", calibration=CALIBRATION, onload="cpu")
 
 
 VERBS = {
     **{
-        name: (lambda m, b, spec=spec: surgery.quantize(m, weights=spec, calibration=b, exclude="lm_head"))
+        name: (lambda m, b, spec=spec: surgery.quantize(m, **spec, calibration=b, exclude="lm_head"))
         for name, spec in METHODS.items()
     },
     "wanda": lambda m, b: surgery.prune(m, 0.5, method="wanda", calibration=b, exclude="lm_head"),

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -173,7 +174,9 @@ def run_command_line(arguments: list[str]) -> int:
     token = _JOB_CODES.set(codes)
     forget_sweep()  # an earlier command line's sweep in this process (a notebook, a test) is not this one's
     try:
-        with taken_at_safe_points():  # a signal raises between steps, never inside a library's __del__
+        with taken_at_safe_points(), warnings.catch_warnings():  # signals raise between steps, never in a __del__
+            # a recipe's deprecated spelling is said once, as a script's would be (Python hides them outside __main__)
+            warnings.filterwarnings("default", category=DeprecationWarning, module=r"surgery(\.|$)")
             _task()
             raise_pending()
     except BaseException as err:  # noqa: BLE001 - each kind is answered in _exit_code below, or re-raised

@@ -74,7 +74,10 @@ def _apply_each(
             continue
         run = (runs or {}).get(name) or StepRun(config)
         settings = config.settings(name)
-        handle = step.neutral(model, settings, run) if neutral else step(model, settings, run)
+        if neutral:
+            handle = step.checking.neutral(model, settings, run) or Handle(step.name, model)  # None: nothing
+        else:
+            handle = step(model, settings, run)
         if not isinstance(handle, Handle):  # nothing could undo it: the checks would pass on no work
             raise ConfigTypeError(
                 f"steps.{name}", type(handle).__name__, "a step's apply() must return the handle of what it did"
@@ -96,7 +99,7 @@ def reattach(model: nn.Module, config: RunConfig, qparams: dict[str, Tensor] | P
     handles: list[Handle] = []
     try:
         for name in config.steps:
-            handle = step_named(name).reattach(model, config.settings(name), qparams)
+            handle = step_named(name).checking.reattach(model, config.settings(name), qparams)
             if handle is not None:
                 handles.append(handle)
     except BaseException as err:
@@ -111,7 +114,7 @@ def saved_qparams(handle: AppliedSteps) -> dict[str, Tensor]:
     found: dict[str, Tensor] = {}
     owners: dict[str, str] = {}
     for step, part in handle.pairs():
-        for key, value in step.activation_qparams(part).items():
+        for key, value in step.checking.activation_qparams(part).items():
             if key in found and key.endswith(".scale"):
                 raise ConfigError(
                     "steps",

@@ -25,6 +25,7 @@ from surgery.cli.config import RunConfig
 from surgery.cli.data import Data, load_data, with_model_defaults
 from surgery.cli.report_builder import add_export, add_perplexity, add_step_sections, build_report
 from surgery.cli.steps import STEPS, Step, StepRun, step_named
+from surgery.cli.steps.base import offloaded_stages
 from surgery.core.activations import activation_budget
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
@@ -56,7 +57,7 @@ def execute_offloaded(config: RunConfig, folder: Path) -> dict[str, Any]:
     built = time.perf_counter()
     pairs = _apply(config, source, folder, data, inputs, metric)
     operated = time.perf_counter()
-    walked = [handle for step, handle in pairs if step.offloaded_stages(handle) is not None]
+    walked = [handle for step, handle in pairs if offloaded_stages(step, handle) is not None]
     record = None
     if config.export.format is not None:  # from the last step's compressed weights, or the source's
         last = walked[-1] if walked else source
@@ -152,7 +153,7 @@ def _offloaded_section(source: Offloaded, pairs: list[tuple[Step, Handle]], resi
     model's bytes, and the seconds per block of each step that walked blocks."""
     model_bytes = sum(p.numel() * p.element_size() for p in source.model.parameters())
     peak = peak_resident_bytes()
-    stages = ((step.name, step.offloaded_stages(handle)) for step, handle in pairs)
+    stages = ((step.name, offloaded_stages(step, handle)) for step, handle in pairs)
     return {
         "files": sorted(str(p) for p in source.files.paths),
         "model_bytes": model_bytes,

@@ -16,7 +16,10 @@ def preview_rows(model: nn.Module, config: RunConfig) -> list[Row]:
     same functions the verbs use."""
     rows: list[Row] = []
     for name in config.steps:
-        rows += step_named(name).preview(model, config.settings(name))
+        step = step_named(name)
+        rows += step.checking.preview(model, config.settings(name)) or [
+            (name, "matched", "(model)", type(model).__name__, "the whole model")
+        ]
     return rows
 
 

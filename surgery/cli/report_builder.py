@@ -81,7 +81,9 @@ def add_step_sections(
 ) -> None:
     """Each step's own section (:meth:`~surgery.cli.steps.Step.report`), in step order."""
     for name, handle in zip(config.steps, handles):
-        step_named(name).report(handle, config.settings(name), (runs or {}).get(name) or StepRun(config), report)
+        step_named(name).reporting.report(
+            handle, config.settings(name), (runs or {}).get(name) or StepRun(config), report
+        )
         peaks = getattr(getattr(handle, "sequential", None), "gpu_peak_bytes", None)
         if peaks:  # its blocks onloaded to a GPU (onload=cuda): each one's peak there
             report.setdefault("onload", {})[name] = {"blocks": len(peaks), "gpu_peak_bytes": peaks}

@@ -81,7 +81,7 @@ def write_reports(report: dict[str, Any], out_dir: Path, *, plots: bool) -> list
         written.append(out_dir / "gradients.png")
         write_atomically(written[-1], lambda tmp: plot_gradients(report, tmp))
     for step in steps_of(report) if plots else []:
-        for name, draw in step.plots(report).items():
+        for name, draw in step.reporting.plots(report).items():
             written.append(out_dir / name)
             write_atomically(written[-1], lambda tmp, draw=draw: draw(report, tmp))
     return written
@@ -95,7 +95,7 @@ def steps_of(report: dict[str, Any]) -> list[Step]:
 def headline(report: dict[str, Any]) -> list[str]:
     """What the run did, step by step (each step's own words), and the task's metric before and
     after; an indented line continues the one above (``report.md`` shows it in the step's section)."""
-    lines = [line for step in steps_of(report) for line in step.summary(report)]
+    lines = [line for step in steps_of(report) for line in step.reporting.summary(report)]
     if "accuracy" in report:
         acc = report["accuracy"]
         if "before_finetune" in acc:
@@ -338,7 +338,7 @@ def _markdown_selection_and_inspection(report: dict[str, Any]) -> list[str]:
 
 def _markdown_steps(report: dict[str, Any]) -> list[str]:
     """Each step's own sections, in step order."""
-    return [line for step in steps_of(report) for line in step.markdown(report)]
+    return [line for step in steps_of(report) for line in step.reporting.markdown(report)]
 
 
 def _markdown_offloaded(report: dict[str, Any]) -> list[str]:

@@ -292,7 +292,7 @@ def _build(config: RunConfig) -> _Models:
 
 def _sparsity(handle: AppliedSteps) -> dict[str, Any]:
     """``report.json``'s sparsity, from the first step that prunes."""
-    found = (step.sparsity(part) for step, part in handle.pairs())
+    found = (step.reporting.sparsity(part) for step, part in handle.pairs())
     return next((section for section in found if section is not None), NO_SPARSITY)
 
 
@@ -329,7 +329,7 @@ def _run_checks(
     qparams = saved_qparams(handle)
     factory: Callable[[], nn.Module] = models.builder
     for step, part in handle.pairs():  # the smaller shapes of shrink, the folded structure of a target
-        factory = step.fresh_build(part, factory, models.builder.architecture)
+        factory = step.checking.fresh_build(part, factory, models.builder.architecture)
 
     results: list[checks.CheckResult] = []
     # closed on errors too; drawn only on a terminal, so a later error line is never glued to it
@@ -355,7 +355,7 @@ def _run_checks(
         if qparams:
             save_tensors(qparams, files.qparams)
         for step, part in handle.pairs():
-            for name, text in step.files(part).items():
+            for name, text in step.reporting.files(part).items():
                 write_atomically(files.checkpoint.with_name(name), lambda tmp, text=text: tmp.write_text(text))
         if "save_load" in enabled:
             results.append(

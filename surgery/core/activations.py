@@ -70,7 +70,7 @@ def activation_budget(max_bytes: int | None = None, *, folder: str | Path | None
 
     Example:
         >>> with surgery.activation_budget(2 * 1024**3, folder="/scratch"):
-        ...     surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=batches)
+        ...     surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", calibration=batches)
     """
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
         raise ConfigError("activation_budget.max_bytes", max_bytes, "must be null or an integer number of bytes >= 0")

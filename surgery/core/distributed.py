@@ -50,7 +50,7 @@ def distributed_calibration(group: Any = None) -> Iterator[None]:
     Example:
         >>> torch.distributed.init_process_group("gloo")
         >>> with surgery.distributed_calibration():
-        ...     surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=batches)
+        ...     surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", calibration=batches)
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise ConfigError(

@@ -40,7 +40,7 @@ def every_expert_calibrated(enabled: bool = True) -> Iterator[None]:
 
     Example:
         >>> with surgery.every_expert_calibrated():
-        ...     surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=batches)
+        ...     surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", calibration=batches)
     """
     with routed_as("every_expert" if enabled else routing()):
         yield

@@ -199,7 +199,7 @@ def _quantize_activations(model: nn.Module, **kwargs: Any) -> Any:
 
 def _gptq_within_budget(model: nn.Module, **budget: Any) -> Any:
     with surgery.activation_budget(**budget):
-        return surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=[batch(4, 8)])
+        return surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", calibration=[batch(4, 8)])
 
 
 def _one_output() -> nn.Module:
@@ -249,7 +249,7 @@ API_CASES = [
     ApiCase(
         "calibration-dtype",
         lambda m, *_: surgery.quantize(
-            m, weights=GridSpec(bits=4, method="gptq"), calibration=[batch(4, 8).half()], progress=False
+            m, weights=GridSpec(bits=4), method="gptq", calibration=[batch(4, 8).half()], progress=False
         ),
         ConfigError,
         "quantize.calibration='batch 0'",
@@ -304,7 +304,7 @@ API_CASES = [
     ),
     ApiCase(
         "calibrated",
-        lambda m, *_: surgery.quantize(m, weights=GridSpec(method="gptq"), progress=False),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(), method="gptq", progress=False),
         ConfigError,
         "quantize.calibration",
         "gptq",
@@ -894,7 +894,8 @@ API_CASES = [
         "experts-calibration",
         lambda m, *_: surgery.quantize(
             m,
-            weights=GridSpec(bits=4, method="gptq"),
+            weights=GridSpec(bits=4),
+            method="gptq",
             calibration=[{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))}],
             progress=False,
         ),
@@ -922,17 +923,17 @@ API_CASES = [
     ),
     ApiCase(
         "actorder",
-        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4, method="gptq", actorder="dynamic")),
+        lambda m, *_: surgery.quantize(m, weights=GridSpec(bits=4), method={"name": "gptq", "actorder": "dynamic"}),
         ConfigError,
-        "GridSpec.actorder",
+        "quantize.method.actorder",
         "dynamic",
     ),
     ApiCase(
         "actorder",
-        lambda m, *_: surgery.quantize(m, weights={"bits": 4, "actorder": "weight"}),
+        lambda m, *_: surgery.quantize(m, weights={"bits": 4}, method={"name": "rtn", "actorder": "weight"}),
         ConfigError,
-        "quantize.weights.actorder",
-        "weight",
+        "quantize.method",
+        "has no settings of its own; got ['actorder']",
     ),
     ApiCase(
         "low-rank-rank",
@@ -944,9 +945,9 @@ API_CASES = [
     ),
     ApiCase(
         "autoround-iterations",
-        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "iterations": 0}),
+        lambda m, *_: surgery.quantize(m, weights={"bits": 4}, method={"name": "autoround", "iterations": 0}),
         ConfigError,
-        "quantize.weights.iterations",
+        "quantize.method.iterations",
         "0",
     ),
     ApiCase(
@@ -1114,7 +1115,7 @@ API_CASES = [
     ApiCase(
         "gguf-target",
         lambda m, *_: surgery.quantize(
-            m, weights=GridSpec(bits=4, method="gptq"), target="gguf:Q4_0", calibration=[torch.randint(0, 128, (1, 8))]
+            m, weights=GridSpec(bits=4), method="gptq", target="gguf:Q4_0", calibration=[torch.randint(0, 128, (1, 8))]
         ),
         ConfigError,
         "quantize.target",
@@ -1125,12 +1126,13 @@ API_CASES = [
         "gguf-target",
         lambda m, *_: surgery.quantize(
             m,
-            weights=GridSpec(bits=4, method="gptq", actorder="group"),
+            weights=GridSpec(bits=4),
+            method={"name": "gptq", "actorder": "group"},
             target="gguf:Q4_0",
             calibration=[torch.randint(0, 128, (1, 8))],
         ),
         ConfigError,
-        "quantize.weights.actorder",
+        "quantize.method.actorder",
         "holds groups of consecutive inputs only (no g_idx)",
         build=lambda: tiny_llama(layers=1),
     ),
@@ -1187,9 +1189,9 @@ API_CASES = [
     ),
     ApiCase(
         "step-limits",
-        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "iterations": 10**9}),
+        lambda m, *_: surgery.quantize(m, method=surgery.AutoRoundSettings(iterations=10**9)),
         ConfigError,
-        "quantize.weights.iterations",
+        "quantize.method.iterations",
         "must be a whole number of tuning steps from 1 to 10,000",
     ),
     ApiCase(
@@ -1367,7 +1369,7 @@ IMAGES = (
     "data.batches=1",
 )
 GPT2 = ("recipe=quantize_gpt2_hf",)
-LLAMA_RTN = ("recipe=quantize_gptq_llama", "quantize.weights.method=rtn", "quantize.calibration_batches=1")
+LLAMA_RTN = ("recipe=quantize_gptq_llama", "quantize.method=rtn", "quantize.calibration_batches=1")
 HELD: list = []  # claims held for the whole test session (a run elsewhere owns the folder)
 
 
@@ -1709,7 +1711,7 @@ CLI_CASES = [
     CliCase("coverage-bound", (*FAST, "checks.max_untouched=2"), "checks.max_untouched=2"),
     CliCase(
         "offload",
-        ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.weights.method=rtn"),
+        ("recipe=quantize_gptq_llama", "model.offload=true", "quantize.method=rtn"),
         "model.offload_folder=",
         lambda folder: (f"model.path={llama_folder(folder)}", f"model.offload_folder={a_file(folder)}"),
     ),
@@ -1719,7 +1721,11 @@ CLI_CASES = [
         "model.pt': cannot be written (",
         patches={"torch.save": disk_full_torch_save},
     ),
-    CliCase("actorder", (*LLAMA_RTN, "quantize.weights.actorder=dynamic"), "quantize.weights.actorder='dynamic'"),
+    CliCase(
+        "actorder",
+        (*LLAMA_RTN, "quantize.method={name: gptq, actorder: dynamic}"),
+        "quantize.method.actorder='dynamic'",
+    ),
     CliCase(
         "experts-amount",
         ("recipe=prune_experts_moe", "prune_experts.amount=7", "prune_experts.calibration_batches=1", "data.batches=1"),
@@ -1727,8 +1733,8 @@ CLI_CASES = [
     ),
     CliCase(
         "autoround-iterations",
-        ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.iterations=0"),
-        "quantize.weights.iterations=0",
+        ("recipe=quantize_gptq_llama", "quantize.method={name: autoround, iterations: 0}"),
+        "quantize.method.iterations=0",
     ),
     CliCase(
         "plan-budget",
@@ -1750,7 +1756,7 @@ CLI_CASES = [
     ),
     CliCase(
         "imatrix-mse",
-        ("recipe=quantize_gptq_llama", "quantize.weights.method=autoround", "quantize.weights.observer=imatrix_mse"),
+        ("recipe=quantize_gptq_llama", "quantize.method=autoround", "quantize.weights.observer=imatrix_mse"),
         "quantize.weights.observer='imatrix_mse': weighs the clipping search of methods that pick scales",
     ),
 ]

@@ -488,7 +488,7 @@ def test_owl_allocates_block_sparsities_that_beat_uniform_wanda_on_the_trained_t
 def test_an_awq_step_before_quantize_lowers_the_shipped_llamas_perplexity(tmp_path):
     folder = REPO / "surgery" / "assets" / "tinyllama"
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "~model.config", "data=tinylm", "data.batches=2")
-    grid = ("quantize.weights.bits=3", "quantize.weights.group_size=128", "quantize.weights.method=rtn")
+    grid = ("quantize.weights.bits=3", "quantize.weights.group_size=128", "quantize.method=rtn")
     grid += ("quantize.weights.symmetric=false", "checks.drift.min_cosine=null")
     awq = "+awq={weights: {bits: 3, group_size: 128, symmetric: false}, n_grid: 10}"  # half the grid: seconds
     plain = surgery(*common, *grid, f"hydra.run.dir={tmp_path / 'rtn'}")
@@ -523,7 +523,7 @@ def test_shrink_recipe_removes_channels_for_real_and_the_checkpoint_rebuilds(tmp
 def test_rotate_quantize_and_kv_cache_steps_run_on_the_shipped_llama_and_pass_every_check(tmp_path):
     folder = REPO / "surgery" / "assets" / "tinyllama"
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "~model.config", "data=tinylm", "data.batches=2")
-    w4a8 = ("quantize.weights.method=rtn", "+quantize.activations={bits: 8, symmetric: true, dynamic: token}")
+    w4a8 = ("quantize.method=rtn", "+quantize.activations={bits: 8, symmetric: true, dynamic: token}")
     steps = ("steps=[rotate,quantize,kv_cache]", "+rotate={seed: 1}", "+kv_cache={format: fp8_e4m3}")
     result = surgery(*common, *w4a8, "+quantize.where=input", *steps, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -538,7 +538,7 @@ def test_rotate_quantize_and_kv_cache_steps_run_on_the_shipped_llama_and_pass_ev
 def test_a_learned_rotation_runs_before_quantize_and_passes_every_check(tmp_path):
     folder = REPO / "surgery" / "assets" / "tinyllama"
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "~model.config", "data=tinylm", "data.batches=1")
-    rtn = ("quantize.weights.method=rtn", "quantize.calibration_batches=1")
+    rtn = ("quantize.method=rtn", "quantize.calibration_batches=1")
     learned = ("steps=[rotate,quantize]", "+rotate={learn: {steps: 2, activations: null}}")
     result = surgery(*common, *rtn, *learned, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -551,7 +551,7 @@ def test_dynamic_inputs_with_training_export_and_say_each_selection_once(tmp_pat
     quantization-aware handle exports to a runtime, the selection is logged once (the checks
     apply the steps again quietly) and nothing is said about torch.compile, used by no one."""
     dynamic = ("+quantize.activations={bits: 8, symmetric: true, dynamic: token}", "+quantize.where=input")
-    weights = ("quantize.weights.method=rtn", "quantize.weights.bits=8", "quantize.weights.group_size=null")
+    weights = ("quantize.method=rtn", "quantize.weights.bits=8", "quantize.weights.group_size=null")
     result = surgery("recipe=quantize_gptq_llama", *weights, *dynamic, "+quantize.train=true", "data.batches=1",
                      "export.format=torchao", f"hydra.run.dir={tmp_path}")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -101,7 +101,7 @@ def test_model_name_picks_which_shipped_folder_model_path_shipped_loads():
 
 def test_the_imatrix_mse_observer_reaches_the_spec_and_asks_for_calibration():
     config = load_config(
-        composed("recipe=quantize_gptq_llama", "quantize.weights.method=rtn", "quantize.weights.observer=imatrix_mse")
+        composed("recipe=quantize_gptq_llama", "quantize.method=rtn", "quantize.weights.observer=imatrix_mse")
     )
     assert config.quantize.weights.observer == "imatrix_mse" and config.quantize.weights.weighted
     assert config.quantize.calibrated  # rtn then takes its inputs' energy from a calibration pass

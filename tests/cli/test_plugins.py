@@ -15,6 +15,7 @@ from cli_runner import CliResult, run_cli  # tests/cli_runner.py
 
 import surgery
 from surgery.cli.steps import STEPS
+from surgery.core.errors import ConfigTypeError
 from surgery.ops.export.format_table import EXPORT_FORMATS
 from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
 from surgery.tasks import TASKS
@@ -48,6 +49,8 @@ def test_a_recipe_runs_a_plugin_step_weight_method_task_and_export_format(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["steps"] == ["random_prune", "quantize"] and report["ok"] is True
+    assert report["random_prune"] == {"amount": 0.25, "seed": 0}  # the plugin step's reporting
+    assert "random_prune: 25% of each weight, seed 0" in result.stdout
     assert all(check["passed"] for check in report["checks"]), report["checks"]
     assert "accuracy" in report  # the task's metric, on its labelled test split
     assert report["export"] == {
@@ -59,6 +62,46 @@ def test_a_recipe_runs_a_plugin_step_weight_method_task_and_export_format(tmp_pa
     first = weights["0.weight"]
     assert (first == 0).mean() >= 0.25  # random_prune's quarter, then quantized (zero stays zero)
     assert len(np.unique(first)) <= 16  # absmax: one 4-bit grid for the tensor
+
+
+def test_a_step_written_before_0_3_keeps_its_hooks_on_the_step_with_a_warning():
+    """Hooks defined on the Step itself (as before 0.3) are adopted into its reporting and checking."""
+    from dataclasses import dataclass
+
+    from surgery.cli.steps import STEPS, Step, StepChecks, StepReport, register_step
+
+    @dataclass(frozen=True)
+    class Nothing:
+        pass
+
+    class Old(Step):
+        name, settings, outputs = "old_hooks_test", Nothing, ("old.png",)
+
+        def apply(self, model, settings, run):
+            return surgery.Handle(self.name, model)
+
+        def summary(self, report):
+            return ["old: said"]
+
+        def preview(self, model, settings):
+            return [(self.name, "matched", "(model)", "M", "all")]
+
+    try:
+        with pytest.warns(DeprecationWarning, match=r"step 'old_hooks_test' defines summary, preview, outputs on the"):
+            step = register_step(Old())
+        assert isinstance(step.reporting, StepReport) and isinstance(step.checking, StepChecks)
+        assert step.reporting.summary({}) == ["old: said"] and step.reporting.markdown({}) == []
+        assert step.checking.preview(None, Nothing()) == [("old_hooks_test", "matched", "(model)", "M", "all")]
+        assert step.checking.reattach(None, Nothing(), {}) is None  # a hook it did not define: the default
+        assert step.outputs == ("old.png",) and step.reporting.outputs == ("old.png",)
+        with pytest.raises(ConfigTypeError, match=r"^step .bad_reporting_test. reporting=.*StepReport"):
+
+            class Bad(Step):
+                name, settings, reporting = "bad_reporting_test", Nothing, object()
+
+            register_step(Bad())
+    finally:
+        STEPS.unregister("old_hooks_test") if "old_hooks_test" in STEPS else None
 
 
 def test_the_dry_run_lists_a_plugin_step(tmp_path):
@@ -85,7 +128,7 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
     model = toy_plugins[2].blob_mlp()
     pairs = TASKS.get("blobs")(None, "test", 8, 2)
     assert len(pairs) == 2 and pairs[0][0].shape == (8, 2)
-    handle = surgery.quantize(model, weights=surgery.GridSpec(bits=4, method="absmax"))
+    handle = surgery.quantize(model, weights=surgery.GridSpec(bits=4), method="absmax")
     assert len(torch.unique(model[0].weight)) <= 16
     record = surgery.export(handle, tmp_path / "model.npz", format="npz")
     assert record.bytes == (tmp_path / "model.npz").stat().st_size
@@ -96,9 +139,9 @@ def test_the_plugins_work_through_the_library_too(toy_plugins, tmp_path):
 
 def test_a_weight_method_that_is_not_registered_names_the_registered_ones():
     with pytest.raises(
-        surgery.ConfigError, match=r"GridSpec.method='absmaxx': must be one of autoround, gptq, gptaq, rtn \(or a"
+        surgery.ConfigError, match=r"^quantize.method='absmaxx': must be one of autoround, gptq, gptaq, rtn"
     ):
-        surgery.GridSpec(method="absmaxx")
+        surgery.quantize(torch.nn.Linear(4, 4), method="absmaxx")
 
 
 def test_a_step_that_returns_no_handle_is_refused_in_one_line():

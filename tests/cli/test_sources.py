@@ -261,7 +261,7 @@ def test_an_offloaded_llama_rotated_then_quantized_streams_the_same_tensors_as_i
     folder = tmp_path / "llama"
     tiny_llama(layers=2).save_pretrained(folder)
     common = ("recipe=quantize_gptq_llama", f"model.path={folder}", "export.format=compressed-tensors")
-    common += ("quantize.weights.group_size=32", "quantize.weights.method=rtn", "steps=[rotate,quantize]", "+rotate={}")
+    common += ("quantize.weights.group_size=32", "quantize.method=rtn", "steps=[rotate,quantize]", "+rotate={}")
     common += RANDOM_TOKENS
     memory = surgery(*common, "~model.config", f"hydra.run.dir={tmp_path / 'memory'}")
     offloaded = surgery(*common, "model.offload=true", f"hydra.run.dir={tmp_path / 'off'}")

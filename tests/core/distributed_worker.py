@@ -30,8 +30,8 @@ def batches(count: int = 4, seed: int = 1) -> list[torch.Tensor]:
 def run(method: str, model, calibration: list[torch.Tensor] | None = None, **keywords):
     calibration = batches() if calibration is None else calibration
     if method == "gptq":
-        spec = GridSpec(bits=4, method="gptq", group_size=32)
-        return surgery.quantize(model, weights=spec, calibration=calibration, progress=False, **keywords)
+        spec = GridSpec(bits=4, group_size=32)
+        return surgery.quantize(model, weights=spec, method="gptq", calibration=calibration, progress=False, **keywords)
     return surgery.prune(model, 0.5, method=method, calibration=calibration, progress=False, **keywords)
 
 

@@ -16,7 +16,7 @@ from surgery import GridSpec
 from surgery.core.activations import BlockCalls, Ledger, SpilledCall, activation_budget
 from surgery.core.errors import ConfigError
 
-GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
+GPTQ = GridSpec(bits=4, group_size=32)
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
 
 
@@ -33,7 +33,7 @@ def logits(model: nn.Module) -> torch.Tensor:
 def gptq_logits(budget: int | None, folder: Path) -> tuple[torch.Tensor, surgery.QuantizeHandle, Ledger]:
     model = tiny_llama(layers=3, vocab=128)
     with activation_budget(budget, folder=folder) as ledger:
-        handle = surgery.quantize(model, weights=GPTQ, calibration=batches(), progress=False)
+        handle = surgery.quantize(model, weights=GPTQ, method="gptq", calibration=batches(), progress=False)
     return logits(model), handle, ledger
 
 
@@ -59,12 +59,16 @@ def test_without_a_budget_nothing_is_spilled_for_small_calibration(tmp_path):
 def test_offloaded_gptq_with_every_batch_on_disk_equals_in_memory(tmp_path):
     model = tiny_llama(layers=3, vocab=128)
     model.save_pretrained(tmp_path / "model")
-    surgery.quantize(model, weights=GPTQ, calibration=batches(), exclude="lm_head", progress=False).bake()
+    surgery.quantize(
+        model, weights=GPTQ, method="gptq", calibration=batches(), exclude="lm_head", progress=False
+    ).bake()
     spill = tmp_path / "spill"
     spill.mkdir()
     source = surgery.offloaded(tmp_path / "model")
     with activation_budget(0, folder=spill):
-        handle = surgery.quantize(source, weights=GPTQ, calibration=batches(), exclude="lm_head", progress=False)
+        handle = surgery.quantize(
+            source, weights=GPTQ, method="gptq", calibration=batches(), exclude="lm_head", progress=False
+        )
     assert torch.equal(logits(source.model), logits(model))
     assert handle.spilled_bytes > 0
     assert list(spill.iterdir()) == []
@@ -117,7 +121,7 @@ def test_a_full_disk_while_spilling_leaves_the_model_as_it_was(tmp_path):
         mock.patch("surgery.core.activations.torch.save", side_effect=full),
         pytest.raises(ConfigError) as caught,
     ):
-        surgery.quantize(model, weights=GPTQ, calibration=batches(), progress=False)
+        surgery.quantize(model, weights=GPTQ, method="gptq", calibration=batches(), progress=False)
     assert caught.value.field == "activation_budget.folder" and "No space left" in str(caught.value)
     assert torch.equal(logits(model), before)
     assert list(tmp_path.iterdir()) == []
@@ -154,7 +158,7 @@ def test_a_spill_folder_that_cannot_be_written_names_it_and_the_size_it_needed(t
         mock.patch("surgery.core.activations.tempfile.mkdtemp", side_effect=refused),
         pytest.raises(ConfigError) as caught,
     ):
-        surgery.quantize(model, weights=GPTQ, calibration=batches(), progress=False)
+        surgery.quantize(model, weights=GPTQ, method="gptq", calibration=batches(), progress=False)
     message = str(caught.value)
     assert (
         message.startswith(f"activation_budget.folder={str(tmp_path)!r}: could not hold ") and "Permission" in message

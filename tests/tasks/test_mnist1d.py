@@ -99,8 +99,8 @@ def pruned_accuracy(model, test_set, calibration, method, amount, pattern=None):
 
 def quantized_accuracy(model, test_set, calibration, method, bits):
     before = snapshot(model)
-    spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32, method=method)
-    handle = surgery.quantize(model, weights=spec, calibration=calibration, progress=False)
+    spec = GridSpec(bits=bits, symmetric=False, per_channel=True, group_size=32)
+    handle = surgery.quantize(model, weights=spec, method=method, calibration=calibration, progress=False)
     score = accuracy(model, test_set)
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == []

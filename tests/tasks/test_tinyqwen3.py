@@ -43,8 +43,10 @@ def test_gptq_at_3_bits_loses_less_than_round_to_nearest_and_restores(model, hel
     before = {name: param.clone() for name, param in model.named_parameters()}
     found = {}
     for method in ("rtn", "gptq"):
-        spec = GridSpec(bits=3, group_size=128, method=method)
-        with surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False):
+        spec = GridSpec(bits=3, group_size=128)
+        with surgery.quantize(
+            model, weights=spec, method=method, calibration=calibration, exclude="lm_head", progress=False
+        ):
             found[method] = perplexity(model, held_out)
     assert found["gptq"] < found["rtn"]  # through Qwen3's per-head query and key norms, block by block
     assert all(torch.equal(param, before[name]) for name, param in model.named_parameters())

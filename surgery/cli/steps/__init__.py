@@ -17,5 +17,17 @@ from surgery.cli.steps import (  # noqa: F401
     smooth,
 )
 from surgery.cli.steps.base import STEPS, Calibration, Row, Step, StepRun, register_step, step_named
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 
-__all__ = ["STEPS", "Calibration", "Row", "Step", "StepRun", "register_step", "step_named"]
+__all__ = [
+    "STEPS",
+    "Calibration",
+    "Row",
+    "Step",
+    "StepChecks",
+    "StepReport",
+    "StepRun",
+    "register_step",
+    "step_named",
+]

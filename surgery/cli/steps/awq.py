@@ -8,6 +8,7 @@ from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.awq import AwqSpec, awq
 from surgery.ops.numerics.grid import GridSpec
@@ -27,20 +28,25 @@ class AwqConfig(AwqSpec):
         positive_int("awq.calibration_batches", self.calibration_batches)
 
 
+class AwqChecks(StepChecks):
+    """How the ``awq`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: AwqConfig) -> list[Row]:
+        return [("awq", "matched", "(blocks)", type(model).__name__, "groups found by a traced forward at run time")]
+
+
 class AwqStep(Step):
     """Weights scaled (and clipped) for the grid a later ``quantize`` rounds them onto; the
     outputs move only by the clipping."""
 
     name, settings, offloadable = "awq", AwqConfig, True
+    checking = AwqChecks()
 
     def apply(self, model: nn.Module, settings: AwqConfig, run: StepRun) -> Handle:
         return awq(model, settings, calibration=run.calibration, work=run.work)
 
     def calibration(self, settings: AwqConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="awq")
-
-    def preview(self, model: nn.Module, settings: AwqConfig) -> list[Row]:
-        return [("awq", "matched", "(blocks)", type(model).__name__, "groups found by a traced forward at run time")]
 
 
 register_step(AwqStep())

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from torch import Tensor, nn
+from torch import nn
 
-from surgery.cli.steps.blocks import block_stages
+from surgery.cli.steps.hooks_on_the_step import adopt_hooks_on_the_step
+from surgery.cli.steps.step_checks import Row, StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.handles import Handle
 from surgery.core.registry import Registry
-
-Row = tuple[str, str, str, str, str]  # a dry-run row: (step, matched/skipped, name, type, detail)
 
 
 class Calibration(NamedTuple):
@@ -50,9 +50,11 @@ class StepRun:
 
 
 class Step:
-    """One step of a recipe. Subclass, set ``name`` and ``settings`` (a dataclass, frozen or
-    not, whose ``__post_init__`` validates), override what applies, and register an instance
-    with :func:`register_step`.
+    """One step of a recipe: its ``settings`` (a dataclass, frozen or not, whose ``__post_init__``
+    validates), the ``calibration`` it needs and ``apply``. How it reports (``reporting``, a
+    :class:`StepReport`) and answers the checks (``checking``, a :class:`StepChecks`) are
+    objects of their own, with defaults. Subclass, set ``name`` and ``settings``, override what
+    applies, and register an instance with :func:`register_step`.
 
     Example:
         >>> @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class Step:
     changes_model: ClassVar[bool] = True  # False: it measures (sensitivity); the checks do not run it again
     needs_labels: ClassVar[bool] = False  # it trains on labelled data (finetune)
     offloadable: ClassVar[bool] = False  # apply also takes an offloaded model (model.offload=true; run.work)
-    outputs: ClassVar[tuple[str, ...]] = ()  # every file it may write into a run's folder (plots, plans)
+    reporting: StepReport = StepReport()  # its report.json section, summary, report.md, plots, files
+    checking: StepChecks = StepChecks()  # its neutral form, dry-run rows, what it re-attaches after bake
 
     def __call__(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
         return self.apply(model, settings, run)
@@ -82,66 +85,20 @@ class Step:
         by block, finished blocks written to ``run.work``: a verb given ``work=run.work`` does so."""
         raise NotImplementedError(f"step {self.name!r} does not implement apply()")
 
-    def neutral(self, model: nn.Module, settings: Any, run: StepRun) -> Handle:
-        """The same step with settings that change no output (the ``identity`` check):
-        by default nothing at all."""
-        return Handle(self.name, model)
-
     def calibration(self, settings: Any) -> Calibration | None:
         """The calibration batches the step needs (None: none)."""
         return None
 
-    def preview(self, model: nn.Module, settings: Any) -> list[Row]:
-        """The dry run's rows: what the step would select and skip, and why."""
-        return [(self.name, "matched", "(model)", type(model).__name__, "the whole model")]
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Every file the step may write into a run's folder (its ``reporting.outputs``)."""
+        return tuple(self.reporting.outputs)
 
-    def report(self, handle: Handle, settings: Any, run: StepRun, report: dict[str, Any]) -> None:
-        """Add the step's section to ``report`` (``report.json``); by default none."""
 
-    def reattach(self, model: nn.Module, settings: Any, qparams: dict[str, Tensor] | Path) -> Handle | None:
-        """Attach again, to a baked or reloaded model, what baking cannot fold into weights
-        (activation quantization, input rewriting); None when baking keeps everything."""
-        return None
-
-    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
-        """The parameters :meth:`reattach` takes back (saved as ``model.qparams.safetensors``)."""
-        return {}
-
-    def fresh_build(
-        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
-    ) -> Callable[[], nn.Module]:
-        """How a fresh model takes the weights this step baked (the ``bake`` and ``save_load``
-        checks build one): ``build``, unless the step changes the model's structure."""
-        return build
-
-    def files(self, handle: Handle) -> dict[str, str]:
-        """Text files the step writes beside the checkpoint (file name -> contents)."""
-        return {}
-
-    def sparsity(self, handle: Handle) -> dict[str, Any] | None:
-        """``report.json``'s ``sparsity`` (overall, per layer, over what) from the step that prunes."""
-        return None
-
-    def summary(self, report: dict[str, Any]) -> list[str]:
-        """The step's headline in the printed summary and atop ``report.md``: what it did, told
-        from its section of ``report`` in a line or two; a line starting with a space continues
-        the one above in the terminal only (``report.md`` has the step's own section); by
-        default nothing."""
-        return []
-
-    def markdown(self, report: dict[str, Any]) -> list[str]:
-        """The step's sections of ``report.md`` (``## ...`` headings, tables), from ``report``."""
-        return []
-
-    def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
-        """The plots the step draws from ``report``: file name (one of :attr:`outputs`) -> draw(report, path)."""
-        return {}
-
-    def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
-        """On an offloaded model: the blocks the step walked and the seconds each took (the
-        report's ``offloaded.steps``); None when it walks no blocks. The last step that walked
-        them holds the compressed weights an export streams. An offloadable step walks blocks."""
-        return block_stages(handle) if self.offloadable else None
+def offloaded_stages(step: Step, handle: Handle) -> dict[str, Any] | None:
+    """The blocks an offloadable ``step`` walked on an offloaded model (its reporting's
+    :meth:`~StepReport.offloaded_stages`); None for a step that walks none."""
+    return step.reporting.offloaded_stages(handle) if step.offloadable else None
 
 
 STEPS: Registry[Step] = Registry("steps")
@@ -153,6 +110,11 @@ def register_step(step: Step, *, replace: bool = False) -> Step:
         raise ConfigTypeError("steps entry", step, "must be an instance of a surgery.cli.steps.Step subclass")
     if not dataclasses.is_dataclass(step.settings):
         raise ConfigTypeError(f"step {step.name!r} settings", step.settings, "must be a dataclass")
+    for kind, value in (("reporting", step.reporting), ("checking", step.checking)):
+        wanted = StepReport if kind == "reporting" else StepChecks
+        if not isinstance(value, wanted):
+            raise ConfigTypeError(f"step {step.name!r} {kind}", value, f"must be a {wanted.__name__} instance")
+    adopt_hooks_on_the_step(step)
     return STEPS.register(step.name, step, replace=replace)
 
 

@@ -15,6 +15,8 @@ from surgery.cli.fields import positive_int
 from surgery.cli.formatting import fmt, pyplot, save_figure
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.handles import Handle
 from surgery.ops.training.finetuning import FinetuneHandle, FinetuneSpec, finetune
 
@@ -34,26 +36,8 @@ class FinetuneConfig(FinetuneSpec):
         positive_int("finetune.batch_size", self.batch_size)
 
 
-class FinetuneStep(Step):
-    """Training with the earlier steps attached (masks hold, quantizers learn)."""
-
-    name, settings, needs_labels = "finetune", FinetuneConfig, True
-
-    def apply(self, model: nn.Module, settings: FinetuneConfig, run: StepRun) -> Handle:
-        batches, evaluate = run.training(settings.batch_size)
-        spec = settings if settings.seed is not None else dataclasses.replace(settings, seed=run.config.seed)
-        teacher = run.reference if settings.distill is not None else None  # the unmodified model
-        return finetune(
-            model, calibration=batches, spec=spec, evaluate=evaluate, loss=classification_loss, teacher=teacher
-        )
-
-    def preview(self, model: nn.Module, settings: FinetuneConfig) -> list[Row]:
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        detail = (
-            f"trains {len(trainable)} parameters ({sum(p.numel() for _, p in trainable)} values), "
-            f"{settings.epochs} epoch(s)"
-        )
-        return [("finetune", "matched", "(model)", type(model).__name__, detail)]
+class FinetuneReport(StepReport):
+    """What the ``finetune`` step reports."""
 
     def report(self, handle: Handle, settings: FinetuneConfig, run: StepRun, report: dict[str, Any]) -> None:
         if not isinstance(handle, FinetuneHandle) or not handle.curve:
@@ -97,6 +81,34 @@ class FinetuneStep(Step):
     def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
         curve = report.get("finetune", {}).get("curve", [])
         return {"finetune.png": plot_finetune} if any(p["score"] is not None for p in curve) else {}
+
+
+class FinetuneChecks(StepChecks):
+    """How the ``finetune`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: FinetuneConfig) -> list[Row]:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        detail = (
+            f"trains {len(trainable)} parameters ({sum(p.numel() for _, p in trainable)} values), "
+            f"{settings.epochs} epoch(s)"
+        )
+        return [("finetune", "matched", "(model)", type(model).__name__, detail)]
+
+
+class FinetuneStep(Step):
+    """Training with the earlier steps attached (masks hold, quantizers learn)."""
+
+    name, settings, needs_labels = "finetune", FinetuneConfig, True
+    reporting = FinetuneReport()
+    checking = FinetuneChecks()
+
+    def apply(self, model: nn.Module, settings: FinetuneConfig, run: StepRun) -> Handle:
+        batches, evaluate = run.training(settings.batch_size)
+        spec = settings if settings.seed is not None else dataclasses.replace(settings, seed=run.config.seed)
+        teacher = run.reference if settings.distill is not None else None  # the unmodified model
+        return finetune(
+            model, calibration=batches, spec=spec, evaluate=evaluate, loss=classification_loss, teacher=teacher
+        )
 
 
 def plot_finetune(report: dict[str, Any], path: Path) -> None:

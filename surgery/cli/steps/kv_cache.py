@@ -11,6 +11,8 @@ from torch import Tensor, nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.handles import Handle
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.quantization.kv_cache import kv_cache_bytes, kv_projections, quantize_kv_cache
@@ -37,23 +39,8 @@ class KvCacheConfig(GridSpec):
         return GridSpec.build(fields, "kv_cache")
 
 
-class KvCacheStep(Step):
-    """The keys and values attention caches, fake-quantized where ``k_proj``/``v_proj`` write
-    them; re-attached from the saved parameters after baking, as activation quantization is."""
-
-    name, settings = "kv_cache", KvCacheConfig
-
-    def apply(self, model: nn.Module, settings: KvCacheConfig, run: StepRun) -> Handle:
-        return quantize_kv_cache(model, settings.spec, calibration=run.calibration)
-
-    def calibration(self, settings: KvCacheConfig) -> Calibration | None:
-        return Calibration(settings.calibration_batches, field="kv_cache")
-
-    def preview(self, model: nn.Module, settings: KvCacheConfig) -> list[Row]:
-        return [
-            ("kv_cache", "matched", name, type(layer).__name__, "its outputs are cached")
-            for name, layer in kv_projections(model).items()
-        ]
+class KvCacheReport(StepReport):
+    """What the ``kv_cache`` step reports."""
 
     def report(self, handle: Handle, settings: KvCacheConfig, run: StepRun, report: dict[str, Any]) -> None:
         model = handle.model
@@ -73,12 +60,37 @@ class KvCacheStep(Step):
             f"projections ({size['after'] / max(size['before'], 1):.3f}x)"
         ]
 
+
+class KvCacheChecks(StepChecks):
+    """How the ``kv_cache`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: KvCacheConfig) -> list[Row]:
+        return [
+            ("kv_cache", "matched", name, type(layer).__name__, "its outputs are cached")
+            for name, layer in kv_projections(model).items()
+        ]
+
     def reattach(self, model: nn.Module, settings: KvCacheConfig, qparams: dict[str, Tensor] | Any) -> Handle | None:
         layers = list(kv_projections(model))
         return quantize(model, weights=None, activations=settings.spec, select=layers, qparams=qparams, progress=False)
 
     def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
         return handle.qparams()
+
+
+class KvCacheStep(Step):
+    """The keys and values attention caches, fake-quantized where ``k_proj``/``v_proj`` write
+    them; re-attached from the saved parameters after baking, as activation quantization is."""
+
+    name, settings = "kv_cache", KvCacheConfig
+    reporting = KvCacheReport()
+    checking = KvCacheChecks()
+
+    def apply(self, model: nn.Module, settings: KvCacheConfig, run: StepRun) -> Handle:
+        return quantize_kv_cache(model, settings.spec, calibration=run.calibration)
+
+    def calibration(self, settings: KvCacheConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="kv_cache")
 
 
 register_step(KvCacheStep())

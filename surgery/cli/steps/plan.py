@@ -13,6 +13,8 @@ from torch import Tensor, nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.checkpoints import write_atomically
 from surgery.core.handles import Handle, HandleGroup, restored_on_error
 from surgery.ops.planning.budget import budget_bytes
@@ -60,40 +62,40 @@ def next_token_loss(output: Any, ids: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-class PlanStep(Step):
-    """A choice per layer within the budget, applied with one verb call per choice."""
+class PlanReport(StepReport):
+    """What the ``plan`` step reports."""
 
-    name, settings = "plan", PlanConfig
     outputs = (PLAN,)
 
-    def apply(self, model: nn.Module, settings: PlanConfig, run: StepRun) -> Handle:
-        causal = getattr(run.config.model, "task", None) == "causal_lm" and settings.estimate != "drift"
-        calibration = [(x, x) for x in run.calibration] if causal else run.calibration
-        if settings.mix is not None:  # llama.cpp's rules choose: no budget, no scores
-            chosen = gguf_mix(
-                model, settings.mix, method=settings.method, select=settings.select, exclude=settings.exclude or None
-            )
-        else:
-            chosen = self._searched(model, settings, calibration, causal)
-        write_atomically(run.folder / PLAN, lambda tmp: chosen.save(tmp, overwrite=True))
-        handle = chosen.apply(model, calibration=list(run.calibration))
-        handle.result = chosen
-        return handle
+    def report(self, handle: Handle, settings: PlanConfig, run: StepRun, report: dict[str, Any]) -> None:
+        """``report.json`` ``plan``: the totals and how many layers take each choice."""
+        chosen = handle.result
+        report["plan"] = {
+            "file": PLAN,
+            "budget_bytes": chosen.budget,
+            "bytes": chosen.total_bytes,
+            "bits_per_weight": chosen.bits_per_weight,
+            "kv_cache_bytes": chosen.kv_cache_bytes,
+            "kv_tokens": chosen.kv_tokens,
+            "estimate": chosen.estimate,
+            "solver": chosen.solver,
+            "counts": chosen.counts(),
+        }
 
-    @staticmethod
-    def _searched(model: nn.Module, settings: PlanConfig, calibration: Any, causal: bool) -> Any:
-        return plan(
-            model,
-            settings.budget,
-            settings.choices,
-            calibration=calibration,
-            loss=next_token_loss if causal else None,
-            estimate=settings.estimate,
-            method=settings.method,
-            select=settings.select,
-            exclude=settings.exclude or None,
-            kv_tokens=settings.kv_tokens,
-        )
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """The plan's bits per weight and its choices."""
+        found = report.get("plan")
+        if found is None:
+            return []
+        counts = ", ".join(f"{name} x{n}" for name, n in found["counts"].items())
+        return [
+            f"plan: {found['bits_per_weight']:.3f} bits per weight ({found['bytes']:,} of {found['budget_bytes']:,} "
+            f"bytes{_cache(found)}; {found['estimate']} scores, {found['solver']} solve): {counts}"
+        ]
+
+
+class PlanChecks(StepChecks):
+    """How the ``plan`` step answers the dry run and the checks."""
 
     def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
         """The KV-cache choices' scales, and which choice each attention module took (its name
@@ -124,37 +126,48 @@ class PlanStep(Step):
                 handles.append(choice_named(name, "plan.layers.choice").reattach(model, attention, saved))
         return HandleGroup(handles, model) if handles else None
 
-    def calibration(self, settings: PlanConfig) -> Calibration | None:
-        return Calibration(settings.calibration_batches, field="plan")
-
     def preview(self, model: nn.Module, settings: PlanConfig) -> list[Row]:
         return target_rows("plan", prune_targets(model, settings.select, settings.exclude), {}, "")
 
-    def report(self, handle: Handle, settings: PlanConfig, run: StepRun, report: dict[str, Any]) -> None:
-        """``report.json`` ``plan``: the totals and how many layers take each choice."""
-        chosen = handle.result
-        report["plan"] = {
-            "file": PLAN,
-            "budget_bytes": chosen.budget,
-            "bytes": chosen.total_bytes,
-            "bits_per_weight": chosen.bits_per_weight,
-            "kv_cache_bytes": chosen.kv_cache_bytes,
-            "kv_tokens": chosen.kv_tokens,
-            "estimate": chosen.estimate,
-            "solver": chosen.solver,
-            "counts": chosen.counts(),
-        }
 
-    def summary(self, report: dict[str, Any]) -> list[str]:
-        """The plan's bits per weight and its choices."""
-        found = report.get("plan")
-        if found is None:
-            return []
-        counts = ", ".join(f"{name} x{n}" for name, n in found["counts"].items())
-        return [
-            f"plan: {found['bits_per_weight']:.3f} bits per weight ({found['bytes']:,} of {found['budget_bytes']:,} "
-            f"bytes{_cache(found)}; {found['estimate']} scores, {found['solver']} solve): {counts}"
-        ]
+class PlanStep(Step):
+    """A choice per layer within the budget, applied with one verb call per choice."""
+
+    name, settings = "plan", PlanConfig
+    reporting = PlanReport()
+    checking = PlanChecks()
+
+    def apply(self, model: nn.Module, settings: PlanConfig, run: StepRun) -> Handle:
+        causal = getattr(run.config.model, "task", None) == "causal_lm" and settings.estimate != "drift"
+        calibration = [(x, x) for x in run.calibration] if causal else run.calibration
+        if settings.mix is not None:  # llama.cpp's rules choose: no budget, no scores
+            chosen = gguf_mix(
+                model, settings.mix, method=settings.method, select=settings.select, exclude=settings.exclude or None
+            )
+        else:
+            chosen = self._searched(model, settings, calibration, causal)
+        write_atomically(run.folder / PLAN, lambda tmp: chosen.save(tmp, overwrite=True))
+        handle = chosen.apply(model, calibration=list(run.calibration))
+        handle.result = chosen
+        return handle
+
+    @staticmethod
+    def _searched(model: nn.Module, settings: PlanConfig, calibration: Any, causal: bool) -> Any:
+        return plan(
+            model,
+            settings.budget,
+            settings.choices,
+            calibration=calibration,
+            loss=next_token_loss if causal else None,
+            estimate=settings.estimate,
+            method=settings.method,
+            select=settings.select,
+            exclude=settings.exclude or None,
+            kv_tokens=settings.kv_tokens,
+        )
+
+    def calibration(self, settings: PlanConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="plan")
 
 
 def _cache(found: dict[str, Any]) -> str:

@@ -13,6 +13,8 @@ from torch import nn
 from surgery.cli.fields import positive_int, read_amounts_yaml
 from surgery.cli.outputs import classification_loss
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.offload.offloading import Offloaded
@@ -70,15 +72,10 @@ def _read_amounts(path: Any) -> dict[str, float]:
     return loaded
 
 
-class PruneStep(Step):
-    """Masks on the selected weights, scored by the settings' criterion."""
+class PruneReport(StepReport):
+    """What the ``prune`` step reports."""
 
-    name, settings, offloadable, outputs = "prune", PruneConfig, True, (OWL_ALLOCATION,)
-
-    def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
-        loss = classification_loss if settings.criterion.needs_gradients else None
-        settings = _with_owl_amounts(model, settings, run)
-        return prune(model, settings, calibration=run.calibration, loss=loss, work=run.work)
+    outputs = (OWL_ALLOCATION,)
 
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
@@ -95,20 +92,37 @@ class PruneStep(Step):
             f"params {params['nonzero']:,}/{params['total']:,} non-zero"
         ]
 
+
+class PruneChecks(StepChecks):
+    """How the ``prune`` step answers the dry run and the checks."""
+
     def neutral(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
         """Amount 0 everywhere by magnitude, no pattern: nothing changes."""
         neutral = {"amount": 0.0, "method": "l1_unstructured", "pattern": None, "amounts": None, "blocks": None}
         neutral["owl"] = None
         return prune(model, dataclasses.replace(settings, **neutral))
 
+    def preview(self, model: nn.Module, settings: PruneConfig) -> list[Row]:
+        return target_rows("prune", prune_targets(model, settings.select, settings.exclude, settings.dim), {}, "")
+
+
+class PruneStep(Step):
+    """Masks on the selected weights, scored by the settings' criterion."""
+
+    name, settings, offloadable = "prune", PruneConfig, True
+    reporting = PruneReport()
+    checking = PruneChecks()
+
+    def apply(self, model: nn.Module, settings: PruneConfig, run: StepRun) -> Handle:
+        loss = classification_loss if settings.criterion.needs_gradients else None
+        settings = _with_owl_amounts(model, settings, run)
+        return prune(model, settings, calibration=run.calibration, loss=loss, work=run.work)
+
     def calibration(self, settings: PruneConfig) -> Calibration | None:
         criterion = settings.criterion
         if not criterion.needs_calibration and settings.owl is None:
             return None
         return Calibration(settings.calibration_batches, labelled=criterion.needs_gradients, field="prune.method")
-
-    def preview(self, model: nn.Module, settings: PruneConfig) -> list[Row]:
-        return target_rows("prune", prune_targets(model, settings.select, settings.exclude, settings.dim), {}, "")
 
 
 def _with_owl_amounts(model: nn.Module | Offloaded, settings: PruneConfig, run: StepRun) -> PruneConfig:

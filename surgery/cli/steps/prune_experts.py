@@ -12,6 +12,8 @@ from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.experts.expert_pruning import ExpertPruneHandle, PruneExpertsSpec, prune_experts, remove_experts
@@ -39,21 +41,38 @@ class PruneExpertsConfig(PruneExpertsSpec):
         positive_int("prune_experts.calibration_batches", self.calibration_batches)
 
 
-class PruneExpertsStep(Step):
-    """Whole experts removed from every mixture-of-experts layer: the model gets smaller."""
+class PruneExpertsReport(StepReport):
+    """What the ``prune_experts`` step reports."""
 
-    name, settings = "prune_experts", PruneExpertsConfig
+    def report(self, handle: Handle, settings: PruneExpertsConfig, run: StepRun, report: dict[str, Any]) -> None:
+        if isinstance(handle, ExpertPruneHandle):
+            report["prune_experts"] = {
+                "criterion": handle.criterion,
+                "num_experts": handle.num_experts,
+                "layers": {
+                    name: {
+                        "removed": handle.removed[name],
+                        "scores": handle.scores.get(name),
+                        "tokens_per_expert": handle.tokens_per_expert.get(name),
+                    }
+                    for name in handle.kept
+                },
+            }
 
-    def apply(self, model: nn.Module, settings: PruneExpertsConfig, run: StepRun) -> Handle:
-        amount = settings.amount  # the command line reads every number as a float: 2.0 is a count
-        amount = int(amount) if float(amount).is_integer() else amount
-        spec = PruneExpertsSpec(amount, settings.criterion, settings.seed)
-        return prune_experts(model, spec, calibration=run.calibration)
+    def summary(self, report: dict[str, Any]) -> list[str]:
+        """Experts per layer before and after, by which criterion, over how many layers."""
+        found = report.get("prune_experts")
+        if not found:
+            return []
+        counts = found["num_experts"]
+        return [
+            f"prune_experts: {counts['before']} -> {counts['after']} experts in each of "
+            f"{len(found['layers'])} layer(s), lowest {found['criterion']} score removed"
+        ]
 
-    def calibration(self, settings: PruneExpertsConfig) -> Calibration | None:
-        if settings.criterion == "random":
-            return None
-        return Calibration(settings.calibration_batches, field="prune_experts.calibration")
+
+class PruneExpertsChecks(StepChecks):
+    """How the ``prune_experts`` step answers the dry run and the checks."""
 
     def fresh_build(
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
@@ -83,31 +102,24 @@ class PruneExpertsStep(Step):
             for name, layout in fused_experts(model).items()
         ]
 
-    def report(self, handle: Handle, settings: PruneExpertsConfig, run: StepRun, report: dict[str, Any]) -> None:
-        if isinstance(handle, ExpertPruneHandle):
-            report["prune_experts"] = {
-                "criterion": handle.criterion,
-                "num_experts": handle.num_experts,
-                "layers": {
-                    name: {
-                        "removed": handle.removed[name],
-                        "scores": handle.scores.get(name),
-                        "tokens_per_expert": handle.tokens_per_expert.get(name),
-                    }
-                    for name in handle.kept
-                },
-            }
 
-    def summary(self, report: dict[str, Any]) -> list[str]:
-        """Experts per layer before and after, by which criterion, over how many layers."""
-        found = report.get("prune_experts")
-        if not found:
-            return []
-        counts = found["num_experts"]
-        return [
-            f"prune_experts: {counts['before']} -> {counts['after']} experts in each of "
-            f"{len(found['layers'])} layer(s), lowest {found['criterion']} score removed"
-        ]
+class PruneExpertsStep(Step):
+    """Whole experts removed from every mixture-of-experts layer: the model gets smaller."""
+
+    name, settings = "prune_experts", PruneExpertsConfig
+    reporting = PruneExpertsReport()
+    checking = PruneExpertsChecks()
+
+    def apply(self, model: nn.Module, settings: PruneExpertsConfig, run: StepRun) -> Handle:
+        amount = settings.amount  # the command line reads every number as a float: 2.0 is a count
+        amount = int(amount) if float(amount).is_integer() else amount
+        spec = PruneExpertsSpec(amount, settings.criterion, settings.seed)
+        return prune_experts(model, spec, calibration=run.calibration)
+
+    def calibration(self, settings: PruneExpertsConfig) -> Calibration | None:
+        if settings.criterion == "random":
+            return None
+        return Calibration(settings.calibration_batches, field="prune_experts.calibration")
 
 
 register_step(PruneExpertsStep())

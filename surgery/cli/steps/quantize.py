@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.folding import folded_structure
 from surgery.ops.numerics.grid import GridSpec
@@ -35,40 +37,8 @@ class QuantizeConfig(QuantizeSpec):
         positive_int("quantize.calibration_batches", self.calibration_batches)
 
 
-class QuantizeStep(Step):
-    """Fake-quantized weights (in place, guarded) and activations (hooks)."""
-
-    name, settings, offloadable = "quantize", QuantizeConfig, True
-
-    def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
-        handle = quantize(model, settings, calibration=run.calibration, work=run.work)
-        if isinstance(handle, QuantizeHandle) and handle.weights:  # measured now: the checks bake the handle
-            handle.storage = weight_storage(handle)
-        return handle
-
-    def calibration(self, settings: QuantizeConfig) -> Calibration | None:
-        return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None
-
-    def preview(self, model: nn.Module, settings: QuantizeConfig) -> list[Row]:
-        targets, layers = quantize_targets(
-            model, settings.select, settings.exclude, settings.weights, settings.activations, settings.where
-        )
-        return target_rows("quantize", targets, layers, settings.where)
-
-    def reattach(self, model: nn.Module, settings: QuantizeConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
-        """Activation quantization from the saved parameters, without calibration."""
-        if settings.activations is None:
-            return None
-        select = settings.select
-        if select is None and settings.target is not None:  # the layers the target selected
-            select = deploy_target(settings.target).layers
-        spec = dataclasses.replace(
-            settings, weights=None, train=False, freeze_observers_after=None, blocks=None, target=None, select=select
-        )
-        return quantize(model, spec, qparams=qparams, progress=False)
-
-    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
-        return handle.qparams()
+class QuantizeReport(StepReport):
+    """What the ``quantize`` step reports."""
 
     def report(self, handle: Handle, settings: QuantizeConfig, run: StepRun, report: dict[str, Any]) -> None:
         """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
@@ -105,6 +75,38 @@ class QuantizeStep(Step):
             "scales at 8 bits) and zero points; parameters left float count at their own dtype.",
         ]
 
+
+class QuantizeChecks(StepChecks):
+    """How the ``quantize`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: QuantizeConfig) -> list[Row]:
+        targets, layers = quantize_targets(
+            model, settings.select, settings.exclude, settings.weights, settings.activations, settings.where
+        )
+        return target_rows("quantize", targets, layers, settings.where)
+
+    def reattach(self, model: nn.Module, settings: QuantizeConfig, qparams: dict[str, Tensor] | Path) -> Handle | None:
+        """Activation quantization from the saved parameters, without calibration."""
+        if settings.activations is None:
+            return None
+        select = settings.select
+        if select is None and settings.target is not None:  # the layers the target selected
+            select = deploy_target(settings.target).layers
+        spec = dataclasses.replace(
+            settings,
+            weights=None,
+            method=None,
+            train=False,
+            freeze_observers_after=None,
+            blocks=None,
+            target=None,
+            select=select,
+        )
+        return quantize(model, spec, qparams=qparams, progress=False)
+
+    def activation_qparams(self, handle: Handle) -> dict[str, Tensor]:
+        return handle.qparams()
+
     def fresh_build(
         self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
     ) -> Callable[[], nn.Module]:
@@ -112,6 +114,23 @@ class QuantizeStep(Step):
         if not handle.folded:
             return build
         return lambda: folded_structure(build(), handle.folded)
+
+
+class QuantizeStep(Step):
+    """Fake-quantized weights (in place, guarded) and activations (hooks)."""
+
+    name, settings, offloadable = "quantize", QuantizeConfig, True
+    reporting = QuantizeReport()
+    checking = QuantizeChecks()
+
+    def apply(self, model: nn.Module, settings: QuantizeConfig, run: StepRun) -> Handle:
+        handle = quantize(model, settings, calibration=run.calibration, work=run.work)
+        if isinstance(handle, QuantizeHandle) and handle.weights:  # measured now: the checks bake the handle
+            handle.storage = weight_storage(handle)
+        return handle
+
+    def calibration(self, settings: QuantizeConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="quantize") if settings.calibrated else None
 
 
 register_step(QuantizeStep())

@@ -9,6 +9,7 @@ from torch import nn
 
 from surgery.cli.fields import positive_int
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.equivalence.rotation import RotateSpec, rotate
@@ -37,11 +38,21 @@ class RotateConfig(RotateSpec):
         positive_int("rotate.calibration_batches", self.calibration_batches)
 
 
+class RotateChecks(StepChecks):
+    """How the ``rotate`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: RotateConfig) -> list[Row]:
+        return [
+            ("rotate", "matched", "(stream)", type(model).__name__, "readers and writers found by a traced forward")
+        ]
+
+
 class RotateStep(Step):
     """The residual stream rotated by a random Hadamard matrix, fused into the weights: the
     same function (to float rounding), with fewer outliers for a later ``quantize`` step."""
 
     name, settings, offloadable = "rotate", RotateConfig, True
+    checking = RotateChecks()
 
     def apply(self, model: nn.Module, settings: RotateConfig, run: StepRun) -> Handle:
         return rotate(
@@ -50,11 +61,6 @@ class RotateStep(Step):
 
     def calibration(self, settings: RotateConfig) -> Calibration | None:
         return Calibration(settings.calibration_batches, field="rotate")
-
-    def preview(self, model: nn.Module, settings: RotateConfig) -> list[Row]:
-        return [
-            ("rotate", "matched", "(stream)", type(model).__name__, "readers and writers found by a traced forward")
-        ]
 
 
 register_step(RotateStep())

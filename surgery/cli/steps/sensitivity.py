@@ -15,12 +15,15 @@ from torch import nn
 from surgery.cli.fields import positive_int
 from surgery.cli.formatting import fmt, pyplot, save_figure
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step, target_rows
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.checkpoints import write_atomically
 from surgery.core.errors import ConfigError
 from surgery.core.handles import Handle
 from surgery.ops.numerics.grid import GridSpec
-from surgery.ops.numerics.weight_methods import weight_method
+from surgery.ops.numerics.weight_methods import method_of
 from surgery.ops.offload.offloading import Offloaded
+from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, QuantizeSpec
 from surgery.ops.sensitivity.sensitivity import sensitivity
 from surgery.ops.sparsity.criteria import as_criterion
 from surgery.ops.sparsity.pruning import prune_targets
@@ -43,12 +46,17 @@ class SensitivityConfig:
     calibration_batches: int = 8  # for calibrated methods (wanda, sparsegpt, gptq)
     bits: list[int] | None = None  # quantize each layer's weight alone at these widths instead of pruning
     weights: GridSpec | None = None  # with bits: the other weight settings (default int8 per channel)
+    quantize_method: Any = None  # with bits: the weight method (gptq, {name: gptq, damping: 0.02}); default rtn
 
     def __post_init__(self) -> None:
         validate_arguments(0.5, self.method, "layer", 2.0, 0)
         positive_int("sensitivity.calibration_batches", self.calibration_batches)
         if isinstance(self.weights, dict):
             object.__setattr__(self, "weights", GridSpec.build(self.weights, "sensitivity.weights"))
+        if self.bits is not None:
+            quantizing = QuantizeSpec(weights=self.weights or DEFAULT_WEIGHTS, method=self.quantize_method)
+            object.__setattr__(self, "weights", quantizing.weights if self.weights is not None else None)
+            object.__setattr__(self, "quantize_method", quantizing.method)
         if self.bits is not None and self.target_sparsity is not None:
             raise ConfigError(
                 "sensitivity.target_sparsity",
@@ -73,30 +81,18 @@ class SensitivityConfig:
     @property
     def calibrated(self) -> bool:
         if self.bits is not None:
-            return self.weights is not None and weight_method(self.weights.method).needs_calibration
+            return method_of(self.quantize_method).needs_calibration
         return as_criterion(self.method).needs_calibration
 
 
-class SensitivityStep(Step):
-    """Measures and changes nothing: every trial is restored."""
+class SensitivityReport(StepReport):
+    """What the ``sensitivity`` step reports."""
 
-    name, settings, changes_model, offloadable = "sensitivity", SensitivityConfig, False, True
     outputs = (AMOUNTS, "plan.yaml", "sensitivity.png")  # plan.yaml: AMOUNTS before 0.3, replaced on overwrite
 
     def offloaded_stages(self, handle: Handle) -> dict[str, Any] | None:
         """A scan compresses each block of an offloaded model on its own: no block walk to report."""
         return None
-
-    def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
-        handle = Handle(self.name, model.model if isinstance(model, Offloaded) else model)
-        handle.result = _measure(model, settings, run)  # offloaded: each trial compresses one block, then restores it
-        return handle
-
-    def calibration(self, settings: SensitivityConfig) -> Calibration | None:
-        return Calibration(settings.calibration_batches, field="sensitivity") if settings.calibrated else None
-
-    def preview(self, model: nn.Module, settings: SensitivityConfig) -> list[Row]:
-        return target_rows("sensitivity", prune_targets(model, settings.select, settings.exclude), {}, "")
 
     def report(self, handle: Handle, settings: SensitivityConfig, run: StepRun, report: dict[str, Any]) -> None:
         report["sensitivity"] = handle.result
@@ -110,6 +106,29 @@ class SensitivityStep(Step):
 
     def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
         return {"sensitivity.png": plot_sensitivity} if report.get("sensitivity", {}).get("rows") else {}
+
+
+class SensitivityChecks(StepChecks):
+    """How the ``sensitivity`` step answers the dry run and the checks."""
+
+    def preview(self, model: nn.Module, settings: SensitivityConfig) -> list[Row]:
+        return target_rows("sensitivity", prune_targets(model, settings.select, settings.exclude), {}, "")
+
+
+class SensitivityStep(Step):
+    """Measures and changes nothing: every trial is restored."""
+
+    name, settings, changes_model, offloadable = "sensitivity", SensitivityConfig, False, True
+    reporting = SensitivityReport()
+    checking = SensitivityChecks()
+
+    def apply(self, model: nn.Module, settings: SensitivityConfig, run: StepRun) -> Handle:
+        handle = Handle(self.name, model.model if isinstance(model, Offloaded) else model)
+        handle.result = _measure(model, settings, run)  # offloaded: each trial compresses one block, then restores it
+        return handle
+
+    def calibration(self, settings: SensitivityConfig) -> Calibration | None:
+        return Calibration(settings.calibration_batches, field="sensitivity") if settings.calibrated else None
 
 
 def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dict[str, Any]:
@@ -126,10 +145,11 @@ def _measure(model: nn.Module, settings: SensitivityConfig, run: StepRun) -> dic
         progress=True,
         bits=settings.bits,
         weights=settings.weights,
+        quantize_method=settings.quantize_method if quantizing else None,
         calibration=batches,
         **measure,
     )
-    method = (settings.weights.method if settings.weights else "rtn") if quantizing else settings.method
+    method = method_of(settings.quantize_method).name if quantizing else settings.method
     result = {
         "metric": "drift (1 - cosine)" if metric is None else metric[0],
         "kind": table.kind,

@@ -18,6 +18,8 @@ from surgery.cli.fields import positive_int
 from surgery.cli.formatting import pyplot, save_figure
 from surgery.cli.outputs import batch_of, first_sample
 from surgery.cli.steps.base import Calibration, Row, Step, StepRun, register_step
+from surgery.cli.steps.step_checks import StepChecks
+from surgery.cli.steps.step_report import StepReport
 from surgery.core.handles import Handle
 from surgery.core.inputs import as_call
 from surgery.core.layer_kinds import is_kind
@@ -48,46 +50,13 @@ class ShrinkConfig(ShrinkSpec):
 STRUCTURE_JSON = "model.plan.json"  # the recorded shrunk structure, for surgery.rebuild (file name kept)
 
 
-class ShrinkStep(Step):
-    """Coupled channels removed for real: smaller layers of the same classes."""
+class ShrinkReport(StepReport):
+    """What the ``shrink`` step reports."""
 
-    name, settings, outputs = "shrink", ShrinkConfig, (STRUCTURE_JSON, "widths.png")
-
-    def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, settings, calibration=run.calibration[0])
-
-    def neutral(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
-        return shrink(model, dataclasses.replace(settings, amount=0.0), calibration=run.calibration[0])
-
-    def calibration(self, settings: ShrinkConfig) -> Calibration | None:
-        return Calibration(1, field="shrink")  # the batch the coupling is traced on
-
-    def fresh_build(
-        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
-    ) -> Callable[[], nn.Module]:
-        """The original class built at the smaller shapes (:func:`surgery.rebuild`)."""
-        recorded = handle.structure()
-        return lambda: rebuild(architecture, recorded)
+    outputs = (STRUCTURE_JSON, "widths.png")
 
     def files(self, handle: Handle) -> dict[str, str]:
         return {STRUCTURE_JSON: json.dumps(handle.structure(), indent=2) + "\n"}
-
-    def preview(self, model: nn.Module, settings: ShrinkConfig) -> list[Row]:
-        """The layers whose output channels shrink may remove (which go is known only after the trace)."""
-        if settings.select is None:
-            layers = dict(model.named_modules())
-            if settings.exclude:
-                excluded = select(model, settings.exclude, field="shrink.exclude")
-                layers = {n: m for n, m in layers.items() if n not in excluded}
-        else:
-            layers = select(
-                model, settings.select, exclude=settings.exclude, field="shrink.select", exclude_field="shrink.exclude"
-            )
-        return [
-            ("shrink", "matched", name or "(root)", type(m).__name__, "output channels may go")
-            for name, m in layers.items()
-            if _producer(m)
-        ]
 
     def report(self, handle: Handle, settings: ShrinkConfig, run: StepRun, report: dict[str, Any]) -> None:
         if isinstance(handle, ShrinkHandle):
@@ -115,6 +84,51 @@ class ShrinkStep(Step):
 
     def plots(self, report: dict[str, Any]) -> dict[str, Callable[[dict[str, Any], Path], None]]:
         return {"widths.png": plot_widths} if report.get("shrink", {}).get("widths") else {}
+
+
+class ShrinkChecks(StepChecks):
+    """How the ``shrink`` step answers the dry run and the checks."""
+
+    def neutral(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
+        return shrink(model, dataclasses.replace(settings, amount=0.0), calibration=run.calibration[0])
+
+    def fresh_build(
+        self, handle: Handle, build: Callable[[], nn.Module], architecture: Callable[[], nn.Module]
+    ) -> Callable[[], nn.Module]:
+        """The original class built at the smaller shapes (:func:`surgery.rebuild`)."""
+        recorded = handle.structure()
+        return lambda: rebuild(architecture, recorded)
+
+    def preview(self, model: nn.Module, settings: ShrinkConfig) -> list[Row]:
+        """The layers whose output channels shrink may remove (which go is known only after the trace)."""
+        if settings.select is None:
+            layers = dict(model.named_modules())
+            if settings.exclude:
+                excluded = select(model, settings.exclude, field="shrink.exclude")
+                layers = {n: m for n, m in layers.items() if n not in excluded}
+        else:
+            layers = select(
+                model, settings.select, exclude=settings.exclude, field="shrink.select", exclude_field="shrink.exclude"
+            )
+        return [
+            ("shrink", "matched", name or "(root)", type(m).__name__, "output channels may go")
+            for name, m in layers.items()
+            if _producer(m)
+        ]
+
+
+class ShrinkStep(Step):
+    """Coupled channels removed for real: smaller layers of the same classes."""
+
+    name, settings = "shrink", ShrinkConfig
+    reporting = ShrinkReport()
+    checking = ShrinkChecks()
+
+    def apply(self, model: nn.Module, settings: ShrinkConfig, run: StepRun) -> Handle:
+        return shrink(model, settings, calibration=run.calibration[0])
+
+    def calibration(self, settings: ShrinkConfig) -> Calibration | None:
+        return Calibration(1, field="shrink")  # the batch the coupling is traced on
 
 
 def shrink_report(handle: ShrinkHandle, reference: nn.Module, inputs: list, batch_sizes: list[int]) -> dict[str, Any]:

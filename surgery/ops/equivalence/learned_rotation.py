@@ -196,7 +196,7 @@ def fake_quantized_weight(weight: Tensor, spec: GridSpec) -> Tensor:
     elif size is None and not spec.per_channel:
         rows = rows.reshape(1, -1)
     rounding = dataclasses.replace(
-        spec, dynamic="token", per_channel=False, group_size=None, method="rtn", actorder=None, observer="minmax"
+        spec.without_method(), dynamic="token", per_channel=False, group_size=None, observer="minmax"
     )
     return fake_quantize_dynamic(rows, rounding)[0].reshape(weight.shape)
 

@@ -3,9 +3,10 @@ tables of names its fields take: observers and weight methods."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -18,6 +19,12 @@ from surgery.core.settings import whole_count
 from surgery.ops.numerics.number_formats import FORMATS, NumberFormat
 
 DEPRECATED_QUANTSPEC = "QuantSpec is now GridSpec (the grid of one tensor; QuantizeSpec is the verb's settings); the old name goes away in 0.4"
+METHOD_FIELDS = ("method", "actorder", "iterations")  # a weight method's, on the grid before 0.3 (warn until 0.4)
+DEPRECATED_METHOD_FIELDS = (
+    "GridSpec({fields}=) is deprecated: the grid describes the grid only; name the weight method and its "
+    "settings in quantize(method=...) (GptqSettings(actorder=), AutoRoundSettings(iterations=); in a recipe "
+    "quantize.method: {{name: gptq, actorder: weight}}). The grid's fields go away in 0.4"
+)
 
 
 class ObservedRange(NamedTuple):
@@ -56,10 +63,6 @@ def register_observer(name: str, observe: ObserverFn, *, replace: bool = False, 
     return found
 
 
-# the weight methods GridSpec(method=...) names (surgery.ops.numerics.weight_methods registers them)
-WEIGHT_METHODS: Registry[Callable[..., Any]] = Registry("quantize.weights.method")
-
-
 @dataclass(frozen=True)
 class GridSpec:
     """The grid one kind of tensor is fake-quantized onto (a weight's or an activation's); not
@@ -87,22 +90,11 @@ class GridSpec:
     a thousand, which a deep model amplifies (``target=`` sets the runtime's).
 
     Weights only: ``group_size`` gives every ``group_size`` consecutive inputs of each output
-    its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``);
-    ``method`` is ``"rtn"`` (round to nearest) or ``"gptq"`` (rounds input column after column
-    and moves each column's error onto the columns not yet rounded, through the inverse
-    Hessian of the layer's calibration inputs; Frantar et al. 2023) or ``"gptaq"`` (GPTQ fitted
-    to the float model's outputs; Li et al. 2025). ``actorder`` (GPTQ, GPTAQ):
-    ``None`` walks the columns in order; ``"weight"`` walks them by decreasing activation energy
-    (the Hessian's diagonal) while each column keeps its own group's grid, so the stored format
-    is unchanged (llm-compressor's ``actorder="weight"``, its default); ``"group"`` sorts the
-    columns by that diagonal first and makes every ``group_size`` consecutive columns of the
-    sorted order a group (the GPTQ authors' ``actorder=True``, AutoGPTQ's ``desc_act``,
-    llm-compressor's ``"group"``/``"dynamic"``): groups are then scattered over the inputs and
-    each weight stores ``g_idx``, the group of every input column. Without ``group_size``,
-    ``"group"`` is ``"weight"`` (one grid for all columns). ``"autoround"`` tunes
-    each weight's rounding and its groups' ranges by signed gradient descent on every block's
-    output error (Cheng et al., intel/auto-round), for ``iterations`` steps per block, on the
-    integer grids (``observer="full_range"``: auto-round's ``int_sym``), ``mxfp4`` and ``nvfp4``.
+    its own scale (in the order of ``weight.reshape(out, -1)``; finer than ``per_channel``).
+    How the weights are rounded onto the grid is the weight method's, named apart from the grid
+    (``quantize(method=GptqSettings(actorder="weight"))``); ``method``, ``actorder`` and
+    ``iterations`` here are the pre-0.3 spellings of it, accepted with a ``DeprecationWarning``
+    until 0.4 (``quantize`` moves them to its ``method``).
     ``scale_dtype`` (integer grids): ``"float16"`` or ``"bfloat16"`` rounds every scale to that
     dtype as it is computed, so methods round the weights against the scale a format stores
     (GGUF's fp16 block scales); ``None`` keeps float32 scales (rounded to a half-precision
@@ -126,15 +118,15 @@ class GridSpec:
     observer: Any = "minmax"  # a registered observer name, or an ObserverFn
     percentile: float = 99.99
     averaging: float = 0.01
-    method: str = "rtn"
+    method: str | None = field(default=None, compare=False, repr=False)  # deprecated: quantize(method=)
     group_size: int | None = None
     format: str = (
         "int"  # or a floating-point grid: fp8_e4m3, fp8_e5m2, mxfp4, nvfp4 (surgery.ops.numerics.number_formats)
     )
     dynamic: str | None = None  # activations: "token" or "tensor" scales computed as each tensor runs
     rounding: str = "divide"  # dynamic activations: round x / scale ("divide") or x * (1 / scale) ("reciprocal")
-    actorder: str | None = None  # GPTQ's column order: None (as stored), "weight" or "group" (by activation energy)
-    iterations: int = 200  # AutoRound's signed-gradient steps per block (its learning rate is 1 / iterations)
+    actorder: str | None = field(default=None, compare=False, repr=False)  # deprecated: GptqSettings(actorder=)
+    iterations: int | None = field(default=None, compare=False, repr=False)  # deprecated: AutoRoundSettings
     scale_dtype: str | None = None  # integer grids: "float16"/"bfloat16" rounds each scale as it is computed
     super_group: int | None = None  # inputs sharing one scale_dtype scale over the groups' integer scales
     scale_bits: int | None = None  # with super_group: each group's scale an integer in [1, 2^scale_bits - 1] x it
@@ -142,6 +134,9 @@ class GridSpec:
 
     def __post_init__(self) -> None:
         _check(self, "GridSpec")
+        given = [name for name in METHOD_FIELDS if getattr(self, name) is not None]
+        if given:
+            warnings.warn(DEPRECATED_METHOD_FIELDS.format(fields="=, ".join(given)), DeprecationWarning, stacklevel=3)
         block = self.number_format.block_size
         if block is not None and self.group_size is None:  # a micro-scaled format's blocks are its groups
             object.__setattr__(self, "group_size", block)
@@ -188,8 +183,20 @@ class GridSpec:
         return fn(x, previous, self, importance)
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields, the observer by name (JSON-serialisable)."""
-        return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "observer": self.observer_name}
+        """The grid's fields, the observer by name (JSON-serialisable)."""
+        fields = (name for name in self.__dataclass_fields__ if name not in METHOD_FIELDS)
+        return {**{name: getattr(self, name) for name in fields}, "observer": self.observer_name}
+
+    @property
+    def method_given(self) -> dict[str, Any] | None:
+        """The weight method a pre-0.3 grid named (``GridSpec(method=, actorder=, iterations=)``),
+        as ``quantize(method=)`` takes it; None when it names none."""
+        given = {name: getattr(self, name) for name in METHOD_FIELDS if getattr(self, name) is not None}
+        return {"name": given.pop("method", "rtn"), **given} if given else None
+
+    def without_method(self) -> GridSpec:
+        """The grid alone (the pre-0.3 method fields cleared)."""
+        return dataclasses.replace(self, **dict.fromkeys(METHOD_FIELDS)) if self.method_given else self
 
     @property
     def number_format(self) -> NumberFormat:
@@ -231,9 +238,10 @@ def _check(spec: Any, field: str) -> None:
         raise ConfigError(f"{field}.percentile", spec.percentile, "must be a number in (50, 100]")
     if isinstance(spec.averaging, bool) or not (isinstance(spec.averaging, (int, float)) and 0 < spec.averaging <= 1):
         raise ConfigError(f"{field}.averaging", spec.averaging, "must be a number in (0, 1]")
-    if spec.method not in WEIGHT_METHODS:
-        allowed = ", ".join(WEIGHT_METHODS.names())
-        raise ConfigError(f"{field}.method", spec.method, f"must be one of {allowed} (or a registered weight method)")
+    if spec.method is not None and not isinstance(spec.method, str):
+        raise ConfigTypeError(
+            f"{field}.method", spec.method, "must be a weight method's name (deprecated: quantize(method=))"
+        )
     size = spec.group_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 1 << 20):
         raise ConfigError(
@@ -243,7 +251,8 @@ def _check(spec: Any, field: str) -> None:
     _check_full_range(spec, field)
     _check_dynamic(spec, field)
     _check_actorder(spec, field)
-    _check_iterations(spec, field)
+    if spec.iterations is not None:
+        _check_iterations(spec, field)
     _check_scale_dtype(spec, field)
     _check_super_group(spec, field)
     _check_float_offset(spec, field)
@@ -345,7 +354,9 @@ def _check_actorder(spec: Any, field: str) -> None:
         raise ConfigError(f"{field}.actorder", spec.actorder, f"must be null or {', '.join(map(repr, ACTORDER))}")
     if spec.method not in ("gptq", "gptaq"):
         raise ConfigError(
-            f"{field}.actorder", spec.actorder, f"orders GPTQ's walk over the columns; method is {spec.method!r}"
+            f"{field}.actorder",
+            spec.actorder,
+            f"orders GPTQ's walk over the columns; method is {spec.method or 'rtn'!r}",
         )
 
 

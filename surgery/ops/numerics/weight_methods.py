@@ -1,4 +1,4 @@
-"""Weight quantization methods: the registry ``GridSpec(method=...)`` names, and the problem a method solves.
+"""Weight quantization methods: the registry ``quantize(method=...)`` names, and the problem a method solves.
 
 A method turns the selected weights into scales, zero points and (optionally) new weight
 values; :func:`surgery.quantize` attaches the result, restorably. RTN (:mod:`surgery.ops.quantization.methods.rtn`)
@@ -8,7 +8,7 @@ and GPTQ (:mod:`surgery.ops.quantization.methods.gptq`) register here the same w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -18,8 +18,10 @@ from surgery.core import guards
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.layer_kinds import channel_axis, weight_axis_of
 from surgery.core.originals import Originals
+from surgery.core.registry import Registry
+from surgery.core.settings import settings_from
 from surgery.core.targets import Target, Targets
-from surgery.ops.numerics.grid import WEIGHT_METHODS, GridSpec
+from surgery.ops.numerics.grid import GridSpec
 
 if TYPE_CHECKING:
     from surgery.core.sequential import SequentialReport
@@ -58,6 +60,7 @@ class WeightProblem:
     sequential: SequentialReport | None = None  # set by a method that runs a sequential pass
     originals: Originals = field(default_factory=Originals)  # weights' values before the method wrote them
     settings: Any = None  # the method's own settings (GptqSettings...; see register_weight_method), or None
+    method: str = "rtn"  # the method's registered name
 
     def value(self, key: str) -> Tensor:
         """The weight's current value (with earlier steps applied, e.g. pruned entries zero)."""
@@ -69,6 +72,7 @@ class WeightProblem:
 
 
 Solve = Callable[[WeightProblem], dict[str, QuantizedWeight]]
+WEIGHT_METHODS: Registry[WeightMethod] = Registry("quantize.method")  # rtn, gptq... register themselves
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,8 @@ def register_weight_method(
     settings: type | None = None,
     replace: bool = False,
 ) -> WeightMethod:
-    """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``GridSpec(method=name)``
-    and ``quantize.weights.method=name`` in recipes. ``settings``: a frozen dataclass of the
+    """Make ``solve(problem) -> {key: QuantizedWeight}`` available as ``quantize(method=name)``
+    and ``quantize.method=name`` in recipes. ``settings``: a frozen dataclass of the
     method's own settings, apart from the grid (GPTQ's damping and block size, AutoRound's steps
     and batch): ``quantize(method=TheSettings(...))`` picks the method with them, and the solver
     finds them as ``problem.settings`` (their defaults when the caller gave none).
@@ -138,6 +142,37 @@ def method_of_settings(settings: object) -> WeightMethod:
             return method
     kinds = ", ".join(m.settings.__name__ for m in map(WEIGHT_METHODS.get, WEIGHT_METHODS.names()) if m.settings)
     raise ConfigTypeError("quantize.method", settings, f"must be a method's name or its settings ({kinds})")
+
+
+def method_of(method: object) -> WeightMethod:
+    """The registered method ``method`` names: its name, or an instance of its settings class."""
+    return weight_method(method) if isinstance(method, str) else method_of_settings(method)
+
+
+def settings_of(method: object) -> Any:
+    """A method's settings object, None for a name (a method without settings of its own)."""
+    return None if isinstance(method, str) else method
+
+
+def resolve_method(method: object, field: str = "quantize.method") -> Any:
+    """``method`` as a spec holds it: the settings object of a method that has settings (its
+    defaults for a bare name; a mapping ``{name: ..., <setting>: ...}`` builds them), else the
+    method's name. Errors name ``field``."""
+    if method is None:
+        return "rtn"
+    if isinstance(method, Mapping):
+        given = dict(method)
+        chosen = weight_method(given.pop("name", "rtn"))
+        if chosen.settings is None:
+            if given:
+                raise ConfigError(field, chosen.name, f"has no settings of its own; got {sorted(given)}")
+            return chosen.name
+        return settings_from(chosen.settings, given, field)
+    if isinstance(method, str):
+        chosen = weight_method(method)
+        return chosen.name if chosen.settings is None else chosen.settings()
+    method_of_settings(method)
+    return method
 
 
 def weight_method(name: object) -> WeightMethod:

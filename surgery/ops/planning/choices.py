@@ -126,9 +126,16 @@ def grid_choice(name: str, spec: GridSpec, description: str = "") -> Choice:
     also takes the caller's weight method: ``gptq``, ``gptaq``, ``autoround``)."""
 
     def apply(model: nn.Module, layers: list[str], calibration: Any, method: str) -> Handle:
-        grid = dataclasses.replace(spec, method=method) if spec.format == "int" else spec
-        needs = weight_method(grid.method).needs_calibration
-        return quantize(model, weights=grid, select=layers, calibration=calibration if needs else None, progress=False)
+        chosen = method if spec.format == "int" else "rtn"
+        needs = weight_method(chosen).needs_calibration
+        return quantize(
+            model,
+            weights=spec,
+            method=chosen,
+            select=layers,
+            calibration=calibration if needs else None,
+            progress=False,
+        )
 
     methods = ("rtn", "gptq", "gptaq", "autoround") if spec.format == "int" else ("rtn",)
     return Choice(name, grid_bits(spec), apply, methods=methods, description=description)

@@ -21,7 +21,7 @@ from surgery.core.transforms import attach_all
 from surgery.ops.numerics.fake_quant import g_idx_problem
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.observers import NonFiniteError
-from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, weight_axis, weight_method
+from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, method_of, settings_of, weight_axis
 from surgery.ops.quantization.placement import ACTIVATIONS, Site, saved_sites, tensor_sites
 from surgery.ops.quantization.qat import ShadowWeight, attach_shadows
 from surgery.ops.quantization.qparams import QuantizeHandle, _check_qparam_values
@@ -103,7 +103,7 @@ def _attach_weights(
     blocks: Any = None,
     progress: bool = True,
     originals: str = "memory",
-    settings: Any = None,
+    method: Any = "rtn",
 ) -> None:
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
@@ -113,14 +113,18 @@ def _attach_weights(
     store = Originals(originals)
     attached: set[str] = set()  # until attached, a weight the method wrote into is put back by the handle
     handle.add("put back weights a method wrote but never attached", lambda: store.put_back(skip=attached))
-    problem = WeightProblem(model, targets, spec, calibration, blocks, progress, originals=store, settings=settings)
+    chosen = method_of(method)
+    settings = settings_of(method)
+    problem = WeightProblem(
+        model, targets, spec, calibration, blocks, progress, originals=store, settings=settings, method=chosen.name
+    )
     _check_whole_blocks(problem, spec)
-    solved = weight_method(spec.method)(problem)
+    solved = chosen(problem)
     handle.sequential = problem.sequential
     quantizers = {}
     for key, target in targets.matched.items():
-        found = _checked_answer(spec, key, solved)
-        _check_g_idx(spec, key, found, target.param)
+        found = _checked_answer(spec, chosen.name, key, solved)
+        _check_g_idx(spec, chosen.name, key, found, target.param)
         store.keep(key, target.param)  # unless the method kept it before writing
         saved = store.saved(key)
         scale = _scale_as_stored(found.scale, target.param.dtype, spec)
@@ -166,33 +170,33 @@ def _check_whole_blocks(problem: WeightProblem, spec: GridSpec) -> None:
             )
 
 
-def _checked_answer(spec: GridSpec, key: str, solved: Any) -> QuantizedWeight:
+def _checked_answer(spec: GridSpec, method: str, key: str, solved: Any) -> QuantizedWeight:
     """A weight method's grid for ``key``, checked as saved parameters are: a missing weight,
     or a scale that is not positive and finite, would quantize silently to garbage."""
     found = solved.get(key) if isinstance(solved, dict) else None
     if not isinstance(found, QuantizedWeight):
         raise ConfigError(
-            "quantize.weights.method",
-            spec.method,
+            "quantize.method",
+            method,
             f"returned no QuantizedWeight for {key} (got {type(found).__name__})",
         )
     try:
         _check_qparam_values(key, found.scale, found.zero_point, spec)
     except CheckpointError as err:
-        raise ConfigError("quantize.weights.method", spec.method, str(err).removeprefix("quantize.qparams: ")) from None
+        raise ConfigError("quantize.method", method, str(err).removeprefix("quantize.qparams: ")) from None
     return found
 
 
-def _check_g_idx(spec: GridSpec, key: str, found: QuantizedWeight, weight: Tensor) -> None:
+def _check_g_idx(spec: GridSpec, method: str, key: str, found: QuantizedWeight, weight: Tensor) -> None:
     """A method's group index (``g_idx``) must give each input column a group of ``group_size``
     columns: any other would quantize silently with the wrong scales."""
     if found.g_idx is None:
         return
     if not spec.group_size or found.axis is None:
-        raise ConfigError("quantize.weights.method", spec.method, f"returned a g_idx for {key} without group_size")
+        raise ConfigError("quantize.method", method, f"returned a g_idx for {key} without group_size")
     problem = g_idx_problem(found.g_idx, weight.numel() // weight.shape[found.axis], spec.group_size)
     if problem is not None:
-        raise ConfigError("quantize.weights.method", spec.method, f"returned a g_idx for {key} that {problem}")
+        raise ConfigError("quantize.method", method, f"returned a g_idx for {key} that {problem}")
 
 
 def _attach_shadow_weights(handle: QuantizeHandle, model: nn.Module, targets: Targets, spec: GridSpec) -> None:

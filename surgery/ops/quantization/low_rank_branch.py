@@ -107,7 +107,7 @@ def low_rank_branch(quantized: Handle, spec: LowRankSpec, call: VerbCall) -> Low
     inputs over ``calibration`` (the quantized model run on it).
 
     Example:
-        >>> q = surgery.quantize(model, weights=GridSpec(bits=3, group_size=64, method="gptq"), calibration=batches)
+        >>> q = surgery.quantize(model, weights=GridSpec(bits=3, group_size=64), method="gptq", calibration=batches)
         >>> branch = surgery.low_rank_branch(q, rank=16, calibration=batches)
         >>> branch.save("eora-adapter")   # a PEFT LoRA adapter beside the quantized export
     """

@@ -36,6 +36,7 @@ class QuantizeHandle(Handle):
         self.activations: dict[str, ActivationQuantizer] = {}
         self.sequential: SequentialReport | None = None  # GPTQ's calibration pass
         self.folded: list[tuple[str, str]] = []  # (convolution, BatchNorm) pairs folded for a target
+        self.method: Any = "rtn"  # the weight method: its settings (GptqSettings...), or its name
 
     @property
     def skipped(self) -> list:

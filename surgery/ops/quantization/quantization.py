@@ -17,7 +17,6 @@ from surgery.core.transforms import own_step_hook
 from surgery.core.verbs import VerbCall, verb
 from surgery.ops.equivalence.folding import fold_batchnorms
 from surgery.ops.experts.linearizing import linearized, with_linear_experts
-from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloaded_compression import (
     OffloadedCompression,
     OffloadedVerb,
@@ -44,7 +43,7 @@ from surgery.ops.quantization.quantizers import (
     activation_sides,
     learned_ranges,
 )
-from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeSpec, _validate_inputs, method_settings
+from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, WHERE, QuantizeSpec, _validate_inputs
 from surgery.ops.quantization.targets import deploy_target
 
 __all__ = [  # the verb, and the names this module held before it was split (their import path kept)
@@ -86,7 +85,7 @@ def quantize(model: nn.Module, spec: QuantizeSpec, call: VerbCall) -> QuantizeHa
         calibration: batches (tensors, tuples of inputs or dicts of keyword inputs) run
             through the model, with a progress bar, to estimate activation ranges (required
             for activations unless ``qparams``, a dict or a file from
-            :meth:`QuantizeHandle.save_qparams`, is given) and, for ``weights.method="gptq"``,
+            :meth:`QuantizeHandle.save_qparams`, is given) and, for ``method="gptq"``,
             each layer's input Hessian, layer after layer on the already quantized model.
         qparams: saved activation parameters (a dict, or a file written by
             :meth:`QuantizeHandle.save_qparams`) used instead of calibrating.
@@ -130,8 +129,9 @@ def quantize(model: nn.Module, spec: QuantizeSpec, call: VerbCall) -> QuantizeHa
         method: the weight method with its own settings, apart from the grid:
             ``GptqSettings(actorder=, damping=, block_size=)``, ``GptaqSettings(...)``,
             ``AutoRoundSettings(iterations=, batch=, seed=, lr=)``, a method's name (its default
-            settings), or ``{"name": "gptq", "damping": 0.02}``; default: ``weights.method``
-            with its defaults.
+            settings), or ``{"name": "gptq", "damping": 0.02}``; default: ``"rtn"`` (round to
+            nearest). ``GridSpec(method=, actorder=, iterations=)``, the spelling before 0.3,
+            still names it, with a ``DeprecationWarning``, until 0.4.
         originals: where the weights' original values wait for ``restore()``: ``"memory"``
             (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
@@ -167,6 +167,7 @@ def _quantize_in_memory(
         rules.check(model, spec, weight_targets.matched)
     guards.check_editable({name: t.param for name, t in weight_targets.matched.items()}, "quantize.select")
     handle = QuantizeHandle(model, weight_targets)
+    handle.method = spec.method
     with handle.applying():
         if folding:
             handle.folded = fold_batchnorms(handle, model, next(batches(calibration, "quantize.calibration")))
@@ -174,9 +175,8 @@ def _quantize_in_memory(
             _attach_shadow_weights(handle, model, weight_targets, weights)
         elif weights is not None:
             with onloading(spec.onload, "quantize.onload"):
-                settings = method_settings(spec)
                 _attach_weights(
-                    handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals, settings
+                    handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals, spec.method
                 )
         if activations is not None and where == "tensors":
             _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)
@@ -219,17 +219,17 @@ def _quantize_offloaded(source: Offloaded, spec: QuantizeSpec, call: VerbCall) -
             "(or handle.materialise() it first)",
         )
     _validate_inputs(spec, calibration, None)
-    method = weight_method(spec.weights.method)
+    method = spec.weight_method
     if method.float_stream:
         raise ConfigError(
-            "quantize.weights.method",
+            "quantize.method",
             method.name,
             "needs every block's inputs in the float model beside the compressed ones, which an offloaded "
             "run does not carry yet; quantize in memory, or use method='gptq'",
         )
-    if spec.weights.actorder == "group" and spec.weights.group_size:
+    if getattr(spec.method, "actorder", None) == "group" and spec.weights.group_size:
         raise ConfigError(
-            "quantize.weights.actorder",
+            "quantize.method.actorder",
             "group",
             "stores a group index per input column (g_idx), which an offloaded run's stages do not carry yet; "
             "quantize in memory, or use actorder='weight'",

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
-from surgery.core.settings import settings_from
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import FORMATS
-from surgery.ops.numerics.weight_methods import WEIGHT_METHODS, method_of_settings, weight_method
+from surgery.ops.numerics.weight_methods import (
+    WEIGHT_METHODS,
+    WeightMethod,
+    method_of,
+    resolve_method,
+    settings_of,
+    weight_method,
+)
 from surgery.ops.quantization import methods  # noqa: F401 - the built-in weight methods register themselves
 from surgery.ops.quantization.targets import deploy_target
 
@@ -34,6 +39,8 @@ class QuantizeSpec:
 
     The fields are the keyword arguments of :func:`quantize` (see there); ``weights`` and
     ``activations`` are :class:`GridSpec` (or dicts of its fields), ``None`` turns that part off.
+    ``method`` is held as the method's settings object (``GptqSettings()`` for ``"gptq"``), or
+    its name when it has no settings (``"rtn"``); :attr:`weight_method` is the registered method.
     """
 
     weights: GridSpec | None = DEFAULT_WEIGHTS
@@ -47,14 +54,19 @@ class QuantizeSpec:
     target: str | None = None  # a deployment format whose runtime the simulation then equals
     onload: str | None = None  # sequential methods: the device each block is calibrated on (cuda), moved back after
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
-    method: Any = None  # the weight method with its own settings (GptqSettings(damping=...)), or its name
+    method: Any = None  # the weight method with its own settings (GptqSettings(damping=...)), or its name; None: rtn
 
     def __post_init__(self) -> None:
         weights = _as_spec(self.weights, "quantize.weights")
-        if self.method is not None:
-            weights, settings = _with_method(weights, self.method)
-            object.__setattr__(self, "method", settings)
+        method, weights = _method_and_grid(self.method, weights)
+        object.__setattr__(self, "method", method)
         activations = _as_spec(self.activations, "quantize.activations")
+        if activations is not None and activations.method_given is not None:
+            raise ConfigError(
+                "quantize.activations.method",
+                activations.method_given["name"],
+                "applies to weights (quantize.method); activations are rounded to nearest",
+            )
         if self.target is not None:
             weights, activations = _for_target(self, weights, activations)
         object.__setattr__(self, "weights", weights)
@@ -72,11 +84,12 @@ class QuantizeSpec:
                 "quantizes each tensor once, with one scale, after training: "
                 "set train=false and per-tensor activations",
             )
-        _validate_method(weights, activations, self.train, self.blocks)
-        _validate_weighted(weights, activations, self.train)
+        _validate_method(weights, activations, self.train, self.blocks, self.weight_method)
+        _validate_actorder(weights, self.method)
+        _validate_weighted(weights, activations, self.train, self.weight_method)
         _validate_dynamic(weights, activations, self.where, self.freeze_observers_after)
         _validate_offsets(weights, activations, self.train)
-        _validate_onload(self.onload, weights)
+        _validate_onload(self.onload, weights, self.weight_method)
         check_place(self.originals, "quantize.originals")
         if self.originals == "disk" and self.train:
             raise ConfigError(
@@ -87,78 +100,87 @@ class QuantizeSpec:
             )
 
     @property
+    def weight_method(self) -> WeightMethod:
+        """The registered weight method ``method`` names."""
+        return method_of(self.method)
+
+    @property
+    def method_settings(self) -> Any:
+        """The weight method's own settings (GptqSettings...), None for a method without any."""
+        return settings_of(self.method)
+
+    @property
     def calibrated(self) -> bool:
         """Whether quantizing needs calibration batches (activations, or a calibrated weight method)."""
         folds = self.target is not None and deploy_target(self.target).fold_batchnorm
         return (
             folds
             or (self.activations is not None and self.activations.dynamic is None)
-            or (self.weights is not None and weight_method(self.weights.method).needs_calibration)
+            or (self.weights is not None and self.weight_method.needs_calibration)
             or (self.weights is not None and self.weights.weighted)  # imatrix_mse: its inputs' energy
         )
 
 
-def _with_method(weights: GridSpec | None, method: Any) -> tuple[GridSpec, Any]:
-    """``weights`` on ``method`` (a registered name, its settings, or a mapping ``{name: ..., <setting>:
-    ...}``) and the method's settings (None for a method without any): the grid names the
-    method, and the settings it shares with the grid (``actorder``, ``iterations``) agree."""
+def _method_and_grid(method: Any, weights: GridSpec | None) -> tuple[Any, GridSpec | None]:
+    """``method`` as the spec holds it (:func:`resolve_method`) and the grid alone. A pre-0.3 grid's
+    method fields (``GridSpec(method=, actorder=, iterations=)``, deprecated) become ``method``'s,
+    or must agree with it."""
     if weights is None:
-        raise ConfigError("quantize.method", _name_of(method), "picks the weights' method; set weights too")
-    if isinstance(method, str):
-        chosen = weight_method(method)
-        settings = None if chosen.settings is None else chosen.settings()
-    elif isinstance(method, Mapping):
-        given = dict(method)
-        chosen = weight_method(given.pop("name", None))
-        if chosen.settings is None and given:
-            raise ConfigError("quantize.method", chosen.name, f"has no settings of its own; got {sorted(given)}")
-        settings = None if chosen.settings is None else settings_from(chosen.settings, given, "quantize.method")
-    else:
-        chosen, settings = method_of_settings(method), method
-    if weights.method not in ("rtn", chosen.name):
+        if method not in (None, "rtn"):
+            raise ConfigError("quantize.method", _name_of(method), "picks the weights' method; set weights too")
+        return "rtn", None
+    legacy = weights.method_given
+    if legacy is None:
+        return resolve_method(method), weights
+    if method in (None, "rtn"):  # rtn: the default (a config echoes it back)
+        return resolve_method(legacy, "quantize.weights"), weights.without_method()
+    chosen = resolve_method(method)
+    name = method_of(chosen).name
+    if legacy["name"] not in ("rtn", name):
         raise ConfigError(
-            "quantize.method", chosen.name, f"is given beside weights.method={weights.method!r}: name the method once"
+            "quantize.method", name, f"is given beside weights.method={legacy['name']!r}: name the method once"
         )
     shared = {}
-    for name in ("actorder", "iterations"):
-        if settings is None or not hasattr(settings, name):
+    for key, grid_value in legacy.items():
+        if key == "name":
             continue
-        grid_value, own = getattr(weights, name), getattr(settings, name)
-        default = GridSpec.__dataclass_fields__[name].default
-        if grid_value != default and own != grid_value and own != type(settings).__dataclass_fields__[name].default:
+        if not hasattr(chosen, key):
+            raise ConfigError(f"quantize.weights.{key}", grid_value, f"is not a setting of method {name!r}")
+        own, default = getattr(chosen, key), type(chosen).__dataclass_fields__[key].default
+        if own not in (default, grid_value):
             raise ConfigError(
-                f"quantize.method.{name}", own, f"is given beside weights.{name}={grid_value!r}: set it once"
+                f"quantize.method.{key}", own, f"is given beside weights.{key}={grid_value!r}: set it once"
             )
-        shared[name] = own if own != type(settings).__dataclass_fields__[name].default else grid_value
-    if settings is not None and shared:
-        settings = dataclasses.replace(settings, **shared)
-    return dataclasses.replace(weights, method=chosen.name, **shared), settings
+        shared[key] = grid_value
+    return (dataclasses.replace(chosen, **shared) if shared else chosen), weights.without_method()
 
 
 def _name_of(method: Any) -> str:
     return method if isinstance(method, str) else type(method).__name__
 
 
-def method_settings(spec: QuantizeSpec) -> Any:
-    """The weight method's settings a quantization runs with: the spec's, or the method's
-    defaults (with the grid's ``actorder`` and ``iterations``); None for a method without any."""
-    if spec.method is not None or spec.weights is None:
-        return spec.method
-    return _with_method(spec.weights, spec.weights.method)[1]
-
-
-def _validate_onload(onload: object, weights: GridSpec | None) -> None:
+def _validate_onload(onload: object, weights: GridSpec | None, method: WeightMethod) -> None:
     """``onload`` moves the blocks of a sequential weight method (gptq, autoround) to a device."""
     if onload is None:
         return
     present_device(onload, "quantize.onload")
-    if weights is None or not weight_method(weights.method).sequential:
-        method = None if weights is None else weights.method
+    if weights is None or not method.sequential:
+        name = None if weights is None else method.name
         raise ConfigError(
             "quantize.onload",
             onload,
             f"moves each block to a device while a sequential weight method (gptq, autoround) calibrates it; "
-            f"weights.method={method!r} calibrates no blocks (quantize the model where it is)",
+            f"method={name!r} calibrates no blocks (quantize the model where it is)",
+        )
+
+
+def _validate_actorder(weights: GridSpec | None, method: Any) -> None:
+    """GPTQ's ``actorder="group"`` scatters the groups over the inputs; two-level scales need consecutive ones."""
+    if weights is not None and weights.super_group and getattr(method, "actorder", None) == "group":
+        raise ConfigError(
+            "quantize.method.actorder",
+            "group",
+            "scatters the groups over the inputs; super groups need consecutive ones",
         )
 
 
@@ -196,12 +218,12 @@ def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None
             f"weights.observer={spec.weights.observer!r} weighs each input column by its energy in calibration; "
             "pass calibration batches",
         )
-    method = weight_method(spec.weights.method) if spec.weights is not None else None
+    method = spec.weight_method if spec.weights is not None else None
     if method is not None and method.needs_calibration and calibration is None:
         raise ConfigError(
             "quantize.calibration",
             None,
-            f"weights.method={method.name!r} is calibrated (gptq solves each layer with its input Hessian); "
+            f"method={method.name!r} is calibrated (gptq solves each layer with its input Hessian); "
             "pass calibration batches",
         )
 
@@ -209,7 +231,9 @@ def _validate_inputs(spec: QuantizeSpec, calibration: Any, qparams: Any) -> None
 WEIGHTED_METHODS = ("rtn", "gptq", "gptaq")  # the methods that give a weighted observer its inputs' energy
 
 
-def _validate_weighted(weights: GridSpec | None, activations: GridSpec | None, train: bool) -> None:
+def _validate_weighted(
+    weights: GridSpec | None, activations: GridSpec | None, train: bool, method: WeightMethod
+) -> None:
     """A weighted observer (``imatrix_mse``) picks weights' per-channel or per-group ranges once,
     from calibration, in a method that gives it each input's energy."""
     if activations is not None and activations.weighted:
@@ -218,12 +242,12 @@ def _validate_weighted(weights: GridSpec | None, activations: GridSpec | None, t
         )
     if weights is None or not weights.weighted:
         return
-    if weights.method not in WEIGHTED_METHODS:
+    if method.name not in WEIGHTED_METHODS:
         raise ConfigError(
             "quantize.weights.observer",
             weights.observer,
             f"weighs the clipping search of methods that pick scales ({', '.join(WEIGHTED_METHODS)}); "
-            f"method {weights.method!r} picks its own: use observer=minmax",
+            f"method {method.name!r} picks its own: use observer=minmax",
         )
     if train or not (weights.per_channel or weights.group_size):
         raise ConfigError(
@@ -284,7 +308,9 @@ def _validate_dynamic(weights: GridSpec | None, activations: GridSpec | None, wh
         )
 
 
-def _validate_method(weights: GridSpec | None, activations: GridSpec | None, train: bool, blocks: Any) -> None:
+def _validate_method(
+    weights: GridSpec | None, activations: GridSpec | None, train: bool, blocks: Any, method: WeightMethod
+) -> None:
     for field, spec in (("quantize.weights", weights), ("quantize.activations", activations)):
         if spec is not None and spec.is_float and train:
             raise ConfigError(f"{field}.format", spec.format, "quantization-aware training takes the integer format")
@@ -294,12 +320,6 @@ def _validate_method(weights: GridSpec | None, activations: GridSpec | None, tra
             "quantize.activations.format",
             activations.format,
             f"scales per block of each tensor as it runs; activations take one static scale here: use {usable}",
-        )
-    if activations is not None and activations.method != "rtn":
-        raise ConfigError(
-            "quantize.activations.method",
-            activations.method,
-            "applies to weights; activations are rounded to nearest ('rtn')",
         )
     if activations is not None and activations.group_size is not None:
         raise ConfigError(
@@ -311,14 +331,13 @@ def _validate_method(weights: GridSpec | None, activations: GridSpec | None, tra
         if blocks is not None:
             raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")
         return
-    method = weight_method(weights.method)
     if train and (not method.trainable or weights.group_size is not None):
         trainable = ", ".join(repr(n) for n in WEIGHT_METHODS.names() if weight_method(n).trainable)
         raise ConfigError(
             "quantize.train",
             True,
             "quantization-aware training rounds weights to nearest with "
-            f"per-channel or per-tensor scales; set weights.method to one of {trainable} and group_size=null",
+            f"per-channel or per-tensor scales; set method to one of {trainable} and group_size=null",
         )
     if blocks is not None and not method.sequential:
         raise ConfigError("quantize.blocks", blocks, "applies to weight methods calibrated in sequence (gptq)")

@@ -17,6 +17,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +31,9 @@ from surgery.core.targets import Target
 from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linearizing import linearized
 from surgery.ops.numerics.grid import GridSpec
-from surgery.ops.numerics.weight_methods import weight_method
 from surgery.ops.offload.offloading import Offloaded
 from surgery.ops.quantization.quantization import quantize
+from surgery.ops.quantization.spec import DEFAULT_WEIGHTS, QuantizeSpec
 from surgery.ops.sparsity.criteria import as_criterion
 from surgery.ops.sparsity.pruning import prune, prune_targets
 
@@ -149,6 +150,7 @@ class SensitivitySpec:
     exclude: Selection = None
     bits: Sequence[int] | None = None
     weights: GridSpec | None = None
+    quantize_method: Any = None  # with bits: the weight method, as quantize(method=) takes it (default rtn)
 
 
 @verb(
@@ -175,8 +177,9 @@ def sensitivity(model: nn.Module, spec: SensitivitySpec, call: VerbCall) -> Sens
         method, select, exclude: as for :func:`surgery.prune` (layer scope).
         spec: a :class:`SensitivitySpec` holding the settings (the keywords are a shorthand for it).
         bits: quantize instead of pruning: each layer's weight alone at each of these bit
-            widths, with the other settings of ``weights`` (default symmetric per channel;
-            ``method="gptq"`` uses ``calibration``).
+            widths, with the other settings of ``weights`` (default symmetric per channel).
+        quantize_method: with ``bits``, the weight method (``"gptq"``, ``GptqSettings(...)``, as
+            :func:`surgery.quantize`'s ``method``); a calibrated one uses ``calibration``.
         progress: a progress bar over the (layer, setting) trials (on a terminal).
 
     Example:
@@ -218,7 +221,12 @@ def sensitivity(model: nn.Module, spec: SensitivitySpec, call: VerbCall) -> Sens
         )
     else:
         metric = getattr(evaluate, "__name__", "score")
-    template = weights or GridSpec(bits=8, symmetric=True, per_channel=True)
+    if bits is None and spec.quantize_method is not None:
+        raise ConfigError(
+            "sensitivity.quantize_method", spec.quantize_method, "applies with bits (quantize each layer)"
+        )
+    quantizing = QuantizeSpec(weights=weights or DEFAULT_WEIGHTS, method=spec.quantize_method)
+    template, quantize_method = quantizing.weights, quantizing.method
 
     calibrated = as_criterion(method).needs_calibration if bits is None else None
 
@@ -228,9 +236,10 @@ def sensitivity(model: nn.Module, spec: SensitivitySpec, call: VerbCall) -> Sens
             return quantize(
                 source,
                 weights=grid,
+                method=quantize_method,
                 select=[target.name],
                 progress=False,
-                calibration=calibration if weight_method(grid.method).needs_calibration else None,
+                calibration=calibration if quantizing.weight_method.needs_calibration else None,
             )
         batches = calibration if calibrated else None  # the metric's batches are no criterion's statistics
         return prune(source, setting, method=method, select=[target.name], calibration=batches, progress=False)

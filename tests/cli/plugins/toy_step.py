@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 import surgery
-from surgery.cli.steps import Step, register_step
+from surgery.cli.steps import Step, StepReport, register_step
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,18 @@ class RandomPruneSettings:
             raise surgery.ConfigError("random_prune.amount", self.amount, "must be a number in [0, 1]")
 
 
+class RandomPruneReport(StepReport):
+    def report(self, handle, settings, run, report):
+        report["random_prune"] = {"amount": settings.amount, "seed": settings.seed}
+
+    def summary(self, report):
+        section = report.get("random_prune")
+        return [f"random_prune: {section['amount']:.0%} of each weight, seed {section['seed']}"] if section else []
+
+
 class RandomPrune(Step):
     name, settings = "random_prune", RandomPruneSettings
+    reporting = RandomPruneReport()
 
     def apply(self, model, settings, run):
         return surgery.prune(model, settings.amount, method="random_unstructured", seed=settings.seed)

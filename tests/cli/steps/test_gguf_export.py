@@ -10,7 +10,7 @@ from support import run_recipe  # tests/support.py
 @pytest.mark.slow  # ~25 s: a run with its round-trip checks and the deploy check
 def test_quantize_llama_gguf_writes_q4_0_tensors_that_load_with_the_run_s_logits(tmp_path):
     gguf = pytest.importorskip("gguf")
-    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1")
+    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.method=rtn", "data.batches=1")
     checks = {check["name"]: check for check in report["checks"]}
     deploy = report["deploy"]
     assert checks["deploy"]["passed"] and (deploy["expected"], deploy["max_abs"]) == ("exact", 0.0)
@@ -25,7 +25,7 @@ def test_quantize_llama_gguf_writes_q4_0_tensors_that_load_with_the_run_s_logits
 @pytest.mark.slow  # ~25 s: the recipe's run again, its weights written as another type that holds their grid
 def test_export_type_writes_every_quantized_weight_as_that_type(tmp_path):
     gguf = pytest.importorskip("gguf")
-    args = ["recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=1", "export.type=Q8_0"]
+    args = ["recipe=quantize_llama_gguf", "quantize.method=rtn", "data.batches=1", "export.type=Q8_0"]
     assert run_recipe(tmp_path, *args)["deploy"]["max_abs"] == 0.0
     kinds = [gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(tmp_path / "export.gguf").tensors]
     assert kinds.count("Q8_0") == 28 and "Q4_0" not in kinds  # Q8_0 holds the Q4_0 grid exactly

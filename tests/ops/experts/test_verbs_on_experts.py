@@ -16,13 +16,16 @@ BATCHES = [{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generato
 
 VERBS = {
     "rtn": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, group_size=16)),
-    "gptq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), calibration=BATCHES),
+    "gptq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", calibration=BATCHES),
     "magnitude": lambda model: surgery.prune(model, 0.5),
     "wanda": lambda model: surgery.prune(model, 0.5, method="wanda", calibration=BATCHES),
     "sparsegpt": lambda model: surgery.prune(model, 0.5, method="sparsegpt", calibration=BATCHES),
-    "gptaq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4, method="gptaq"), calibration=BATCHES),
+    "gptaq": lambda model: surgery.quantize(model, weights=GridSpec(bits=4), method="gptaq", calibration=BATCHES),
     "autoround": lambda model: surgery.quantize(
-        model, weights=GridSpec(bits=4, group_size=16, method="autoround", iterations=5), calibration=BATCHES
+        model,
+        weights=GridSpec(bits=4, group_size=16),
+        method={"name": "autoround", "iterations": 5},
+        calibration=BATCHES,
     ),
 }
 
@@ -224,12 +227,14 @@ def test_gptaq_pairs_each_expert_s_inputs_when_every_expert_is_calibrated_and_sa
     batches = [
         {"input_ids": torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(i))} for i in range(8)
     ]
-    spec = GridSpec(bits=3, group_size=16, method="gptaq")
+    spec = GridSpec(bits=3, group_size=16)
     with pytest.raises(ConfigError, match=r"experts.*GPTAQ cannot pair them row for row.*every_expert_calibrated"):
-        surgery.quantize(model, weights=spec, calibration=batches)  # the quantized layer 0 routes layer 1 otherwise
+        surgery.quantize(
+            model, weights=spec, method="gptaq", calibration=batches
+        )  # the quantized layer 0 routes layer 1 otherwise
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
     with surgery.every_expert_calibrated():  # every token through every expert, in both streams
-        handle = surgery.quantize(model, weights=spec, calibration=batches)
+        handle = surgery.quantize(model, weights=spec, method="gptaq", calibration=batches)
     assert handle.coverage.share > 0.9
     handle.restore()
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

@@ -82,14 +82,14 @@ def test_a_weight_method_whose_answer_is_missing_or_broken_is_refused_and_the_mo
         },
     }
     messages = {
-        "forgets": r"^quantize.weights.method='forgets': returned no QuantizedWeight for 0.weight \(got NoneType\)$",
-        "zero_scale": r"^quantize.weights.method='zero_scale': 0.weight.scale holds 0.0; every scale must be",
+        "forgets": r"^quantize.method='forgets': returned no QuantizedWeight for 0.weight \(got NoneType\)$",
+        "zero_scale": r"^quantize.method='zero_scale': 0.weight.scale holds 0.0; every scale must be",
     }
     try:
         for name, solve in answers.items():
             surgery.register_weight_method(name, solve)
             with pytest.raises(ConfigError, match=messages[name]):
-                surgery.quantize(model, weights=surgery.GridSpec(method=name))
+                surgery.quantize(model, weights=surgery.GridSpec(), method=name)
             assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     finally:
         from surgery.ops.numerics.weight_methods import WEIGHT_METHODS
@@ -346,8 +346,15 @@ def group_ordered():
     from support import tiny_llama, token_batches  # tests/support.py
 
     model = tiny_llama(layers=1, vocab=64, hidden=64)
-    spec = surgery.GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
-    handle = surgery.quantize(model, weights=spec, calibration=token_batches(2), exclude="lm_head", progress=False)
+    spec = surgery.GridSpec(bits=4, group_size=16)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "gptq", "actorder": "group"},
+        calibration=token_batches(2),
+        exclude="lm_head",
+        progress=False,
+    )
     yield handle, token_batches(1)
     handle.restore()
 

@@ -74,9 +74,16 @@ def test_every_tensor_reads_back_as_the_simulation_s_weight_and_transformers_com
 @pytest.mark.parametrize("method", ["gptq", "autoround"])
 def test_calibrated_methods_on_the_gguf_grid_export_exactly(tmp_path, method):
     model = tiny("Llama")
-    spec = GridSpec(bits=4, method=method, iterations=3)
+    spec = GridSpec(bits=4)
     calibration = [ids(seed) for seed in range(2)]
-    handle = surgery.quantize(model, weights=spec, target="gguf:Q4_0", exclude="lm_head", calibration=calibration)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": method, "iterations": 3},
+        target="gguf:Q4_0",
+        exclude="lm_head",
+        calibration=calibration,
+    )
     for grid in handle.weights.values():  # the method rounded against the fp16 scale GGUF stores
         assert torch.equal(grid.scale.half().float(), grid.scale)
     record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
@@ -87,9 +94,11 @@ def test_calibrated_methods_on_the_gguf_grid_export_exactly(tmp_path, method):
 def test_awq_then_gptq_on_a_k_quant_grid_exports_exactly(tmp_path, kind):
     model = tiny("Llama", width=256)
     calibration = [ids(seed) for seed in range(2)]
-    spec = GridSpec(**{**BLOCK_TYPES[kind].target, "method": "gptq"})
+    spec = GridSpec(**BLOCK_TYPES[kind].target)
     scaled = surgery.awq(model, weights=spec, calibration=calibration, progress=False)  # its clip search too
-    handle = surgery.quantize(model, weights=spec, target=f"gguf:{kind}", exclude="lm_head", calibration=calibration)
+    handle = surgery.quantize(
+        model, weights=spec, method="gptq", target=f"gguf:{kind}", exclude="lm_head", calibration=calibration
+    )
     record = surgery.export(surgery.compose(scaled, handle), tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
     assert record.parity.equal
     assert {kind} == {k for k, _ in read_back(record.path).values()} - {"F32"}
@@ -431,7 +440,7 @@ def test_all_zero_groups_stay_on_the_target_s_type(tmp_path, kind):
         model.model.layers[0].self_attn.q_proj.weight[:8] = 0  # whole rows pruned
         model.model.layers[0].mlp.down_proj.weight[:, :32] = 0  # a whole group of inputs
     with surgery.quantize(
-        model, weights=GridSpec(bits=4, method="gptq"), target=f"gguf:{kind}", exclude="lm_head", calibration=[ids(0)]
+        model, weights=GridSpec(bits=4), method="gptq", target=f"gguf:{kind}", exclude="lm_head", calibration=[ids(0)]
     ) as handle:
         record = surgery.export(handle, tmp_path / "m.gguf", format="gguf", inputs=[ids(1)])
         assert record.parity.equal
@@ -446,7 +455,7 @@ def test_a_weight_beyond_float16_is_refused_naming_the_stored_dtype_and_the_mode
     with pytest.raises(
         ConfigError, match=r"^quantize\.weights\.scale_dtype='float16': cannot hold a group's offset 70000"
     ):
-        surgery.quantize(model, weights=GridSpec(bits=4, method="gptq"), target="gguf:Q4_K", calibration=[ids(0)])
+        surgery.quantize(model, weights=GridSpec(bits=4), method="gptq", target="gguf:Q4_K", calibration=[ids(0)])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -635,22 +644,24 @@ def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_in_one_line(tmp_
 
 
 @pytest.mark.parametrize(
-    "settings, weights, message",
+    "settings, gptq, message",
     [
         ({"intermediate_size": 48}, {}, r"^quantize\.target='gguf:Q4_0': cannot hold model\.layers\.0\.mlp\.down_proj"),
-        ({}, {"actorder": "group"}, r"^quantize\.weights\.actorder='group': target='gguf:Q4_0' holds groups of"),
+        ({}, {"actorder": "group"}, r"^quantize\.method\.actorder='group': target='gguf:Q4_0' holds groups of"),
     ],
     ids=["48-inputs", "actorder-group"],
 )
-def test_a_gguf_target_refuses_what_its_type_cannot_hold_before_any_calibration(settings, weights, message):
+def test_a_gguf_target_refuses_what_its_type_cannot_hold_before_any_calibration(settings, gptq, message):
     """Hostile pass, wave 4, item 8: GPTQ calibrated the whole model before export refused."""
     model = tiny("Llama", **settings)
     forwards = []
     hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
-    spec = GridSpec(**{"bits": 4, "method": "gptq", **weights})
+    spec, method = GridSpec(bits=4), {"name": "gptq", **gptq}
     try:
         with pytest.raises(ConfigError, match=message):
-            surgery.quantize(model, weights=spec, target="gguf:Q4_0", exclude="lm_head", calibration=[ids()])
+            surgery.quantize(
+                model, weights=spec, method=method, target="gguf:Q4_0", exclude="lm_head", calibration=[ids()]
+            )
     finally:
         hook.remove()
     assert forwards == []  # refused before the first forward

@@ -206,7 +206,7 @@ def test_report_deploy_measures_llama_cpp_against_the_simulation_and_its_perplex
     from support import run_recipe
 
     monkeypatch.setenv("SURGERY_LLAMA_CPP_PYTHON", str(llama_cpp_or_skip()))
-    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.weights.method=rtn", "data.batches=2")
+    report = run_recipe(tmp_path, "recipe=quantize_llama_gguf", "quantize.method=rtn", "data.batches=2")
     deploy, row = report["deploy"], next(check for check in report["checks"] if check["name"] == "deploy")
     found = deploy["llama_cpp"]
     assert row["passed"] and found["holds"] and found["cosine_mean"] > 0.9999, found

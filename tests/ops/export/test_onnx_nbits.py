@@ -26,8 +26,8 @@ def mlp() -> nn.Module:
 @pytest.mark.parametrize("shape", [(4, 96), (2, 5, 96)])  # traced as Gemm (with its bias), and as MatMul
 def test_matmul_nbits_runs_the_simulation_s_weights(tmp_path, symmetric, group, shape):
     model, x = mlp(), torch.randn(*shape)
-    spec = GridSpec(bits=4, group_size=group, symmetric=symmetric, method="gptq")
-    with surgery.quantize(model, weights=spec, calibration=[x]) as handle:
+    spec = GridSpec(bits=4, group_size=group, symmetric=symmetric)
+    with surgery.quantize(model, weights=spec, method="gptq", calibration=[x]) as handle:
         record = surgery.export(handle, tmp_path / "m.onnx", format="onnx", inputs=[x])
     # ONNX Runtime dequantizes (q - zero point) x scale in float32 and sums in its own order:
     # measured max |diff| 2e-7 on outputs of magnitude ~1; 1e-5 still fails one wrong integer

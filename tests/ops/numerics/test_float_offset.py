@@ -29,8 +29,10 @@ def model() -> nn.Module:
 def test_every_method_puts_the_weights_on_the_float_offset_grid(spec, method):
     net = model()
     calibration = [torch.randn(8, 256) for _ in range(2)] if method != "rtn" else None
-    grid_spec = GridSpec(**{**spec.as_dict(), "method": method, "iterations": 3})
-    with surgery.quantize(net, weights=grid_spec, calibration=calibration, select="0", progress=False) as handle:
+    grid_spec, chosen = spec, {"name": "autoround", "iterations": 3} if method == "autoround" else method
+    with surgery.quantize(
+        net, weights=grid_spec, method=chosen, calibration=calibration, select="0", progress=False
+    ) as handle:
         grid = gather_export_parts(handle).weights["0.weight"]
         weight = net.get_parameter("0.weight").detach()
         offset = grid.zero_point

@@ -116,7 +116,7 @@ def test_gptq_on_float_grids_beats_round_to_nearest():
         errors = {}
         for method in ("rtn", "gptq"):
             handle = surgery.quantize(
-                model, weights=GridSpec(format=fmt, method=method, per_channel=True), calibration=data
+                model, weights=GridSpec(format=fmt, per_channel=True), method=method, calibration=data
             )
             with torch.no_grad():
                 errors[method] = (torch.cat([model(x) for x in data]) - reference).pow(2).mean().item()
@@ -178,10 +178,10 @@ def test_fp8_gptq_offloaded_equals_in_memory_and_streams_to_compressed_tensors(t
     model = tiny_llama(layers=2, vocab=128)
     model.save_pretrained(tmp_path / "model")
     batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    spec = GridSpec(format="fp8_e4m3", per_channel=True, method="gptq")
-    surgery.quantize(model, weights=spec, calibration=batches, exclude="lm_head", progress=False).bake()
+    spec = GridSpec(format="fp8_e4m3", per_channel=True)
+    surgery.quantize(model, weights=spec, method="gptq", calibration=batches, exclude="lm_head", progress=False).bake()
     source = surgery.offloaded(tmp_path / "model")
-    done = surgery.quantize(source, weights=spec, calibration=batches, exclude="lm_head", progress=False)
+    done = surgery.quantize(source, weights=spec, method="gptq", calibration=batches, exclude="lm_head", progress=False)
     tokens = batches[0][:, :8]
     with torch.no_grad():
         expected = model(tokens).logits

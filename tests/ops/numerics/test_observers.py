@@ -374,12 +374,13 @@ def test_rounding_is_divide_or_reciprocal_and_reciprocal_multiplies_by_the_inver
 
 
 def test_actorder_group_is_accepted_for_gptq_and_a_bad_value_names_the_allowed_ones():
-    assert GridSpec(bits=4, method="gptq", group_size=32, actorder="group").actorder == "group"
-    assert GridSpec(bits=4, method="gptaq", actorder="group").actorder == "group"  # without groups: "weight"
-    with pytest.raises(ConfigError, match=r"^GridSpec.actorder='desc': must be null or 'weight', 'group'$"):
-        GridSpec(bits=4, method="gptq", actorder="desc")
-    with pytest.raises(ConfigError, match=r"orders GPTQ's walk over the columns; method is 'rtn'"):
-        GridSpec(bits=4, group_size=32, actorder="group")
+    spec = surgery.QuantizeSpec(weights=GridSpec(bits=4, group_size=32), method={"name": "gptq", "actorder": "group"})
+    assert spec.method == surgery.GptqSettings(actorder="group")
+    assert surgery.GptaqSettings(actorder="group").actorder == "group"  # without groups: "weight"
+    with pytest.raises(ConfigError, match=r"^quantize.method.actorder='desc': must be null or one of weight, group$"):
+        surgery.GptqSettings(actorder="desc")
+    with pytest.raises(ConfigError, match=r"^quantize.method='rtn': has no settings of its own; got \['actorder'\]$"):
+        surgery.QuantizeSpec(weights=GridSpec(bits=4, group_size=32), method={"name": "rtn", "actorder": "group"})
 
 
 def test_groups_by_a_group_index_round_each_column_on_its_own_groups_grid():

@@ -18,9 +18,9 @@ from surgery.ops.numerics.fake_quant import Grid, fake_quantize_groups
 def test_scales_are_stored_dtype_values_and_the_weights_lie_on_their_grid(dtype, method):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
-    spec = GridSpec(bits=4, group_size=16, scale_dtype=dtype, method=method)
+    spec = GridSpec(bits=4, group_size=16, scale_dtype=dtype)
     calibration = [torch.randn(8, 64) for _ in range(2)] if method == "gptq" else None
-    handle = surgery.quantize(model, weights=spec, calibration=calibration, progress=False)
+    handle = surgery.quantize(model, weights=spec, method=method, calibration=calibration, progress=False)
     for key, grid in handle.weights.items():
         stored = getattr(torch, dtype)
         assert torch.equal(grid.scale.to(stored).float(), grid.scale), key

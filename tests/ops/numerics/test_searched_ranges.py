@@ -57,8 +57,8 @@ def test_rtn_and_gptq_take_the_searched_ranges_and_restore_exactly():
     before, data = snapshot(model), token_batches()
     found = {}
     for observer in ("minmax", "mse"):
-        spec = GridSpec(bits=4, group_size=16, method="gptq", observer=observer)
-        handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
+        spec = GridSpec(bits=4, group_size=16, observer=observer)
+        handle = surgery.quantize(model, weights=spec, method="gptq", calibration=data, progress=False)
         found[observer] = handle.weights["model.layers.0.mlp.up_proj.weight"].scale.clone()
         handle.restore()
         assert snapshot_differences(before, snapshot(model)) == []
@@ -100,8 +100,8 @@ def test_rtn_and_gptq_weigh_the_search_by_their_layers_inputs_and_restore_exactl
     before, data = snapshot(model), token_batches()
     found = {}
     for method, observer in (("rtn", "mse"), ("rtn", "imatrix_mse"), ("gptq", "imatrix_mse")):
-        spec = GridSpec(bits=3, group_size=16, method=method, observer=observer)
-        handle = surgery.quantize(model, weights=spec, calibration=data, progress=False)
+        spec = GridSpec(bits=3, group_size=16, observer=observer)
+        handle = surgery.quantize(model, weights=spec, method=method, calibration=data, progress=False)
         found[method, observer] = handle.weights["model.layers.0.mlp.up_proj.weight"].scale.clone()
         handle.restore()
         assert snapshot_differences(before, snapshot(model)) == []
@@ -114,7 +114,7 @@ def test_imatrix_mse_without_calibration_names_quantize_calibration():
     with pytest.raises(ConfigError, match=r"^quantize\.calibration=None: .*imatrix_mse"):
         surgery.quantize(model, weights=GridSpec(bits=4, group_size=16, observer="imatrix_mse"), progress=False)
     with pytest.raises(ConfigError, match=r"^quantize\.weights\.observer='imatrix_mse': .*autoround"):
-        surgery.quantize(model, weights=GridSpec(bits=4, group_size=16, method="autoround", observer="imatrix_mse"))
+        surgery.quantize(model, weights=GridSpec(bits=4, group_size=16, observer="imatrix_mse"), method="autoround")
 
 
 @pytest.mark.peers

@@ -15,9 +15,7 @@ from surgery import GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.fake_quant import Grid, fake_quantize_groups, super_grouped
 
-SPEC = GridSpec(
-    bits=6, observer="full_range", group_size=16, scale_dtype="float16", super_group=256, scale_bits=7, method="rtn"
-)
+SPEC = GridSpec(bits=6, observer="full_range", group_size=16, scale_dtype="float16", super_group=256, scale_bits=7)
 
 
 def two_level(scale: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,9 +31,12 @@ def two_level(scale: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.
 def test_every_method_s_scales_are_integer_multiples_of_an_fp16_super_scale(method, actorder):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 8))
-    spec = GridSpec(**{**SPEC.as_dict(), "method": method, "actorder": actorder, "iterations": 3})
+    spec = SPEC
+    settings = {"autoround": {"iterations": 3}, "gptq": {"actorder": actorder}}.get(method, {})
     calibration = [torch.randn(8, 512) for _ in range(2)] if method != "rtn" else None
-    handle = surgery.quantize(model, weights=spec, calibration=calibration, select="0", progress=False)
+    handle = surgery.quantize(
+        model, weights=spec, method={"name": method, **settings}, calibration=calibration, select="0", progress=False
+    )
     grid = handle.weights["0.weight"]
     d, levels = two_level(grid.scale, spec)
     assert torch.equal(d.half().double(), d)  # d is an fp16 value
@@ -78,13 +79,17 @@ def test_a_bfloat16_model_keeps_the_two_level_scales_exact():
             {"observer": "minmax"},
             r"its zero point must not depend on it: set symmetric=true, observer='full_range' or float_offset=true",
         ),
-        ({"method": "gptq", "actorder": "group"}, r"actorder='group': scatters the groups"),
     ],
 )
 def test_bad_super_group_settings_are_refused_in_one_line(fields, message):
     with pytest.raises(ConfigError, match=message) as raised:
         GridSpec(**{**SPEC.as_dict(), **fields})
     assert "\n" not in str(raised.value)
+
+
+def test_gptq_s_group_order_is_refused_on_super_groups_in_one_line():
+    with pytest.raises(ConfigError, match=r"^quantize.method.actorder='group': scatters the groups over the inputs"):
+        surgery.QuantizeSpec(weights=SPEC, method={"name": "gptq", "actorder": "group"})
 
 
 def test_a_weight_the_super_groups_cannot_tile_is_refused_and_the_model_left_as_it_was():

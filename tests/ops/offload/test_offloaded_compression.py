@@ -22,7 +22,7 @@ from surgery.core._compat import global_hook_counts
 from surgery.core.errors import AlreadyModifiedError, ConfigError
 from surgery.ops.export.formats.compressed_tensors_folder import load_compressed_tensors
 
-GPTQ = GridSpec(bits=4, method="gptq", group_size=32)
+GPTQ = GridSpec(bits=4, group_size=32)
 
 
 def llama_folder(folder: Path, layers: int = 3) -> nn.Module:
@@ -49,7 +49,9 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 VERBS = {
-    "gptq": lambda m, cal, **kw: surgery.quantize(m, weights=GPTQ, calibration=cal, progress=False, **kw),
+    "gptq": lambda m, cal, **kw: surgery.quantize(
+        m, weights=GPTQ, method="gptq", calibration=cal, progress=False, **kw
+    ),
     "rtn": lambda m, cal, **kw: surgery.quantize(m, weights=GridSpec(bits=4, group_size=32), progress=False, **kw),
     "sparsegpt": lambda m, cal, **kw: surgery.prune(m, 0.5, method="sparsegpt", calibration=cal, progress=False, **kw),
     "wanda": lambda m, cal, **kw: surgery.prune(m, 0.5, method="wanda", calibration=cal, progress=False, **kw),
@@ -92,10 +94,14 @@ def test_export_streams_the_same_files_as_the_model_in_memory_gives(tmp_path):
     folder, out = tmp_path / "model", tmp_path / "out"
     reference = llama_folder(folder)
     select = "model.layers.*.*.*"  # compressed-tensors holds Linear layers of one scheme; the head stays float
-    in_memory = surgery.quantize(reference, weights=GPTQ, calibration=batches(), select=select, progress=False)
+    in_memory = surgery.quantize(
+        reference, weights=GPTQ, method="gptq", calibration=batches(), select=select, progress=False
+    )
     surgery.export(in_memory, out / "memory", format="compressed-tensors")
     surgery.export(in_memory, out / "memory.safetensors")
-    done = surgery.quantize(surgery.offloaded(folder), weights=GPTQ, calibration=batches(), select=select)
+    done = surgery.quantize(
+        surgery.offloaded(folder), weights=GPTQ, method="gptq", calibration=batches(), select=select
+    )
     record = surgery.export(done, out / "offloaded", format="compressed-tensors", inputs=[TOKENS])
     surgery.export(done, out / "offloaded.safetensors")
     assert record.parity.equal  # transformers loads the folder and computes what the offloaded model does
@@ -117,12 +123,14 @@ def test_gguf_streams_the_same_tensors_as_the_model_in_memory_gives(tmp_path, ki
     gguf = pytest.importorskip("gguf")
     folder = tmp_path / "model"
     reference = llama_folder(folder)
-    spec = GridSpec(bits=4, method="gptq")
+    spec = GridSpec(bits=4)
     target = f"gguf:{kind}"
-    in_memory = surgery.quantize(reference, weights=spec, target=target, calibration=batches(), exclude="lm_head")
+    in_memory = surgery.quantize(
+        reference, weights=spec, method="gptq", target=target, calibration=batches(), exclude="lm_head"
+    )
     surgery.export(in_memory, tmp_path / "memory.gguf", format="gguf")
     done = surgery.quantize(
-        surgery.offloaded(folder), weights=spec, target=target, calibration=batches(), exclude="lm_head"
+        surgery.offloaded(folder), weights=spec, method="gptq", target=target, calibration=batches(), exclude="lm_head"
     )
     if kind == "Q4_1":
         with pytest.raises(
@@ -146,7 +154,7 @@ def test_a_mixture_of_experts_model_streams_its_stacked_experts_as_in_memory(tmp
     model.save_pretrained(tmp_path / "model")
     generator = torch.Generator().manual_seed(1)
     calibration = [torch.randint(0, 256, (4, 64), generator=generator) for _ in range(4)]  # every expert routed to
-    settings = dict(weights=GPTQ, target="gguf:Q4_0", calibration=calibration, exclude="lm_head")
+    settings = dict(weights=GPTQ, method="gptq", target="gguf:Q4_0", calibration=calibration, exclude="lm_head")
     in_memory = surgery.quantize(model, **settings)
     surgery.export(in_memory, tmp_path / "memory.gguf", format="gguf")
     done = surgery.quantize(surgery.offloaded(tmp_path / "model"), **settings)
@@ -189,7 +197,7 @@ def test_a_run_that_died_part_way_goes_on_from_its_work_folder(tmp_path):
     assert done.resumed == 2 and len(done.seconds) == 2  # two blocks skipped; block 3 and the head run
     assert torch.equal(logits(source.model), logits(reference))
     with pytest.raises(ConfigError, match="holds a run with other settings or calibration") as err:
-        surgery.quantize(source, weights=GridSpec(bits=3, method="gptq"), calibration=batches(), work=work)
+        surgery.quantize(source, weights=GridSpec(bits=3), method="gptq", calibration=batches(), work=work)
     assert "\n" not in str(err.value)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
@@ -242,9 +250,9 @@ def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_pat
     reference = build()
     save_file(reference.state_dict(), tmp_path / "vit.safetensors")
     images = [torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    surgery.quantize(reference, weights=GPTQ, calibration=images, progress=False).bake()
+    surgery.quantize(reference, weights=GPTQ, method="gptq", calibration=images, progress=False).bake()
     source = surgery.offloaded(tmp_path / "vit.safetensors", factory=build)
-    done = surgery.quantize(source, weights=GPTQ, calibration=images, progress=False)
+    done = surgery.quantize(source, weights=GPTQ, method="gptq", calibration=images, progress=False)
     assert done.blocks == 3
     with torch.no_grad():
         assert torch.equal(source.model(images[0]), reference(images[0]))
@@ -261,7 +269,7 @@ def test_a_timm_vision_transformer_is_quantized_offloaded_like_in_memory(tmp_pat
         (lambda s: surgery.prune(s, 0.5, scope="global"), "prune.scope", "ranks across the whole model"),
         (lambda s: surgery.prune(s.model.model.layers[0], 0.5, work="w"), "prune.work", "is for an offloaded model"),
         (lambda s: surgery.export(s, "x.onnx", format="onnx"), "export.format", "formats that stream: safetensors"),
-        (lambda s: surgery.quantize(s, weights=GPTQ), "quantize.calibration", "calibration"),
+        (lambda s: surgery.quantize(s, weights=GPTQ, method="gptq"), "quantize.calibration", "calibration"),
     ],
     ids=["activations", "global-scope", "work-in-memory", "onnx", "no-calibration"],
 )
@@ -416,7 +424,7 @@ def test_a_work_folder_that_is_a_file_or_holds_a_cut_stage_is_named_as_work(tmp_
 
 MOE_VERBS = {
     "gptq": lambda m, **kw: surgery.quantize(
-        m, weights=GridSpec(bits=4, method="gptq", group_size=16), calibration=batches(), progress=False, **kw
+        m, weights=GridSpec(bits=4, group_size=16), method="gptq", calibration=batches(), progress=False, **kw
     ),
     "rtn": lambda m, **kw: surgery.quantize(m, weights=GridSpec(bits=4, group_size=16), progress=False, **kw),
     "wanda": lambda m, **kw: surgery.prune(m, 0.5, method="wanda", calibration=batches(), progress=False, **kw),
@@ -475,7 +483,8 @@ W4_SYM = {  # compressed-tensors experts load symmetric weights
     ),
     "gptq": lambda m, **kw: surgery.quantize(
         m,
-        weights=GridSpec(bits=4, symmetric=True, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, symmetric=True, group_size=16),
+        method="gptq",
         calibration=batches(),
         progress=False,
         **kw,
@@ -550,27 +559,37 @@ def test_an_expert_grid_whose_axis_its_scales_do_not_fit_spoils_the_work_folder(
 def test_gptaq_on_an_offloaded_model_is_refused_in_one_line_not_run_as_gptq(tmp_path):
     llama_folder(tmp_path / "model", layers=2)
     offloaded = surgery.offloaded(tmp_path / "model")
-    with pytest.raises(ConfigError, match=r"quantize.weights.method='gptaq'.*float model.*quantize in memory"):
-        surgery.quantize(offloaded, weights=GridSpec(bits=4, method="gptaq"), calibration=batches(), progress=False)
+    with pytest.raises(ConfigError, match=r"quantize.method='gptaq'.*float model.*quantize in memory"):
+        surgery.quantize(offloaded, weights=GridSpec(bits=4), method="gptaq", calibration=batches(), progress=False)
 
 
 def test_gptq_in_group_order_on_an_offloaded_model_is_refused_in_one_line(tmp_path):
     llama_folder(tmp_path / "model", layers=2)
     offloaded = surgery.offloaded(tmp_path / "model")
-    spec = GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
-    with pytest.raises(ConfigError, match=r"quantize.weights.actorder='group'.*g_idx.*quantize in memory"):
-        surgery.quantize(offloaded, weights=spec, calibration=batches(), progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    with pytest.raises(ConfigError, match=r"quantize.method.actorder='group'.*g_idx.*quantize in memory"):
+        surgery.quantize(
+            offloaded, weights=spec, method={"name": "gptq", "actorder": "group"}, calibration=batches(), progress=False
+        )
 
 
 def test_the_grids_are_read_from_the_stage_files_not_held_in_memory(tmp_path):
     """The handle's grids equal the in-memory run's; they live in the stage files only (the peak
     does not grow with depth): a stage file rewritten after the run is refused when a grid is read."""
     reference = llama_folder(tmp_path / "model")
-    with surgery.quantize(reference, weights=GPTQ, calibration=batches(), exclude="lm_head", progress=False) as memory:
+    with surgery.quantize(
+        reference, weights=GPTQ, method="gptq", calibration=batches(), exclude="lm_head", progress=False
+    ) as memory:
         expected = {key: (q.scale, q.zero_point, q.axis) for key, q in memory.weights.items()}
     source = surgery.offloaded(tmp_path / "model")
     done = surgery.quantize(
-        source, weights=GPTQ, calibration=batches(), exclude="lm_head", work=tmp_path / "work", progress=False
+        source,
+        weights=GPTQ,
+        method="gptq",
+        calibration=batches(),
+        exclude="lm_head",
+        work=tmp_path / "work",
+        progress=False,
     )
     assert sorted(done.grids) == sorted(expected) and len(done.grids) == len(expected)
     for key, (scale, zero_point, axis) in expected.items():
@@ -626,8 +645,10 @@ def test_the_weights_held_while_catching_inputs_stay_within_the_largest_group_ou
     model = EncoderThenBlocks()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
     calibration = [torch.randn(4, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    spec = GridSpec(bits=4, method="gptq", group_size=16)
-    expected = surgery.quantize(model, weights=spec, calibration=calibration, select="blocks.**", progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    expected = surgery.quantize(
+        model, weights=spec, method="gptq", calibration=calibration, select="blocks.**", progress=False
+    )
     with torch.no_grad():
         want = model(calibration[0])
     expected.restore()
@@ -635,7 +656,9 @@ def test_the_weights_held_while_catching_inputs_stay_within_the_largest_group_ou
     read = []
     load = source.files.load
     source.files.load = lambda name: read.append(name) or load(name)
-    done = surgery.quantize(source, weights=spec, calibration=calibration, select="blocks.**", progress=False)
+    done = surgery.quantize(
+        source, weights=spec, method="gptq", calibration=calibration, select="blocks.**", progress=False
+    )
     # once to trace the stages, then: the first held for the four batches, the others read for each
     assert [read.count(f"encoder.{i}.weight") for i in range(3)] == [2, 5, 5]
     assert source.held is None and all(p.is_meta for p in source.model.parameters())

@@ -216,7 +216,7 @@ def test_a_source_or_factory_that_is_no_model_is_named(tmp_path, source, factory
     "verb",
     [
         lambda m: surgery.quantize(
-            m, weights=surgery.GridSpec(bits=4, method="gptq"), calibration=[torch.randint(0, 100, (1, 8))]
+            m, weights=surgery.GridSpec(bits=4), method="gptq", calibration=[torch.randint(0, 100, (1, 8))]
         ),
         lambda m: surgery.prune(m, 0.5),
     ],

@@ -21,7 +21,8 @@ from surgery.testing import assert_no_hooks, snapshot, snapshot_differences
 METHODS = {
     "gptq": lambda m, d, where: surgery.quantize(
         m,
-        weights=GridSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, group_size=16),
+        method="gptq",
         calibration=d,
         exclude="lm_head",
         progress=False,
@@ -101,7 +102,7 @@ def test_a_method_that_writes_its_values_then_fails_leaves_the_model_as_it_was()
     model = gpt2(1)
     before = snapshot(model)
     with pytest.raises(ConfigError, match="returned no QuantizedWeight"):
-        surgery.quantize(model, weights=GridSpec(bits=4, method="writes_then_fails"), exclude="lm_head")
+        surgery.quantize(model, weights=GridSpec(bits=4), method="writes_then_fails", exclude="lm_head")
     assert snapshot_differences(before, snapshot(model)) == []
     assert_no_hooks(model)
 

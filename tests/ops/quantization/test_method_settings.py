@@ -41,7 +41,7 @@ def test_each_method_registers_its_settings_and_rtn_has_none():
 
 
 def test_the_method_by_name_beside_the_grid_computes_what_the_grid_s_method_does(model_and_batches):
-    by_grid = quantized(model_and_batches, weights=surgery.GridSpec(bits=4, group_size=32, method="gptq"))
+    by_grid = quantized(model_and_batches, weights=surgery.GridSpec(bits=4, group_size=32), method="gptq")
     assert same(by_grid, quantized(model_and_batches, weights=GRID, method="gptq"))
     assert same(by_grid, quantized(model_and_batches, weights=GRID, method=surgery.GptqSettings()))
     assert same(by_grid, quantized(model_and_batches, weights=GRID, method={"name": "gptq", "damping": 0.01}))
@@ -68,9 +68,22 @@ def test_autoround_s_seed_batch_and_rate_reach_the_tuning(model_and_batches):
         assert not same(default, quantized(model_and_batches, **base, method=settings)), changed
 
 
-def test_the_grid_and_the_settings_agree_or_are_refused_in_one_line():
-    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, method="gptq", actorder="weight"), method="gptq")
-    assert spec.method == surgery.GptqSettings(actorder="weight")  # the grid's actorder carried over
+def test_the_grid_describes_the_grid_only_and_its_pre_0_3_method_fields_warn_and_move_to_the_method():
+    spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, group_size=32), method="gptq")
+    assert spec.weights == surgery.GridSpec(bits=4, group_size=32) and spec.weights.method is None
+    assert "method" not in spec.weights.as_dict() and "actorder" not in repr(spec.weights)
+    assert spec.method == surgery.GptqSettings() and spec.weight_method.name == "gptq"
+    assert surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4)).method == "rtn"  # a method without settings: its name
+    with pytest.warns(DeprecationWarning, match=r"GridSpec\(method=, actorder=\) is deprecated.*quantize\(method="):
+        old = surgery.GridSpec(bits=4, method="gptq", actorder="weight")
+    moved = surgery.QuantizeSpec(weights=old)
+    assert moved.method == surgery.GptqSettings(actorder="weight") and moved.weights == surgery.GridSpec(bits=4)
+    assert moved.weights.method is None and moved.weights.actorder is None
+    assert surgery.QuantizeSpec(weights=old, method="gptq").method == surgery.GptqSettings(actorder="weight")
+
+
+@pytest.mark.filterwarnings("ignore:GridSpec.*is deprecated:DeprecationWarning")
+def test_a_pre_0_3_grid_s_method_and_the_given_method_agree_or_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^quantize.method='gptq': is given beside weights.method='autoround'"):
         surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, method="autoround"), method="gptq")
     with pytest.raises(
@@ -80,6 +93,13 @@ def test_the_grid_and_the_settings_agree_or_are_refused_in_one_line():
             weights=surgery.GridSpec(bits=4, group_size=32, method="gptq", actorder="weight"),
             method=surgery.GptqSettings(actorder="group"),
         )
+    with pytest.raises(ConfigError, match=r"^quantize.weights.iterations=5: is not a setting of method 'gptq'"):
+        surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, iterations=5), method="gptq")
+    with pytest.raises(ConfigError, match=r"^quantize.activations.method='gptq': applies to weights"):
+        surgery.QuantizeSpec(activations=surgery.GridSpec(method="gptq"))
+
+
+def test_the_method_s_own_settings_are_checked_in_one_line():
     with pytest.raises(ConfigError, match=r"^quantize.method.damping=0: must be a number in \(0, 1\]"):
         surgery.GptqSettings(damping=0)
     with pytest.raises(ConfigError, match=r"^quantize.method='rtn': has no settings of its own"):
@@ -94,7 +114,7 @@ def test_a_recipe_s_quantize_method_section_builds_the_settings():
     from surgery.cli.steps.quantize import QuantizeConfig
 
     config = QuantizeConfig(weights={"bits": 4, "group_size": 32}, method={"name": "gptq", "block_size": 64})
-    assert config.method == surgery.GptqSettings(block_size=64) and config.weights.method == "gptq"
+    assert config.method == surgery.GptqSettings(block_size=64) and config.weights.method is None
 
 
 def test_a_method_s_settings_must_be_a_frozen_dataclass_of_its_own():

@@ -125,7 +125,7 @@ def test_gptq_lands_on_the_grid_and_beats_round_to_nearest():
     rtn = surgery.quantize(model, weights=GridSpec(**spec), progress=False)
     rtn_error = error()
     rtn.restore()
-    gptq = surgery.quantize(model, weights=GridSpec(**spec, method="gptq"), calibration=[x], progress=False)
+    gptq = surgery.quantize(model, weights=GridSpec(**spec), method="gptq", calibration=[x], progress=False)
     quantizer = gptq.weights["0.weight"]
     weight = model[0].weight.detach()
     on_grid = weight / quantizer.scale.view(-1, 1)
@@ -142,7 +142,8 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
     x = correlated_inputs(features=40)
     handle = surgery.quantize(
         model,
-        weights=GridSpec(bits=2, group_size=16, method=method),
+        weights=GridSpec(bits=2, group_size=16),
+        method=method,
         calibration=[x] if method == "gptq" else None,
         progress=False,
     )
@@ -175,12 +176,12 @@ def test_group_wise_scales_give_each_group_of_inputs_its_own_grid(method):
         ),
         pytest.param(
             lambda m, d: surgery.quantize(
-                m, weights=GridSpec(bits=3, method="gptq", group_size=8), calibration=d, progress=False
+                m, weights=GridSpec(bits=3, group_size=8), method="gptq", calibration=d, progress=False
             ),
             id="gptq-g8",
         ),
         pytest.param(
-            lambda m, d: surgery.quantize(m, weights=GridSpec(bits=4, method="gptq"), calibration=d, progress=False),
+            lambda m, d: surgery.quantize(m, weights=GridSpec(bits=4), method="gptq", calibration=d, progress=False),
             id="gptq-per-tensor",
         ),
         pytest.param(
@@ -233,7 +234,7 @@ def test_sparsegpt_then_gptq_stack_zeros_stay_zero_and_undo_in_reverse_order():
     pruned = surgery.prune(model, 0.5, method="sparsegpt", calibration=data, progress=False)
     masks = pruned.masks()
     quantized = surgery.quantize(
-        model, weights=GridSpec(bits=4, method="gptq", group_size=8), calibration=data, progress=False
+        model, weights=GridSpec(bits=4, group_size=8), method="gptq", calibration=data, progress=False
     )
     for name, param in model.named_parameters():
         if name in masks:
@@ -308,7 +309,8 @@ def test_restore_is_bit_exact_on_gpt2_after_sparsegpt_and_gptq():
     )
     quantized = surgery.quantize(
         model,
-        weights=GridSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, group_size=16),
+        method="gptq",
         calibration=data,
         exclude="lm_head",
         progress=False,
@@ -360,7 +362,8 @@ def test_llama_decoder_layers_take_their_keyword_inputs_position_embeddings_incl
     before = snapshot(model)
     handle = surgery.quantize(
         model,
-        weights=GridSpec(bits=4, method="gptq", group_size=16),
+        weights=GridSpec(bits=4, group_size=16),
+        method="gptq",
         calibration=data,
         exclude="lm_head",
         progress=False,
@@ -375,8 +378,14 @@ def test_gptq_in_activation_order_keeps_the_plain_groups_on_a_llama_and_restores
     model = tiny_llama(layers=2, vocab=64, hidden=32)
     data = token_batches()
     before = snapshot(model)
-    spec = dict(bits=4, method="gptq", group_size=16)
-    ordered = surgery.quantize(model, weights=GridSpec(**spec, actorder="weight"), calibration=data, progress=False)
+    spec = dict(bits=4, group_size=16)
+    ordered = surgery.quantize(
+        model,
+        weights=GridSpec(**spec),
+        method=surgery.GptqSettings(actorder="weight"),
+        calibration=data,
+        progress=False,
+    )
     quantizer = ordered.weights["model.layers.1.mlp.down_proj.weight"]
     weight = model.model.layers[1].mlp.down_proj.weight.detach()
     grouped = weight.reshape(weight.shape[0], -1, 16)
@@ -385,7 +394,7 @@ def test_gptq_in_activation_order_keeps_the_plain_groups_on_a_llama_and_restores
     walked = weight.clone()
     ordered.restore()
     assert snapshot_differences(before, snapshot(model)) == []
-    plain = surgery.quantize(model, weights=GridSpec(**spec), calibration=data, progress=False)
+    plain = surgery.quantize(model, weights=GridSpec(**spec), method="gptq", calibration=data, progress=False)
     assert not torch.equal(model.model.layers[1].mlp.down_proj.weight, walked)
     plain.restore()
 
@@ -399,8 +408,10 @@ def test_gptaq_carries_the_float_stream_and_beats_gptq_on_held_out_tokens_of_a_l
         reference = [model(**b).logits for b in held_out]
     errors = {}
     for method in ("gptq", "gptaq"):
-        spec = GridSpec(bits=3, group_size=16, method=method)
-        handle = surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+        spec = GridSpec(bits=3, group_size=16)
+        handle = surgery.quantize(
+            model, weights=spec, method=method, calibration=calibration, exclude="lm_head", progress=False
+        )
         with torch.no_grad():
             errors[method] = sum((model(**b).logits - r).pow(2).sum().item() for b, r in zip(held_out, reference))
         assert len(handle.sequential.stages) == 4  # block by block, the float stream beside
@@ -417,7 +428,7 @@ def test_gptaq_outside_blocks_takes_the_float_inputs_with_the_originals_put_back
     errors = {}
     for method in ("gptq", "gptaq"):
         handle = surgery.quantize(
-            model, weights=GridSpec(bits=3, per_channel=True, method=method), calibration=[x], progress=False
+            model, weights=GridSpec(bits=3, per_channel=True), method=method, calibration=[x], progress=False
         )
         errors[method] = (model(x) - reference).pow(2).sum().item()
         handle.restore()
@@ -442,7 +453,7 @@ def test_gptaq_outside_blocks_takes_the_float_inputs_with_the_originals_put_back
         ),
         (lambda m, d: surgery.prune(m, 0.5, method="sparsegpt", calibration=[], progress=False), "prune.calibration"),
         (lambda m, d: surgery.prune(m, 0.5, blocks=False, progress=False), "prune.blocks"),
-        (lambda m, d: surgery.quantize(m, weights=GridSpec(method="gptq"), progress=False), "quantize.calibration"),
+        (lambda m, d: surgery.quantize(m, weights=GridSpec(), method="gptq", progress=False), "quantize.calibration"),
         (
             lambda m, d: surgery.quantize(
                 m, weights=None, activations={"method": "gptq"}, calibration=d, progress=False
@@ -486,7 +497,7 @@ def test_a_layer_calibration_never_reaches_is_named():
 
     model = Skips().eval()
     with pytest.raises(ConfigError, match="calibration='unused': this layer never ran"):
-        surgery.quantize(model, weights=GridSpec(method="gptq"), calibration=[torch.randn(8, 4)], progress=False)
+        surgery.quantize(model, weights=GridSpec(), method="gptq", calibration=[torch.randn(8, 4)], progress=False)
     assert_no_hooks(model)
 
 
@@ -648,7 +659,7 @@ def test_a_timm_vision_transformer_is_calibrated_block_by_block_and_restored_exa
     )  # 3 input channels: no 2:4
     assert [stage.block for stage in pruned.sequential.stages] == ["blocks.0", "blocks.1", "blocks.2"]
     quantized = surgery.quantize(
-        model, weights=GridSpec(bits=4, group_size=32, method="gptq"), calibration=data, exclude="head", progress=False
+        model, weights=GridSpec(bits=4, group_size=32), method="gptq", calibration=data, exclude="head", progress=False
     )
     assert torch.isfinite(model(data[0])).all()
     quantized.restore()
@@ -663,8 +674,15 @@ def test_gptq_in_group_order_carries_its_group_index_through_forward_qparams_res
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     data = token_batches(2)
     before = snapshot(model)
-    spec = GridSpec(bits=4, method="gptq", group_size=16, actorder="group")
-    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "gptq", "actorder": "group"},
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     key = "model.layers.0.mlp.down_proj.weight"
     quantizer, weight = handle.weights[key], model.get_parameter(key).detach().clone()
     g_idx = quantizer.g_idx.long()
@@ -680,7 +698,14 @@ def test_gptq_in_group_order_carries_its_group_index_through_forward_qparams_res
         logits = model(**data[0]).logits
     handle.restore()
     assert snapshot_differences(before, snapshot(model)) == []  # bit for bit
-    baked = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False).bake()
+    baked = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "gptq", "actorder": "group"},
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    ).bake()
     assert torch.equal(baked.get_parameter(key), weight)
     with torch.no_grad():
         assert torch.equal(baked(**data[0]).logits, logits)
@@ -691,8 +716,15 @@ def test_gptq_in_group_order_without_groups_quantizes_as_the_weight_order():
     data = token_batches(2)
     results = []
     for order in ("group", "weight"):
-        spec = GridSpec(bits=4, method="gptq", per_channel=True, actorder=order)
-        handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+        spec = GridSpec(bits=4, per_channel=True)
+        handle = surgery.quantize(
+            model,
+            weights=spec,
+            method={"name": "gptq", "actorder": order},
+            calibration=data,
+            exclude="lm_head",
+            progress=False,
+        )
         results.append({k: p.detach().clone() for k, p in model.named_parameters()})
         assert all(getattr(q, "g_idx", None) is None for q in handle.weights.values())
         handle.restore()
@@ -701,8 +733,14 @@ def test_gptq_in_group_order_without_groups_quantizes_as_the_weight_order():
 
 def test_gptq_in_group_order_refuses_a_grouped_convolution_in_one_line():
     model = nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.ReLU(), nn.Conv2d(8, 4, 1))
-    spec = GridSpec(bits=4, method="gptq", group_size=6, actorder="group")
+    spec = GridSpec(bits=4, group_size=6)
     before = snapshot(model)
     with pytest.raises(ConfigError, match=r"0.weight is a grouped convolution \(groups=2\).*one g_idx cannot hold"):
-        surgery.quantize(model, weights=spec, calibration=[torch.randn(2, 4, 8, 8)], progress=False)
+        surgery.quantize(
+            model,
+            weights=spec,
+            method={"name": "gptq", "actorder": "group"},
+            calibration=[torch.randn(2, 4, 8, 8)],
+            progress=False,
+        )
     assert snapshot_differences(before, snapshot(model)) == []

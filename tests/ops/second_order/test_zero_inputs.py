@@ -26,10 +26,10 @@ def zeros_or_overflow(fill: float) -> list[dict]:
 def test_a_layer_calibrated_on_zeros_is_named_as_rounded_to_nearest(caplog, method, fill):
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     extra = {"iterations": 5} if method == "autoround" else {}
-    spec = GridSpec(bits=4, group_size=16, method=method, **extra)
+    spec = GridSpec(bits=4, group_size=16, **extra)
     with caplog.at_level(logging.WARNING, logger="surgery"):
         handle = surgery.quantize(
-            model, weights=spec, calibration=zeros_or_overflow(fill), exclude="lm_head", progress=False
+            model, weights=spec, method=method, calibration=zeros_or_overflow(fill), exclude="lm_head", progress=False
         )
     said = [r.getMessage() for r in caplog.records if "its inputs were 0 in every calibration batch" in r.getMessage()]
     named = {line.split("'")[1] for line in said}
@@ -47,7 +47,8 @@ def test_real_inputs_say_nothing(caplog, method):
     with caplog.at_level(logging.WARNING, logger="surgery"):
         handle = surgery.quantize(
             model,
-            weights=GridSpec(bits=4, group_size=16, method=method, **extra),
+            weights=GridSpec(bits=4, group_size=16, **extra),
+            method=method,
             calibration=batches,
             exclude="lm_head",
             progress=False,
@@ -74,9 +75,9 @@ def test_a_layer_whose_first_input_is_always_zero_is_not_taken_for_a_dead_one(ca
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).eval()
     with torch.no_grad():
         model[0].bias[:16] = -1e3  # half the hidden units, channel 0 among them, never fire
-    spec = GridSpec(bits=4, group_size=16, method=method)
+    spec = GridSpec(bits=4, group_size=16)
     with caplog.at_level(logging.WARNING, logger="surgery"):
-        handle = surgery.quantize(model, weights=spec, calibration=[torch.randn(8, 16)], progress=False)
+        handle = surgery.quantize(model, weights=spec, method=method, calibration=[torch.randn(8, 16)], progress=False)
     assert not [r for r in caplog.records if "its inputs were 0" in r.getMessage()]
     handle.restore()
 
@@ -90,7 +91,8 @@ def test_a_sequence_of_no_token_is_refused_naming_the_batch(method):
     ):
         surgery.quantize(
             model,
-            weights=GridSpec(bits=4, group_size=16, method=method),
+            weights=GridSpec(bits=4, group_size=16),
+            method=method,
             calibration=[{"input_ids": torch.zeros(1, 0, dtype=torch.long)}],
             exclude="lm_head",
             progress=False,

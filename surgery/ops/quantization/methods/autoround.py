@@ -321,7 +321,7 @@ class BlockTuner:
         self.float_outputs: list[Tensor] | None = None  # the last stage's float outputs, on float inputs
         self.losses: list[float] = []  # each stage's least loss
         given = problem.settings if isinstance(problem.settings, AutoRoundSettings) else None
-        self.settings = given or AutoRoundSettings(iterations=problem.spec.iterations)
+        self.settings = given or AutoRoundSettings()
         self.shuffler = random.Random(self.settings.seed)  # one for the whole pass, as auto-round's seeded global one
 
     def __call__(self, stage: StageInputs) -> dict[str, Tensor]:

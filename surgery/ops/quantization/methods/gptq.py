@@ -60,9 +60,9 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     """GPTQ's walk on every selected layer, with the statistics ``paired`` gives where it is set
     (the float model's inputs beside the compressed one's: GPTAQ)."""
     targets, spec = problem.targets, problem.spec
-    settings = problem.settings if isinstance(problem.settings, GptqSettings) else GptqSettings(spec.actorder)
+    settings = problem.settings if isinstance(problem.settings, GptqSettings) else GptqSettings()
     check_layers(targets.matched, "quantize.select", "gptq")
-    _refuse_split_group_index(problem)
+    _refuse_split_group_index(problem, settings.actorder)
     grid = Grid(spec, per_row=spec.per_channel or spec.group_size is not None)
     by_layer = {t.module_name: t for t in targets.matched.values()}
     whole = {}  # without groups: the scales of the whole weight (a grouped convolution is solved in parts)
@@ -105,7 +105,7 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
             layer_grid.round,
             group_size=spec.group_size,
             name=layer,
-            actorder=spec.actorder,
+            actorder=settings.actorder,
             damping=settings.damping,
             block=settings.block_size,
             asymmetry=asymmetry,
@@ -141,15 +141,15 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
     return found
 
 
-def _refuse_split_group_index(problem: WeightProblem) -> None:
+def _refuse_split_group_index(problem: WeightProblem, actorder: str | None) -> None:
     """``actorder="group"`` gives a weight one group index; a grouped convolution, solved one
     group of channels at a time (each with its own Hessian and order), would need one per part."""
-    if problem.spec.actorder != "group" or not problem.spec.group_size:
+    if actorder != "group" or not problem.spec.group_size:
         return
     for key, target in problem.targets.matched.items():
         if getattr(target.module, "groups", 1) > 1:
             raise ConfigError(
-                "quantize.weights.actorder",
+                "quantize.method.actorder",
                 "group",
                 f"{key} is a grouped convolution (groups={target.module.groups}), solved part by part, each "
                 "part in its own column order: one g_idx cannot hold them; use actorder='weight' or exclude it",

@@ -11,7 +11,7 @@ import torch
 from support import peer_python, tiny_llama, token_batches  # tests/support.py
 
 import surgery
-from surgery import GridSpec
+from surgery import AutoRoundSettings, GridSpec
 from surgery.core.errors import ConfigError
 from surgery.ops.numerics.fake_quant import fake_quantize_groups
 from surgery.testing import snapshot, snapshot_differences
@@ -36,8 +36,15 @@ def test_autoround_lowers_the_block_error_below_rtn_and_restores_bit_for_bit():
     rtn = surgery.quantize(model, weights=GridSpec(bits=4, group_size=16), exclude="lm_head", progress=False)
     rtn_error = first_block_error(model, reference, data)
     rtn.restore()
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20)
-    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method=AutoRoundSettings(iterations=20),
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     tuned_error = first_block_error(model, reference, data)
     assert [s.block for s in handle.sequential.stages] == ["model.layers.0", "model.layers.1"]
     assert tuned_error < 0.9 * rtn_error
@@ -57,8 +64,15 @@ def test_autoround_tunes_a_pruned_model_and_the_mask_holds_through_both_restores
     data = token_batches()
     before = snapshot(model)
     pruned = surgery.prune(model, 0.5, method="l1_unstructured", exclude="lm_head", progress=False)
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=5)
-    tuned = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    spec = GridSpec(bits=4, group_size=16)
+    tuned = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "autoround", "iterations": 5},
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     weight = model.model.layers[1].mlp.down_proj.weight.detach()
     assert (weight == 0).float().mean().item() >= 0.5
     tuned.restore()
@@ -94,9 +108,16 @@ def test_autoround_equals_auto_round_0_16_on_a_tiny_llama(tmp_path: Path, sym: b
     samples = peer_samples()
     theirs = run_auto_round(tmp_path, model, samples, bits=4, group_size=16, sym=sym)
     observer = "full_range" if sym else "minmax"  # int_sym: symmetric, the extra level on the larger side
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=10, observer=observer)
+    spec = GridSpec(bits=4, group_size=16, observer=observer)
     calibration = [{"input_ids": ids} for ids in samples]
-    handle = surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "autoround", "iterations": 10},
+        calibration=calibration,
+        exclude="lm_head",
+        progress=False,
+    )
     assert len(theirs) == 14  # every Linear of both blocks; measured: all bit-identical
     for name, found in theirs.items():
         grid = handle.weights[f"{name}.weight"]
@@ -117,9 +138,16 @@ def test_autoround_on_mxfp4_equals_auto_round_0_16s_mx_fp_bit_for_bit(tmp_path: 
     model = tiny_llama(layers=2, vocab=64, hidden=32, kv_heads=4)
     samples = peer_samples()
     theirs = run_auto_round(tmp_path, model, samples, scheme="MXFP4")
-    spec = GridSpec(format="mxfp4", method="autoround", iterations=10)
+    spec = GridSpec(format="mxfp4")
     calibration = [{"input_ids": ids} for ids in samples]
-    handle = surgery.quantize(model, weights=spec, calibration=calibration, exclude="lm_head", progress=False)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "autoround", "iterations": 10},
+        calibration=calibration,
+        exclude="lm_head",
+        progress=False,
+    )
     assert len(theirs) == 14
     for name, found in theirs.items():
         assert torch.equal(model.get_submodule(name).weight, found["weight"]), name
@@ -134,9 +162,16 @@ def test_autoround_weights_export_to_compressed_tensors_and_load_with_equal_logi
     pytest.importorskip("compressed_tensors")
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     data = token_batches()
-    spec = GridSpec(bits=4, group_size=16, method="autoround", iterations=20, observer=observer)
+    spec = GridSpec(bits=4, group_size=16, observer=observer)
     ids = data[0]["input_ids"]
-    with surgery.quantize(model, weights=spec, calibration=data, select="**.*_proj", progress=False) as handle:
+    with surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "autoround", "iterations": 20},
+        calibration=data,
+        select="**.*_proj",
+        progress=False,
+    ) as handle:
         expected = model(ids).logits
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[ids])
     assert record.parity.equal and record.parity.expected == "exact"
@@ -148,9 +183,9 @@ def test_autoround_weights_export_to_compressed_tensors_and_load_with_equal_logi
 def test_autoround_refuses_a_count_of_steps_that_is_not_a_whole_number_it_can_use(steps):
     """10**9 was accepted and ran for hours (hostile pass, wave 4, item 11): its rate is 1/iterations."""
     with pytest.raises(
-        ConfigError, match=r"^quantize.weights.iterations=.*must be a whole number of tuning steps from 1 to 10,000"
+        ConfigError, match=r"^quantize.method.iterations=.*must be a whole number of tuning steps from 1 to 10,000"
     ):
-        GridSpec.build({"method": "autoround", "iterations": steps}, "quantize.weights")
+        surgery.QuantizeSpec(weights=GridSpec(bits=4), method={"name": "autoround", "iterations": steps})
 
 
 @pytest.mark.parametrize(("observer", "format"), [("percentile", "int"), ("mse", "mxfp4")])
@@ -158,9 +193,15 @@ def test_autoround_refuses_an_observer_whose_range_it_would_ignore(observer: str
     model = tiny_llama(layers=1, vocab=64, hidden=32)
     before = snapshot(model)
     grid = dict(bits=4, group_size=16) if format == "int" else dict(format=format)
-    spec = GridSpec(**grid, method="autoround", iterations=2, observer=observer)
+    spec = GridSpec(**grid, observer=observer)
     with pytest.raises(ConfigError, match=rf"^quantize.weights.observer='{observer}': autoround tunes each group's"):
-        surgery.quantize(model, weights=spec, calibration=token_batches(1), progress=False)
+        surgery.quantize(
+            model,
+            weights=spec,
+            method={"name": "autoround", "iterations": 2},
+            calibration=token_batches(1),
+            progress=False,
+        )
     assert snapshot_differences(before, snapshot(model)) == []
 
 
@@ -171,7 +212,9 @@ def test_autoround_with_observer_mse_starts_from_the_searched_clipping(symmetric
     calibration = token_batches()
     tuned, rtn = (tiny_llama(layers=1, vocab=64, hidden=32) for _ in range(2))
     spec = dict(bits=2, group_size=16, symmetric=symmetric, observer="mse")
-    surgery.quantize(tuned, weights=GridSpec(**spec, method="autoround", iterations=1), calibration=calibration)
+    surgery.quantize(
+        tuned, weights=GridSpec(**spec), method={"name": "autoround", "iterations": 1}, calibration=calibration
+    )
     surgery.quantize(rtn, weights=GridSpec(**spec), calibration=calibration)
     minmax = tiny_llama(layers=1, vocab=64, hidden=32)
     surgery.quantize(minmax, weights=GridSpec(bits=2, group_size=16, symmetric=symmetric))
@@ -185,8 +228,15 @@ def test_autoround_with_observer_mse_starts_from_the_searched_clipping(symmetric
 
 def test_autoround_on_the_full_range_grid_writes_weights_on_the_grid_it_returns():
     model = tiny_llama(layers=1, vocab=64, hidden=32)
-    spec = GridSpec(bits=2, group_size=16, method="autoround", iterations=5, observer="full_range")
-    handle = surgery.quantize(model, weights=spec, calibration=token_batches(), exclude="lm_head", progress=False)
+    spec = GridSpec(bits=2, group_size=16, observer="full_range")
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method=AutoRoundSettings(iterations=5),
+        calibration=token_batches(),
+        exclude="lm_head",
+        progress=False,
+    )
     grid = handle.weights["model.layers.0.mlp.down_proj.weight"]
     weight = model.model.layers[0].mlp.down_proj.weight.detach()
     assert set(grid.zero_point.unique().tolist()) <= {1, 2}  # symmetric: -2 s or +2 s the extra level
@@ -204,8 +254,15 @@ def test_autoround_on_a_fp4_grid_lowers_the_block_error_below_rtn_and_writes_wei
     rtn = surgery.quantize(model, weights=GridSpec(format=format), exclude="lm_head", progress=False)
     rtn_error = first_block_error(model, reference, data)
     rtn.restore()
-    spec = GridSpec(format=format, method="autoround", iterations=30)
-    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    spec = GridSpec(format=format)
+    handle = surgery.quantize(
+        model,
+        weights=spec,
+        method=AutoRoundSettings(iterations=30),
+        calibration=data,
+        exclude="lm_head",
+        progress=False,
+    )
     # it starts from round-to-nearest (offsets 0, factor 1) and keeps its best step: below it means
     # the tuning found better roundings (on this random block, MXFP4's power-of-two scales leave
     # little room: measured 0.3 % lower; NVFP4 5 %)
@@ -225,8 +282,15 @@ def test_autoround_fp4_weights_export_to_compressed_tensors_and_load_in_transfor
     pytest.importorskip("compressed_tensors")
     model = tiny_llama(layers=1, vocab=64, hidden=32).to(torch.bfloat16)
     data = token_batches()
-    spec = GridSpec(format=format, method="autoround", iterations=5)
-    with surgery.quantize(model, weights=spec, calibration=data, select="**.*_proj", progress=False) as handle:
+    spec = GridSpec(format=format)
+    with surgery.quantize(
+        model,
+        weights=spec,
+        method={"name": "autoround", "iterations": 5},
+        calibration=data,
+        select="**.*_proj",
+        progress=False,
+    ) as handle:
         record = surgery.export(handle, tmp_path / "llama", format="compressed-tensors", inputs=[data[0]["input_ids"]])
     assert record.parity.expected == "cosine>=0.9999" and record.parity.holds, record.parity
 
@@ -236,7 +300,7 @@ def test_autoround_refuses_a_floating_point_grid_and_leaves_the_model_as_it_was(
     before = snapshot(model)
     with pytest.raises(ConfigError, match=r"^quantize.weights.format='fp8_e4m3': autoround rounds onto integer grids"):
         surgery.quantize(
-            model, weights=GridSpec(format="fp8_e4m3", method="autoround"), calibration=token_batches(1), progress=False
+            model, weights=GridSpec(format="fp8_e4m3"), method="autoround", calibration=token_batches(1), progress=False
         )
     assert snapshot_differences(before, snapshot(model)) == []
 
@@ -244,9 +308,9 @@ def test_autoround_refuses_a_floating_point_grid_and_leaves_the_model_as_it_was(
 @pytest.mark.parametrize(
     "spec",
     [
-        GridSpec(bits=3, group_size=32, observer="full_range", method="autoround", iterations=3),
-        GridSpec(format="mxfp4", method="autoround", iterations=3),
-        GridSpec(format="nvfp4", method="autoround", iterations=3),
+        GridSpec(bits=3, group_size=32, observer="full_range"),
+        GridSpec(format="mxfp4"),
+        GridSpec(format="nvfp4"),
     ],
     ids=["full_range", "mxfp4", "nvfp4"],
 )
@@ -257,7 +321,9 @@ def test_autoround_tunes_gpt2s_transposed_conv1d_weights_onto_its_grid_and_resto
     model = transformers.GPT2LMHeadModel(config).eval()
     data = [{"input_ids": torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(i))} for i in range(4)]
     before, original = snapshot(model), model.transformer.h[1].mlp.c_fc.weight.detach().clone()
-    handle = surgery.quantize(model, weights=spec, calibration=data, exclude="lm_head", progress=False)
+    handle = surgery.quantize(
+        model, weights=spec, method=AutoRoundSettings(iterations=3), calibration=data, exclude="lm_head", progress=False
+    )
     assert len(handle.weights) == 8  # c_attn, c_proj, c_fc, mlp.c_proj of both blocks
     grid = handle.weights["transformer.h.1.mlp.c_fc.weight"]
     weight = model.transformer.h[1].mlp.c_fc.weight.detach()  # Conv1D: (inputs, outputs)

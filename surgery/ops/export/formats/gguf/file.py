@@ -283,9 +283,9 @@ def _target_check(kind: BlockType) -> Callable[[nn.Module, Any, dict[str, Any]],
             raise ConfigError(
                 field, name, "holds weight grids only (llama.cpp rounds activations itself): set no activations"
             )
-        if spec.weights is not None and spec.weights.actorder == "group":
+        if getattr(spec.method, "actorder", None) == "group":
             raise ConfigError(
-                "quantize.weights.actorder",
+                "quantize.method.actorder",
                 "group",
                 f"target={name!r} holds groups of consecutive inputs only (no g_idx): use actorder='weight'",
             )
