@@ -983,7 +983,7 @@ API_CASES = [
     ),
     ApiCase(
         "imatrix-mse",
-        lambda m, *_: surgery.quantize(m, weights={"method": "autoround", "observer": "imatrix_mse", "group_size": 4}),
+        lambda m, *_: surgery.quantize(m, weights={"observer": "imatrix_mse", "group_size": 4}, method="autoround"),
         ConfigError,
         "quantize.weights.observer",
         "method 'autoround' picks its own",
@@ -998,7 +998,7 @@ API_CASES = [
     ApiCase(
         "full-range",
         lambda m, *_: surgery.quantize(
-            m, weights={"method": "autoround", "observer": "percentile", "group_size": 4}, calibration=[batch(4, 8)]
+            m, weights={"observer": "percentile", "group_size": 4}, method="autoround", calibration=[batch(4, 8)]
         ),
         ConfigError,
         "quantize.weights.observer",

@@ -332,11 +332,11 @@ def test_select_only_previews_every_step_of_every_shipped_recipe(tmp_path, recip
 
 
 def test_every_built_in_step_has_its_own_preview():
-    from surgery.cli.steps import STEPS, Step
+    from surgery.cli.steps import STEPS, StepChecks
 
     assert {"prune", "quantize", "rewrite", "smooth", "shrink", "finetune", "sensitivity"} <= set(STEPS)
     for name in STEPS:
-        assert type(STEPS.get(name)).preview is not Step.preview, name
+        assert type(STEPS.get(name).checking).preview is not StepChecks.preview, name
 
 
 def test_select_only_prints_matched_and_skipped_and_writes_nothing(tmp_path):

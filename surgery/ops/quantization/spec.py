@@ -132,6 +132,10 @@ def _method_and_grid(method: Any, weights: GridSpec | None) -> tuple[Any, GridSp
     legacy = weights.method_given
     if legacy is None:
         return resolve_method(method), weights
+    if legacy["name"] not in WEIGHT_METHODS:
+        raise ConfigError(
+            "quantize.weights.method", legacy["name"], f"must be one of {', '.join(WEIGHT_METHODS.names())}"
+        )
     if method in (None, "rtn"):  # rtn: the default (a config echoes it back)
         return resolve_method(legacy, "quantize.weights"), weights.without_method()
     chosen = resolve_method(method)

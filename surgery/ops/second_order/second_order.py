@@ -71,6 +71,7 @@ def reconstruct_layers(
     progress: bool = True,
     settings: Any = None,
     paired: Paired | None = None,
+    method: str | None = None,
 ) -> tuple[dict[str, tuple[Tensor, ...]], SequentialReport]:
     """Solve every target's weight in sequence, writing the new values in (the originals kept in
     ``originals``; all put back on an error); returns, by parameter name, the solver's extras
@@ -82,7 +83,7 @@ def reconstruct_layers(
     results: dict[str, tuple[Tensor, ...]] = {}
     homes = {name: target.param.device for name, target in targets.items()}  # where each weight is kept
 
-    method = getattr(settings, "method", None) or "the second-order method"
+    method = method or getattr(settings, "method", None) or "the second-order method"
 
     def solve(hessians: dict[str, dict[str, Any]]) -> Mapping[str, Tensor]:
         return _SolvedOneByOne(hessians, by_layer, solver, results, homes, (field, str(method)))

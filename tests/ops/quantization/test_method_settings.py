@@ -83,6 +83,15 @@ def test_the_grid_describes_the_grid_only_and_its_pre_0_3_method_fields_warn_and
 
 
 @pytest.mark.filterwarnings("ignore:GridSpec.*is deprecated:DeprecationWarning")
+def test_a_pre_0_3_grid_naming_the_method_computes_what_quantize_method_does_bit_for_bit(model_and_batches):
+    old = quantized(
+        model_and_batches, weights=surgery.GridSpec(bits=4, group_size=32, method="gptq", actorder="weight")
+    )
+    new = quantized(model_and_batches, weights=GRID, method=surgery.GptqSettings(actorder="weight"))
+    assert same(old, new) and not same(old, quantized(model_and_batches, weights=GRID))  # not round to nearest
+
+
+@pytest.mark.filterwarnings("ignore:GridSpec.*is deprecated:DeprecationWarning")
 def test_a_pre_0_3_grid_s_method_and_the_given_method_agree_or_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^quantize.method='gptq': is given beside weights.method='autoround'"):
         surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, method="autoround"), method="gptq")

@@ -439,6 +439,7 @@ def test_gptaq_outside_blocks_takes_the_float_inputs_with_the_originals_put_back
 # ------------------------------------------------------------------ refusals
 
 
+@pytest.mark.filterwarnings("ignore:GridSpec.*is deprecated:DeprecationWarning")  # two pre-0.3 grids
 @pytest.mark.parametrize(
     "call,field",
     [

@@ -25,11 +25,11 @@ def zeros_or_overflow(fill: float) -> list[dict]:
 @pytest.mark.parametrize("method", ["gptq", "gptaq", "autoround"])
 def test_a_layer_calibrated_on_zeros_is_named_as_rounded_to_nearest(caplog, method, fill):
     model = tiny_llama(layers=1, vocab=64, hidden=32)
-    extra = {"iterations": 5} if method == "autoround" else {}
-    spec = GridSpec(bits=4, group_size=16, **extra)
+    chosen = {"name": method, **({"iterations": 5} if method == "autoround" else {})}
+    spec = GridSpec(bits=4, group_size=16)
     with caplog.at_level(logging.WARNING, logger="surgery"):
         handle = surgery.quantize(
-            model, weights=spec, method=method, calibration=zeros_or_overflow(fill), exclude="lm_head", progress=False
+            model, weights=spec, method=chosen, calibration=zeros_or_overflow(fill), exclude="lm_head", progress=False
         )
     said = [r.getMessage() for r in caplog.records if "its inputs were 0 in every calibration batch" in r.getMessage()]
     named = {line.split("'")[1] for line in said}
@@ -42,13 +42,13 @@ def test_a_layer_calibrated_on_zeros_is_named_as_rounded_to_nearest(caplog, meth
 @pytest.mark.parametrize("method", ["gptq", "autoround"])
 def test_real_inputs_say_nothing(caplog, method):
     model = tiny_llama(layers=1, vocab=64, hidden=32)
-    extra = {"iterations": 5} if method == "autoround" else {}
+    chosen = {"name": method, **({"iterations": 5} if method == "autoround" else {})}
     batches = [{"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))}]
     with caplog.at_level(logging.WARNING, logger="surgery"):
         handle = surgery.quantize(
             model,
-            weights=GridSpec(bits=4, group_size=16, **extra),
-            method=method,
+            weights=GridSpec(bits=4, group_size=16),
+            method=chosen,
             calibration=batches,
             exclude="lm_head",
             progress=False,

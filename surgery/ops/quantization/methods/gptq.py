@@ -127,8 +127,9 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
         blocks=problem.blocks,
         field="quantize.calibration",
         progress=problem.progress,
-        settings=spec,
+        settings=(spec, settings),  # the grid and the method's settings: the same on every process
         paired=paired,
+        method=problem.method,
     )
     found = {}
     for key in targets.matched:  # the rounded weights are in the model already
