@@ -163,7 +163,8 @@ def accuracy(model: nn.Module, batches: Iterable[tuple[Any, Tensor]]) -> float:
 
 def perplexity(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
     """exp(mean next-byte cross-entropy) over ``(inputs, targets)`` batches, in eval mode
-    without gradients (training flags put back); NaN or Inf logits give ``inf``."""
+    without gradients (training flags put back); NaN or Inf logits give ``inf``. The loss is
+    summed in float32 whatever the model's dtype (a bfloat16 sum rounds to steps of 2 near 300)."""
     total, count = 0.0, 0
     with evaluating(model), torch.no_grad():
         for inputs, targets in batches:
@@ -171,7 +172,8 @@ def perplexity(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
             logits = getattr(logits, "logits", logits)  # a Hugging Face causal LM's output
             if not torch.isfinite(logits).all():
                 return math.inf
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+            flat = logits.reshape(-1, logits.shape[-1]).float()
+            total += F.cross_entropy(flat, targets.reshape(-1), reduction="sum").item()
             count += targets.numel()
     if count == 0:
         raise ValueError("perplexity: batches holds no token; pass at least one non-empty batch")

@@ -88,3 +88,15 @@ def test_at_50_percent_sparsegpt_and_layer_wide_wanda_beat_magnitude_and_everyth
     # small model, forcing every row to 50 % costs more than the activation weighting wins
     assert scores["sparsegpt"] < scores["wanda_layer"] < scores["l1_unstructured"], scores
     assert scores["wanda"] < 1.05 * scores["l1_unstructured"], scores
+
+
+def test_perplexity_of_a_bfloat16_model_sums_its_loss_in_float32():
+    """A bfloat16 sum of a few hundred nats rounds in steps of 2: two models whose logits differ
+    reported the same perplexity to the last digit (an offloaded bf16 run said quantizing changed nothing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(256, 32), torch.nn.Linear(32, 256)).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    batches = [(ids[:, :-1], ids[:, 1:])]
+    logits = model(ids[:, :-1]).float().reshape(-1, 256)
+    exact = math.exp(torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1)).item())
+    assert perplexity(model, batches) == pytest.approx(exact, rel=1e-6)
