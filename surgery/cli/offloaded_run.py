@@ -156,6 +156,7 @@ def _offloaded_section(source: Offloaded, pairs: list[tuple[Step, Handle]], resi
     stages = ((step.name, offloaded_stages(step, handle)) for step, handle in pairs)
     return {
         "files": sorted(str(p) for p in source.files.paths),
+        "source_scheme": source.source_scheme,  # the quantization the files ship in (fp8...), None: float
         "model_bytes": model_bytes,
         "peak_memory_bytes": peak,
         "added_memory_bytes": peak - resident,

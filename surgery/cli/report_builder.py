@@ -79,7 +79,7 @@ def add_perplexity(report: dict[str, Any], reference: float | None, candidate: f
 def add_step_sections(
     report: dict[str, Any], config: Any, handles: Iterable[Handle], runs: dict[str, StepRun] | None = None
 ) -> None:
-    """Each step's own section (:meth:`~surgery.cli.steps.Step.report`), in step order."""
+    """Each step's own section (its reporting's :meth:`~surgery.cli.steps.StepReport.report`), in step order."""
     for name, handle in zip(config.steps, handles):
         step_named(name).reporting.report(
             handle, config.settings(name), (runs or {}).get(name) or StepRun(config), report

@@ -387,6 +387,8 @@ def offloaded_lines(report: dict[str, Any]) -> list[str]:
         f"{_bytes(found['added_memory_bytes'])} ({found['added_over_model']:.2f}x the model's "
         f"{_bytes(found['model_bytes'])})"
     ]
+    if found.get("source_scheme"):
+        lines.append(f"  source: {found['source_scheme']}, dequantized as each weight is read")
     for step, row in found["steps"].items():
         per_block = "n/a" if row["seconds_per_block"] is None else f"{row['seconds_per_block']:.2f} s"
         resumed = f", {row['resumed']} resumed from {row['work']}" if row["resumed"] else ""

@@ -47,6 +47,7 @@ from surgery.core.verbs import OffloadedSource
 from surgery.ops.build.intercept import RuleNeverFiredWarning, intercept
 from surgery.ops.build.rules import on_parameter
 from surgery.ops.offload.offloaded_conversion import ModelNamedFiles, model_named, unmapped_hint
+from surgery.ops.offload.source_schemes import DequantizedFiles, SourceScheme, source_scheme
 
 log = logging.getLogger("surgery")
 FIELD = "offloaded.source"
@@ -167,6 +168,7 @@ class Offloaded(Handle, OffloadedSource):
         self.held: list[tuple[nn.Module, str, nn.Parameter]] | None = None  # see holding_outside_blocks
         self.held_bytes = 0
         self.outside_bytes: list[int] = []  # each group's weights outside the blocks, in bytes
+        self.source_scheme: str | None = None  # the quantization the files ship in ("fp8 (e4m3, ...)"), if any
 
     streams = True  # surgery.export writes it one tensor at a time
     spec = None  # no quantized weights (see OffloadedCompression)
@@ -300,13 +302,16 @@ def offloaded(
         >>> logits = handle.model(input_ids).logits
     """
     place = present_device(device, "offloaded.device")
-    paths, build = _source(source, factory)
-    raw = WeightFiles(paths)
+    paths, build, scheme = _source(source, factory)
+    raw: Any = WeightFiles(paths)
     model = _build_on_meta(build)
+    if scheme is not None:  # a checkpoint that ships quantized: each weight dequantized as it is read
+        raw = DequantizedFiles(raw, scheme[0], _float_dtype(model))
     files = model_named(model, raw)  # the files' tensors by the model's names, as transformers loads them
     names = _check_against(model, files)
     _load_buffers(model, files)
     handle = Offloaded(model, files, names, place)
+    handle.source_scheme = None if scheme is None else scheme[1]
     _move_buffers(model, place)
     _attach_onload(handle, model)
     if place.type != "cpu":  # each call's inputs moved where the weights are brought in
@@ -315,8 +320,12 @@ def offloaded(
     return handle
 
 
-def _source(source: Any, factory: Callable[[], nn.Module] | None) -> tuple[list[Path], Callable[[], nn.Module]]:
-    """The weights files and the builder of ``source`` (one-line errors for what is not a model)."""
+Source = tuple[list[Path], Callable[[], nn.Module], tuple[SourceScheme, str] | None]
+
+
+def _source(source: Any, factory: Callable[[], nn.Module] | None) -> Source:
+    """The weights files, the builder of ``source`` and the scheme its weights ship quantized in,
+    if any (one-line errors for what is not a model)."""
     if factory is not None and not callable(factory):
         raise ConfigTypeError("offloaded.factory", factory, "must be a callable that builds the model")
     if isinstance(source, (str, Path)):
@@ -328,19 +337,19 @@ def _source(source: Any, factory: Callable[[], nn.Module] | None) -> tuple[list[
                 raise ConfigError(
                     FIELD, str(source), "is one file: pass factory= to build the model it holds weights of"
                 )
-            return [folder], factory
+            return [folder], factory, None
         if factory is None:
             return _hugging_face(folder)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ConfigError(FIELD, str(source), "holds no .safetensors files")
-        return _shards(folder) if (folder / INDEX).is_file() else files, factory
+        return _shards(folder) if (folder / INDEX).is_file() else files, factory, None
     if factory is None:
         raise ConfigError(FIELD, "a list of files", "needs factory= to build the model they hold weights of")
-    return [Path(p) for p in source], factory
+    return [Path(p) for p in source], factory, None
 
 
-def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
+def _hugging_face(folder: Path) -> Source:
     if not (folder / "config.json").is_file():
         raise ConfigError(
             FIELD,
@@ -366,16 +375,27 @@ def _hugging_face(folder: Path) -> tuple[list[Path], Callable[[], nn.Module]]:
     dtype = getattr(config, "dtype", None)
 
     def build() -> nn.Module:
-        try:
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        before = torch.get_default_dtype()
+        try:  # as from_pretrained builds it: parameters in the config's dtype, float32 kept where asked for
+            torch.set_default_dtype(dtype if floating else before)
             model = built_by(config)
         except (AttributeError, TypeError, ValueError, KeyError) as err:  # a config the class cannot read
             first = " ".join(str(err).split())[:120]
             raise ConfigError(
                 FIELD, str(folder / "config.json"), f"is not a model config {built_by.__name__} builds ({first})"
             ) from None
-        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+        finally:
+            torch.set_default_dtype(before)
+        return model
 
-    return paths, build
+    return paths, build, source_scheme(config, folder / "config.json")
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a quantized source's weights are dequantized to: the model's (its first floating
+    parameter's), as transformers dequantizes to the parameter it loads into."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
 def _shards(folder: Path) -> list[Path]:

@@ -56,10 +56,16 @@ def test_a_hugging_face_folder_runs_offloaded_equal_to_the_model_in_memory(tmp_p
     assert torch.equal(logits(plain, tokens), logits(reference, tokens))
 
 
-def test_the_dtype_of_the_config_is_the_models(tmp_path):
-    reference = llama_folder(tmp_path, dtype=torch.bfloat16)
+def test_the_dtype_of_the_config_is_the_models_as_from_pretrained_builds_it(tmp_path):
+    """Parameters in the config's dtype, the rotary frequencies kept in float32 as transformers
+    computes them (before: cast to bfloat16 with the model, logits 0.006 off from_pretrained's)."""
+    transformers = pytest.importorskip("transformers")
+    llama_folder(tmp_path, dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     model = surgery.offloaded(tmp_path).model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == reference.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32  # put back after the build
     tokens = torch.randint(0, 100, (2, 8))
     assert torch.equal(logits(model, tokens), logits(reference, tokens))
 
