@@ -306,12 +306,12 @@ def offloaded(
     raw: Any = WeightFiles(paths)
     model = _build_on_meta(build)
     if scheme is not None:  # a checkpoint that ships quantized: each weight dequantized as it is read
-        raw = DequantizedFiles(raw, scheme[0], _float_dtype(model))
+        raw = DequantizedFiles(raw, *scheme, _float_dtype(model))
     files = model_named(model, raw)  # the files' tensors by the model's names, as transformers loads them
     names = _check_against(model, files)
     _load_buffers(model, files)
     handle = Offloaded(model, files, names, place)
-    handle.source_scheme = None if scheme is None else scheme[1]
+    handle.source_scheme = None if scheme is None else scheme[0].describe(scheme[1])
     _move_buffers(model, place)
     _attach_onload(handle, model)
     if place.type != "cpu":  # each call's inputs moved where the weights are brought in
@@ -320,7 +320,7 @@ def offloaded(
     return handle
 
 
-Source = tuple[list[Path], Callable[[], nn.Module], tuple[SourceScheme, str] | None]
+Source = tuple[list[Path], Callable[[], nn.Module], tuple[SourceScheme, dict[str, Any]] | None]
 
 
 def _source(source: Any, factory: Callable[[], nn.Module] | None) -> Source:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support import run_recipe, tiny_llama  # tests/support.py
+from support import run_recipe, tiny_llama, tiny_moe  # tests/support.py
 
 import surgery
 from surgery.core.errors import ConfigError
@@ -113,3 +113,104 @@ def test_the_command_line_reads_an_fp8_release_offloaded_and_says_so(fp8_folder,
     assert report["ok"] is True  # random weights at 4 bits: cosine 0.97
     ppl = report["perplexity"]  # a bfloat16 model's, summed in float32: quantizing moves it
     assert ppl["candidate"] != ppl["reference"]
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's layout of ``weight`` (experts, inputs, outputs): ``(experts, outputs, inputs / 32,
+    16)`` bytes, two E2M1 nibbles each (the even input low), and one E8M0 exponent per 32 inputs."""
+    rows = weight.transpose(1, 2).float()  # (experts, outputs, inputs)
+    groups = rows.reshape(*rows.shape[:-1], -1, 32)
+    exponent = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100))) - 2  # amax / 2^e in [4, 8)
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    index = (scaled.abs().unsqueeze(-1) - E2M1).abs().argmin(-1) + 8 * (scaled < 0)
+    nibbles = index.to(torch.uint8)
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def mxfp4_gpt_oss_folder(folder: Path) -> None:
+    """A one-layer GPT-OSS saved as its release is: experts in MXFP4 blocks and scales, the rest bf16."""
+    model = tiny_moe("gpt_oss", hidden=64).to(torch.bfloat16)
+    model.config.architectures = ["GptOssForCausalLM"]
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[f"{name}_blocks"], out[f"{name}_scales"] = mxfp4_packed(tensor)
+        else:
+            out[name] = tensor
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_gpt_oss_mxfp4_release_reads_offloaded_equal_to_transformers_dequantization(tmp_path):
+    mxfp4_gpt_oss_folder(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    handle = surgery.offloaded(tmp_path)
+    assert handle.source_scheme.startswith("mxfp4")
+    ours = handle.materialise()
+    theirs = dict(reference.named_parameters())
+    assert theirs["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16  # dequantized by transformers
+    assert set(dict(ours.named_parameters())) == set(theirs)
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+CT_GRIDS = {
+    "int4-pack-quantized": surgery.GridSpec(bits=4, group_size=32, symmetric=True, per_channel=True),
+    "fp8-float-quantized": surgery.GridSpec(format="fp8_e4m3", per_channel=True),
+    "nvfp4": surgery.GridSpec(format="nvfp4"),
+}
+
+
+@pytest.mark.parametrize("grid", list(CT_GRIDS))
+def test_a_compressed_tensors_folder_reads_offloaded_equal_to_transformers_dequantization(tmp_path, grid):
+    pytest.importorskip("compressed_tensors")
+    model = tiny_llama(layers=2, vocab=128, hidden=64).to(torch.bfloat16)
+    with surgery.quantize(model, weights=CT_GRIDS[grid], exclude="lm_head", progress=False) as handle:
+        surgery.export(handle, tmp_path / "ct", format="compressed-tensors")
+    dequantized = transformers.CompressedTensorsConfig(dequantize=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ct", quantization_config=dequantized)
+    source = surgery.offloaded(tmp_path / "ct")
+    assert source.source_scheme.startswith("compressed-tensors (")
+    ours, theirs = source.materialise(), dict(reference.eval().named_parameters())
+    assert set(dict(ours.named_parameters())) == set(theirs)
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+def test_an_fp8_mixture_of_experts_release_reads_each_expert_dequantized_then_fused(tmp_path):
+    """Qwen3-MoE FP8 ships one (weight, weight_scale_inv) pair per expert and projection:
+    each is dequantized before transformers' conversion stacks the experts into fused tensors."""
+    model = tiny_moe("qwen3_moe", hidden=256).to(torch.bfloat16)
+    model.config.architectures = ["Qwen3MoeForCausalLM"]
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight") and tensor.shape[0] % BLOCK == 0:
+            out[name], out[f"{name}_scale_inv"] = fp8_block_scaled(tensor)
+        else:
+            out[name] = tensor  # the router (4 rows) stays bf16, as in the releases
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in out
+    save_file(out, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    ours, theirs = surgery.offloaded(tmp_path).materialise(), dict(reference.named_parameters())
+    assert theirs["model.layers.0.mlp.experts.gate_up_proj"].dim() == 3  # fused by the conversion
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(ids).logits, reference(ids).logits)
