@@ -131,6 +131,11 @@ def _fp8_quantized(files: Any) -> Parts:
         scale = f"{name}_scale_inv"
         if scale not in files:
             raise ConfigError(FIELD, name, f"is stored fp8 without its {scale.rsplit('.', 1)[-1]} in the files")
+        shape, grid = files.describe(name)[0], files.describe(scale)[0]
+        if len(grid) >= 2 and (shape[-2] % grid[-2] or shape[-1] % grid[-1]):
+            raise ConfigError(
+                FIELD, name, f"is {list(shape)} and its weight_scale_inv {list(grid)}: the blocks do not tile it"
+            )
         found[name] = [name, scale]
     return found
 
@@ -140,13 +145,7 @@ def _fp8_dequantize(parts: dict[str, Tensor], dtype: torch.dtype, settings: Mapp
     ``dtype``: transformers' ``Fp8Dequantize`` on a CPU (blocks from the scale grid's shape)."""
     weight, scale = parts.values()
     rows, columns = weight.shape[-2:]
-    scale_rows, scale_columns = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)
-    if rows % scale_rows or columns % scale_columns:
-        raise ConfigError(
-            FIELD,
-            f"{tuple(weight.shape)}",
-            f"is not tiled by its weight_scale_inv grid {tuple(scale.shape)} (one scale per block)",
-        )
+    scale_rows, scale_columns = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # tiling checked when opened
     values = weight.to(torch.float32).reshape(
         -1, scale_rows, rows // scale_rows, scale_columns, columns // scale_columns
     )

@@ -214,3 +214,47 @@ def test_an_fp8_mixture_of_experts_release_reads_each_expert_dequantized_then_fu
         assert torch.equal(param, theirs[name]), name
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(ours(ids).logits, reference(ids).logits)
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    to.mkdir()
+    for file in folder.iterdir():
+        (to / file.name).write_bytes(file.read_bytes())
+    return to
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (
+            lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(3, 5)}),
+            r"^offloaded.source='model.layers.0.mlp.down_proj.weight': is \[256, 512\] and its weight_scale_inv "
+            r"\[3, 5\]: the blocks do not tile it$",
+        ),
+        (
+            lambda t: (
+                t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(512, 256, dtype=torch.float8_e4m3fn)})
+                or t.pop("model.layers.0.mlp.up_proj.weight_scale_inv")
+            ),
+            r"^offloaded.source='model.layers.0.mlp.up_proj.weight': is stored fp8 without its weight_scale_inv",
+        ),
+    ],
+    ids=["scales-do-not-tile", "scale-missing"],
+)
+def test_a_broken_fp8_folder_is_refused_when_opened_in_one_line(fp8_folder, tmp_path, spoil, message):
+    folder = copy_of(fp8_folder, tmp_path / "spoiled")
+    tensors = load_file(folder / "model.safetensors")
+    spoil(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=message) as raised:
+        surgery.offloaded(folder)
+    assert "\n" not in str(raised.value)
+
+
+def test_mxfp4_blocks_without_their_scales_are_refused_in_one_line(tmp_path):
+    mxfp4_gpt_oss_folder(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"down_proj_blocks': is stored mxfp4 without its down_proj_scales$"):
+        surgery.offloaded(tmp_path)
