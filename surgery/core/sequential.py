@@ -103,6 +103,11 @@ class SequentialReport:
     blocks: list[str] = field(default_factory=list)
     chained: set[str] = field(default_factory=set)  # blocks whose output is the next block's input
     gpu_peak_bytes: list[int] = field(default_factory=list)  # onloaded to a GPU: each block's peak there
+    unrouted: list[str] = field(default_factory=list)  # layers no calibration input reached, solved without one
+
+
+UNROUTED = "unrouted"  # a layer's statistics when no calibration input reached it and the caller allowed that
+UNROUTED_POLICIES = ("refuse", "rtn")  # a layer no calibration input reaches: refused, or solved without statistics
 
 
 def find_blocks(model: nn.Module, at_least: int = 2) -> list[str]:
@@ -312,6 +317,7 @@ def run_sequential(
     originals: Originals | None = None,
     settings: Any = None,
     paired: Paired | None = None,
+    unrouted: str = "refuse",
 ) -> SequentialReport:
     """Solve ``layers`` stage by stage on ``calibration`` (see the module docstring).
 
@@ -326,7 +332,9 @@ def run_sequential(
     ``settings`` (the verb's spec) must be the same on every process calibrating together.
     With ``paired``, each stage's layers are also run as the model was before any compression
     (a float stream beside the compressed one, block to block) and ``paired`` reduces each
-    layer's two lists of inputs instead of ``reduce`` (GPTAQ).
+    layer's two lists of inputs instead of ``reduce`` (GPTAQ). A layer no calibration input
+    reached (an expert its router never chose) is refused in one line; with ``unrouted="rtn"``
+    ``solve`` receives :data:`UNROUTED` as its statistics instead, and the report lists it.
     """
     calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
@@ -368,9 +376,9 @@ def run_sequential(
                     if reduce is None:
                         reduced = StageInputs(block, inputs, follows)
                     elif floats is None:
-                        reduced = _reduced(model, stage_layers, reduce, run)
+                        reduced = _reduced(model, stage_layers, reduce, run, unrouted, report)
                     else:
-                        reduced = floats.reduced(stage, stage_layers, block, inputs, run)
+                        reduced = floats.reduced(stage, stage_layers, block, inputs, run, unrouted)
                     _write(solve(reduced), stage, params, store)
                     del reduced
                     previous = stage.block
@@ -403,11 +411,16 @@ def run_each(block: nn.Module, inputs: BlockCalls) -> None:
 
 
 def _reduced(
-    model: nn.Module, layers: dict[str, nn.Module], reduce: ReducerFactory, run: Callable[[], Any]
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    reduce: ReducerFactory,
+    run: Callable[[], Any],
+    unrouted: str,
+    report: SequentialReport,
 ) -> dict[str, Any]:
     with Capture(model, layers, ("inputs",), reduce) as seen:
         run()
-    return _every_layer_ran(seen.inputs, layers)
+    return _every_layer_ran(seen.inputs, layers, unrouted, report)
 
 
 class _FloatStream:
@@ -421,7 +434,13 @@ class _FloatStream:
         self.cache: tuple[str, BlockCalls] | None = None  # (block, its float inputs per batch)
 
     def reduced(
-        self, stage: Stage, layers: dict[str, nn.Module], block: nn.Module | None, inputs: Any, run: Callable[[], Any]
+        self,
+        stage: Stage,
+        layers: dict[str, nn.Module],
+        block: nn.Module | None,
+        inputs: Any,
+        run: Callable[[], Any],
+        unrouted: str = "refuse",
     ) -> dict[str, Any]:
         """Each layer's two input lists reduced by ``paired``: the float model's, then this model's."""
         with Capture(self.model, layers, ("inputs",), Keep) as seen:
@@ -429,9 +448,14 @@ class _FloatStream:
         floats = seen.inputs
         with Capture(self.model, layers, ("inputs",), Keep) as seen:
             run()
-        found = _every_layer_ran(seen.inputs, layers)
+        found = _every_layer_ran(seen.inputs, layers, unrouted, self.report)
         self.cache = following
-        return {name: self.paired(name, module, floats.get(name) or [], found[name]) for name, module in layers.items()}
+        return {
+            name: UNROUTED
+            if found[name] is UNROUTED
+            else self.paired(name, module, floats.get(name) or [], found[name])
+            for name, module in layers.items()
+        }
 
     def _run(self, stage: Stage, block: nn.Module | None, inputs: Any) -> tuple[str, BlockCalls] | None:
         """Run the stage as the float model would; the next block's float inputs where they chain."""
@@ -455,9 +479,18 @@ class _FloatStream:
         return None if outputs is None else (following, outputs)
 
 
-def _every_layer_ran(found: dict[str, Any], layers: dict[str, nn.Module]) -> dict[str, Any]:
+def _every_layer_ran(
+    found: dict[str, Any],
+    layers: dict[str, nn.Module],
+    unrouted: str = "refuse",
+    report: SequentialReport | None = None,
+) -> dict[str, Any]:
     for name in layers:
-        if found.get(name) is None:
+        if found.get(name) is None and unrouted == "rtn":
+            found[name] = UNROUTED
+            if report is not None:
+                report.unrouted.append(name)
+        elif found.get(name) is None:
             raise NoCalibrationInputError(
                 "calibration",
                 name,

@@ -102,9 +102,9 @@ class Verb:
             model = compiled.in_memory(self.name, model, call.work)
         if self.experts is None or not isinstance(model, nn.Module):
             return self.handler(model, spec, call)
-        return self.experts(
-            model, self.name, lambda: self.handler(model, spec, call), per_expert_statistics=self.expert_statistics
-        )
+        # unrouted="rtn" (a spec that has it): an expert no token reached is solved without statistics, not refused
+        statistics = self.expert_statistics and getattr(spec, "unrouted", "refuse") != "rtn"
+        return self.experts(model, self.name, lambda: self.handler(model, spec, call), per_expert_statistics=statistics)
 
     def settle(self, args: tuple, keywords: dict[str, Any]) -> tuple[Any, VerbCall]:
         """The spec and the call from what the caller gave, checked before anything runs."""

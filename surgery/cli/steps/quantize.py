@@ -41,20 +41,30 @@ class QuantizeReport(StepReport):
     """What the ``quantize`` step reports."""
 
     def report(self, handle: Handle, settings: QuantizeConfig, run: StepRun, report: dict[str, Any]) -> None:
-        """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32."""
+        """``report.json`` ``quantize``: bits per quantized weight and the model's bytes against fp32;
+        ``unrouted``: each layer no calibration token reached and how it was rounded."""
         stored = getattr(handle, "storage", None)  # an offloaded run's handle holds no quantizers
         if stored is not None:
             report["quantize"] = stored
+        sequential = getattr(handle, "sequential", None)
+        if stored is not None and sequential is not None and sequential.unrouted:
+            report["quantize"]["unrouted"] = dict.fromkeys(sequential.unrouted, "rtn")
 
     def summary(self, report: dict[str, Any]) -> list[str]:
         """Bits per quantized weight, and the model's bytes against fp32."""
         if "quantize" not in report:
             return []
         stored = report["quantize"]
+        unrouted = stored.get("unrouted") or {}
         return [
             f"quantize: {stored['bits_per_weight']:.3g} bits per weight on {stored['share_of_parameters']:.0%} of the "
             f"parameters; the model {stored['bytes'] / 1e6:.3g} MB, "
-            f"{stored['bytes_vs_fp32']:.3f}x its fp32 bytes"
+            f"{stored['bytes_vs_fp32']:.3f}x its fp32 bytes",
+            *(
+                [f" {len(unrouted)} layer(s) no calibration token reached, rounded to nearest (unrouted=rtn)"]
+                if unrouted
+                else []
+            ),
         ]
 
     def markdown(self, report: dict[str, Any]) -> list[str]:

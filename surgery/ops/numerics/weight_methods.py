@@ -61,6 +61,7 @@ class WeightProblem:
     originals: Originals = field(default_factory=Originals)  # weights' values before the method wrote them
     settings: Any = None  # the method's own settings (GptqSettings...; see register_weight_method), or None
     method: str = "rtn"  # the method's registered name
+    unrouted: str = "refuse"  # a layer no calibration input reached (an unrouted expert): refuse, or "rtn"
 
     def value(self, key: str) -> Tensor:
         """The weight's current value (with earlier steps applied, e.g. pruned entries zero)."""

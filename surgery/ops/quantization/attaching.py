@@ -104,6 +104,7 @@ def _attach_weights(
     progress: bool = True,
     originals: str = "memory",
     method: Any = "rtn",
+    unrouted: str = "refuse",
 ) -> None:
     for key, target in targets.matched.items():
         if not torch.isfinite(guards.current_value(target.param)).all():
@@ -116,7 +117,16 @@ def _attach_weights(
     chosen = method_of(method)
     settings = settings_of(method)
     problem = WeightProblem(
-        model, targets, spec, calibration, blocks, progress, originals=store, settings=settings, method=chosen.name
+        model,
+        targets,
+        spec,
+        calibration,
+        blocks,
+        progress,
+        originals=store,
+        settings=settings,
+        method=chosen.name,
+        unrouted=unrouted,
     )
     _check_whole_blocks(problem, spec)
     solved = chosen(problem)

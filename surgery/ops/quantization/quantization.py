@@ -176,7 +176,16 @@ def _quantize_in_memory(
         elif weights is not None:
             with onloading(spec.onload, "quantize.onload"):
                 _attach_weights(
-                    handle, model, weight_targets, weights, calibration, blocks, progress, spec.originals, spec.method
+                    handle,
+                    model,
+                    weight_targets,
+                    weights,
+                    calibration,
+                    blocks,
+                    progress,
+                    spec.originals,
+                    spec.method,
+                    spec.unrouted,
                 )
         if activations is not None and where == "tensors":
             _attach_sites(handle, model, _sites_of(model, layers, calibration, qparams), activations)

@@ -10,6 +10,7 @@ from typing import Any
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
+from surgery.core.sequential import UNROUTED_POLICIES
 from surgery.ops.numerics import searched_ranges  # noqa: F401 - the mse observer registers itself
 from surgery.ops.numerics.grid import GridSpec
 from surgery.ops.numerics.number_formats import FORMATS
@@ -55,6 +56,7 @@ class QuantizeSpec:
     onload: str | None = None  # sequential methods: the device each block is calibrated on (cuda), moved back after
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
     method: Any = None  # the weight method with its own settings (GptqSettings(damping=...)), or its name; None: rtn
+    unrouted: str = "refuse"  # calibrated methods: a layer no calibration token reached (an expert): refuse, or "rtn"
 
     def __post_init__(self) -> None:
         weights = _as_spec(self.weights, "quantize.weights")
@@ -91,6 +93,12 @@ class QuantizeSpec:
         _validate_offsets(weights, activations, self.train)
         _validate_onload(self.onload, weights, self.weight_method)
         check_place(self.originals, "quantize.originals")
+        if self.unrouted not in UNROUTED_POLICIES:
+            raise ConfigError(
+                "quantize.unrouted",
+                self.unrouted,
+                f"must be one of {', '.join(UNROUTED_POLICIES)} (what a layer no calibration token reached gets)",
+            )
         if self.originals == "disk" and self.train:
             raise ConfigError(
                 "quantize.originals",

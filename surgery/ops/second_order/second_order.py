@@ -22,7 +22,7 @@ from surgery.core.allocator import give_back_freed_memory
 from surgery.core.errors import ConfigError
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection
-from surgery.core.sequential import Paired, SequentialReport, run_sequential
+from surgery.core.sequential import UNROUTED, Paired, SequentialReport, run_sequential
 from surgery.core.targets import Target
 from surgery.ops.second_order.hessians import HessianReducer, from_matrix, groups_of, supports_hessian, weight_matrix
 
@@ -39,6 +39,20 @@ def warn_zero_inputs(field: str, layer: str, method: str) -> None:
     log.warning(
         "%s=%r: its inputs were 0 in every calibration batch and position, so %s had no error to weigh: "
         "it was %s; give batches that reach the layer with real values",
+        field,
+        layer,
+        method,
+        fallback,
+    )
+
+
+def warn_unrouted(field: str, layer: str, method: str) -> None:
+    """Say, naming ``layer``, that no calibration input reached it (an expert its router never
+    chose) and ``unrouted="rtn"`` had it solved without statistics: rounded to nearest."""
+    fallback = "pruned by magnitude alone" if field.startswith("prune") else "rounded to nearest (RTN's result)"
+    log.warning(
+        "%s=%r: no calibration input reached it (an expert its router never chose), so %s had no error to "
+        "weigh; unrouted='rtn': it was %s",
         field,
         layer,
         method,
@@ -72,6 +86,7 @@ def reconstruct_layers(
     settings: Any = None,
     paired: Paired | None = None,
     method: str | None = None,
+    unrouted: str = "refuse",
 ) -> tuple[dict[str, tuple[Tensor, ...]], SequentialReport]:
     """Solve every target's weight in sequence, writing the new values in (the originals kept in
     ``originals``; all put back on an error); returns, by parameter name, the solver's extras
@@ -101,6 +116,7 @@ def reconstruct_layers(
         originals=originals,
         settings=settings,
         paired=paired,
+        unrouted=unrouted,
     )
     return results, report
 
@@ -128,10 +144,15 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         layer, target = self.layers[name]
         found = self.hessians.pop(layer)  # each layer is solved once
         value = guards.current_value(target.param)
+        unrouted = found is UNROUTED
+        if unrouted:  # no input reached it and the caller allowed that: solved on zero statistics
+            columns = weight_matrix(target.module, value).shape[1]  # per group already (a grouped conv)
+            found = {"hessian": torch.zeros(groups_of(target.module), columns, columns)}
+            warn_unrouted(self.said[0], layer, self.said[1])
         extra = {key: found[key] for key in ("asymmetry",) if key in found}
         hessian = found.pop("hessian")
         # inputs all zero (every group's diagonal): the solver can only round or rank by magnitude
-        if not bool(torch.diagonal(hessian, dim1=-2, dim2=-1).any()):
+        if not unrouted and not bool(torch.diagonal(hessian, dim1=-2, dim2=-1).any()):
             warn_zero_inputs(self.said[0], layer, self.said[1])
         matrix, extras = _solve_groups(
             layer, target.module, weight_matrix(target.module, value), hessian, self.solver, extra

@@ -3,6 +3,9 @@ bit, bakes into the model's own classes, and says in one line when an expert got
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import pytest
 import torch
 
@@ -238,3 +241,52 @@ def test_gptaq_pairs_each_expert_s_inputs_when_every_expert_is_calibrated_and_sa
     assert handle.coverage.share > 0.9
     handle.restore()
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("method", ["gptq", "autoround"])
+def test_unrouted_rtn_rounds_an_expert_its_router_never_chose_to_nearest_and_says_which(method, caplog):
+    """The default refuses (above); unrouted='rtn' gives such an expert round to nearest, never
+    its float weights (a vLLM or llama.cpp checkpoint would hold them by accident), and lists it."""
+    model = tiny_moe("gpt_oss", layers=2)
+    chosen = {"name": "autoround", "iterations": 2} if method == "autoround" else method
+    with pytest.raises(ConfigError, match=r"was sent no calibration token by its router"):
+        surgery.quantize(model, weights=GridSpec(bits=4, group_size=16), method=chosen, calibration=BATCHES)
+    reference = copy.deepcopy(model)
+    rtn = surgery.quantize(reference, weights=GridSpec(bits=4, group_size=16), exclude="lm_head")
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        handle = surgery.quantize(
+            model,
+            weights=GridSpec(bits=4, group_size=16),
+            method=chosen,
+            calibration=BATCHES,
+            exclude="lm_head",
+            unrouted="rtn",
+        )
+    try:
+        unrouted = handle.sequential.unrouted
+        assert unrouted and all(".mlp.experts." in layer for layer in unrouted), unrouted
+        said = [r.getMessage() for r in caplog.records if "no calibration input reached it" in r.getMessage()]
+        assert len(said) == len(unrouted) and all("unrouted='rtn'" in line for line in said)
+        for layer in unrouted:  # that expert's own layer: round to nearest, exactly (both attached: per expert)
+            assert torch.equal(model.get_submodule(layer).weight, reference.get_submodule(layer).weight), layer
+        routed = next(
+            n for n, m in model.named_modules() if ".experts." in n and hasattr(m, "weight") and n not in unrouted
+        )
+        if method == "gptq":  # a routed expert was solved (AutoRound's two steps may keep their start, RTN)
+            assert not torch.equal(model.get_submodule(routed).weight, reference.get_submodule(routed).weight)
+        from surgery.cli.steps import STEPS
+        from surgery.ops.quantization.storage import weight_storage
+
+        handle.storage, report = weight_storage(handle), {}
+        STEPS.get("quantize").reporting.report(handle, None, None, report)  # the command line's report.json
+        assert report["quantize"]["unrouted"] == dict.fromkeys(unrouted, "rtn")
+        summary = STEPS.get("quantize").reporting.summary(report)
+        assert f" {len(unrouted)} layer(s) no calibration token reached, rounded to nearest" in summary[1]
+    finally:
+        rtn.restore()
+        handle.restore()
+
+
+def test_unrouted_takes_refuse_or_rtn_in_one_line():
+    with pytest.raises(ConfigError, match=r"^quantize.unrouted='drop': must be one of refuse, rtn \(what a layer"):
+        surgery.QuantizeSpec(unrouted="drop")

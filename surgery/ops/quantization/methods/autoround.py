@@ -39,7 +39,7 @@ from torch.func import functional_call
 from surgery.core import guards
 from surgery.core.block_inputs import next_inputs
 from surgery.core.capture import Capture, MinMax
-from surgery.core.errors import ConfigError, ConfigTypeError
+from surgery.core.errors import ConfigError, ConfigTypeError, NoCalibrationInputError
 from surgery.core.progress import tqdm
 from surgery.core.sequential import StageInputs, run_sequential
 from surgery.core.settings import whole_count
@@ -49,7 +49,7 @@ from surgery.ops.numerics.grid import ITERATIONS_LIMIT, GridSpec
 from surgery.ops.numerics.number_formats import E4M3_LARGEST
 from surgery.ops.numerics.weight_methods import QuantizedWeight, WeightProblem, register_weight_method
 from surgery.ops.second_order.hessians import from_matrix, supports_hessian, weight_matrix
-from surgery.ops.second_order.second_order import warn_zero_inputs
+from surgery.ops.second_order.second_order import warn_unrouted, warn_zero_inputs
 
 BATCH = 8  # auto-round's batch_size: samples per step
 SEED = 42  # auto-round's seed
@@ -323,6 +323,7 @@ class BlockTuner:
         given = problem.settings if isinstance(problem.settings, AutoRoundSettings) else None
         self.settings = given or AutoRoundSettings()
         self.shuffler = random.Random(self.settings.seed)  # one for the whole pass, as auto-round's seeded global one
+        self.unrouted: list[str] = []  # layers no calibration input reached, kept at round to nearest
 
     def __call__(self, stage: StageInputs) -> dict[str, Tensor]:
         """The stage's new weights (and their grids in ``found``)."""
@@ -333,10 +334,19 @@ class BlockTuner:
         with Capture(stage.module, layers, ("inputs",), MinMax) as seen:  # each layer's range in the float pass
             targets = self._targets(stage, calls)
         for weight in weights:
-            if seen.inputs.get(weight.key) in (None, (0.0, 0.0)):  # nothing to tune against: RTN would be kept
-                warn_zero_inputs(
-                    "quantize.calibration", self.problem.targets.matched[weight.key].module_name, "autoround"
-                )
+            layer = self.problem.targets.matched[weight.key].module_name
+            if seen.inputs.get(weight.key) is None:  # no input reached it (an expert its router never chose)
+                if self.problem.unrouted != "rtn":
+                    raise NoCalibrationInputError(
+                        "calibration",
+                        layer,
+                        "this layer received no floating-point input during calibration",
+                        "give batches that run through it, or exclude it (or quantize with unrouted='rtn')",
+                    )
+                warn_unrouted("quantize.calibration", layer, "autoround")  # its offsets stay 0: RTN is kept
+                self.unrouted.append(layer)
+            elif seen.inputs.get(weight.key) == (0.0, 0.0):  # nothing to tune against: RTN would be kept
+                warn_zero_inputs("quantize.calibration", layer, "autoround")
         with torch.enable_grad():
             best = self._tune(stage.module, calls, targets, weights)
         written = {}
@@ -468,8 +478,9 @@ def solve_autoround(problem: WeightProblem) -> dict[str, QuantizedWeight]:
         field="quantize.calibration",
         progress=problem.progress,
         originals=problem.originals,
-        settings=problem.spec,
+        settings=(problem.spec, tuner.settings, problem.unrouted),
     )
+    problem.sequential.unrouted.extend(tuner.unrouted)
     return {key: _answer(problem, key, *tuner.found[key]) for key in problem.targets.matched}
 
 

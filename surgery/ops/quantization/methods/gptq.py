@@ -127,9 +127,10 @@ def solve_columns(problem: WeightProblem, paired: Paired | None = None) -> dict[
         blocks=problem.blocks,
         field="quantize.calibration",
         progress=problem.progress,
-        settings=(spec, settings),  # the grid and the method's settings: the same on every process
+        settings=(spec, settings, problem.unrouted),  # the grid, the settings: the same on every process
         paired=paired,
         method=problem.method,
+        unrouted=problem.unrouted,
     )
     found = {}
     for key in targets.matched:  # the rounded weights are in the model already
