@@ -17,7 +17,7 @@ from surgery.core.inputs import Inputs
 from surgery.core.layer_kinds import input_axis_of
 from surgery.core.originals import Originals
 from surgery.core.selection import Selection
-from surgery.core.sequential import find_blocks, onloading, resolve_blocks, run_sequential
+from surgery.core.sequential import UNROUTED, find_blocks, onloading, resolve_blocks, run_sequential
 from surgery.core.targets import Target, Targets, select_parameters
 from surgery.core.verbs import VerbCall, verb
 from surgery.ops.experts.linearizing import linearized, with_linear_experts
@@ -28,7 +28,7 @@ from surgery.ops.offload.offloaded_compression import (
     stage_layers,
 )
 from surgery.ops.offload.offloading import Offloaded
-from surgery.ops.second_order.second_order import check_layers, reconstruct_layers
+from surgery.ops.second_order.second_order import check_layers, reconstruct_layers, warn_unrouted
 from surgery.ops.sparsity.criteria import (
     Criterion,
     LayerStats,
@@ -302,12 +302,7 @@ def _prune_sequentially(
     def solve(reduced: dict[str, Any]) -> dict[str, Tensor]:
         names = [by_layer[layer] for layer in reduced]
         current = {name: guards.current_value(chosen[name].param) for name in names}
-        stats = {
-            by_layer[layer]: LayerStats(
-                layer, found["sq_norms"], found["rows"], input_axis_of(chosen[by_layer[layer]].module)
-            )
-            for layer, found in reduced.items()
-        }
+        stats = {by_layer[layer]: _stats_of(layer, found, chosen[by_layer[layer]]) for layer, found in reduced.items()}
         found = _masks(spec, chosen, current, stats, per_layer)
         masks.update({name: mask.to(homes[name]) for name, mask in found.items()})  # kept where the weight is
         return {name: current[name] * found[name].to(current[name].device) for name in names}
@@ -324,11 +319,23 @@ def _prune_sequentially(
         reduce=SquaredNorms,
         originals=spilled,
         settings=spec,
+        unrouted=spec.unrouted,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report
     params = {name: target.param for name, target in chosen.items()}
     return attach_masks(handle, model, lambda: mask_enforcers(params, masks, spilled), spilled)
+
+
+def _stats_of(layer: str, found: Any, target: Target) -> LayerStats:
+    """A layer's captured statistics; one no calibration input reached (``unrouted="rtn"``) has every
+    input feature weighed alike, so a criterion of weights times input norms ranks by magnitude."""
+    axis = input_axis_of(target.module)
+    if found is UNROUTED:
+        warn_unrouted("prune.calibration", layer, "the criterion")
+        features = guards.current_value(target.param).shape[axis]
+        return LayerStats(layer, torch.ones(features), 0, axis)
+    return LayerStats(layer, found["sq_norms"], found["rows"], axis)
 
 
 def _prune_reconstructing(
@@ -386,6 +393,7 @@ def _prune_reconstructing(
         field="prune.calibration",
         progress=progress,
         settings=spec,
+        unrouted=spec.unrouted,
     )
     handle = PruneHandle(model, selection, spec)
     handle.sequential = report

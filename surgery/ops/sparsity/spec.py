@@ -11,6 +11,7 @@ from typing import Any
 from surgery.core.errors import ConfigError, ConfigTypeError
 from surgery.core.inputs import present_device
 from surgery.core.originals import check_place
+from surgery.core.sequential import UNROUTED_POLICIES
 from surgery.core.targets import Targets
 from surgery.ops.sparsity.criteria import (
     CRITERIA,
@@ -42,10 +43,18 @@ class PruneSpec:
     amounts: Any = None  # {layer: amount} overriding amount (scope="layer")
     onload: str | None = None  # layer-by-layer methods: the device each block is calibrated on (cuda)
     originals: str = "memory"  # where the weights' original values wait for restore(): memory or disk
+    unrouted: str = "refuse"  # calibrated methods: a layer no calibration token reached (an expert): refuse, or "rtn"
 
     def __post_init__(self) -> None:
         amount, n = validate_arguments(self.amount, self.method, self.scope, self.n, self.seed)
         check_place(self.originals, "prune.originals")
+        if self.unrouted not in UNROUTED_POLICIES:
+            raise ConfigError(
+                "prune.unrouted",
+                self.unrouted,
+                f"must be one of {', '.join(UNROUTED_POLICIES)} (rtn: a layer no calibration token reached is "
+                "pruned by magnitude)",
+            )
         if self.onload is not None:
             present_device(self.onload, "prune.onload")
         if self.pattern is not None:

@@ -290,3 +290,30 @@ def test_unrouted_rtn_rounds_an_expert_its_router_never_chose_to_nearest_and_say
 def test_unrouted_takes_refuse_or_rtn_in_one_line():
     with pytest.raises(ConfigError, match=r"^quantize.unrouted='drop': must be one of refuse, rtn \(what a layer"):
         surgery.QuantizeSpec(unrouted="drop")
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_unrouted_rtn_prunes_an_expert_its_router_never_chose_by_magnitude(method, caplog):
+    model = tiny_moe("gpt_oss", layers=2)
+    with pytest.raises(ConfigError, match=r"was sent no calibration token by its router"):
+        surgery.prune(model, 0.5, method=method, calibration=BATCHES)
+    originals = copy.deepcopy(model)
+    per_expert = surgery.linear_experts(originals)  # the experts' own layers, unpruned
+    with caplog.at_level(logging.WARNING, logger="surgery"):
+        handle = surgery.prune(model, 0.5, method=method, calibration=BATCHES, exclude="lm_head", unrouted="rtn")
+    try:
+        unrouted = handle.sequential.unrouted
+        assert unrouted and all(".mlp.experts." in layer for layer in unrouted), unrouted
+        said = [r.getMessage() for r in caplog.records if "no calibration input reached it" in r.getMessage()]
+        assert len(said) == len(unrouted) and all("pruned by magnitude alone" in line for line in said)
+        for layer in unrouted:
+            weight = model.get_submodule(layer).weight.detach()
+            assert float((weight == 0).float().mean()) == pytest.approx(0.5, abs=0.02), layer
+            if method == "wanda":  # every input weighed alike: each row keeps the half of largest magnitude
+                original = originals.get_submodule(layer).weight.detach().abs()
+                largest = original.topk(original.shape[1] // 2, dim=1).indices
+                expected = torch.zeros_like(original, dtype=torch.bool).scatter_(1, largest, True)
+                assert torch.equal(weight != 0, expected), layer
+    finally:
+        handle.restore()
+        per_expert.restore()
