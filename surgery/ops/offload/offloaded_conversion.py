@@ -39,14 +39,11 @@ class Fused:
     dtype: torch.dtype | None = None
 
 
-class ModelNamedFiles:
-    """Checkpoint files (a ``WeightFiles``) read by the model's parameter names: a renamed tensor
-    from its file name, a fused one built from its sources when loaded. ``unmapped`` holds, for
-    each name the files give that is no tensor of the model, the file name it came from."""
+class FilesView:
+    """Files (a ``WeightFiles``) seen through another naming or reading: their paths, digest and
+    identity are the files' own."""
 
-    def __init__(self, files: Any, renamed: dict[str, str], fused: dict[str, Fused], model: nn.Module | None) -> None:
-        self.files, self.renamed, self.fused, self._model = files, renamed, fused, model
-        self.unmapped: dict[str, str] = {}
+    files: Any
 
     @property
     def paths(self) -> list[Path]:
@@ -59,6 +56,16 @@ class ModelNamedFiles:
     def identity(self) -> list[dict[str, Any]]:
         """Each file as it was opened (see ``WeightFiles.identity``)."""
         return self.files.identity()
+
+
+class ModelNamedFiles(FilesView):
+    """Checkpoint files (a ``WeightFiles``) read by the model's parameter names: a renamed tensor
+    from its file name, a fused one built from its sources when loaded. ``unmapped`` holds, for
+    each name the files give that is no tensor of the model, the file name it came from."""
+
+    def __init__(self, files: Any, renamed: dict[str, str], fused: dict[str, Fused], model: nn.Module | None) -> None:
+        self.files, self.renamed, self.fused, self._model = files, renamed, fused, model
+        self.unmapped: dict[str, str] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.renamed or name in self.fused

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from surgery.core.errors import ConfigError
 from surgery.core.registry import Registry
+from surgery.ops.offload.offloaded_conversion import FilesView
 
 FIELD = "offloaded.source"
 
@@ -77,7 +78,7 @@ def source_scheme(config: Any, config_path: Path) -> tuple[SourceScheme, dict[st
     return SOURCE_SCHEMES.get(method), dict(settings)
 
 
-class DequantizedFiles:
+class DequantizedFiles(FilesView):
     """``files`` (a ``WeightFiles``) with ``scheme``'s weights dequantized to ``dtype`` as they
     are read, under the model's names, their parts hidden: the interface of ``WeightFiles``."""
 
@@ -86,17 +87,6 @@ class DequantizedFiles:
         self.parts = scheme.quantized(files)
         self._hidden = {part for parts in self.parts.values() for part in parts} - set(self.parts)
         self._hidden |= {name for name in files.names() if scheme.hidden(name)}
-
-    @property
-    def paths(self) -> list[Path]:
-        return self.files.paths
-
-    @property
-    def digest(self) -> str | None:
-        return self.files.digest
-
-    def identity(self) -> list[dict[str, Any]]:
-        return self.files.identity()
 
     def __contains__(self, name: str) -> bool:
         return name in self.parts or (name in self.files and name not in self._hidden)
