@@ -135,6 +135,9 @@ def quantize(model: nn.Module, spec: QuantizeSpec, call: VerbCall) -> QuantizeHa
         originals: where the weights' original values wait for ``restore()``: ``"memory"``
             (one copy), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
+        unrouted: a layer no calibration token reached (an expert its router never chose) under
+            a calibrated method: ``"refuse"`` (default, one line naming it) or ``"rtn"`` (rounded to
+            nearest, never left float; warned and listed in ``handle.sequential.unrouted``).
 
     Example:
         >>> handle = surgery.quantize(model, activations=GridSpec(bits=8), calibration=batches)

@@ -113,6 +113,9 @@ def prune(model: nn.Module, spec: PruneSpec, call: VerbCall) -> PruneHandle | Of
             the entries zeroed, or the whole weight when a method such as SparseGPT updates the
             weights kept), or ``"disk"`` (a temporary file each, read back on restore, deleted
             with the handle): the model then needs about one copy of its weights in memory.
+        unrouted: a layer no calibration token reached (an expert its router never chose) under
+            a calibrated method: ``"refuse"`` (default, one line naming it) or ``"rtn"`` (pruned by
+            magnitude; warned and listed in ``handle.sequential.unrouted``).
 
     Returns:
         A :class:`PruneHandle`: ``restore()`` puts back the exact original values,

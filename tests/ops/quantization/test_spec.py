@@ -28,7 +28,7 @@ def test_an_unknown_keyword_is_one_line_naming_the_allowed_ones():
     before = model.weight.detach().clone()
     with pytest.raises(
         ConfigTypeError,
-        match=r"^quantize='bitz': unknown keyword; allowed: weights, .*, originals, method, spec, calibration, work, progress, qparams$",
+        match=r"^quantize='bitz': unknown keyword; allowed: weights, .*, originals, method, unrouted, spec, calibration, work, progress, qparams$",
     ):
         surgery.quantize(model, bitz=4)
     with pytest.raises(TypeError, match="unknown keyword"):  # with a spec too; a TypeError as Python's own

@@ -662,7 +662,7 @@ def test_the_signature_names_the_spec_fields_then_the_call_keywords():
 def test_an_unknown_keyword_is_one_line_naming_the_allowed_ones():
     model = nn.Linear(4, 2)
     before = model.weight.detach().clone()
-    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, onload, originals, spec, calibration, work, progress, loss"
+    allowed = "amount, method, scope, n, dim, seed, pattern, select, exclude, blocks, amounts, onload, originals, unrouted, spec, calibration, work, progress, loss"
     with pytest.raises(ConfigError, match=rf"^prune='methd': unknown keyword; allowed: {allowed}$"):
         surgery.prune(model, 0.5, methd="l1_unstructured")
     with pytest.raises(TypeError, match="unknown keyword"):
