@@ -336,6 +336,13 @@ def run_sequential(
     reached (an expert its router never chose) is refused in one line; with ``unrouted="rtn"``
     ``solve`` receives :data:`UNROUTED` as its statistics instead, and the report lists it.
     """
+    if unrouted == "rtn" and distributed.world()[1] > 1:
+        raise ConfigError(
+            field.split(".")[0] + ".unrouted",
+            "rtn",
+            "decides a layer has no input from one process's tokens, and processes calibrating together "
+            "must agree: use unrouted='refuse', or with surgery.every_expert_calibrated(): ...",
+        )
     calls = materialise(calibration, field, model, (settings, sorted(layers)))
     report = SequentialReport(blocks=resolve_blocks(model, blocks, field.split(".")[0] + ".blocks"))
     onload = ONLOAD_DEVICE.get()

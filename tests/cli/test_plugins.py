@@ -94,6 +94,18 @@ def test_a_step_written_before_0_3_keeps_its_hooks_on_the_step_with_a_warning():
         assert step.checking.preview(None, Nothing()) == [("old_hooks_test", "matched", "(model)", "M", "all")]
         assert step.checking.reattach(None, Nothing(), {}) is None  # a hook it did not define: the default
         assert step.outputs == ("old.png",) and step.reporting.outputs == ("old.png",)
+        from surgery.cli.steps.prune import PruneStep
+
+        class OldPrune(PruneStep):  # a pre-0.3 subclass of a built-in step, calling up to its hook
+            name = "old_prune_test"
+
+            def summary(self, report):
+                return [*super().summary(report), "and mine"]
+
+        with pytest.warns(DeprecationWarning, match=r"step 'old_prune_test' defines summary on the Step"):
+            subclass = register_step(OldPrune())
+        assert subclass.reporting.summary({}) == ["and mine"]  # the prune step's own summary, then its line
+        assert subclass.preview is not None and STEPS.get("prune").summary({}) == []  # still answered, until 0.4
         with pytest.raises(ConfigTypeError, match=r"^step .bad_reporting_test. reporting=.*StepReport"):
 
             class Bad(Step):
@@ -101,7 +113,8 @@ def test_a_step_written_before_0_3_keeps_its_hooks_on_the_step_with_a_warning():
 
             register_step(Bad())
     finally:
-        STEPS.unregister("old_hooks_test") if "old_hooks_test" in STEPS else None
+        for name in ("old_hooks_test", "old_prune_test"):
+            STEPS.unregister(name)
 
 
 def test_the_dry_run_lists_a_plugin_step(tmp_path):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 
-from surgery.cli.steps.hooks_on_the_step import adopt_hooks_on_the_step
+from surgery.cli.steps.hooks_on_the_step import HooksBefore03, adopt_hooks_on_the_step
 from surgery.cli.steps.step_checks import Row, StepChecks
 from surgery.cli.steps.step_report import StepReport
 from surgery.core.errors import ConfigError, ConfigTypeError
@@ -49,7 +49,7 @@ class StepRun:
     work: Path | None = None  # an offloaded run: where the step writes its finished blocks (None: a temporary folder)
 
 
-class Step:
+class Step(HooksBefore03):
     """One step of a recipe: its ``settings`` (a dataclass, frozen or not, whose ``__post_init__``
     validates), the ``calibration`` it needs and ``apply``. How it reports (``reporting``, a
     :class:`StepReport`) and answers the checks (``checking``, a :class:`StepChecks`) are

@@ -57,3 +57,24 @@ def _calling(owner: Any, name: str) -> Any:
 
 def _methods(cls: type) -> list[str]:
     return [name for name in (*REPORT_HOOKS, *CHECK_HOOKS) if callable(getattr(cls, name, None))]
+
+
+class HooksBefore03:
+    """The hooks a step held itself before 0.3, still answered until 0.4 (``step.summary(report)``
+    from outside, a pre-0.3 subclass's ``super().report(...)``): each calls its class's
+    ``reporting`` or ``checking`` (the step's own, as declared, never the adopted forwarding one)."""
+
+
+def _delegating(owner: str, name: str) -> Any:
+    def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(type(self), owner), name)(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = f"Deprecated: ``{owner}.{name}`` (until 0.4)."
+    return hook
+
+
+for _name in REPORT_HOOKS:
+    setattr(HooksBefore03, _name, _delegating("reporting", _name))
+for _name in CHECK_HOOKS:
+    setattr(HooksBefore03, _name, _delegating("checking", _name))

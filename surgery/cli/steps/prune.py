@@ -77,6 +77,12 @@ class PruneReport(StepReport):
 
     outputs = (OWL_ALLOCATION,)
 
+    def report(self, handle: Handle, settings: PruneConfig, run: StepRun, report: dict[str, Any]) -> None:
+        """``report.json`` ``prune.unrouted``: each layer no calibration token reached, pruned by magnitude."""
+        sequential = getattr(handle, "sequential", None)
+        if sequential is not None and sequential.unrouted:
+            report["prune"] = {"unrouted": dict.fromkeys(sequential.unrouted, "magnitude")}
+
     def sparsity(self, handle: Handle) -> dict[str, Any] | None:
         over = {"parameters": len(handle.parameters), "entries": sum(m.numel() for m in handle.masks().values())}
         return {"overall": handle.sparsity(), "layers": handle.layer_sparsity(), "over": over}
@@ -87,9 +93,15 @@ class PruneReport(StepReport):
         if not over.get("parameters"):  # an offloaded run measures no masks
             return []
         params = report["params"]
+        unrouted = (report.get("prune") or {}).get("unrouted") or {}
         return [
             f"prune: sparsity {report['sparsity']:.4f} over {over['entries']:,} selected entries; "
-            f"params {params['nonzero']:,}/{params['total']:,} non-zero"
+            f"params {params['nonzero']:,}/{params['total']:,} non-zero",
+            *(
+                [f" {len(unrouted)} layer(s) no calibration token reached, pruned by magnitude (unrouted=rtn)"]
+                if unrouted
+                else []
+            ),
         ]
 
 

@@ -192,6 +192,8 @@ class GridSpec:
         """The weight method a pre-0.3 grid named (``GridSpec(method=, actorder=, iterations=)``),
         as ``quantize(method=)`` takes it; None when it names none."""
         given = {name: getattr(self, name) for name in METHOD_FIELDS if getattr(self, name) is not None}
+        if given.get("iterations") == 200 and given.get("method") != "autoround":
+            del given["iterations"]  # the old default, which every pre-0.3 grid wrote out (as_dict): no setting
         return {"name": given.pop("method", "rtn"), **given} if given else None
 
     def without_method(self) -> GridSpec:

@@ -34,7 +34,7 @@ Parts = dict[str, list[str]]  # a quantized weight's name -> the files' tensors 
 class SourceScheme:
     """How one kind of quantized checkpoint is read.
 
-    ``quantized(files)``: each quantized weight the files hold (the model's name) and the
+    ``quantized(files, settings)``: each quantized weight the files hold (the model's name) and the
     tensors it is stored as, in the order ``dequantize`` takes them (a weight whose parts are
     incomplete is refused there, in one line); ``shape(parts, load)``: the weight's shape from
     its parts' (name -> (shape, dtype); ``load(name)`` reads a part, for a shape stored as a tensor); ``dequantize(parts, dtype, settings)``: the float weight from its
@@ -43,7 +43,7 @@ class SourceScheme:
     ``describe(settings)``: the scheme in a line for the report."""
 
     name: str
-    quantized: Callable[[Any], Parts]
+    quantized: Callable[[Any, Mapping[str, Any]], Parts]
     shape: Callable[[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], Tensor]], tuple[int, ...]]
     dequantize: Callable[[dict[str, Tensor], torch.dtype, Mapping[str, Any]], Tensor]
     describe: Callable[[Mapping[str, Any]], str]
@@ -84,7 +84,7 @@ class DequantizedFiles(FilesView):
 
     def __init__(self, files: Any, scheme: SourceScheme, settings: Mapping[str, Any], dtype: torch.dtype) -> None:
         self.files, self.scheme, self.settings, self.dtype = files, scheme, settings, dtype
-        self.parts = scheme.quantized(files)
+        self.parts = scheme.quantized(files, settings)
         self._hidden = {part for parts in self.parts.values() for part in parts} - set(self.parts)
         self._hidden |= {name for name in files.names() if scheme.hidden(name)}
 
@@ -112,8 +112,21 @@ class DequantizedFiles(FilesView):
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fp8_quantized(files: Any) -> Parts:
-    """Every weight stored in float8 with its ``weight_scale_inv``; one without it is refused."""
+def _fp8_block(shape: tuple[int, ...], grid: tuple[int, ...], settings: Mapping[str, Any]) -> tuple[int, int]:
+    """The rows and columns one scale covers: the config's ``weight_block_size`` (the last block
+    of a dimension it does not divide is shorter: DeepSeek's 576 rows in blocks of 128), else
+    the weight's shape over the scale grid's (one scale per tensor: the whole weight)."""
+    block = settings.get("weight_block_size")
+    if block:
+        return int(block[0]), int(block[1])
+    rows, columns = shape[-2:]
+    grid_rows, grid_columns = grid[-2:] if len(grid) >= 2 else (1, 1)
+    return -(-rows // grid_rows), -(-columns // grid_columns)
+
+
+def _fp8_quantized(files: Any, settings: Mapping[str, Any]) -> Parts:
+    """Every weight stored in float8 with its ``weight_scale_inv``; one without it, or with a
+    scale grid that does not match its blocks, is refused."""
     found: Parts = {}
     for name in files.names():
         if files.describe(name)[1] not in FP8:
@@ -122,9 +135,14 @@ def _fp8_quantized(files: Any) -> Parts:
         if scale not in files:
             raise ConfigError(FIELD, name, f"is stored fp8 without its {scale.rsplit('.', 1)[-1]} in the files")
         shape, grid = files.describe(name)[0], files.describe(scale)[0]
-        if len(grid) >= 2 and (shape[-2] % grid[-2] or shape[-1] % grid[-1]):
+        rows, columns = _fp8_block(shape, grid, settings)
+        expected = [-(-shape[-2] // rows), -(-shape[-1] // columns)]
+        if len(grid) >= 2 and list(grid[-2:]) != expected or len(grid) < 2 and grid and grid[0] != 1:
             raise ConfigError(
-                FIELD, name, f"is {list(shape)} and its weight_scale_inv {list(grid)}: the blocks do not tile it"
+                FIELD,
+                name,
+                f"is {list(shape)} in blocks of {rows}x{columns}, which take a {expected} weight_scale_inv; "
+                f"the files hold {list(grid)}",
             )
         found[name] = [name, scale]
     return found
@@ -132,15 +150,15 @@ def _fp8_quantized(files: Any) -> Parts:
 
 def _fp8_dequantize(parts: dict[str, Tensor], dtype: torch.dtype, settings: Mapping[str, Any]) -> Tensor:
     """``weight`` (float8) times its block's ``weight_scale_inv``, in float32, rounded once to
-    ``dtype``: transformers' ``Fp8Dequantize`` on a CPU (blocks from the scale grid's shape)."""
+    ``dtype`` (transformers' ``Fp8Dequantize`` on a CPU where the blocks divide the weight);
+    ``uint8`` scales are E8M0 exponents, ``2^(byte - 127)``."""
     weight, scale = parts.values()
+    factors = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
     rows, columns = weight.shape[-2:]
-    scale_rows, scale_columns = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)  # tiling checked when opened
-    values = weight.to(torch.float32).reshape(
-        -1, scale_rows, rows // scale_rows, scale_columns, columns // scale_columns
-    )
-    scales = scale.to(torch.float32).reshape(-1, scale_rows, scale_columns).unsqueeze(-1).unsqueeze(2)
-    return (values * scales).to(dtype).reshape(weight.shape)
+    block_rows, block_columns = _fp8_block(tuple(weight.shape), tuple(scale.shape), settings)
+    factors = factors.reshape(-1, *(factors.shape[-2:] if factors.dim() >= 2 else (1, 1)))
+    spread = factors.repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_columns, -1)
+    return (weight.to(torch.float32) * spread[..., :columns].reshape(weight.shape)).to(dtype)
 
 
 def _fp8_describe(settings: Mapping[str, Any]) -> str:
@@ -164,16 +182,22 @@ register_source_scheme(
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # a nibble's value
 
 
-def _mxfp4_quantized(files: Any) -> Parts:
-    """Every ``<name>_blocks`` with its ``<name>_scales``, read as ``<name>``."""
+def _mxfp4_quantized(files: Any, settings: Mapping[str, Any]) -> Parts:
+    """Every ``<name>_blocks`` with its ``<name>_scales`` (one per block of 16 bytes), read as ``<name>``."""
     found: Parts = {}
     for name in files.names():
         if not name.endswith("_blocks"):
             continue
         weight = name.removesuffix("_blocks")
-        if f"{weight}_scales" not in files:
-            raise ConfigError(FIELD, name, f"is stored mxfp4 without its {weight.rsplit('.', 1)[-1]}_scales")
-        found[weight] = [name, f"{weight}_scales"]
+        scales = f"{weight}_scales"
+        if scales not in files:
+            raise ConfigError(FIELD, name, f"is stored mxfp4 without its {scales.rsplit('.', 1)[-1]}")
+        blocks_shape, scales_shape = files.describe(name)[0], files.describe(scales)[0]
+        if tuple(blocks_shape[:-1]) != tuple(scales_shape):
+            raise ConfigError(
+                FIELD, name, f"is {list(blocks_shape)} and its scales {list(scales_shape)}: one scale a block of bytes"
+            )
+        found[weight] = [name, scales]
     return found
 
 
@@ -214,7 +238,7 @@ register_source_scheme(
 CT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale")
 
 
-def _ct_quantized(files: Any) -> Parts:
+def _ct_quantized(files: Any, settings: Mapping[str, Any]) -> Parts:
     """Every module stored with a ``weight_scale``: its ``weight`` read from its serialized parts."""
     names = set(files.names())
     found: Parts = {}

@@ -147,7 +147,7 @@ class _SolvedOneByOne(Mapping[str, Tensor]):
         unrouted = found is UNROUTED
         if unrouted:  # no input reached it and the caller allowed that: solved on zero statistics
             columns = weight_matrix(target.module, value).shape[1]  # per group already (a grouped conv)
-            found = {"hessian": torch.zeros(groups_of(target.module), columns, columns)}
+            found = {"hessian": torch.zeros(groups_of(target.module), columns, columns, device=value.device)}
             warn_unrouted(self.said[0], layer, self.said[1])
         extra = {key: found[key] for key in ("asymmetry",) if key in found}
         hessian = found.pop("hessian")

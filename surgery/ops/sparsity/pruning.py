@@ -336,8 +336,8 @@ def _stats_of(layer: str, found: Any, target: Target) -> LayerStats:
     axis = input_axis_of(target.module)
     if found is UNROUTED:
         warn_unrouted("prune.calibration", layer, "the criterion")
-        features = guards.current_value(target.param).shape[axis]
-        return LayerStats(layer, torch.ones(features), 0, axis)
+        value = guards.current_value(target.param)
+        return LayerStats(layer, torch.ones(value.shape[axis], device=value.device), 0, axis)
     return LayerStats(layer, found["sq_norms"], found["rows"], axis)
 
 

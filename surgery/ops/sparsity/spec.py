@@ -55,6 +55,19 @@ class PruneSpec:
                 f"must be one of {', '.join(UNROUTED_POLICIES)} (rtn: a layer no calibration token reached is "
                 "pruned by magnitude)",
             )
+        layer_by_layer = self.criterion.needs_calibration and not self.criterion.needs_gradients
+        if self.unrouted == "rtn" and not (layer_by_layer and self.scope == "layer"):
+            why = (
+                "is not calibrated: no layer misses statistics"
+                if not self.criterion.needs_calibration
+                else f"with scope={self.scope!r} calibrates every layer at once"
+            )
+            raise ConfigError(
+                "prune.unrouted",
+                "rtn",
+                f"applies to methods calibrated layer by layer (wanda, sparsegpt with scope='layer'); "
+                f"{self.criterion.name!r} {why}",
+            )
         if self.onload is not None:
             present_device(self.onload, "prune.onload")
         if self.pattern is not None:

@@ -314,6 +314,11 @@ def test_unrouted_rtn_prunes_an_expert_its_router_never_chose_by_magnitude(metho
                 largest = original.topk(original.shape[1] // 2, dim=1).indices
                 expected = torch.zeros_like(original, dtype=torch.bool).scatter_(1, largest, True)
                 assert torch.equal(weight != 0, expected), layer
+        from surgery.cli.steps import STEPS
+
+        report: dict = {}
+        STEPS.get("prune").reporting.report(handle, None, None, report)  # the command line's report.json
+        assert report["prune"]["unrouted"] == dict.fromkeys(unrouted, "magnitude")
     finally:
         handle.restore()
         per_expert.restore()

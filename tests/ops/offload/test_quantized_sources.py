@@ -228,8 +228,8 @@ def copy_of(folder: Path, to: Path) -> Path:
     [
         (
             lambda t: t.update({"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(3, 5)}),
-            r"^offloaded.source='model.layers.0.mlp.down_proj.weight': is \[256, 512\] and its weight_scale_inv "
-            r"\[3, 5\]: the blocks do not tile it$",
+            r"^offloaded.source='model.layers.0.mlp.down_proj.weight': is \[256, 512\] in blocks of 128x128, which "
+            r"take a \[2, 4\] weight_scale_inv; the files hold \[3, 5\]$",
         ),
         (
             lambda t: (
@@ -258,3 +258,21 @@ def test_mxfp4_blocks_without_their_scales_are_refused_in_one_line(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"down_proj_blocks': is stored mxfp4 without its down_proj_scales$"):
         surgery.offloaded(tmp_path)
+
+
+def test_fp8_blocks_a_dimension_does_not_divide_end_short_and_e8m0_scales_are_powers_of_two():
+    """DeepSeek-V3's 576-row projections in blocks of 128 (the last block 64 rows), and MXFP8's
+    uint8 exponents: each value times its own block's scale (transformers infers blocks from the
+    grid, 576 / 5 rows, and would give rows 115-127 the second scale)."""
+    from surgery.ops.offload.source_schemes import SOURCE_SCHEMES
+
+    fp8 = SOURCE_SCHEMES.get("fp8")
+    weight = torch.randn(192, 256, generator=torch.Generator().manual_seed(0)).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5, 0.25], [2.0, 4.0]])
+    found = fp8.dequantize({"w": weight, "s": scale}, torch.float32, {"weight_block_size": [128, 128]})
+    assert torch.equal(found[:128, :128], weight[:128, :128].float() * 0.5)
+    assert torch.equal(found[128:, 128:], weight[128:, 128:].float() * 4.0)  # the short last block: its own scale
+    exponents = torch.tensor([[120, 127], [130, 0]], dtype=torch.uint8)
+    found = fp8.dequantize({"w": weight, "s": exponents}, torch.float32, {"weight_block_size": [128, 128]})
+    assert torch.equal(found[128:, :128], weight[128:, :128].float() * 8.0)  # 2^(130 - 127)
+    assert torch.equal(found[:128, :128], weight[:128, :128].float() * 2.0**-7)

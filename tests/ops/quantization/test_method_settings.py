@@ -102,6 +102,9 @@ def test_a_pre_0_3_grid_s_method_and_the_given_method_agree_or_are_refused_in_on
             weights=surgery.GridSpec(bits=4, group_size=32, method="gptq", actorder="weight"),
             method=surgery.GptqSettings(actorder="group"),
         )
+    for method in ("rtn", "gptq"):  # a pre-0.3 grid as as_dict() wrote it out: iterations at its old default
+        spec = surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, method=method, iterations=200))
+        assert spec.weight_method.name == method
     with pytest.raises(ConfigError, match=r"^quantize.weights.iterations=5: is not a setting of method 'gptq'"):
         surgery.QuantizeSpec(weights=surgery.GridSpec(bits=4, iterations=5), method="gptq")
     with pytest.raises(ConfigError, match=r"^quantize.activations.method='gptq': applies to weights"):
