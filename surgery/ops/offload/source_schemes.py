@@ -13,6 +13,9 @@ beside ``weight_scale_inv``, one float per block), ``mxfp4`` (GPT-OSS's experts:
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +222,7 @@ def _mxfp4_dequantize(parts: dict[str, Tensor], dtype: torch.dtype, settings: Ma
     values[..., 0::2] = table[(packed & 0x0F).to(torch.int)]
     values[..., 1::2] = table[(packed >> 4).to(torch.int)]
     exponents = scales.to(torch.int32).unsqueeze(-1) - 127
-    values = torch.ldexp(values, exponents).to(dtype)
+    torch.ldexp(values, exponents, out=values)  # in place: one copy of the expert's values, rounded once
     *prefix, rows, groups, width = values.shape
     return values.reshape(*prefix, rows, groups * width).transpose(-2, -1).contiguous()
 
@@ -246,6 +249,7 @@ def _ct_quantized(files: Any, settings: Mapping[str, Any]) -> Parts:
         if not name.endswith(".weight_scale"):
             continue
         module = name.removesuffix(".weight_scale")
+        _ct_scheme(settings, module)  # its config group, one: refused when opened, not in the middle of a run
         found[f"{module}.weight"] = [f"{module}.{part}" for part in CT_PARTS if f"{module}.{part}" in names]
     return found
 
@@ -265,14 +269,24 @@ def _ct_shape(parts: dict[str, tuple[tuple[int, ...], Any]], load: Callable[[str
     return (*packed[0][:-1], packed[0][-1] * 2)
 
 
+@functools.lru_cache(maxsize=8)
+def _ct_config(settings_json: str) -> Any:
+    """compressed-tensors' own parse of a ``quantization_config`` (once per folder, not per read)."""
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as err:
+        raise ConfigError(
+            FIELD, "compressed-tensors", f"needs its library: pip install 'surgery[deploy]' ({err})"
+        ) from None
+
+    settings = json.loads(settings_json)
+    return QuantizationConfig.model_validate({k: v for k, v in settings.items() if k != "quant_method"})
+
+
 def _ct_scheme(settings: Mapping[str, Any], module: str) -> Any:
     """The config group quantizing ``module``: the one group, or the one whose ``re:`` target
     matches its name, or else the one targeting layers by class (``Linear``)."""
-    import re
-
-    from compressed_tensors.quantization import QuantizationConfig
-
-    config = QuantizationConfig.model_validate({k: v for k, v in settings.items() if k != "quant_method"})
+    config = _ct_config(json.dumps(settings, sort_keys=True, default=str))
     groups = list(config.config_groups.values())
     matched = [g for g in groups if any(t.startswith("re:") and re.match(t[3:], module) for t in g.targets)]
     by_class = [g for g in groups if any(not t.startswith("re:") for t in g.targets)]

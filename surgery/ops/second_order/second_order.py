@@ -35,28 +35,31 @@ def warn_zero_inputs(field: str, layer: str, method: str) -> None:
     """Say, naming ``layer``, that its inputs were 0 throughout calibration, so that ``method``
     had nothing to weigh its error by and gave what it gives without calibration (round to nearest,
     or magnitude pruning): returned normally, it would pass for a calibrated result."""
-    fallback = "pruned by magnitude alone" if field.startswith("prune") else "rounded to nearest (RTN's result)"
     log.warning(
         "%s=%r: its inputs were 0 in every calibration batch and position, so %s had no error to weigh: "
         "it was %s; give batches that reach the layer with real values",
         field,
         layer,
         method,
-        fallback,
+        _fallback(field),
     )
+
+
+def _fallback(field: str) -> str:
+    """What a calibrated method gives a layer without statistics: magnitude pruning, or round to nearest."""
+    return "pruned by magnitude alone" if field.startswith("prune") else "rounded to nearest (RTN's result)"
 
 
 def warn_unrouted(field: str, layer: str, method: str) -> None:
     """Say, naming ``layer``, that no calibration input reached it (an expert its router never
     chose) and ``unrouted="rtn"`` had it solved without statistics: rounded to nearest."""
-    fallback = "pruned by magnitude alone" if field.startswith("prune") else "rounded to nearest (RTN's result)"
     log.warning(
         "%s=%r: no calibration input reached it (an expert its router never chose), so %s had no error to "
         "weigh; unrouted='rtn': it was %s",
         field,
         layer,
         method,
-        fallback,
+        _fallback(field),
     )
 
 
